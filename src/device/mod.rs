@@ -1,0 +1,420 @@
+//! The device seam: what a NIC (or a software device that behaves like one) offers the layers above.
+//!
+//! It is modelled on the EFA device so that the protocol engine runs unchanged on real hardware:
+//!
+//! * a queue pair is either [`QpType::Srd`] (reliable datagrams of at most one MTU, delivered
+//!   **exactly once, in any order**) or [`QpType::Ud`] (unreliable datagrams, may drop);
+//! * [`QueuePair::post_send`] sends one datagram of at most two segments (header and payload),
+//!   optionally with 4 bytes of immediate data;
+//! * [`QueuePair::post_recv`] posts a receive buffer; a datagram that arrives at an SRD queue pair
+//!   with no posted buffer is refused with receiver-not-ready, and after `rnr_retry` retries the
+//!   sender's completion carries [`Status::RnrRetryExceeded`];
+//! * [`QueuePair::poll`] returns completions, each with its `wr_id`, an EFA [`Status`], the opcode,
+//!   the byte count, the source queue pair and the immediate data;
+//! * one-sided RDMA read and write ([`QueuePair::post_read`], [`QueuePair::post_write`]) where
+//!   [`DeviceCaps`] says the device has them.
+//!
+//! Buffers are owned: a send keeps a reference-counted [`Bytes`] until its completion, a receive
+//! buffer ([`BytesMut`]) is handed back inside its completion. Nothing here borrows.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::addr::{Gid, RawAddr};
+use crate::error::{ErrorKind, Result};
+use crate::notify::Notifier;
+use crate::stats::DeviceStats;
+
+pub mod loopback;
+pub mod udp;
+
+/// Which kind of device this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// AWS Elastic Fabric Adapter through rdma-core (cargo feature `efa`).
+    Efa,
+    /// Software device over UDP sockets (works across hosts).
+    Udp,
+    /// Software device over shared memory (processes on one host).
+    Shm,
+    /// In-process software device with seeded fault injection.
+    Loopback,
+}
+
+impl DeviceKind {
+    /// The provider-style name: `efa`, `udp`, `shm`, `loopback`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Efa => "efa",
+            DeviceKind::Udp => "udp",
+            DeviceKind::Shm => "shm",
+            DeviceKind::Loopback => "loopback",
+        }
+    }
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Optional device capabilities.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceCaps {
+    /// One-sided RDMA read.
+    pub rdma_read: bool,
+    /// One-sided RDMA write (and write with immediate data).
+    pub rdma_write: bool,
+    /// RDMA write with immediate data completes at the target without consuming a receive buffer.
+    pub unsolicited_write_recv: bool,
+    /// The RNR retry count of a queue pair can be set.
+    pub rnr_retry: bool,
+}
+
+/// Device attributes (the parts of `ibv_device_attr` / `efadv_device_attr` the layers above use).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceAttr {
+    /// Device name, e.g. `udp-127.0.0.1` or `rdmap0s6`.
+    pub name: String,
+    /// Device kind.
+    pub kind: DeviceKind,
+    /// The device's GID.
+    pub gid: Gid,
+    /// Largest datagram (payload of one send), bytes.
+    pub mtu: usize,
+    /// Send queue depth of one queue pair.
+    pub max_send_wr: usize,
+    /// Receive queue depth of one queue pair.
+    pub max_recv_wr: usize,
+    /// Scatter/gather entries per work request.
+    pub max_sge: usize,
+    /// Largest inline send, bytes.
+    pub inline_size: usize,
+    /// Largest single RDMA read or write, bytes (0 without RDMA).
+    pub max_rdma_size: u64,
+    /// Capabilities.
+    pub caps: DeviceCaps,
+    /// PCI address, when the device is a PCI function.
+    pub pci_addr: Option<String>,
+    /// NUMA node the device is attached to, when known.
+    pub numa_node: Option<i32>,
+}
+
+/// Queue pair type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum QpType {
+    /// Scalable Reliable Datagram: exactly once, any order (RDM endpoints).
+    Srd,
+    /// Unreliable Datagram: may drop (DGRAM endpoints).
+    Ud,
+}
+
+/// How to create a queue pair.
+#[derive(Clone, Debug)]
+pub struct QpAttr {
+    /// SRD or UD.
+    pub qp_type: QpType,
+    /// Send queue depth (clamped to the device's).
+    pub send_depth: usize,
+    /// Receive queue depth (clamped to the device's).
+    pub recv_depth: usize,
+    /// RNR retries before a send fails with [`Status::RnrRetryExceeded`]; 7 means forever (SRD only).
+    pub rnr_retry: u8,
+    /// The QKEY; `None` picks a random 31-bit value, as EFA does.
+    pub qkey: Option<u32>,
+    /// Signalled whenever new completions become ready, so waiters can sleep.
+    pub notifier: Arc<Notifier>,
+}
+
+impl QpAttr {
+    /// Defaults for a queue pair type: depths 256, RNR retry 3, random QKEY, a fresh notifier.
+    pub fn new(qp_type: QpType) -> QpAttr {
+        QpAttr {
+            qp_type,
+            send_depth: 256,
+            recv_depth: 256,
+            rnr_retry: 3,
+            qkey: None,
+            notifier: Arc::new(Notifier::new()),
+        }
+    }
+}
+
+/// EFA completion statuses (`EFA_IO_COMP_STATUS_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum Status {
+    /// 0: success.
+    Success,
+    /// 1: flushed (queue pair closed or operation cancelled).
+    Flushed,
+    /// 2: local queue pair internal error.
+    LocalQpInternalError,
+    /// 3: unsupported operation.
+    UnsupportedOp,
+    /// 4: invalid address handle.
+    InvalidAh,
+    /// 5: invalid local key.
+    InvalidLkey,
+    /// 6: local buffer too short.
+    LocalBadLength,
+    /// 7: remote bad address (bad key, bounds or access rights).
+    RemoteBadAddress,
+    /// 8: remote aborted.
+    RemoteAbort,
+    /// 9: bad destination queue pair number.
+    BadDestQpn,
+    /// 10: receiver not ready after the RNR retries.
+    RnrRetryExceeded,
+    /// 11: remote length error.
+    RemoteBadLength,
+    /// 12: remote bad status.
+    RemoteBadStatus,
+    /// 13: the remote did not respond.
+    UnresponsiveRemote,
+    /// 14: unknown peer.
+    UnknownPeer,
+    /// 15: unreachable remote.
+    UnreachableRemote,
+    /// 18: feature mismatch.
+    FeatureMismatch,
+}
+
+impl Status {
+    /// The EFA status code.
+    pub fn code(self) -> u8 {
+        match self {
+            Status::Success => 0,
+            Status::Flushed => 1,
+            Status::LocalQpInternalError => 2,
+            Status::UnsupportedOp => 3,
+            Status::InvalidAh => 4,
+            Status::InvalidLkey => 5,
+            Status::LocalBadLength => 6,
+            Status::RemoteBadAddress => 7,
+            Status::RemoteAbort => 8,
+            Status::BadDestQpn => 9,
+            Status::RnrRetryExceeded => 10,
+            Status::RemoteBadLength => 11,
+            Status::RemoteBadStatus => 12,
+            Status::UnresponsiveRemote => 13,
+            Status::UnknownPeer => 14,
+            Status::UnreachableRemote => 15,
+            Status::FeatureMismatch => 18,
+        }
+    }
+
+    /// The status of an EFA code; unknown codes give `None`.
+    pub fn from_code(code: u8) -> Option<Status> {
+        Some(match code {
+            0 => Status::Success,
+            1 => Status::Flushed,
+            2 => Status::LocalQpInternalError,
+            3 => Status::UnsupportedOp,
+            4 => Status::InvalidAh,
+            5 => Status::InvalidLkey,
+            6 => Status::LocalBadLength,
+            7 => Status::RemoteBadAddress,
+            8 => Status::RemoteAbort,
+            9 => Status::BadDestQpn,
+            10 => Status::RnrRetryExceeded,
+            11 => Status::RemoteBadLength,
+            12 => Status::RemoteBadStatus,
+            13 => Status::UnresponsiveRemote,
+            14 => Status::UnknownPeer,
+            15 => Status::UnreachableRemote,
+            18 => Status::FeatureMismatch,
+            _ => return None,
+        })
+    }
+
+    /// True for [`Status::Success`].
+    pub fn is_ok(self) -> bool {
+        self == Status::Success
+    }
+
+    /// The error kind an application sees for this status (libfabric's `to_fi_errno`).
+    pub fn error_kind(self) -> ErrorKind {
+        match self {
+            Status::Success => ErrorKind::Io,
+            Status::Flushed => ErrorKind::Canceled,
+            Status::LocalQpInternalError => ErrorKind::Io,
+            Status::UnsupportedOp | Status::FeatureMismatch => ErrorKind::NotSupported,
+            Status::InvalidAh | Status::InvalidLkey => ErrorKind::InvalidArgument,
+            Status::LocalBadLength | Status::RemoteBadLength => ErrorKind::MsgSize,
+            Status::RemoteBadAddress => ErrorKind::RemoteAccess,
+            Status::RemoteAbort | Status::UnresponsiveRemote => ErrorKind::ConnectionAborted,
+            Status::BadDestQpn | Status::UnknownPeer => ErrorKind::NotConnected,
+            Status::RnrRetryExceeded => ErrorKind::NoRx,
+            Status::RemoteBadStatus => ErrorKind::RemoteIo,
+            Status::UnreachableRemote => ErrorKind::Unreachable,
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?} ({})", self.code())
+    }
+}
+
+/// What a completion completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Opcode {
+    /// A posted send.
+    Send,
+    /// A posted receive.
+    Recv,
+    /// An RDMA read this side initiated.
+    RdmaRead,
+    /// An RDMA write this side initiated.
+    RdmaWrite,
+    /// The target side of an RDMA write with immediate data.
+    RecvRdmaWithImm,
+}
+
+/// The queue pair a received datagram came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Source {
+    /// The sender's GID.
+    pub gid: Gid,
+    /// The sender's queue pair number.
+    pub qpn: u16,
+}
+
+/// One device completion.
+#[derive(Debug)]
+pub struct DeviceCompletion {
+    /// The work request id given when posting.
+    pub wr_id: u64,
+    /// EFA status.
+    pub status: Status,
+    /// What completed.
+    pub opcode: Opcode,
+    /// Bytes received (receives) or transferred.
+    pub byte_len: usize,
+    /// Sender of a received datagram.
+    pub src: Option<Source>,
+    /// Immediate data, when the sender gave some.
+    pub imm: Option<u32>,
+    /// A receive buffer handed back; its `len()` equals `byte_len` on success.
+    pub buf: Option<BytesMut>,
+}
+
+impl DeviceCompletion {
+    /// A completion with no source, immediate data or buffer.
+    pub fn new(wr_id: u64, status: Status, opcode: Opcode, byte_len: usize) -> DeviceCompletion {
+        DeviceCompletion { wr_id, status, opcode, byte_len, src: None, imm: None, buf: None }
+    }
+}
+
+/// One datagram to send: a header and a payload segment (either may be empty), at most one MTU.
+#[derive(Clone, Debug)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Destination queue pair; its `qkey` must match the destination's or the datagram is dropped.
+    pub dest: RawAddr,
+    /// First segment.
+    pub hdr: Bytes,
+    /// Second segment.
+    pub payload: Bytes,
+    /// Optional immediate data delivered with the receive completion.
+    pub imm: Option<u32>,
+}
+
+impl SendWr {
+    /// Total length of both segments.
+    pub fn len(&self) -> usize {
+        self.hdr.len() + self.payload.len()
+    }
+
+    /// True when both segments are empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A remote memory range for one-sided operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RemoteIov {
+    /// Address in the target's registered region (its virtual address space as the key defines it).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The remote key.
+    pub key: u64,
+}
+
+/// A NIC.
+pub trait Device: Send + Sync + fmt::Debug {
+    /// Attributes.
+    fn attr(&self) -> &DeviceAttr;
+    /// Creates a queue pair.
+    fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>>;
+    /// Counters of every queue pair of this device.
+    fn stats(&self) -> DeviceStats;
+}
+
+/// A queue pair: a send queue and a receive queue sharing one completion queue.
+///
+/// Posting never blocks: a full queue is `ErrorKind::Again`, a datagram larger than the MTU is
+/// `ErrorKind::MsgSize`. Every posted work request produces exactly one completion, including
+/// when the queue pair is closed ([`Status::Flushed`]).
+pub trait QueuePair: Send + fmt::Debug {
+    /// This queue pair's raw address.
+    fn addr(&self) -> RawAddr;
+    /// SRD or UD.
+    fn qp_type(&self) -> QpType;
+    /// Posts one datagram.
+    fn post_send(&mut self, wr: SendWr) -> Result<()>;
+    /// Posts a receive buffer; its `capacity()` is the room offered.
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()>;
+    /// Appends up to `max` completions to `out`, returning how many. Also makes progress.
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize;
+    /// Stops the queue pair: every outstanding work request completes with [`Status::Flushed`]
+    /// (collect them with `poll`), later posts fail with `ErrorKind::Closed`.
+    fn close(&mut self);
+    /// Posts a one-sided RDMA read of `remote` into `local` (capacity = length).
+    fn post_read(
+        &mut self,
+        _wr_id: u64,
+        _dest: RawAddr,
+        _local: BytesMut,
+        _remote: RemoteIov,
+    ) -> Result<()> {
+        Err(crate::Error::new(ErrorKind::NotSupported, "post_read"))
+    }
+    /// Posts a one-sided RDMA write of `local` to `remote`, with optional immediate data.
+    fn post_write(
+        &mut self,
+        _wr_id: u64,
+        _dest: RawAddr,
+        _local: Bytes,
+        _remote: RemoteIov,
+        _imm: Option<u32>,
+    ) -> Result<()> {
+        Err(crate::Error::new(ErrorKind::NotSupported, "post_write"))
+    }
+}
+
+/// Picks a random 31-bit QKEY (`val & 0x7fffffff`, never 0), as EFA does with `/dev/urandom`.
+pub fn random_qkey() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    match (h.finish() as u32) & 0x7fff_ffff {
+        0 => 1,
+        k => k,
+    }
+}

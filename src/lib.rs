@@ -1,0 +1,63 @@
+//! # efa
+//!
+//! Safe, idiomatic reliable-datagram (RDM) and datagram (DGRAM) endpoints in the manner of
+//! libfabric's EFA provider, on AWS Elastic Fabric Adapter hardware and on software devices
+//! (`udp`, `loopback`) that behave like an EFA NIC, so the same program runs and is tested on
+//! any Linux machine.
+//!
+//! The layers, top to bottom: discovery ([`getinfo`]) → [`Domain`] (memory registration, address
+//! vectors, completion queues) → typed endpoints ([`Endpoint<Dgram>`](Endpoint)) → the device seam
+//! ([`device::Device`]) → devices.
+//!
+//! ```
+//! use bytes::{Bytes, BytesMut};
+//! use efa::{getinfo, Hints, EpType, Domain, Endpoint, Dgram, CompletionQueue, AddressVector};
+//!
+//! # fn main() -> efa::Result<()> {
+//! let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Dgram))?.remove(0);
+//! let domain = Domain::open(&info)?;
+//! let cq = CompletionQueue::new(&domain, 64)?;
+//! let av = AddressVector::new(&domain);
+//! let a = Endpoint::<Dgram>::builder(&domain).cq(&cq).av(&av).build()?;
+//! let b = Endpoint::<Dgram>::builder(&domain).cq(&cq).av(&av).build()?;
+//! let peer_b = av.insert(b.addr())?;
+//! b.recv(BytesMut::with_capacity(64), 1)?;
+//! a.send(peer_b, Bytes::from_static(b"hello"), 2)?;
+//! let mut got = Vec::new();
+//! while got.len() < 2 {
+//!     cq.wait(&mut got, 8, Some(std::time::Duration::from_secs(5)))?;
+//! }
+//! let recv = got.iter().find(|c| c.context == 1).unwrap();
+//! assert_eq!(&recv.buf.as_recv().unwrap()[..], b"hello");
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs)]
+#![deny(unsafe_code)]
+
+pub mod addr;
+pub mod av;
+pub mod config;
+pub mod cq;
+pub mod device;
+pub mod domain;
+pub mod ep;
+pub mod error;
+pub mod fault;
+pub mod info;
+pub mod mr;
+pub mod notify;
+pub mod stats;
+
+pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};
+
+pub use config::Config;
+
+pub use device::{DeviceKind, Status};
+
+
+pub use error::{Error, ErrorKind, Result};
+pub use fault::FaultConfig;
+pub use info::{Caps, EpType, Hints, Info, getinfo};
+
+pub use stats::{DeviceStats, EndpointStats};

@@ -1,0 +1,74 @@
+//! A wake-up signal shared between a device (which knows when completions are ready) and the
+//! completion queues that wait for them, for both blocking and runtime-independent async waits.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Waker;
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+
+/// A level of "something happened" with a generation number: waiters remember the generation they
+/// saw before polling and sleep only while it is unchanged, so no signal is ever lost.
+#[derive(Debug, Default)]
+pub struct Notifier {
+    generation: AtomicU64,
+    lock: Mutex<Vec<Waker>>,
+    cond: Condvar,
+}
+
+impl Notifier {
+    /// A new notifier.
+    pub fn new() -> Notifier {
+        Notifier::default()
+    }
+
+    /// The current generation; pass it to [`Notifier::wait_until`] after polling found nothing.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Signals every waiter (blocking and async).
+    pub fn notify(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let wakers = {
+            let mut w = self.lock.lock();
+            self.cond.notify_all();
+            std::mem::take(&mut *w)
+        };
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    /// Blocks until the generation differs from `seen` or `deadline` passes (`None`: no deadline).
+    /// Returns false on timeout.
+    pub fn wait_until(&self, seen: u64, deadline: Option<Instant>) -> bool {
+        let mut g = self.lock.lock();
+        loop {
+            if self.generation() != seen {
+                return true;
+            }
+            match deadline {
+                Some(d) => {
+                    if self.cond.wait_until(&mut g, d).timed_out() {
+                        return self.generation() != seen;
+                    }
+                }
+                None => self.cond.wait(&mut g),
+            }
+        }
+    }
+
+    /// Registers `waker` to be woken at the next notification unless the generation already moved
+    /// past `seen`; returns true when it has (the caller should poll again instead of sleeping).
+    pub fn register(&self, seen: u64, waker: &Waker) -> bool {
+        let mut w = self.lock.lock();
+        if self.generation() != seen {
+            return true;
+        }
+        if !w.iter().any(|x| x.will_wake(waker)) {
+            w.push(waker.clone());
+        }
+        false
+    }
+}

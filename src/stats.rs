@@ -1,0 +1,122 @@
+//! Counters per device and per endpoint. Counting is a relaxed atomic add; a snapshot is a plain
+//! struct that serializes with serde.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! counters {
+    ($(#[$m:meta])* $snap:ident, $atomic:ident { $($(#[$fm:meta])* $f:ident),* $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+        #[non_exhaustive]
+        pub struct $snap {
+            $($(#[$fm])* pub $f: u64,)*
+        }
+
+        #[doc = concat!("The live, atomically updated form of [`", stringify!($snap), "`].")]
+        #[derive(Debug, Default)]
+        pub struct $atomic {
+            $($(#[$fm])* pub $f: AtomicU64,)*
+        }
+
+        impl $atomic {
+            /// A consistent-enough copy of every counter.
+            pub fn snapshot(&self) -> $snap {
+                $snap { $($f: self.$f.load(Ordering::Relaxed),)* }
+            }
+        }
+
+        impl std::ops::AddAssign for $snap {
+            fn add_assign(&mut self, o: $snap) {
+                $(self.$f += o.$f;)*
+            }
+        }
+    };
+}
+
+/// Adds `n` to a counter.
+#[inline]
+pub fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Adds one to a counter.
+#[inline]
+pub fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+counters!(
+    /// Counters of a device (all its queue pairs).
+    DeviceStats, DeviceCounters {
+        /// Datagrams handed to the wire (first transmissions).
+        tx_pkts,
+        /// Payload bytes of those datagrams.
+        tx_bytes,
+        /// Datagrams delivered into posted receive buffers.
+        rx_pkts,
+        /// Payload bytes delivered.
+        rx_bytes,
+        /// Retransmissions (SRD mode).
+        retransmits,
+        /// Acknowledgements sent (SRD mode).
+        acks_sent,
+        /// Duplicate datagrams suppressed (SRD mode).
+        duplicates_dropped,
+        /// Malformed or foreign datagrams dropped.
+        malformed_dropped,
+        /// Datagrams dropped because their QKEY did not match the receiving queue pair (stale peer).
+        stale_dropped,
+        /// Datagrams dropped for lack of a posted receive buffer (UD mode) or refused with RNR (SRD).
+        rnr_events,
+        /// RNR negative acknowledgements received (SRD mode).
+        rnr_naks_received,
+        /// Sends completed with an error status.
+        send_errors,
+        /// Datagrams dropped by fault injection.
+        faults_dropped,
+        /// Datagrams duplicated by fault injection.
+        faults_duplicated,
+        /// Datagrams reordered or delayed by fault injection.
+        faults_reordered,
+        /// One-sided RDMA operations served by the device.
+        rdma_ops,
+        /// Bytes moved by one-sided RDMA.
+        rdma_bytes,
+    }
+);
+
+counters!(
+    /// Counters of one endpoint.
+    EndpointStats, EndpointCounters {
+        /// Messages sent (completed successfully).
+        tx_msgs,
+        /// Bytes sent.
+        tx_bytes,
+        /// Messages received.
+        rx_msgs,
+        /// Bytes received.
+        rx_bytes,
+        /// Operations completed with an error.
+        errors,
+        /// Operations refused with `Again`.
+        again,
+        /// Receive operations cancelled or flushed.
+        canceled,
+        /// Received datagrams longer than the posted buffer (truncated).
+        truncated,
+        /// Packets retransmitted by the protocol engine.
+        retransmits,
+        /// Receiver-not-ready events seen by the protocol engine.
+        rnr,
+        /// Messages that arrived before a matching receive was posted.
+        unexpected_msgs,
+        /// Packets held in the reorder buffer.
+        reorder_buffered,
+        /// Malformed, stale or duplicate packets dropped by the protocol engine.
+        dropped_pkts,
+        /// Bytes moved by device RDMA.
+        device_rma_bytes,
+        /// Bytes moved by emulated RMA protocols.
+        emulated_rma_bytes,
+    }
+);
