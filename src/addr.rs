@@ -13,7 +13,9 @@ use crate::error::{Error, ErrorKind, Result};
 pub const RAW_ADDR_LEN: usize = 32;
 
 /// A 16-byte global identifier: an IPv6 address, or an IPv4-mapped IPv6 address for IPv4 devices.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize,
+)]
 pub struct Gid(pub [u8; 16]);
 
 impl Gid {
@@ -71,7 +73,9 @@ impl fmt::Debug for Gid {
 /// assert_eq!(s.parse::<RawAddr>().unwrap(), a);
 /// assert_eq!(RawAddr::from_bytes(&a.to_bytes()).unwrap(), a);
 /// ```
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize,
+)]
 pub struct RawAddr {
     /// The device's global identifier.
     pub gid: Gid,

@@ -13,7 +13,11 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { tx_size: 0, rx_size: 0, cq_size: 8192 }
+        Config {
+            tx_size: 0,
+            rx_size: 0,
+            cq_size: 8192,
+        }
     }
 }
 

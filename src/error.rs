@@ -158,7 +158,12 @@ impl fmt::Display for Error {
 impl Error {
     /// A new error of `kind` raised by operation `op`.
     pub fn new(kind: ErrorKind, op: &'static str) -> Self {
-        Error { kind, op, detail: None, source: None }
+        Error {
+            kind,
+            op,
+            detail: None,
+            source: None,
+        }
     }
 
     /// Adds a human-readable detail.
@@ -211,7 +216,12 @@ impl Clone for Error {
             (None, Some(s)) => Some(s.to_string()),
             (d, None) => d.clone(),
         };
-        Error { kind: self.kind, op: self.op, detail, source: None }
+        Error {
+            kind: self.kind,
+            op: self.op,
+            detail,
+            source: None,
+        }
     }
 }
 

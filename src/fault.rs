@@ -42,7 +42,10 @@ impl Rng {
 
 /// A seed for tests: `EFA_TEST_SEED` if set, else one derived from the clock. Print it on failure.
 pub fn test_seed() -> u64 {
-    if let Some(s) = std::env::var("EFA_TEST_SEED").ok().and_then(|s| s.parse().ok()) {
+    if let Some(s) = std::env::var("EFA_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         return s;
     }
     let t = std::time::SystemTime::now()
@@ -80,7 +83,10 @@ pub struct FaultConfig {
 impl FaultConfig {
     /// No faults, with a seed.
     pub fn seeded(seed: u64) -> FaultConfig {
-        FaultConfig { seed, ..Default::default() }
+        FaultConfig {
+            seed,
+            ..Default::default()
+        }
     }
 
     /// Sets the drop probability.
@@ -122,8 +128,10 @@ impl FaultConfig {
             ("delay", self.delay),
         ] {
             if !(0.0..=1.0).contains(&p) {
-                return Err(crate::Error::new(crate::ErrorKind::InvalidArgument, "fault_config")
-                    .with_detail(format!("{name} probability {p} outside [0, 1]")));
+                return Err(
+                    crate::Error::new(crate::ErrorKind::InvalidArgument, "fault_config")
+                        .with_detail(format!("{name} probability {p} outside [0, 1]")),
+                );
             }
         }
         Ok(())
@@ -181,6 +189,11 @@ impl FaultInjector {
         } else {
             Duration::ZERO
         };
-        Fate { drop, duplicate, reorder, delay }
+        Fate {
+            drop,
+            duplicate,
+            reorder,
+            delay,
+        }
     }
 }

@@ -74,10 +74,16 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     let mut v = Vec::new();
     for p in [DeviceKind::Udp, DeviceKind::Loopback] {
         for t in [EpType::Rdm, EpType::Dgram] {
-            if hints.provider.as_deref().is_some_and(|x| x != p.name()) || hints.ep_type.is_some_and(|x| x != t) {
+            if hints.provider.as_deref().is_some_and(|x| x != p.name())
+                || hints.ep_type.is_some_and(|x| x != t)
+            {
                 continue;
             }
-            v.push(Info { provider: p, ep_type: t, config: Config::default() });
+            v.push(Info {
+                provider: p,
+                ep_type: t,
+                config: Config::default(),
+            });
         }
     }
     if v.is_empty() {

@@ -55,7 +55,6 @@ pub use config::Config;
 
 pub use device::{DeviceKind, Status};
 
-
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;
 pub use info::{Caps, EpType, Hints, Info, getinfo};

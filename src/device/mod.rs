@@ -308,7 +308,15 @@ pub struct DeviceCompletion {
 impl DeviceCompletion {
     /// A completion with no source, immediate data or buffer.
     pub fn new(wr_id: u64, status: Status, opcode: Opcode, byte_len: usize) -> DeviceCompletion {
-        DeviceCompletion { wr_id, status, opcode, byte_len, src: None, imm: None, buf: None }
+        DeviceCompletion {
+            wr_id,
+            status,
+            opcode,
+            byte_len,
+            src: None,
+            imm: None,
+            buf: None,
+        }
     }
 }
 
