@@ -1,1 +1,528 @@
-//! wip
+//! Completion queues: every operation ends in exactly one [`Completion`] or one
+//! [`CompletionError`], which hands back the operation's buffer.
+//!
+//! Progress is manual, as in libfabric: polling or waiting on a completion queue drives the
+//! endpoints bound to it. Waiting blocks the thread ([`CompletionQueue::wait`]) or awaits a future
+//! that needs no particular runtime ([`CompletionQueue::ready`]).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::ops::{BitOr, BitOrAssign};
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+
+use crate::av::PeerId;
+use crate::device::Status;
+use crate::domain::Domain;
+use crate::error::{Error, ErrorKind, Result};
+use crate::mr::MemoryRegion;
+use crate::notify::Notifier;
+
+/// Completion flags (`FI_SEND`, `FI_RECV`, `FI_MSG`, `FI_REMOTE_CQ_DATA`, ...).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub struct CompletionFlags(u32);
+
+impl CompletionFlags {
+    /// A send (`FI_SEND`).
+    pub const SEND: CompletionFlags = CompletionFlags(1);
+    /// A receive (`FI_RECV`).
+    pub const RECV: CompletionFlags = CompletionFlags(2);
+    /// A two-sided message (`FI_MSG`).
+    pub const MSG: CompletionFlags = CompletionFlags(4);
+    /// A tagged message (`FI_TAGGED`).
+    pub const TAGGED: CompletionFlags = CompletionFlags(8);
+    /// An RMA operation (`FI_RMA`).
+    pub const RMA: CompletionFlags = CompletionFlags(16);
+    /// An RMA read (`FI_READ`).
+    pub const READ: CompletionFlags = CompletionFlags(32);
+    /// An RMA write (`FI_WRITE`).
+    pub const WRITE: CompletionFlags = CompletionFlags(64);
+    /// A peer read this side's memory (`FI_REMOTE_READ`).
+    pub const REMOTE_READ: CompletionFlags = CompletionFlags(128);
+    /// A peer wrote this side's memory (`FI_REMOTE_WRITE`).
+    pub const REMOTE_WRITE: CompletionFlags = CompletionFlags(256);
+    /// The completion carries the peer's immediate data (`FI_REMOTE_CQ_DATA`).
+    pub const REMOTE_CQ_DATA: CompletionFlags = CompletionFlags(512);
+    /// A multi-receive buffer (`FI_MULTI_RECV`): set on the completion that releases it.
+    pub const MULTI_RECV: CompletionFlags = CompletionFlags(1024);
+    /// An atomic operation (`FI_ATOMIC`).
+    pub const ATOMIC: CompletionFlags = CompletionFlags(2048);
+
+    const NAMES: [(CompletionFlags, &'static str); 12] = [
+        (CompletionFlags::SEND, "FI_SEND"),
+        (CompletionFlags::RECV, "FI_RECV"),
+        (CompletionFlags::MSG, "FI_MSG"),
+        (CompletionFlags::TAGGED, "FI_TAGGED"),
+        (CompletionFlags::RMA, "FI_RMA"),
+        (CompletionFlags::READ, "FI_READ"),
+        (CompletionFlags::WRITE, "FI_WRITE"),
+        (CompletionFlags::REMOTE_READ, "FI_REMOTE_READ"),
+        (CompletionFlags::REMOTE_WRITE, "FI_REMOTE_WRITE"),
+        (CompletionFlags::REMOTE_CQ_DATA, "FI_REMOTE_CQ_DATA"),
+        (CompletionFlags::MULTI_RECV, "FI_MULTI_RECV"),
+        (CompletionFlags::ATOMIC, "FI_ATOMIC"),
+    ];
+
+    /// No flag.
+    pub const fn empty() -> CompletionFlags {
+        CompletionFlags(0)
+    }
+
+    /// True when every flag of `other` is set.
+    pub const fn contains(self, other: CompletionFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw bits.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+}
+
+impl BitOr for CompletionFlags {
+    type Output = CompletionFlags;
+    fn bitor(self, o: CompletionFlags) -> CompletionFlags {
+        CompletionFlags(self.0 | o.0)
+    }
+}
+
+impl BitOrAssign for CompletionFlags {
+    fn bitor_assign(&mut self, o: CompletionFlags) {
+        self.0 |= o.0;
+    }
+}
+
+impl fmt::Debug for CompletionFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = CompletionFlags::NAMES
+            .iter()
+            .filter(|(c, _)| self.contains(*c))
+            .map(|(_, n)| *n)
+            .collect();
+        write!(f, "[{}]", names.join(" | "))
+    }
+}
+
+/// A buffer handed back by a completion: whatever the operation was given.
+#[derive(Debug, Default)]
+pub enum Buffer {
+    /// The operation had no buffer.
+    #[default]
+    None,
+    /// The `Bytes` a send was given.
+    Send(Bytes),
+    /// The `BytesMut` a receive was given; its `len()` is what arrived.
+    Recv(BytesMut),
+    /// The memory region an operation was given.
+    Region(MemoryRegion),
+}
+
+impl Buffer {
+    /// The received bytes (a receive's `BytesMut` or a region).
+    pub fn as_recv(&self) -> Option<&[u8]> {
+        match self {
+            Buffer::Recv(b) => Some(b),
+            Buffer::Region(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The sent bytes handed back.
+    pub fn as_send(&self) -> Option<&Bytes> {
+        match self {
+            Buffer::Send(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// Takes a receive buffer out.
+    pub fn into_recv(self) -> Option<BytesMut> {
+        match self {
+            Buffer::Recv(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// Takes a memory region out.
+    pub fn into_region(self) -> Option<MemoryRegion> {
+        match self {
+            Buffer::Region(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// What a send can be given: `Bytes` (zero-copy, reference counted), anything that converts into
+/// `Bytes` (`Vec<u8>`, `&'static [u8]`, `String`), or a memory region with `SEND` access.
+#[derive(Debug)]
+pub enum SendBuf {
+    /// Bytes.
+    Bytes(Bytes),
+    /// A registered region (all of it).
+    Region(MemoryRegion),
+}
+
+impl From<Bytes> for SendBuf {
+    fn from(b: Bytes) -> SendBuf {
+        SendBuf::Bytes(b)
+    }
+}
+impl From<Vec<u8>> for SendBuf {
+    fn from(b: Vec<u8>) -> SendBuf {
+        SendBuf::Bytes(b.into())
+    }
+}
+impl From<&'static [u8]> for SendBuf {
+    fn from(b: &'static [u8]) -> SendBuf {
+        SendBuf::Bytes(Bytes::from_static(b))
+    }
+}
+impl From<MemoryRegion> for SendBuf {
+    fn from(r: MemoryRegion) -> SendBuf {
+        SendBuf::Region(r)
+    }
+}
+
+impl SendBuf {
+    pub(crate) fn into_buffer(self) -> Buffer {
+        match self {
+            SendBuf::Bytes(b) => Buffer::Send(b),
+            SendBuf::Region(r) => Buffer::Region(r),
+        }
+    }
+}
+
+/// What a receive can be given: a `BytesMut` (its `capacity()` is the room offered; its contents
+/// are replaced) or a memory region with `RECV` access (its length is the room).
+#[derive(Debug)]
+pub enum RecvBuf {
+    /// A growable buffer.
+    Bytes(BytesMut),
+    /// A registered region.
+    Region(MemoryRegion),
+}
+
+impl From<BytesMut> for RecvBuf {
+    fn from(b: BytesMut) -> RecvBuf {
+        RecvBuf::Bytes(b)
+    }
+}
+impl From<MemoryRegion> for RecvBuf {
+    fn from(r: MemoryRegion) -> RecvBuf {
+        RecvBuf::Region(r)
+    }
+}
+
+impl RecvBuf {
+    pub(crate) fn into_buffer(self) -> Buffer {
+        match self {
+            RecvBuf::Bytes(b) => Buffer::Recv(b),
+            RecvBuf::Region(r) => Buffer::Region(r),
+        }
+    }
+}
+
+/// A refused post: the error and the buffer, handed back untouched so nothing is lost.
+///
+/// Converts into [`Error`] with `?`.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct PostError {
+    /// Why the operation was refused.
+    #[source]
+    pub error: Error,
+    /// The buffer the operation was given.
+    pub buf: Buffer,
+}
+
+impl PostError {
+    /// The kind of the error.
+    pub fn kind(&self) -> ErrorKind {
+        self.error.kind()
+    }
+
+    /// The buffer back.
+    pub fn into_buffer(self) -> Buffer {
+        self.buf
+    }
+}
+
+impl From<PostError> for Error {
+    fn from(e: PostError) -> Error {
+        e.error
+    }
+}
+
+/// A successful completion.
+#[derive(Debug)]
+pub struct Completion {
+    /// The context the operation was posted with.
+    pub context: u64,
+    /// What completed.
+    pub flags: CompletionFlags,
+    /// Bytes transferred (for a receive: bytes placed in the buffer).
+    pub len: usize,
+    /// The peer's 4-byte immediate data, when `flags` has `REMOTE_CQ_DATA`.
+    pub data: Option<u32>,
+    /// The tag of a tagged message.
+    pub tag: u64,
+    /// The sender of a received message, when it is in the address vector (`FI_SOURCE`).
+    pub source: Option<PeerId>,
+    /// The operation's buffer, handed back.
+    pub buf: Buffer,
+}
+
+/// An error completion (`fi_cq_err_entry`).
+#[derive(Debug)]
+pub struct CompletionError {
+    /// The context the operation was posted with.
+    pub context: u64,
+    /// What failed.
+    pub flags: CompletionFlags,
+    /// The error (kind, operation, detail).
+    pub error: Error,
+    /// Bytes transferred before the error (for truncation: bytes placed in the buffer).
+    pub len: usize,
+    /// For `Truncated`: how many bytes did not fit (`olen`).
+    pub olen: usize,
+    /// The device status behind the error, when there is one (`prov_errno`).
+    pub status: Option<Status>,
+    /// Immediate data that arrived with a failed receive.
+    pub data: Option<u32>,
+    /// The tag of a tagged operation.
+    pub tag: u64,
+    /// The operation's buffer, handed back.
+    pub buf: Buffer,
+}
+
+/// Something bound to a completion queue that must be driven when the queue is polled.
+pub(crate) trait ProgressSource: Send + Sync {
+    /// Moves ready device completions into the bound completion queues.
+    fn progress(&self);
+}
+
+struct CqState {
+    ok: VecDeque<Completion>,
+    err: VecDeque<CompletionError>,
+}
+
+pub(crate) struct CqInner {
+    domain: Domain,
+    capacity: usize,
+    state: Mutex<CqState>,
+    notifier: Arc<Notifier>,
+    sources: Mutex<Vec<Weak<dyn ProgressSource>>>,
+}
+
+/// A completion queue. Cheap to clone; holds its domain.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    inner: Arc<CqInner>,
+}
+
+impl CompletionQueue {
+    /// A completion queue holding up to `capacity` entries (successes plus errors). When it is
+    /// full, endpoints leave further completions in the device until it is read.
+    ///
+    /// Errors: `InvalidArgument` for capacity 0.
+    pub fn new(domain: &Domain, capacity: usize) -> Result<CompletionQueue> {
+        if capacity == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "cq_open").with_detail("capacity 0"));
+        }
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                domain: domain.clone(),
+                capacity,
+                state: Mutex::new(CqState {
+                    ok: VecDeque::new(),
+                    err: VecDeque::new(),
+                }),
+                notifier: Arc::new(Notifier::new()),
+                sources: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The domain.
+    pub fn domain(&self) -> &Domain {
+        &self.inner.domain
+    }
+
+    /// The capacity.
+    pub fn capacity(&self) -> usize {
+        self.inner.capacity
+    }
+
+    /// Entries waiting to be read (successes and errors).
+    pub fn len(&self) -> usize {
+        let s = self.inner.state.lock();
+        s.ok.len() + s.err.len()
+    }
+
+    /// True when nothing is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drives the bound endpoints, then moves up to `max` successful completions to `out`.
+    ///
+    /// Returns how many were moved. When none are ready but an error completion is waiting,
+    /// returns `Err` of kind [`ErrorKind::ErrorAvailable`]: read it with [`Self::read_err`].
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        self.progress();
+        let mut s = self.inner.state.lock();
+        let n = max.min(s.ok.len());
+        out.extend(s.ok.drain(..n));
+        if n == 0 && !s.err.is_empty() {
+            return Err(Error::new(ErrorKind::ErrorAvailable, "cq_read"));
+        }
+        Ok(n)
+    }
+
+    /// Takes the oldest error completion (`fi_cq_readerr`).
+    pub fn read_err(&self) -> Option<CompletionError> {
+        self.progress();
+        self.inner.state.lock().err.pop_front()
+    }
+
+    /// Like [`Self::poll`], but sleeps until at least one completion (or an error) is ready or
+    /// `timeout` passes (`None`: forever). A timeout is `Err` of kind [`ErrorKind::TimedOut`].
+    pub fn wait(
+        &self,
+        out: &mut Vec<Completion>,
+        max: usize,
+        timeout: Option<Duration>,
+    ) -> Result<usize> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let seen = self.inner.notifier.generation();
+            let n = self.poll(out, max)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if !self.inner.notifier.wait_until(seen, deadline) {
+                let n = self.poll(out, max)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                return Err(Error::new(ErrorKind::TimedOut, "cq_wait"));
+            }
+        }
+    }
+
+    /// A future that resolves when a completion or an error completion is ready to read, without
+    /// depending on any async runtime (the device's wake-ups drive the `Waker`).
+    ///
+    /// ```
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// let cq = efa::CompletionQueue::new(&domain, 16)?;
+    /// // Inside any async runtime: `cq.ready().await; cq.poll(&mut out, 16)?;`
+    /// let _fut = cq.ready();
+    /// # Ok(()) }
+    /// ```
+    pub fn ready(&self) -> Ready<'_> {
+        Ready { cq: self }
+    }
+
+    /// Awaits and reads at least one completion (see [`Self::ready`]).
+    pub async fn next_batch(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        loop {
+            self.ready().await;
+            let n = self.poll(out, max)?;
+            if n > 0 {
+                return Ok(n);
+            }
+        }
+    }
+
+    pub(crate) fn notifier(&self) -> &Arc<Notifier> {
+        &self.inner.notifier
+    }
+
+    pub(crate) fn bind(&self, source: Weak<dyn ProgressSource>) {
+        let mut s = self.inner.sources.lock();
+        s.retain(|w| w.strong_count() > 0);
+        s.push(source);
+    }
+
+    /// Room left before the queue is full.
+    pub(crate) fn room(&self) -> usize {
+        let s = self.inner.state.lock();
+        self.inner.capacity.saturating_sub(s.ok.len() + s.err.len())
+    }
+
+    pub(crate) fn push(&self, c: Completion) {
+        self.inner.state.lock().ok.push_back(c);
+    }
+
+    pub(crate) fn push_err(&self, e: CompletionError) {
+        self.inner.state.lock().err.push_back(e);
+    }
+
+    /// Wakes waiters after pushing from outside a device notification.
+    pub(crate) fn signal(&self) {
+        self.inner.notifier.notify();
+    }
+
+    /// True when both handles are the same queue.
+    pub fn same(&self, other: &CompletionQueue) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    fn progress(&self) {
+        let sources: Vec<Arc<dyn ProgressSource>> = self
+            .inner
+            .sources
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for s in sources {
+            s.progress();
+        }
+    }
+
+    fn has_entries(&self) -> bool {
+        self.progress();
+        let s = self.inner.state.lock();
+        !s.ok.is_empty() || !s.err.is_empty()
+    }
+}
+
+impl fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("capacity", &self.inner.capacity)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// Future returned by [`CompletionQueue::ready`].
+#[derive(Debug)]
+pub struct Ready<'a> {
+    cq: &'a CompletionQueue,
+}
+
+impl Future for Ready<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let seen = self.cq.inner.notifier.generation();
+            if self.cq.has_entries() {
+                return Poll::Ready(());
+            }
+            if !self.cq.inner.notifier.register(seen, cx.waker()) {
+                return Poll::Pending;
+            }
+        }
+    }
+}

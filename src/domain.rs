@@ -1,1 +1,99 @@
-//! wip
+//! [`Domain`]: one opened device plus what hangs off it (memory registrations, address vectors,
+//! completion queues, endpoints), like a libfabric domain / verbs protection domain.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+
+use crate::config::Config;
+use crate::device::{Device, DeviceAttr};
+use crate::error::Result;
+use crate::info::Info;
+use crate::mr::{Access, MemoryRegion, MrTable};
+use crate::stats::DeviceStats;
+
+/// An opened device. Cheap to clone (an `Arc` inside); every child handle keeps its domain alive,
+/// so handles may be dropped in any order.
+#[derive(Clone)]
+pub struct Domain {
+    inner: Arc<DomainInner>,
+}
+
+struct DomainInner {
+    device: Arc<dyn Device>,
+    config: Config,
+    mrs: Mutex<MrTable>,
+}
+
+impl Domain {
+    /// Opens the device an [`Info`] from [`getinfo`](crate::getinfo) describes, with its config.
+    pub fn open(info: &Info) -> Result<Domain> {
+        let device = info.open_device()?;
+        Ok(Domain::with_device(device, info.config.clone()))
+    }
+
+    /// A domain on a device opened by hand (tests, custom loopback networks).
+    pub fn with_device(device: Arc<dyn Device>, config: Config) -> Domain {
+        tracing::debug!(device = %device.attr().name, "domain_open");
+        Domain {
+            inner: Arc::new(DomainInner {
+                device,
+                config,
+                mrs: MrTable::new(),
+            }),
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.inner.device
+    }
+
+    /// The device's attributes.
+    pub fn attr(&self) -> &DeviceAttr {
+        self.inner.device.attr()
+    }
+
+    /// The configuration endpoints of this domain use.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The device's counters.
+    pub fn device_stats(&self) -> DeviceStats {
+        self.inner.device.stats()
+    }
+
+    /// Registers `buf` (its `len()` bytes) with `access` rights. The region owns the buffer.
+    ///
+    /// Errors: `InvalidArgument` for an empty buffer or empty access flags.
+    pub fn register(&self, buf: impl Into<BytesMut>, access: Access) -> Result<MemoryRegion> {
+        MemoryRegion::register(self, buf.into(), access)
+    }
+
+    /// Checks a remote access (`key`, `addr`, `len`, needed `access`) against this domain's live
+    /// registrations: `RemoteAccess` if the key is unknown or revoked, the range is outside the
+    /// region or the right was not granted.
+    pub fn verify_remote(&self, key: u64, addr: u64, len: u64, access: Access) -> Result<()> {
+        crate::mr::verify(&self.inner.mrs, key, addr, len, access)
+    }
+
+    pub(crate) fn mr_table(&self) -> &Mutex<MrTable> {
+        &self.inner.mrs
+    }
+
+    /// True when both handles are the same domain.
+    pub fn same(&self, other: &Domain) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl fmt::Debug for Domain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Domain")
+            .field("device", &self.attr().name)
+            .finish()
+    }
+}

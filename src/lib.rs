@@ -55,8 +55,16 @@ pub use config::Config;
 
 pub use device::{DeviceKind, Status};
 
+pub use av::{AddressVector, PeerId};
+pub use cq::{
+    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError, RecvBuf,
+    SendBuf,
+};
+pub use domain::Domain;
+pub use ep::{Dgram, Endpoint, EndpointBuilder, EndpointKind};
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;
 pub use info::{Caps, EpType, Hints, Info, getinfo};
+pub use mr::{Access, MemoryRegion, RemoteKey};
 
 pub use stats::{DeviceStats, EndpointStats};

@@ -14,12 +14,22 @@ pub struct Notifier {
     generation: AtomicU64,
     lock: Mutex<Vec<Waker>>,
     cond: Condvar,
+    forward: Vec<std::sync::Arc<Notifier>>,
 }
 
 impl Notifier {
     /// A new notifier.
     pub fn new() -> Notifier {
         Notifier::default()
+    }
+
+    /// A notifier that also signals each of `targets` whenever it is signalled (an endpoint whose
+    /// send and receive completions go to two different completion queues uses one).
+    pub fn forwarding(targets: Vec<std::sync::Arc<Notifier>>) -> Notifier {
+        Notifier {
+            forward: targets,
+            ..Notifier::default()
+        }
     }
 
     /// The current generation; pass it to [`Notifier::wait_until`] after polling found nothing.
@@ -37,6 +47,9 @@ impl Notifier {
         };
         for w in wakers {
             w.wake();
+        }
+        for t in &self.forward {
+            t.notify();
         }
     }
 

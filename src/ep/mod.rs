@@ -1,1 +1,179 @@
-//! wip
+//! Typed endpoints: [`Endpoint<Dgram>`](Dgram) now; `Endpoint<Rdm>` comes with the protocol engine.
+//!
+//! Endpoint kinds are types, so a method a kind does not support does not exist on it.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use crate::av::AddressVector;
+use crate::cq::CompletionQueue;
+use crate::domain::Domain;
+use crate::error::{Error, ErrorKind, Result};
+use crate::info::EpType;
+
+mod dgram;
+
+pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// An endpoint kind: [`Dgram`] (and `Rdm` with the protocol engine). Sealed.
+pub trait EndpointKind: sealed::Sealed + Sized + 'static {
+    /// The libfabric endpoint type.
+    const EP_TYPE: EpType;
+    /// Shared state of an endpoint of this kind.
+    #[doc(hidden)]
+    type Core: Send + Sync + fmt::Debug;
+    /// Marker deciding `Sync`: `Endpoint<Dgram>` is `Send` but not `Sync` (like `FI_THREAD_DOMAIN`).
+    #[doc(hidden)]
+    type Marker: Send;
+}
+
+/// Datagram endpoints: unreliable, unordered messages of at most one MTU, straight on the
+/// device's UD queue pair (`FI_EP_DGRAM`). `Endpoint<Dgram>` is `Send` but not `Sync`.
+#[derive(Debug, Clone, Copy)]
+pub enum Dgram {}
+
+impl sealed::Sealed for Dgram {}
+
+impl EndpointKind for Dgram {
+    const EP_TYPE: EpType = EpType::Dgram;
+    type Core = DgramCore;
+    type Marker = PhantomData<std::cell::Cell<()>>;
+}
+
+/// An endpoint of kind `K`. Holds its domain, address vector and completion queues, so handles may
+/// be dropped in any order. Dropping it closes it: every outstanding operation completes with a
+/// `Canceled` error completion that hands its buffer back.
+pub struct Endpoint<K: EndpointKind> {
+    pub(crate) core: std::sync::Arc<K::Core>,
+    _marker: PhantomData<K::Marker>,
+}
+
+impl<K: EndpointKind> fmt::Debug for Endpoint<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("type", &K::EP_TYPE)
+            .field("core", &self.core)
+            .finish()
+    }
+}
+
+impl<K: EndpointKind> Endpoint<K> {
+    /// A builder for an endpoint of this kind on `domain`.
+    pub fn builder(domain: &Domain) -> EndpointBuilder<K> {
+        EndpointBuilder {
+            domain: domain.clone(),
+            tx_cq: None,
+            rx_cq: None,
+            av: None,
+            tx_size: None,
+            rx_size: None,
+            msg_prefix: false,
+            _kind: PhantomData,
+        }
+    }
+
+    pub(crate) fn from_core(core: std::sync::Arc<K::Core>) -> Endpoint<K> {
+        Endpoint {
+            core,
+            _marker: PhantomData,
+        }
+    }
+}
+
+/// Builds an endpoint: completion queue(s), address vector, queue sizes, options.
+#[derive(Debug)]
+pub struct EndpointBuilder<K: EndpointKind> {
+    pub(crate) domain: Domain,
+    pub(crate) tx_cq: Option<CompletionQueue>,
+    pub(crate) rx_cq: Option<CompletionQueue>,
+    pub(crate) av: Option<AddressVector>,
+    pub(crate) tx_size: Option<usize>,
+    pub(crate) rx_size: Option<usize>,
+    pub(crate) msg_prefix: bool,
+    _kind: PhantomData<K>,
+}
+
+impl<K: EndpointKind> EndpointBuilder<K> {
+    /// One completion queue for sends and receives.
+    pub fn cq(mut self, cq: &CompletionQueue) -> Self {
+        self.tx_cq = Some(cq.clone());
+        self.rx_cq = Some(cq.clone());
+        self
+    }
+
+    /// The completion queue of sends.
+    pub fn tx_cq(mut self, cq: &CompletionQueue) -> Self {
+        self.tx_cq = Some(cq.clone());
+        self
+    }
+
+    /// The completion queue of receives.
+    pub fn rx_cq(mut self, cq: &CompletionQueue) -> Self {
+        self.rx_cq = Some(cq.clone());
+        self
+    }
+
+    /// The address vector peers are named in.
+    pub fn av(mut self, av: &AddressVector) -> Self {
+        self.av = Some(av.clone());
+        self
+    }
+
+    /// Send queue size (default: `Config::tx_size`, 0 meaning the device's depth).
+    pub fn tx_size(mut self, n: usize) -> Self {
+        self.tx_size = Some(n);
+        self
+    }
+
+    /// Receive queue size (default: `Config::rx_size`, 0 meaning the device's depth).
+    pub fn rx_size(mut self, n: usize) -> Self {
+        self.rx_size = Some(n);
+        self
+    }
+
+    /// The queues and address vector, checked: present and of this domain.
+    pub(crate) fn parts(&self) -> Result<(CompletionQueue, CompletionQueue, AddressVector)> {
+        let missing = |what: &str| {
+            Error::new(ErrorKind::InvalidArgument, "ep_open")
+                .with_detail(format!("no {what} bound (call .{what}(..))"))
+        };
+        let tx = self.tx_cq.clone().ok_or_else(|| missing("cq"))?;
+        let rx = self.rx_cq.clone().ok_or_else(|| missing("cq"))?;
+        let av = self.av.clone().ok_or_else(|| missing("av"))?;
+        for (what, d) in [
+            ("tx cq", tx.domain()),
+            ("rx cq", rx.domain()),
+            ("av", av.domain()),
+        ] {
+            if !d.same(&self.domain) {
+                return Err(Error::new(ErrorKind::InvalidArgument, "ep_open")
+                    .with_detail(format!("{what} belongs to another domain")));
+            }
+        }
+        Ok((tx, rx, av))
+    }
+
+    /// Resolves a queue size: the builder's, else the config's, 0 meaning the device's depth;
+    /// larger than the device's depth is `InvalidArgument`.
+    pub(crate) fn queue_size(
+        &self,
+        set: Option<usize>,
+        config: usize,
+        device: usize,
+        what: &str,
+    ) -> Result<usize> {
+        let n = set.unwrap_or(config);
+        if n == 0 {
+            return Ok(device);
+        }
+        if n > device {
+            return Err(Error::new(ErrorKind::InvalidArgument, "ep_open")
+                .with_detail(format!("{what} {n} exceeds the device's {device}")));
+        }
+        Ok(n)
+    }
+}
