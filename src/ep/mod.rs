@@ -177,3 +177,13 @@ impl<K: EndpointKind> EndpointBuilder<K> {
         Ok(n)
     }
 }
+
+/// `Endpoint<Dgram>` is `Send` but not `Sync` (`FI_THREAD_DOMAIN`): sharing it between threads
+/// by reference does not compile.
+///
+/// ```compile_fail
+/// fn is_sync<T: Sync>() {}
+/// is_sync::<efa::Endpoint<efa::Dgram>>();
+/// ```
+#[doc(hidden)]
+pub const _DGRAM_IS_NOT_SYNC: () = ();

@@ -1,0 +1,216 @@
+//! Helpers shared by the examples: fabtests-style size lists and performance rows, and the small
+//! TCP out-of-band channel that exchanges raw addresses and synchronises both sides.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use efa::RawAddr;
+
+/// fabtests' default out-of-band port.
+pub const DEFAULT_OOB_PORT: u16 = 47592;
+
+/// fabtests' `size_str`: 64, 1k, 1.5k, 64k, 1m.
+pub fn size_str(size: u64) -> String {
+    let (base, mag) = if size >= 1 << 30 {
+        (1u64 << 30, "g")
+    } else if size >= 1 << 20 {
+        (1 << 20, "m")
+    } else if size >= 1 << 10 {
+        (1 << 10, "k")
+    } else {
+        (1, "")
+    };
+    let fraction = if size / base < 10 { (size % base) * 10 / base } else { 0 };
+    if fraction > 0 { format!("{}.{}{}", size / base, fraction, mag) } else { format!("{}{}", size / base, mag) }
+}
+
+/// fabtests' `cnt_str`: 1000 -> 1k, 1000000 -> 1m.
+pub fn cnt_str(n: u64) -> String {
+    let (base, mag) = if n >= 1_000_000_000 {
+        (1_000_000_000u64, "b")
+    } else if n >= 1_000_000 {
+        (1_000_000, "m")
+    } else if n >= 1_000 {
+        (1_000, "k")
+    } else {
+        (1, "")
+    };
+    let fraction = if n / base < 10 { (n % base) * 10 / base } else { 0 };
+    if fraction > 0 { format!("{}.{}{}", n / base, fraction, mag) } else { format!("{}{}", n / base, mag) }
+}
+
+/// Parses `64`, `1k`, `64k`, `1m`, `1g` (binary multiples).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim().to_ascii_lowercase();
+    let (num, mult) = match s.chars().last() {
+        Some('k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('m') => (&s[..s.len() - 1], 1 << 20),
+        Some('g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (&s[..], 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("bad size {s:?}: expected a number with optional k/m/g"))
+}
+
+/// fabtests' `-S all` list (powers of two and the midpoints between them) up to `max`.
+pub fn all_sizes(max: usize) -> Vec<usize> {
+    let mut v = vec![1usize];
+    let mut p = 2usize;
+    while p <= max {
+        v.push(p);
+        if p + p / 2 <= max && p >= 2 {
+            v.push(p + p / 2);
+        }
+        p *= 2;
+        if p > 1 << 30 {
+            break;
+        }
+    }
+    v.sort_unstable();
+    v.dedup();
+    v.retain(|&s| s <= max);
+    v
+}
+
+/// The header of fabtests' `show_perf`.
+pub fn print_header() {
+    println!(
+        "{:<8}{:<8}{:<8}{:>8} {:>10}{:>13}{:>13}",
+        "bytes", "iters", "total", "time", "MB/sec", "usec/xfer", "Mxfers/sec"
+    );
+}
+
+/// One row of fabtests' `show_perf`: `xfers_per_iter` is 2 for ping-pong (so usec/xfer is the
+/// one-way latency) and 1 for bandwidth tests.
+pub fn print_row(size: usize, iters: usize, xfers_per_iter: usize, elapsed: Duration) {
+    let usec = elapsed.as_secs_f64() * 1e6;
+    let total = (size * iters * xfers_per_iter) as u64;
+    let xfers = (iters * xfers_per_iter) as f64;
+    println!(
+        "{:<8}{:<8}{:<8}{:>8.2}s{:>10.2}{:>11.2}{:>11.2}",
+        size_str(size as u64),
+        cnt_str(iters as u64),
+        size_str(total),
+        usec / 1e6,
+        total as f64 / usec,
+        usec / xfers,
+        xfers / usec
+    );
+}
+
+/// A deterministic pattern for data verification (`-c`): byte `i` of message `seq`.
+pub fn fill_pattern(buf: &mut [u8], seq: u64) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (seq.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
+    }
+}
+
+/// Checks a buffer against [`fill_pattern`].
+pub fn check_pattern(buf: &[u8], seq: u64) -> Result<(), String> {
+    for (i, &b) in buf.iter().enumerate() {
+        let want = (seq.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
+        if b != want {
+            return Err(format!("data mismatch in message {seq} at byte {i}: got {b:#04x}, want {want:#04x}"));
+        }
+    }
+    Ok(())
+}
+
+/// The out-of-band TCP connection (fabtests' `oob_sock`).
+pub struct Oob {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl Oob {
+    /// Server side: listens on `bind:port` and accepts one client.
+    pub fn accept(bind: IpAddr, port: u16) -> std::io::Result<Oob> {
+        let l = TcpListener::bind(SocketAddr::new(bind, port))?;
+        let (s, peer) = l.accept()?;
+        eprintln!("oob: client connected from {peer}");
+        Oob::from_stream(s)
+    }
+
+    /// Client side: connects to the server, retrying for a few seconds while it starts.
+    pub fn connect(server: &str, port: u16) -> std::io::Result<Oob> {
+        let target = if server.contains(':') && !server.starts_with('[') {
+            format!("[{server}]:{port}")
+        } else {
+            format!("{server}:{port}")
+        };
+        let mut last = None;
+        for _ in 0..100 {
+            match TcpStream::connect(&target) {
+                Ok(s) => return Oob::from_stream(s),
+                Err(e) => {
+                    last = Some(e);
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("connect failed")))
+    }
+
+    /// Wraps a connection accepted elsewhere.
+    pub fn from_accepted(s: TcpStream) -> std::io::Result<Oob> {
+        Oob::from_stream(s)
+    }
+
+    fn from_stream(s: TcpStream) -> std::io::Result<Oob> {
+        s.set_nodelay(true)?;
+        Ok(Oob { reader: BufReader::new(s.try_clone()?), writer: s })
+    }
+
+    /// This side's address of the TCP connection (the local address that reaches the peer).
+    pub fn local_ip(&self) -> std::io::Result<IpAddr> {
+        Ok(self.writer.local_addr()?.ip())
+    }
+
+    /// The peer's address of the TCP connection.
+    pub fn peer_ip(&self) -> std::io::Result<IpAddr> {
+        Ok(self.writer.peer_addr()?.ip())
+    }
+
+    /// Sends one line.
+    pub fn send_line(&mut self, line: &str) -> std::io::Result<()> {
+        self.writer.write_all(line.as_bytes())?;
+        self.writer.write_all(b"\n")?;
+        self.writer.flush()
+    }
+
+    /// Receives one line (without its newline).
+    pub fn recv_line(&mut self) -> std::io::Result<String> {
+        let mut s = String::new();
+        if self.reader.read_line(&mut s)? == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed the oob connection"));
+        }
+        Ok(s.trim_end().to_string())
+    }
+
+    /// Exchanges raw addresses. A peer that bound an unspecified address (`0.0.0.0`, `::`) gets
+    /// the address its TCP connection came from instead.
+    pub fn exchange_addr(&mut self, mine: RawAddr) -> std::io::Result<RawAddr> {
+        self.send_line(&mine.to_string())?;
+        let line = self.recv_line()?;
+        let mut peer: RawAddr =
+            line.parse().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{e}")))?;
+        if peer.gid.to_ip().is_unspecified() {
+            peer.gid = self.peer_ip()?.into();
+        }
+        Ok(peer)
+    }
+
+    /// Both sides wait for each other (fabtests' `ft_sync`).
+    pub fn sync(&mut self) -> std::io::Result<()> {
+        self.send_line("sync")?;
+        let l = self.recv_line()?;
+        if l != "sync" {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("expected sync, got {l:?}")));
+        }
+        Ok(())
+    }
+}
