@@ -602,7 +602,12 @@ fn replay_on_the_real_clock_without_delays() {
             s.post_send(send_wr(id.into(), r.addr(), &id.to_le_bytes(), 0, Some(id)))
                 .unwrap();
         }
-        let got = poll_n(&net, &mut r, 1000, "real-clock replay");
+        let got = poll_n(
+            &net,
+            &mut r,
+            1000,
+            &format!("real-clock replay, seed {seed}"),
+        );
         got.iter().map(|c| c.imm.unwrap()).collect::<Vec<_>>()
     };
     assert_eq!(run(seed), run(seed), "seed {seed}");

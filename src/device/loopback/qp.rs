@@ -230,7 +230,8 @@ impl QueuePair for LoopbackQp {
             .wire
             .with_state(|st, _, _| st.detach_qp(shared));
         {
-            let mut st = shared.state.lock();
+            let mut guard = shared.state.lock();
+            let st = &mut *guard;
             for (wr_id, len) in sends {
                 inc(&shared.dev.counters.send_errors);
                 st.comps.push_back(DeviceCompletion::new(
@@ -240,8 +241,7 @@ impl QueuePair for LoopbackQp {
                     len,
                 ));
             }
-            let recvs: Vec<_> = st.recvs.drain(..).collect();
-            for (wr_id, buf) in recvs {
+            for (wr_id, buf) in st.recvs.drain(..) {
                 let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
                 c.buf = Some(buf);
                 st.comps.push_back(c);

@@ -13,9 +13,9 @@
 //! Fates are drawn from the seeded generator in transmission order, under the network lock. Held
 //! datagrams are released either after a number of network *events* (a progress pass: every
 //! `post_send`, every `poll` while something is held, every `pump`) — for reordering and SRD
-//! retransmission — or at a point of the
-//! network clock — for delays, RNR retries and unresponsive timeouts. Datagrams released together
-//! are handled in transmission order. Nothing depends on hash order or on addresses.
+//! retransmission — or at a point of the network clock — for delays, RNR retries and unresponsive
+//! timeouts. Datagrams released together are handled in transmission order. Nothing depends on
+//! hash order or on addresses.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
