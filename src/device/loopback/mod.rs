@@ -1,0 +1,328 @@
+//! The `loopback` device: an in-process software NIC with seeded fault injection.
+//!
+//! Devices opened on the same [`LoopbackNetwork`] reach each other through an in-process "wire".
+//! Queue pairs behave like EFA's: SRD queue pairs deliver every datagram **exactly once, in any
+//! order** (the simulated device retransmits what the fault injector "drops" and suppresses what
+//! it "duplicates"), UD queue pairs suffer every fault. Every fault decision comes from the
+//! network's seeded generator, so a test replays from the seed it prints.
+//!
+//! Nothing runs in the background: a datagram is delivered in the thread that posts it, and held
+//! datagrams (reordered, delayed, retransmitted, waiting for a receive buffer) are released by the
+//! next `post_send` or `poll` on any queue pair of the network, or by [`LoopbackNetwork::pump`].
+//!
+//! See `docs/loopback-device.md` for the full model and the status each failure gives.
+
+mod qp;
+mod wire;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::addr::Gid;
+use crate::device::{Device, DeviceAttr, DeviceCaps, DeviceKind, QpAttr, QueuePair};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fault::FaultConfig;
+use crate::stats::{DeviceCounters, DeviceStats};
+
+use self::qp::{LoopbackQp, QpnTable};
+use self::wire::Wire;
+
+/// Smallest MTU a loopback device accepts, bytes.
+pub const MIN_MTU: usize = 64;
+/// Largest MTU a loopback device accepts, bytes.
+pub const MAX_MTU: usize = 1 << 20;
+/// Largest queue depth a loopback device accepts.
+pub const MAX_QUEUE_DEPTH: usize = 1 << 20;
+/// Largest inline send the loopback device advertises, bytes (as EFA).
+pub const INLINE_SIZE: usize = 32;
+
+/// Settings of one loopback device.
+///
+/// ```
+/// use efa::device::loopback::LoopbackConfig;
+/// let cfg = LoopbackConfig { mtu: 4096, ..Default::default() };
+/// assert!(cfg.validate().is_ok());
+/// assert!(LoopbackConfig { mtu: 1, ..Default::default() }.validate().is_err());
+/// ```
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct LoopbackConfig {
+    /// Largest datagram (header and payload together), bytes. Default 8192; must lie in
+    /// [`MIN_MTU`]`..=`[`MAX_MTU`].
+    pub mtu: usize,
+    /// Send queue depth of one queue pair. Default 1024; `1..=`[`MAX_QUEUE_DEPTH`].
+    pub max_send_wr: usize,
+    /// Receive queue depth of one queue pair. Default 4096; `1..=`[`MAX_QUEUE_DEPTH`].
+    pub max_recv_wr: usize,
+    /// Simulated time between two receiver-not-ready retries of an SRD send. Default 50 µs.
+    pub rnr_retry_interval: Duration,
+    /// How long an SRD send to a queue pair that is gone (closed, never existed, wrong QKEY) or to
+    /// an unknown device waits before it completes with an error status. Default 1 s.
+    pub unresponsive_timeout: Duration,
+}
+
+impl Default for LoopbackConfig {
+    fn default() -> Self {
+        LoopbackConfig {
+            mtu: 8192,
+            max_send_wr: 1024,
+            max_recv_wr: 4096,
+            rnr_retry_interval: Duration::from_micros(50),
+            unresponsive_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl LoopbackConfig {
+    /// Checks the ranges; a bad value is `ErrorKind::InvalidArgument`.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |detail: String| {
+            Err(Error::new(ErrorKind::InvalidArgument, "loopback_config").with_detail(detail))
+        };
+        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
+            return bad(format!("mtu {} outside {MIN_MTU}..={MAX_MTU}", self.mtu));
+        }
+        for (name, v) in [
+            ("max_send_wr", self.max_send_wr),
+            ("max_recv_wr", self.max_recv_wr),
+        ] {
+            if !(1..=MAX_QUEUE_DEPTH).contains(&v) {
+                return bad(format!("{name} {v} outside 1..={MAX_QUEUE_DEPTH}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The in-process "wire" that connects loopback devices, with its fault injector and clock.
+///
+/// Cloning is cheap and gives another handle to the same network. Devices on different networks
+/// cannot reach each other (their GIDs differ too).
+///
+/// The clock is real time ([`LoopbackNetwork::new`]) or a manual clock that moves only when
+/// [`LoopbackNetwork::advance`] is called ([`LoopbackNetwork::with_manual_clock`]); with the manual
+/// clock even delays, RNR retries and unresponsive timeouts replay exactly.
+#[derive(Clone)]
+pub struct LoopbackNetwork {
+    wire: Arc<Wire>,
+}
+
+static NEXT_NETWORK_ID: AtomicU32 = AtomicU32::new(1);
+
+impl LoopbackNetwork {
+    /// A new network, on the real clock, injecting `faults` (validated when a device is opened).
+    pub fn new(faults: FaultConfig) -> LoopbackNetwork {
+        Self::build(faults, false)
+    }
+
+    /// A new network whose clock starts at zero and moves only by [`LoopbackNetwork::advance`].
+    pub fn with_manual_clock(faults: FaultConfig) -> LoopbackNetwork {
+        Self::build(faults, true)
+    }
+
+    fn build(faults: FaultConfig, manual: bool) -> LoopbackNetwork {
+        let id = NEXT_NETWORK_ID.fetch_add(1, Ordering::Relaxed);
+        LoopbackNetwork {
+            wire: Arc::new(Wire::new(id, faults, manual)),
+        }
+    }
+
+    /// The process-wide fault-free network (real clock), created on first use.
+    pub fn global() -> LoopbackNetwork {
+        static GLOBAL: OnceLock<LoopbackNetwork> = OnceLock::new();
+        GLOBAL
+            .get_or_init(|| LoopbackNetwork::new(FaultConfig::default()))
+            .clone()
+    }
+
+    /// This network's number (part of its devices' GIDs).
+    pub fn id(&self) -> u32 {
+        self.wire.id
+    }
+
+    /// The fault configuration in force.
+    pub fn faults(&self) -> FaultConfig {
+        self.wire.state.lock().faults.config().clone()
+    }
+
+    /// Replaces the fault configuration and restarts the generator from its seed. Datagrams
+    /// already held keep their fate.
+    pub fn set_faults(&self, faults: FaultConfig) -> Result<()> {
+        faults.validate()?;
+        self.wire.state.lock().set_faults(faults);
+        Ok(())
+    }
+
+    /// Releases every held datagram whose time has come (delivering it, retrying it or failing
+    /// it), as any `post_send` or `poll` on the network does. Returns how many it handled.
+    pub fn pump(&self) -> usize {
+        self.wire.pump()
+    }
+
+    /// Datagrams currently held by the network (reordered, delayed, retransmitted, waiting for a
+    /// receive buffer or for their unresponsive timeout).
+    pub fn in_flight(&self) -> usize {
+        self.wire.in_flight()
+    }
+
+    /// The network's time: since creation on the real clock, or the sum of `advance` calls.
+    pub fn now(&self) -> Duration {
+        self.wire.now()
+    }
+
+    /// True when the network runs on the manual clock.
+    pub fn has_manual_clock(&self) -> bool {
+        self.wire.has_manual_clock()
+    }
+
+    /// Moves the manual clock forward by `d` (then `pump` or `poll` to release what became due).
+    /// On the real clock this is `ErrorKind::NotSupported`.
+    pub fn advance(&self, d: Duration) -> Result<()> {
+        if self.wire.advance(d) {
+            Ok(())
+        } else {
+            Err(Error::new(ErrorKind::NotSupported, "loopback_advance")
+                .with_detail("the network runs on the real clock"))
+        }
+    }
+}
+
+impl fmt::Debug for LoopbackNetwork {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackNetwork")
+            .field("id", &self.wire.id)
+            .field("manual_clock", &self.wire.has_manual_clock())
+            .field("in_flight", &self.wire.in_flight())
+            .finish()
+    }
+}
+
+/// What queue pairs share with their device (and keep alive after the device handle is gone).
+pub(crate) struct DevShared {
+    net: LoopbackNetwork,
+    gid: Gid,
+    cfg: LoopbackConfig,
+    counters: DeviceCounters,
+    qpns: Mutex<QpnTable>,
+}
+
+/// An in-process software NIC on a [`LoopbackNetwork`].
+///
+/// ```
+/// use bytes::{Bytes, BytesMut};
+/// use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+/// use efa::device::{Device, Opcode, QpAttr, QpType, SendWr};
+/// use efa::FaultConfig;
+///
+/// # fn main() -> efa::Result<()> {
+/// let net = LoopbackNetwork::new(FaultConfig::seeded(7));
+/// let dev = LoopbackDevice::open(&net, LoopbackConfig::default())?;
+/// let mut a = dev.create_qp(QpAttr::new(QpType::Srd))?;
+/// let mut b = dev.create_qp(QpAttr::new(QpType::Srd))?;
+///
+/// b.post_recv(1, BytesMut::with_capacity(64))?;
+/// a.post_send(SendWr {
+///     wr_id: 2,
+///     dest: b.addr(),
+///     hdr: Bytes::from_static(b"hi "),
+///     payload: Bytes::from_static(b"there"),
+///     imm: Some(9),
+/// })?;
+///
+/// let mut got = Vec::new();
+/// b.poll(&mut got, 8);
+/// assert_eq!(got[0].opcode, Opcode::Recv);
+/// assert_eq!(&got[0].buf.as_ref().unwrap()[..], b"hi there");
+/// assert_eq!(got[0].src.unwrap().qpn, a.addr().qpn);
+/// assert_eq!(got[0].imm, Some(9));
+///
+/// got.clear();
+/// a.poll(&mut got, 8);
+/// assert!(got[0].status.is_ok() && got[0].opcode == Opcode::Send);
+/// # Ok(()) }
+/// ```
+pub struct LoopbackDevice {
+    attr: DeviceAttr,
+    shared: Arc<DevShared>,
+}
+
+impl LoopbackDevice {
+    /// Opens a new device on `network`, with the next GID (`fd00::<network>:<n>` in IPv6
+    /// notation, `<network>` and `<n>` as 32-bit numbers) and the name `loopback<n>`.
+    ///
+    /// Fails with `ErrorKind::InvalidArgument` when `cfg` or the network's faults are invalid.
+    pub fn open(network: &LoopbackNetwork, cfg: LoopbackConfig) -> Result<Arc<LoopbackDevice>> {
+        cfg.validate()?;
+        let (n, shared) = {
+            let mut st = network.wire.state.lock();
+            st.faults.config().validate()?;
+            st.register_device(network.wire.id, |gid| {
+                Arc::new(DevShared {
+                    net: network.clone(),
+                    gid,
+                    cfg: cfg.clone(),
+                    counters: DeviceCounters::default(),
+                    qpns: Mutex::new(QpnTable::new()),
+                })
+            })
+        };
+        let gid = shared.gid;
+        let attr = DeviceAttr {
+            name: format!("loopback{n}"),
+            kind: DeviceKind::Loopback,
+            gid,
+            mtu: cfg.mtu,
+            max_send_wr: cfg.max_send_wr,
+            max_recv_wr: cfg.max_recv_wr,
+            max_sge: 2,
+            inline_size: INLINE_SIZE,
+            max_rdma_size: 0,
+            caps: DeviceCaps {
+                rnr_retry: true,
+                ..DeviceCaps::default()
+            },
+            pci_addr: None,
+            numa_node: None,
+        };
+        tracing::debug!(name = %attr.name, %gid, network = network.id(), "loopback device opened");
+        Ok(Arc::new(LoopbackDevice { attr, shared }))
+    }
+
+    /// The network this device is on.
+    pub fn network(&self) -> &LoopbackNetwork {
+        &self.shared.net
+    }
+
+    /// The configuration the device was opened with.
+    pub fn config(&self) -> &LoopbackConfig {
+        &self.shared.cfg
+    }
+}
+
+impl fmt::Debug for LoopbackDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackDevice")
+            .field("name", &self.attr.name)
+            .field("gid", &self.attr.gid)
+            .field("network", &self.shared.net.id())
+            .finish()
+    }
+}
+
+impl Device for LoopbackDevice {
+    fn attr(&self) -> &DeviceAttr {
+        &self.attr
+    }
+
+    fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>> {
+        Ok(Box::new(LoopbackQp::create(&self.shared, attr)?))
+    }
+
+    fn stats(&self) -> DeviceStats {
+        self.shared.counters.snapshot()
+    }
+}

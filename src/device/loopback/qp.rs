@@ -1,0 +1,260 @@
+//! Loopback queue pairs and the per-device QPN table.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+
+use super::DevShared;
+use super::wire::{RNR_INFINITE, Wake};
+use crate::addr::RawAddr;
+use crate::device::{
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
+use crate::stats::inc;
+
+/// Queue pair numbers of one device: handed out upwards from 1, a freed number is reused only
+/// after the counter wraps, and a reused number never gets the QKEY it had before (unless asked).
+pub(super) struct QpnTable {
+    next: u16,
+    used: HashSet<u16>,
+    last_qkey: HashMap<u16, u32>,
+}
+
+impl QpnTable {
+    pub(super) fn new() -> QpnTable {
+        QpnTable {
+            next: 1,
+            used: HashSet::new(),
+            last_qkey: HashMap::new(),
+        }
+    }
+
+    /// The next free QPN and its QKEY (`requested`, or a fresh random one).
+    fn alloc(&mut self, requested: Option<u32>) -> Option<(u16, u32)> {
+        for _ in 0..u16::MAX {
+            let qpn = self.next;
+            self.next = if self.next == u16::MAX {
+                1
+            } else {
+                self.next + 1
+            };
+            if self.used.insert(qpn) {
+                let last = self.last_qkey.get(&qpn).copied();
+                let qkey = requested.unwrap_or_else(|| {
+                    loop {
+                        let k = random_qkey();
+                        if Some(k) != last {
+                            break k;
+                        }
+                    }
+                });
+                self.last_qkey.insert(qpn, qkey);
+                return Some((qpn, qkey));
+            }
+        }
+        None
+    }
+
+    fn release(&mut self, qpn: u16) {
+        self.used.remove(&qpn);
+    }
+}
+
+/// What the network sees of a queue pair.
+pub(super) struct QpShared {
+    pub(super) addr: RawAddr,
+    pub(super) qp_type: QpType,
+    pub(super) rnr_retry: u8,
+    pub(super) notifier: Arc<Notifier>,
+    pub(super) dev: Arc<DevShared>,
+    pub(super) state: Mutex<QpState>,
+}
+
+/// Receive buffers and completions of one queue pair.
+#[derive(Default)]
+pub(super) struct QpState {
+    /// Posted receive buffers, consumed in posting order.
+    pub(super) recvs: VecDeque<(u64, BytesMut)>,
+    /// Completions not yet polled.
+    pub(super) comps: VecDeque<DeviceCompletion>,
+}
+
+impl QpShared {
+    /// Queues a completion and schedules the notifier.
+    pub(super) fn push(&self, c: DeviceCompletion, wake: &mut Wake) {
+        self.state.lock().comps.push_back(c);
+        wake.add(&self.notifier);
+    }
+}
+
+/// A loopback queue pair (the handle `create_qp` returns).
+pub(super) struct LoopbackQp {
+    shared: Arc<QpShared>,
+    send_depth: usize,
+    recv_depth: usize,
+    /// Sends posted whose completion has not been polled yet.
+    sends_out: usize,
+    /// Receives posted whose completion has not been polled yet.
+    recvs_out: usize,
+    closed: bool,
+}
+
+impl LoopbackQp {
+    pub(super) fn create(dev: &Arc<DevShared>, attr: QpAttr) -> Result<LoopbackQp> {
+        let bad = |detail: String| {
+            Error::new(ErrorKind::InvalidArgument, "create_qp").with_detail(detail)
+        };
+        if attr.send_depth == 0 || attr.recv_depth == 0 {
+            return Err(bad(format!(
+                "queue depths must be positive (send {}, recv {})",
+                attr.send_depth, attr.recv_depth
+            )));
+        }
+        if attr.rnr_retry > RNR_INFINITE {
+            return Err(bad(format!(
+                "rnr_retry {} outside 0..={RNR_INFINITE}",
+                attr.rnr_retry
+            )));
+        }
+        let (qpn, qkey) = dev.qpns.lock().alloc(attr.qkey).ok_or_else(|| {
+            Error::new(ErrorKind::NoMemory, "create_qp").with_detail("every QPN is in use")
+        })?;
+        let shared = Arc::new(QpShared {
+            addr: RawAddr::new(dev.gid, qpn, qkey),
+            qp_type: attr.qp_type,
+            rnr_retry: attr.rnr_retry,
+            notifier: attr.notifier,
+            dev: dev.clone(),
+            state: Mutex::new(QpState::default()),
+        });
+        dev.net.wire.state.lock().attach_qp(shared.clone());
+        tracing::trace!(addr = %shared.addr, qp_type = ?attr.qp_type, "loopback queue pair created");
+        Ok(LoopbackQp {
+            shared,
+            send_depth: attr.send_depth.min(dev.cfg.max_send_wr),
+            recv_depth: attr.recv_depth.min(dev.cfg.max_recv_wr),
+            sends_out: 0,
+            recvs_out: 0,
+            closed: false,
+        })
+    }
+
+    fn check_open(&self, op: &'static str) -> Result<()> {
+        if self.closed {
+            Err(Error::new(ErrorKind::Closed, op).with_detail("queue pair closed"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl fmt::Debug for LoopbackQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoopbackQp")
+            .field("addr", &self.shared.addr)
+            .field("qp_type", &self.shared.qp_type)
+            .field("sends_out", &self.sends_out)
+            .field("recvs_out", &self.recvs_out)
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
+impl QueuePair for LoopbackQp {
+    fn addr(&self) -> RawAddr {
+        self.shared.addr
+    }
+
+    fn qp_type(&self) -> QpType {
+        self.shared.qp_type
+    }
+
+    fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        self.check_open("post_send")?;
+        let mtu = self.shared.dev.cfg.mtu;
+        if wr.len() > mtu {
+            return Err(Error::new(ErrorKind::MsgSize, "post_send")
+                .with_detail(format!("{} bytes > MTU {mtu}", wr.len())));
+        }
+        if self.sends_out >= self.send_depth {
+            return Err(Error::new(ErrorKind::Again, "post_send")
+                .with_detail(format!("{} sends outstanding", self.sends_out)));
+        }
+        self.sends_out += 1;
+        self.shared.dev.net.wire.send(&self.shared, wr);
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
+        self.check_open("post_recv")?;
+        if self.recvs_out >= self.recv_depth {
+            return Err(Error::new(ErrorKind::Again, "post_recv")
+                .with_detail(format!("{} receives outstanding", self.recvs_out)));
+        }
+        self.recvs_out += 1;
+        self.shared.state.lock().recvs.push_back((wr_id, buf));
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        let wire = &self.shared.dev.net.wire;
+        if wire.in_flight() > 0 {
+            wire.pump();
+        }
+        let mut st = self.shared.state.lock();
+        let n = max.min(st.comps.len());
+        for c in st.comps.drain(..n) {
+            match c.opcode {
+                Opcode::Send => self.sends_out = self.sends_out.saturating_sub(1),
+                _ => self.recvs_out = self.recvs_out.saturating_sub(1),
+            }
+            out.push(c);
+        }
+        n
+    }
+
+    fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let shared = &self.shared;
+        let sends = shared
+            .dev
+            .net
+            .wire
+            .with_state(|st, _, _| st.detach_qp(shared));
+        {
+            let mut guard = shared.state.lock();
+            let st = &mut *guard;
+            for (wr_id, len) in sends {
+                inc(&shared.dev.counters.send_errors);
+                st.comps.push_back(DeviceCompletion::new(
+                    wr_id,
+                    Status::Flushed,
+                    Opcode::Send,
+                    len,
+                ));
+            }
+            for (wr_id, buf) in st.recvs.drain(..) {
+                let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
+                c.buf = Some(buf);
+                st.comps.push_back(c);
+            }
+        }
+        shared.notifier.notify();
+        shared.dev.qpns.lock().release(shared.addr.qpn);
+        tracing::trace!(addr = %shared.addr, "loopback queue pair closed");
+    }
+}
+
+impl Drop for LoopbackQp {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
