@@ -736,12 +736,18 @@ fn parse_u64_raw(v: &str) -> Option<u64> {
 }
 
 fn parse_unsigned(name: &'static str, v: &str, max: u64) -> Result<u64> {
-    let n = parse_u64_raw(v).ok_or_else(|| {
-        config_error(
+    let Some(n) = parse_u64_raw(v) else {
+        let t = v.trim();
+        let digits = !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        return Err(config_error(
             name,
-            format!("expected a non-negative integer (decimal or 0x hex), got {v:?}"),
-        )
-    })?;
+            if digits {
+                format!("{v:?} is out of range (at most {max})")
+            } else {
+                format!("expected a non-negative integer (decimal or 0x hex), got {v:?}")
+            },
+        ));
+    };
     if n > max {
         return Err(config_error(
             name,
