@@ -21,8 +21,8 @@ use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use common::{Oob, all_sizes, check_pattern, fill_pattern, parse_size, print_header, print_row};
 use efa::{
-    AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Domain, Endpoint, EpType, ErrorKind,
-    Hints, PeerId, getinfo,
+    AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Domain, Endpoint, EpType,
+    ErrorKind, Hints, PeerId, getinfo,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -96,13 +96,26 @@ impl Params {
         if f.len() != 5 || f[0] != "params" {
             return Err(bad());
         }
-        let sizes = f[1].split(',').map(|s| s.parse().map_err(|_| bad())).collect::<Result<Vec<usize>, _>>()?;
-        let iters = if f[2] == "-" { None } else { Some(f[2].parse().map_err(|_| bad())?) };
-        Ok(Params { sizes, iters, warmup: f[3].parse().map_err(|_| bad())?, verify: f[4] == "1" })
+        let sizes = f[1]
+            .split(',')
+            .map(|s| s.parse().map_err(|_| bad()))
+            .collect::<Result<Vec<usize>, _>>()?;
+        let iters = if f[2] == "-" {
+            None
+        } else {
+            Some(f[2].parse().map_err(|_| bad())?)
+        };
+        Ok(Params {
+            sizes,
+            iters,
+            warmup: f[3].parse().map_err(|_| bad())?,
+            verify: f[4] == "1",
+        })
     }
 
     fn iters_for(&self, size: usize) -> usize {
-        self.iters.unwrap_or(if size >= 1 << 20 { 100 } else { 1000 })
+        self.iters
+            .unwrap_or(if size >= 1 << 20 { 100 } else { 1000 })
     }
 }
 
@@ -135,77 +148,137 @@ fn run(args: Args) -> Res<()> {
         other => return Err(format!("unknown endpoint type {other:?} (rdm|dgram)")),
     };
     if args.mode != "msg" {
-        return Err(format!("-m {}: DGRAM endpoints carry untagged messages only (-m msg)", args.mode));
+        return Err(format!(
+            "-m {}: DGRAM endpoints carry untagged messages only (-m msg)",
+            args.mode
+        ));
     }
     if args.listen && args.server.is_some() {
         return Err("give either -l (server) or a server address (client), not both".into());
     }
     let in_process = !args.listen && args.server.is_none();
     if args.provider == "loopback" && !in_process {
-        return Err("the loopback device is in-process: run without -l and without a server address".into());
+        return Err(
+            "the loopback device is in-process: run without -l and without a server address".into(),
+        );
     }
     if in_process {
-        let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("oob bind: {e}"))?;
+        let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .map_err(|e| format!("oob bind: {e}"))?;
         let port = listener.local_addr().map_err(|e| e.to_string())?.port();
         let server_args = args.clone();
         let server = std::thread::spawn(move || -> Res<()> {
             let (s, _) = listener.accept().map_err(|e| format!("oob accept: {e}"))?;
             drop(listener);
             let oob = Oob::from_accepted(s).map_err(|e| format!("oob: {e}"))?;
-            session(&server_args, ep_type, Role::Server, oob, Some(IpAddr::V4(Ipv4Addr::LOCALHOST)), false)
+            session(
+                &server_args,
+                ep_type,
+                Role::Server,
+                oob,
+                Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+                false,
+            )
         });
         let oob = Oob::connect("127.0.0.1", port).map_err(|e| format!("oob connect: {e}"))?;
         let bind = args.src_addr.or(Some(IpAddr::V4(Ipv4Addr::LOCALHOST)));
         let client = session(&args, ep_type, Role::Client, oob, bind, true);
-        let server = server.join().map_err(|_| "server thread panicked".to_string())?;
+        let server = server
+            .join()
+            .map_err(|_| "server thread panicked".to_string())?;
         client.and(server)
     } else if args.listen {
         let bind = args.src_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let port = args.bind_port.unwrap_or(common::DEFAULT_OOB_PORT);
-        let oob = Oob::accept(bind, port).map_err(|e| format!("oob listen on {bind}:{port}: {e}"))?;
+        let oob =
+            Oob::accept(bind, port).map_err(|e| format!("oob listen on {bind}:{port}: {e}"))?;
         session(&args, ep_type, Role::Server, oob, Some(bind), true)
     } else {
         let server = args.server.clone().unwrap_or_default();
         let port = args.port.unwrap_or(common::DEFAULT_OOB_PORT);
-        let oob = Oob::connect(&server, port).map_err(|e| format!("oob connect to {server}:{port}: {e}"))?;
+        let oob = Oob::connect(&server, port)
+            .map_err(|e| format!("oob connect to {server}:{port}: {e}"))?;
         let bind = args.src_addr.or(oob.local_ip().ok());
         session(&args, ep_type, Role::Client, oob, bind, true)
     }
 }
 
 /// One side of the test.
-fn session(args: &Args, ep_type: EpType, role: Role, mut oob: Oob, bind: Option<IpAddr>, print: bool) -> Res<()> {
+fn session(
+    args: &Args,
+    ep_type: EpType,
+    role: Role,
+    mut oob: Oob,
+    bind: Option<IpAddr>,
+    print: bool,
+) -> Res<()> {
     let mut hints = Hints::new().provider(&args.provider).ep_type(ep_type);
     if let Some(ip) = bind {
         hints = hints.addr(ip);
     }
-    let info = getinfo(&hints).map_err(|e| e.to_string())?.into_iter().next().ok_or("no device")?;
+    let info = getinfo(&hints)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .next()
+        .ok_or("no device")?;
     let domain = Domain::open(&info).map_err(|e| e.to_string())?;
     let cq = CompletionQueue::new(&domain, 1024).map_err(|e| e.to_string())?;
     let av = AddressVector::new(&domain);
-    let ep = Endpoint::<Dgram>::builder(&domain).cq(&cq).av(&av).build().map_err(|e| e.to_string())?;
+    let ep = Endpoint::<Dgram>::builder(&domain)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .map_err(|e| e.to_string())?;
     let max = ep.max_msg_size();
 
     let params = match role {
         Role::Client => {
-            let sizes = if args.size == "all" { all_sizes(max) } else { vec![parse_size(&args.size)?] };
+            let sizes = if args.size == "all" {
+                all_sizes(max)
+            } else {
+                vec![parse_size(&args.size)?]
+            };
             if let Some(&s) = sizes.iter().find(|&&s| s > max) {
-                return Err(format!("size {s} exceeds the endpoint's max_msg_size {max}"));
+                return Err(format!(
+                    "size {s} exceeds the endpoint's max_msg_size {max}"
+                ));
             }
-            let p = Params { sizes, iters: args.iters, warmup: args.warmup, verify: args.verify };
+            let p = Params {
+                sizes,
+                iters: args.iters,
+                warmup: args.warmup,
+                verify: args.verify,
+            };
             oob.send_line(&p.encode()).map_err(|e| e.to_string())?;
             p
         }
         Role::Server => Params::decode(&oob.recv_line().map_err(|e| e.to_string())?)?,
     };
-    let peer_addr = oob.exchange_addr(ep.addr()).map_err(|e| format!("address exchange: {e}"))?;
+    let peer_addr = oob
+        .exchange_addr(ep.addr())
+        .map_err(|e| format!("address exchange: {e}"))?;
     let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
     if print {
-        eprintln!("{:?} {} -> {}", if role == Role::Client { "client" } else { "server" }, ep.addr(), peer_addr);
+        eprintln!(
+            "{:?} {} -> {}",
+            if role == Role::Client {
+                "client"
+            } else {
+                "server"
+            },
+            ep.addr(),
+            peer_addr
+        );
         print_header();
     }
     let timeout = Duration::from_millis(args.timeout_ms);
-    let mut pp = PingPong { ep: &ep, cq: &cq, peer, timeout, done: Vec::with_capacity(16) };
+    let mut pp = PingPong {
+        ep: &ep,
+        cq: &cq,
+        peer,
+        timeout,
+        done: Vec::with_capacity(16),
+    };
     for &size in &params.sizes {
         let mut msg = vec![0u8; size];
         fill_pattern(&mut msg, size as u64);
@@ -256,7 +329,9 @@ impl PingPong<'_> {
         loop {
             match self.ep.send(self.peer, msg.clone(), 2) {
                 Ok(()) => return Ok(()),
-                Err(e) if e.kind() == ErrorKind::Again => self.poll_once()?,
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    self.poll_once()?;
+                }
                 Err(e) => return Err(format!("send: {e}")),
             }
         }
@@ -266,7 +341,11 @@ impl PingPong<'_> {
         match self.cq.poll(&mut self.done, 16) {
             Ok(n) => Ok(n),
             Err(e) if e.kind() == ErrorKind::ErrorAvailable => {
-                let err = self.cq.read_err().map(|c| c.error.to_string()).unwrap_or_default();
+                let err = self
+                    .cq
+                    .read_err()
+                    .map(|c| c.error.to_string())
+                    .unwrap_or_default();
                 Err(format!("error completion: {err}"))
             }
             Err(e) => Err(e.to_string()),
@@ -288,14 +367,20 @@ impl PingPong<'_> {
                 if c.len != size {
                     return Err(format!("received {} bytes, expected {size}", c.len));
                 }
-                let buf = c.buf.into_recv().ok_or("receive completion without its buffer")?;
+                let buf = c
+                    .buf
+                    .into_recv()
+                    .ok_or("receive completion without its buffer")?;
                 if verify {
                     check_pattern(&buf, size as u64)?;
                 }
                 return if repost { self.post_recv(buf) } else { Ok(()) };
             }
             if Instant::now() > deadline {
-                return Err(format!("no reply within {:?} (datagram lost?)", self.timeout));
+                return Err(format!(
+                    "no reply within {:?} (datagram lost?)",
+                    self.timeout
+                ));
             }
             std::hint::spin_loop();
         }
@@ -303,7 +388,8 @@ impl PingPong<'_> {
 
     fn drain_sends(&mut self) -> Res<()> {
         self.poll_once()?;
-        self.done.retain(|c| !c.flags.contains(CompletionFlags::SEND));
+        self.done
+            .retain(|c| !c.flags.contains(CompletionFlags::SEND));
         Ok(())
     }
 }

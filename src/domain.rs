@@ -4,14 +4,13 @@
 use std::fmt;
 use std::sync::Arc;
 
-use bytes::BytesMut;
 use parking_lot::Mutex;
 
 use crate::config::Config;
 use crate::device::{Device, DeviceAttr};
 use crate::error::Result;
 use crate::info::Info;
-use crate::mr::{Access, MemoryRegion, MrTable};
+use crate::mr::{Access, IntoRegionBuf, MemoryRegion, MrTable};
 use crate::stats::DeviceStats;
 
 /// An opened device. Cheap to clone (an `Arc` inside); every child handle keeps its domain alive,
@@ -25,13 +24,20 @@ struct DomainInner {
     device: Arc<dyn Device>,
     config: Config,
     mrs: Mutex<MrTable>,
+    msg_prefix: bool,
 }
 
 impl Domain {
     /// Opens the device an [`Info`] from [`getinfo`](crate::getinfo) describes, with its config.
     pub fn open(info: &Info) -> Result<Domain> {
         let device = info.open_device()?;
-        Ok(Domain::with_device(device, info.config.clone()))
+        let mut d = Domain::with_device(device, info.config.clone());
+        if info.ep_attr.msg_prefix_size > 0 {
+            if let Some(inner) = Arc::get_mut(&mut d.inner) {
+                inner.msg_prefix = true;
+            }
+        }
+        Ok(d)
     }
 
     /// A domain on a device opened by hand (tests, custom loopback networks).
@@ -42,6 +48,7 @@ impl Domain {
                 device,
                 config,
                 mrs: MrTable::new(),
+                msg_prefix: false,
             }),
         }
     }
@@ -69,8 +76,8 @@ impl Domain {
     /// Registers `buf` (its `len()` bytes) with `access` rights. The region owns the buffer.
     ///
     /// Errors: `InvalidArgument` for an empty buffer or empty access flags.
-    pub fn register(&self, buf: impl Into<BytesMut>, access: Access) -> Result<MemoryRegion> {
-        MemoryRegion::register(self, buf.into(), access)
+    pub fn register(&self, buf: impl IntoRegionBuf, access: Access) -> Result<MemoryRegion> {
+        MemoryRegion::register(self, buf.into_region_buf(), access)
     }
 
     /// Checks a remote access (`key`, `addr`, `len`, needed `access`) against this domain's live
@@ -78,6 +85,12 @@ impl Domain {
     /// region or the right was not granted.
     pub fn verify_remote(&self, key: u64, addr: u64, len: u64, access: Access) -> Result<()> {
         crate::mr::verify(&self.inner.mrs, key, addr, len, access)
+    }
+
+    /// True when the `Info` this domain was opened from asked for `FI_MSG_PREFIX`
+    /// (`Hints::mode(Mode::MSG_PREFIX)`): DGRAM endpoints then default to prefix mode.
+    pub fn msg_prefix(&self) -> bool {
+        self.inner.msg_prefix
     }
 
     pub(crate) fn mr_table(&self) -> &Mutex<MrTable> {

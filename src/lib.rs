@@ -65,6 +65,6 @@ pub use ep::{Dgram, Endpoint, EndpointBuilder, EndpointKind};
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;
 pub use info::{Caps, EpType, Hints, Info, getinfo};
-pub use mr::{Access, MemoryRegion, RemoteKey};
+pub use mr::{Access, IntoRegionBuf, MemoryRegion, RemoteKey};
 
 pub use stats::{DeviceStats, EndpointStats};

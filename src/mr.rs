@@ -95,6 +95,34 @@ impl fmt::Debug for Access {
     }
 }
 
+/// Buffers a [`MemoryRegion`] can own: `BytesMut`, `Vec<u8>` and `Box<[u8]>` (taken without
+/// copying).
+pub trait IntoRegionBuf {
+    /// The buffer as `BytesMut`.
+    fn into_region_buf(self) -> BytesMut;
+}
+
+impl IntoRegionBuf for BytesMut {
+    fn into_region_buf(self) -> BytesMut {
+        self
+    }
+}
+
+impl IntoRegionBuf for Vec<u8> {
+    fn into_region_buf(self) -> BytesMut {
+        // A uniquely owned `Bytes` converts back without copying.
+        bytes::Bytes::from(self)
+            .try_into_mut()
+            .unwrap_or_else(|b| BytesMut::from(&b[..]))
+    }
+}
+
+impl IntoRegionBuf for Box<[u8]> {
+    fn into_region_buf(self) -> BytesMut {
+        Vec::from(self).into_region_buf()
+    }
+}
+
 /// What a peer needs to access a region: its address, length and key (`FI_MR_VIRT_ADDR` style:
 /// `addr` is the region's address in its owner's address space). Exchange it out of band; it
 /// serializes with serde.

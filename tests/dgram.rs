@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use efa::{
-    Access, AddressVector, Buffer, Completion, CompletionFlags, CompletionQueue, Dgram, Domain, Endpoint, EpType,
-    ErrorKind, Hints, getinfo,
+    Access, AddressVector, Buffer, Completion, CompletionFlags, CompletionQueue, Dgram, Domain,
+    Endpoint, EpType, ErrorKind, Hints, getinfo,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -32,8 +32,16 @@ struct Pair {
 fn pair(d: &Domain) -> Pair {
     let cq = CompletionQueue::new(d, 4096).unwrap();
     let av = AddressVector::new(d);
-    let a = Endpoint::<Dgram>::builder(d).cq(&cq).av(&av).build().unwrap();
-    let b = Endpoint::<Dgram>::builder(d).cq(&cq).av(&av).build().unwrap();
+    let a = Endpoint::<Dgram>::builder(d)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
+    let b = Endpoint::<Dgram>::builder(d)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
     Pair { cq, av, a, b }
 }
 
@@ -42,12 +50,17 @@ fn collect(cq: &CompletionQueue, n: usize) -> Vec<Completion> {
     let deadline = Instant::now() + WAIT;
     let mut out = Vec::new();
     while out.len() < n {
-        match cq.wait(&mut out, n - out.len(), Some(Duration::from_millis(100))) {
+        let want = n - out.len();
+        match cq.wait(&mut out, want, Some(Duration::from_millis(100))) {
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::TimedOut => {}
             Err(e) => panic!("cq error: {e} / {:?}", cq.read_err()),
         }
-        assert!(Instant::now() < deadline, "only {} of {n} completions arrived", out.len());
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {n} completions arrived",
+            out.len()
+        );
     }
     out
 }
@@ -69,7 +82,8 @@ fn datagrams_arrive_intact_with_data_and_source() {
         let pa = t.av.insert(t.a.addr()).unwrap();
         let n = 64usize;
         for i in 0..n {
-            t.b.recv(BytesMut::with_capacity(d.attr().mtu), 1000 + i as u64).unwrap();
+            t.b.recv(BytesMut::with_capacity(d.attr().mtu), 1000 + i as u64)
+                .unwrap();
         }
         let mut sent = HashSet::new();
         for i in 0..n {
@@ -87,17 +101,31 @@ fn datagrams_arrive_intact_with_data_and_source() {
                 assert!(c.buf.as_send().is_some(), "{p}: send buffer handed back");
                 continue;
             }
-            assert!(c.flags.contains(CompletionFlags::RECV | CompletionFlags::REMOTE_CQ_DATA), "{p}");
+            assert!(
+                c.flags
+                    .contains(CompletionFlags::RECV | CompletionFlags::REMOTE_CQ_DATA),
+                "{p}"
+            );
             assert_eq!(c.source, Some(pa), "{p}: FI_SOURCE names the sender");
             let data = c.buf.as_recv().unwrap().to_vec();
             assert_eq!(c.len, data.len());
             let i = c.data.unwrap() as usize;
-            assert_eq!(data.len(), (i * 131) % (d.attr().mtu + 1), "{p}: length of message {i}");
-            assert!(data.iter().enumerate().all(|(j, &b)| b == (i + j) as u8), "{p}: payload of {i}");
+            assert_eq!(
+                data.len(),
+                (i * 131) % (d.attr().mtu + 1),
+                "{p}: length of message {i}"
+            );
+            assert!(
+                data.iter().enumerate().all(|(j, &b)| b == (i + j) as u8),
+                "{p}: payload of {i}"
+            );
             assert!(got.insert(data), "{p}: message {i} delivered twice");
         }
         assert_eq!(sends, n, "{p}: every send completes once");
-        assert_eq!(got, sent, "{p}: every datagram arrives once (no loss on an idle local link)");
+        assert_eq!(
+            got, sent,
+            "{p}: every datagram arrives once (no loss on an idle local link)"
+        );
         assert_eq!(t.a.stats().tx_msgs, n as u64);
         assert_eq!(t.b.stats().rx_msgs, n as u64);
     }
@@ -127,7 +155,12 @@ fn unknown_or_removed_peer_is_refused() {
     // A reused slot does not revive the old id.
     let pb2 = t.av.insert(t.b.addr()).unwrap();
     assert_eq!(pb2.index(), pb.index());
-    assert_eq!(t.a.send(pb, Bytes::from_static(b"x"), 1).unwrap_err().kind(), ErrorKind::UnknownPeer);
+    assert_eq!(
+        t.a.send(pb, Bytes::from_static(b"x"), 1)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::UnknownPeer
+    );
     t.a.send(pb2, Bytes::from_static(b"x"), 1).unwrap();
 }
 
@@ -136,13 +169,22 @@ fn full_queues_say_again() {
     let d = domain("loopback", None);
     let cq = CompletionQueue::new(&d, 64).unwrap();
     let av = AddressVector::new(&d);
-    let a = Endpoint::<Dgram>::builder(&d).cq(&cq).av(&av).rx_size(4).tx_size(4).build().unwrap();
+    let a = Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .rx_size(4)
+        .tx_size(4)
+        .build()
+        .unwrap();
     for i in 0..4 {
         a.recv(BytesMut::with_capacity(16), i).unwrap();
     }
     let e = a.recv(BytesMut::with_capacity(16), 9).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Again);
-    assert_eq!(e.into_buffer().into_recv().map(|b| b.capacity() >= 16), Some(true));
+    assert_eq!(
+        e.into_buffer().into_recv().map(|b| b.capacity() >= 16),
+        Some(true)
+    );
     assert!(a.stats().again >= 1);
 }
 
@@ -165,7 +207,10 @@ fn short_buffer_gives_truncated_error_completion() {
         assert_eq!(err.context, 77, "{p}");
         assert_eq!(err.error.kind(), ErrorKind::Truncated, "{p}");
         assert_eq!(err.olen, 92, "{p}: the overflow length");
-        assert!(matches!(err.buf, Buffer::Recv(_)), "{p}: buffer handed back");
+        assert!(
+            matches!(err.buf, Buffer::Recv(_)),
+            "{p}: buffer handed back"
+        );
     }
 }
 
@@ -175,7 +220,11 @@ fn closing_an_endpoint_cancels_its_receives_once() {
         let d = domain(p, addr);
         let cq = CompletionQueue::new(&d, 64).unwrap();
         let av = AddressVector::new(&d);
-        let a = Endpoint::<Dgram>::builder(&d).cq(&cq).av(&av).build().unwrap();
+        let a = Endpoint::<Dgram>::builder(&d)
+            .cq(&cq)
+            .av(&av)
+            .build()
+            .unwrap();
         for i in 0..5 {
             a.recv(BytesMut::with_capacity(32), i).unwrap();
         }
@@ -197,10 +246,23 @@ fn msg_prefix_mode_reserves_forty_bytes() {
     let d = domain("loopback", None);
     let cq = CompletionQueue::new(&d, 64).unwrap();
     let av = AddressVector::new(&d);
-    let a = Endpoint::<Dgram>::builder(&d).cq(&cq).av(&av).msg_prefix(true).build().unwrap();
-    let b = Endpoint::<Dgram>::builder(&d).cq(&cq).av(&av).msg_prefix(true).build().unwrap();
+    let a = Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .msg_prefix(true)
+        .build()
+        .unwrap();
+    let b = Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .msg_prefix(true)
+        .build()
+        .unwrap();
     let pb = av.insert(b.addr()).unwrap();
-    assert_eq!(a.send(pb, vec![0u8; 39], 1).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        a.send(pb, vec![0u8; 39], 1).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
     b.recv(BytesMut::with_capacity(40 + 16), 5).unwrap();
     let mut msg = vec![0xAAu8; 40];
     msg.extend_from_slice(b"payload");
@@ -241,11 +303,23 @@ fn separate_tx_and_rx_queues_and_blocking_wait() {
     let tx = CompletionQueue::new(&d, 16).unwrap();
     let rx = CompletionQueue::new(&d, 16).unwrap();
     let av = AddressVector::new(&d);
-    let a = Endpoint::<Dgram>::builder(&d).tx_cq(&tx).rx_cq(&rx).av(&av).build().unwrap();
-    let b = Endpoint::<Dgram>::builder(&d).tx_cq(&tx).rx_cq(&rx).av(&av).build().unwrap();
+    let a = Endpoint::<Dgram>::builder(&d)
+        .tx_cq(&tx)
+        .rx_cq(&rx)
+        .av(&av)
+        .build()
+        .unwrap();
+    let b = Endpoint::<Dgram>::builder(&d)
+        .tx_cq(&tx)
+        .rx_cq(&rx)
+        .av(&av)
+        .build()
+        .unwrap();
     let pb = av.insert(b.addr()).unwrap();
     let mut out = Vec::new();
-    let e = rx.wait(&mut out, 1, Some(Duration::from_millis(20))).unwrap_err();
+    let e = rx
+        .wait(&mut out, 1, Some(Duration::from_millis(20)))
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut);
     b.recv(BytesMut::with_capacity(64), 1).unwrap();
     let sender = std::thread::spawn(move || {
@@ -301,9 +375,16 @@ fn async_wait_without_a_runtime_and_with_tokio() {
         }
         let _a = sender.join().unwrap();
 
-        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
         t.b.recv(BytesMut::with_capacity(64), 3).unwrap();
-        let a2 = Endpoint::<Dgram>::builder(&d).cq(&t.cq).av(&t.av).build().unwrap();
+        let a2 = Endpoint::<Dgram>::builder(&d)
+            .cq(&t.cq)
+            .av(&t.av)
+            .build()
+            .unwrap();
         let got = rt.block_on(async {
             let cq = t.cq.clone();
             let wait = async move {
@@ -344,7 +425,11 @@ fn garbage_on_the_udp_socket_is_dropped_and_counted() {
     let deadline = Instant::now() + WAIT;
     while d.device_stats().malformed_dropped < 400 {
         t.cq.poll(&mut Vec::new(), 0).ok();
-        assert!(Instant::now() < deadline, "seed {seed}: garbage not counted: {:?}", d.device_stats());
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: garbage not counted: {:?}",
+            d.device_stats()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     t.a.send(pb, Bytes::from_static(b"still works"), 2).unwrap();
@@ -357,11 +442,17 @@ fn garbage_on_the_udp_socket_is_dropped_and_counted() {
 #[test]
 #[ignore = "helper run by two_processes_exchange_datagrams_over_udp in a child process"]
 fn child_echo() {
-    let Ok(parent) = std::env::var("EFA_TEST_PARENT_ADDR") else { return };
+    let Ok(parent) = std::env::var("EFA_TEST_PARENT_ADDR") else {
+        return;
+    };
     let d = domain("udp", Some(IpAddr::V4(Ipv4Addr::LOCALHOST)));
     let cq = CompletionQueue::new(&d, 256).unwrap();
     let av = AddressVector::new(&d);
-    let ep = Endpoint::<Dgram>::builder(&d).cq(&cq).av(&av).build().unwrap();
+    let ep = Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
     let parent = av.insert(parent.parse().unwrap()).unwrap();
     for i in 0..32 {
         ep.recv(BytesMut::with_capacity(2048), i).unwrap();
@@ -394,19 +485,32 @@ fn two_processes_exchange_datagrams_over_udp() {
     let d = domain("udp", Some(IpAddr::V4(Ipv4Addr::LOCALHOST)));
     let cq = CompletionQueue::new(&d, 256).unwrap();
     let av = AddressVector::new(&d);
-    let ep = Endpoint::<Dgram>::builder(&d).cq(&cq).av(&av).build().unwrap();
+    let ep = Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
     for i in 0..32 {
         ep.recv(BytesMut::with_capacity(2048), i).unwrap();
     }
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_echo", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "child_echo",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("EFA_TEST_PARENT_ADDR", ep.addr().to_string())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let child_addr = loop {
-        let l = lines.next().expect("child exited before announcing its address").unwrap();
+        let l = lines
+            .next()
+            .expect("child exited before announcing its address")
+            .unwrap();
         if let Some(a) = l.strip_prefix("CHILD_ADDR ") {
             break a.parse().unwrap();
         }
@@ -417,9 +521,18 @@ fn two_processes_exchange_datagrams_over_udp() {
     // UD may drop: resend what has not come back (distinct payloads make duplicates visible).
     let mut next = 0u32;
     while got.len() < 100 {
-        assert!(Instant::now() < deadline, "only {} of 100 echoes", got.len());
+        assert!(
+            Instant::now() < deadline,
+            "only {} of 100 echoes",
+            got.len()
+        );
         if next < 100 {
-            ep.send(peer, Bytes::from(format!("datagram {next}").into_bytes()), 0).unwrap();
+            ep.send(
+                peer,
+                Bytes::from(format!("datagram {next}").into_bytes()),
+                0,
+            )
+            .unwrap();
             next += 1;
         }
         let mut out = Vec::new();
@@ -428,7 +541,10 @@ fn two_processes_exchange_datagrams_over_udp() {
             if c.flags.contains(CompletionFlags::RECV) {
                 assert_eq!(c.source, Some(peer), "FI_SOURCE names the child");
                 let buf = c.buf.into_recv().unwrap();
-                assert!(got.insert(String::from_utf8(buf.to_vec()).unwrap()), "an echo arrived twice");
+                assert!(
+                    got.insert(String::from_utf8(buf.to_vec()).unwrap()),
+                    "an echo arrived twice"
+                );
                 ep.recv(buf, 0).unwrap();
             }
         }

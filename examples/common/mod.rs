@@ -22,8 +22,16 @@ pub fn size_str(size: u64) -> String {
     } else {
         (1, "")
     };
-    let fraction = if size / base < 10 { (size % base) * 10 / base } else { 0 };
-    if fraction > 0 { format!("{}.{}{}", size / base, fraction, mag) } else { format!("{}{}", size / base, mag) }
+    let fraction = if size / base < 10 {
+        (size % base) * 10 / base
+    } else {
+        0
+    };
+    if fraction > 0 {
+        format!("{}.{}{}", size / base, fraction, mag)
+    } else {
+        format!("{}{}", size / base, mag)
+    }
 }
 
 /// fabtests' `cnt_str`: 1000 -> 1k, 1000000 -> 1m.
@@ -37,8 +45,16 @@ pub fn cnt_str(n: u64) -> String {
     } else {
         (1, "")
     };
-    let fraction = if n / base < 10 { (n % base) * 10 / base } else { 0 };
-    if fraction > 0 { format!("{}.{}{}", n / base, fraction, mag) } else { format!("{}{}", n / base, mag) }
+    let fraction = if n / base < 10 {
+        (n % base) * 10 / base
+    } else {
+        0
+    };
+    if fraction > 0 {
+        format!("{}.{}{}", n / base, fraction, mag)
+    } else {
+        format!("{}{}", n / base, mag)
+    }
 }
 
 /// Parses `64`, `1k`, `64k`, `1m`, `1g` (binary multiples).
@@ -114,7 +130,9 @@ pub fn check_pattern(buf: &[u8], seq: u64) -> Result<(), String> {
     for (i, &b) in buf.iter().enumerate() {
         let want = (seq.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
         if b != want {
-            return Err(format!("data mismatch in message {seq} at byte {i}: got {b:#04x}, want {want:#04x}"));
+            return Err(format!(
+                "data mismatch in message {seq} at byte {i}: got {b:#04x}, want {want:#04x}"
+            ));
         }
     }
     Ok(())
@@ -162,7 +180,10 @@ impl Oob {
 
     fn from_stream(s: TcpStream) -> std::io::Result<Oob> {
         s.set_nodelay(true)?;
-        Ok(Oob { reader: BufReader::new(s.try_clone()?), writer: s })
+        Ok(Oob {
+            reader: BufReader::new(s.try_clone()?),
+            writer: s,
+        })
     }
 
     /// This side's address of the TCP connection (the local address that reaches the peer).
@@ -186,7 +207,10 @@ impl Oob {
     pub fn recv_line(&mut self) -> std::io::Result<String> {
         let mut s = String::new();
         if self.reader.read_line(&mut s)? == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed the oob connection"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "peer closed the oob connection",
+            ));
         }
         Ok(s.trim_end().to_string())
     }
@@ -196,8 +220,9 @@ impl Oob {
     pub fn exchange_addr(&mut self, mine: RawAddr) -> std::io::Result<RawAddr> {
         self.send_line(&mine.to_string())?;
         let line = self.recv_line()?;
-        let mut peer: RawAddr =
-            line.parse().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{e}")))?;
+        let mut peer: RawAddr = line
+            .parse()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{e}")))?;
         if peer.gid.to_ip().is_unspecified() {
             peer.gid = self.peer_ip()?.into();
         }
@@ -209,7 +234,10 @@ impl Oob {
         self.send_line("sync")?;
         let l = self.recv_line()?;
         if l != "sync" {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("expected sync, got {l:?}")));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("expected sync, got {l:?}"),
+            ));
         }
         Ok(())
     }

@@ -71,7 +71,7 @@ impl<K: EndpointKind> Endpoint<K> {
             av: None,
             tx_size: None,
             rx_size: None,
-            msg_prefix: false,
+            msg_prefix: domain.msg_prefix(),
             _kind: PhantomData,
         }
     }
