@@ -7,6 +7,7 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use slab::Slab;
 
+use super::buf::RecvTarget;
 use super::{Dgram, Endpoint, EndpointBuilder};
 use crate::addr::RawAddr;
 use crate::av::{AddressVector, PeerId};
@@ -17,7 +18,6 @@ use crate::cq::{
 use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::{Access, MemoryRegion};
 use crate::notify::Notifier;
 use crate::stats::{self, EndpointCounters, EndpointStats};
 
@@ -103,16 +103,6 @@ enum Op {
         context: u64,
         target: RecvTarget,
     },
-}
-
-/// Where a receive lands once the device hands its buffer back.
-enum RecvTarget {
-    /// The user's buffer went to the device as is.
-    Direct,
-    /// The user's buffer is split: `head` holds the prefix area, the device got the rest.
-    Prefixed { head: BytesMut },
-    /// A registered region: the device got a scratch buffer whose data is copied in.
-    Region { region: MemoryRegion, offset: usize },
 }
 
 struct State {
@@ -239,14 +229,9 @@ impl DgramCore {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
-        let data = match &buf {
-            SendBuf::Bytes(b) => b.clone(),
-            SendBuf::Region(r) => {
-                if let Err(e) = r.check_local(&self.domain, Access::SEND, "send") {
-                    return Err(refuse(e, buf.into_buffer()));
-                }
-                Bytes::copy_from_slice(r)
-            }
+        let data = match super::buf::send_bytes(&buf, &self.domain, "send") {
+            Ok(d) => d,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
         let payload = if self.prefix {
             if data.len() < crate::ep::MSG_PREFIX_SIZE {
@@ -308,45 +293,12 @@ impl DgramCore {
             let e = Error::new(ErrorKind::Again, "recv").with_detail("receive queue full");
             return Err(refuse(e, buf.into_buffer()));
         }
-        let (device_buf, target) = match buf {
-            RecvBuf::Bytes(mut b) => {
-                if self.prefix {
-                    if b.capacity() < crate::ep::MSG_PREFIX_SIZE {
-                        let e =
-                            Error::new(ErrorKind::InvalidArgument, "recv").with_detail(format!(
-                                "prefix mode: buffer capacity {} is below the prefix size",
-                                b.capacity()
-                            ));
-                        return Err(refuse(e, Buffer::Recv(b)));
-                    }
-                    b.clear();
-                    b.resize(crate::ep::MSG_PREFIX_SIZE, 0);
-                    let tail = b.split_off(crate::ep::MSG_PREFIX_SIZE);
-                    (tail, RecvTarget::Prefixed { head: b })
-                } else {
-                    (b, RecvTarget::Direct)
-                }
-            }
-            RecvBuf::Region(r) => {
-                if let Err(e) = r.check_local(&self.domain, Access::RECV, "recv") {
-                    return Err(refuse(e, Buffer::Region(r)));
-                }
-                let offset = if self.prefix {
-                    crate::ep::MSG_PREFIX_SIZE
-                } else {
-                    0
-                };
-                if r.len() < offset {
-                    let e = Error::new(ErrorKind::InvalidArgument, "recv")
-                        .with_detail("prefix mode: region shorter than the prefix");
-                    return Err(refuse(e, Buffer::Region(r)));
-                }
-                (
-                    BytesMut::with_capacity(r.len() - offset),
-                    RecvTarget::Region { region: r, offset },
-                )
-            }
+        let prefix = if self.prefix {
+            crate::ep::MSG_PREFIX_SIZE
+        } else {
+            0
         };
+        let (device_buf, target) = RecvTarget::prepare(buf, &self.domain, prefix, "recv")?;
         let mut st = self.state.lock();
         let key = st.ops.vacant_entry().key() as u64;
         match st.qp.post_recv(key, device_buf) {
@@ -361,12 +313,7 @@ impl DgramCore {
                 }
                 // The queue had room, so the device refused for another reason (closed, failed)
                 // and kept the buffer it was given; hand back what the endpoint still holds.
-                let buf = match target {
-                    RecvTarget::Direct => Buffer::None,
-                    RecvTarget::Prefixed { head } => Buffer::Recv(head),
-                    RecvTarget::Region { region, .. } => Buffer::Region(region),
-                };
-                Err(refuse(e, buf))
+                Err(refuse(e, target.abandon()))
             }
         }
     }
@@ -421,20 +368,8 @@ impl DgramCore {
         let source = c.src.and_then(|s| self.av.reverse_lookup(s.gid, s.qpn));
         let device_buf = c.buf.unwrap_or_default();
         let room = device_buf.capacity();
-        let (buf, prefix) = match target {
-            RecvTarget::Direct => (Buffer::Recv(device_buf), 0),
-            RecvTarget::Prefixed { mut head } => {
-                head.unsplit(device_buf);
-                (Buffer::Recv(head), crate::ep::MSG_PREFIX_SIZE)
-            }
-            RecvTarget::Region { mut region, offset } => {
-                if c.status.is_ok() {
-                    let n = device_buf.len().min(region.len() - offset);
-                    region[offset..offset + n].copy_from_slice(&device_buf[..n]);
-                }
-                (Buffer::Region(region), offset)
-            }
-        };
+        let prefix = target.prefix();
+        let buf = target.finish(device_buf, c.status.is_ok());
         match c.status {
             Status::Success => {
                 if c.imm.is_some() {
@@ -572,11 +507,7 @@ impl Drop for DgramCore {
                     buf,
                 ),
                 Op::Recv { context, target } => {
-                    let buf = match target {
-                        RecvTarget::Direct => Buffer::None,
-                        RecvTarget::Prefixed { head } => Buffer::Recv(head),
-                        RecvTarget::Region { region, .. } => Buffer::Region(region),
-                    };
+                    let buf = target.abandon();
                     (
                         &self.rx_cq,
                         context,

@@ -11,6 +11,7 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::info::EpType;
 
+mod buf;
 mod dgram;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
