@@ -47,6 +47,7 @@ pub mod fault;
 pub mod info;
 pub mod mr;
 pub mod notify;
+pub mod proto;
 pub mod stats;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};
@@ -61,7 +62,7 @@ pub use cq::{
     SendBuf,
 };
 pub use domain::Domain;
-pub use ep::{Dgram, Endpoint, EndpointBuilder, EndpointKind};
+pub use ep::{Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome, Rdm, RecvOptions, SendOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;
 pub use info::{Caps, EpType, Hints, Info, getinfo};

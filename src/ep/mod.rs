@@ -13,8 +13,10 @@ use crate::info::EpType;
 
 mod buf;
 mod dgram;
+mod rdm;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
+pub use rdm::{OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions};
 
 mod sealed {
     pub trait Sealed {}
@@ -38,6 +40,20 @@ pub trait EndpointKind: sealed::Sealed + Sized + 'static {
 pub enum Dgram {}
 
 impl sealed::Sealed for Dgram {}
+
+/// Reliable datagram endpoints (`FI_EP_RDM`): reliable, send-after-send ordered messages and
+/// tagged messages of any size on the protocol engine. `Endpoint<Rdm>` is `Send + Sync`
+/// (`FI_THREAD_SAFE`).
+#[derive(Debug, Clone, Copy)]
+pub enum Rdm {}
+
+impl sealed::Sealed for Rdm {}
+
+impl EndpointKind for Rdm {
+    const EP_TYPE: EpType = EpType::Rdm;
+    type Core = RdmCore;
+    type Marker = ();
+}
 
 impl EndpointKind for Dgram {
     const EP_TYPE: EpType = EpType::Dgram;
@@ -73,6 +89,7 @@ impl<K: EndpointKind> Endpoint<K> {
             tx_size: None,
             rx_size: None,
             msg_prefix: domain.msg_prefix(),
+            progress_thread: false,
             _kind: PhantomData,
         }
     }
@@ -95,6 +112,7 @@ pub struct EndpointBuilder<K: EndpointKind> {
     pub(crate) tx_size: Option<usize>,
     pub(crate) rx_size: Option<usize>,
     pub(crate) msg_prefix: bool,
+    pub(crate) progress_thread: bool,
     _kind: PhantomData<K>,
 }
 

@@ -1,0 +1,731 @@
+//! `Endpoint<Rdm>`: reliable, ordered (send-after-send) messages and tagged messages of any size
+//! on the protocol engine, over a device's SRD queue pair.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+use slab::Slab;
+
+use super::buf::{RecvTarget, send_bytes};
+use super::{Endpoint, EndpointBuilder, Rdm};
+use crate::addr::RawAddr;
+use crate::av::{AddressVector, PeerId};
+use crate::cq::{
+    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError, ProgressSource, RecvBuf,
+    SendBuf,
+};
+use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
+use crate::domain::Domain;
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
+use crate::proto::engine::{Engine, EngineConfig, Event, Peeked, RecvDone, RecvOp, SendDone, SendOp};
+use crate::stats::EndpointStats;
+
+/// Device completions taken per progress pass.
+const POLL_BATCH: usize = 64;
+
+/// Options of one send (`fi_sendmsg` flags): tag, remote CQ data, delivery completion.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendOptions {
+    /// `Some(tag)`: a tagged send.
+    pub tag: Option<u64>,
+    /// 4 bytes of remote CQ data (`FI_REMOTE_CQ_DATA`).
+    pub data: Option<u32>,
+    /// Complete only once the data is in the receiver's buffer (`FI_DELIVERY_COMPLETE`).
+    pub delivery_complete: bool,
+}
+
+/// Options of one receive (`fi_recvmsg` flags): tag and ignore bits, source, multi-receive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecvOptions {
+    /// `Some((tag, ignore))`: a tagged receive.
+    pub tag: Option<(u64, u64)>,
+    /// Only from this peer (`FI_DIRECTED_RECV`).
+    pub from: Option<PeerId>,
+    /// `Some(min_free)`: a multi-receive buffer (`FI_MULTI_RECV`) retired when less than
+    /// `min_free` bytes remain; every message that lands in it completes with its part.
+    pub multi_recv: Option<usize>,
+}
+
+impl EndpointBuilder<Rdm> {
+    /// Starts a progress thread that drives the endpoint while the application does not poll
+    /// (real automatic progress). Off by default: progress is manual, driven by polling or
+    /// waiting on the completion queues.
+    pub fn progress_thread(mut self, on: bool) -> Self {
+        self.progress_thread = on;
+        self
+    }
+
+    /// Creates the endpoint, its SRD queue pair and its protocol engine.
+    pub fn build(self) -> Result<Endpoint<Rdm>> {
+        let (tx_cq, rx_cq, av) = self.parts()?;
+        let attr = self.domain.attr().clone();
+        let cfg = self.domain.config().clone();
+        let tx_ops = self.queue_size(self.tx_size, cfg.tx_size, attr.max_send_wr, "tx_size")?;
+        let rx_ops = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;
+        let own = Arc::new(Notifier::new());
+        let mut targets = vec![tx_cq.notifier().clone(), own.clone()];
+        if !rx_cq.same(&tx_cq) {
+            targets.push(rx_cq.notifier().clone());
+        }
+        let qp = self.domain.device().create_qp(QpAttr {
+            qp_type: QpType::Srd,
+            send_depth: attr.max_send_wr,
+            recv_depth: attr.max_recv_wr,
+            rnr_retry: 3,
+            qkey: None,
+            notifier: Arc::new(Notifier::forwarding(targets)),
+        })?;
+        let addr = qp.addr();
+        let now = Instant::now();
+        let engine = Engine::new(
+            EngineConfig {
+                mtu: attr.mtu,
+                max_outstanding_tx: attr.max_send_wr,
+                max_tx_ops: tx_ops,
+                max_rx_ops: rx_ops,
+                recvwin_size: cfg.recvwin_size,
+                tx_min_credits: cfg.tx_min_credits as usize,
+                max_medium_msg_size: cfg.inter_max_medium_message_size,
+                timeout_interval: cfg.timeout_interval,
+                max_timeout: cfg.max_timeout,
+                rx_stall_timeout: Duration::from_secs(30),
+                seed: u64::from(addr.qkey) ^ u64::from(addr.qpn) << 32,
+            },
+            addr,
+            now,
+        );
+        let rx_bufs = attr.max_recv_wr;
+        let core = Arc::new(RdmCore {
+            domain: self.domain.clone(),
+            av,
+            tx_cq: tx_cq.clone(),
+            rx_cq: rx_cq.clone(),
+            addr,
+            notifier: own,
+            state: Mutex::new(State {
+                engine,
+                qp,
+                ops: Slab::new(),
+                scratch: Vec::new(),
+                pending: Default::default(),
+                closed: false,
+            }),
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: Mutex::new(None),
+        });
+        {
+            let mut st = core.state.lock();
+            for i in 0..rx_bufs {
+                st.qp.post_recv(i as u64, BytesMut::with_capacity(attr.mtu))?;
+            }
+        }
+        let weak: Weak<dyn ProgressSource> = Arc::downgrade(&core) as _;
+        tx_cq.bind(weak.clone());
+        if !rx_cq.same(&tx_cq) {
+            rx_cq.bind(weak);
+        }
+        if self.progress_thread {
+            let w = Arc::downgrade(&core);
+            let stop = core.stop.clone();
+            let notifier = core.notifier.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("efa-progress-{}", addr.qpn))
+                .spawn(move || progress_thread(w, stop, notifier))
+                .map_err(|e| Error::io("ep_open", e))?;
+            *core.thread.lock() = Some(handle);
+        }
+        tracing::debug!(%addr, tx_ops, rx_ops, "rdm_ep_open");
+        Ok(Endpoint::from_core(core))
+    }
+}
+
+fn progress_thread(core: Weak<RdmCore>, stop: Arc<AtomicBool>, notifier: Arc<Notifier>) {
+    while !stop.load(Ordering::Acquire) {
+        let seen = notifier.generation();
+        let next = match core.upgrade() {
+            Some(c) => c.progress_once(),
+            None => return,
+        };
+        let deadline = Instant::now() + next.unwrap_or(Duration::from_millis(10)).min(Duration::from_millis(10));
+        notifier.wait_until(seen, Some(deadline));
+    }
+}
+
+/// Where an operation's completion goes.
+enum Sink {
+    /// The bound completion queue, with the user's context.
+    Cq(u64),
+    /// An awaiting future.
+    Future(Arc<Slot>),
+}
+
+/// An operation the endpoint tracks: its sink and what to restore in its buffer.
+struct OpState {
+    sink: Sink,
+    target: Option<RecvTarget>,
+    region: Option<crate::mr::MemoryRegion>,
+}
+
+struct State {
+    engine: Engine,
+    qp: Box<dyn QueuePair>,
+    ops: Slab<OpState>,
+    scratch: Vec<DeviceCompletion>,
+    /// Claimed unexpected messages (`FI_CLAIM`) by token.
+    pending: HashSet<u64>,
+    closed: bool,
+}
+
+/// Shared state of an RDM endpoint.
+pub struct RdmCore {
+    domain: Domain,
+    av: AddressVector,
+    tx_cq: CompletionQueue,
+    rx_cq: CompletionQueue,
+    addr: RawAddr,
+    notifier: Arc<Notifier>,
+    state: Mutex<State>,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl fmt::Debug for RdmCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmCore").field("addr", &self.addr).finish()
+    }
+}
+
+/// A completion delivered to a future.
+#[derive(Default)]
+struct Slot {
+    done: Mutex<(Option<std::result::Result<Completion, CompletionError>>, Option<Waker>)>,
+}
+
+impl Endpoint<Rdm> {
+    /// This endpoint's raw address.
+    pub fn addr(&self) -> RawAddr {
+        self.core.addr
+    }
+
+    /// The domain.
+    pub fn domain(&self) -> &Domain {
+        &self.core.domain
+    }
+
+    /// Sends a message of any size to `peer`; the buffer is handed back in the completion.
+    pub fn send(&self, peer: PeerId, buf: impl Into<SendBuf>, context: u64) -> Result<(), PostError> {
+        self.core.post_send(peer, buf.into(), SendOptions::default(), Sink::Cq(context))
+    }
+
+    /// Sends a message with 4 bytes of remote CQ data (`fi_senddata`).
+    pub fn send_data(&self, peer: PeerId, buf: impl Into<SendBuf>, data: u32, context: u64) -> Result<(), PostError> {
+        let o = SendOptions { data: Some(data), ..Default::default() };
+        self.core.post_send(peer, buf.into(), o, Sink::Cq(context))
+    }
+
+    /// Sends a tagged message (`fi_tsend`).
+    pub fn tsend(&self, peer: PeerId, buf: impl Into<SendBuf>, tag: u64, context: u64) -> Result<(), PostError> {
+        let o = SendOptions { tag: Some(tag), ..Default::default() };
+        self.core.post_send(peer, buf.into(), o, Sink::Cq(context))
+    }
+
+    /// Sends with explicit options (`fi_sendmsg` / `fi_tsendmsg`).
+    pub fn send_with(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        options: SendOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core.post_send(peer, buf.into(), options, Sink::Cq(context))
+    }
+
+    /// Posts a receive for an untagged message from any peer.
+    ///
+    /// ```compile_fail
+    /// # fn f(ep: &efa::Endpoint<efa::Rdm>) {
+    /// let buf = bytes::BytesMut::with_capacity(1024);
+    /// ep.recv(buf, 7).unwrap();
+    /// buf.len(); // error[E0382]: borrow of moved value: `buf`
+    /// # }
+    /// ```
+    pub fn recv(&self, buf: impl Into<RecvBuf>, context: u64) -> Result<(), PostError> {
+        self.core.post_recv(buf.into(), RecvOptions::default(), Sink::Cq(context))
+    }
+
+    /// Posts a tagged receive: matches messages whose tag equals `tag` on every bit not set in
+    /// `ignore` (`fi_trecv`).
+    pub fn trecv(&self, buf: impl Into<RecvBuf>, tag: u64, ignore: u64, context: u64) -> Result<(), PostError> {
+        let o = RecvOptions { tag: Some((tag, ignore)), ..Default::default() };
+        self.core.post_recv(buf.into(), o, Sink::Cq(context))
+    }
+
+    /// Posts a receive with explicit options (`fi_recvmsg` / `fi_trecvmsg`).
+    pub fn recv_with(&self, buf: impl Into<RecvBuf>, options: RecvOptions, context: u64) -> Result<(), PostError> {
+        self.core.post_recv(buf.into(), options, Sink::Cq(context))
+    }
+
+    /// Cancels the oldest posted receive with `context` (`fi_cancel`): it completes with a
+    /// `Canceled` error completion that hands its buffer back. `NoMessage` if none is pending.
+    pub fn cancel(&self, context: u64) -> Result<()> {
+        self.core.cancel(context)
+    }
+
+    /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim`, reserves it for
+    /// [`Endpoint::recv_claimed`] (`FI_CLAIM`). `NoMessage` when none matches.
+    pub fn peek(&self, tag: u64, ignore: u64, from: Option<PeerId>, claim: bool) -> Result<Peeked> {
+        let src = self.core.resolve_src(from)?;
+        let mut st = self.core.state.lock();
+        let p = st.engine.peek(tag, ignore, src, claim)?;
+        if let Some(t) = p.claim {
+            st.pending.insert(t);
+        }
+        Ok(p)
+    }
+
+    /// Receives a message claimed by [`Endpoint::peek`].
+    pub fn recv_claimed(&self, claim: u64, buf: impl Into<RecvBuf>, context: u64) -> Result<(), PostError> {
+        self.core.post_claimed(claim, buf.into(), context)
+    }
+
+    /// Discards an unexpected tagged message (`FI_DISCARD`). `NoMessage` when none matches.
+    pub fn discard(&self, tag: u64, ignore: u64, from: Option<PeerId>) -> Result<Peeked> {
+        let src = self.core.resolve_src(from)?;
+        self.core.state.lock().engine.discard(tag, ignore, src)
+    }
+
+    /// Sends and awaits the completion. Cancel-safe: dropping the future leaves the operation
+    /// running; its buffer stays owned by the endpoint until the device is done with it.
+    pub fn send_async(&self, peer: PeerId, buf: impl Into<SendBuf>, options: SendOptions) -> OpFuture {
+        let slot = Arc::new(Slot::default());
+        let posted = self.core.post_send(peer, buf.into(), options, Sink::Future(slot.clone()));
+        OpFuture { core: self.core.clone(), slot, early: posted.err() }
+    }
+
+    /// Posts a receive and awaits the completion. Cancel-safe as [`Endpoint::send_async`]; to get
+    /// the buffer back without a message, use [`Endpoint::cancel`] before dropping.
+    pub fn recv_async(&self, buf: impl Into<RecvBuf>, options: RecvOptions) -> OpFuture {
+        let slot = Arc::new(Slot::default());
+        let posted = self.core.post_recv(buf.into(), options, Sink::Future(slot.clone()));
+        OpFuture { core: self.core.clone(), slot, early: posted.err() }
+    }
+
+    /// Drives the endpoint once (polling a bound completion queue does this too).
+    pub fn progress(&self) {
+        self.core.progress_once();
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EndpointStats {
+        self.core.state.lock().engine.stats()
+    }
+
+    /// What the protocol engine holds now (for leak checks).
+    pub fn resources(&self) -> crate::proto::engine::Resources {
+        self.core.state.lock().engine.resources()
+    }
+}
+
+/// The future of an async operation: resolves to its completion or error completion.
+pub struct OpFuture {
+    core: Arc<RdmCore>,
+    slot: Arc<Slot>,
+    early: Option<PostError>,
+}
+
+impl fmt::Debug for OpFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpFuture").finish()
+    }
+}
+
+/// How an async operation ended.
+#[derive(Debug)]
+pub enum OpOutcome {
+    /// It completed.
+    Done(Completion),
+    /// It completed with an error.
+    Failed(CompletionError),
+    /// It was refused when posted.
+    Refused(PostError),
+}
+
+impl OpOutcome {
+    /// The completion, or the error as [`Error`].
+    pub fn into_result(self) -> Result<Completion> {
+        match self {
+            OpOutcome::Done(c) => Ok(c),
+            OpOutcome::Failed(e) => Err(e.error),
+            OpOutcome::Refused(e) => Err(e.error),
+        }
+    }
+}
+
+impl Future for OpFuture {
+    type Output = OpOutcome;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<OpOutcome> {
+        if let Some(e) = self.early.take() {
+            return Poll::Ready(OpOutcome::Refused(e));
+        }
+        loop {
+            if let Some(r) = self.slot.done.lock().0.take() {
+                return Poll::Ready(match r {
+                    Ok(c) => OpOutcome::Done(c),
+                    Err(e) => OpOutcome::Failed(e),
+                });
+            }
+            let seen = self.core.notifier.generation();
+            self.core.progress_once();
+            {
+                let mut d = self.slot.done.lock();
+                if d.0.is_some() {
+                    continue;
+                }
+                d.1 = Some(cx.waker().clone());
+            }
+            if !self.core.notifier.register(seen, cx.waker()) {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+fn refuse(error: Error, buf: Buffer) -> PostError {
+    PostError { error, buf }
+}
+
+impl RdmCore {
+    fn resolve_src(&self, from: Option<PeerId>) -> Result<Option<RawAddr>> {
+        from.map(|p| self.av.lookup(p)).transpose()
+    }
+
+    fn post_send(&self, peer: PeerId, buf: SendBuf, o: SendOptions, sink: Sink) -> Result<(), PostError> {
+        let dest = match self.av.lookup(peer) {
+            Ok(a) => a,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let data = match send_bytes(&buf, &self.domain, "send") {
+            Ok(d) => d,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let region = match buf {
+            SendBuf::Region(r) => Some(r),
+            SendBuf::Bytes(_) => None,
+        };
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        if st.closed {
+            let b = region.map_or(Buffer::Send(data), Buffer::Region);
+            return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
+        }
+        let key = st.ops.insert(OpState { sink, target: None, region });
+        let op = SendOp {
+            dest,
+            buf: data,
+            tag: o.tag,
+            data: o.data,
+            delivery_complete: o.delivery_complete,
+            context: key as u64,
+        };
+        match st.engine.send(now, op) {
+            Ok(()) => {
+                self.pump(&mut st, now);
+                Ok(())
+            }
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                Err(refuse(e, s.region.map_or(Buffer::Send(op.buf), Buffer::Region)))
+            }
+        }
+    }
+
+    fn post_recv(&self, buf: RecvBuf, o: RecvOptions, sink: Sink) -> Result<(), PostError> {
+        let src = match self.resolve_src(o.from) {
+            Ok(s) => s,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv")?;
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        if st.closed {
+            return Err(refuse(Error::new(ErrorKind::Closed, "recv"), target.finish(down, false)));
+        }
+        let key = st.ops.insert(OpState { sink, target: Some(target), region: None });
+        let op = RecvOp { buf: down, tag: o.tag, src, multi_recv: o.multi_recv, context: key as u64 };
+        match st.engine.post_recv(now, op) {
+            Ok(()) => {
+                self.pump(&mut st, now);
+                Ok(())
+            }
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                let b = s.target.map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
+                Err(refuse(e, b))
+            }
+        }
+    }
+
+    fn post_claimed(&self, claim: u64, buf: RecvBuf, context: u64) -> Result<(), PostError> {
+        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv_claimed")?;
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        if !st.pending.remove(&claim) {
+            let e = Error::new(ErrorKind::InvalidArgument, "recv_claimed").with_detail("unknown claim");
+            return Err(refuse(e, target.finish(down, false)));
+        }
+        let key = st.ops.insert(OpState { sink: Sink::Cq(context), target: Some(target), region: None });
+        let op = RecvOp { buf: down, tag: None, src: None, multi_recv: None, context: key as u64 };
+        match st.engine.recv_claimed(now, claim, op) {
+            Ok(()) => {
+                self.pump(&mut st, now);
+                Ok(())
+            }
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                let b = s.target.map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
+                Err(refuse(e, b))
+            }
+        }
+    }
+
+    fn cancel(&self, context: u64) -> Result<()> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        let key = st
+            .ops
+            .iter()
+            .find(|(_, o)| matches!(o.sink, Sink::Cq(c) if c == context) && o.target.is_some())
+            .map(|(k, _)| k);
+        let found = key.is_some_and(|k| st.engine.cancel_recv(k as u64));
+        if !found {
+            return Err(Error::new(ErrorKind::NoMessage, "cancel").with_detail(format!("no pending receive {context}")));
+        }
+        self.pump(&mut st, now);
+        Ok(())
+    }
+
+    /// One progress pass; returns the time until the engine's next timer.
+    fn progress_once(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        self.pump(&mut st, now);
+        st.engine.poll_timeout().map(|t| t.saturating_duration_since(now))
+    }
+
+    /// Moves everything that is ready: device completions into the engine, the engine's packets
+    /// onto the device, the engine's completions into queues and futures.
+    fn pump(&self, st: &mut State, now: Instant) {
+        loop {
+            let mut busy = false;
+            let mut batch = std::mem::take(&mut st.scratch);
+            let n = st.qp.poll(&mut batch, POLL_BATCH);
+            busy |= n > 0;
+            for c in batch.drain(..) {
+                self.device_completion(st, now, c);
+            }
+            st.scratch = batch;
+            if st.engine.poll_timeout().is_some_and(|t| t <= now) {
+                st.engine.handle_timeout(now);
+            }
+            while let Some(t) = st.engine.poll_transmit(now) {
+                busy = true;
+                let wr = SendWr { wr_id: t.wr_id, dest: t.dest, hdr: t.hdr, payload: t.payload, imm: None };
+                if let Err(e) = st.qp.post_send(wr) {
+                    tracing::warn!(error = %e, "device refused a packet");
+                    let status = if e.kind() == ErrorKind::Closed { Status::Flushed } else { Status::LocalQpInternalError };
+                    st.engine.handle_send_completion(now, t.wr_id, status);
+                }
+            }
+            let mut delivered = false;
+            while self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
+                let Some(ev) = st.engine.poll_event() else { break };
+                busy = true;
+                delivered |= self.deliver(&mut st.ops, ev);
+            }
+            if delivered {
+                self.tx_cq.signal();
+                if !self.rx_cq.same(&self.tx_cq) {
+                    self.rx_cq.signal();
+                }
+            }
+            if !busy {
+                break;
+            }
+        }
+    }
+
+    fn device_completion(&self, st: &mut State, now: Instant, c: DeviceCompletion) {
+        match c.opcode {
+            Opcode::Recv => {
+                let Some(mut buf) = c.buf else { return };
+                if c.status.is_ok() {
+                    if let Some(src) = c.src {
+                        st.engine.handle_recv(now, src, &buf[..c.byte_len.min(buf.len())]);
+                    }
+                } else if c.status == Status::Flushed {
+                    return;
+                } else {
+                    tracing::debug!(status = %c.status, "receive error on the device; packet dropped");
+                }
+                buf.clear();
+                if let Err(e) = st.qp.post_recv(c.wr_id, buf) {
+                    tracing::warn!(error = %e, "could not repost a receive buffer");
+                }
+            }
+            _ => st.engine.handle_send_completion(now, c.wr_id, c.status),
+        }
+    }
+
+    /// Routes one engine event; returns true when it went to a completion queue.
+    fn deliver(&self, ops: &mut Slab<OpState>, ev: Event) -> bool {
+        let (key, is_send) = match &ev {
+            Event::Send(s) => (s.context as usize, true),
+            Event::Recv(r) => (r.context as usize, false),
+        };
+        let Some(op) = ops.try_remove(key) else {
+            tracing::warn!(key, "engine completion for an unknown operation");
+            return false;
+        };
+        let user_ctx = match &op.sink {
+            Sink::Cq(c) => *c,
+            Sink::Future(_) => 0,
+        };
+        let result = match ev {
+            Event::Send(s) => self.send_completion(s, user_ctx, op.region),
+            Event::Recv(r) => self.recv_completion(r, user_ctx, op.target),
+        };
+        match op.sink {
+            Sink::Cq(_) => {
+                let cq = if is_send { &self.tx_cq } else { &self.rx_cq };
+                match result {
+                    Ok(c) => cq.push(c),
+                    Err(e) => cq.push_err(e),
+                }
+                true
+            }
+            Sink::Future(slot) => {
+                let waker = {
+                    let mut d = slot.done.lock();
+                    d.0 = Some(result);
+                    d.1.take()
+                };
+                if let Some(w) = waker {
+                    w.wake();
+                }
+                false
+            }
+        }
+    }
+
+    fn send_completion(
+        &self,
+        s: SendDone,
+        context: u64,
+        region: Option<crate::mr::MemoryRegion>,
+    ) -> std::result::Result<Completion, CompletionError> {
+        let mut flags = CompletionFlags::SEND;
+        flags |= if s.tag.is_some() { CompletionFlags::TAGGED } else { CompletionFlags::MSG };
+        let buf = region.map_or(Buffer::Send(s.buf), Buffer::Region);
+        match s.error {
+            None => Ok(Completion { context, flags, len: s.len, data: None, tag: s.tag.unwrap_or(0), source: None, buf }),
+            Some(error) => Err(CompletionError {
+                context,
+                flags,
+                error,
+                len: 0,
+                olen: 0,
+                status: s.status,
+                data: None,
+                tag: s.tag.unwrap_or(0),
+                buf,
+            }),
+        }
+    }
+
+    fn recv_completion(
+        &self,
+        r: RecvDone,
+        context: u64,
+        target: Option<RecvTarget>,
+    ) -> std::result::Result<Completion, CompletionError> {
+        let mut flags = CompletionFlags::RECV;
+        flags |= if r.tag.is_some() { CompletionFlags::TAGGED } else { CompletionFlags::MSG };
+        if r.data.is_some() {
+            flags |= CompletionFlags::REMOTE_CQ_DATA;
+        }
+        if r.multi_recv_done {
+            flags |= CompletionFlags::MULTI_RECV;
+        }
+        let source = r.src.and_then(|a| self.av.find(&a).or_else(|| self.av.reverse_lookup(a.gid, a.qpn)));
+        let filled = r.error.is_none() || r.error.as_ref().is_some_and(|e| e.kind() == ErrorKind::Truncated);
+        let buf = match target {
+            Some(t) => t.finish(r.buf, filled),
+            None => Buffer::Recv(r.buf),
+        };
+        match r.error {
+            None => Ok(Completion { context, flags, len: r.len, data: r.data, tag: r.tag.unwrap_or(0), source, buf }),
+            Some(error) => Err(CompletionError {
+                context,
+                flags,
+                error,
+                len: r.len,
+                olen: r.olen,
+                status: None,
+                data: r.data,
+                tag: r.tag.unwrap_or(0),
+                buf,
+            }),
+        }
+    }
+}
+
+impl ProgressSource for RdmCore {
+    fn progress(&self) {
+        self.progress_once();
+    }
+}
+
+impl Drop for RdmCore {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.notifier.notify();
+        if let Some(h) = self.thread.get_mut().take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        let now = Instant::now();
+        let st = self.state.get_mut();
+        st.closed = true;
+        st.engine.close();
+        st.qp.close();
+        let mut batch = Vec::new();
+        while st.qp.poll(&mut batch, usize::MAX) > 0 {}
+        for c in batch {
+            if c.opcode != Opcode::Recv {
+                st.engine.handle_send_completion(now, c.wr_id, c.status);
+            }
+        }
+        let mut events = Vec::new();
+        while let Some(ev) = st.engine.poll_event() {
+            events.push(ev);
+        }
+        let mut ops = std::mem::take(&mut st.ops);
+        for ev in events {
+            self.deliver(&mut ops, ev);
+        }
+        self.tx_cq.signal();
+        self.rx_cq.signal();
+        tracing::debug!(addr = %self.addr, "rdm_ep_close");
+    }
+}
