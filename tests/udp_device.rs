@@ -486,7 +486,7 @@ fn contract_msg_size_again_closed() {
             .post_send(wr(0, silent, b"", &vec![0; mtu + 1], None))
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::MsgSize, "{ty:?}");
-        q.post_send(wr(0, silent, &vec![1; 8], &vec![0; mtu - 8], None))
+        q.post_send(wr(0, silent, &[1; 8], &vec![0; mtu - 8], None))
             .unwrap();
         for i in 1..4 {
             q.post_send(wr(i, silent, b"", b"x", None)).unwrap();
