@@ -226,12 +226,15 @@ fn datagram(seed: u64, s: u64, i: u64, mtu: usize) -> (Vec<u8>, Vec<u8>) {
 
 /// `senders` queue pairs each send `count` datagrams to one receiver under drop, duplicate and
 /// reorder faults; every datagram must arrive exactly once, intact, and every send must succeed.
-fn srd_exactly_once(senders: usize, count: u64) {
+fn srd_exactly_once(senders: usize, count: u64, delay: bool) {
     let seed = test_seed();
-    let faults = FaultConfig::seeded(seed)
+    let mut faults = FaultConfig::seeded(seed)
         .drop(0.1)
         .duplicate(0.1)
         .reorder(0.1);
+    if delay {
+        faults = faults.delay(0.1, Duration::from_millis(3));
+    }
     let dev = open(UdpConfig {
         faults,
         ..UdpConfig::default()
@@ -354,12 +357,17 @@ fn srd_exactly_once(senders: usize, count: u64) {
 
 #[test]
 fn srd_exactly_once_under_faults() {
-    srd_exactly_once(1, 2000);
+    srd_exactly_once(1, 2000, false);
 }
 
 #[test]
 fn srd_exactly_once_two_senders_under_faults() {
-    srd_exactly_once(2, 1000);
+    srd_exactly_once(2, 1000, false);
+}
+
+#[test]
+fn srd_exactly_once_with_delays() {
+    srd_exactly_once(1, 1000, true);
 }
 
 #[test]
@@ -801,4 +809,45 @@ fn device_stats_aggregate_queue_pairs() {
     assert_eq!(s.rx_pkts, 2);
     assert_eq!(s.rx_bytes, 3);
     assert!(s.acks_sent >= 1);
+}
+
+/// Names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                .map(|s| s.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn dropping_a_queue_pair_stops_its_thread() {
+    if !std::path::Path::new("/proc/self/task").exists() {
+        return; // not Linux
+    }
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    for ty in [QpType::Ud, QpType::Srd] {
+        let mut q = qp(&dev, ty, &n);
+        let name = format!("efa-udp-{}", q.addr().qpn);
+        // The new thread names itself once it runs.
+        let deadline = Instant::now() + DEADLINE;
+        while !thread_names().contains(&name) {
+            assert!(
+                Instant::now() < deadline,
+                "{name} not running: {:?}",
+                thread_names()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        q.post_recv(1, BytesMut::with_capacity(8)).unwrap();
+        drop(q);
+        assert!(!thread_names().contains(&name), "{name} leaked");
+        let mut q = qp(&dev, ty, &n);
+        let name = format!("efa-udp-{}", q.addr().qpn);
+        q.close();
+        assert!(!thread_names().contains(&name), "{name} runs after close");
+    }
 }

@@ -19,6 +19,8 @@ use crate::stats;
 const RNR_RETRY_INFINITE: u8 = 7;
 /// Initial congestion window, packets.
 const INITIAL_CWND: f64 = 32.0;
+/// Most senders whose receive state a queue pair keeps (beyond, the least recent is forgotten).
+const MAX_RX_PEERS: usize = 16_384;
 /// Smallest congestion window, packets.
 const MIN_CWND: f64 = 2.0;
 
@@ -315,6 +317,18 @@ impl Srd {
         now: Instant,
     ) {
         let key = (src, h.src_qkey);
+        if self.rx.len() >= MAX_RX_PEERS && !self.rx.contains_key(&key) {
+            // Bounded memory: forget the sender heard from least recently.
+            if let Some(old) = self
+                .rx
+                .iter()
+                .min_by_key(|(_, r)| r.last_active)
+                .map(|(k, _)| *k)
+            {
+                tracing::debug!(peer = %old.0, "udp: too many senders, forgetting the oldest");
+                self.rx.remove(&old);
+            }
+        }
         let rx = self.rx.entry(key).or_insert_with(|| RxPeer {
             base: h.base,
             cum: h.base,
