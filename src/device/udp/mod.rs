@@ -70,6 +70,9 @@ pub const INLINE_SIZE: usize = 32;
 /// Most SRD packets a sender may have outstanding towards one peer (the receiver's window).
 pub const MAX_INFLIGHT: usize = wire::WINDOW as usize;
 
+/// Longest duration any [`UdpConfig`] field accepts (one day).
+pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
+
 /// Configuration of a [`UdpDevice`].
 ///
 /// ```
@@ -174,6 +177,19 @@ impl UdpConfig {
         ] {
             if d.is_zero() {
                 return bad(format!("{name} must not be zero"));
+            }
+        }
+        for (name, d) in [
+            ("retransmit_timeout", self.retransmit_timeout),
+            ("max_retransmit_timeout", self.max_retransmit_timeout),
+            ("unresponsive_timeout", self.unresponsive_timeout),
+            ("rnr_retry_interval", self.rnr_retry_interval),
+            ("max_rnr_retry_interval", self.max_rnr_retry_interval),
+            ("peer_idle_timeout", self.peer_idle_timeout),
+            ("faults.max_delay", self.faults.max_delay),
+        ] {
+            if d > MAX_DURATION {
+                return bad(format!("{name} {d:?} longer than {MAX_DURATION:?}"));
             }
         }
         if self.max_retransmit_timeout < self.retransmit_timeout {

@@ -35,6 +35,8 @@ const RX_SCRATCH: usize = 65_536;
 const APP_BUDGET: usize = 64;
 /// Datagrams the NIC thread reads before it looks at its timers again.
 const NIC_BUDGET: usize = 1024;
+/// Datagrams read before pending SRD acknowledgements go out, within one batch.
+const ACK_BATCH: usize = 32;
 /// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
 const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
 
@@ -271,6 +273,9 @@ impl State {
                 Ok((len, src)) => {
                     n += 1;
                     self.handle(rx.get(..len).unwrap_or_default(), src, now);
+                    if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
+                        self.srd.flush_acks(&mut self.ctx, now);
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
