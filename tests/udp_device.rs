@@ -852,3 +852,77 @@ fn dropping_a_queue_pair_stops_its_thread() {
         assert!(!thread_names().contains(&name), "{name} runs after close");
     }
 }
+
+#[test]
+fn srd_one_sender_many_receivers_under_faults() {
+    let seed = test_seed();
+    let dev = open(UdpConfig {
+        faults: FaultConfig::seeded(seed)
+            .drop(0.1)
+            .duplicate(0.1)
+            .reorder(0.1),
+        ..UdpConfig::default()
+    });
+    let n = Arc::new(Notifier::new());
+    let mut tx = {
+        let mut a = attr(QpType::Srd, &n);
+        a.send_depth = 64;
+        dev.create_qp(a).unwrap()
+    };
+    let mut rxs: Vec<Box<dyn QueuePair>> = (0..3)
+        .map(|_| {
+            let mut a = attr(QpType::Srd, &n);
+            a.recv_depth = 512;
+            dev.create_qp(a).unwrap()
+        })
+        .collect();
+    const PER: u64 = 300;
+    for r in rxs.iter_mut() {
+        for i in 0..PER {
+            r.post_recv(i, BytesMut::with_capacity(256)).unwrap();
+        }
+    }
+    let dests: Vec<RawAddr> = rxs.iter().map(|r| r.addr()).collect();
+    let mut next = 0u64;
+    let mut sends = HashSet::new();
+    let mut recvd = HashSet::new();
+    let deadline = Instant::now() + DEADLINE;
+    let mut buf = Vec::new();
+    while sends.len() < 3 * PER as usize || recvd.len() < 3 * PER as usize {
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: timed out, {:?}",
+            dev.stats()
+        );
+        let seen = n.generation();
+        while next < 3 * PER {
+            let r = (next % 3) as usize;
+            let body = next.to_le_bytes();
+            match tx.post_send(wr(next, dests[r], b"", &body, None)) {
+                Ok(()) => next += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("seed {seed}: {e}"),
+            }
+        }
+        buf.clear();
+        let mut got = tx.poll(&mut buf, 64);
+        for c in buf.drain(..) {
+            assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+            assert!(sends.insert(c.wr_id), "seed {seed}: send {} twice", c.wr_id);
+        }
+        for (r, q) in rxs.iter_mut().enumerate() {
+            buf.clear();
+            got += q.poll(&mut buf, 64);
+            for c in buf.drain(..) {
+                assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+                let b = c.buf.unwrap();
+                let i = u64::from_le_bytes(b[..8].try_into().unwrap());
+                assert_eq!(i % 3, r as u64, "seed {seed}: {i} at the wrong receiver");
+                assert!(recvd.insert(i), "seed {seed}: {i} delivered twice");
+            }
+        }
+        if got == 0 {
+            n.wait_until(seen, Some(Instant::now() + Duration::from_millis(2)));
+        }
+    }
+}
