@@ -35,13 +35,15 @@ use std::fmt;
 
 mod decode;
 mod encode;
+mod handshake;
+mod iov;
 mod types;
 
 pub use decode::{BaseHeader, decode};
 pub use encode::{max_req_data_capacity, req_header_len};
-pub use types::{
-    ExtraFeature, ExtraInfo, Handshake, IovIter, IovList, Packet, ReqOpt, RtaKind, Sender,
-};
+pub use handshake::{ExtraFeature, ExtraInfo, Handshake};
+pub use iov::{IovIter, IovList};
+pub use types::{Packet, ReqOpt, RtaKind, Sender};
 
 /// The protocol version this codec speaks and requires (`EFA_RDM_PROTOCOL_VERSION`).
 pub const PROTOCOL_VERSION: u8 = 4;

@@ -3,7 +3,9 @@
 //! Every read goes through [`Reader`], which bounds-checks with `get` and `checked_add`; counts
 //! and lengths read from the packet are validated before they size anything.
 
-use super::types::{ExtraInfo, Handshake, IovList, Packet, ReqOpt, RtaKind, Sender};
+use super::handshake::{ExtraInfo, Handshake};
+use super::iov::IovList;
+use super::types::{Packet, ReqOpt, RtaKind, Sender};
 use super::{
     CONNID_HDR, CTS_READ_REQ, IOV_LIMIT, MAX_NUM_EXINFO, PROTOCOL_VERSION, PacketType, RMA_IOV_LEN,
     WireError, handshake_flags, req_flags,

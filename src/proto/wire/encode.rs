@@ -2,7 +2,8 @@
 
 use bytes::BufMut;
 
-use super::types::{IovList, Packet, ReqOpt, Sender};
+use super::iov::IovList;
+use super::types::{Packet, ReqOpt, Sender};
 use super::{
     CONNID_HDR_LEN, CQ_DATA_HDR_LEN, IOV_LIMIT, PROTOCOL_VERSION, PacketType,
     RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, RMA_IOV_LEN, WireError, req_flags,
