@@ -47,6 +47,7 @@ pub mod fault;
 pub mod info;
 pub mod mr;
 pub mod notify;
+pub mod proto;
 pub mod stats;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};
