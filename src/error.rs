@@ -133,22 +133,49 @@ impl fmt::Display for ErrorKind {
 /// assert_eq!(e.kind(), ErrorKind::MsgSize);
 /// assert_eq!(e.to_string(), "send: message too long (9000 bytes > MTU 8192)");
 /// ```
-#[derive(Debug, thiserror::Error)]
+///
+/// It is one pointer wide (the parts live in a box), so `Result<T>` stays small on hot paths.
 pub struct Error {
+    inner: Box<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     kind: ErrorKind,
     op: &'static str,
     detail: Option<String>,
-    #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = &self.inner;
+        f.debug_struct("Error")
+            .field("kind", &i.kind)
+            .field("op", &i.op)
+            .field("detail", &i.detail)
+            .field("source", &i.source)
+            .finish()
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.inner
+            .source
+            .as_deref()
+            .map(|s| s as &(dyn std::error::Error + 'static))
+    }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.op, self.kind)?;
-        if let Some(d) = &self.detail {
+        let i = &self.inner;
+        write!(f, "{}: {}", i.op, i.kind)?;
+        if let Some(d) = &i.detail {
             write!(f, " ({d})")?;
         }
-        if let Some(s) = &self.source {
+        if let Some(s) = &i.source {
             write!(f, ": {s}")?;
         }
         Ok(())
@@ -159,22 +186,24 @@ impl Error {
     /// A new error of `kind` raised by operation `op`.
     pub fn new(kind: ErrorKind, op: &'static str) -> Self {
         Error {
-            kind,
-            op,
-            detail: None,
-            source: None,
+            inner: Box::new(Inner {
+                kind,
+                op,
+                detail: None,
+                source: None,
+            }),
         }
     }
 
     /// Adds a human-readable detail.
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
-        self.detail = Some(detail.into());
+        self.inner.detail = Some(detail.into());
         self
     }
 
     /// Adds the underlying cause.
     pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        self.source = Some(Box::new(source));
+        self.inner.source = Some(Box::new(source));
         self
     }
 
@@ -194,40 +223,43 @@ impl Error {
 
     /// What went wrong.
     pub fn kind(&self) -> ErrorKind {
-        self.kind
+        self.inner.kind
     }
 
     /// The operation that failed (`"send"`, `"mr_reg"`, `"FI_EFA_RECVWIN_SIZE"`, ...).
     pub fn op(&self) -> &'static str {
-        self.op
+        self.inner.op
     }
 
     /// The detail text, if any.
     pub fn detail(&self) -> Option<&str> {
-        self.detail.as_deref()
+        self.inner.detail.as_deref()
     }
 }
 
 impl Clone for Error {
     /// Clones kind, operation and detail; the source is kept as text.
     fn clone(&self) -> Self {
-        let detail = match (&self.detail, &self.source) {
+        let i = &self.inner;
+        let detail = match (&i.detail, &i.source) {
             (Some(d), Some(s)) => Some(format!("{d}: {s}")),
             (None, Some(s)) => Some(s.to_string()),
             (d, None) => d.clone(),
         };
         Error {
-            kind: self.kind,
-            op: self.op,
-            detail,
-            source: None,
+            inner: Box::new(Inner {
+                kind: i.kind,
+                op: i.op,
+                detail,
+                source: None,
+            }),
         }
     }
 }
 
 impl From<Error> for std::io::Error {
     fn from(e: Error) -> Self {
-        let kind = match e.kind {
+        let kind = match e.kind() {
             ErrorKind::Again => std::io::ErrorKind::WouldBlock,
             ErrorKind::TimedOut => std::io::ErrorKind::TimedOut,
             ErrorKind::InvalidArgument | ErrorKind::Config => std::io::ErrorKind::InvalidInput,

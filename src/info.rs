@@ -556,21 +556,17 @@ impl DeviceSpec {
 
     /// The spec of a `loopback` device with its default configuration.
     // The allow is for the device placeholder (a unit struct); harmless afterwards.
-    #[allow(clippy::default_constructed_unit_structs)]
     pub fn loopback() -> DeviceSpec {
         DeviceSpec::Loopback(LoopbackConfig::default())
     }
 }
 
 /// A `UdpConfig` bound to `bind`.
-// INTEGRATION: when the udp device lands, replace the body with
-//     UdpConfig { bind, ..UdpConfig::default() }
-// (the placeholder `UdpConfig` has no fields yet). Until then the bind hint is not applied;
-// tests/info.rs `getinfo_udp_binds_hint_addr` checks it.
-#[allow(clippy::default_constructed_unit_structs)]
 fn udp_config(bind: IpAddr) -> UdpConfig {
-    let _ = bind;
-    UdpConfig::default()
+    UdpConfig {
+        bind,
+        ..UdpConfig::default()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

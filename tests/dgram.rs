@@ -457,26 +457,28 @@ fn child_echo() {
     for i in 0..32 {
         ep.recv(BytesMut::with_capacity(2048), i).unwrap();
     }
-    // Announce our address on stdout, then echo 100 datagrams.
+    // Announce our address on stdout, then echo every datagram until "quit".
     println!("CHILD_ADDR {}", ep.addr());
-    let mut echoed = 0;
     let deadline = Instant::now() + WAIT;
-    while echoed < 100 {
-        assert!(Instant::now() < deadline, "child: only {echoed} echoed");
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "child: no quit; device {:?}",
+            d.device_stats()
+        );
         let mut out = Vec::new();
         let _ = cq.wait(&mut out, 16, Some(Duration::from_millis(100)));
         for c in out {
             if c.flags.contains(CompletionFlags::RECV) {
                 let buf = c.buf.into_recv().unwrap();
+                if &buf[..] == b"quit" {
+                    return;
+                }
                 ep.send(parent, Bytes::copy_from_slice(&buf), 0).unwrap();
                 ep.recv(buf, 0).unwrap();
-                echoed += 1;
             }
         }
     }
-    // Let the last sends leave before the endpoint closes.
-    let mut out = Vec::new();
-    let _ = cq.wait(&mut out, 64, Some(Duration::from_millis(200)));
 }
 
 #[test]
@@ -511,43 +513,47 @@ fn two_processes_exchange_datagrams_over_udp() {
             .next()
             .expect("child exited before announcing its address")
             .unwrap();
-        if let Some(a) = l.strip_prefix("CHILD_ADDR ") {
+        // libtest may print "test child_echo ... " in front of it on the same line.
+        if let Some((_, a)) = l.split_once("CHILD_ADDR ") {
             break a.parse().unwrap();
         }
     };
     let peer = av.insert(child_addr).unwrap();
     let mut got = HashSet::new();
     let deadline = Instant::now() + WAIT;
-    // UD may drop: resend what has not come back (distinct payloads make duplicates visible).
-    let mut next = 0u32;
-    while got.len() < 100 {
-        assert!(
-            Instant::now() < deadline,
-            "only {} of 100 echoes",
-            got.len()
-        );
-        if next < 100 {
-            ep.send(
-                peer,
-                Bytes::from(format!("datagram {next}").into_bytes()),
-                0,
-            )
-            .unwrap();
-            next += 1;
-        }
-        let mut out = Vec::new();
-        let _ = cq.wait(&mut out, 16, Some(Duration::from_millis(10)));
-        for c in out {
-            if c.flags.contains(CompletionFlags::RECV) {
-                assert_eq!(c.source, Some(peer), "FI_SOURCE names the child");
-                let buf = c.buf.into_recv().unwrap();
-                assert!(
-                    got.insert(String::from_utf8(buf.to_vec()).unwrap()),
-                    "an echo arrived twice"
-                );
-                ep.recv(buf, 0).unwrap();
+    // One datagram at a time; UD may drop, so a datagram whose echo is late is sent again
+    // (distinct payloads make any duplicate visible).
+    for i in 0..100 {
+        let msg = format!("datagram {i}");
+        'resend: loop {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of 100 echoes",
+                got.len()
+            );
+            ep.send(peer, Bytes::from(msg.clone().into_bytes()), 0)
+                .unwrap();
+            let wait_until = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < wait_until {
+                let mut out = Vec::new();
+                let _ = cq.wait(&mut out, 16, Some(Duration::from_millis(10)));
+                for c in out {
+                    if c.flags.contains(CompletionFlags::RECV) {
+                        assert_eq!(c.source, Some(peer), "FI_SOURCE names the child");
+                        let buf = c.buf.into_recv().unwrap();
+                        let echo = String::from_utf8(buf.to_vec()).unwrap();
+                        ep.recv(buf, 0).unwrap();
+                        if echo == msg {
+                            got.insert(echo);
+                            break 'resend;
+                        }
+                    }
+                }
             }
         }
+    }
+    for _ in 0..3 {
+        ep.send(peer, Bytes::from_static(b"quit"), 0).unwrap();
     }
     let expected: HashSet<String> = (0..100).map(|i| format!("datagram {i}")).collect();
     assert_eq!(got, expected);

@@ -1,9 +1,5 @@
 //! Discovery: capabilities, endpoint types, `Info` built from hand-made device attributes, its
 //! `fi_info`-style output and serde form, and `getinfo`.
-//!
-//! Tests marked `#[ignore = "needs udp/loopback devices"]` open the software devices; enable them
-//! once `src/device/udp.rs` and `src/device/loopback.rs` are implemented.
-
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
 use std::sync::Arc;
@@ -502,7 +498,6 @@ fn hints() -> Hints {
 }
 
 #[test]
-#[ignore = "needs udp/loopback devices"]
 fn getinfo_lists_udp_then_loopback_dgram() {
     let infos = getinfo(&hints()).unwrap();
     let listing: Vec<_> = infos.iter().map(|i| (i.provider, i.ep_type)).collect();
@@ -534,7 +529,6 @@ fn getinfo_lists_udp_then_loopback_dgram() {
 }
 
 #[test]
-#[ignore = "needs udp/loopback devices"]
 fn getinfo_provider_filter() {
     for (name, kind) in [
         ("udp", DeviceKind::Udp),
@@ -548,7 +542,6 @@ fn getinfo_provider_filter() {
 }
 
 #[test]
-#[ignore = "needs udp/loopback devices"]
 fn getinfo_udp_binds_hint_addr() {
     let ip: IpAddr = "127.0.0.2".parse().unwrap();
     let infos = getinfo(&hints().provider("udp").addr(ip)).unwrap();
@@ -558,7 +551,6 @@ fn getinfo_udp_binds_hint_addr() {
 }
 
 #[test]
-#[ignore = "needs udp/loopback devices"]
 fn getinfo_domain_and_iface_filters() {
     let all = getinfo(&hints()).unwrap();
     let udp = all.iter().find(|i| i.provider == DeviceKind::Udp).unwrap();
@@ -585,7 +577,6 @@ fn getinfo_domain_and_iface_filters() {
 }
 
 #[test]
-#[ignore = "needs udp/loopback devices"]
 fn getinfo_info_opens_its_device() {
     for info in getinfo(&hints()).unwrap() {
         let a = info.open_device().unwrap();
@@ -607,7 +598,6 @@ fn getinfo_info_opens_its_device() {
 }
 
 #[test]
-#[ignore = "needs udp/loopback devices"]
 fn getinfo_msg_prefix_mode() {
     let infos = getinfo(&hints().mode(Mode::MSG_PREFIX)).unwrap();
     assert!(!infos.is_empty());

@@ -1,0 +1,332 @@
+//! The `udp` software device: every queue pair is one UDP socket, so it works across hosts.
+//!
+//! * The QPN of a queue pair is its socket's local port, and its GID is the device's bind address,
+//!   so a [`RawAddr`](crate::RawAddr) names a socket: datagrams for `dest` go to
+//!   `(dest.gid.to_ip(), dest.qpn)`.
+//! * [`QpType::Ud`] queue pairs send each datagram once, with a small header (magic, version,
+//!   type, flags, destination QKEY, optional immediate data).
+//! * [`QpType::Srd`] queue pairs add reliability in the manner of EFA's SRD: per-peer sequence
+//!   numbers, cumulative plus selective acknowledgements, retransmission with exponential backoff,
+//!   duplicate suppression, receiver-not-ready NAKs with retries and an unresponsive-peer timeout.
+//!   Delivery is exactly once, in any order.
+//! * A background thread per queue pair (the "NIC") receives, acknowledges and retransmits even
+//!   while the application does not poll; [`QueuePair::poll`] makes progress too.
+//! * Seeded fault injection ([`UdpConfig::faults`]) drops, duplicates, reorders and delays every
+//!   datagram the device puts on the wire.
+//!
+//! The wire format and the protocol rules are in `docs/udp-device.md`.
+//!
+//! ```
+//! use bytes::{Bytes, BytesMut};
+//! use efa::device::{Device, QpAttr, QpType, SendWr, Status};
+//! use efa::device::udp::{UdpConfig, UdpDevice};
+//!
+//! # fn main() -> efa::Result<()> {
+//! let dev = UdpDevice::open(UdpConfig::default())?;
+//! let mut a = dev.create_qp(QpAttr::new(QpType::Srd))?;
+//! let mut b = dev.create_qp(QpAttr::new(QpType::Srd))?;
+//! b.post_recv(1, BytesMut::with_capacity(64))?;
+//! a.post_send(SendWr {
+//!     wr_id: 2,
+//!     dest: b.addr(),
+//!     hdr: Bytes::new(),
+//!     payload: Bytes::from_static(b"hello"),
+//!     imm: Some(42),
+//! })?;
+//! let mut got = Vec::new();
+//! let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+//! while got.len() < 2 && std::time::Instant::now() < deadline {
+//!     a.poll(&mut got, 8);
+//!     b.poll(&mut got, 8);
+//! }
+//! let recv = got.iter().find(|c| c.wr_id == 1).unwrap();
+//! assert_eq!(recv.status, Status::Success);
+//! assert_eq!(&recv.buf.as_ref().unwrap()[..], b"hello");
+//! assert_eq!(recv.imm, Some(42));
+//! # Ok(()) }
+//! ```
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::addr::Gid;
+use crate::device::{Device, DeviceAttr, DeviceCaps, DeviceKind, QpAttr, QueuePair};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fault::FaultConfig;
+use crate::stats::{DeviceCounters, DeviceStats};
+
+mod qp;
+mod srd;
+mod wire;
+
+/// Smallest MTU the device accepts.
+pub const MIN_MTU: usize = 64;
+/// Largest MTU the device accepts (a UDP datagram holds at most 65,507 bytes over IPv4, and the
+/// device adds at most 48 bytes of header).
+pub const MAX_MTU: usize = 65_000;
+/// Largest inline send the device reports.
+pub const INLINE_SIZE: usize = 32;
+/// Most SRD packets a sender may have outstanding towards one peer (the receiver's window).
+pub const MAX_INFLIGHT: usize = wire::WINDOW as usize;
+
+/// Longest duration any [`UdpConfig`] field accepts (one day).
+pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
+
+/// Configuration of a [`UdpDevice`].
+///
+/// ```
+/// use efa::device::udp::UdpConfig;
+/// let cfg = UdpConfig {
+///     bind: "::1".parse().unwrap(),
+///     mtu: 4096,
+///     ..UdpConfig::default()
+/// };
+/// assert!(cfg.validate().is_ok());
+/// ```
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct UdpConfig {
+    /// Address every queue pair's socket binds to (port 0: ephemeral). IPv4 or IPv6; an
+    /// unspecified address (`0.0.0.0`, `::`) listens on every interface. Default `127.0.0.1`.
+    pub bind: IpAddr,
+    /// Largest datagram (header plus payload of one send), bytes; `64..=65_000`. Default 8192.
+    pub mtu: usize,
+    /// Send queue depth of a queue pair. Default 1024.
+    pub max_send_wr: usize,
+    /// Receive queue depth of a queue pair. Default 4096.
+    pub max_recv_wr: usize,
+    /// Faults injected into every datagram the device sends (data, acks and NAKs). Default none.
+    pub faults: FaultConfig,
+    /// Initial SRD retransmission timeout; it doubles per retransmission of a packet up to
+    /// `max_retransmit_timeout`, and grows with the measured round-trip time. Default 300 µs.
+    pub retransmit_timeout: Duration,
+    /// Cap of the SRD retransmission timeout. Default 50 ms.
+    pub max_retransmit_timeout: Duration,
+    /// Time without any acknowledgement from a peer after which every outstanding SRD send to it
+    /// completes with `Status::UnresponsiveRemote`. Default 5 s.
+    pub unresponsive_timeout: Duration,
+    /// Wait before re-sending a packet refused with an RNR NAK; doubles per RNR retry of the
+    /// packet up to `max_rnr_retry_interval`. Default 100 µs.
+    pub rnr_retry_interval: Duration,
+    /// Cap of the RNR retry interval. Default 10 ms.
+    pub max_rnr_retry_interval: Duration,
+    /// Most SRD packets outstanding towards one peer (the congestion window never exceeds it);
+    /// `1..=1024`. Default 256.
+    pub max_inflight: usize,
+    /// Requested socket send and receive buffer size, bytes (the kernel may cap it); 0 keeps the
+    /// system default. Default 4 MiB.
+    pub socket_buffer: usize,
+    /// Per-peer SRD state unused for this long is forgotten. Must exceed
+    /// `unresponsive_timeout`. Default 60 s.
+    pub peer_idle_timeout: Duration,
+}
+
+impl Default for UdpConfig {
+    fn default() -> Self {
+        UdpConfig {
+            bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            mtu: 8192,
+            max_send_wr: 1024,
+            max_recv_wr: 4096,
+            faults: FaultConfig::default(),
+            retransmit_timeout: Duration::from_micros(300),
+            max_retransmit_timeout: Duration::from_millis(50),
+            unresponsive_timeout: Duration::from_secs(5),
+            rnr_retry_interval: Duration::from_micros(100),
+            max_rnr_retry_interval: Duration::from_millis(10),
+            max_inflight: 256,
+            socket_buffer: 4 << 20,
+            peer_idle_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl UdpConfig {
+    /// The defaults with another bind address.
+    pub fn new(bind: IpAddr) -> UdpConfig {
+        UdpConfig {
+            bind,
+            ..UdpConfig::default()
+        }
+    }
+
+    /// Checks every field; errors are `ErrorKind::InvalidArgument`.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |detail: String| {
+            Err(Error::new(ErrorKind::InvalidArgument, "udp_config").with_detail(detail))
+        };
+        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
+            return bad(format!("mtu {} outside {MIN_MTU}..={MAX_MTU}", self.mtu));
+        }
+        if self.max_send_wr == 0 || self.max_recv_wr == 0 {
+            return bad("queue depths must be at least 1".into());
+        }
+        if !(1..=MAX_INFLIGHT).contains(&self.max_inflight) {
+            return bad(format!(
+                "max_inflight {} outside 1..={MAX_INFLIGHT}",
+                self.max_inflight
+            ));
+        }
+        for (name, d) in [
+            ("retransmit_timeout", self.retransmit_timeout),
+            ("max_retransmit_timeout", self.max_retransmit_timeout),
+            ("unresponsive_timeout", self.unresponsive_timeout),
+            ("rnr_retry_interval", self.rnr_retry_interval),
+            ("max_rnr_retry_interval", self.max_rnr_retry_interval),
+        ] {
+            if d.is_zero() {
+                return bad(format!("{name} must not be zero"));
+            }
+        }
+        for (name, d) in [
+            ("retransmit_timeout", self.retransmit_timeout),
+            ("max_retransmit_timeout", self.max_retransmit_timeout),
+            ("unresponsive_timeout", self.unresponsive_timeout),
+            ("rnr_retry_interval", self.rnr_retry_interval),
+            ("max_rnr_retry_interval", self.max_rnr_retry_interval),
+            ("peer_idle_timeout", self.peer_idle_timeout),
+            ("faults.max_delay", self.faults.max_delay),
+        ] {
+            if d > MAX_DURATION {
+                return bad(format!("{name} {d:?} longer than {MAX_DURATION:?}"));
+            }
+        }
+        if self.max_retransmit_timeout < self.retransmit_timeout {
+            return bad("max_retransmit_timeout below retransmit_timeout".into());
+        }
+        if self.max_rnr_retry_interval < self.rnr_retry_interval {
+            return bad("max_rnr_retry_interval below rnr_retry_interval".into());
+        }
+        if self.peer_idle_timeout <= self.unresponsive_timeout {
+            return bad("peer_idle_timeout must exceed unresponsive_timeout".into());
+        }
+        self.faults.validate().map_err(|e| {
+            Error::new(ErrorKind::InvalidArgument, "udp_config").with_detail(e.to_string())
+        })
+    }
+}
+
+/// The udp software device. Open it with [`UdpDevice::open`]; every queue pair is one UDP socket
+/// bound to an ephemeral port of [`UdpConfig::bind`].
+#[derive(Debug)]
+pub struct UdpDevice {
+    cfg: Arc<UdpConfig>,
+    attr: DeviceAttr,
+    counters: Arc<DeviceCounters>,
+}
+
+impl UdpDevice {
+    /// Validates `cfg` and opens the device (sockets are created per queue pair).
+    pub fn open(cfg: UdpConfig) -> Result<Arc<UdpDevice>> {
+        cfg.validate()?;
+        let attr = DeviceAttr {
+            name: format!("udp-{}", cfg.bind),
+            kind: DeviceKind::Udp,
+            gid: Gid::from_ip(cfg.bind),
+            mtu: cfg.mtu,
+            max_send_wr: cfg.max_send_wr,
+            max_recv_wr: cfg.max_recv_wr,
+            max_sge: 2,
+            inline_size: INLINE_SIZE,
+            max_rdma_size: 0,
+            caps: DeviceCaps {
+                rnr_retry: true,
+                ..DeviceCaps::default()
+            },
+            pci_addr: None,
+            numa_node: None,
+        };
+        Ok(Arc::new(UdpDevice {
+            cfg: Arc::new(cfg),
+            attr,
+            counters: Arc::new(DeviceCounters::default()),
+        }))
+    }
+
+    /// The configuration the device was opened with.
+    pub fn config(&self) -> &UdpConfig {
+        &self.cfg
+    }
+}
+
+impl Device for UdpDevice {
+    fn attr(&self) -> &DeviceAttr {
+        &self.attr
+    }
+
+    fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>> {
+        Ok(Box::new(qp::UdpQp::create(
+            self.cfg.clone(),
+            self.counters.clone(),
+            attr,
+        )?))
+    }
+
+    fn stats(&self) -> DeviceStats {
+        self.counters.snapshot()
+    }
+}
+
+/// The socket address a raw destination names, for a socket of the given family.
+fn sockaddr_for(gid: &Gid, qpn: u16, v6_socket: bool) -> SocketAddr {
+    let ip = match (gid.to_ip(), v6_socket) {
+        (IpAddr::V4(v4), true) => IpAddr::V6(v4.to_ipv6_mapped()),
+        (ip, _) => ip,
+    };
+    SocketAddr::new(ip, qpn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_validation() {
+        assert!(UdpConfig::default().validate().is_ok());
+        for mtu in [0, 63, 65_001] {
+            let e = UdpConfig {
+                mtu,
+                ..Default::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        }
+        let e = UdpConfig {
+            faults: FaultConfig::seeded(1).drop(2.0),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(
+            UdpConfig {
+                max_inflight: 0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn config_serde_round_trip() {
+        let cfg = UdpConfig::new("::1".parse().unwrap());
+        let s = serde_json::to_string(&cfg).unwrap();
+        let back: UdpConfig = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, cfg);
+        let partial: UdpConfig = serde_json::from_str(r#"{"mtu": 1500}"#).unwrap();
+        assert_eq!(partial.mtu, 1500);
+        assert_eq!(partial.bind, UdpConfig::default().bind);
+    }
+
+    #[test]
+    fn sockaddr_mapping() {
+        let g = Gid::from_ip("10.1.2.3".parse().unwrap());
+        assert_eq!(sockaddr_for(&g, 5, false).to_string(), "10.1.2.3:5");
+        assert_eq!(sockaddr_for(&g, 5, true).to_string(), "[::ffff:10.1.2.3]:5");
+        let g6 = Gid::from_ip("::1".parse().unwrap());
+        assert_eq!(sockaddr_for(&g6, 7, true).to_string(), "[::1]:7");
+    }
+}

@@ -1,0 +1,679 @@
+//! A udp queue pair: its socket, its shared state, its background "NIC" thread and the
+//! [`QueuePair`] handle.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use mio::net::UdpSocket;
+use mio::{Events, Interest, Poll, Token, Waker};
+use parking_lot::Mutex;
+
+use super::srd::Srd;
+use super::wire::{self, Packet};
+use super::{UdpConfig, sockaddr_for};
+use crate::addr::{Gid, RawAddr};
+use crate::device::{
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status, random_qkey,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fault::FaultInjector;
+use crate::notify::Notifier;
+use crate::stats::{self, DeviceCounters};
+
+const SOCK: Token = Token(0);
+const WAKE: Token = Token(1);
+/// Receive scratch buffer: large enough for any UDP datagram.
+const RX_SCRATCH: usize = 65_536;
+/// Datagrams one application `poll` reads at most.
+const APP_BUDGET: usize = 64;
+/// Datagrams the NIC thread reads before it looks at its timers again.
+const NIC_BUDGET: usize = 1024;
+/// Datagrams read before pending SRD acknowledgements go out, within one batch.
+const ACK_BATCH: usize = 32;
+/// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
+const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
+
+/// The socket and the fault layer every outgoing datagram goes through.
+pub(super) struct Io {
+    pub sock: UdpSocket,
+    /// The socket is IPv6 (IPv4 destinations are sent as IPv4-mapped addresses).
+    pub v6: bool,
+    /// Scratch buffer of the datagram being sent.
+    pub tx: Vec<u8>,
+    pub faults: Option<Faults>,
+    pub counters: Arc<DeviceCounters>,
+}
+
+/// Fault-injection state: the seeded injector and the datagrams it holds back.
+pub(super) struct Faults {
+    inj: FaultInjector,
+    hold: Duration,
+    held: Vec<(SocketAddr, Vec<u8>, Instant)>,
+    delayed: Vec<(Instant, SocketAddr, Vec<u8>)>,
+}
+
+fn transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::OutOfMemory
+            | io::ErrorKind::ConnectionRefused
+    ) || e.raw_os_error() == Some(105) // ENOBUFS
+}
+
+/// One `sendto`: transient failures (full socket buffer, ...) count as a loss on the wire.
+fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
+    match sock.send_to(buf, dest) {
+        Ok(_) => Ok(()),
+        Err(e) if transient(&e) => {
+            tracing::trace!(%dest, error = %e, "udp: datagram lost in the local stack");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+impl Io {
+    /// Sends the datagram in `self.tx` to `dest` through the fault layer. An error is a permanent
+    /// failure of the first copy (e.g. an address of the wrong family); transient ones are losses.
+    pub fn emit(&mut self, dest: SocketAddr, now: Instant) -> io::Result<()> {
+        let Io {
+            sock,
+            tx,
+            faults,
+            counters,
+            ..
+        } = self;
+        let Some(f) = faults.as_mut() else {
+            return raw_send(sock, tx, dest);
+        };
+        let fate = f.inj.next_fate();
+        if fate.drop {
+            stats::inc(&counters.faults_dropped);
+            return Ok(());
+        }
+        let copies = if fate.duplicate {
+            stats::inc(&counters.faults_duplicated);
+            2
+        } else {
+            1
+        };
+        if fate.reorder {
+            stats::inc(&counters.faults_reordered);
+            for _ in 0..copies {
+                f.held.push((dest, tx.clone(), now + f.hold));
+            }
+            return Ok(());
+        }
+        if !fate.delay.is_zero() {
+            stats::inc(&counters.faults_reordered);
+            for _ in 0..copies {
+                f.delayed.push((now + fate.delay, dest, tx.clone()));
+            }
+            return Ok(());
+        }
+        let r = raw_send(sock, tx, dest);
+        if copies > 1 {
+            let _ = raw_send(sock, tx, dest);
+        }
+        // Held-back datagrams go out after this later one: that is the reordering.
+        for (d, b, _) in f.held.drain(..) {
+            let _ = raw_send(sock, &b, d);
+        }
+        r
+    }
+
+    /// Sends held-back and delayed datagrams whose time has come.
+    fn run_timers(&mut self, now: Instant) {
+        let Some(f) = self.faults.as_mut() else {
+            return;
+        };
+        if f.held.iter().any(|h| h.2 <= now) {
+            for (d, b, _) in f.held.drain(..) {
+                let _ = raw_send(&self.sock, &b, d);
+            }
+        }
+        let mut i = 0;
+        while i < f.delayed.len() {
+            if f.delayed.get(i).is_some_and(|d| d.0 <= now) {
+                let (_, d, b) = f.delayed.swap_remove(i);
+                let _ = raw_send(&self.sock, &b, d);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let f = self.faults.as_ref()?;
+        let held = f.held.iter().map(|h| h.2).min();
+        let delayed = f.delayed.iter().map(|d| d.0).min();
+        min_opt(held, delayed)
+    }
+}
+
+pub(super) fn min_opt(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// What happened to a datagram offered to the receive queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Delivery {
+    /// Copied into a posted buffer.
+    Ok,
+    /// No buffer posted.
+    NoBuffer,
+    /// The buffer at the head was too short; it completed with `LocalBadLength`.
+    BadLength,
+}
+
+/// The parts of a queue pair's state both modes use.
+pub(super) struct Ctx {
+    pub io: Io,
+    pub cfg: Arc<UdpConfig>,
+    pub qkey: u32,
+    pub rnr_retry: u8,
+    cq: VecDeque<DeviceCompletion>,
+    new_comps: bool,
+    recvs: VecDeque<(u64, BytesMut)>,
+}
+
+impl Ctx {
+    pub fn counters(&self) -> &DeviceCounters {
+        &self.io.counters
+    }
+
+    /// Queues a completion.
+    pub fn complete(&mut self, c: DeviceCompletion) {
+        self.cq.push_back(c);
+        self.new_comps = true;
+    }
+
+    /// Queues a send completion.
+    pub fn complete_send(&mut self, wr_id: u64, status: Status, byte_len: usize) {
+        if !status.is_ok() && status != Status::Flushed {
+            stats::inc(&self.io.counters.send_errors);
+        }
+        self.complete(DeviceCompletion::new(wr_id, status, Opcode::Send, byte_len));
+    }
+
+    /// Offers a received datagram to the head of the receive queue.
+    pub fn deliver(&mut self, src: SocketAddr, imm: Option<u32>, data: &[u8]) -> Delivery {
+        let Some((wr_id, mut buf)) = self.recvs.pop_front() else {
+            return Delivery::NoBuffer;
+        };
+        let cap = buf.capacity();
+        buf.clear();
+        let (status, res) = if data.len() > cap {
+            buf.extend_from_slice(data.get(..cap).unwrap_or_default());
+            (Status::LocalBadLength, Delivery::BadLength)
+        } else {
+            buf.extend_from_slice(data);
+            stats::inc(&self.io.counters.rx_pkts);
+            stats::add(&self.io.counters.rx_bytes, data.len() as u64);
+            (Status::Success, Delivery::Ok)
+        };
+        self.complete(DeviceCompletion {
+            wr_id,
+            status,
+            opcode: Opcode::Recv,
+            byte_len: data.len(),
+            src: Some(Source {
+                gid: Gid::from_ip(src.ip()),
+                qpn: src.port(),
+            }),
+            imm,
+            buf: Some(buf),
+        });
+        res
+    }
+}
+
+/// Everything behind the queue pair's lock.
+pub(super) struct State {
+    ctx: Ctx,
+    qp_type: QpType,
+    closed: bool,
+    send_depth: usize,
+    recv_depth: usize,
+    /// Send work requests posted and not yet reaped by `poll`.
+    send_outstanding: usize,
+    /// Receive work requests posted and not yet reaped by `poll`.
+    recv_outstanding: usize,
+    rx: Vec<u8>,
+    srd: Srd,
+    /// When the NIC thread will wake up by itself (`None`: only on a datagram or a wake-up).
+    thread_deadline: Option<Instant>,
+}
+
+impl State {
+    /// Reads up to `budget` datagrams; true when more may be waiting.
+    fn drain(&mut self, budget: usize, now: Instant) -> bool {
+        let mut rx = std::mem::take(&mut self.rx);
+        let mut n = 0;
+        let mut more = false;
+        loop {
+            if n >= budget {
+                more = true;
+                break;
+            }
+            match self.ctx.io.sock.recv_from(&mut rx) {
+                Ok((len, src)) => {
+                    n += 1;
+                    self.handle(rx.get(..len).unwrap_or_default(), src, now);
+                    if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
+                        self.srd.flush_acks(&mut self.ctx, now);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // E.g. a queued ICMP error; it is consumed by reading it.
+                    n += 1;
+                    tracing::debug!(error = %e, "udp: receive error");
+                }
+            }
+        }
+        self.rx = rx;
+        if self.qp_type == QpType::Srd {
+            self.srd.flush_acks(&mut self.ctx, now);
+        }
+        more
+    }
+
+    /// Handles one datagram from `src`.
+    fn handle(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
+        let (dst_qkey, pkt) = match wire::decode(data) {
+            Ok(x) => x,
+            Err(why) => {
+                stats::inc(&self.ctx.counters().malformed_dropped);
+                tracing::debug!(%src, len = data.len(), why, "udp: dropped malformed datagram");
+                return;
+            }
+        };
+        let srd = self.qp_type == QpType::Srd;
+        if srd == matches!(pkt, Packet::Ud { .. }) {
+            stats::inc(&self.ctx.counters().malformed_dropped);
+            tracing::debug!(%src, "udp: dropped a datagram of the other queue pair type");
+            return;
+        }
+        if dst_qkey != self.ctx.qkey {
+            stats::inc(&self.ctx.counters().stale_dropped);
+            tracing::trace!(%src, dst_qkey, qkey = self.ctx.qkey, "udp: dropped datagram with a stale QKEY");
+            return;
+        }
+        match pkt {
+            Packet::Ud { imm, payload } => {
+                if self.ctx.deliver(src, imm, payload) == Delivery::NoBuffer {
+                    stats::inc(&self.ctx.counters().rnr_events);
+                    tracing::trace!(%src, "udp: UD datagram dropped, no receive buffer");
+                }
+            }
+            Packet::Data(h, payload) => self.srd.on_data(&mut self.ctx, src, &h, payload, now),
+            Packet::Ack(a, bitmap) => self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now),
+            Packet::Nak(n) => self.srd.on_nak(&mut self.ctx, src, &n, now),
+        }
+    }
+
+    fn run_timers(&mut self, now: Instant) {
+        self.ctx.io.run_timers(now);
+        if self.qp_type == QpType::Srd {
+            self.srd.run_timers(&mut self.ctx, now);
+        }
+    }
+
+    fn next_deadline(&mut self) -> Option<Instant> {
+        min_opt(self.ctx.io.next_deadline(), self.srd.next_deadline())
+    }
+
+    /// Completes every outstanding work request with `Flushed`.
+    fn flush(&mut self) {
+        while let Some((wr_id, buf)) = self.ctx.recvs.pop_front() {
+            let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
+            c.buf = Some(buf);
+            self.ctx.complete(c);
+        }
+        self.srd.flush(&mut self.ctx);
+        if let Some(f) = self.ctx.io.faults.as_mut() {
+            f.held.clear();
+            f.delayed.clear();
+        }
+    }
+
+    fn post_send(&mut self, wr: SendWr, now: Instant) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_send"));
+        }
+        let len = wr.len();
+        if len > self.ctx.cfg.mtu {
+            return Err(Error::new(ErrorKind::MsgSize, "post_send")
+                .with_detail(format!("{len} bytes > MTU {}", self.ctx.cfg.mtu)));
+        }
+        if self.send_outstanding >= self.send_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_send").with_detail(format!(
+                    "send queue full ({} work requests)",
+                    self.send_depth
+                )),
+            );
+        }
+        self.send_outstanding += 1;
+        let dest = sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6);
+        if dest.is_ipv6() && !self.ctx.io.v6 {
+            tracing::debug!(%dest, "udp: IPv6 destination on an IPv4 device");
+            self.ctx
+                .complete_send(wr.wr_id, Status::UnreachableRemote, 0);
+            return Ok(());
+        }
+        match self.qp_type {
+            QpType::Ud => {
+                wire::encode_ud(
+                    &mut self.ctx.io.tx,
+                    wr.dest.qkey,
+                    wr.imm,
+                    &wr.hdr,
+                    &wr.payload,
+                );
+                let status = match self.ctx.io.emit(dest, now) {
+                    Ok(()) => {
+                        stats::inc(&self.ctx.counters().tx_pkts);
+                        stats::add(&self.ctx.counters().tx_bytes, len as u64);
+                        Status::Success
+                    }
+                    Err(e) => {
+                        tracing::debug!(%dest, error = %e, "udp: send failed");
+                        Status::UnreachableRemote
+                    }
+                };
+                let n = if status.is_ok() { len } else { 0 };
+                self.ctx.complete_send(wr.wr_id, status, n);
+            }
+            QpType::Srd => self.srd.post(&mut self.ctx, dest, wr, now),
+        }
+        Ok(())
+    }
+}
+
+/// What the application handle and the NIC thread share.
+pub(super) struct Shared {
+    state: Mutex<State>,
+    stop: AtomicBool,
+    waker: Waker,
+    notifier: Arc<Notifier>,
+}
+
+impl Shared {
+    /// Reads datagrams and runs due timers; true when more datagrams may be waiting.
+    fn progress(&self, budget: usize) -> bool {
+        let mut st = self.state.lock();
+        if st.closed {
+            return false;
+        }
+        let now = Instant::now();
+        let more = st.drain(budget, now);
+        st.run_timers(now);
+        let notify = std::mem::take(&mut st.ctx.new_comps);
+        drop(st);
+        if notify {
+            self.notifier.notify();
+        }
+        more
+    }
+
+    /// After the application changed the state: wake the NIC thread if a timer now falls before
+    /// its planned wake-up, and the waiters if completions became ready.
+    fn after_post(&self, mut st: parking_lot::MutexGuard<'_, State>) {
+        let mut wake = false;
+        if !st.closed {
+            if let Some(next) = st.next_deadline() {
+                if st.thread_deadline.is_none_or(|d| next < d) {
+                    st.thread_deadline = Some(next);
+                    wake = true;
+                }
+            }
+        }
+        let notify = std::mem::take(&mut st.ctx.new_comps);
+        drop(st);
+        if wake {
+            let _ = self.waker.wake();
+        }
+        if notify {
+            self.notifier.notify();
+        }
+    }
+}
+
+/// The background "NIC": waits for datagrams or the next timer and makes progress.
+fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
+    let mut events = Events::with_capacity(16);
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let more = shared.progress(NIC_BUDGET);
+        let timeout = if more {
+            Some(Duration::ZERO)
+        } else {
+            let mut st = shared.state.lock();
+            if st.closed {
+                break;
+            }
+            let d = st.next_deadline();
+            st.thread_deadline = d;
+            d.map(|d| d.saturating_duration_since(Instant::now()))
+        };
+        if let Err(e) = poll.poll(&mut events, timeout) {
+            if e.kind() != io::ErrorKind::Interrupted {
+                tracing::warn!(error = %e, "udp: NIC thread poll failed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+/// A queue pair of the udp device.
+pub(crate) struct UdpQp {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    addr: RawAddr,
+    qp_type: QpType,
+}
+
+impl fmt::Debug for UdpQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UdpQp")
+            .field("addr", &self.addr)
+            .field("qp_type", &self.qp_type)
+            .finish_non_exhaustive()
+    }
+}
+
+fn open_socket(cfg: &UdpConfig) -> io::Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let bind = SocketAddr::new(cfg.bind, 0);
+    let sock = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP))?;
+    if cfg.bind.is_ipv6() && cfg.bind.is_unspecified() {
+        // `::` serves IPv4 peers too (as IPv4-mapped addresses), where the system allows it.
+        let _ = sock.set_only_v6(false);
+    }
+    if cfg.socket_buffer > 0 {
+        if let Err(e) = sock.set_recv_buffer_size(cfg.socket_buffer) {
+            tracing::debug!(error = %e, "udp: cannot set the receive buffer size");
+        }
+        if let Err(e) = sock.set_send_buffer_size(cfg.socket_buffer) {
+            tracing::debug!(error = %e, "udp: cannot set the send buffer size");
+        }
+    }
+    sock.set_nonblocking(true)?;
+    sock.bind(&bind.into())?;
+    Ok(sock.into())
+}
+
+impl UdpQp {
+    pub(super) fn create(
+        cfg: Arc<UdpConfig>,
+        counters: Arc<DeviceCounters>,
+        attr: QpAttr,
+    ) -> Result<UdpQp> {
+        let std_sock = open_socket(&cfg).map_err(|e| Error::io("create_qp", e))?;
+        let local = std_sock
+            .local_addr()
+            .map_err(|e| Error::io("create_qp", e))?;
+        let mut sock = UdpSocket::from_std(std_sock);
+        let poll = Poll::new().map_err(|e| Error::io("create_qp", e))?;
+        poll.registry()
+            .register(&mut sock, SOCK, Interest::READABLE)
+            .map_err(|e| Error::io("create_qp", e))?;
+        let waker = Waker::new(poll.registry(), WAKE).map_err(|e| Error::io("create_qp", e))?;
+        let qkey = attr.qkey.unwrap_or_else(random_qkey);
+        let faults = (!cfg.faults.is_none()).then(|| Faults {
+            inj: FaultInjector::new(cfg.faults.clone()),
+            hold: if cfg.faults.max_delay.is_zero() {
+                DEFAULT_REORDER_HOLD
+            } else {
+                cfg.faults.max_delay
+            },
+            held: Vec::new(),
+            delayed: Vec::new(),
+        });
+        let addr = RawAddr::new(Gid::from_ip(cfg.bind), local.port(), qkey);
+        let state = State {
+            ctx: Ctx {
+                io: Io {
+                    sock,
+                    v6: local.is_ipv6(),
+                    tx: Vec::with_capacity(cfg.mtu + wire::MAX_OVERHEAD),
+                    faults,
+                    counters,
+                },
+                cfg: cfg.clone(),
+                qkey,
+                rnr_retry: attr.rnr_retry,
+                cq: VecDeque::new(),
+                new_comps: false,
+                recvs: VecDeque::new(),
+            },
+            qp_type: attr.qp_type,
+            closed: false,
+            send_depth: attr.send_depth.clamp(1, cfg.max_send_wr),
+            recv_depth: attr.recv_depth.clamp(1, cfg.max_recv_wr),
+            send_outstanding: 0,
+            recv_outstanding: 0,
+            rx: vec![0; RX_SCRATCH],
+            srd: Srd::new(Instant::now(), &cfg),
+            thread_deadline: None,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            stop: AtomicBool::new(false),
+            waker,
+            notifier: attr.notifier,
+        });
+        let s2 = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("efa-udp-{}", local.port()))
+            .spawn(move || nic_thread(s2, poll))
+            .map_err(|e| Error::io("create_qp", e))?;
+        tracing::debug!(%addr, %local, qp_type = ?attr.qp_type, "udp: queue pair created");
+        Ok(UdpQp {
+            shared,
+            thread: Some(thread),
+            addr,
+            qp_type: attr.qp_type,
+        })
+    }
+
+    fn stop_thread(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.shared.stop.store(true, Ordering::Release);
+            let _ = self.shared.waker.wake();
+            let _ = t.join();
+        }
+    }
+}
+
+impl QueuePair for UdpQp {
+    fn addr(&self) -> RawAddr {
+        self.addr
+    }
+
+    fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.post_send(wr, Instant::now())?;
+        self.shared.after_post(st);
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        if st.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_recv"));
+        }
+        if st.recv_outstanding >= st.recv_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
+                    "receive queue full ({} work requests)",
+                    st.recv_depth
+                )),
+            );
+        }
+        st.recv_outstanding += 1;
+        st.ctx.recvs.push_back((wr_id, buf));
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        self.shared.progress(APP_BUDGET);
+        let mut st = self.shared.state.lock();
+        let mut n = 0;
+        while n < max {
+            let Some(c) = st.ctx.cq.pop_front() else {
+                break;
+            };
+            if c.opcode == Opcode::Send {
+                st.send_outstanding = st.send_outstanding.saturating_sub(1);
+            } else {
+                st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
+            }
+            out.push(c);
+            n += 1;
+        }
+        n
+    }
+
+    fn close(&mut self) {
+        {
+            let mut st = self.shared.state.lock();
+            if !st.closed {
+                st.closed = true;
+                st.flush();
+                tracing::debug!(addr = %self.addr, "udp: queue pair closed");
+            }
+            st.ctx.new_comps = false;
+        }
+        self.stop_thread();
+        self.shared.notifier.notify();
+    }
+}
+
+impl Drop for UdpQp {
+    fn drop(&mut self) {
+        self.stop_thread();
+    }
+}

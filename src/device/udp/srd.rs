@@ -1,0 +1,754 @@
+//! SRD reliability over UDP: per-peer sequence numbers, cumulative + selective acknowledgements,
+//! retransmission with exponential backoff, duplicate suppression, RNR NAKs and the
+//! unresponsive-peer timeout. The rules are in `docs/udp-device.md`.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::UdpConfig;
+use super::qp::{Ctx, Delivery};
+use super::wire::{self, AckHdr, DataHdr, NakHdr, NakReason, WINDOW};
+use crate::device::{SendWr, Status};
+use crate::stats;
+
+/// RNR retry count that means "retry forever", as on EFA.
+const RNR_RETRY_INFINITE: u8 = 7;
+/// Initial congestion window, packets.
+const INITIAL_CWND: f64 = 32.0;
+/// Most senders whose receive state a queue pair keeps (beyond, the least recent is forgotten).
+const MAX_RX_PEERS: usize = 16_384;
+/// Smallest congestion window, packets.
+const MIN_CWND: f64 = 2.0;
+
+/// A send work request waiting for its acknowledgement.
+struct SendOp {
+    wr_id: u64,
+    hdr: Bytes,
+    payload: Bytes,
+    imm: Option<u32>,
+}
+
+impl SendOp {
+    fn len(&self) -> usize {
+        self.hdr.len() + self.payload.len()
+    }
+}
+
+/// A packet on the wire, not yet acknowledged.
+struct InFlight {
+    op: SendOp,
+    /// Attempt number of the last transmission.
+    try_: u32,
+    /// Retransmissions after a timeout (drives the backoff).
+    retries: u32,
+    /// RNR NAKs received for this packet.
+    rnr_count: u32,
+    /// Waiting out an RNR interval (NAKs are ignored meanwhile).
+    rnr_wait: bool,
+    /// Identifies the one live timer of this packet.
+    epoch: u64,
+    sent_at: Instant,
+    retransmitted: bool,
+}
+
+/// Send side state towards one peer queue pair (address + QKEY).
+struct TxPeer {
+    addr: SocketAddr,
+    qkey: u32,
+    conn: u32,
+    next_seq: u64,
+    pending: VecDeque<SendOp>,
+    inflight: BTreeMap<u64, InFlight>,
+    cwnd: f64,
+    ssthresh: f64,
+    /// Sequence number before which losses belong to the current congestion event.
+    recovery: u64,
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    last_heard: Instant,
+    unresp_armed: bool,
+    last_active: Instant,
+}
+
+impl TxPeer {
+    /// Every sequence number below is finished (acknowledged or given up).
+    fn base(&self) -> u64 {
+        self.inflight
+            .keys()
+            .next()
+            .copied()
+            .unwrap_or(self.next_seq)
+    }
+
+    fn rto(&self, cfg: &UdpConfig, retries: u32) -> Duration {
+        let mut rto = cfg.retransmit_timeout;
+        if let Some(srtt) = self.srtt {
+            rto = rto.max(srtt + self.rttvar * 4);
+        }
+        rto.checked_mul(1u32 << retries.min(20))
+            .unwrap_or(cfg.max_retransmit_timeout)
+            .min(cfg.max_retransmit_timeout)
+    }
+
+    fn on_rtt_sample(&mut self, sample: Duration) {
+        match self.srtt {
+            None => {
+                self.srtt = Some(sample);
+                self.rttvar = sample / 2;
+            }
+            Some(srtt) => {
+                let err = srtt.abs_diff(sample);
+                self.rttvar = (self.rttvar * 3 + err) / 4;
+                self.srtt = Some((srtt * 7 + sample) / 8);
+            }
+        }
+    }
+}
+
+/// What the receiver remembers of one sequence number in its window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Empty,
+    /// Refused with RNR at this attempt; only a later attempt may be delivered.
+    Refused(u32),
+    Delivered,
+    /// Delivered into a too-short buffer; duplicates get a bad-length NAK again.
+    BadLen,
+}
+
+/// Receive side state for one sending queue pair (address + its QKEY).
+struct RxPeer {
+    /// Every sequence number below is finished at the sender.
+    base: u64,
+    /// Every sequence number in `[base, cum)` was delivered.
+    cum: u64,
+    /// Slots of `base..base + slots.len()`.
+    slots: VecDeque<Slot>,
+    conn: u32,
+    ack_pending: bool,
+    last_active: Instant,
+}
+
+impl RxPeer {
+    fn advance_base(&mut self, base: u64) {
+        if base <= self.base {
+            return;
+        }
+        let shift = base - self.base;
+        if shift >= self.slots.len() as u64 {
+            self.slots.clear();
+        } else {
+            self.slots.drain(..shift as usize);
+        }
+        self.base = base;
+        self.cum = self.cum.max(base);
+        self.advance_cum();
+    }
+
+    fn advance_cum(&mut self) {
+        while self
+            .slots
+            .get((self.cum - self.base) as usize)
+            .is_some_and(|s| *s == Slot::Delivered)
+        {
+            self.cum += 1;
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum TimerKind {
+    /// Retransmission (or RNR retry) of one packet.
+    Packet { seq: u64, epoch: u64 },
+    /// Check whether the peer has been silent too long.
+    Unresponsive,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Timer {
+    at: Instant,
+    conn: u32,
+    kind: TimerKind,
+}
+
+/// SRD state of one queue pair.
+pub(super) struct Srd {
+    tx: HashMap<u32, TxPeer>,
+    tx_by_addr: HashMap<(SocketAddr, u32), u32>,
+    next_conn: u32,
+    /// First sequence number of a newly created send peer (above every one used before).
+    seq_floor: u64,
+    rx: HashMap<(SocketAddr, u32), RxPeer>,
+    acks: Vec<(SocketAddr, u32)>,
+    timers: BinaryHeap<Reverse<Timer>>,
+    epoch: u64,
+    next_sweep: Instant,
+    bitmap: Vec<u8>,
+}
+
+impl Srd {
+    pub fn new(now: Instant, cfg: &UdpConfig) -> Srd {
+        Srd {
+            tx: HashMap::new(),
+            tx_by_addr: HashMap::new(),
+            next_conn: 1,
+            seq_floor: 0,
+            rx: HashMap::new(),
+            acks: Vec::new(),
+            timers: BinaryHeap::new(),
+            epoch: 0,
+            next_sweep: now + cfg.peer_idle_timeout / 4,
+            bitmap: Vec::with_capacity(wire::MAX_BITMAP),
+        }
+    }
+
+    /// Queues a send to `dest` and transmits what the window allows.
+    pub fn post(&mut self, cx: &mut Ctx, dest: SocketAddr, wr: SendWr, now: Instant) {
+        let key = (dest, wr.dest.qkey);
+        let conn = match self.tx_by_addr.get(&key) {
+            Some(c) => *c,
+            None => {
+                let mut conn = self.next_conn;
+                while conn == 0 || self.tx.contains_key(&conn) {
+                    conn = conn.wrapping_add(1);
+                }
+                self.next_conn = conn.wrapping_add(1);
+                self.tx.insert(
+                    conn,
+                    TxPeer {
+                        addr: dest,
+                        qkey: wr.dest.qkey,
+                        conn,
+                        next_seq: self.seq_floor,
+                        pending: VecDeque::new(),
+                        inflight: BTreeMap::new(),
+                        cwnd: INITIAL_CWND.min(cx.cfg.max_inflight as f64),
+                        ssthresh: cx.cfg.max_inflight as f64,
+                        recovery: self.seq_floor,
+                        srtt: None,
+                        rttvar: Duration::ZERO,
+                        last_heard: now,
+                        unresp_armed: false,
+                        last_active: now,
+                    },
+                );
+                self.tx_by_addr.insert(key, conn);
+                conn
+            }
+        };
+        if let Some(p) = self.tx.get_mut(&conn) {
+            p.last_active = now;
+            p.pending.push_back(SendOp {
+                wr_id: wr.wr_id,
+                hdr: wr.hdr,
+                payload: wr.payload,
+                imm: wr.imm,
+            });
+        }
+        self.pump(cx, conn, now);
+    }
+
+    /// Puts pending sends of peer `conn` on the wire while the windows allow.
+    fn pump(&mut self, cx: &mut Ctx, conn: u32, now: Instant) {
+        let Srd {
+            tx, timers, epoch, ..
+        } = self;
+        let Some(p) = tx.get_mut(&conn) else {
+            return;
+        };
+        let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
+        while !p.pending.is_empty() && p.inflight.len() < limit && p.next_seq < p.base() + WINDOW {
+            let Some(op) = p.pending.pop_front() else {
+                break;
+            };
+            if p.inflight.is_empty() {
+                p.last_heard = now;
+            }
+            if !p.unresp_armed {
+                p.unresp_armed = true;
+                timers.push(Reverse(Timer {
+                    at: now + cx.cfg.unresponsive_timeout,
+                    conn,
+                    kind: TimerKind::Unresponsive,
+                }));
+            }
+            let seq = p.next_seq;
+            p.next_seq += 1;
+            *epoch += 1;
+            let len = op.len();
+            p.inflight.insert(
+                seq,
+                InFlight {
+                    op,
+                    try_: 0,
+                    retries: 0,
+                    rnr_count: 0,
+                    rnr_wait: false,
+                    epoch: *epoch,
+                    sent_at: now,
+                    retransmitted: false,
+                },
+            );
+            if transmit(cx, p, seq, now) {
+                stats::inc(&cx.counters().tx_pkts);
+                stats::add(&cx.counters().tx_bytes, len as u64);
+                timers.push(Reverse(Timer {
+                    at: now + p.rto(&cx.cfg, 0),
+                    conn,
+                    kind: TimerKind::Packet { seq, epoch: *epoch },
+                }));
+            } else if let Some(inf) = p.inflight.remove(&seq) {
+                cx.complete_send(inf.op.wr_id, Status::UnreachableRemote, 0);
+            }
+        }
+    }
+
+    /// Handles a data packet from `src`.
+    pub fn on_data(
+        &mut self,
+        cx: &mut Ctx,
+        src: SocketAddr,
+        h: &DataHdr,
+        payload: &[u8],
+        now: Instant,
+    ) {
+        let key = (src, h.src_qkey);
+        if self.rx.len() >= MAX_RX_PEERS && !self.rx.contains_key(&key) {
+            // Bounded memory: forget the sender heard from least recently.
+            if let Some(old) = self
+                .rx
+                .iter()
+                .min_by_key(|(_, r)| r.last_active)
+                .map(|(k, _)| *k)
+            {
+                tracing::debug!(peer = %old.0, "udp: too many senders, forgetting the oldest");
+                self.rx.remove(&old);
+            }
+        }
+        let rx = self.rx.entry(key).or_insert_with(|| RxPeer {
+            base: h.base,
+            cum: h.base,
+            slots: VecDeque::new(),
+            conn: h.conn,
+            ack_pending: false,
+            last_active: now,
+        });
+        rx.last_active = now;
+        rx.conn = h.conn;
+        rx.advance_base(h.base);
+        if h.seq < rx.base {
+            // The sender finished this one already: a stale copy.
+            stats::inc(&cx.counters().duplicates_dropped);
+            return;
+        }
+        let idx = (h.seq - rx.base) as usize;
+        if idx as u64 >= WINDOW {
+            // Cannot happen for a well-formed packet (decode checks seq - base < WINDOW).
+            stats::inc(&cx.counters().malformed_dropped);
+            return;
+        }
+        while rx.slots.len() <= idx {
+            rx.slots.push_back(Slot::Empty);
+        }
+        let Some(slot) = rx.slots.get_mut(idx) else {
+            return;
+        };
+        let nak = |cx: &mut Ctx, reason: NakReason| {
+            send_nak(cx, src, h, reason, now);
+        };
+        match *slot {
+            Slot::Delivered => {
+                stats::inc(&cx.counters().duplicates_dropped);
+                if !rx.ack_pending {
+                    rx.ack_pending = true;
+                    self.acks.push(key);
+                }
+            }
+            Slot::BadLen => {
+                stats::inc(&cx.counters().duplicates_dropped);
+                nak(cx, NakReason::BadLength);
+            }
+            Slot::Refused(t) if h.try_ <= t => {
+                stats::inc(&cx.counters().duplicates_dropped);
+                nak(cx, NakReason::Rnr);
+            }
+            Slot::Empty | Slot::Refused(_) => match cx.deliver(src, h.imm, payload) {
+                Delivery::NoBuffer => {
+                    *slot = Slot::Refused(h.try_);
+                    stats::inc(&cx.counters().rnr_events);
+                    nak(cx, NakReason::Rnr);
+                }
+                Delivery::BadLength => {
+                    *slot = Slot::BadLen;
+                    nak(cx, NakReason::BadLength);
+                }
+                Delivery::Ok => {
+                    *slot = Slot::Delivered;
+                    rx.advance_cum();
+                    if !rx.ack_pending {
+                        rx.ack_pending = true;
+                        self.acks.push(key);
+                    }
+                }
+            },
+        }
+    }
+
+    /// Sends one acknowledgement to every peer that delivered or repeated data since the last.
+    pub fn flush_acks(&mut self, cx: &mut Ctx, now: Instant) {
+        let mut bitmap = std::mem::take(&mut self.bitmap);
+        for key in self.acks.drain(..) {
+            let Some(rx) = self.rx.get_mut(&key) else {
+                continue;
+            };
+            rx.ack_pending = false;
+            bitmap.clear();
+            // Bit i of the bitmap stands for cum + 1 + i.
+            let first = (rx.cum - rx.base) as usize + 1;
+            for (i, s) in rx.slots.iter().skip(first).enumerate() {
+                if *s == Slot::Delivered {
+                    let byte = i / 8;
+                    if bitmap.len() <= byte {
+                        bitmap.resize(byte + 1, 0);
+                    }
+                    if let Some(b) = bitmap.get_mut(byte) {
+                        *b |= 1 << (i % 8);
+                    }
+                }
+            }
+            let a = AckHdr {
+                src_qkey: cx.qkey,
+                conn: rx.conn,
+                cum: rx.cum,
+            };
+            wire::encode_ack(&mut cx.io.tx, key.1, &a, &bitmap);
+            if let Err(e) = cx.io.emit(key.0, now) {
+                tracing::debug!(dest = %key.0, error = %e, "udp: ack not sent");
+            }
+            stats::inc(&cx.counters().acks_sent);
+        }
+        self.bitmap = bitmap;
+    }
+
+    /// Handles an acknowledgement.
+    pub fn on_ack(
+        &mut self,
+        cx: &mut Ctx,
+        src: SocketAddr,
+        a: &AckHdr,
+        bitmap: &[u8],
+        now: Instant,
+    ) {
+        let Some(p) = peer_of(&mut self.tx, cx, src, a.conn, a.src_qkey) else {
+            return;
+        };
+        p.last_heard = now;
+        p.last_active = now;
+        while let Some(e) = p.inflight.first_entry() {
+            if *e.key() >= a.cum {
+                break;
+            }
+            let inf = e.remove();
+            acked(cx, p, inf, now);
+        }
+        for (i, byte) in bitmap.iter().enumerate() {
+            if *byte == 0 {
+                continue;
+            }
+            for bit in 0..8 {
+                if byte & (1 << bit) != 0 {
+                    let seq = a.cum.saturating_add(1 + (i * 8 + bit) as u64);
+                    if let Some(inf) = p.inflight.remove(&seq) {
+                        acked(cx, p, inf, now);
+                    }
+                }
+            }
+        }
+        let conn = p.conn;
+        self.pump(cx, conn, now);
+    }
+
+    /// Handles a negative acknowledgement.
+    pub fn on_nak(&mut self, cx: &mut Ctx, src: SocketAddr, n: &NakHdr, now: Instant) {
+        let Srd {
+            tx, timers, epoch, ..
+        } = self;
+        let Some(p) = peer_of(tx, cx, src, n.conn, n.src_qkey) else {
+            return;
+        };
+        let conn = p.conn;
+        p.last_heard = now;
+        p.last_active = now;
+        match n.reason {
+            NakReason::BadLength => {
+                if let Some(inf) = p.inflight.remove(&n.seq) {
+                    cx.complete_send(inf.op.wr_id, Status::RemoteBadLength, 0);
+                }
+            }
+            NakReason::Rnr => {
+                stats::inc(&cx.counters().rnr_naks_received);
+                let Some(inf) = p.inflight.get_mut(&n.seq) else {
+                    return;
+                };
+                if inf.rnr_wait || inf.try_ != n.try_ {
+                    return; // a NAK of an older attempt, or a duplicate
+                }
+                inf.rnr_count += 1;
+                if cx.rnr_retry != RNR_RETRY_INFINITE && inf.rnr_count > u32::from(cx.rnr_retry) {
+                    if let Some(inf) = p.inflight.remove(&n.seq) {
+                        cx.complete_send(inf.op.wr_id, Status::RnrRetryExceeded, 0);
+                    }
+                } else {
+                    let wait = cx
+                        .cfg
+                        .rnr_retry_interval
+                        .checked_mul(1u32 << (inf.rnr_count - 1).min(20))
+                        .unwrap_or(cx.cfg.max_rnr_retry_interval)
+                        .min(cx.cfg.max_rnr_retry_interval);
+                    inf.rnr_wait = true;
+                    *epoch += 1;
+                    inf.epoch = *epoch;
+                    timers.push(Reverse(Timer {
+                        at: now + wait,
+                        conn,
+                        kind: TimerKind::Packet {
+                            seq: n.seq,
+                            epoch: *epoch,
+                        },
+                    }));
+                    return;
+                }
+            }
+        }
+        self.pump(cx, conn, now);
+    }
+
+    fn timer_live(&self, t: &Timer) -> bool {
+        let Some(p) = self.tx.get(&t.conn) else {
+            return false;
+        };
+        match t.kind {
+            TimerKind::Packet { seq, epoch } => {
+                p.inflight.get(&seq).is_some_and(|i| i.epoch == epoch)
+            }
+            TimerKind::Unresponsive => p.unresp_armed,
+        }
+    }
+
+    /// The earliest live timer (dropping dead ones from the top of the heap).
+    pub fn next_deadline(&mut self) -> Option<Instant> {
+        while let Some(Reverse(t)) = self.timers.peek() {
+            if self.timer_live(t) {
+                let at = t.at;
+                return Some(if self.tx.is_empty() && self.rx.is_empty() {
+                    at
+                } else {
+                    at.min(self.next_sweep)
+                });
+            }
+            self.timers.pop();
+        }
+        (!self.tx.is_empty() || !self.rx.is_empty()).then_some(self.next_sweep)
+    }
+
+    /// Runs every timer that is due.
+    pub fn run_timers(&mut self, cx: &mut Ctx, now: Instant) {
+        while let Some(Reverse(t)) = self.timers.peek().copied() {
+            if t.at > now {
+                break;
+            }
+            self.timers.pop();
+            if !self.timer_live(&t) {
+                continue;
+            }
+            match t.kind {
+                TimerKind::Packet { seq, .. } => self.retransmit(cx, t.conn, seq, now),
+                TimerKind::Unresponsive => self.check_unresponsive(cx, t.conn, now),
+            }
+        }
+        if now >= self.next_sweep {
+            self.sweep(cx, now);
+            self.next_sweep = now + cx.cfg.peer_idle_timeout / 4;
+        }
+    }
+
+    fn retransmit(&mut self, cx: &mut Ctx, conn: u32, seq: u64, now: Instant) {
+        let Some(p) = self.tx.get_mut(&conn) else {
+            return;
+        };
+        let next_seq = p.next_seq;
+        let Some(inf) = p.inflight.get_mut(&seq) else {
+            return;
+        };
+        if inf.rnr_wait {
+            inf.rnr_wait = false;
+        } else {
+            inf.retries += 1;
+            if seq >= p.recovery {
+                // One multiplicative decrease per window of losses.
+                p.ssthresh = (p.cwnd / 2.0).max(MIN_CWND);
+                p.cwnd = p.ssthresh;
+                p.recovery = next_seq;
+            }
+        }
+        stats::inc(&cx.counters().retransmits);
+        let Some(inf) = p.inflight.get_mut(&seq) else {
+            return;
+        };
+        inf.try_ = inf.try_.wrapping_add(1);
+        inf.retransmitted = true;
+        inf.sent_at = now;
+        self.epoch += 1;
+        inf.epoch = self.epoch;
+        let retries = inf.retries;
+        if transmit(cx, p, seq, now) {
+            let at = now + p.rto(&cx.cfg, retries);
+            self.timers.push(Reverse(Timer {
+                at,
+                conn,
+                kind: TimerKind::Packet {
+                    seq,
+                    epoch: self.epoch,
+                },
+            }));
+        } else if let Some(inf) = p.inflight.remove(&seq) {
+            cx.complete_send(inf.op.wr_id, Status::UnreachableRemote, 0);
+        }
+    }
+
+    fn check_unresponsive(&mut self, cx: &mut Ctx, conn: u32, now: Instant) {
+        let Some(p) = self.tx.get_mut(&conn) else {
+            return;
+        };
+        p.unresp_armed = false;
+        if p.inflight.is_empty() {
+            return;
+        }
+        let due = p.last_heard + cx.cfg.unresponsive_timeout;
+        if now >= due {
+            tracing::debug!(peer = %p.addr, qkey = p.qkey, "udp: peer unresponsive, failing its sends");
+            fail_all(cx, p, Status::UnresponsiveRemote);
+        } else {
+            p.unresp_armed = true;
+            self.timers.push(Reverse(Timer {
+                at: due,
+                conn,
+                kind: TimerKind::Unresponsive,
+            }));
+        }
+    }
+
+    /// Forgets peers idle for longer than `peer_idle_timeout`.
+    fn sweep(&mut self, cx: &Ctx, now: Instant) {
+        let idle = cx.cfg.peer_idle_timeout;
+        let mut floor = self.seq_floor;
+        self.tx.retain(|_, p| {
+            let keep = !p.inflight.is_empty()
+                || !p.pending.is_empty()
+                || now.saturating_duration_since(p.last_active) < idle;
+            if !keep {
+                floor = floor.max(p.next_seq);
+            }
+            keep
+        });
+        self.seq_floor = floor;
+        let tx = &self.tx;
+        self.tx_by_addr.retain(|_, c| tx.contains_key(c));
+        self.rx
+            .retain(|_, r| now.saturating_duration_since(r.last_active) < idle);
+    }
+
+    /// Completes every outstanding send with `Flushed`.
+    pub fn flush(&mut self, cx: &mut Ctx) {
+        for p in self.tx.values_mut() {
+            fail_all(cx, p, Status::Flushed);
+        }
+        self.timers.clear();
+    }
+}
+
+/// Encodes and sends packet `seq` of `p`; false on a permanent send failure.
+fn transmit(cx: &mut Ctx, p: &TxPeer, seq: u64, now: Instant) -> bool {
+    let Some(inf) = p.inflight.get(&seq) else {
+        return false;
+    };
+    let h = DataHdr {
+        src_qkey: cx.qkey,
+        conn: p.conn,
+        try_: inf.try_,
+        seq,
+        base: p.base(),
+        imm: inf.op.imm,
+    };
+    wire::encode_data(&mut cx.io.tx, p.qkey, &h, &inf.op.hdr, &inf.op.payload);
+    match cx.io.emit(p.addr, now) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(dest = %p.addr, error = %e, "udp: send failed");
+            false
+        }
+    }
+}
+
+fn send_nak(cx: &mut Ctx, src: SocketAddr, h: &DataHdr, reason: NakReason, now: Instant) {
+    let n = NakHdr {
+        src_qkey: cx.qkey,
+        conn: h.conn,
+        try_: h.try_,
+        seq: h.seq,
+        reason,
+    };
+    wire::encode_nak(&mut cx.io.tx, h.src_qkey, &n);
+    if let Err(e) = cx.io.emit(src, now) {
+        tracing::debug!(dest = %src, error = %e, "udp: NAK not sent");
+    }
+}
+
+/// A packet was acknowledged: complete its send, sample the round trip, open the window.
+fn acked(cx: &mut Ctx, p: &mut TxPeer, inf: InFlight, now: Instant) {
+    if !inf.retransmitted {
+        p.on_rtt_sample(now.saturating_duration_since(inf.sent_at));
+    }
+    if p.cwnd < p.ssthresh {
+        p.cwnd += 1.0;
+    } else {
+        p.cwnd += 1.0 / p.cwnd;
+    }
+    p.cwnd = p.cwnd.min(cx.cfg.max_inflight as f64);
+    cx.complete_send(inf.op.wr_id, Status::Success, inf.op.len());
+}
+
+/// Completes every outstanding send of `p` with `status`.
+fn fail_all(cx: &mut Ctx, p: &mut TxPeer, status: Status) {
+    for (_, inf) in std::mem::take(&mut p.inflight) {
+        cx.complete_send(inf.op.wr_id, status, 0);
+    }
+    for op in p.pending.drain(..) {
+        cx.complete_send(op.wr_id, status, 0);
+    }
+    p.cwnd = INITIAL_CWND.min(cx.cfg.max_inflight as f64);
+    p.ssthresh = cx.cfg.max_inflight as f64;
+    p.recovery = p.next_seq;
+}
+
+/// The send peer an ack or NAK is for, checking that it came from that peer.
+fn peer_of<'a>(
+    tx: &'a mut HashMap<u32, TxPeer>,
+    cx: &Ctx,
+    src: SocketAddr,
+    conn: u32,
+    src_qkey: u32,
+) -> Option<&'a mut TxPeer> {
+    match tx.get_mut(&conn) {
+        Some(p) if p.qkey == src_qkey && p.addr.port() == src.port() => Some(p),
+        _ => {
+            stats::inc(&cx.counters().stale_dropped);
+            tracing::trace!(%src, conn, src_qkey, "udp: ack or NAK for no known peer");
+            None
+        }
+    }
+}

@@ -1,0 +1,462 @@
+//! Datagram formats of the udp device (see `docs/udp-device.md` for the byte layout).
+//!
+//! Every datagram starts with a 12-byte common header:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 2 | magic `0xEF 0xA5` |
+//! | 2 | 1 | version (1) |
+//! | 3 | 1 | type: 1 UD data, 2 SRD data, 3 SRD ack, 4 SRD NAK |
+//! | 4 | 1 | flags: bit 0 = immediate data present (data types only) |
+//! | 5 | 3 | reserved, zero |
+//! | 8 | 4 | destination QKEY (little-endian) |
+//!
+//! Decoding never panics: every field is read through checked slicing and any inconsistency is a
+//! [`Malformed`] reason.
+
+/// First two bytes of every datagram.
+pub(crate) const MAGIC: [u8; 2] = [0xEF, 0xA5];
+/// Wire format version.
+pub(crate) const VERSION: u8 = 1;
+/// Length of the common header.
+pub(crate) const COMMON_LEN: usize = 12;
+/// Flag: a 4-byte immediate value follows the type-specific header.
+pub(crate) const FLAG_IMM: u8 = 0x01;
+
+/// Type byte of an unreliable datagram.
+pub(crate) const T_UD: u8 = 1;
+/// Type byte of an SRD data packet.
+pub(crate) const T_DATA: u8 = 2;
+/// Type byte of an SRD acknowledgement.
+pub(crate) const T_ACK: u8 = 3;
+/// Type byte of an SRD negative acknowledgement.
+pub(crate) const T_NAK: u8 = 4;
+
+/// Fixed part of an SRD data packet (before the optional immediate).
+pub(crate) const DATA_LEN: usize = 44;
+/// Fixed part of an SRD acknowledgement (before the bitmap).
+pub(crate) const ACK_LEN: usize = 32;
+/// Length of an SRD NAK.
+pub(crate) const NAK_LEN: usize = 36;
+
+/// Largest number of SRD sequence numbers a sender may have between its base and its newest
+/// packet; the receiver remembers delivery state for this many packets per sender.
+pub(crate) const WINDOW: u64 = 1024;
+/// Largest selective-acknowledgement bitmap, bytes.
+pub(crate) const MAX_BITMAP: usize = (WINDOW / 8) as usize;
+
+/// Largest header this device prepends to a user datagram.
+pub(crate) const MAX_OVERHEAD: usize = DATA_LEN + 4;
+
+/// Why a NAK was sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NakReason {
+    /// Receiver not ready: no receive buffer was posted.
+    Rnr = 1,
+    /// The posted receive buffer was shorter than the datagram.
+    BadLength = 2,
+}
+
+/// Why a datagram was rejected.
+pub(crate) type Malformed = &'static str;
+
+/// Header of an SRD data packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DataHdr {
+    /// The sender queue pair's QKEY (identifies a restarted sender).
+    pub src_qkey: u32,
+    /// Sender's connection id for this receiver, echoed in acks and NAKs.
+    pub conn: u32,
+    /// Transmission attempt of this sequence number (0 first, +1 per retransmission).
+    pub try_: u32,
+    /// Sequence number.
+    pub seq: u64,
+    /// Every sequence number below `base` is finished at the sender (acknowledged or given up).
+    pub base: u64,
+    /// Immediate data.
+    pub imm: Option<u32>,
+}
+
+/// Body of an SRD acknowledgement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AckHdr {
+    /// The acknowledging queue pair's QKEY.
+    pub src_qkey: u32,
+    /// The data sender's connection id.
+    pub conn: u32,
+    /// Every sequence number in `[sender base, cum)` was delivered.
+    pub cum: u64,
+}
+
+/// Body of an SRD negative acknowledgement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NakHdr {
+    /// The refusing queue pair's QKEY.
+    pub src_qkey: u32,
+    /// The data sender's connection id.
+    pub conn: u32,
+    /// The attempt that was refused.
+    pub try_: u32,
+    /// The refused sequence number.
+    pub seq: u64,
+    /// Why.
+    pub reason: NakReason,
+}
+
+/// A decoded datagram, borrowing the receive buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Packet<'a> {
+    /// Unreliable datagram.
+    Ud {
+        /// Immediate data.
+        imm: Option<u32>,
+        /// User bytes.
+        payload: &'a [u8],
+    },
+    /// SRD data.
+    Data(DataHdr, &'a [u8]),
+    /// SRD acknowledgement with its selective bitmap (bit `i` = `cum + 1 + i`).
+    Ack(AckHdr, &'a [u8]),
+    /// SRD negative acknowledgement.
+    Nak(NakHdr),
+}
+
+fn common(out: &mut Vec<u8>, ty: u8, flags: u8, dst_qkey: u32) {
+    out.clear();
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(ty);
+    out.push(flags);
+    out.extend_from_slice(&[0, 0, 0]);
+    out.extend_from_slice(&dst_qkey.to_le_bytes());
+}
+
+/// Encodes an unreliable datagram into `out`.
+pub(crate) fn encode_ud(
+    out: &mut Vec<u8>,
+    dst_qkey: u32,
+    imm: Option<u32>,
+    hdr: &[u8],
+    payload: &[u8],
+) {
+    common(
+        out,
+        T_UD,
+        if imm.is_some() { FLAG_IMM } else { 0 },
+        dst_qkey,
+    );
+    if let Some(i) = imm {
+        out.extend_from_slice(&i.to_le_bytes());
+    }
+    out.extend_from_slice(hdr);
+    out.extend_from_slice(payload);
+}
+
+/// Encodes an SRD data packet into `out`.
+pub(crate) fn encode_data(
+    out: &mut Vec<u8>,
+    dst_qkey: u32,
+    h: &DataHdr,
+    hdr: &[u8],
+    payload: &[u8],
+) {
+    common(
+        out,
+        T_DATA,
+        if h.imm.is_some() { FLAG_IMM } else { 0 },
+        dst_qkey,
+    );
+    out.extend_from_slice(&h.src_qkey.to_le_bytes());
+    out.extend_from_slice(&h.conn.to_le_bytes());
+    out.extend_from_slice(&h.try_.to_le_bytes());
+    out.extend_from_slice(&h.seq.to_le_bytes());
+    out.extend_from_slice(&h.base.to_le_bytes());
+    let len = (hdr.len() + payload.len()) as u32;
+    out.extend_from_slice(&len.to_le_bytes());
+    if let Some(i) = h.imm {
+        out.extend_from_slice(&i.to_le_bytes());
+    }
+    out.extend_from_slice(hdr);
+    out.extend_from_slice(payload);
+}
+
+/// Encodes an SRD acknowledgement into `out`; `bitmap` is at most [`MAX_BITMAP`] bytes.
+pub(crate) fn encode_ack(out: &mut Vec<u8>, dst_qkey: u32, a: &AckHdr, bitmap: &[u8]) {
+    let bitmap = &bitmap[..bitmap.len().min(MAX_BITMAP)];
+    common(out, T_ACK, 0, dst_qkey);
+    out.extend_from_slice(&a.src_qkey.to_le_bytes());
+    out.extend_from_slice(&a.conn.to_le_bytes());
+    out.extend_from_slice(&(bitmap.len() as u16).to_le_bytes());
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&a.cum.to_le_bytes());
+    out.extend_from_slice(bitmap);
+}
+
+/// Encodes an SRD negative acknowledgement into `out`.
+pub(crate) fn encode_nak(out: &mut Vec<u8>, dst_qkey: u32, n: &NakHdr) {
+    common(out, T_NAK, 0, dst_qkey);
+    out.extend_from_slice(&n.src_qkey.to_le_bytes());
+    out.extend_from_slice(&n.conn.to_le_bytes());
+    out.extend_from_slice(&n.try_.to_le_bytes());
+    out.extend_from_slice(&n.seq.to_le_bytes());
+    out.push(n.reason as u8);
+    out.extend_from_slice(&[0, 0, 0]);
+}
+
+fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(
+        b.get(at..at.checked_add(2)?)?.try_into().ok()?,
+    ))
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(
+        b.get(at..at.checked_add(4)?)?.try_into().ok()?,
+    ))
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(
+        b.get(at..at.checked_add(8)?)?.try_into().ok()?,
+    ))
+}
+
+/// Decodes a datagram: its destination QKEY and its contents.
+pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
+    if b.len() < COMMON_LEN {
+        return Err("shorter than the common header");
+    }
+    if b.get(0..2) != Some(&MAGIC[..]) {
+        return Err("bad magic");
+    }
+    if b.get(2) != Some(&VERSION) {
+        return Err("unknown version");
+    }
+    if b.get(5..8) != Some(&[0u8, 0, 0][..]) {
+        return Err("reserved bytes not zero");
+    }
+    let ty = b.get(3).copied().ok_or("truncated")?;
+    let flags = b.get(4).copied().ok_or("truncated")?;
+    let dst_qkey = u32_at(b, 8).ok_or("truncated")?;
+    let pkt = match ty {
+        T_UD => {
+            if flags & !FLAG_IMM != 0 {
+                return Err("unknown flags");
+            }
+            let (imm, at) = if flags & FLAG_IMM != 0 {
+                (
+                    Some(u32_at(b, COMMON_LEN).ok_or("truncated immediate")?),
+                    COMMON_LEN + 4,
+                )
+            } else {
+                (None, COMMON_LEN)
+            };
+            Packet::Ud {
+                imm,
+                payload: b.get(at..).ok_or("truncated")?,
+            }
+        }
+        T_DATA => {
+            if flags & !FLAG_IMM != 0 {
+                return Err("unknown flags");
+            }
+            if b.len() < DATA_LEN {
+                return Err("truncated data header");
+            }
+            let src_qkey = u32_at(b, 12).ok_or("truncated")?;
+            let conn = u32_at(b, 16).ok_or("truncated")?;
+            let try_ = u32_at(b, 20).ok_or("truncated")?;
+            let seq = u64_at(b, 24).ok_or("truncated")?;
+            let base = u64_at(b, 32).ok_or("truncated")?;
+            let len = u32_at(b, 40).ok_or("truncated")? as usize;
+            if base > seq || seq - base >= WINDOW {
+                return Err("sequence number outside the window");
+            }
+            let (imm, at) = if flags & FLAG_IMM != 0 {
+                (
+                    Some(u32_at(b, DATA_LEN).ok_or("truncated immediate")?),
+                    DATA_LEN + 4,
+                )
+            } else {
+                (None, DATA_LEN)
+            };
+            let payload = b.get(at..).ok_or("truncated")?;
+            if payload.len() != len {
+                return Err("payload length does not match the datagram");
+            }
+            Packet::Data(
+                DataHdr {
+                    src_qkey,
+                    conn,
+                    try_,
+                    seq,
+                    base,
+                    imm,
+                },
+                payload,
+            )
+        }
+        T_ACK => {
+            if flags != 0 {
+                return Err("unknown flags");
+            }
+            let src_qkey = u32_at(b, 12).ok_or("truncated ack")?;
+            let conn = u32_at(b, 16).ok_or("truncated ack")?;
+            let n = u16_at(b, 20).ok_or("truncated ack")? as usize;
+            if u16_at(b, 22) != Some(0) {
+                return Err("reserved bytes not zero");
+            }
+            let cum = u64_at(b, 24).ok_or("truncated ack")?;
+            if n > MAX_BITMAP {
+                return Err("ack bitmap too long");
+            }
+            if b.len() != ACK_LEN + n {
+                return Err("ack length does not match its bitmap");
+            }
+            let bitmap = b.get(ACK_LEN..).ok_or("truncated ack")?;
+            Packet::Ack(
+                AckHdr {
+                    src_qkey,
+                    conn,
+                    cum,
+                },
+                bitmap,
+            )
+        }
+        T_NAK => {
+            if flags != 0 {
+                return Err("unknown flags");
+            }
+            if b.len() != NAK_LEN {
+                return Err("bad NAK length");
+            }
+            let src_qkey = u32_at(b, 12).ok_or("truncated nak")?;
+            let conn = u32_at(b, 16).ok_or("truncated nak")?;
+            let try_ = u32_at(b, 20).ok_or("truncated nak")?;
+            let seq = u64_at(b, 24).ok_or("truncated nak")?;
+            let reason = match b.get(32).copied() {
+                Some(1) => NakReason::Rnr,
+                Some(2) => NakReason::BadLength,
+                _ => return Err("unknown NAK reason"),
+            };
+            if b.get(33..36) != Some(&[0u8, 0, 0][..]) {
+                return Err("reserved bytes not zero");
+            }
+            Packet::Nak(NakHdr {
+                src_qkey,
+                conn,
+                try_,
+                seq,
+                reason,
+            })
+        }
+        _ => return Err("unknown type"),
+    };
+    Ok((dst_qkey, pkt))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ud_round_trip() {
+        let mut b = Vec::new();
+        encode_ud(&mut b, 0x1234_5678, Some(7), b"hd", b"payload");
+        assert_eq!(b.len(), COMMON_LEN + 4 + 9);
+        assert_eq!(&b[..4], &[0xEF, 0xA5, 1, T_UD]);
+        let (q, p) = decode(&b).unwrap();
+        assert_eq!(q, 0x1234_5678);
+        assert_eq!(
+            p,
+            Packet::Ud {
+                imm: Some(7),
+                payload: b"hdpayload"
+            }
+        );
+        encode_ud(&mut b, 1, None, b"", b"");
+        assert_eq!(
+            decode(&b).unwrap(),
+            (
+                1,
+                Packet::Ud {
+                    imm: None,
+                    payload: b""
+                }
+            )
+        );
+    }
+
+    #[test]
+    fn data_ack_nak_round_trip() {
+        let mut b = Vec::new();
+        let h = DataHdr {
+            src_qkey: 9,
+            conn: 3,
+            try_: 2,
+            seq: 1000,
+            base: 990,
+            imm: None,
+        };
+        encode_data(&mut b, 5, &h, b"ab", b"cd");
+        assert_eq!(b.len(), DATA_LEN + 4);
+        assert_eq!(decode(&b).unwrap(), (5, Packet::Data(h, b"abcd")));
+        let h2 = DataHdr {
+            imm: Some(0xdead),
+            ..h
+        };
+        encode_data(&mut b, 5, &h2, b"", b"x");
+        assert_eq!(decode(&b).unwrap(), (5, Packet::Data(h2, b"x")));
+
+        let a = AckHdr {
+            src_qkey: 1,
+            conn: 2,
+            cum: 77,
+        };
+        encode_ack(&mut b, 6, &a, &[0b101]);
+        assert_eq!(b.len(), ACK_LEN + 1);
+        assert_eq!(decode(&b).unwrap(), (6, Packet::Ack(a, &[0b101][..])));
+
+        let n = NakHdr {
+            src_qkey: 1,
+            conn: 2,
+            try_: 3,
+            seq: 4,
+            reason: NakReason::BadLength,
+        };
+        encode_nak(&mut b, 7, &n);
+        assert_eq!(b.len(), NAK_LEN);
+        assert_eq!(decode(&b).unwrap(), (7, Packet::Nak(n)));
+    }
+
+    #[test]
+    fn rejects_inconsistent() {
+        let mut b = Vec::new();
+        let h = DataHdr {
+            src_qkey: 9,
+            conn: 3,
+            try_: 0,
+            seq: 10,
+            base: 10,
+            imm: None,
+        };
+        encode_data(&mut b, 5, &h, b"", b"abc");
+        for cut in 0..b.len() {
+            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(decode(&long).is_err());
+        let bad = DataHdr { base: 11, ..h };
+        encode_data(&mut b, 5, &bad, b"", b"");
+        assert!(decode(&b).is_err());
+        let far = DataHdr {
+            seq: 10 + WINDOW,
+            ..h
+        };
+        encode_data(&mut b, 5, &far, b"", b"");
+        assert!(decode(&b).is_err());
+        assert!(decode(&[0xEF, 0xA5, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
+        assert!(decode(&[0xEF, 0xA5, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
+    }
+}

@@ -1,0 +1,928 @@
+//! Device-level tests of the `udp` software device, through the `Device` / `QueuePair` traits.
+//!
+//! Randomised tests take `test_seed()` (set `EFA_TEST_SEED` to replay) and print it in every
+//! assertion message. There are no timing assertions: deadlines only turn a hang into a failure.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, UdpSocket};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::device::{
+    Device, DeviceCompletion, DeviceKind, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status,
+};
+use efa::fault::{FaultConfig, Rng, test_seed};
+use efa::notify::Notifier;
+use efa::{ErrorKind, RawAddr};
+
+/// Overall deadline of one wait: generous, only there to fail instead of hanging.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn v4() -> IpAddr {
+    "127.0.0.1".parse().unwrap()
+}
+
+fn v6() -> IpAddr {
+    "::1".parse().unwrap()
+}
+
+fn open(cfg: UdpConfig) -> Arc<UdpDevice> {
+    UdpDevice::open(cfg).expect("open udp device")
+}
+
+fn attr(ty: QpType, n: &Arc<Notifier>) -> QpAttr {
+    let mut a = QpAttr::new(ty);
+    a.notifier = n.clone();
+    a
+}
+
+fn qp(dev: &UdpDevice, ty: QpType, n: &Arc<Notifier>) -> Box<dyn QueuePair> {
+    dev.create_qp(attr(ty, n)).expect("create qp")
+}
+
+fn wr(wr_id: u64, dest: RawAddr, hdr: &[u8], payload: &[u8], imm: Option<u32>) -> SendWr {
+    SendWr {
+        wr_id,
+        dest,
+        hdr: Bytes::copy_from_slice(hdr),
+        payload: Bytes::copy_from_slice(payload),
+        imm,
+    }
+}
+
+/// Polls every queue pair until `done` says so, sleeping on the shared notifier in between.
+/// Completions are returned tagged with the index of their queue pair.
+fn poll_until(
+    qps: &mut [&mut Box<dyn QueuePair>],
+    n: &Notifier,
+    what: &str,
+    mut done: impl FnMut(&[(usize, DeviceCompletion)]) -> bool,
+) -> Vec<(usize, DeviceCompletion)> {
+    let deadline = Instant::now() + DEADLINE;
+    let mut all = Vec::new();
+    let mut buf = Vec::new();
+    loop {
+        let seen = n.generation();
+        let mut got = 0;
+        for (i, q) in qps.iter_mut().enumerate() {
+            buf.clear();
+            got += q.poll(&mut buf, 64);
+            all.extend(buf.drain(..).map(|c| (i, c)));
+        }
+        if done(&all) {
+            return all;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: got {all:?}"
+        );
+        if got == 0 {
+            n.wait_until(seen, Some(Instant::now() + Duration::from_millis(5)));
+        }
+    }
+}
+
+/// Polls for `d` and returns whatever completes.
+fn poll_for(qps: &mut [&mut Box<dyn QueuePair>], d: Duration) -> Vec<(usize, DeviceCompletion)> {
+    let end = Instant::now() + d;
+    let mut out = Vec::new();
+    let mut buf = Vec::new();
+    while Instant::now() < end {
+        for (i, q) in qps.iter_mut().enumerate() {
+            buf.clear();
+            q.poll(&mut buf, 64);
+            out.extend(buf.drain(..).map(|c| (i, c)));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    out
+}
+
+fn ud_roundtrip(bind: IpAddr) {
+    let dev = open(UdpConfig::new(bind));
+    let n = Arc::new(Notifier::new());
+    let mut a = qp(&dev, QpType::Ud, &n);
+    let mut b = qp(&dev, QpType::Ud, &n);
+    assert_eq!(a.qp_type(), QpType::Ud);
+    assert_eq!(a.addr().gid, efa::Gid::from_ip(bind));
+    for i in 0..10u64 {
+        b.post_recv(100 + i, BytesMut::with_capacity(256)).unwrap();
+    }
+    for i in 0..10u64 {
+        let payload = vec![i as u8; i as usize * 10];
+        let imm = (i % 2 == 0).then_some(i as u32 * 7);
+        a.post_send(wr(i, b.addr(), b"hd", &payload, imm)).unwrap();
+    }
+    let got = poll_until(&mut [&mut a, &mut b], &n, "UD datagrams", |c| c.len() >= 20);
+    let mut recvd = 0;
+    for (q, c) in &got {
+        assert_eq!(c.status, Status::Success, "{c:?}");
+        if *q == 0 {
+            assert_eq!(c.opcode, Opcode::Send);
+            continue;
+        }
+        assert_eq!(c.opcode, Opcode::Recv);
+        let buf = c.buf.as_ref().unwrap();
+        assert_eq!(buf.len(), c.byte_len);
+        assert_eq!(&buf[..2], b"hd");
+        let i = buf.len().saturating_sub(2) as u64 / 10;
+        assert!(
+            buf[2..].iter().all(|x| *x == i as u8),
+            "payload of {i} corrupted"
+        );
+        assert_eq!(
+            c.wr_id,
+            100 + recvd,
+            "receive buffers are consumed in order"
+        );
+        assert_eq!(c.imm, (i % 2 == 0).then_some(i as u32 * 7));
+        assert_eq!(
+            c.src,
+            Some(Source {
+                gid: a.addr().gid,
+                qpn: a.addr().qpn
+            })
+        );
+        recvd += 1;
+    }
+    assert_eq!(recvd, 10);
+    let s = dev.stats();
+    assert_eq!(s.tx_pkts, 10);
+    assert_eq!(s.rx_pkts, 10);
+}
+
+#[test]
+fn ud_ipv4_delivers_with_imm_and_source() {
+    ud_roundtrip(v4());
+}
+
+#[test]
+fn ud_ipv6_delivers_with_imm_and_source() {
+    ud_roundtrip(v6());
+}
+
+#[test]
+fn srd_ipv6_and_unspecified_bind() {
+    for bind in ["::1", "0.0.0.0", "::"] {
+        let bind: IpAddr = bind.parse().unwrap();
+        let dev = open(UdpConfig::new(bind));
+        let n = Arc::new(Notifier::new());
+        let mut a = qp(&dev, QpType::Srd, &n);
+        let mut b = qp(&dev, QpType::Srd, &n);
+        b.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+        a.post_send(wr(2, b.addr(), b"", b"hello", None)).unwrap();
+        let got = poll_until(&mut [&mut a, &mut b], &n, "SRD datagram", |c| c.len() >= 2);
+        for (_, c) in &got {
+            assert_eq!(c.status, Status::Success, "{bind}: {c:?}");
+        }
+        let r = got.iter().find(|(q, _)| *q == 1).unwrap();
+        assert_eq!(&r.1.buf.as_ref().unwrap()[..], b"hello", "{bind}");
+        assert_eq!(r.1.src.unwrap().qpn, a.addr().qpn, "{bind}");
+    }
+}
+
+#[test]
+fn attributes() {
+    let dev = open(UdpConfig::default());
+    let a = dev.attr();
+    assert_eq!(a.kind, DeviceKind::Udp);
+    assert_eq!(a.name, "udp-127.0.0.1");
+    assert_eq!(a.gid, efa::Gid::from_ip(v4()));
+    assert_eq!(a.mtu, 8192);
+    assert_eq!(a.max_sge, 2);
+    assert_eq!(a.max_rdma_size, 0);
+    assert!(a.caps.rnr_retry);
+    assert!(!a.caps.rdma_read && !a.caps.rdma_write && !a.caps.unsolicited_write_recv);
+    assert_eq!(a.pci_addr, None);
+    for mtu in [10, 70_000] {
+        let e = UdpDevice::open(UdpConfig {
+            mtu,
+            ..UdpConfig::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+    let n = Arc::new(Notifier::new());
+    let mut at = attr(QpType::Srd, &n);
+    at.qkey = Some(0x1234);
+    let q = dev.create_qp(at).unwrap();
+    assert_eq!(q.addr().qkey, 0x1234);
+    assert_ne!(q.addr().qpn, 0);
+}
+
+/// The bytes of datagram `i` of sender `s`: a 12-byte header naming it and a payload derived from
+/// the seed, of a random total length in `0..=mtu` (at least the header).
+fn datagram(seed: u64, s: u64, i: u64, mtu: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut rng = Rng::new(seed ^ (s << 32) ^ i.wrapping_mul(0x9E37_79B9));
+    let total = 12 + rng.below((mtu - 12) as u64 + 1) as usize;
+    let mut hdr = Vec::with_capacity(12);
+    hdr.extend_from_slice(&(s as u32).to_le_bytes());
+    hdr.extend_from_slice(&i.to_le_bytes());
+    let payload = (0..total - 12).map(|_| rng.next_u64() as u8).collect();
+    (hdr, payload)
+}
+
+/// `senders` queue pairs each send `count` datagrams to one receiver under drop, duplicate and
+/// reorder faults; every datagram must arrive exactly once, intact, and every send must succeed.
+fn srd_exactly_once(senders: usize, count: u64, delay: bool) {
+    let seed = test_seed();
+    let mut faults = FaultConfig::seeded(seed)
+        .drop(0.1)
+        .duplicate(0.1)
+        .reorder(0.1);
+    if delay {
+        faults = faults.delay(0.1, Duration::from_millis(3));
+    }
+    let dev = open(UdpConfig {
+        faults,
+        ..UdpConfig::default()
+    });
+    let mtu = dev.attr().mtu;
+    let n = Arc::new(Notifier::new());
+    let mut rx = {
+        let mut a = attr(QpType::Srd, &n);
+        a.recv_depth = 512;
+        a.rnr_retry = 7;
+        dev.create_qp(a).unwrap()
+    };
+    let mut txs: Vec<Box<dyn QueuePair>> = (0..senders)
+        .map(|_| {
+            let mut a = attr(QpType::Srd, &n);
+            a.send_depth = 128;
+            a.rnr_retry = 7;
+            dev.create_qp(a).unwrap()
+        })
+        .collect();
+    let dest = rx.addr();
+    let mut next_recv = 0u64;
+    while rx
+        .post_recv(next_recv, BytesMut::with_capacity(mtu))
+        .is_ok()
+    {
+        next_recv += 1;
+    }
+    let mut next = vec![0u64; senders];
+    let mut delivered: HashSet<(u64, u64)> = HashSet::new();
+    let mut sent_ok: HashSet<(usize, u64)> = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut buf = Vec::new();
+    let total = senders as u64 * count;
+    while delivered.len() < total as usize || sent_ok.len() < total as usize {
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: timed out with {} delivered, {} sends completed, stats {:?}",
+            delivered.len(),
+            sent_ok.len(),
+            dev.stats()
+        );
+        let seen = n.generation();
+        let mut progress = 0;
+        for (s, tx) in txs.iter_mut().enumerate() {
+            while next[s] < count {
+                let (hdr, payload) = datagram(seed, s as u64, next[s], mtu);
+                let imm = (next[s] % 3 == 0).then_some(next[s] as u32);
+                match tx.post_send(wr(next[s], dest, &hdr, &payload, imm)) {
+                    Ok(()) => next[s] += 1,
+                    Err(e) if e.kind() == ErrorKind::Again => break,
+                    Err(e) => panic!("seed {seed}: post_send: {e}"),
+                }
+            }
+            buf.clear();
+            progress += tx.poll(&mut buf, 256);
+            for c in buf.drain(..) {
+                assert_eq!(c.opcode, Opcode::Send, "seed {seed}");
+                assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+                assert!(
+                    sent_ok.insert((s, c.wr_id)),
+                    "seed {seed}: send {s}/{} completed twice",
+                    c.wr_id
+                );
+            }
+        }
+        buf.clear();
+        progress += rx.poll(&mut buf, 256);
+        for c in buf.drain(..) {
+            assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+            let b = c.buf.unwrap();
+            assert_eq!(b.len(), c.byte_len, "seed {seed}");
+            assert!(b.len() >= 12, "seed {seed}: short datagram {}", b.len());
+            let s = u32::from_le_bytes(b[..4].try_into().unwrap()) as u64;
+            let i = u64::from_le_bytes(b[4..12].try_into().unwrap());
+            let (hdr, payload) = datagram(seed, s, i, mtu);
+            assert_eq!(&b[..12], &hdr[..], "seed {seed}: header of {s}/{i}");
+            assert!(
+                b[12..] == payload[..],
+                "seed {seed}: payload of {s}/{i} corrupted"
+            );
+            assert_eq!(
+                c.imm,
+                (i % 3 == 0).then_some(i as u32),
+                "seed {seed}: imm of {s}/{i}"
+            );
+            assert_eq!(
+                c.src.map(|x| x.qpn),
+                Some(txs[s as usize].addr().qpn),
+                "seed {seed}"
+            );
+            assert!(
+                delivered.insert((s, i)),
+                "seed {seed}: {s}/{i} delivered twice"
+            );
+            rx.post_recv(next_recv, b).unwrap();
+            next_recv += 1;
+        }
+        if progress == 0 {
+            n.wait_until(seen, Some(Instant::now() + Duration::from_millis(2)));
+        }
+    }
+    // Nothing more may arrive: late duplicates must still be suppressed.
+    let mut all: Vec<&mut Box<dyn QueuePair>> = vec![&mut rx];
+    all.extend(txs.iter_mut());
+    let late = poll_for(&mut all, Duration::from_millis(200));
+    assert!(late.is_empty(), "seed {seed}: late completions {late:?}");
+    let s = dev.stats();
+    eprintln!("seed {seed}: {senders} sender(s) x {count}: {s:?}");
+    assert!(s.retransmits > 0, "seed {seed}: {s:?}");
+    assert!(s.duplicates_dropped > 0, "seed {seed}: {s:?}");
+    assert!(
+        s.faults_dropped > 0 && s.faults_duplicated > 0 && s.faults_reordered > 0,
+        "seed {seed}: {s:?}"
+    );
+    assert_eq!(s.rx_pkts, total, "seed {seed}: {s:?}");
+    assert_eq!(s.tx_pkts, total, "seed {seed}: {s:?}");
+    assert_eq!(s.send_errors, 0, "seed {seed}: {s:?}");
+}
+
+#[test]
+fn srd_exactly_once_under_faults() {
+    srd_exactly_once(1, 2000, false);
+}
+
+#[test]
+fn srd_exactly_once_two_senders_under_faults() {
+    srd_exactly_once(2, 1000, false);
+}
+
+#[test]
+fn srd_exactly_once_with_delays() {
+    srd_exactly_once(1, 1000, true);
+}
+
+#[test]
+fn srd_rnr_retry_exceeded() {
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    let mut rx = qp(&dev, QpType::Srd, &n);
+    for rnr_retry in 0..=2u8 {
+        let mut a = attr(QpType::Srd, &n);
+        a.rnr_retry = rnr_retry;
+        let mut tx = dev.create_qp(a).unwrap();
+        tx.post_send(wr(9, rx.addr(), b"", b"nobody listens", None))
+            .unwrap();
+        let got = poll_until(&mut [&mut tx, &mut rx], &n, "RNR failure", |c| {
+            !c.is_empty()
+        });
+        assert_eq!(got.len(), 1, "{got:?}");
+        let (q, c) = &got[0];
+        assert_eq!(*q, 0, "the receiver must see nothing: {c:?}");
+        assert_eq!(c.wr_id, 9);
+        assert_eq!(c.status, Status::RnrRetryExceeded, "rnr_retry {rnr_retry}");
+    }
+    let s = dev.stats();
+    assert!(s.rnr_events >= 6, "{s:?}");
+    assert!(s.rnr_naks_received >= 6, "{s:?}");
+    assert_eq!(s.rx_pkts, 0, "{s:?}");
+    // Nothing is delivered later into a buffer posted now.
+    rx.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+    let late = poll_for(&mut [&mut rx], Duration::from_millis(100));
+    assert!(late.is_empty(), "{late:?}");
+}
+
+#[test]
+fn srd_rnr_then_receive_posted() {
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    let mut rx = qp(&dev, QpType::Srd, &n);
+    let mut a = attr(QpType::Srd, &n);
+    a.rnr_retry = 7;
+    let mut tx = dev.create_qp(a).unwrap();
+    tx.post_send(wr(5, rx.addr(), b"h", b"late receiver", Some(3)))
+        .unwrap();
+    // Let the sender be refused a few times (the device retries on its own meanwhile).
+    let early = poll_for(&mut [&mut tx, &mut rx], Duration::from_millis(50));
+    assert!(early.is_empty(), "{early:?}");
+    assert!(dev.stats().rnr_naks_received > 0, "{:?}", dev.stats());
+    rx.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+    let got = poll_until(&mut [&mut tx, &mut rx], &n, "delivery after RNR", |c| {
+        c.len() >= 2
+    });
+    for (q, c) in &got {
+        assert_eq!(c.status, Status::Success, "{c:?}");
+        if *q == 1 {
+            assert_eq!(&c.buf.as_ref().unwrap()[..], b"hlate receiver");
+            assert_eq!(c.imm, Some(3));
+        } else {
+            assert_eq!(c.wr_id, 5);
+        }
+    }
+}
+
+fn short_unresponsive() -> UdpConfig {
+    UdpConfig {
+        unresponsive_timeout: Duration::from_millis(200),
+        peer_idle_timeout: Duration::from_secs(2),
+        ..UdpConfig::default()
+    }
+}
+
+#[test]
+fn srd_unresponsive_closed_peer_and_silent_port() {
+    let dev = open(short_unresponsive());
+    let n = Arc::new(Notifier::new());
+    let mut tx = qp(&dev, QpType::Srd, &n);
+    // A closed queue pair.
+    let mut closed = qp(&dev, QpType::Srd, &n);
+    closed.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+    closed.close();
+    let dead = closed.addr();
+    // A dropped queue pair.
+    let dropped = qp(&dev, QpType::Srd, &n).addr();
+    // A port nobody listens on.
+    let silent = {
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = s.local_addr().unwrap().port();
+        RawAddr::new(efa::Gid::from_ip(v4()), port, 77)
+    };
+    for (i, d) in [dead, dead, dropped, silent].into_iter().enumerate() {
+        tx.post_send(wr(i as u64, d, b"", b"anyone?", None))
+            .unwrap();
+    }
+    let got = poll_until(&mut [&mut tx], &n, "unresponsive", |c| c.len() >= 4);
+    let mut ids: Vec<u64> = got.iter().map(|(_, c)| c.wr_id).collect();
+    ids.sort();
+    assert_eq!(ids, vec![0, 1, 2, 3]);
+    for (_, c) in &got {
+        assert_eq!(c.status, Status::UnresponsiveRemote, "{c:?}");
+        assert_eq!(c.status.error_kind(), ErrorKind::ConnectionAborted);
+    }
+    assert!(dev.stats().send_errors >= 4);
+    // The closed queue pair handed back its buffer, flushed.
+    let mut out = Vec::new();
+    closed.poll(&mut out, 8);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].status, Status::Flushed);
+}
+
+#[test]
+fn contract_msg_size_again_closed() {
+    let dev = open(short_unresponsive());
+    let mtu = dev.attr().mtu;
+    let n = Arc::new(Notifier::new());
+    for ty in [QpType::Ud, QpType::Srd] {
+        let mut a = attr(ty, &n);
+        a.send_depth = 4;
+        a.recv_depth = 3;
+        let mut q = dev.create_qp(a).unwrap();
+        let silent = RawAddr::new(efa::Gid::from_ip(v4()), 9, 1); // discard port, never answers
+        let e = q
+            .post_send(wr(0, silent, b"x", &vec![0; mtu], None))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::MsgSize, "{ty:?}");
+        let e = q
+            .post_send(wr(0, silent, b"", &vec![0; mtu + 1], None))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::MsgSize, "{ty:?}");
+        q.post_send(wr(0, silent, &[1; 8], &vec![0; mtu - 8], None))
+            .unwrap();
+        for i in 1..4 {
+            q.post_send(wr(i, silent, b"", b"x", None)).unwrap();
+        }
+        let e = q.post_send(wr(99, silent, b"", b"x", None)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Again, "{ty:?}");
+        for i in 0..3 {
+            q.post_recv(10 + i, BytesMut::with_capacity(16 + i as usize))
+                .unwrap();
+        }
+        let e = q.post_recv(99, BytesMut::with_capacity(16)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Again, "{ty:?}");
+        q.close();
+        assert_eq!(
+            q.post_send(wr(0, silent, b"", b"x", None))
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Closed
+        );
+        assert_eq!(
+            q.post_recv(0, BytesMut::new()).unwrap_err().kind(),
+            ErrorKind::Closed
+        );
+        let mut out = Vec::new();
+        q.poll(&mut out, 100);
+        assert_eq!(out.len(), 7, "{ty:?}: {out:?}");
+        let mut sends: Vec<u64> = Vec::new();
+        for c in &out {
+            match c.opcode {
+                Opcode::Send => {
+                    sends.push(c.wr_id);
+                    if ty == QpType::Srd {
+                        assert_eq!(c.status, Status::Flushed, "{c:?}");
+                    } else {
+                        assert_eq!(
+                            c.status,
+                            Status::Success,
+                            "UD sends complete at once: {c:?}"
+                        );
+                    }
+                }
+                Opcode::Recv => {
+                    assert_eq!(c.status, Status::Flushed, "{c:?}");
+                    let b = c.buf.as_ref().expect("receive buffer handed back");
+                    assert_eq!(b.capacity(), 16 + (c.wr_id - 10) as usize);
+                }
+                o => panic!("unexpected opcode {o:?}"),
+            }
+        }
+        sends.sort();
+        assert_eq!(sends, vec![0, 1, 2, 3]);
+        out.clear();
+        assert_eq!(q.poll(&mut out, 100), 0, "exactly one completion each");
+    }
+}
+
+#[test]
+fn contract_short_receive_buffer() {
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    for ty in [QpType::Ud, QpType::Srd] {
+        let mut a = qp(&dev, ty, &n);
+        let mut b = qp(&dev, ty, &n);
+        b.post_recv(1, BytesMut::with_capacity(10)).unwrap();
+        b.post_recv(2, BytesMut::with_capacity(100)).unwrap();
+        a.post_send(wr(7, b.addr(), b"", &[5; 50], None)).unwrap();
+        let want = 2;
+        let got = poll_until(&mut [&mut a, &mut b], &n, "bad length", |c| c.len() >= want);
+        for (q, c) in &got {
+            if *q == 1 {
+                assert_eq!(c.wr_id, 1, "{ty:?}");
+                assert_eq!(c.status, Status::LocalBadLength, "{ty:?}");
+                assert_eq!(c.byte_len, 50);
+                assert!(c.buf.is_some());
+            } else if ty == QpType::Srd {
+                assert_eq!(c.status, Status::RemoteBadLength, "{c:?}");
+            } else {
+                assert_eq!(c.status, Status::Success, "{c:?}");
+            }
+        }
+        // A retransmission must not consume the second buffer.
+        let late = poll_for(&mut [&mut a, &mut b], Duration::from_millis(50));
+        assert!(late.is_empty(), "{ty:?}: {late:?}");
+    }
+}
+
+#[test]
+fn contract_wrong_qkey_is_stale() {
+    let dev = open(short_unresponsive());
+    let n = Arc::new(Notifier::new());
+    for ty in [QpType::Ud, QpType::Srd] {
+        let mut a = qp(&dev, ty, &n);
+        let mut b = qp(&dev, ty, &n);
+        b.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+        let before = dev.stats().stale_dropped;
+        let mut wrong = b.addr();
+        wrong.qkey ^= 0x55;
+        a.post_send(wr(3, wrong, b"", b"stale", None)).unwrap();
+        let got = poll_until(&mut [&mut a, &mut b], &n, "stale", |c| !c.is_empty());
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0, 0, "the receiver must not deliver: {got:?}");
+        let want = if ty == QpType::Ud {
+            Status::Success
+        } else {
+            Status::UnresponsiveRemote
+        };
+        assert_eq!(got[0].1.status, want, "{ty:?}");
+        assert!(
+            dev.stats().stale_dropped > before,
+            "{ty:?}: {:?}",
+            dev.stats()
+        );
+        // The right QKEY still works.
+        a.post_send(wr(4, b.addr(), b"", b"fresh", None)).unwrap();
+        let got = poll_until(&mut [&mut a, &mut b], &n, "fresh", |c| c.len() >= 2);
+        assert!(
+            got.iter().all(|(_, c)| c.status == Status::Success),
+            "{got:?}"
+        );
+    }
+}
+
+#[test]
+fn progress_without_polling() {
+    // A lossy network: the device must retransmit and acknowledge while nobody polls.
+    let seed = test_seed();
+    let dev = open(UdpConfig {
+        faults: FaultConfig::seeded(seed).drop(0.5),
+        ..UdpConfig::default()
+    });
+    let rx_n = Arc::new(Notifier::new());
+    let tx_n = Arc::new(Notifier::new());
+    let mut rx = qp(&dev, QpType::Srd, &rx_n);
+    let mut tx = qp(&dev, QpType::Srd, &tx_n);
+    for i in 0..20 {
+        rx.post_recv(i, BytesMut::with_capacity(64)).unwrap();
+    }
+    let tx_seen = tx_n.generation();
+    for i in 0..20 {
+        tx.post_send(wr(i, rx.addr(), b"", &[i as u8; 32], None))
+            .unwrap();
+    }
+    // Sleep until the sender's device reports completions, without polling either side.
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: no progress without polling"
+        );
+        tx_n.wait_until(tx_seen, Some(Instant::now() + Duration::from_millis(100)));
+        if tx_n.generation() != tx_seen && rx_n.generation() != 0 {
+            break;
+        }
+    }
+    let n2 = Notifier::new();
+    let got = poll_until(&mut [&mut tx, &mut rx], &n2, "all", |c| c.len() >= 40);
+    assert!(
+        got.iter().all(|(_, c)| c.status == Status::Success),
+        "seed {seed}: {got:?}"
+    );
+}
+
+/// Builds a valid datagram by the documented layout (docs/udp-device.md).
+fn valid_datagram(rng: &mut Rng, qkey: u32, srd: bool) -> Vec<u8> {
+    let mut b = vec![0xEF, 0xA5, 1];
+    let payload: Vec<u8> = (0..rng.below(64)).map(|_| rng.next_u64() as u8).collect();
+    let imm = rng.chance(0.5);
+    if !srd {
+        b.extend_from_slice(&[1, imm as u8, 0, 0, 0]);
+        b.extend_from_slice(&qkey.to_le_bytes());
+        if imm {
+            b.extend_from_slice(&7u32.to_le_bytes());
+        }
+        b.extend_from_slice(&payload);
+        return b;
+    }
+    match rng.below(3) {
+        0 => {
+            b.extend_from_slice(&[2, imm as u8, 0, 0, 0]);
+            b.extend_from_slice(&qkey.to_le_bytes());
+            b.extend_from_slice(&(rng.next_u64() as u32).to_le_bytes()); // src qkey
+            b.extend_from_slice(&(rng.next_u64() as u32).to_le_bytes()); // conn
+            b.extend_from_slice(&0u32.to_le_bytes()); // try
+            let base = rng.below(1000);
+            b.extend_from_slice(&(base + rng.below(8)).to_le_bytes()); // seq
+            b.extend_from_slice(&base.to_le_bytes()); // base
+            b.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            if imm {
+                b.extend_from_slice(&7u32.to_le_bytes());
+            }
+            b.extend_from_slice(&payload);
+        }
+        1 => {
+            b.extend_from_slice(&[3, 0, 0, 0, 0]);
+            b.extend_from_slice(&qkey.to_le_bytes());
+            b.extend_from_slice(&(rng.next_u64() as u32).to_le_bytes());
+            b.extend_from_slice(&(rng.below(4) as u32).to_le_bytes());
+            let n = rng.below(4) as u16;
+            b.extend_from_slice(&n.to_le_bytes());
+            b.extend_from_slice(&[0, 0]);
+            b.extend_from_slice(&rng.below(100).to_le_bytes());
+            b.extend((0..n).map(|_| rng.next_u64() as u8));
+        }
+        _ => {
+            b.extend_from_slice(&[4, 0, 0, 0, 0]);
+            b.extend_from_slice(&qkey.to_le_bytes());
+            b.extend_from_slice(&(rng.next_u64() as u32).to_le_bytes());
+            b.extend_from_slice(&(rng.below(4) as u32).to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+            b.extend_from_slice(&rng.below(100).to_le_bytes());
+            b.extend_from_slice(&[1 + rng.below(2) as u8, 0, 0, 0]);
+        }
+    }
+    b
+}
+
+#[test]
+fn garbage_is_dropped_and_counted() {
+    let seed = test_seed();
+    let mut rng = Rng::new(seed);
+    for ty in [QpType::Ud, QpType::Srd] {
+        let dev = open(UdpConfig::default());
+        let n = Arc::new(Notifier::new());
+        let mut victim = qp(&dev, ty, &n);
+        let mut peer = qp(&dev, ty, &n);
+        let target = victim.addr();
+        let qkey = target.qkey;
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let dest = ("127.0.0.1", target.qpn);
+        let mut sent = 0;
+        for i in 0..3000 {
+            let d = match i % 3 {
+                0 => (0..rng.below(120)).map(|_| rng.next_u64() as u8).collect(),
+                _ => {
+                    let mut d = valid_datagram(&mut rng, qkey, ty == QpType::Srd);
+                    match rng.below(4) {
+                        0 => {
+                            let cut = rng.below(d.len() as u64) as usize;
+                            d.truncate(cut);
+                        }
+                        1 => d.extend((0..1 + rng.below(8)).map(|_| rng.next_u64() as u8)),
+                        _ => {
+                            for _ in 0..1 + rng.below(3) {
+                                let at = rng.below(d.len().min(48) as u64) as usize;
+                                d[at] = rng.next_u64() as u8;
+                            }
+                        }
+                    }
+                    d
+                }
+            };
+            if sock.send_to(&d, dest).is_ok() {
+                sent += 1;
+            }
+            if i % 200 == 0 {
+                // Let the device keep up so the socket buffer does not overflow.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        assert!(sent > 0);
+        // The queue pair still works, and its NIC thread is alive: wait for the receive
+        // completion through the notifier without polling the victim.
+        let mut buf = Vec::new();
+        let _ = poll_for(&mut [&mut victim], Duration::from_millis(50));
+        victim.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+        let seen = n.generation();
+        peer.post_send(wr(2, target, b"", b"still alive", None))
+            .unwrap();
+        let deadline = Instant::now() + DEADLINE;
+        let mut got = Vec::new();
+        while got.is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "seed {seed}: {ty:?} dead after garbage"
+            );
+            n.wait_until(seen, Some(Instant::now() + Duration::from_millis(50)));
+            if n.generation() != seen {
+                victim.poll(&mut got, 8);
+            }
+            buf.clear();
+            peer.poll(&mut buf, 8);
+        }
+        assert_eq!(got[0].wr_id, 1, "seed {seed}: {got:?}");
+        assert_eq!(got[0].status, Status::Success, "seed {seed}");
+        assert_eq!(
+            &got[0].buf.as_ref().unwrap()[..],
+            b"still alive",
+            "seed {seed}"
+        );
+        let s = dev.stats();
+        eprintln!("seed {seed}: {ty:?} after garbage: {s:?}");
+        assert!(s.malformed_dropped > 800, "seed {seed}: {ty:?} {s:?}");
+    }
+}
+
+#[test]
+fn device_stats_aggregate_queue_pairs() {
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    let mut a = qp(&dev, QpType::Srd, &n);
+    let mut b = qp(&dev, QpType::Srd, &n);
+    let mut c = qp(&dev, QpType::Srd, &n);
+    c.post_recv(1, BytesMut::with_capacity(8)).unwrap();
+    c.post_recv(2, BytesMut::with_capacity(8)).unwrap();
+    a.post_send(wr(1, c.addr(), b"", b"a", None)).unwrap();
+    b.post_send(wr(1, c.addr(), b"", b"bb", None)).unwrap();
+    poll_until(&mut [&mut a, &mut b, &mut c], &n, "two sends", |x| {
+        x.len() >= 4
+    });
+    let s = dev.stats();
+    assert_eq!(s.tx_pkts, 2);
+    assert_eq!(s.tx_bytes, 3);
+    assert_eq!(s.rx_pkts, 2);
+    assert_eq!(s.rx_bytes, 3);
+    assert!(s.acks_sent >= 1);
+}
+
+/// Names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                .map(|s| s.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn dropping_a_queue_pair_stops_its_thread() {
+    if !std::path::Path::new("/proc/self/task").exists() {
+        return; // not Linux
+    }
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    for ty in [QpType::Ud, QpType::Srd] {
+        let mut q = qp(&dev, ty, &n);
+        let name = format!("efa-udp-{}", q.addr().qpn);
+        // The new thread names itself once it runs.
+        let deadline = Instant::now() + DEADLINE;
+        while !thread_names().contains(&name) {
+            assert!(
+                Instant::now() < deadline,
+                "{name} not running: {:?}",
+                thread_names()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        q.post_recv(1, BytesMut::with_capacity(8)).unwrap();
+        drop(q);
+        assert!(!thread_names().contains(&name), "{name} leaked");
+        let mut q = qp(&dev, ty, &n);
+        let name = format!("efa-udp-{}", q.addr().qpn);
+        q.close();
+        assert!(!thread_names().contains(&name), "{name} runs after close");
+    }
+}
+
+#[test]
+fn srd_one_sender_many_receivers_under_faults() {
+    let seed = test_seed();
+    let dev = open(UdpConfig {
+        faults: FaultConfig::seeded(seed)
+            .drop(0.1)
+            .duplicate(0.1)
+            .reorder(0.1),
+        ..UdpConfig::default()
+    });
+    let n = Arc::new(Notifier::new());
+    let mut tx = {
+        let mut a = attr(QpType::Srd, &n);
+        a.send_depth = 64;
+        dev.create_qp(a).unwrap()
+    };
+    let mut rxs: Vec<Box<dyn QueuePair>> = (0..3)
+        .map(|_| {
+            let mut a = attr(QpType::Srd, &n);
+            a.recv_depth = 512;
+            dev.create_qp(a).unwrap()
+        })
+        .collect();
+    const PER: u64 = 300;
+    for r in rxs.iter_mut() {
+        for i in 0..PER {
+            r.post_recv(i, BytesMut::with_capacity(256)).unwrap();
+        }
+    }
+    let dests: Vec<RawAddr> = rxs.iter().map(|r| r.addr()).collect();
+    let mut next = 0u64;
+    let mut sends = HashSet::new();
+    let mut recvd = HashSet::new();
+    let deadline = Instant::now() + DEADLINE;
+    let mut buf = Vec::new();
+    while sends.len() < 3 * PER as usize || recvd.len() < 3 * PER as usize {
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: timed out, {:?}",
+            dev.stats()
+        );
+        let seen = n.generation();
+        while next < 3 * PER {
+            let r = (next % 3) as usize;
+            let body = next.to_le_bytes();
+            match tx.post_send(wr(next, dests[r], b"", &body, None)) {
+                Ok(()) => next += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("seed {seed}: {e}"),
+            }
+        }
+        buf.clear();
+        let mut got = tx.poll(&mut buf, 64);
+        for c in buf.drain(..) {
+            assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+            assert!(sends.insert(c.wr_id), "seed {seed}: send {} twice", c.wr_id);
+        }
+        for (r, q) in rxs.iter_mut().enumerate() {
+            buf.clear();
+            got += q.poll(&mut buf, 64);
+            for c in buf.drain(..) {
+                assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+                let b = c.buf.unwrap();
+                let i = u64::from_le_bytes(b[..8].try_into().unwrap());
+                assert_eq!(i % 3, r as u64, "seed {seed}: {i} at the wrong receiver");
+                assert!(recvd.insert(i), "seed {seed}: {i} delivered twice");
+            }
+        }
+        if got == 0 {
+            n.wait_until(seen, Some(Instant::now() + Duration::from_millis(2)));
+        }
+    }
+}
