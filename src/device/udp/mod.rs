@@ -3,9 +3,9 @@
 //! * The QPN of a queue pair is its socket's local port, and its GID is the device's bind address,
 //!   so a [`RawAddr`](crate::RawAddr) names a socket: datagrams for `dest` go to
 //!   `(dest.gid.to_ip(), dest.qpn)`.
-//! * [`QpType::Ud`] queue pairs send each datagram once, with a small header (magic, version,
+//! * [`QpType::Ud`](crate::device::QpType::Ud) queue pairs send each datagram once, with a small header (magic, version,
 //!   type, flags, destination QKEY, optional immediate data).
-//! * [`QpType::Srd`] queue pairs add reliability in the manner of EFA's SRD: per-peer sequence
+//! * [`QpType::Srd`](crate::device::QpType::Srd) queue pairs add reliability in the manner of EFA's SRD: per-peer sequence
 //!   numbers, cumulative plus selective acknowledgements, retransmission with exponential backoff,
 //!   duplicate suppression, receiver-not-ready NAKs with retries and an unresponsive-peer timeout.
 //!   Delivery is exactly once, in any order.
