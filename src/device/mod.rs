@@ -104,6 +104,37 @@ pub struct DeviceAttr {
     pub numa_node: Option<i32>,
 }
 
+impl DeviceAttr {
+    /// Attributes of a software device: two scatter/gather entries, 32-byte inline sends, no
+    /// RDMA, RNR retry count settable, no PCI function.
+    pub fn software(
+        kind: DeviceKind,
+        name: String,
+        gid: Gid,
+        mtu: usize,
+        max_send_wr: usize,
+        max_recv_wr: usize,
+    ) -> DeviceAttr {
+        DeviceAttr {
+            name,
+            kind,
+            gid,
+            mtu,
+            max_send_wr,
+            max_recv_wr,
+            max_sge: 2,
+            inline_size: 32,
+            max_rdma_size: 0,
+            caps: DeviceCaps {
+                rnr_retry: true,
+                ..DeviceCaps::default()
+            },
+            pci_addr: None,
+            numa_node: None,
+        }
+    }
+}
+
 /// Queue pair type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum QpType {

@@ -23,7 +23,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::addr::Gid;
-use crate::device::{Device, DeviceAttr, DeviceCaps, DeviceKind, QpAttr, QueuePair};
+use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
 use crate::stats::{DeviceCounters, DeviceStats};
@@ -271,23 +271,15 @@ impl LoopbackDevice {
             })
         };
         let gid = shared.gid;
-        let attr = DeviceAttr {
-            name: format!("loopback{n}"),
-            kind: DeviceKind::Loopback,
+        let attr = DeviceAttr::software(
+            DeviceKind::Loopback,
+            format!("loopback{n}"),
             gid,
-            mtu: cfg.mtu,
-            max_send_wr: cfg.max_send_wr,
-            max_recv_wr: cfg.max_recv_wr,
-            max_sge: 2,
-            inline_size: INLINE_SIZE,
-            max_rdma_size: 0,
-            caps: DeviceCaps {
-                rnr_retry: true,
-                ..DeviceCaps::default()
-            },
-            pci_addr: None,
-            numa_node: None,
-        };
+            cfg.mtu,
+            cfg.max_send_wr,
+            cfg.max_recv_wr,
+        );
+        debug_assert_eq!(attr.inline_size, INLINE_SIZE);
         tracing::debug!(name = %attr.name, %gid, network = network.id(), "loopback device opened");
         Ok(Arc::new(LoopbackDevice { attr, shared }))
     }

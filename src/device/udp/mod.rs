@@ -3,9 +3,9 @@
 //! * The QPN of a queue pair is its socket's local port, and its GID is the device's bind address,
 //!   so a [`RawAddr`](crate::RawAddr) names a socket: datagrams for `dest` go to
 //!   `(dest.gid.to_ip(), dest.qpn)`.
-//! * [`QpType::Ud`] queue pairs send each datagram once, with a small header (magic, version,
+//! * [`QpType::Ud`](crate::device::QpType::Ud) queue pairs send each datagram once, with a small header (magic, version,
 //!   type, flags, destination QKEY, optional immediate data).
-//! * [`QpType::Srd`] queue pairs add reliability in the manner of EFA's SRD: per-peer sequence
+//! * [`QpType::Srd`](crate::device::QpType::Srd) queue pairs add reliability in the manner of EFA's SRD: per-peer sequence
 //!   numbers, cumulative plus selective acknowledgements, retransmission with exponential backoff,
 //!   duplicate suppression, receiver-not-ready NAKs with retries and an unresponsive-peer timeout.
 //!   Delivery is exactly once, in any order.
@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::addr::Gid;
-use crate::device::{Device, DeviceAttr, DeviceCaps, DeviceKind, QpAttr, QueuePair};
+use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
 use crate::stats::{DeviceCounters, DeviceStats};
@@ -168,26 +168,18 @@ impl UdpConfig {
                 self.max_inflight
             ));
         }
-        for (name, d) in [
-            ("retransmit_timeout", self.retransmit_timeout),
-            ("max_retransmit_timeout", self.max_retransmit_timeout),
-            ("unresponsive_timeout", self.unresponsive_timeout),
-            ("rnr_retry_interval", self.rnr_retry_interval),
-            ("max_rnr_retry_interval", self.max_rnr_retry_interval),
+        for (name, d, may_be_zero) in [
+            ("retransmit_timeout", self.retransmit_timeout, false),
+            ("max_retransmit_timeout", self.max_retransmit_timeout, false),
+            ("unresponsive_timeout", self.unresponsive_timeout, false),
+            ("rnr_retry_interval", self.rnr_retry_interval, false),
+            ("max_rnr_retry_interval", self.max_rnr_retry_interval, false),
+            ("peer_idle_timeout", self.peer_idle_timeout, true),
+            ("faults.max_delay", self.faults.max_delay, true),
         ] {
-            if d.is_zero() {
+            if d.is_zero() && !may_be_zero {
                 return bad(format!("{name} must not be zero"));
             }
-        }
-        for (name, d) in [
-            ("retransmit_timeout", self.retransmit_timeout),
-            ("max_retransmit_timeout", self.max_retransmit_timeout),
-            ("unresponsive_timeout", self.unresponsive_timeout),
-            ("rnr_retry_interval", self.rnr_retry_interval),
-            ("max_rnr_retry_interval", self.max_rnr_retry_interval),
-            ("peer_idle_timeout", self.peer_idle_timeout),
-            ("faults.max_delay", self.faults.max_delay),
-        ] {
             if d > MAX_DURATION {
                 return bad(format!("{name} {d:?} longer than {MAX_DURATION:?}"));
             }
@@ -220,23 +212,15 @@ impl UdpDevice {
     /// Validates `cfg` and opens the device (sockets are created per queue pair).
     pub fn open(cfg: UdpConfig) -> Result<Arc<UdpDevice>> {
         cfg.validate()?;
-        let attr = DeviceAttr {
-            name: format!("udp-{}", cfg.bind),
-            kind: DeviceKind::Udp,
-            gid: Gid::from_ip(cfg.bind),
-            mtu: cfg.mtu,
-            max_send_wr: cfg.max_send_wr,
-            max_recv_wr: cfg.max_recv_wr,
-            max_sge: 2,
-            inline_size: INLINE_SIZE,
-            max_rdma_size: 0,
-            caps: DeviceCaps {
-                rnr_retry: true,
-                ..DeviceCaps::default()
-            },
-            pci_addr: None,
-            numa_node: None,
-        };
+        let attr = DeviceAttr::software(
+            DeviceKind::Udp,
+            format!("udp-{}", cfg.bind),
+            Gid::from_ip(cfg.bind),
+            cfg.mtu,
+            cfg.max_send_wr,
+            cfg.max_recv_wr,
+        );
+        debug_assert_eq!(attr.inline_size, INLINE_SIZE);
         Ok(Arc::new(UdpDevice {
             cfg: Arc::new(cfg),
             attr,
