@@ -2,10 +2,14 @@
 //! `fi_dgram_pingpong`, with the same command line and output columns.
 //!
 //! ```text
-//! cargo run --release --example ping-pong -- -e dgram            # both ends in this process
-//! cargo run --release --example ping-pong -- -e dgram -l          # server
-//! cargo run --release --example ping-pong -- -e dgram 127.0.0.1   # client
+//! cargo run --release --example ping-pong                         # RDM, all sizes, verified, one process
+//! cargo run --release --example ping-pong -- -l                   # server
+//! cargo run --release --example ping-pong -- 127.0.0.1            # client
+//! cargo run --release --example ping-pong -- -e dgram -m msg      # datagrams
 //! ```
+//!
+//! Run with neither `-l` nor a server address, both ends run in this process and every message
+//! is verified (as with `-c`).
 //!
 //! A small TCP connection (port `-B` on the server, `-P` on the client, default 47592) exchanges
 //! the endpoints' raw addresses and the test parameters (the client's `-S`, `-I`, `-w`, `-c`
@@ -13,31 +17,30 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use clap::Parser;
-use common::{Oob, all_sizes, check_pattern, fill_pattern, parse_size, print_header, print_row};
+use common::{
+    Conn, Role, Side, all_sizes, check_pattern, fill_pattern, launch, open_domain, parse_size,
+    print_header, print_row,
+};
 use efa::{
-    AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Domain, Endpoint, EpType,
-    ErrorKind, Hints, PeerId, getinfo,
+    AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Endpoint, EpType,
+    ErrorKind, PeerId, PostError, RawAddr, Rdm,
 };
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Ping-pong latency test (fabtests style) over efa endpoints")]
 struct Args {
-    /// Device (provider): udp or loopback (loopback: both ends in this process only).
-    #[arg(short = 'p', default_value = "udp")]
-    provider: String,
-    /// Endpoint type: dgram (rdm comes with the RDM protocol engine).
-    #[arg(short = 'e', default_value = "dgram")]
+    /// Endpoint type: rdm or dgram.
+    #[arg(short = 'e', default_value = "rdm")]
     ep_type: String,
     /// Message size (64, 1k, 64k, 1m) or `all`.
     #[arg(short = 'S', default_value = "all")]
     size: String,
-    /// Iterations per size (default 1000; 100 for sizes of 1 MiB and more).
+    /// Iterations per size (default 1000; 100 from 1 MiB on).
     #[arg(short = 'I')]
     iters: Option<usize>,
     /// Warm-up iterations per size.
@@ -49,24 +52,11 @@ struct Args {
     /// Message kind: msg or tagged (tagged needs -e rdm).
     #[arg(short = 'm', default_value = "msg")]
     mode: String,
-    /// Run as the server (listen for one client).
-    #[arg(short = 'l')]
-    listen: bool,
-    /// Server: out-of-band port to listen on.
-    #[arg(short = 'B')]
-    bind_port: Option<u16>,
-    /// Client: the server's out-of-band port.
-    #[arg(short = 'P')]
-    port: Option<u16>,
-    /// Local address to bind (server default: all addresses; client default: the local address
-    /// that reaches the server).
-    #[arg(short = 's')]
-    src_addr: Option<IpAddr>,
     /// Give up when a reply takes longer than this many milliseconds (datagrams can be lost).
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
-    /// Server address (client mode). With neither this nor -l, both ends run in this process.
-    server: Option<String>,
+    #[command(flatten)]
+    conn: Conn,
 }
 
 /// What the client tells the server.
@@ -119,12 +109,6 @@ impl Params {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Server,
-    Client,
-}
-
 type Res<T> = Result<T, String>;
 
 fn main() -> ExitCode {
@@ -141,96 +125,106 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Res<()> {
     let ep_type: EpType = match args.ep_type.as_str() {
         "dgram" => EpType::Dgram,
-        "rdm" => {
-            return Err("-e rdm needs the RDM protocol engine, which this release does not have yet; use -e dgram"
-                .into());
-        }
+        "rdm" => EpType::Rdm,
         other => return Err(format!("unknown endpoint type {other:?} (rdm|dgram)")),
     };
-    if args.mode != "msg" {
-        return Err(format!(
-            "-m {}: DGRAM endpoints carry untagged messages only (-m msg)",
-            args.mode
-        ));
+    match (args.mode.as_str(), ep_type) {
+        ("msg", _) | ("tagged", EpType::Rdm) => {}
+        ("tagged", _) => {
+            return Err("-m tagged: DGRAM endpoints carry untagged messages only".into());
+        }
+        (m, _) => return Err(format!("unknown message kind {m:?} (msg|tagged)")),
     }
-    if args.listen && args.server.is_some() {
-        return Err("give either -l (server) or a server address (client), not both".into());
+    let conn = args.conn.clone();
+    launch(&conn, move |side| session(&args, ep_type, side))
+}
+
+/// What the ping-pong loop needs from an endpoint (both kinds have it).
+trait PingEp {
+    fn addr(&self) -> RawAddr;
+    fn post_send(&self, peer: PeerId, msg: Bytes, tagged: bool) -> Result<(), PostError>;
+    fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError>;
+}
+
+/// The tag ping-pong messages carry with `-m tagged`.
+const TAG: u64 = 0x5151;
+
+impl PingEp for Endpoint<Dgram> {
+    fn addr(&self) -> RawAddr {
+        Endpoint::<Dgram>::addr(self)
     }
-    let in_process = !args.listen && args.server.is_none();
-    if args.provider == "loopback" && !in_process {
-        return Err(
-            "the loopback device is in-process: run without -l and without a server address".into(),
-        );
+    fn post_send(&self, peer: PeerId, msg: Bytes, _tagged: bool) -> Result<(), PostError> {
+        self.send(peer, msg, 2)
     }
-    if in_process {
-        let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .map_err(|e| format!("oob bind: {e}"))?;
-        let port = listener.local_addr().map_err(|e| e.to_string())?.port();
-        let server_args = args.clone();
-        let server = std::thread::spawn(move || -> Res<()> {
-            let (s, _) = listener.accept().map_err(|e| format!("oob accept: {e}"))?;
-            drop(listener);
-            let oob = Oob::from_accepted(s).map_err(|e| format!("oob: {e}"))?;
-            session(
-                &server_args,
-                ep_type,
-                Role::Server,
-                oob,
-                Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-                false,
-            )
-        });
-        let oob = Oob::connect("127.0.0.1", port).map_err(|e| format!("oob connect: {e}"))?;
-        let bind = args.src_addr.or(Some(IpAddr::V4(Ipv4Addr::LOCALHOST)));
-        let client = session(&args, ep_type, Role::Client, oob, bind, true);
-        let server = server
-            .join()
-            .map_err(|_| "server thread panicked".to_string())?;
-        client.and(server)
-    } else if args.listen {
-        let bind = args.src_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
-        let port = args.bind_port.unwrap_or(common::DEFAULT_OOB_PORT);
-        let oob =
-            Oob::accept(bind, port).map_err(|e| format!("oob listen on {bind}:{port}: {e}"))?;
-        session(&args, ep_type, Role::Server, oob, Some(bind), true)
-    } else {
-        let server = args.server.clone().unwrap_or_default();
-        let port = args.port.unwrap_or(common::DEFAULT_OOB_PORT);
-        let oob = Oob::connect(&server, port)
-            .map_err(|e| format!("oob connect to {server}:{port}: {e}"))?;
-        let bind = args.src_addr.or(oob.local_ip().ok());
-        session(&args, ep_type, Role::Client, oob, bind, true)
+    fn post_recv(&self, buf: BytesMut, _tagged: bool) -> Result<(), PostError> {
+        self.recv(buf, 1)
     }
 }
 
-/// One side of the test.
-fn session(
-    args: &Args,
-    ep_type: EpType,
-    role: Role,
-    mut oob: Oob,
-    bind: Option<IpAddr>,
-    print: bool,
-) -> Res<()> {
-    let mut hints = Hints::new().provider(&args.provider).ep_type(ep_type);
-    if let Some(ip) = bind {
-        hints = hints.addr(ip);
+impl PingEp for Endpoint<Rdm> {
+    fn addr(&self) -> RawAddr {
+        Endpoint::<Rdm>::addr(self)
     }
-    let info = getinfo(&hints)
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .next()
-        .ok_or("no device")?;
-    let domain = Domain::open(&info).map_err(|e| e.to_string())?;
+    fn post_send(&self, peer: PeerId, msg: Bytes, tagged: bool) -> Result<(), PostError> {
+        if tagged {
+            self.tsend(peer, msg, TAG, 2)
+        } else {
+            self.send(peer, msg, 2)
+        }
+    }
+    fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError> {
+        if tagged {
+            self.trecv(buf, TAG, 0, 1)
+        } else {
+            self.recv(buf, 1)
+        }
+    }
+}
+
+/// The largest size `-S all` goes to on RDM endpoints.
+const RDM_ALL_MAX: usize = 1 << 20;
+
+/// One side of the test: opens the device and the endpoint of the asked kind.
+fn session(args: &Args, ep_type: EpType, side: Side) -> Res<()> {
+    let domain = open_domain(&args.conn.provider, ep_type, side.bind)?;
     let cq = CompletionQueue::new(&domain, 1024).map_err(|e| e.to_string())?;
     let av = AddressVector::new(&domain);
-    let ep = Endpoint::<Dgram>::builder(&domain)
-        .cq(&cq)
-        .av(&av)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let max = ep.max_msg_size();
+    match ep_type {
+        EpType::Dgram => {
+            let ep = Endpoint::<Dgram>::builder(&domain)
+                .cq(&cq)
+                .av(&av)
+                .build()
+                .map_err(|e| e.to_string())?;
+            let max = ep.max_msg_size();
+            pingpong(args, side, &ep, &cq, &av, max)
+        }
+        _ => {
+            let ep = Endpoint::<Rdm>::builder(&domain)
+                .cq(&cq)
+                .av(&av)
+                .build()
+                .map_err(|e| e.to_string())?;
+            pingpong(args, side, &ep, &cq, &av, RDM_ALL_MAX)
+        }
+    }
+}
 
+#[allow(clippy::too_many_arguments)]
+fn pingpong<E: PingEp>(
+    args: &Args,
+    side: Side,
+    ep: &E,
+    cq: &CompletionQueue,
+    av: &AddressVector,
+    max: usize,
+) -> Res<()> {
+    let Side {
+        role,
+        mut oob,
+        print,
+        ..
+    } = side;
     let params = match role {
         Role::Client => {
             let sizes = if args.size == "all" {
@@ -238,16 +232,19 @@ fn session(
             } else {
                 vec![parse_size(&args.size)?]
             };
-            if let Some(&s) = sizes.iter().find(|&&s| s > max) {
-                return Err(format!(
-                    "size {s} exceeds the endpoint's max_msg_size {max}"
-                ));
+            if args.ep_type == "dgram" {
+                if let Some(&s) = sizes.iter().find(|&&s| s > max) {
+                    return Err(format!(
+                        "size {s} exceeds the endpoint's max_msg_size {max}"
+                    ));
+                }
             }
+            let verify = args.verify || args.conn.in_process();
             let p = Params {
                 sizes,
                 iters: args.iters,
                 warmup: args.warmup,
-                verify: args.verify,
+                verify,
             };
             oob.send_line(&p.encode()).map_err(|e| e.to_string())?;
             p
@@ -259,24 +256,30 @@ fn session(
         .map_err(|e| format!("address exchange: {e}"))?;
     let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
     if print {
+        let who = if role == Role::Client {
+            "client"
+        } else {
+            "server"
+        };
         eprintln!(
-            "{:?} {} -> {}",
-            if role == Role::Client {
-                "client"
-            } else {
-                "server"
-            },
+            "{who} {} -> {peer_addr}{}",
             ep.addr(),
-            peer_addr
+            if params.verify {
+                " (verifying data)"
+            } else {
+                ""
+            }
         );
         print_header();
     }
+    let tagged = args.mode == "tagged";
     let timeout = Duration::from_millis(args.timeout_ms);
     let mut pp = PingPong {
-        ep: &ep,
-        cq: &cq,
+        ep,
+        cq,
         peer,
         timeout,
+        tagged,
         done: Vec::with_capacity(16),
     };
     for &size in &params.sizes {
@@ -312,22 +315,25 @@ fn session(
     Ok(())
 }
 
-struct PingPong<'a> {
-    ep: &'a Endpoint<Dgram>,
+struct PingPong<'a, E: PingEp> {
+    ep: &'a E,
     cq: &'a CompletionQueue,
     peer: PeerId,
     timeout: Duration,
+    tagged: bool,
     done: Vec<Completion>,
 }
 
-impl PingPong<'_> {
+impl<E: PingEp> PingPong<'_, E> {
     fn post_recv(&mut self, buf: BytesMut) -> Res<()> {
-        self.ep.recv(buf, 1).map_err(|e| format!("recv: {e}"))
+        self.ep
+            .post_recv(buf, self.tagged)
+            .map_err(|e| format!("recv: {e}"))
     }
 
     fn send(&mut self, msg: &Bytes) -> Res<()> {
         loop {
-            match self.ep.send(self.peer, msg.clone(), 2) {
+            match self.ep.post_send(self.peer, msg.clone(), self.tagged) {
                 Ok(()) => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Again => {
                     self.poll_once()?;
@@ -336,7 +342,6 @@ impl PingPong<'_> {
             }
         }
     }
-
     fn poll_once(&mut self) -> Res<usize> {
         match self.cq.poll(&mut self.done, 16) {
             Ok(n) => Ok(n),

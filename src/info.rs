@@ -29,10 +29,6 @@ use crate::device::udp::{UdpConfig, UdpDevice};
 use crate::device::{Device, DeviceAttr, DeviceKind};
 use crate::error::{Error, ErrorKind, Result};
 
-/// Whether RDM endpoints are listed by [`getinfo`]. They come with the protocol engine; turning
-/// this on is the only change discovery needs.
-const RDM_AVAILABLE: bool = false;
-
 /// The provider version `fi_info` prints: this crate's `major.minor`.
 pub const PROVIDER_VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION_MAJOR"),
@@ -880,14 +876,10 @@ impl Info {
         match ep_type {
             EpType::Dgram => dgram,
             EpType::Rdm => {
+                // RMA and atomics (FI_RMA, FI_ATOMIC, FI_READ, FI_WRITE, FI_REMOTE_*) come with
+                // the RMA issue; until then RDM offers what the protocol engine implements.
                 dgram
                     | Caps::TAGGED
-                    | Caps::RMA
-                    | Caps::ATOMIC
-                    | Caps::READ
-                    | Caps::WRITE
-                    | Caps::REMOTE_READ
-                    | Caps::REMOTE_WRITE
                     | Caps::MULTI_RECV
                     | Caps::DIRECTED_RECV
                     | Caps::DELIVERY_COMPLETE
@@ -1084,16 +1076,11 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     // Endpoint types that are offered, wanted, and have the wanted caps.
     let ep_types: Vec<EpType> = [EpType::Rdm, EpType::Dgram]
         .into_iter()
-        .filter(|t| *t != EpType::Rdm || RDM_AVAILABLE)
         .filter(|t| hints.ep_type.is_none_or(|want| want == *t))
         .filter(|t| Info::ep_caps(*t).contains(hints.caps))
         .collect();
     if ep_types.is_empty() {
-        let mut why = hints.describe(&config);
-        if hints.ep_type == Some(EpType::Rdm) && !RDM_AVAILABLE {
-            why.push_str(" (RDM endpoints are not available in this release; use DGRAM)");
-        }
-        return Err(no_data(why));
+        return Err(no_data(hints.describe(&config)));
     }
 
     let mut out = Vec::new();

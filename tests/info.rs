@@ -245,8 +245,6 @@ fn rdm_info_attributes() {
     for c in [
         Caps::MSG,
         Caps::TAGGED,
-        Caps::RMA,
-        Caps::ATOMIC,
         Caps::SOURCE,
         Caps::MULTI_RECV,
         Caps::DIRECTED_RECV,
@@ -256,6 +254,8 @@ fn rdm_info_attributes() {
     ] {
         assert!(i.caps.contains(c), "RDM lacks {c}");
     }
+    // RMA and atomics come with their own issue.
+    assert!(!i.caps.intersects(Caps::RMA | Caps::ATOMIC));
     assert!(!i.caps.contains(Caps::HMEM));
     assert_eq!(i.protocol_version, 4);
     assert_eq!(i.ep_attr.max_msg_size, u64::MAX);
@@ -419,22 +419,18 @@ fn getinfo_unavailable_providers() {
 
 /// The current listing offers DGRAM only; RDM comes with the protocol engine.
 #[test]
-fn getinfo_offers_no_rdm_yet() {
-    no_data(
-        Hints::new().ep_type(EpType::Rdm).config(Config::default()),
-        "RDM endpoints are not available in this release",
-    );
-    // Caps only RDM has leave nothing either.
-    no_data(
-        Hints::new().caps(Caps::TAGGED).config(Config::default()),
-        "caps [ FI_TAGGED ]",
-    );
+fn getinfo_offers_no_rma_or_atomics_yet() {
+    // RDM endpoints exist, but RMA and atomics come with their own issue.
     no_data(
         Hints::new()
             .provider("udp")
             .caps(Caps::MSG | Caps::RMA)
             .config(Config::default()),
         "provider udp",
+    );
+    no_data(
+        Hints::new().caps(Caps::ATOMIC).config(Config::default()),
+        "caps [ FI_ATOMIC ]",
     );
 }
 
@@ -498,16 +494,32 @@ fn hints() -> Hints {
 }
 
 #[test]
-fn getinfo_lists_udp_then_loopback_dgram() {
-    let infos = getinfo(&hints()).unwrap();
-    let listing: Vec<_> = infos.iter().map(|i| (i.provider, i.ep_type)).collect();
+fn getinfo_lists_udp_then_loopback_rdm_then_dgram() {
+    let all = getinfo(&hints()).unwrap();
+    let listing: Vec<_> = all.iter().map(|i| (i.provider, i.ep_type)).collect();
     assert_eq!(
         listing,
         [
+            (DeviceKind::Udp, EpType::Rdm),
             (DeviceKind::Udp, EpType::Dgram),
+            (DeviceKind::Loopback, EpType::Rdm),
             (DeviceKind::Loopback, EpType::Dgram)
         ]
     );
+    for i in all.iter().filter(|i| i.ep_type == EpType::Rdm) {
+        assert_eq!(i.domain, format!("{}-rdm", i.device.name));
+        assert_eq!(i.ep_attr.max_msg_size, u64::MAX);
+        assert_eq!(i.domain_attr.threading, Threading::Safe);
+        assert!(
+            i.caps
+                .contains(Caps::TAGGED | Caps::DIRECTED_RECV | Caps::MULTI_RECV)
+        );
+        assert!(!i.caps.intersects(Caps::RMA | Caps::ATOMIC));
+    }
+    let infos: Vec<Info> = all
+        .into_iter()
+        .filter(|i| i.ep_type == EpType::Dgram)
+        .collect();
     for i in &infos {
         assert_eq!(i.domain, format!("{}-dgrm", i.device.name));
         assert_eq!(i.fabric, i.provider.name());
@@ -521,9 +533,12 @@ fn getinfo_lists_udp_then_loopback_dgram() {
         assert!(text.starts_with(&format!("provider: {}\n", i.provider)));
         assert!(text.contains(&format!("    domain: {}\n", i.domain)));
     }
-    // Same with caps DGRAM has.
+    // Caps both kinds have list both; caps only RDM has list only RDM.
     let with_caps = getinfo(&hints().caps(Caps::MSG | Caps::SOURCE)).unwrap();
-    assert_eq!(with_caps.len(), 2);
+    assert_eq!(with_caps.len(), 4);
+    let tagged = getinfo(&hints().caps(Caps::TAGGED)).unwrap();
+    assert!(tagged.iter().all(|i| i.ep_type == EpType::Rdm));
+    assert_eq!(tagged.len(), 2);
     let json = serde_json::to_value(&infos).unwrap();
     assert_eq!(json.as_array().unwrap().len(), 2);
 }
@@ -553,13 +568,17 @@ fn getinfo_udp_binds_hint_addr() {
 #[test]
 fn getinfo_domain_and_iface_filters() {
     let all = getinfo(&hints()).unwrap();
-    let udp = all.iter().find(|i| i.provider == DeviceKind::Udp).unwrap();
-    // By device name and by domain name.
-    for name in [udp.device.name.clone(), udp.domain.clone()] {
-        let got = getinfo(&hints().domain(&name)).unwrap();
-        assert_eq!(got.len(), 1);
-        assert_eq!(got[0].domain, udp.domain);
-    }
+    let udp = all
+        .iter()
+        .find(|i| i.provider == DeviceKind::Udp && i.ep_type == EpType::Dgram)
+        .unwrap();
+    // By device name (both endpoint types) and by domain name (one).
+    let got = getinfo(&hints().domain(&udp.device.name)).unwrap();
+    assert_eq!(got.len(), 2);
+    assert!(got.iter().all(|i| i.device.name == udp.device.name));
+    let got = getinfo(&hints().domain(&udp.domain)).unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].domain, udp.domain);
     no_data(hints().domain("no-such-device"), "domain no-such-device");
     // FI_EFA_IFACE (here through the hints' config).
     let only_udp = Config {
@@ -567,8 +586,8 @@ fn getinfo_domain_and_iface_filters() {
         ..Config::default()
     };
     let got = getinfo(&Hints::new().config(only_udp)).unwrap();
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].provider, DeviceKind::Udp);
+    assert_eq!(got.len(), 2, "RDM and DGRAM on the udp device");
+    assert!(got.iter().all(|i| i.provider == DeviceKind::Udp));
     let none = Config {
         iface: "rdmap99s0".into(),
         ..Config::default()
@@ -601,7 +620,11 @@ fn getinfo_info_opens_its_device() {
 fn getinfo_msg_prefix_mode() {
     let infos = getinfo(&hints().mode(Mode::MSG_PREFIX)).unwrap();
     assert!(!infos.is_empty());
-    for i in infos {
+    // The prefix applies to DGRAM endpoints; RDM ones have none.
+    for i in infos.iter().filter(|i| i.ep_type == EpType::Rdm) {
+        assert_eq!(i.ep_attr.msg_prefix_size, 0);
+    }
+    for i in infos.into_iter().filter(|i| i.ep_type == EpType::Dgram) {
         assert!(i.mode.contains(Mode::MSG_PREFIX));
         assert_eq!(i.ep_attr.msg_prefix_size, 40);
     }

@@ -242,3 +242,144 @@ impl Oob {
         Ok(())
     }
 }
+
+/// The connection options every example shares (fabtests' `-p -l -B -P -s <server>`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct Conn {
+    /// Device (provider): udp or loopback (loopback: both ends in this process only).
+    #[arg(short = 'p', default_value = "udp")]
+    pub provider: String,
+    /// Run as the server (listen for one client).
+    #[arg(short = 'l')]
+    pub listen: bool,
+    /// Server: out-of-band port to listen on.
+    #[arg(short = 'B')]
+    pub bind_port: Option<u16>,
+    /// Client: the server's out-of-band port.
+    #[arg(short = 'P')]
+    pub port: Option<u16>,
+    /// Local address to bind (server default: all addresses; client default: the local address
+    /// that reaches the server).
+    #[arg(short = 's')]
+    pub src_addr: Option<IpAddr>,
+    /// Server address (client mode). With neither this nor -l, both ends run in this process.
+    pub server: Option<String>,
+}
+
+impl Conn {
+    /// True when both ends run in this process.
+    pub fn in_process(&self) -> bool {
+        !self.listen && self.server.is_none()
+    }
+}
+
+/// Which end of a test this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Listens.
+    Server,
+    /// Connects.
+    Client,
+}
+
+/// One end of a test: its role, the out-of-band connection, the local address to bind and
+/// whether it prints the results.
+pub struct Side {
+    /// Server or client.
+    pub role: Role,
+    /// The out-of-band connection to the other end.
+    pub oob: Oob,
+    /// The local address the device binds.
+    pub bind: Option<IpAddr>,
+    /// Print the table (both ends of a two-process run; the client only in one process).
+    pub print: bool,
+}
+
+/// Runs `end` as a server (`-l`), a client (server address), or both in this process (neither),
+/// joined by the out-of-band TCP connection.
+pub fn launch<F>(conn: &Conn, end: F) -> Result<(), String>
+where
+    F: Fn(Side) -> Result<(), String> + Send + Sync + 'static,
+{
+    use std::net::Ipv4Addr;
+    if conn.listen && conn.server.is_some() {
+        return Err("give either -l (server) or a server address (client), not both".into());
+    }
+    if conn.provider == "loopback" && !conn.in_process() {
+        return Err(
+            "the loopback device is in-process: run without -l and without a server address".into(),
+        );
+    }
+    if conn.in_process() {
+        let end = std::sync::Arc::new(end);
+        let listener =
+            TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("oob bind: {e}"))?;
+        let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+        let server_end = end.clone();
+        let server = std::thread::spawn(move || -> Result<(), String> {
+            let (s, _) = listener.accept().map_err(|e| format!("oob accept: {e}"))?;
+            drop(listener);
+            let oob = Oob::from_accepted(s).map_err(|e| format!("oob: {e}"))?;
+            let bind = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            server_end(Side {
+                role: Role::Server,
+                oob,
+                bind,
+                print: false,
+            })
+        });
+        let oob = Oob::connect("127.0.0.1", port).map_err(|e| format!("oob connect: {e}"))?;
+        let bind = conn.src_addr.or(Some(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        let client = end(Side {
+            role: Role::Client,
+            oob,
+            bind,
+            print: true,
+        });
+        let server = server
+            .join()
+            .map_err(|_| "server thread panicked".to_string())?;
+        client.and(server)
+    } else if conn.listen {
+        let bind = conn.src_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let port = conn.bind_port.unwrap_or(DEFAULT_OOB_PORT);
+        let oob =
+            Oob::accept(bind, port).map_err(|e| format!("oob listen on {bind}:{port}: {e}"))?;
+        end(Side {
+            role: Role::Server,
+            oob,
+            bind: Some(bind),
+            print: true,
+        })
+    } else {
+        let server = conn.server.clone().unwrap_or_default();
+        let port = conn.port.unwrap_or(DEFAULT_OOB_PORT);
+        let oob = Oob::connect(&server, port)
+            .map_err(|e| format!("oob connect to {server}:{port}: {e}"))?;
+        let bind = conn.src_addr.or(oob.local_ip().ok());
+        end(Side {
+            role: Role::Client,
+            oob,
+            bind,
+            print: true,
+        })
+    }
+}
+
+/// Opens the device `conn.provider` for `ep_type`, bound to `bind`.
+pub fn open_domain(
+    provider: &str,
+    ep_type: efa::EpType,
+    bind: Option<IpAddr>,
+) -> Result<efa::Domain, String> {
+    let mut hints = efa::Hints::new().provider(provider).ep_type(ep_type);
+    if let Some(ip) = bind {
+        hints = hints.addr(ip);
+    }
+    let info = efa::getinfo(&hints)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .next()
+        .ok_or("no device")?;
+    efa::Domain::open(&info).map_err(|e| e.to_string())
+}

@@ -213,12 +213,23 @@ impl Engine {
 
     /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim` it is reserved for
     /// [`Engine::recv_claimed`] (`FI_CLAIM`). `NoMessage` when none matches.
-    pub fn peek(&mut self, _tag: u64, _ignore: u64, _src: Option<RawAddr>, _claim: bool) -> Result<Peeked> {
+    pub fn peek(
+        &mut self,
+        _tag: u64,
+        _ignore: u64,
+        _src: Option<RawAddr>,
+        _claim: bool,
+    ) -> Result<Peeked> {
         todo!()
     }
 
     /// Receives a claimed message into `op.buf`.
-    pub fn recv_claimed(&mut self, _now: Instant, _claim: u64, _op: RecvOp) -> Result<(), (Error, RecvOp)> {
+    pub fn recv_claimed(
+        &mut self,
+        _now: Instant,
+        _claim: u64,
+        _op: RecvOp,
+    ) -> Result<(), (Error, RecvOp)> {
         todo!()
     }
 

@@ -1,0 +1,150 @@
+//! Criterion benches of `Endpoint<Rdm>` on the loopback device (no system calls): small-message
+//! rate through the whole stack (endpoint, engine, device), and ping-pong latency on loopback and
+//! udp.
+
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::fault::FaultConfig;
+use efa::{
+    AddressVector, Completion, CompletionFlags, CompletionQueue, Config, Domain, Endpoint,
+    ErrorKind, PeerId, Rdm,
+};
+
+struct Pair {
+    a: (CompletionQueue, AddressVector, Endpoint<Rdm>),
+    b: (CompletionQueue, AddressVector, Endpoint<Rdm>),
+    pb: PeerId,
+    pa: PeerId,
+}
+
+fn pair(d: &Domain) -> Pair {
+    let mk = || {
+        let cq = CompletionQueue::new(d, 8192).unwrap();
+        let av = AddressVector::new(d);
+        let ep = Endpoint::<Rdm>::builder(d).cq(&cq).av(&av).build().unwrap();
+        (cq, av, ep)
+    };
+    let (a, b) = (mk(), mk());
+    let pb = a.1.insert(b.2.addr()).unwrap();
+    let pa = b.1.insert(a.2.addr()).unwrap();
+    Pair { a, b, pb, pa }
+}
+
+fn loopback() -> Domain {
+    let net = LoopbackNetwork::new(FaultConfig::default());
+    Domain::with_device(
+        LoopbackDevice::open(&net, LoopbackConfig::default()).unwrap(),
+        Config::default(),
+    )
+}
+
+fn udp() -> Domain {
+    Domain::with_device(
+        UdpDevice::open(UdpConfig::default()).unwrap(),
+        Config::default(),
+    )
+}
+
+/// Sends `n` messages of `size` from a to b, with b's receives posted as they complete.
+fn stream(p: &Pair, n: usize, size: usize, out: &mut Vec<Completion>) {
+    let msg = Bytes::from(vec![7u8; size]);
+    let window = 256;
+    let (mut sent, mut recvd, mut posted, mut send_done) = (0, 0, 0, 0);
+    while recvd < n || send_done < n {
+        while posted < n && posted - recvd < window {
+            p.b.2.recv(BytesMut::with_capacity(size), 0).unwrap();
+            posted += 1;
+        }
+        while sent < n && sent - send_done < window {
+            match p.a.2.send(p.pb, msg.clone(), 0) {
+                Ok(()) => sent += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        out.clear();
+        send_done += p.a.0.poll(out, 256).unwrap();
+        out.clear();
+        recvd += p.b.0.poll(out, 256).unwrap();
+    }
+}
+
+fn pingpong(p: &Pair, iters: u64, size: usize, out: &mut Vec<Completion>) -> Duration {
+    let msg = Bytes::from(vec![1u8; size]);
+    let start = Instant::now();
+    for _ in 0..iters {
+        p.b.2.recv(BytesMut::with_capacity(size.max(1)), 0).unwrap();
+        p.a.2.recv(BytesMut::with_capacity(size.max(1)), 0).unwrap();
+        p.a.2.send(p.pb, msg.clone(), 0).unwrap();
+        wait_recv(&p.b.0, out);
+        p.b.2.send(p.pa, msg.clone(), 0).unwrap();
+        wait_recv(&p.a.0, out);
+    }
+    let t = start.elapsed();
+    // Drain send completions.
+    for _ in 0..4 {
+        out.clear();
+        let _ = p.a.0.poll(out, 1024);
+        out.clear();
+        let _ = p.b.0.poll(out, 1024);
+    }
+    t
+}
+
+fn wait_recv(cq: &CompletionQueue, out: &mut Vec<Completion>) {
+    loop {
+        out.clear();
+        cq.poll(out, 16).unwrap();
+        if out.iter().any(|c| c.flags.contains(CompletionFlags::RECV)) {
+            return;
+        }
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    let mut out = Vec::with_capacity(256);
+    let mut g = c.benchmark_group("rdm_message_rate_loopback");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    for size in [8usize, 64] {
+        let d = loopback();
+        let p = pair(&d);
+        let n = 10_000;
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("{size}B"), |bch| {
+            bch.iter(|| stream(&p, n, size, &mut out))
+        });
+    }
+    for size in [64 << 10, 1 << 20] {
+        let d = loopback();
+        let p = pair(&d);
+        let n = if size >= 1 << 20 { 20 } else { 200 };
+        g.throughput(Throughput::Bytes((n * size) as u64));
+        g.bench_function(format!("{}KiB", size >> 10), |bch| {
+            bch.iter(|| stream(&p, n, size, &mut out))
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("rdm_pingpong_one_way");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    for (name, d) in [("loopback", loopback()), ("udp", udp())] {
+        let p = pair(&d);
+        for size in [64usize, 64 << 10] {
+            g.bench_function(format!("{name}/{size}B"), |bch| {
+                bch.iter_custom(|iters| pingpong(&p, iters, size, &mut out) / 2)
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(rdm, benches);
+criterion_main!(rdm);

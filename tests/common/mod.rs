@@ -1,0 +1,225 @@
+//! Shared by the RDM integration tests: endpoints on every software device, a seeded message
+//! mix, and the checks that it arrived exactly once, intact and in order.
+#![allow(dead_code)]
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::fault::{FaultConfig, Rng};
+use efa::{
+    AddressVector, Completion, CompletionFlags, CompletionQueue, Config, Domain, Endpoint,
+    ErrorKind, PeerId, RawAddr, Rdm, RecvOptions, SendOptions,
+};
+
+/// Generous deadline: tests fail instead of hanging.
+pub const DEADLINE: Duration = Duration::from_secs(120);
+
+/// A domain on a udp device bound to `ip`, with `faults`.
+pub fn udp_domain(ip: IpAddr, faults: FaultConfig) -> Domain {
+    let dev = UdpDevice::open(UdpConfig {
+        bind: ip,
+        faults,
+        ..UdpConfig::default()
+    })
+    .expect("udp device");
+    Domain::with_device(dev, Config::default())
+}
+
+/// A domain on a loopback device on `net`.
+pub fn loopback_domain(net: &LoopbackNetwork) -> Domain {
+    Domain::with_device(
+        LoopbackDevice::open(net, LoopbackConfig::default()).expect("loopback"),
+        Config::default(),
+    )
+}
+
+/// One RDM endpoint with its queue and address vector.
+pub struct Node {
+    pub cq: CompletionQueue,
+    pub av: AddressVector,
+    pub ep: Endpoint<Rdm>,
+}
+
+impl Node {
+    pub fn new(d: &Domain) -> Node {
+        let cq = CompletionQueue::new(d, 4096).unwrap();
+        let av = AddressVector::new(d);
+        let ep = Endpoint::<Rdm>::builder(d).cq(&cq).av(&av).build().unwrap();
+        Node { cq, av, ep }
+    }
+
+    pub fn insert(&self, addr: RawAddr) -> PeerId {
+        self.av.insert(addr).unwrap()
+    }
+
+    /// Reads completions until `n` arrived; an error completion fails the test.
+    pub fn collect(&self, n: usize, what: &str) -> Vec<Completion> {
+        let deadline = Instant::now() + DEADLINE;
+        let mut out = Vec::new();
+        while out.len() < n {
+            let want = n - out.len();
+            match self
+                .cq
+                .wait(&mut out, want, Some(Duration::from_millis(50)))
+            {
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::TimedOut => {}
+                Err(e) => panic!("{what}: {e}: {:?}", self.cq.read_err()),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: only {} of {n} completions",
+                out.len()
+            );
+        }
+        out
+    }
+}
+
+/// The bytes of message `i` of a mix seeded with `seed`.
+pub fn payload(seed: u64, i: usize, len: usize) -> Bytes {
+    let mut r = Rng::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut v = vec![0u8; len];
+    let mut k = 0;
+    while k < len {
+        let w = r.next_u64().to_le_bytes();
+        let n = (len - k).min(8);
+        v[k..k + n].copy_from_slice(&w[..n]);
+        k += n;
+    }
+    Bytes::from(v)
+}
+
+/// One message of a mix.
+#[derive(Clone, Debug)]
+pub struct Msg {
+    pub len: usize,
+    pub tag: Option<u64>,
+    pub data: Option<u32>,
+    pub dc: bool,
+}
+
+/// A seeded mix: mostly small, some medium and long-CTS sizes, a few up to `max` bytes.
+pub fn mix(seed: u64, n: usize, max: usize) -> Vec<Msg> {
+    let mut r = Rng::new(seed);
+    (0..n)
+        .map(|i| {
+            let len = match r.below(100) {
+                0..=59 => r.below(8193) as usize,
+                60..=84 => r.below(65_537) as usize,
+                85..=96 => r.below(262_145) as usize,
+                _ => r.below(max as u64 + 1) as usize,
+            };
+            Msg {
+                len,
+                tag: r.chance(0.5).then_some(i as u64),
+                data: r.chance(0.3).then_some(i as u32),
+                dc: r.chance(0.2),
+            }
+        })
+        .collect()
+}
+
+/// Sends the mix to `peer`, retrying on `Again`.
+pub fn send_mix(node: &Node, peer: PeerId, seed: u64, msgs: &[Msg]) {
+    let deadline = Instant::now() + DEADLINE;
+    for (i, m) in msgs.iter().enumerate() {
+        let o = SendOptions {
+            tag: m.tag,
+            data: m.data,
+            delivery_complete: m.dc,
+        };
+        let mut buf = payload(seed, i, m.len);
+        loop {
+            match node.ep.send_with(peer, buf, o, i as u64) {
+                Ok(()) => break,
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    buf = e.into_buffer().as_send().cloned().unwrap();
+                    let _ = node.cq.poll(&mut Vec::new(), 0);
+                    node.ep.progress();
+                    assert!(
+                        Instant::now() < deadline,
+                        "seed {seed}: send {i} kept getting Again"
+                    );
+                }
+                Err(e) => panic!("seed {seed}: send {i}: {e}"),
+            }
+        }
+    }
+}
+
+/// Posts one receive per message of the mix, in order, from `from`.
+pub fn post_mix(node: &Node, from: Option<PeerId>, seed: u64, msgs: &[Msg], ctx_base: u64) {
+    for (i, m) in msgs.iter().enumerate() {
+        let o = RecvOptions {
+            tag: m.tag.map(|t| (t, 0)),
+            from,
+            multi_recv: None,
+        };
+        let mut buf = BytesMut::with_capacity(m.len.max(1));
+        loop {
+            match node.ep.recv_with(buf, o, ctx_base + i as u64) {
+                Ok(()) => break,
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    buf = e.into_buffer().into_recv().unwrap();
+                    node.ep.progress();
+                }
+                Err(e) => panic!("seed {seed}: recv {i}: {e}"),
+            }
+        }
+    }
+}
+
+/// Checks the receive completions of a mix: each message once, intact, with its tag and data.
+pub fn check_mix(done: &[Completion], seed: u64, msgs: &[Msg], ctx_base: u64, src: Option<PeerId>) {
+    let mut seen = vec![false; msgs.len()];
+    for c in done
+        .iter()
+        .filter(|c| c.flags.contains(CompletionFlags::RECV))
+    {
+        let i = (c.context - ctx_base) as usize;
+        let m = &msgs[i];
+        assert!(!seen[i], "seed {seed}: message {i} completed twice");
+        seen[i] = true;
+        assert_eq!(c.len, m.len, "seed {seed}: length of message {i}");
+        let got = c.buf.as_recv().unwrap();
+        assert!(
+            got[..] == payload(seed, i, m.len)[..],
+            "seed {seed}: data of message {i}"
+        );
+        assert_eq!(c.tag, m.tag.unwrap_or(0), "seed {seed}: tag of message {i}");
+        assert_eq!(c.data, m.data, "seed {seed}: cq data of message {i}");
+        assert_eq!(
+            c.flags.contains(CompletionFlags::TAGGED),
+            m.tag.is_some(),
+            "seed {seed}: {i}"
+        );
+        if src.is_some() {
+            assert_eq!(c.source, src, "seed {seed}: FI_SOURCE of message {i}");
+        }
+    }
+    assert!(
+        seen.iter().all(|&s| s),
+        "seed {seed}: some messages never completed"
+    );
+}
+
+/// Loopback address of the machine.
+pub const LOCAL4: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+/// A fresh loopback network with SRD-style faults.
+pub fn faulty_net(seed: u64) -> LoopbackNetwork {
+    LoopbackNetwork::new(
+        FaultConfig::seeded(seed)
+            .drop(0.1)
+            .duplicate(0.1)
+            .reorder(0.1),
+    )
+}
+
+/// Keeps `Arc` in scope for callers that share nodes between threads.
+pub type Shared<T> = Arc<T>;

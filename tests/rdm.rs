@@ -1,0 +1,367 @@
+//! Endpoint<Rdm> over the loopback and udp devices: message mixes of every protocol size,
+//! exactly once, intact and in order, under faults; tagged matching; the async API with and
+//! without a runtime; the progress thread; cancel, truncation and peek.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use common::*;
+use efa::fault::{FaultConfig, test_seed};
+use efa::{CompletionFlags, Endpoint, ErrorKind, OpOutcome, Rdm, RecvOptions, SendOptions};
+
+fn run_mix(a: &Node, b: &Node, seed: u64, n: usize, max: usize) {
+    let pb = a.insert(b.ep.addr());
+    let pa = b.insert(a.ep.addr());
+    let msgs = mix(seed, n, max);
+    // Half of the receives before the messages arrive, half after (the unexpected path).
+    let half = msgs.len() / 2;
+    post_mix(b, Some(pa), seed, &msgs[..half], 0);
+    send_mix(a, pb, seed, &msgs);
+    post_mix(b, Some(pa), seed, &msgs[half..], half as u64);
+    let recvs = {
+        let deadline = Instant::now() + DEADLINE;
+        let mut out = Vec::new();
+        let mut sends = 0;
+        while out.len() < msgs.len() || sends < msgs.len() {
+            for c in a.collect_some() {
+                assert!(c.flags.contains(CompletionFlags::SEND), "seed {seed}");
+                sends += 1;
+            }
+            out.extend(b.collect_some());
+            assert!(
+                Instant::now() < deadline,
+                "seed {seed}: {} recvs, {sends} sends of {}",
+                out.len(),
+                msgs.len()
+            );
+        }
+        assert_eq!(sends, msgs.len(), "seed {seed}: every send completes once");
+        out
+    };
+    check_mix(&recvs, seed, &msgs, 0, Some(pa));
+    assert_eq!(a.ep.resources().tx_ops, 0, "seed {seed}");
+    assert_eq!(b.ep.resources().rx_ops, 0, "seed {seed}");
+    assert_eq!(b.ep.resources().unexpected_msgs, 0, "seed {seed}");
+}
+
+trait CollectSome {
+    fn collect_some(&self) -> Vec<efa::Completion>;
+}
+
+impl CollectSome for Node {
+    fn collect_some(&self) -> Vec<efa::Completion> {
+        let mut out = Vec::new();
+        match self.cq.wait(&mut out, 256, Some(Duration::from_millis(5))) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::TimedOut => {}
+            Err(e) => panic!("{e}: {:?}", self.cq.read_err()),
+        }
+        out
+    }
+}
+
+#[test]
+fn message_mix_over_loopback_with_faults() {
+    let seed = test_seed();
+    for s in [seed, seed.wrapping_add(1)] {
+        let net = faulty_net(s);
+        let d = loopback_domain(&net);
+        let (a, b) = (Node::new(&d), Node::new(&d));
+        run_mix(&a, &b, s, 150, 4 << 20);
+    }
+}
+
+#[test]
+fn message_mix_over_udp_with_faults() {
+    let seed = test_seed();
+    let faults = FaultConfig::seeded(seed)
+        .drop(0.1)
+        .duplicate(0.1)
+        .reorder(0.1);
+    let d = udp_domain(LOCAL4, faults);
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    run_mix(&a, &b, seed, 120, 4 << 20);
+}
+
+#[test]
+fn several_senders_to_one_receiver_keep_per_sender_order() {
+    let seed = test_seed();
+    let net = faulty_net(seed);
+    let d = loopback_domain(&net);
+    let rx = Node::new(&d);
+    let senders: Vec<Node> = (0..3).map(|_| Node::new(&d)).collect();
+    let mut all = Vec::new();
+    for (k, s) in senders.iter().enumerate() {
+        let ks = seed.wrapping_add(k as u64 * 1000);
+        let msgs = mix(ks, 60, 300_000);
+        let from = rx.insert(s.ep.addr());
+        post_mix(&rx, Some(from), ks, &msgs, (k as u64) << 32);
+        all.push((ks, msgs, from));
+    }
+    for (k, s) in senders.iter().enumerate() {
+        let to = s.insert(rx.ep.addr());
+        send_mix(s, to, all[k].0, &all[k].1);
+    }
+    let total: usize = all.iter().map(|(_, m, _)| m.len()).sum();
+    let done = rx.collect(total, "receiver");
+    for (k, (ks, msgs, from)) in all.iter().enumerate() {
+        let mine: Vec<_> = done
+            .iter()
+            .filter(|c| c.context >> 32 == k as u64)
+            .map(|c| c.context)
+            .collect();
+        assert_eq!(mine.len(), msgs.len(), "seed {seed}: sender {k}");
+        let subset: Vec<&efa::Completion> = done
+            .iter()
+            .filter(|c| c.context >> 32 == k as u64)
+            .collect();
+        for c in subset {
+            let i = (c.context & 0xffff_ffff) as usize;
+            assert_eq!(c.len, msgs[i].len, "seed {ks}: sender {k} message {i}");
+            assert!(
+                c.buf.as_recv().unwrap()[..] == payload(*ks, i, msgs[i].len)[..],
+                "seed {ks}: data {k}/{i}"
+            );
+            assert_eq!(c.source, Some(*from));
+        }
+    }
+    for s in &senders {
+        s.collect(all[0].1.len(), "sender");
+    }
+}
+
+#[test]
+fn tagged_matching_with_ignore_bits_and_any_source() {
+    let net = efa::device::loopback::LoopbackNetwork::new(FaultConfig::default());
+    let d = loopback_domain(&net);
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    // Receives for tags 0x1?? (low byte ignored) and exactly 0x2001.
+    b.ep.trecv(BytesMut::with_capacity(16), 0x2001, 0, 1)
+        .unwrap();
+    b.ep.trecv(BytesMut::with_capacity(16), 0x1000, 0xff, 2)
+        .unwrap();
+    a.ep.tsend(pb, Bytes::from_static(b"first-1xx"), 0x10ab, 10)
+        .unwrap();
+    a.ep.tsend(pb, Bytes::from_static(b"exact"), 0x2001, 11)
+        .unwrap();
+    a.ep.tsend(pb, Bytes::from_static(b"unmatched"), 0x3000, 12)
+        .unwrap();
+    let done = b.collect(2, "receiver");
+    let by = |ctx| done.iter().find(|c| c.context == ctx).unwrap();
+    assert_eq!(by(1).buf.as_recv().unwrap(), b"exact");
+    assert_eq!(by(2).buf.as_recv().unwrap(), b"first-1xx");
+    assert_eq!(by(2).tag, 0x10ab);
+    // The unmatched one waits as unexpected: peek sees it, a later receive takes it.
+    let deadline = Instant::now() + DEADLINE;
+    let p = loop {
+        match b.ep.peek(0x3000, 0, None, false) {
+            Ok(p) => break p,
+            Err(e) if e.kind() == ErrorKind::NoMessage => {
+                b.ep.progress();
+                assert!(Instant::now() < deadline);
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(p.len, 9);
+    assert_eq!(
+        b.ep.peek(0x4000, 0, None, false).unwrap_err().kind(),
+        ErrorKind::NoMessage
+    );
+    b.ep.trecv(BytesMut::with_capacity(16), 0x3000, 0, 3)
+        .unwrap();
+    let done = b.collect(1, "receiver");
+    assert_eq!(done[0].buf.as_recv().unwrap(), b"unmatched");
+    assert_eq!(a.collect(3, "sender").len(), 3);
+}
+
+#[test]
+fn truncation_cancel_and_errors_of_the_right_kind() {
+    let net = efa::device::loopback::LoopbackNetwork::new(FaultConfig::default());
+    let d = loopback_domain(&net);
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    for (k, len) in [100usize, 20_000, 200_000].into_iter().enumerate() {
+        b.ep.recv(BytesMut::with_capacity(10), k as u64).unwrap();
+        a.ep.send(pb, payload(1, k, len), k as u64).unwrap();
+        let deadline = Instant::now() + DEADLINE;
+        let err = loop {
+            if let Some(e) = b.cq.read_err() {
+                break e;
+            }
+            let _ = b.cq.poll(&mut Vec::new(), 0);
+            a.ep.progress();
+            assert!(Instant::now() < deadline, "no truncation error for {len}");
+        };
+        assert_eq!(err.error.kind(), ErrorKind::Truncated, "{len}");
+        assert_eq!(err.len, 10, "{len}");
+        assert_eq!(err.olen, len - 10, "{len}");
+        assert_eq!(&err.buf.as_recv().unwrap()[..10], &payload(1, k, len)[..10]);
+        // The sender still completes normally.
+        assert!(
+            a.collect(1, "sender")[0]
+                .flags
+                .contains(CompletionFlags::SEND)
+        );
+    }
+    // Cancel hands the buffer back once.
+    b.ep.recv(BytesMut::with_capacity(64), 77).unwrap();
+    b.ep.cancel(77).unwrap();
+    assert_eq!(b.ep.cancel(77).unwrap_err().kind(), ErrorKind::NoMessage);
+    let mut e = None;
+    for _ in 0..100 {
+        e = b.cq.read_err();
+        if e.is_some() {
+            break;
+        }
+        b.ep.progress();
+    }
+    let e = e.expect("a Canceled completion");
+    assert_eq!(e.error.kind(), ErrorKind::Canceled);
+    assert_eq!(e.context, 77);
+    assert!(e.buf.into_recv().is_some());
+    // Unknown peer.
+    let gone = a.insert("efa://[::1]:9:00000009".parse().unwrap());
+    a.av.remove(gone).unwrap();
+    let e = a.ep.send(gone, Bytes::from_static(b"x"), 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnknownPeer);
+    assert_eq!(e.into_buffer().as_send().map(|b| &b[..]), Some(&b"x"[..]));
+}
+
+#[test]
+fn closing_completes_everything_once() {
+    let net = efa::device::loopback::LoopbackNetwork::new(FaultConfig::default());
+    let d = loopback_domain(&net);
+    let b = Node::new(&d);
+    for i in 0..10 {
+        b.ep.recv(BytesMut::with_capacity(64), i).unwrap();
+    }
+    let Node { cq, av: _av, ep } = b;
+    drop(ep);
+    let mut ctxs = Vec::new();
+    while let Some(e) = cq.read_err() {
+        assert_eq!(e.error.kind(), ErrorKind::Canceled);
+        ctxs.push(e.context);
+    }
+    ctxs.sort_unstable();
+    assert_eq!(ctxs, (0..10).collect::<Vec<_>>());
+}
+
+/// A minimal executor: the async API needs no particular runtime.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Arc::new(Unpark(std::thread::current())).into();
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn async_send_and_recv_without_a_runtime_and_with_tokio() {
+    let d = udp_domain(LOCAL4, FaultConfig::default());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    let big = payload(7, 0, 300_000);
+    let recv =
+        b.ep.recv_async(BytesMut::with_capacity(300_000), RecvOptions::default());
+    let send = a.ep.send_async(pb, big.clone(), SendOptions::default());
+    let sent = block_on(send).into_result().unwrap();
+    assert_eq!(sent.len, 300_000);
+    let got = block_on(recv).into_result().unwrap();
+    assert!(got.buf.as_recv().unwrap()[..] == big[..]);
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let r = b.ep.recv_async(
+            BytesMut::with_capacity(64),
+            RecvOptions {
+                tag: Some((5, 0)),
+                ..Default::default()
+            },
+        );
+        let s = a.ep.send_async(
+            pb,
+            Bytes::from_static(b"tokio"),
+            SendOptions {
+                tag: Some(5),
+                ..Default::default()
+            },
+        );
+        let (r, s) = tokio::time::timeout(DEADLINE, async { tokio::join!(r, s) })
+            .await
+            .expect("timed out");
+        assert!(matches!(s, OpOutcome::Done(_)));
+        assert_eq!(r.into_result().unwrap().buf.as_recv().unwrap(), b"tokio");
+    });
+}
+
+#[test]
+fn dropping_a_future_keeps_the_operation_alive() {
+    let d = udp_domain(LOCAL4, FaultConfig::default());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    // The receive future is dropped; its buffer stays with the endpoint and the message still
+    // lands in it (nobody awaits it), so the next receive gets the next message.
+    drop(b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default()));
+    a.ep.send(pb, Bytes::from_static(b"one"), 1).unwrap();
+    a.ep.send(pb, Bytes::from_static(b"two"), 2).unwrap();
+    let r = block_on(b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default()));
+    assert_eq!(r.into_result().unwrap().buf.as_recv().unwrap(), b"two");
+    assert_eq!(a.collect(2, "sender").len(), 2);
+}
+
+#[test]
+fn progress_thread_moves_data_while_nobody_polls() {
+    let d = udp_domain(LOCAL4, FaultConfig::default());
+    let mk = || {
+        let cq = efa::CompletionQueue::new(&d, 256).unwrap();
+        let av = efa::AddressVector::new(&d);
+        let ep = Endpoint::<Rdm>::builder(&d)
+            .cq(&cq)
+            .av(&av)
+            .progress_thread(true)
+            .build()
+            .unwrap();
+        Node { cq, av, ep }
+    };
+    let (a, b) = (mk(), mk());
+    let pb = a.insert(b.ep.addr());
+    b.ep.recv(BytesMut::with_capacity(1 << 20), 1).unwrap();
+    let msg = payload(3, 0, 1 << 20);
+    a.ep.send(pb, msg.clone(), 2).unwrap();
+    // Neither side polls: the progress threads must carry the long-CTS exchange to the end.
+    let deadline = Instant::now() + DEADLINE;
+    while b.cq.len() == 0 || a.cq.len() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "progress thread did not complete the transfer"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let got = b.collect(1, "receiver");
+    assert!(got[0].buf.as_recv().unwrap()[..] == msg[..]);
+}
+
+#[test]
+fn rdm_endpoint_is_send_and_sync() {
+    fn both<T: Send + Sync>() {}
+    both::<Endpoint<Rdm>>();
+}
