@@ -62,7 +62,10 @@ pub use cq::{
     SendBuf,
 };
 pub use domain::Domain;
-pub use ep::{Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome, Rdm, RecvOptions, SendOptions};
+pub use ep::{
+    Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome, Rdm, RecvOptions,
+    SendOptions,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;
 pub use info::{Caps, EpType, Hints, Info, getinfo};

@@ -19,14 +19,16 @@ use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
 use crate::av::{AddressVector, PeerId};
 use crate::cq::{
-    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError, ProgressSource, RecvBuf,
-    SendBuf,
+    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError,
+    ProgressSource, RecvBuf, SendBuf,
 };
 use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
-use crate::proto::engine::{Engine, EngineConfig, Event, Peeked, RecvDone, RecvOp, SendDone, SendOp};
+use crate::proto::engine::{
+    Engine, EngineConfig, Event, Peeked, RecvDone, RecvOp, SendDone, SendOp,
+};
 use crate::stats::EndpointStats;
 
 /// Device completions taken per progress pass.
@@ -125,7 +127,8 @@ impl EndpointBuilder<Rdm> {
         {
             let mut st = core.state.lock();
             for i in 0..rx_bufs {
-                st.qp.post_recv(i as u64, BytesMut::with_capacity(attr.mtu))?;
+                st.qp
+                    .post_recv(i as u64, BytesMut::with_capacity(attr.mtu))?;
             }
         }
         let weak: Weak<dyn ProgressSource> = Arc::downgrade(&core) as _;
@@ -155,7 +158,10 @@ fn progress_thread(core: Weak<RdmCore>, stop: Arc<AtomicBool>, notifier: Arc<Not
             Some(c) => c.progress_once(),
             None => return,
         };
-        let deadline = Instant::now() + next.unwrap_or(Duration::from_millis(10)).min(Duration::from_millis(10));
+        let deadline = Instant::now()
+            + next
+                .unwrap_or(Duration::from_millis(10))
+                .min(Duration::from_millis(10));
         notifier.wait_until(seen, Some(deadline));
     }
 }
@@ -207,7 +213,10 @@ impl fmt::Debug for RdmCore {
 /// A completion delivered to a future.
 #[derive(Default)]
 struct Slot {
-    done: Mutex<(Option<std::result::Result<Completion, CompletionError>>, Option<Waker>)>,
+    done: Mutex<(
+        Option<std::result::Result<Completion, CompletionError>>,
+        Option<Waker>,
+    )>,
 }
 
 impl Endpoint<Rdm> {
@@ -222,19 +231,43 @@ impl Endpoint<Rdm> {
     }
 
     /// Sends a message of any size to `peer`; the buffer is handed back in the completion.
-    pub fn send(&self, peer: PeerId, buf: impl Into<SendBuf>, context: u64) -> Result<(), PostError> {
-        self.core.post_send(peer, buf.into(), SendOptions::default(), Sink::Cq(context))
+    pub fn send(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core
+            .post_send(peer, buf.into(), SendOptions::default(), Sink::Cq(context))
     }
 
     /// Sends a message with 4 bytes of remote CQ data (`fi_senddata`).
-    pub fn send_data(&self, peer: PeerId, buf: impl Into<SendBuf>, data: u32, context: u64) -> Result<(), PostError> {
-        let o = SendOptions { data: Some(data), ..Default::default() };
+    pub fn send_data(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        data: u32,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let o = SendOptions {
+            data: Some(data),
+            ..Default::default()
+        };
         self.core.post_send(peer, buf.into(), o, Sink::Cq(context))
     }
 
     /// Sends a tagged message (`fi_tsend`).
-    pub fn tsend(&self, peer: PeerId, buf: impl Into<SendBuf>, tag: u64, context: u64) -> Result<(), PostError> {
-        let o = SendOptions { tag: Some(tag), ..Default::default() };
+    pub fn tsend(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        tag: u64,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let o = SendOptions {
+            tag: Some(tag),
+            ..Default::default()
+        };
         self.core.post_send(peer, buf.into(), o, Sink::Cq(context))
     }
 
@@ -246,7 +279,8 @@ impl Endpoint<Rdm> {
         options: SendOptions,
         context: u64,
     ) -> Result<(), PostError> {
-        self.core.post_send(peer, buf.into(), options, Sink::Cq(context))
+        self.core
+            .post_send(peer, buf.into(), options, Sink::Cq(context))
     }
 
     /// Posts a receive for an untagged message from any peer.
@@ -259,18 +293,33 @@ impl Endpoint<Rdm> {
     /// # }
     /// ```
     pub fn recv(&self, buf: impl Into<RecvBuf>, context: u64) -> Result<(), PostError> {
-        self.core.post_recv(buf.into(), RecvOptions::default(), Sink::Cq(context))
+        self.core
+            .post_recv(buf.into(), RecvOptions::default(), Sink::Cq(context))
     }
 
     /// Posts a tagged receive: matches messages whose tag equals `tag` on every bit not set in
     /// `ignore` (`fi_trecv`).
-    pub fn trecv(&self, buf: impl Into<RecvBuf>, tag: u64, ignore: u64, context: u64) -> Result<(), PostError> {
-        let o = RecvOptions { tag: Some((tag, ignore)), ..Default::default() };
+    pub fn trecv(
+        &self,
+        buf: impl Into<RecvBuf>,
+        tag: u64,
+        ignore: u64,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let o = RecvOptions {
+            tag: Some((tag, ignore)),
+            ..Default::default()
+        };
         self.core.post_recv(buf.into(), o, Sink::Cq(context))
     }
 
     /// Posts a receive with explicit options (`fi_recvmsg` / `fi_trecvmsg`).
-    pub fn recv_with(&self, buf: impl Into<RecvBuf>, options: RecvOptions, context: u64) -> Result<(), PostError> {
+    pub fn recv_with(
+        &self,
+        buf: impl Into<RecvBuf>,
+        options: RecvOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
         self.core.post_recv(buf.into(), options, Sink::Cq(context))
     }
 
@@ -293,7 +342,12 @@ impl Endpoint<Rdm> {
     }
 
     /// Receives a message claimed by [`Endpoint::peek`].
-    pub fn recv_claimed(&self, claim: u64, buf: impl Into<RecvBuf>, context: u64) -> Result<(), PostError> {
+    pub fn recv_claimed(
+        &self,
+        claim: u64,
+        buf: impl Into<RecvBuf>,
+        context: u64,
+    ) -> Result<(), PostError> {
         self.core.post_claimed(claim, buf.into(), context)
     }
 
@@ -305,18 +359,35 @@ impl Endpoint<Rdm> {
 
     /// Sends and awaits the completion. Cancel-safe: dropping the future leaves the operation
     /// running; its buffer stays owned by the endpoint until the device is done with it.
-    pub fn send_async(&self, peer: PeerId, buf: impl Into<SendBuf>, options: SendOptions) -> OpFuture {
+    pub fn send_async(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        options: SendOptions,
+    ) -> OpFuture {
         let slot = Arc::new(Slot::default());
-        let posted = self.core.post_send(peer, buf.into(), options, Sink::Future(slot.clone()));
-        OpFuture { core: self.core.clone(), slot, early: posted.err() }
+        let posted = self
+            .core
+            .post_send(peer, buf.into(), options, Sink::Future(slot.clone()));
+        OpFuture {
+            core: self.core.clone(),
+            slot,
+            early: posted.err(),
+        }
     }
 
     /// Posts a receive and awaits the completion. Cancel-safe as [`Endpoint::send_async`]; to get
     /// the buffer back without a message, use [`Endpoint::cancel`] before dropping.
     pub fn recv_async(&self, buf: impl Into<RecvBuf>, options: RecvOptions) -> OpFuture {
         let slot = Arc::new(Slot::default());
-        let posted = self.core.post_recv(buf.into(), options, Sink::Future(slot.clone()));
-        OpFuture { core: self.core.clone(), slot, early: posted.err() }
+        let posted = self
+            .core
+            .post_recv(buf.into(), options, Sink::Future(slot.clone()));
+        OpFuture {
+            core: self.core.clone(),
+            slot,
+            early: posted.err(),
+        }
     }
 
     /// Drives the endpoint once (polling a bound completion queue does this too).
@@ -409,7 +480,13 @@ impl RdmCore {
         from.map(|p| self.av.lookup(p)).transpose()
     }
 
-    fn post_send(&self, peer: PeerId, buf: SendBuf, o: SendOptions, sink: Sink) -> Result<(), PostError> {
+    fn post_send(
+        &self,
+        peer: PeerId,
+        buf: SendBuf,
+        o: SendOptions,
+        sink: Sink,
+    ) -> Result<(), PostError> {
         let dest = match self.av.lookup(peer) {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
@@ -428,7 +505,11 @@ impl RdmCore {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
         }
-        let key = st.ops.insert(OpState { sink, target: None, region });
+        let key = st.ops.insert(OpState {
+            sink,
+            target: None,
+            region,
+        });
         let op = SendOp {
             dest,
             buf: data,
@@ -444,7 +525,10 @@ impl RdmCore {
             }
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                Err(refuse(e, s.region.map_or(Buffer::Send(op.buf), Buffer::Region)))
+                Err(refuse(
+                    e,
+                    s.region.map_or(Buffer::Send(op.buf), Buffer::Region),
+                ))
             }
         }
     }
@@ -458,10 +542,23 @@ impl RdmCore {
         let now = Instant::now();
         let mut st = self.state.lock();
         if st.closed {
-            return Err(refuse(Error::new(ErrorKind::Closed, "recv"), target.finish(down, false)));
+            return Err(refuse(
+                Error::new(ErrorKind::Closed, "recv"),
+                target.finish(down, false),
+            ));
         }
-        let key = st.ops.insert(OpState { sink, target: Some(target), region: None });
-        let op = RecvOp { buf: down, tag: o.tag, src, multi_recv: o.multi_recv, context: key as u64 };
+        let key = st.ops.insert(OpState {
+            sink,
+            target: Some(target),
+            region: None,
+        });
+        let op = RecvOp {
+            buf: down,
+            tag: o.tag,
+            src,
+            multi_recv: o.multi_recv,
+            context: key as u64,
+        };
         match st.engine.post_recv(now, op) {
             Ok(()) => {
                 self.pump(&mut st, now);
@@ -469,7 +566,9 @@ impl RdmCore {
             }
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                let b = s.target.map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
+                let b = s
+                    .target
+                    .map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
                 Err(refuse(e, b))
             }
         }
@@ -480,11 +579,22 @@ impl RdmCore {
         let now = Instant::now();
         let mut st = self.state.lock();
         if !st.pending.remove(&claim) {
-            let e = Error::new(ErrorKind::InvalidArgument, "recv_claimed").with_detail("unknown claim");
+            let e =
+                Error::new(ErrorKind::InvalidArgument, "recv_claimed").with_detail("unknown claim");
             return Err(refuse(e, target.finish(down, false)));
         }
-        let key = st.ops.insert(OpState { sink: Sink::Cq(context), target: Some(target), region: None });
-        let op = RecvOp { buf: down, tag: None, src: None, multi_recv: None, context: key as u64 };
+        let key = st.ops.insert(OpState {
+            sink: Sink::Cq(context),
+            target: Some(target),
+            region: None,
+        });
+        let op = RecvOp {
+            buf: down,
+            tag: None,
+            src: None,
+            multi_recv: None,
+            context: key as u64,
+        };
         match st.engine.recv_claimed(now, claim, op) {
             Ok(()) => {
                 self.pump(&mut st, now);
@@ -492,7 +602,9 @@ impl RdmCore {
             }
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                let b = s.target.map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
+                let b = s
+                    .target
+                    .map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
                 Err(refuse(e, b))
             }
         }
@@ -508,7 +620,8 @@ impl RdmCore {
             .map(|(k, _)| k);
         let found = key.is_some_and(|k| st.engine.cancel_recv(k as u64));
         if !found {
-            return Err(Error::new(ErrorKind::NoMessage, "cancel").with_detail(format!("no pending receive {context}")));
+            return Err(Error::new(ErrorKind::NoMessage, "cancel")
+                .with_detail(format!("no pending receive {context}")));
         }
         self.pump(&mut st, now);
         Ok(())
@@ -519,7 +632,9 @@ impl RdmCore {
         let now = Instant::now();
         let mut st = self.state.lock();
         self.pump(&mut st, now);
-        st.engine.poll_timeout().map(|t| t.saturating_duration_since(now))
+        st.engine
+            .poll_timeout()
+            .map(|t| t.saturating_duration_since(now))
     }
 
     /// Moves everything that is ready: device completions into the engine, the engine's packets
@@ -539,16 +654,28 @@ impl RdmCore {
             }
             while let Some(t) = st.engine.poll_transmit(now) {
                 busy = true;
-                let wr = SendWr { wr_id: t.wr_id, dest: t.dest, hdr: t.hdr, payload: t.payload, imm: None };
+                let wr = SendWr {
+                    wr_id: t.wr_id,
+                    dest: t.dest,
+                    hdr: t.hdr,
+                    payload: t.payload,
+                    imm: None,
+                };
                 if let Err(e) = st.qp.post_send(wr) {
                     tracing::warn!(error = %e, "device refused a packet");
-                    let status = if e.kind() == ErrorKind::Closed { Status::Flushed } else { Status::LocalQpInternalError };
+                    let status = if e.kind() == ErrorKind::Closed {
+                        Status::Flushed
+                    } else {
+                        Status::LocalQpInternalError
+                    };
                     st.engine.handle_send_completion(now, t.wr_id, status);
                 }
             }
             let mut delivered = false;
             while self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
-                let Some(ev) = st.engine.poll_event() else { break };
+                let Some(ev) = st.engine.poll_event() else {
+                    break;
+                };
                 busy = true;
                 delivered |= self.deliver(&mut st.ops, ev);
             }
@@ -570,7 +697,8 @@ impl RdmCore {
                 let Some(mut buf) = c.buf else { return };
                 if c.status.is_ok() {
                     if let Some(src) = c.src {
-                        st.engine.handle_recv(now, src, &buf[..c.byte_len.min(buf.len())]);
+                        st.engine
+                            .handle_recv(now, src, &buf[..c.byte_len.min(buf.len())]);
                     }
                 } else if c.status == Status::Flushed {
                     return;
@@ -634,10 +762,22 @@ impl RdmCore {
         region: Option<crate::mr::MemoryRegion>,
     ) -> std::result::Result<Completion, CompletionError> {
         let mut flags = CompletionFlags::SEND;
-        flags |= if s.tag.is_some() { CompletionFlags::TAGGED } else { CompletionFlags::MSG };
+        flags |= if s.tag.is_some() {
+            CompletionFlags::TAGGED
+        } else {
+            CompletionFlags::MSG
+        };
         let buf = region.map_or(Buffer::Send(s.buf), Buffer::Region);
         match s.error {
-            None => Ok(Completion { context, flags, len: s.len, data: None, tag: s.tag.unwrap_or(0), source: None, buf }),
+            None => Ok(Completion {
+                context,
+                flags,
+                len: s.len,
+                data: None,
+                tag: s.tag.unwrap_or(0),
+                source: None,
+                buf,
+            }),
             Some(error) => Err(CompletionError {
                 context,
                 flags,
@@ -659,21 +799,40 @@ impl RdmCore {
         target: Option<RecvTarget>,
     ) -> std::result::Result<Completion, CompletionError> {
         let mut flags = CompletionFlags::RECV;
-        flags |= if r.tag.is_some() { CompletionFlags::TAGGED } else { CompletionFlags::MSG };
+        flags |= if r.tag.is_some() {
+            CompletionFlags::TAGGED
+        } else {
+            CompletionFlags::MSG
+        };
         if r.data.is_some() {
             flags |= CompletionFlags::REMOTE_CQ_DATA;
         }
         if r.multi_recv_done {
             flags |= CompletionFlags::MULTI_RECV;
         }
-        let source = r.src.and_then(|a| self.av.find(&a).or_else(|| self.av.reverse_lookup(a.gid, a.qpn)));
-        let filled = r.error.is_none() || r.error.as_ref().is_some_and(|e| e.kind() == ErrorKind::Truncated);
+        let source = r.src.and_then(|a| {
+            self.av
+                .find(&a)
+                .or_else(|| self.av.reverse_lookup(a.gid, a.qpn))
+        });
+        let filled = r.error.is_none()
+            || r.error
+                .as_ref()
+                .is_some_and(|e| e.kind() == ErrorKind::Truncated);
         let buf = match target {
             Some(t) => t.finish(r.buf, filled),
             None => Buffer::Recv(r.buf),
         };
         match r.error {
-            None => Ok(Completion { context, flags, len: r.len, data: r.data, tag: r.tag.unwrap_or(0), source, buf }),
+            None => Ok(Completion {
+                context,
+                flags,
+                len: r.len,
+                data: r.data,
+                tag: r.tag.unwrap_or(0),
+                source,
+                buf,
+            }),
             Some(error) => Err(CompletionError {
                 context,
                 flags,

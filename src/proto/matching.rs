@@ -45,7 +45,10 @@ pub struct Matcher<S, R, U> {
 
 impl<S, R, U> Default for Matcher<S, R, U> {
     fn default() -> Self {
-        Matcher { posted: [VecDeque::new(), VecDeque::new()], unexpected: [VecDeque::new(), VecDeque::new()] }
+        Matcher {
+            posted: [VecDeque::new(), VecDeque::new()],
+            unexpected: [VecDeque::new(), VecDeque::new()],
+        }
     }
 }
 
@@ -57,9 +60,9 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
 
     /// The first posted receive an arriving message from `src` with `tag` matches.
     pub fn find_posted(&self, tagged: bool, src: S, tag: u64) -> Option<usize> {
-        self.posted[usize::from(tagged)]
-            .iter()
-            .position(|p| p.src.is_none_or(|s| s == src) && (!tagged || tag_matches(p.tag, p.ignore, tag)))
+        self.posted[usize::from(tagged)].iter().position(|p| {
+            p.src.is_none_or(|s| s == src) && (!tagged || tag_matches(p.tag, p.ignore, tag))
+        })
     }
 
     /// The posted receive at `idx`.
@@ -73,7 +76,10 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
     }
 
     /// Removes the first posted receive for which `pred` holds (cancel).
-    pub fn cancel_posted(&mut self, mut pred: impl FnMut(&R) -> bool) -> Option<(bool, Posted<S, R>)> {
+    pub fn cancel_posted(
+        &mut self,
+        mut pred: impl FnMut(&R) -> bool,
+    ) -> Option<(bool, Posted<S, R>)> {
         for tagged in [false, true] {
             let q = &mut self.posted[usize::from(tagged)];
             if let Some(i) = q.iter().position(|p| pred(&p.item)) {
@@ -96,10 +102,25 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
     }
 
     /// The oldest unexpected message a receive (`src` filter, `tag`, `ignore`) matches.
-    pub fn find_unexpected(&self, tagged: bool, src: Option<S>, tag: u64, ignore: u64) -> Option<usize> {
-        self.unexpected[usize::from(tagged)]
-            .iter()
-            .position(|u| src.is_none_or(|s| s == u.src) && (!tagged || tag_matches(tag, ignore, u.tag)))
+    pub fn find_unexpected(
+        &self,
+        tagged: bool,
+        src: Option<S>,
+        tag: u64,
+        ignore: u64,
+    ) -> Option<usize> {
+        self.unexpected[usize::from(tagged)].iter().position(|u| {
+            src.is_none_or(|s| s == u.src) && (!tagged || tag_matches(tag, ignore, u.tag))
+        })
+    }
+
+    /// The index of the oldest unexpected message for which `pred` holds.
+    pub fn position_unexpected(
+        &self,
+        tagged: bool,
+        pred: impl FnMut(&Unexpected<S, U>) -> bool,
+    ) -> Option<usize> {
+        self.unexpected[usize::from(tagged)].iter().position(pred)
     }
 
     /// The unexpected message at `idx`.
@@ -128,7 +149,10 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
     }
 
     /// Removes unexpected messages for which `pred` holds (peer teardown).
-    pub fn remove_unexpected_where(&mut self, mut pred: impl FnMut(&Unexpected<S, U>) -> bool) -> Vec<U> {
+    pub fn remove_unexpected_where(
+        &mut self,
+        mut pred: impl FnMut(&Unexpected<S, U>) -> bool,
+    ) -> Vec<U> {
         let mut out = Vec::new();
         for q in &mut self.unexpected {
             let mut keep = VecDeque::with_capacity(q.len());
@@ -160,9 +184,33 @@ mod tests {
     #[test]
     fn posting_order_directed_and_any_source() {
         let mut m: Matcher<u32, &str, ()> = Matcher::default();
-        m.post(true, Posted { src: Some(2), tag: 5, ignore: 0, item: "from 2" });
-        m.post(true, Posted { src: None, tag: 5, ignore: 0, item: "any" });
-        m.post(false, Posted { src: None, tag: 0, ignore: 0, item: "untagged" });
+        m.post(
+            true,
+            Posted {
+                src: Some(2),
+                tag: 5,
+                ignore: 0,
+                item: "from 2",
+            },
+        );
+        m.post(
+            true,
+            Posted {
+                src: None,
+                tag: 5,
+                ignore: 0,
+                item: "any",
+            },
+        );
+        m.post(
+            false,
+            Posted {
+                src: None,
+                tag: 0,
+                ignore: 0,
+                item: "untagged",
+            },
+        );
         // A message from 1 skips the directed receive.
         let i = m.find_posted(true, 1, 5).unwrap();
         assert_eq!(m.take_posted(true, i).unwrap().item, "any");
@@ -170,14 +218,25 @@ mod tests {
         assert!(m.find_posted(true, 2, 6).is_none());
         let i = m.find_posted(true, 2, 5).unwrap();
         assert_eq!(m.take_posted(true, i).unwrap().item, "from 2");
-        assert_eq!(m.find_posted(false, 9, 123), Some(0), "untagged ignores tags");
+        assert_eq!(
+            m.find_posted(false, 9, 123),
+            Some(0),
+            "untagged ignores tags"
+        );
     }
 
     #[test]
     fn unexpected_in_arrival_order_with_filters() {
         let mut m: Matcher<u32, (), u32> = Matcher::default();
         for (k, (src, tag)) in [(1, 0x100), (2, 0x101), (1, 0x102)].into_iter().enumerate() {
-            m.push_unexpected(true, Unexpected { src, tag, item: k as u32 });
+            m.push_unexpected(
+                true,
+                Unexpected {
+                    src,
+                    tag,
+                    item: k as u32,
+                },
+            );
         }
         assert_eq!(m.find_unexpected(true, None, 0x100, 0xff), Some(0));
         assert_eq!(m.find_unexpected(true, Some(2), 0x100, 0xff), Some(1));

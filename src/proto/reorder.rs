@@ -32,7 +32,12 @@ impl<T> ReorderWindow<T> {
     /// A window expecting id `first` next, with `size` slots (rounded up to a power of two, ≥ 1).
     pub fn new(first: u32, size: usize) -> ReorderWindow<T> {
         let size = size.max(1).next_power_of_two();
-        ReorderWindow { exp: first, slots: (0..size).map(|_| None).collect(), overflow: HashMap::new(), held: 0 }
+        ReorderWindow {
+            exp: first,
+            slots: (0..size).map(|_| None).collect(),
+            overflow: HashMap::new(),
+            held: 0,
+        }
     }
 
     /// The next id to be processed.
@@ -104,7 +109,10 @@ impl<T> ReorderWindow<T> {
             self.held -= 1;
         }
         self.exp = self.exp.wrapping_add(1);
-        if let Some(x) = self.overflow.remove(&id.wrapping_add(self.slots.len() as u32)) {
+        if let Some(x) = self
+            .overflow
+            .remove(&id.wrapping_add(self.slots.len() as u32))
+        {
             self.slots[s] = Some(x);
         }
     }
@@ -157,7 +165,11 @@ mod tests {
                 let want: Vec<u32> = (0..n).map(|i| start.wrapping_add(i)).collect();
                 assert_eq!(out, want, "seed {seed} size {size}");
                 assert_eq!(w.held(), 0);
-                assert_eq!(w.insert(start, 0), Arrival::Stale(0), "processed ids are stale");
+                assert_eq!(
+                    w.insert(start, 0),
+                    Arrival::Stale(0),
+                    "processed ids are stale"
+                );
             }
         }
     }
