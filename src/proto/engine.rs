@@ -9,15 +9,36 @@
 //! The device under it must deliver datagrams of at most one MTU exactly once, in any order (SRD);
 //! the engine adds per-peer ordering (send-after-send), segmentation (eager / medium / long-CTS),
 //! tag matching, flow control and RNR backoff.
+//!
+//! How it works (state per peer, protocol choice, windows, backoff, memory caps, what the
+//! handshake advertises) is described in the "Engine" section of `docs/protocol.md`. The code is
+//! split by direction: `peer` (identification, handshake, backoff, failure), `tx` (protocol
+//! choice, packet queues, CTS/RECEIPT, device completions) and `rx` (reordering, matching,
+//! segments, CTSDATA, receives, peek/claim/discard).
 
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use slab::Slab;
 
-use crate::addr::RawAddr;
+use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fault::Rng;
+use crate::proto::matching::Matcher;
+use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
+
+mod peer;
+mod rx;
+mod tx;
+mod util;
+
+use peer::Peer;
+use rx::{MultiRecv, PostedItem, RxEntry};
+use tx::{Pkt, TxEntry};
+use util::IdMap;
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -176,113 +197,401 @@ pub struct Resources {
     pub peers: usize,
 }
 
+/// Bounds on what peers can make the engine hold (an addition to the declared API; see
+/// [`Engine::set_limits`]). Beyond them packets are dropped and counted (`dropped_pkts`) instead
+/// of growing memory without bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineLimits {
+    /// Most peers known at once; a REQ from a new peer beyond it is dropped (and [`Engine::send`]
+    /// to a new peer is refused with `NoMemory`).
+    pub max_peers: usize,
+    /// Most messages held without a receive (waiting in reorder windows, unexpected, claimed).
+    pub max_buffered_msgs: usize,
+    /// Most bytes copied out for such messages.
+    pub max_buffered_bytes: usize,
+}
+
+impl Default for EngineLimits {
+    /// 65 536 peers, 65 536 messages, 64 MiB.
+    fn default() -> Self {
+        EngineLimits {
+            max_peers: 65_536,
+            max_buffered_msgs: 65_536,
+            max_buffered_bytes: 64 << 20,
+        }
+    }
+}
+
 /// The RDM protocol engine of one endpoint.
 #[derive(Debug)]
 pub struct Engine {
-    _todo: (),
+    cfg: EngineConfig,
+    limits: EngineLimits,
+    local: RawAddr,
+    rng: Rng,
+    closed: bool,
+
+    /// Peers by engine-chosen id (never reused).
+    peers: IdMap<u64, Peer>,
+    /// Every known incarnation by full address.
+    by_addr: HashMap<RawAddr, u64>,
+    /// The incarnations at (GID, QPN), oldest first; the newest takes packets without connid.
+    incarnations: HashMap<(Gid, u16), Vec<u64>>,
+    /// Connids of incarnations replaced by a newer one at the same (GID, QPN): their packets
+    /// are stale.
+    retired: HashMap<(Gid, u16), VecDeque<u32>>,
+    next_peer_id: u64,
+    /// Peers with queued packets, served round-robin.
+    ready: VecDeque<u64>,
+    /// Peers in RNR backoff.
+    backoff: Vec<u64>,
+
+    /// Send operations by `send_id`.
+    tx: IdMap<u32, TxEntry>,
+    next_tx_id: u32,
+    /// Packets handed out, by the low 32 bits of their `wr_id`.
+    outstanding: Slab<Pkt>,
+    wr_seq: u32,
+    queued_pkts: usize,
+
+    /// Inbound messages by `recv_id`, from the first packet to completion.
+    rx: IdMap<u32, RxEntry>,
+    next_rx_id: u32,
+    matcher: Matcher<RawAddr, PostedItem, u32>,
+    multi: IdMap<u32, MultiRecv>,
+    next_multi_id: u32,
+    claimed: IdMap<u64, u32>,
+    next_claim: u64,
+    /// Application receives posted or in progress (multi-receive buffers count once).
+    user_rx_ops: usize,
+    /// Messages and bytes held without a receive.
+    buffered_msgs: usize,
+    buffered_bytes: usize,
+    /// Messages held as unexpected (or claimed) and their bytes.
+    unexp_msgs: usize,
+    unexp_bytes: usize,
+    /// When to look for stalled receives next.
+    stall_check: Option<Instant>,
+
+    events: VecDeque<Event>,
+    stats: EndpointStats,
+    /// Arena the packet headers are encoded into.
+    hdr_buf: BytesMut,
 }
 
 impl Engine {
     /// An engine for the endpoint whose queue pair has raw address `local`.
-    pub fn new(_cfg: EngineConfig, _local: RawAddr, _now: Instant) -> Engine {
-        todo!()
+    pub fn new(cfg: EngineConfig, local: RawAddr, _now: Instant) -> Engine {
+        let rng = Rng::new(cfg.seed ^ 0x5eed_e761_9e00_0000);
+        Engine {
+            cfg,
+            limits: EngineLimits::default(),
+            local,
+            rng,
+            closed: false,
+            peers: IdMap::default(),
+            by_addr: HashMap::new(),
+            incarnations: HashMap::new(),
+            retired: HashMap::new(),
+            next_peer_id: 1,
+            ready: VecDeque::new(),
+            backoff: Vec::new(),
+            tx: IdMap::default(),
+            next_tx_id: 1,
+            outstanding: Slab::new(),
+            wr_seq: 0,
+            queued_pkts: 0,
+            rx: IdMap::default(),
+            next_rx_id: 1,
+            matcher: Matcher::default(),
+            multi: IdMap::default(),
+            next_multi_id: 1,
+            claimed: IdMap::default(),
+            next_claim: 1,
+            user_rx_ops: 0,
+            buffered_msgs: 0,
+            buffered_bytes: 0,
+            unexp_msgs: 0,
+            unexp_bytes: 0,
+            stall_check: None,
+            events: VecDeque::new(),
+            stats: EndpointStats::default(),
+            hdr_buf: BytesMut::new(),
+        }
     }
 
     /// The endpoint's own address.
     pub fn local_addr(&self) -> RawAddr {
-        todo!()
+        self.local
+    }
+
+    /// Replaces the memory bounds (an addition to the declared API).
+    pub fn set_limits(&mut self, limits: EngineLimits) {
+        self.limits = limits;
+    }
+
+    /// The memory bounds in force.
+    pub fn limits(&self) -> EngineLimits {
+        self.limits
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
     }
 
     /// Starts a send. `Again` (with the operation handed back) when `max_tx_ops` are in flight
     /// or the peer is in RNR backoff; `MsgSize` never (any size is allowed).
-    pub fn send(&mut self, _now: Instant, _op: SendOp) -> Result<(), (Error, SendOp)> {
-        todo!()
+    pub fn send(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
+        self.send_impl(now, op)
     }
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
     /// the operation handed back) when `max_rx_ops` are posted.
-    pub fn post_recv(&mut self, _now: Instant, _op: RecvOp) -> Result<(), (Error, RecvOp)> {
-        todo!()
+    pub fn post_recv(&mut self, now: Instant, op: RecvOp) -> Result<(), (Error, RecvOp)> {
+        self.post_recv_impl(now, op)
     }
 
     /// Cancels the oldest posted receive with `context` that has not started matching; it
     /// completes with `Canceled`. Returns false when there is none.
-    pub fn cancel_recv(&mut self, _context: u64) -> bool {
-        todo!()
+    pub fn cancel_recv(&mut self, context: u64) -> bool {
+        self.cancel_impl(context)
     }
 
     /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim` it is reserved for
     /// [`Engine::recv_claimed`] (`FI_CLAIM`). `NoMessage` when none matches.
     pub fn peek(
         &mut self,
-        _tag: u64,
-        _ignore: u64,
-        _src: Option<RawAddr>,
-        _claim: bool,
+        tag: u64,
+        ignore: u64,
+        src: Option<RawAddr>,
+        claim: bool,
     ) -> Result<Peeked> {
-        todo!()
+        self.peek_impl(tag, ignore, src, claim)
     }
 
     /// Receives a claimed message into `op.buf`.
     pub fn recv_claimed(
         &mut self,
-        _now: Instant,
-        _claim: u64,
-        _op: RecvOp,
+        now: Instant,
+        claim: u64,
+        op: RecvOp,
     ) -> Result<(), (Error, RecvOp)> {
-        todo!()
+        self.recv_claimed_impl(now, claim, op)
     }
 
     /// Discards an unexpected tagged message (`FI_DISCARD`); its sender's operation still
     /// completes normally. `NoMessage` when none matches.
-    pub fn discard(&mut self, _tag: u64, _ignore: u64, _src: Option<RawAddr>) -> Result<Peeked> {
-        todo!()
+    pub fn discard(&mut self, tag: u64, ignore: u64, src: Option<RawAddr>) -> Result<Peeked> {
+        self.discard_impl(tag, ignore, src)
     }
 
     /// A datagram arrived from `src` (the device's receive completion); `data` is its bytes.
     /// Malformed, stale or duplicate packets are dropped and counted, never a panic.
-    pub fn handle_recv(&mut self, _now: Instant, _src: Source, _data: &[u8]) {
-        todo!()
+    pub fn handle_recv(&mut self, now: Instant, src: Source, data: &[u8]) {
+        if self.closed {
+            self.drop_pkt("endpoint closed");
+            return;
+        }
+        let (pkt, payload) = match wire::decode(data) {
+            Ok(x) => x,
+            Err(e) => {
+                self.stats.dropped_pkts += 1;
+                tracing::debug!(error = %e, len = data.len(), "dropped an undecodable packet");
+                return;
+            }
+        };
+        let Some(pid) = self.identify(src, &pkt) else {
+            return;
+        };
+        match pkt {
+            Packet::EagerRtm { .. } | Packet::MediumRtm { .. } | Packet::LongCtsRtm { .. } => {
+                self.handle_rtm(now, pid, &pkt, payload)
+            }
+            Packet::Handshake(h) => self.handle_handshake(pid, &h),
+            Packet::Cts {
+                send_id,
+                recv_id,
+                recv_length,
+                read_req,
+                ..
+            } => self.handle_cts(pid, send_id, recv_id, recv_length, read_req),
+            Packet::CtsData {
+                recv_id,
+                seg_offset,
+                ..
+            } => self.handle_ctsdata(now, pid, recv_id, seg_offset, payload),
+            Packet::Receipt {
+                send_id, msg_id, ..
+            } => self.handle_receipt(pid, send_id, msg_id),
+            Packet::Rta { msg_id, .. }
+            | Packet::LongReadRtm { msg_id, .. }
+            | Packet::RuntReadRtm { msg_id, .. } => {
+                // Not implemented (atomics, RDMA-read protocols): the id still advances the
+                // window so that later messages are not held forever.
+                self.drop_pkt_type(&pkt);
+                self.skip_msg_id(now, pid, msg_id);
+            }
+            _ => self.drop_pkt_type(&pkt),
+        }
+        // Every packet from a peer makes sure our HANDSHAKE goes to it (once).
+        if self.peers.contains_key(&pid) {
+            self.queue_handshake(pid);
+        }
     }
 
     /// The device completed the packet `wr_id` handed out by [`Engine::poll_transmit`].
-    pub fn handle_send_completion(&mut self, _now: Instant, _wr_id: u64, _status: Status) {
-        todo!()
+    pub fn handle_send_completion(&mut self, now: Instant, wr_id: u64, status: Status) {
+        self.send_completion_impl(now, wr_id, status)
     }
 
     /// Runs due timers (RNR backoff, stalled receives).
-    pub fn handle_timeout(&mut self, _now: Instant) {
-        todo!()
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.closed {
+            return;
+        }
+        self.expire_backoffs(now);
+        if self.stall_check.is_some_and(|t| t <= now) {
+            self.check_stalls(now);
+        }
     }
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
-    pub fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
-        todo!()
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
+        self.poll_transmit_impl(now)
     }
 
     /// The next completion.
     pub fn poll_event(&mut self) -> Option<Event> {
-        todo!()
+        self.events.pop_front()
     }
 
     /// When [`Engine::handle_timeout`] should run next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        todo!()
+        if self.closed {
+            return None;
+        }
+        let backoff = self
+            .backoff
+            .iter()
+            .filter_map(|p| self.peers.get(p)?.backoff_until)
+            .min();
+        match (backoff, self.stall_check) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Closes: every operation still in flight completes with `Canceled` (collect them with
     /// [`Engine::poll_event`]); later calls are refused with `Closed`.
     pub fn close(&mut self) {
-        todo!()
+        if self.closed {
+            return;
+        }
+        self.close_impl();
     }
 
     /// What the engine holds now.
     pub fn resources(&self) -> Resources {
-        todo!()
+        Resources {
+            tx_ops: self.tx.len(),
+            rx_ops: self.user_rx_ops,
+            unexpected_msgs: self.unexp_msgs,
+            unexpected_bytes: self.unexp_bytes,
+            reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
+            queued_pkts: self.queued_pkts,
+            outstanding_pkts: self.outstanding.len(),
+            peers: self.peers.len(),
+        }
     }
 
     /// Counters.
     pub fn stats(&self) -> EndpointStats {
-        todo!()
+        self.stats
+    }
+
+    // ---- shared helpers ----
+
+    /// Counts and logs a dropped packet.
+    fn drop_pkt(&mut self, why: &'static str) {
+        self.stats.dropped_pkts += 1;
+        tracing::debug!(why, "dropped a packet");
+    }
+
+    fn drop_pkt_type(&mut self, pkt: &Packet<'_>) {
+        self.stats.dropped_pkts += 1;
+        tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
+    }
+
+    /// Encodes a header into the arena; `None` only if the codec refuses (a bug).
+    fn encode(&mut self, pkt: &Packet<'_>) -> Option<Bytes> {
+        let len = pkt.header_len();
+        if self.hdr_buf.capacity() < len {
+            self.hdr_buf.reserve(len.max(16 * 1024));
+        }
+        match pkt.encode_header(&mut self.hdr_buf) {
+            Ok(_) => Some(self.hdr_buf.split().freeze()),
+            Err(e) => {
+                tracing::error!(error = %e, ty = %pkt.packet_type(), "could not encode a packet");
+                self.hdr_buf.clear();
+                None
+            }
+        }
+    }
+
+    fn closed_error(op: &'static str) -> Error {
+        Error::new(ErrorKind::Closed, op)
+    }
+
+    fn close_impl(&mut self) {
+        self.closed = true;
+        self.matcher.remove_unexpected_where(|_| true);
+        // Receives first (pieces of multi-receive buffers before the buffers themselves).
+        let ids: Vec<u32> = self.rx.keys().copied().collect();
+        for id in ids {
+            self.abort_rx(id, ErrorKind::Canceled, "close");
+        }
+        for (_, p) in self.matcher.drain_posted() {
+            match p.item {
+                PostedItem::One(op) => self.cancel_event(op),
+                PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
+            }
+        }
+        let mids: Vec<u32> = self.multi.keys().copied().collect();
+        for mid in mids {
+            self.retire_multi(mid, Some(ErrorKind::Canceled));
+        }
+        let tids: Vec<u32> = self.tx.keys().copied().collect();
+        for id in tids {
+            self.fail_tx(
+                id,
+                Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed"),
+                None,
+            );
+        }
+        self.claimed.clear();
+        self.outstanding.clear();
+        for p in self.peers.values_mut() {
+            p.ctrl_q.clear();
+            p.data_q.clear();
+            p.robuf = crate::proto::reorder::ReorderWindow::new(
+                p.robuf.expected(),
+                self.cfg.recvwin_size,
+            );
+            p.inbound.clear();
+            p.tx_ops.clear();
+            p.blocked.clear();
+            p.in_ready = false;
+            p.backoff_until = None;
+        }
+        self.ready.clear();
+        self.backoff.clear();
+        self.queued_pkts = 0;
+        self.buffered_msgs = 0;
+        self.buffered_bytes = 0;
+        self.unexp_msgs = 0;
+        self.unexp_bytes = 0;
+        self.user_rx_ops = 0;
+        self.stall_check = None;
     }
 }

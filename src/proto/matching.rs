@@ -114,6 +114,15 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
         })
     }
 
+    /// The index of the oldest unexpected message for which `pred` holds.
+    pub fn position_unexpected(
+        &self,
+        tagged: bool,
+        pred: impl FnMut(&Unexpected<S, U>) -> bool,
+    ) -> Option<usize> {
+        self.unexpected[usize::from(tagged)].iter().position(pred)
+    }
+
     /// The unexpected message at `idx`.
     pub fn unexpected(&self, tagged: bool, idx: usize) -> Option<&Unexpected<S, U>> {
         self.unexpected[usize::from(tagged)].get(idx)

@@ -1,0 +1,356 @@
+//! Per-peer state: identification of the sender of a packet (raw address, connid, source),
+//! the HANDSHAKE, RNR backoff and the failure of a peer.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::tx::{Owner, Pkt};
+use super::util::IdSet;
+use super::{Engine, ErrorKind};
+use crate::addr::RawAddr;
+use crate::device::{Source, Status};
+use crate::proto::reorder::ReorderWindow;
+use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
+
+/// Connids remembered per (GID, QPN) after their incarnation was replaced.
+const RETIRED_PER_QP: usize = 8;
+
+/// What the engine knows about one remote endpoint (one incarnation: GID, QPN and QKEY).
+#[derive(Debug)]
+pub(super) struct Peer {
+    /// Its address; the QKEY is its connid.
+    pub(super) addr: RawAddr,
+    /// Our HANDSHAKE to it is queued or sent (it goes once).
+    pub(super) hs_sent: bool,
+    /// Its HANDSHAKE arrived: REQs carry the connid header instead of our raw address, and
+    /// CTSDATA may be sent.
+    pub(super) hs_received: bool,
+    /// The feature bits it advertised.
+    pub(super) features: ExtraInfo,
+    /// `msg_id` of our next message to it.
+    pub(super) next_msg_id: u32,
+    /// Its messages in `msg_id` order.
+    pub(super) robuf: ReorderWindow<u32>,
+    /// Its messages not yet complete, by `msg_id` (peer-chosen keys: standard hasher).
+    pub(super) inbound: HashMap<u32, u32>,
+    /// Control packets (HANDSHAKE, CTS, RECEIPT) waiting for the device.
+    pub(super) ctrl_q: VecDeque<Pkt>,
+    /// Data packets (REQ, CTSDATA) waiting for the device.
+    pub(super) data_q: VecDeque<Pkt>,
+    /// It is on the engine's ready list.
+    pub(super) in_ready: bool,
+    /// In RNR backoff until then.
+    pub(super) backoff_until: Option<Instant>,
+    /// Length of the last backoff (doubles per episode, never reset, as libfabric).
+    pub(super) rnr_wait: Duration,
+    /// Our send operations to it.
+    pub(super) tx_ops: IdSet<u32>,
+    /// Long-CTS sends with a window granted, waiting for its HANDSHAKE before CTSDATA.
+    pub(super) blocked: Vec<u32>,
+}
+
+/// Device statuses after which a peer is considered gone.
+pub(super) fn peer_fatal(s: Status) -> bool {
+    matches!(
+        s,
+        Status::UnresponsiveRemote
+            | Status::UnreachableRemote
+            | Status::BadDestQpn
+            | Status::RemoteAbort
+            | Status::UnknownPeer
+            | Status::InvalidAh
+    )
+}
+
+impl Engine {
+    /// The HANDSHAKE this engine sends: only what is implemented is advertised.
+    pub(super) fn handshake(&self) -> Handshake {
+        Handshake {
+            extra_info: ExtraInfo::with_features(&[
+                ExtraFeature::DeliveryComplete,
+                ExtraFeature::RequestConnidHeader,
+            ]),
+            connid: Some(self.local.qkey),
+            host_id: None,
+            device_version: None,
+            user_recv_qp: None,
+            p2p: Some(false),
+        }
+    }
+
+    /// A new peer for `addr`; `None` (counted) when the peer table is full.
+    fn new_peer(&mut self, addr: RawAddr) -> Option<u64> {
+        if self.peers.len() >= self.limits.max_peers {
+            self.drop_pkt("peer table full");
+            return None;
+        }
+        let id = self.next_peer_id;
+        self.next_peer_id = self.next_peer_id.wrapping_add(1);
+        let peer = Peer {
+            addr,
+            hs_sent: false,
+            hs_received: false,
+            features: ExtraInfo::empty(),
+            next_msg_id: 0,
+            robuf: ReorderWindow::new(0, self.cfg.recvwin_size),
+            inbound: HashMap::new(),
+            ctrl_q: VecDeque::new(),
+            data_q: VecDeque::new(),
+            in_ready: false,
+            backoff_until: None,
+            rnr_wait: Duration::ZERO,
+            tx_ops: IdSet::default(),
+            blocked: Vec::new(),
+        };
+        self.peers.insert(id, peer);
+        self.by_addr.insert(addr, id);
+        self.incarnations
+            .entry((addr.gid, addr.qpn))
+            .or_default()
+            .push(id);
+        tracing::debug!(peer = %addr, "new peer");
+        Some(id)
+    }
+
+    /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
+    pub(super) fn peer_for_send(&mut self, dest: RawAddr) -> Option<u64> {
+        if let Some(&id) = self.by_addr.get(&dest) {
+            return Some(id);
+        }
+        if self.peers.len() >= self.limits.max_peers {
+            return None;
+        }
+        self.new_peer(dest)
+    }
+
+    fn is_retired(&self, addr: &RawAddr) -> bool {
+        self.retired
+            .get(&(addr.gid, addr.qpn))
+            .is_some_and(|v| v.contains(&addr.qkey))
+    }
+
+    /// A REQ from a new QKEY at a known (GID, QPN): the old incarnations are gone (their queue
+    /// pair number was reused). Their state is dropped and their connids retired.
+    fn replace_incarnations(&mut self, addr: RawAddr) {
+        let old: Vec<u64> = self
+            .incarnations
+            .get(&(addr.gid, addr.qpn))
+            .cloned()
+            .unwrap_or_default();
+        for id in old {
+            let Some(p) = self.peers.get(&id) else {
+                continue;
+            };
+            let qkey = p.addr.qkey;
+            if qkey == addr.qkey {
+                continue;
+            }
+            tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
+            self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
+            let r = self.retired.entry((addr.gid, addr.qpn)).or_default();
+            if r.len() >= RETIRED_PER_QP {
+                r.pop_front();
+            }
+            r.push_back(qkey);
+        }
+    }
+
+    /// Who sent `pkt` (arrived from `src`), creating the peer for a REQ with a raw address.
+    /// `None` (counted) for stale, unknown or unidentifiable senders.
+    pub(super) fn identify(&mut self, src: Source, pkt: &Packet<'_>) -> Option<u64> {
+        let qp = (src.gid, src.qpn);
+        let newest = |e: &Engine| e.incarnations.get(&qp).and_then(|v| v.last().copied());
+        if let Some(opt) = pkt.req_opt() {
+            match opt.sender {
+                Sender::RawAddr(a) => {
+                    if a.gid != src.gid || a.qpn != src.qpn {
+                        self.drop_pkt("raw address header does not match the source");
+                        return None;
+                    }
+                    if let Some(&id) = self.by_addr.get(&a) {
+                        return Some(id);
+                    }
+                    if self.is_retired(&a) {
+                        self.drop_pkt("stale connid (replaced incarnation)");
+                        return None;
+                    }
+                    self.replace_incarnations(a);
+                    self.new_peer(a)
+                }
+                Sender::Connid(c) => match self.by_addr.get(&RawAddr::new(src.gid, src.qpn, c)) {
+                    Some(&id) => Some(id),
+                    None => {
+                        self.drop_pkt("REQ with an unknown connid");
+                        None
+                    }
+                },
+                Sender::None => match newest(self) {
+                    Some(id) => Some(id),
+                    None => {
+                        self.drop_pkt("REQ with no identifiable sender");
+                        None
+                    }
+                },
+            }
+        } else {
+            let found = match pkt.connid() {
+                Some(c) => self
+                    .by_addr
+                    .get(&RawAddr::new(src.gid, src.qpn, c))
+                    .copied(),
+                None => newest(self),
+            };
+            if found.is_none() {
+                self.drop_pkt("packet from an unknown peer or with a stale connid");
+            }
+            found
+        }
+    }
+
+    /// Queues our HANDSHAKE to `pid` unless it went already.
+    pub(super) fn queue_handshake(&mut self, pid: u64) {
+        if self.peers.get(&pid).is_none_or(|p| p.hs_sent) {
+            return;
+        }
+        let hs = self.handshake();
+        let Some(hdr) = self.encode(&Packet::Handshake(hs)) else {
+            return;
+        };
+        if let Some(p) = self.peers.get_mut(&pid) {
+            p.hs_sent = true;
+        }
+        self.enqueue(
+            Pkt::new(pid, Owner::Handshake, hdr, bytes::Bytes::new()),
+            true,
+            false,
+        );
+    }
+
+    /// The peer's HANDSHAKE: its features; REQs switch to the connid header and held CTSDATA
+    /// windows go out.
+    pub(super) fn handle_handshake(&mut self, pid: u64, h: &Handshake) {
+        let Some(p) = self.peers.get_mut(&pid) else {
+            return;
+        };
+        p.features = h.extra_info;
+        if !p.hs_received {
+            tracing::debug!(peer = %p.addr, features = ?h.extra_info, "handshake received");
+        }
+        p.hs_received = true;
+        let blocked = std::mem::take(&mut p.blocked);
+        for id in blocked {
+            self.schedule_ctsdata(id);
+        }
+    }
+
+    /// Puts a packet on its peer's queue (at the front for a resend) and the peer on the ready
+    /// list.
+    pub(super) fn enqueue(&mut self, pkt: Pkt, ctrl: bool, front: bool) {
+        let pid = pkt.peer;
+        let Some(p) = self.peers.get_mut(&pid) else {
+            return;
+        };
+        let q = if ctrl { &mut p.ctrl_q } else { &mut p.data_q };
+        if front {
+            q.push_front(pkt);
+        } else {
+            q.push_back(pkt);
+        }
+        self.queued_pkts += 1;
+        if !p.in_ready && p.backoff_until.is_none() {
+            p.in_ready = true;
+            self.ready.push_back(pid);
+        }
+    }
+
+    /// A packet to `pid` met RNR a second time: the peer backs off (new episode: the wait
+    /// doubles, capped by `max_timeout`; already backing off: the wait restarts).
+    pub(super) fn enter_backoff(&mut self, pid: u64, now: Instant) {
+        let initial = if self.cfg.timeout_interval.is_zero() {
+            Duration::from_micros(40 + self.rng.below(80))
+        } else {
+            self.cfg.timeout_interval
+        };
+        let max = self.cfg.max_timeout;
+        let Some(p) = self.peers.get_mut(&pid) else {
+            return;
+        };
+        if p.backoff_until.is_none() {
+            p.rnr_wait = if p.rnr_wait.is_zero() {
+                initial
+            } else {
+                p.rnr_wait.saturating_mul(2)
+            }
+            .min(max);
+            self.backoff.push(pid);
+            tracing::debug!(peer = %p.addr, wait = ?p.rnr_wait, "RNR backoff");
+        }
+        p.backoff_until = Some(now.checked_add(p.rnr_wait).unwrap_or(now));
+    }
+
+    /// Ends the backoffs that are due.
+    pub(super) fn expire_backoffs(&mut self, now: Instant) {
+        let mut i = 0;
+        while let Some(&pid) = self.backoff.get(i) {
+            let due = match self.peers.get_mut(&pid) {
+                None => true,
+                Some(p) => match p.backoff_until {
+                    Some(t) if t > now => false,
+                    _ => {
+                        p.backoff_until = None;
+                        let queued = !p.ctrl_q.is_empty() || !p.data_q.is_empty();
+                        if !p.in_ready && queued {
+                            p.in_ready = true;
+                            self.ready.push_back(pid);
+                        }
+                        true
+                    }
+                },
+            };
+            if due {
+                self.backoff.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The peer is gone (or replaced): its send operations and the receives in progress from
+    /// it fail with `kind`, its unexpected and reordered messages are dropped, and its state is
+    /// forgotten so that a new incarnation starts afresh.
+    pub(super) fn fail_peer(
+        &mut self,
+        pid: u64,
+        kind: ErrorKind,
+        status: Option<Status>,
+        why: &'static str,
+    ) {
+        let Some(p) = self.peers.remove(&pid) else {
+            return;
+        };
+        tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
+        self.by_addr.remove(&p.addr);
+        if let Some(v) = self.incarnations.get_mut(&(p.addr.gid, p.addr.qpn)) {
+            v.retain(|&x| x != pid);
+            if v.is_empty() {
+                self.incarnations.remove(&(p.addr.gid, p.addr.qpn));
+            }
+        }
+        self.queued_pkts = self
+            .queued_pkts
+            .saturating_sub(p.ctrl_q.len() + p.data_q.len());
+        let addr = p.addr;
+        self.matcher.remove_unexpected_where(|u| u.src == addr);
+        let mut rids: Vec<u32> = p.inbound.values().copied().collect();
+        rids.sort_unstable();
+        for rid in rids {
+            self.abort_rx(rid, kind, why);
+        }
+        let mut tids: Vec<u32> = p.tx_ops.iter().copied().collect();
+        tids.sort_unstable();
+        for tid in tids {
+            let e = crate::error::Error::new(kind, "send").with_detail(why);
+            self.fail_tx(tid, e, status);
+        }
+    }
+}

@@ -1,0 +1,1069 @@
+//! The receive side: REQ packets through the reorder window, matching against posted receives
+//! (or the unexpected queue), segment placement, CTS windows and CTSDATA, RECEIPT, application
+//! receives (multi-receive, cancel, peek / claim / discard) and stalled receives.
+
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::util::RangeSet;
+use super::{Engine, Error, ErrorKind, Event, Peeked, RecvDone, RecvOp};
+use crate::addr::RawAddr;
+use crate::proto::matching::{Posted, Unexpected};
+use crate::proto::reorder::Arrival;
+use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet};
+
+/// A posted receive in the matcher.
+#[derive(Debug)]
+pub(super) enum PostedItem {
+    /// An ordinary receive.
+    One(RecvOp),
+    /// A multi-receive buffer (in `Engine::multi`).
+    Multi(u32),
+}
+
+/// A multi-receive buffer: messages take pieces off its front.
+#[derive(Debug)]
+pub(super) struct MultiRecv {
+    context: u64,
+    /// What is left (length 0; its capacity is the room).
+    buf: BytesMut,
+    min_free: usize,
+    /// Pieces whose message is still arriving.
+    pieces: usize,
+    /// No longer matched; its final completion goes out when `pieces` reaches 0.
+    retired: bool,
+    /// The final completion's error (cancel, close).
+    error: Option<ErrorKind>,
+}
+
+/// Which protocol an inbound message uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Eager,
+    Medium,
+    LongCts { send_id: u32 },
+}
+
+/// Where a matched message goes.
+#[derive(Debug)]
+pub(super) struct Sink {
+    /// The receive's context; `None` for a discarded message.
+    context: Option<u64>,
+    /// Its buffer: `place` bytes long once the message is matched.
+    buf: BytesMut,
+    /// Bytes of the message that fit.
+    place: usize,
+    /// The multi-receive buffer this piece comes from.
+    multi: Option<u32>,
+}
+
+/// Where an inbound message is.
+#[derive(Debug)]
+pub(super) enum RxState {
+    /// Waiting in the reorder window for the messages before it.
+    Waiting,
+    /// Processed without a matching receive: in the unexpected queue.
+    Unexpected,
+    /// Reserved by a peek with claim.
+    Claimed,
+    /// Being received into a buffer.
+    Matched(Sink),
+    /// Dropped (memory bounds, or a type not implemented): the id only advances the window.
+    Dropped,
+}
+
+/// An inbound message, from its first packet to its completion.
+#[derive(Debug)]
+pub(super) struct RxEntry {
+    peer: u64,
+    src: RawAddr,
+    msg_id: u32,
+    kind: Kind,
+    tagged: bool,
+    tag: u64,
+    data: Option<u32>,
+    dc_send_id: Option<u32>,
+    msg_len: usize,
+    /// Bytes received so far, and where.
+    received: usize,
+    ranges: RangeSet,
+    /// Data copied out while no buffer is matched, with its offsets.
+    held: Vec<(usize, Bytes)>,
+    held_bytes: usize,
+    /// Long-CTS: the window the last CTS granted.
+    window_start: usize,
+    window_end: usize,
+    /// Last packet (stall detection).
+    last: Instant,
+    state: RxState,
+}
+
+impl RxEntry {
+    fn matched(&self) -> bool {
+        matches!(self.state, RxState::Matched(_))
+    }
+}
+
+/// The fields of an RTM packet the receive side uses.
+struct Rtm {
+    msg_id: u32,
+    kind: Kind,
+    tag: Option<u64>,
+    data: Option<u32>,
+    dc_send_id: Option<u32>,
+    /// Total length (`None` for eager: the data length).
+    msg_length: Option<u64>,
+    seg_offset: u64,
+}
+
+impl Rtm {
+    fn of(pkt: &Packet<'_>) -> Option<Rtm> {
+        let data = |o: &crate::proto::wire::ReqOpt| o.cq_data.map(|d| d as u32);
+        Some(match *pkt {
+            Packet::EagerRtm {
+                ref opt,
+                msg_id,
+                tag,
+                dc_send_id,
+            } => Rtm {
+                msg_id,
+                kind: Kind::Eager,
+                tag,
+                data: data(opt),
+                dc_send_id,
+                msg_length: None,
+                seg_offset: 0,
+            },
+            Packet::MediumRtm {
+                ref opt,
+                msg_id,
+                msg_length,
+                seg_offset,
+                tag,
+                dc_send_id,
+            } => Rtm {
+                msg_id,
+                kind: Kind::Medium,
+                tag,
+                data: data(opt),
+                dc_send_id,
+                msg_length: Some(msg_length),
+                seg_offset,
+            },
+            Packet::LongCtsRtm {
+                ref opt,
+                msg_id,
+                msg_length,
+                send_id,
+                tag,
+                dc,
+                read_nack: false,
+                ..
+            } => Rtm {
+                msg_id,
+                kind: Kind::LongCts { send_id },
+                tag,
+                data: data(opt),
+                dc_send_id: dc.then_some(send_id),
+                msg_length: Some(msg_length),
+                seg_offset: 0,
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// Writes `data` at message offset `off` into a sink (the part that fits).
+fn place(sink: &mut Sink, off: usize, data: &[u8]) {
+    if off >= sink.place {
+        return;
+    }
+    let n = data.len().min(sink.place - off);
+    if let (Some(dst), Some(src)) = (sink.buf.get_mut(off..off + n), data.get(..n)) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Engine {
+    fn alloc_rx_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_rx_id;
+            self.next_rx_id = self.next_rx_id.wrapping_add(1);
+            if !self.rx.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn fits(&self, bytes: usize) -> bool {
+        self.buffered_bytes.saturating_add(bytes) <= self.limits.max_buffered_bytes
+    }
+
+    /// An RTM packet (eager, medium segment, long-CTS first chunk) from peer `pid`.
+    pub(super) fn handle_rtm(&mut self, now: Instant, pid: u64, pkt: &Packet<'_>, data: &[u8]) {
+        let Some(m) = Rtm::of(pkt) else {
+            return self.drop_pkt("read-NACK REQ without a long-read message");
+        };
+        let Some(peer) = self.peers.get(&pid) else {
+            return;
+        };
+        if let Some(&rid) = peer.inbound.get(&m.msg_id) {
+            return self.continue_rtm(now, rid, &m, data);
+        }
+        let exp = peer.robuf.expected();
+        if (m.msg_id.wrapping_sub(exp) as i32) < 0 {
+            return self.drop_pkt("REQ with an already processed msg_id");
+        }
+        let n = data.len();
+        let msg_len = match (m.kind, m.msg_length.map(usize::try_from)) {
+            (Kind::Eager, _) => n,
+            (_, Some(Ok(l))) => l,
+            _ => return self.drop_pkt("REQ with a message length beyond this host"),
+        };
+        let off = usize::try_from(m.seg_offset).unwrap_or(usize::MAX);
+        let valid = match m.kind {
+            Kind::Eager => true,
+            Kind::Medium => n > 0 && off.checked_add(n).is_some_and(|e| e <= msg_len),
+            Kind::LongCts { .. } => n <= msg_len,
+        };
+        if !valid {
+            return self.drop_pkt("REQ segment inconsistent with its message length");
+        }
+        let ready = m.msg_id == exp;
+        if !ready && self.buffered_msgs >= self.limits.max_buffered_msgs {
+            return self.drop_pkt("too many messages held (max_buffered_msgs)");
+        }
+        let rid = self.new_rx(now, pid, &m, msg_len, RxState::Waiting);
+        if let Some(e) = self.rx.get_mut(&rid) {
+            e.received = n;
+            if n > 0 {
+                e.ranges.insert(off as u64, (off + n) as u64);
+            }
+        }
+        if let Some(p) = self.peers.get_mut(&pid) {
+            if p.robuf.insert(m.msg_id, rid) != Arrival::Stored {
+                // Cannot happen (checked above); keep the state consistent anyway.
+                p.inbound.remove(&m.msg_id);
+                self.remove_unmatched(rid);
+                return self.drop_pkt("duplicate msg_id");
+            }
+        }
+        if ready {
+            if let Some(p) = self.peers.get_mut(&pid) {
+                p.robuf.pop_ready();
+            }
+            self.process(now, rid, Some((off, data)));
+        } else {
+            self.stats.reorder_buffered += 1;
+            self.hold(rid, off, data);
+        }
+        self.drain_ready(now, pid);
+    }
+
+    /// Skips `msg_id` of a REQ this engine does not implement, so the window moves on.
+    pub(super) fn skip_msg_id(&mut self, now: Instant, pid: u64, msg_id: u32) {
+        let Some(p) = self.peers.get(&pid) else {
+            return;
+        };
+        if p.inbound.contains_key(&msg_id) || (msg_id.wrapping_sub(p.robuf.expected()) as i32) < 0 {
+            return;
+        }
+        if self.buffered_msgs >= self.limits.max_buffered_msgs {
+            return;
+        }
+        let m = Rtm {
+            msg_id,
+            kind: Kind::Eager,
+            tag: None,
+            data: None,
+            dc_send_id: None,
+            msg_length: None,
+            seg_offset: 0,
+        };
+        let rid = self.new_rx(now, pid, &m, 0, RxState::Dropped);
+        if let Some(p) = self.peers.get_mut(&pid) {
+            p.robuf.insert(msg_id, rid);
+        }
+        self.drain_ready(now, pid);
+    }
+
+    fn new_rx(&mut self, now: Instant, pid: u64, m: &Rtm, msg_len: usize, state: RxState) -> u32 {
+        let rid = self.alloc_rx_id();
+        let src = self.peers.get(&pid).map(|p| p.addr).unwrap_or_default();
+        self.rx.insert(
+            rid,
+            RxEntry {
+                peer: pid,
+                src,
+                msg_id: m.msg_id,
+                kind: m.kind,
+                tagged: m.tag.is_some(),
+                tag: m.tag.unwrap_or(0),
+                data: m.data,
+                dc_send_id: m.dc_send_id,
+                msg_len,
+                received: 0,
+                ranges: RangeSet::default(),
+                held: Vec::new(),
+                held_bytes: 0,
+                window_start: 0,
+                window_end: 0,
+                last: now,
+                state,
+            },
+        );
+        if let Some(p) = self.peers.get_mut(&pid) {
+            p.inbound.insert(m.msg_id, rid);
+        }
+        self.buffered_msgs += 1;
+        rid
+    }
+
+    /// Copies data of an unmatched message out of the device buffer, within the memory bounds;
+    /// beyond them the message is dropped.
+    fn hold(&mut self, rid: u32, off: usize, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        let fits = self.fits(data.len());
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        if !fits {
+            self.stats.dropped_pkts += 1;
+            tracing::debug!("too many bytes held (max_buffered_bytes): message dropped");
+            return self.drop_unmatched(rid);
+        }
+        let n = data.len();
+        e.held.push((off, Bytes::copy_from_slice(data)));
+        e.held_bytes += n;
+        self.buffered_bytes += n;
+        if matches!(e.state, RxState::Unexpected | RxState::Claimed) {
+            self.unexp_bytes += n;
+        }
+    }
+
+    /// A further packet of a message whose first packet arrived (medium segments).
+    fn continue_rtm(&mut self, now: Instant, rid: u32, m: &Rtm, data: &[u8]) {
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        let consistent = m.kind == Kind::Medium
+            && e.kind == Kind::Medium
+            && m.msg_length.and_then(|l| usize::try_from(l).ok()) == Some(e.msg_len)
+            && m.tag.unwrap_or(0) == e.tag
+            && m.tag.is_some() == e.tagged;
+        if !consistent {
+            return self.drop_pkt("duplicate or inconsistent REQ for a known msg_id");
+        }
+        let n = data.len();
+        let off = usize::try_from(m.seg_offset).unwrap_or(usize::MAX);
+        let Some(end) = off.checked_add(n).filter(|&end| n > 0 && end <= e.msg_len) else {
+            return self.drop_pkt("medium segment beyond its message");
+        };
+        if !e.ranges.insert(off as u64, end as u64) {
+            return self.drop_pkt("duplicate medium segment");
+        }
+        e.received += n;
+        e.last = now;
+        let complete = e.received == e.msg_len;
+        match &mut e.state {
+            RxState::Matched(sink) => {
+                place(sink, off, data);
+                if complete {
+                    self.complete_rx(rid);
+                }
+            }
+            RxState::Dropped => self.stats.dropped_pkts += 1,
+            RxState::Waiting | RxState::Unexpected | RxState::Claimed => self.hold(rid, off, data),
+        }
+    }
+
+    /// Processes the messages of `pid` that are next in order.
+    fn drain_ready(&mut self, now: Instant, pid: u64) {
+        loop {
+            let Some(p) = self.peers.get_mut(&pid) else {
+                return;
+            };
+            let Some((_, rid)) = p.robuf.pop_ready() else {
+                return;
+            };
+            self.process(now, rid, None);
+        }
+    }
+
+    /// A message's turn has come (all earlier ones from its peer were processed): match it
+    /// against the posted receives or make it unexpected. `fresh` is data of the packet being
+    /// handled that was not copied out.
+    fn process(&mut self, now: Instant, rid: u32, fresh: Option<(usize, &[u8])>) {
+        let Some(e) = self.rx.get(&rid) else { return };
+        if matches!(e.state, RxState::Dropped) {
+            // Its later packets are stale now; nothing more to keep.
+            return self.remove_unmatched(rid);
+        }
+        let (tagged, src, tag, msg_len) = (e.tagged, e.src, e.tag, e.msg_len);
+        if let Some(idx) = self.matcher.find_posted(tagged, src, tag) {
+            if let Some(sink) = self.take_posted(tagged, idx, msg_len) {
+                return self.start_matched(now, rid, sink, fresh);
+            }
+        }
+        // Unexpected.
+        self.stats.unexpected_msgs += 1;
+        if self.buffered_msgs > self.limits.max_buffered_msgs {
+            self.stats.dropped_pkts += 1;
+            tracing::debug!(
+                "too many messages held (max_buffered_msgs): unexpected message dropped"
+            );
+            return self.remove_unmatched(rid);
+        }
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        e.state = RxState::Unexpected;
+        self.unexp_msgs += 1;
+        self.unexp_bytes += e.held_bytes;
+        self.matcher.push_unexpected(
+            tagged,
+            Unexpected {
+                src,
+                tag,
+                item: rid,
+            },
+        );
+        if let Some((off, data)) = fresh {
+            self.hold(rid, off, data);
+        }
+    }
+
+    /// Takes (or carves a piece off) the posted receive at `idx` for a message of `msg_len`.
+    fn take_posted(&mut self, tagged: bool, idx: usize, msg_len: usize) -> Option<Sink> {
+        let mid = match &self.matcher.posted_mut(tagged, idx)?.item {
+            PostedItem::One(_) => None,
+            PostedItem::Multi(mid) => Some(*mid),
+        };
+        match mid {
+            None => match self.matcher.take_posted(tagged, idx)?.item {
+                PostedItem::One(op) => Some(Sink {
+                    context: Some(op.context),
+                    place: msg_len.min(op.buf.capacity()),
+                    buf: op.buf,
+                    multi: None,
+                }),
+                PostedItem::Multi(_) => None,
+            },
+            Some(mid) => {
+                let (sink, retired) = self.carve(mid, msg_len)?;
+                if retired {
+                    self.matcher.take_posted(tagged, idx);
+                }
+                Some(sink)
+            }
+        }
+    }
+
+    /// A piece of multi-receive buffer `mid` for a message of `msg_len`; true when the buffer
+    /// is retired by it (less than `min_free` left).
+    fn carve(&mut self, mid: u32, msg_len: usize) -> Option<(Sink, bool)> {
+        let m = self.multi.get_mut(&mid)?;
+        let place = msg_len.min(m.buf.capacity());
+        let rest = m.buf.split_off(place);
+        let piece = std::mem::replace(&mut m.buf, rest);
+        m.pieces += 1;
+        let retired = m.buf.capacity() < m.min_free;
+        if retired {
+            m.retired = true;
+        }
+        Some((
+            Sink {
+                context: Some(m.context),
+                buf: piece,
+                place,
+                multi: Some(mid),
+            },
+            retired,
+        ))
+    }
+
+    /// The message found its buffer: held data is placed, long-CTS asks for the rest.
+    fn start_matched(
+        &mut self,
+        now: Instant,
+        rid: u32,
+        mut sink: Sink,
+        fresh: Option<(usize, &[u8])>,
+    ) {
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        match e.state {
+            RxState::Unexpected | RxState::Claimed => {
+                self.unexp_msgs = self.unexp_msgs.saturating_sub(1);
+                self.unexp_bytes = self.unexp_bytes.saturating_sub(e.held_bytes);
+            }
+            RxState::Waiting => {}
+            RxState::Matched(_) | RxState::Dropped => return,
+        }
+        self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
+        self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
+        sink.buf.clear();
+        match (e.kind, fresh) {
+            (Kind::Eager, Some((_, data))) if e.held.is_empty() => {
+                sink.buf
+                    .extend_from_slice(data.get(..sink.place).unwrap_or(data));
+            }
+            _ => {
+                sink.buf.resize(sink.place, 0);
+                for (off, bytes) in std::mem::take(&mut e.held) {
+                    place(&mut sink, off, &bytes);
+                }
+                if let Some((off, data)) = fresh {
+                    place(&mut sink, off, data);
+                }
+            }
+        }
+        e.held_bytes = 0;
+        e.last = now;
+        e.state = RxState::Matched(sink);
+        if e.received == e.msg_len {
+            return self.complete_rx(rid);
+        }
+        if let Kind::LongCts { .. } = e.kind {
+            self.send_cts(rid);
+        }
+        if self.stall_check.is_none() {
+            self.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
+        }
+    }
+
+    /// Grants the sender of long-CTS message `rid` its next window.
+    fn send_cts(&mut self, rid: u32) {
+        let per_pkt = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
+        let credit = self.cfg.tx_min_credits.max(1).saturating_mul(per_pkt);
+        let qkey = self.local.qkey;
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        let Kind::LongCts { send_id } = e.kind else {
+            return;
+        };
+        let window = (e.msg_len - e.received).min(credit);
+        e.window_start = e.received;
+        e.window_end = e.received + window;
+        let pid = e.peer;
+        let cts = Packet::Cts {
+            connid: Some(qkey),
+            send_id,
+            recv_id: rid,
+            recv_length: window as u64,
+            read_req: false,
+        };
+        self.queue_ctrl(pid, &cts);
+    }
+
+    /// A CTSDATA packet: data of a long-CTS message within the window granted.
+    pub(super) fn handle_ctsdata(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        recv_id: u32,
+        seg_offset: u64,
+        data: &[u8],
+    ) {
+        let Some(e) = self.rx.get_mut(&recv_id) else {
+            return self.drop_pkt("CTSDATA for an unknown recv_id");
+        };
+        if e.peer != pid || !matches!(e.kind, Kind::LongCts { .. }) || !e.matched() {
+            return self.drop_pkt("CTSDATA for a message that is not receiving from this peer");
+        }
+        let n = data.len();
+        let off = usize::try_from(seg_offset).unwrap_or(usize::MAX);
+        let ok = n > 0
+            && off >= e.window_start
+            && off.checked_add(n).is_some_and(|end| end <= e.window_end);
+        if !ok {
+            return self.drop_pkt("CTSDATA outside the window");
+        }
+        if !e.ranges.insert(off as u64, (off + n) as u64) {
+            return self.drop_pkt("duplicate CTSDATA");
+        }
+        e.received += n;
+        e.last = now;
+        if let RxState::Matched(sink) = &mut e.state {
+            place(sink, off, data);
+        }
+        let (received, msg_len, window_end) = (e.received, e.msg_len, e.window_end);
+        if received == msg_len {
+            self.complete_rx(recv_id);
+        } else if received == window_end {
+            self.send_cts(recv_id);
+        }
+    }
+
+    /// Removes an entry that has no buffer (waiting, unexpected, claimed, dropped) without a
+    /// completion, releasing what it held.
+    fn remove_unmatched(&mut self, rid: u32) {
+        let Some(e) = self.rx.remove(&rid) else {
+            return;
+        };
+        if let Some(p) = self.peers.get_mut(&e.peer) {
+            if p.inbound.get(&e.msg_id) == Some(&rid) {
+                p.inbound.remove(&e.msg_id);
+            }
+        }
+        self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
+        self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
+        if matches!(e.state, RxState::Unexpected | RxState::Claimed) {
+            self.unexp_msgs = self.unexp_msgs.saturating_sub(1);
+            self.unexp_bytes = self.unexp_bytes.saturating_sub(e.held_bytes);
+        }
+    }
+
+    /// Drops an unmatched message for lack of memory: one still waiting for its turn becomes a
+    /// marker that only advances the window; a processed one goes.
+    fn drop_unmatched(&mut self, rid: u32) {
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        match e.state {
+            RxState::Waiting => {
+                self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
+                e.held.clear();
+                e.held_bytes = 0;
+                e.state = RxState::Dropped;
+            }
+            RxState::Unexpected => {
+                let tagged = e.tagged;
+                if let Some(i) = self.matcher.position_unexpected(tagged, |u| u.item == rid) {
+                    self.matcher.take_unexpected(tagged, i);
+                }
+                self.remove_unmatched(rid);
+            }
+            RxState::Claimed => {
+                self.claimed.retain(|_, r| *r != rid);
+                self.remove_unmatched(rid);
+            }
+            RxState::Matched(_) | RxState::Dropped => {}
+        }
+    }
+
+    /// The whole message is in place: RECEIPT for delivery complete, and the completion.
+    fn complete_rx(&mut self, rid: u32) {
+        let Some(e) = self.rx.remove(&rid) else {
+            return;
+        };
+        if let Some(p) = self.peers.get_mut(&e.peer) {
+            if p.inbound.get(&e.msg_id) == Some(&rid) {
+                p.inbound.remove(&e.msg_id);
+            }
+        }
+        let RxState::Matched(sink) = e.state else {
+            return;
+        };
+        if let Some(send_id) = e.dc_send_id {
+            let r = Packet::Receipt {
+                connid: Some(self.local.qkey),
+                send_id,
+                msg_id: e.msg_id,
+            };
+            self.queue_ctrl(e.peer, &r);
+        }
+        let Some(context) = sink.context else { return };
+        let olen = e.msg_len - sink.place;
+        let error = if olen > 0 {
+            self.stats.errors += 1;
+            self.stats.truncated += 1;
+            Some(
+                Error::new(ErrorKind::Truncated, "recv").with_detail(format!(
+                    "message of {} bytes, buffer of {}",
+                    e.msg_len, sink.place
+                )),
+            )
+        } else {
+            self.stats.rx_msgs += 1;
+            self.stats.rx_bytes += sink.place as u64;
+            None
+        };
+        self.events.push_back(Event::Recv(RecvDone {
+            context,
+            buf: sink.buf,
+            len: sink.place,
+            olen,
+            tag: e.tagged.then_some(e.tag),
+            data: e.data,
+            src: Some(e.src),
+            multi_recv_done: false,
+            error,
+        }));
+        self.piece_done(sink.multi);
+    }
+
+    /// A receive ends without its message (peer failure, stall, close): an error completion
+    /// for a matched receive, nothing for a message without one.
+    pub(super) fn abort_rx(&mut self, rid: u32, kind: ErrorKind, why: &'static str) {
+        let Some(e) = self.rx.get(&rid) else { return };
+        if !e.matched() {
+            if matches!(e.state, RxState::Claimed) {
+                self.claimed.retain(|_, r| *r != rid);
+            }
+            return self.remove_unmatched(rid);
+        }
+        let Some(e) = self.rx.remove(&rid) else {
+            return;
+        };
+        if let Some(p) = self.peers.get_mut(&e.peer) {
+            if p.inbound.get(&e.msg_id) == Some(&rid) {
+                p.inbound.remove(&e.msg_id);
+            }
+        }
+        let RxState::Matched(mut sink) = e.state else {
+            return;
+        };
+        let Some(context) = sink.context else { return };
+        self.stats.errors += 1;
+        if kind == ErrorKind::Canceled {
+            self.stats.canceled += 1;
+        }
+        sink.buf.clear();
+        self.events.push_back(Event::Recv(RecvDone {
+            context,
+            buf: sink.buf,
+            len: 0,
+            olen: 0,
+            tag: e.tagged.then_some(e.tag),
+            data: e.data,
+            src: Some(e.src),
+            multi_recv_done: false,
+            error: Some(Error::new(kind, "recv").with_detail(why)),
+        }));
+        self.piece_done(sink.multi);
+    }
+
+    /// A receive op's completion went out: ordinary receives stop counting; a piece of a
+    /// retired multi-receive buffer may release it.
+    fn piece_done(&mut self, multi: Option<u32>) {
+        match multi {
+            None => self.user_rx_ops = self.user_rx_ops.saturating_sub(1),
+            Some(mid) => {
+                if let Some(m) = self.multi.get_mut(&mid) {
+                    m.pieces = m.pieces.saturating_sub(1);
+                    if m.retired && m.pieces == 0 {
+                        let err = m.error;
+                        self.retire_multi(mid, err);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Retires multi-receive buffer `mid`: its final completion (`multi_recv_done`) hands back
+    /// what is left, once the pieces in progress have completed.
+    pub(super) fn retire_multi(&mut self, mid: u32, error: Option<ErrorKind>) {
+        let Some(m) = self.multi.get_mut(&mid) else {
+            return;
+        };
+        m.retired = true;
+        if error.is_some() {
+            m.error = error;
+        }
+        if m.pieces > 0 {
+            return;
+        }
+        let Some(m) = self.multi.remove(&mid) else {
+            return;
+        };
+        self.user_rx_ops = self.user_rx_ops.saturating_sub(1);
+        if let Some(k) = m.error {
+            self.stats.errors += 1;
+            if k == ErrorKind::Canceled {
+                self.stats.canceled += 1;
+            }
+        }
+        self.events.push_back(Event::Recv(RecvDone {
+            context: m.context,
+            buf: m.buf,
+            len: 0,
+            olen: 0,
+            tag: None,
+            data: None,
+            src: None,
+            multi_recv_done: true,
+            error: m.error.map(|k| Error::new(k, "recv")),
+        }));
+    }
+
+    /// A posted receive's `Canceled` completion.
+    pub(super) fn cancel_event(&mut self, op: RecvOp) {
+        self.user_rx_ops = self.user_rx_ops.saturating_sub(1);
+        self.stats.errors += 1;
+        self.stats.canceled += 1;
+        self.events.push_back(Event::Recv(RecvDone {
+            context: op.context,
+            buf: op.buf,
+            len: 0,
+            olen: 0,
+            tag: op.tag.map(|t| t.0),
+            data: None,
+            src: None,
+            multi_recv_done: false,
+            error: Some(Error::new(ErrorKind::Canceled, "recv")),
+        }));
+    }
+
+    pub(super) fn post_recv_impl(
+        &mut self,
+        now: Instant,
+        mut op: RecvOp,
+    ) -> Result<(), (Error, RecvOp)> {
+        if self.closed {
+            return Err((Engine::closed_error("recv"), op));
+        }
+        if self.user_rx_ops >= self.cfg.max_rx_ops {
+            self.stats.again += 1;
+            return Err((
+                Error::new(ErrorKind::Again, "recv").with_detail("max_rx_ops receives posted"),
+                op,
+            ));
+        }
+        self.user_rx_ops += 1;
+        let tagged = op.tag.is_some();
+        let (tag, ignore) = op.tag.unwrap_or((0, 0));
+        let src = op.src;
+        let Some(min_free) = op.multi_recv else {
+            if let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
+                if let Some(u) = self.matcher.take_unexpected(tagged, idx) {
+                    let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
+                    let sink = Sink {
+                        context: Some(op.context),
+                        place: msg_len.min(op.buf.capacity()),
+                        buf: op.buf,
+                        multi: None,
+                    };
+                    self.start_matched(now, u.item, sink, None);
+                    return Ok(());
+                }
+            }
+            self.matcher.post(
+                tagged,
+                Posted {
+                    src,
+                    tag,
+                    ignore,
+                    item: PostedItem::One(op),
+                },
+            );
+            return Ok(());
+        };
+        let mid = self.next_multi_id;
+        self.next_multi_id = self.next_multi_id.wrapping_add(1);
+        op.buf.clear();
+        let retired = op.buf.capacity() < min_free;
+        self.multi.insert(
+            mid,
+            MultiRecv {
+                context: op.context,
+                buf: op.buf,
+                min_free,
+                pieces: 0,
+                retired,
+                error: None,
+            },
+        );
+        if retired {
+            self.retire_multi(mid, None);
+            return Ok(());
+        }
+        while let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
+            let Some(u) = self.matcher.take_unexpected(tagged, idx) else {
+                break;
+            };
+            let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
+            let Some((sink, retired)) = self.carve(mid, msg_len) else {
+                break;
+            };
+            self.start_matched(now, u.item, sink, None);
+            if retired {
+                let (err, pieces) = self
+                    .multi
+                    .get(&mid)
+                    .map_or((None, 1), |m| (m.error, m.pieces));
+                if pieces == 0 {
+                    self.retire_multi(mid, err);
+                }
+                return Ok(());
+            }
+        }
+        self.matcher.post(
+            tagged,
+            Posted {
+                src,
+                tag,
+                ignore,
+                item: PostedItem::Multi(mid),
+            },
+        );
+        Ok(())
+    }
+
+    pub(super) fn cancel_impl(&mut self, context: u64) -> bool {
+        if self.closed {
+            return false;
+        }
+        let multi = &self.multi;
+        let found = self.matcher.cancel_posted(|it| match it {
+            PostedItem::One(op) => op.context == context,
+            PostedItem::Multi(mid) => multi.get(mid).is_some_and(|m| m.context == context),
+        });
+        match found {
+            Some((_, p)) => {
+                match p.item {
+                    PostedItem::One(op) => self.cancel_event(op),
+                    PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn peeked(&self, rid: u32) -> Option<Peeked> {
+        let e = self.rx.get(&rid)?;
+        Some(Peeked {
+            len: e.msg_len,
+            tag: e.tag,
+            data: e.data,
+            src: e.src,
+            claim: None,
+        })
+    }
+
+    fn no_message(op: &'static str) -> Error {
+        Error::new(ErrorKind::NoMessage, op)
+    }
+
+    pub(super) fn peek_impl(
+        &mut self,
+        tag: u64,
+        ignore: u64,
+        src: Option<RawAddr>,
+        claim: bool,
+    ) -> super::Result<Peeked> {
+        if self.closed {
+            return Err(Engine::closed_error("peek"));
+        }
+        let idx = self
+            .matcher
+            .find_unexpected(true, src, tag, ignore)
+            .ok_or_else(|| Engine::no_message("peek"))?;
+        let rid = self
+            .matcher
+            .unexpected(true, idx)
+            .map(|u| u.item)
+            .ok_or_else(|| Engine::no_message("peek"))?;
+        let mut p = self.peeked(rid).ok_or_else(|| Engine::no_message("peek"))?;
+        if claim {
+            self.matcher.take_unexpected(true, idx);
+            if let Some(e) = self.rx.get_mut(&rid) {
+                e.state = RxState::Claimed;
+            }
+            let token = self.next_claim;
+            self.next_claim = self.next_claim.wrapping_add(1);
+            self.claimed.insert(token, rid);
+            p.claim = Some(token);
+        }
+        Ok(p)
+    }
+
+    pub(super) fn recv_claimed_impl(
+        &mut self,
+        now: Instant,
+        claim: u64,
+        op: RecvOp,
+    ) -> Result<(), (Error, RecvOp)> {
+        if self.closed {
+            return Err((Engine::closed_error("recv_claimed"), op));
+        }
+        let Some(&rid) = self.claimed.get(&claim) else {
+            return Err((
+                Engine::no_message("recv_claimed").with_detail("unknown claim"),
+                op,
+            ));
+        };
+        if self.user_rx_ops >= self.cfg.max_rx_ops {
+            self.stats.again += 1;
+            return Err((Error::new(ErrorKind::Again, "recv_claimed"), op));
+        }
+        self.claimed.remove(&claim);
+        self.user_rx_ops += 1;
+        let msg_len = self.rx.get(&rid).map_or(0, |e| e.msg_len);
+        let sink = Sink {
+            context: Some(op.context),
+            place: msg_len.min(op.buf.capacity()),
+            buf: op.buf,
+            multi: None,
+        };
+        self.start_matched(now, rid, sink, None);
+        Ok(())
+    }
+
+    pub(super) fn discard_impl(
+        &mut self,
+        tag: u64,
+        ignore: u64,
+        src: Option<RawAddr>,
+    ) -> super::Result<Peeked> {
+        if self.closed {
+            return Err(Engine::closed_error("discard"));
+        }
+        let idx = self
+            .matcher
+            .find_unexpected(true, src, tag, ignore)
+            .ok_or_else(|| Engine::no_message("discard"))?;
+        let u = self
+            .matcher
+            .take_unexpected(true, idx)
+            .ok_or_else(|| Engine::no_message("discard"))?;
+        let p = self
+            .peeked(u.item)
+            .ok_or_else(|| Engine::no_message("discard"))?;
+        let now = self.rx.get(&u.item).map(|e| e.last);
+        if let Some(now) = now {
+            // Received and thrown away, so that the sender completes normally.
+            let sink = Sink {
+                context: None,
+                buf: BytesMut::new(),
+                place: 0,
+                multi: None,
+            };
+            self.start_matched(now, u.item, sink, None);
+        }
+        Ok(p)
+    }
+
+    /// Fails the receives that got no packet for `rx_stall_timeout`.
+    pub(super) fn check_stalls(&mut self, now: Instant) {
+        let stall = self.cfg.rx_stall_timeout;
+        let mut stalled = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (&rid, e) in &self.rx {
+            if !e.matched() {
+                continue;
+            }
+            let due = e.last.checked_add(stall).unwrap_or(e.last);
+            if due <= now {
+                stalled.push(rid);
+            } else {
+                next = Some(next.map_or(due, |n| n.min(due)));
+            }
+        }
+        stalled.sort_unstable();
+        for rid in stalled {
+            self.abort_rx(
+                rid,
+                ErrorKind::ConnectionAborted,
+                "no packet from the sender for rx_stall_timeout",
+            );
+        }
+        self.stall_check = next;
+    }
+}

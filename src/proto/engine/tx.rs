@@ -1,0 +1,518 @@
+//! The send side: protocol choice by size (eager, medium, long-CTS and their delivery-complete
+//! variants), the packet queues and the device's send queue, CTS and RECEIPT, and the device's
+//! send completions (success, RNR, failure).
+
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::peer::peer_fatal;
+use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
+use crate::device::Status;
+use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet, ReqOpt, Sender};
+
+/// Alignment of medium segments in host memory (libfabric's `EFA_RDM_DEFAULT_MEMORY_ALIGNMENT`).
+const MEDIUM_ALIGN: usize = 8;
+
+/// What a packet belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// A packet of a send operation (REQ or CTSDATA).
+    Tx(u32),
+    /// Our HANDSHAKE.
+    Handshake,
+    /// A CTS or RECEIPT (owned by no application operation).
+    Ctrl,
+}
+
+/// A packet queued for, or handed to, the device.
+#[derive(Debug)]
+pub(super) struct Pkt {
+    pub(super) peer: u64,
+    pub(super) owner: Owner,
+    pub(super) wr_id: u64,
+    pub(super) hdr: Bytes,
+    pub(super) payload: Bytes,
+    /// RNR completions this packet has met.
+    pub(super) rnr: u8,
+}
+
+impl Pkt {
+    pub(super) fn new(peer: u64, owner: Owner, hdr: Bytes, payload: Bytes) -> Pkt {
+        Pkt {
+            peer,
+            owner,
+            wr_id: 0,
+            hdr,
+            payload,
+            rnr: 0,
+        }
+    }
+}
+
+/// The protocol a send uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Proto {
+    Eager,
+    Medium,
+    LongCts,
+}
+
+/// A send operation in flight.
+#[derive(Debug)]
+pub(super) struct TxEntry {
+    pub(super) peer: u64,
+    pub(super) context: u64,
+    pub(super) buf: Bytes,
+    pub(super) tag: Option<u64>,
+    pub(super) dc: bool,
+    pub(super) msg_id: u32,
+    pub(super) proto: Proto,
+    /// Packets created and not yet completed by the device.
+    pub(super) pending: usize,
+    /// Bytes put into packets so far.
+    pub(super) scheduled: usize,
+    /// Long-CTS: bytes the receiver has granted (first chunk plus CTS windows).
+    pub(super) window_end: usize,
+    /// Long-CTS: the receiver's id, echoed in CTSDATA.
+    pub(super) recv_id: u32,
+    /// Delivery complete: the RECEIPT arrived.
+    pub(super) receipt: bool,
+}
+
+/// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
+/// equal, aligned segments, the remainder on the last one or in one more packet.
+pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
+    if total == 0 || max == 0 {
+        return vec![total];
+    }
+    let cnt = (total - 1) / max + 1;
+    let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
+    if single == 0 {
+        single = total.min(max);
+    }
+    let cnt = total / single;
+    let mut v = vec![single; cnt];
+    let rem = total - cnt * single;
+    if rem > 0 {
+        match v.last_mut() {
+            Some(last) if single + rem <= max => *last += rem,
+            _ => v.push(rem),
+        }
+    }
+    v
+}
+
+impl Engine {
+    fn again<T>(&mut self, op: T, why: &'static str, what: &'static str) -> Result<(), (Error, T)> {
+        self.stats.again += 1;
+        Err((Error::new(ErrorKind::Again, what).with_detail(why), op))
+    }
+
+    fn alloc_tx_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_tx_id;
+            self.next_tx_id = self.next_tx_id.wrapping_add(1);
+            if !self.tx.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    pub(super) fn send_impl(&mut self, _now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
+        if self.closed {
+            return Err((Engine::closed_error("send"), op));
+        }
+        if self.tx.len() >= self.cfg.max_tx_ops {
+            return self.again(op, "max_tx_ops operations in flight", "send");
+        }
+        let Some(pid) = self.peer_for_send(op.dest) else {
+            let e = Error::new(ErrorKind::NoMemory, "send").with_detail("peer table full");
+            return Err((e, op));
+        };
+        let Some(peer) = self.peers.get(&pid) else {
+            return Err((Error::new(ErrorKind::Io, "send"), op));
+        };
+        if peer.backoff_until.is_some() {
+            return self.again(op, "peer in RNR backoff", "send");
+        }
+        let sender = if peer.hs_received {
+            Sender::Connid(self.local.qkey)
+        } else {
+            Sender::RawAddr(self.local)
+        };
+        let msg_id = peer.next_msg_id;
+        let opt = ReqOpt {
+            sender,
+            cq_data: op.data.map(u64::from),
+        };
+        let send_id = self.alloc_tx_id();
+        let len = op.buf.len();
+        let mtu = self.cfg.mtu;
+        let tag = op.tag;
+        let dc = op.delivery_complete;
+        let dc_send_id = dc.then_some(send_id);
+
+        // (header, data range) of every packet sent now.
+        let mut plan: Vec<(Packet<'static>, usize, usize)> = Vec::new();
+        let eager = Packet::EagerRtm {
+            opt,
+            msg_id,
+            tag,
+            dc_send_id,
+        };
+        let proto = if mtu
+            .checked_sub(eager.header_len())
+            .is_some_and(|cap| len <= cap)
+        {
+            plan.push((eager, 0, len));
+            Proto::Eager
+        } else if len <= self.cfg.max_medium_msg_size {
+            let seg = |seg_offset: u64| Packet::MediumRtm {
+                opt,
+                msg_id,
+                msg_length: len as u64,
+                seg_offset,
+                tag,
+                dc_send_id,
+            };
+            let cap = mtu.saturating_sub(seg(0).header_len());
+            if cap == 0 {
+                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small");
+                return Err((e, op));
+            }
+            let mut off = 0;
+            for n in medium_split(len, cap) {
+                plan.push((seg(off as u64), off, off + n));
+                off += n;
+            }
+            Proto::Medium
+        } else {
+            let first = Packet::LongCtsRtm {
+                opt,
+                msg_id,
+                msg_length: len as u64,
+                send_id,
+                credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
+                tag,
+                dc,
+                read_nack: false,
+            };
+            let cap = mtu.saturating_sub(first.header_len());
+            if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
+                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small");
+                return Err((e, op));
+            }
+            plan.push((first, 0, cap.min(len)));
+            Proto::LongCts
+        };
+        let mut pkts = Vec::with_capacity(plan.len());
+        for (pkt, a, b) in &plan {
+            let Some(hdr) = self.encode(pkt) else {
+                return Err((
+                    Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"),
+                    op,
+                ));
+            };
+            pkts.push(super::Pkt::new(
+                pid,
+                Owner::Tx(send_id),
+                hdr,
+                op.buf.slice(*a..*b),
+            ));
+        }
+        let scheduled = plan.last().map_or(0, |p| p.2);
+        if let Some(p) = self.peers.get_mut(&pid) {
+            p.next_msg_id = p.next_msg_id.wrapping_add(1);
+            p.tx_ops.insert(send_id);
+        }
+        self.tx.insert(
+            send_id,
+            TxEntry {
+                peer: pid,
+                context: op.context,
+                buf: op.buf,
+                tag,
+                dc,
+                msg_id,
+                proto,
+                pending: pkts.len(),
+                scheduled,
+                window_end: scheduled,
+                recv_id: 0,
+                receipt: false,
+            },
+        );
+        for p in pkts {
+            self.enqueue(p, false, false);
+        }
+        Ok(())
+    }
+
+    pub(super) fn poll_transmit_impl(&mut self, now: Instant) -> Option<Transmit> {
+        if self.closed || self.outstanding.len() >= self.cfg.max_outstanding_tx {
+            return None;
+        }
+        if !self.backoff.is_empty() {
+            self.expire_backoffs(now);
+        }
+        while let Some(pid) = self.ready.pop_front() {
+            let Some(p) = self.peers.get_mut(&pid) else {
+                continue;
+            };
+            p.in_ready = false;
+            if p.backoff_until.is_some() {
+                continue;
+            }
+            let Some(mut pkt) = p.ctrl_q.pop_front().or_else(|| p.data_q.pop_front()) else {
+                continue;
+            };
+            if !(p.ctrl_q.is_empty() && p.data_q.is_empty()) {
+                p.in_ready = true;
+                self.ready.push_back(pid);
+            }
+            let dest = p.addr;
+            self.queued_pkts = self.queued_pkts.saturating_sub(1);
+            if let Owner::Tx(id) = pkt.owner {
+                if !self.tx.contains_key(&id) {
+                    continue;
+                }
+            }
+            self.wr_seq = self.wr_seq.wrapping_add(1);
+            let entry = self.outstanding.vacant_entry();
+            let wr_id = (u64::from(self.wr_seq) << 32) | (entry.key() as u64 & 0xffff_ffff);
+            pkt.wr_id = wr_id;
+            let t = Transmit {
+                wr_id,
+                dest,
+                hdr: pkt.hdr.clone(),
+                payload: pkt.payload.clone(),
+            };
+            entry.insert(pkt);
+            return Some(t);
+        }
+        None
+    }
+
+    pub(super) fn send_completion_impl(&mut self, now: Instant, wr_id: u64, status: Status) {
+        if self.closed {
+            return;
+        }
+        let key = (wr_id & 0xffff_ffff) as usize;
+        if self.outstanding.get(key).is_none_or(|p| p.wr_id != wr_id) {
+            tracing::debug!(wr_id, "send completion for an unknown work request");
+            return;
+        }
+        let pkt = self.outstanding.remove(key);
+        match status {
+            Status::Success => {
+                if let Owner::Tx(id) = pkt.owner {
+                    if let Some(t) = self.tx.get_mut(&id) {
+                        t.pending = t.pending.saturating_sub(1);
+                        self.maybe_complete_tx(id);
+                    }
+                }
+            }
+            Status::RnrRetryExceeded => {
+                self.stats.rnr += 1;
+                self.requeue_rnr(now, pkt);
+            }
+            s if peer_fatal(s) => self.fail_peer(pkt.peer, s.error_kind(), Some(s), "send failed"),
+            s => match pkt.owner {
+                Owner::Tx(id) => {
+                    let e = Error::new(s.error_kind(), "send")
+                        .with_detail(format!("device status {s}"));
+                    self.fail_tx(id, e, Some(s));
+                }
+                _ => tracing::debug!(status = %s, "a control packet failed; dropped"),
+            },
+        }
+    }
+
+    /// RNR: the packet goes back to the front of its peer's queue; from its second RNR on, the
+    /// peer backs off.
+    fn requeue_rnr(&mut self, now: Instant, mut pkt: Pkt) {
+        if !self.peers.contains_key(&pkt.peer) {
+            return;
+        }
+        if let Owner::Tx(id) = pkt.owner {
+            if !self.tx.contains_key(&id) {
+                return;
+            }
+        }
+        pkt.rnr = pkt.rnr.saturating_add(1);
+        self.stats.retransmits += 1;
+        let again = pkt.rnr > 1;
+        let pid = pkt.peer;
+        let ctrl = !matches!(pkt.owner, Owner::Tx(_));
+        self.enqueue(pkt, ctrl, true);
+        if again {
+            self.enter_backoff(pid, now);
+        }
+    }
+
+    /// Completes a send when all its packets are done, all its bytes sent and (delivery
+    /// complete) its RECEIPT arrived.
+    pub(super) fn maybe_complete_tx(&mut self, id: u32) {
+        let done = self
+            .tx
+            .get(&id)
+            .is_some_and(|t| t.pending == 0 && t.scheduled == t.buf.len() && (!t.dc || t.receipt));
+        if !done {
+            return;
+        }
+        let Some(t) = self.tx.remove(&id) else { return };
+        if let Some(p) = self.peers.get_mut(&t.peer) {
+            p.tx_ops.remove(&id);
+        }
+        let len = t.buf.len();
+        self.stats.tx_msgs += 1;
+        self.stats.tx_bytes += len as u64;
+        self.events.push_back(Event::Send(SendDone {
+            context: t.context,
+            buf: t.buf,
+            len,
+            tag: t.tag,
+            error: None,
+            status: None,
+        }));
+    }
+
+    /// Fails a send at once; its packets still on the device complete unnoticed.
+    pub(super) fn fail_tx(&mut self, id: u32, error: Error, status: Option<Status>) {
+        let Some(t) = self.tx.remove(&id) else { return };
+        if let Some(p) = self.peers.get_mut(&t.peer) {
+            p.tx_ops.remove(&id);
+            p.blocked.retain(|&x| x != id);
+            let before = p.data_q.len();
+            p.data_q.retain(|k| k.owner != Owner::Tx(id));
+            self.queued_pkts = self.queued_pkts.saturating_sub(before - p.data_q.len());
+        }
+        self.stats.errors += 1;
+        tracing::debug!(error = %error, "send failed");
+        self.events.push_back(Event::Send(SendDone {
+            context: t.context,
+            buf: t.buf,
+            len: 0,
+            tag: t.tag,
+            error: Some(error),
+            status,
+        }));
+    }
+
+    /// A CTS: the receiver grants `recv_length` more bytes of a long-CTS send.
+    pub(super) fn handle_cts(
+        &mut self,
+        pid: u64,
+        send_id: u32,
+        recv_id: u32,
+        recv_length: u64,
+        read_req: bool,
+    ) {
+        if read_req {
+            return self.drop_pkt("CTS for an emulated read (not implemented)");
+        }
+        let Some(t) = self.tx.get_mut(&send_id) else {
+            return self.drop_pkt("CTS for an unknown send_id");
+        };
+        if t.peer != pid || t.proto != Proto::LongCts {
+            return self.drop_pkt("CTS for a send that is not a long-CTS send to this peer");
+        }
+        if t.scheduled != t.window_end {
+            return self.drop_pkt("CTS while a window is still being sent");
+        }
+        let end = usize::try_from(recv_length)
+            .ok()
+            .and_then(|n| t.scheduled.checked_add(n));
+        let end = match end {
+            Some(e) if recv_length > 0 && e <= t.buf.len() => e,
+            _ => return self.drop_pkt("CTS with a zero window or beyond the message"),
+        };
+        t.window_end = end;
+        t.recv_id = recv_id;
+        let hs = self.peers.get(&pid).is_some_and(|p| p.hs_received);
+        if hs {
+            self.schedule_ctsdata(send_id);
+        } else if let Some(p) = self.peers.get_mut(&pid) {
+            // CTSDATA carries our connid after its header; it waits for the peer's HANDSHAKE.
+            p.blocked.push(send_id);
+        }
+    }
+
+    /// Queues the CTSDATA packets of the window granted to send `id`.
+    pub(super) fn schedule_ctsdata(&mut self, id: u32) {
+        let Some(t) = self.tx.get(&id) else { return };
+        let (pid, buf, recv_id, mut off, end) =
+            (t.peer, t.buf.clone(), t.recv_id, t.scheduled, t.window_end);
+        let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
+        let qkey = self.local.qkey;
+        let mut pkts = Vec::new();
+        while off < end {
+            let n = max.min(end - off);
+            let h = Packet::CtsData {
+                connid: Some(qkey),
+                recv_id,
+                seg_length: n as u64,
+                seg_offset: off as u64,
+            };
+            let Some(hdr) = self.encode(&h) else {
+                let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
+                return self.fail_tx(id, e, None);
+            };
+            pkts.push(Pkt::new(pid, Owner::Tx(id), hdr, buf.slice(off..off + n)));
+            off += n;
+        }
+        if let Some(t) = self.tx.get_mut(&id) {
+            t.scheduled = end;
+            t.pending += pkts.len();
+        }
+        for p in pkts {
+            self.enqueue(p, false, false);
+        }
+    }
+
+    /// A RECEIPT: the data of delivery-complete send `send_id` is in the receiver's buffer.
+    pub(super) fn handle_receipt(&mut self, pid: u64, send_id: u32, msg_id: u32) {
+        let Some(t) = self.tx.get_mut(&send_id) else {
+            return self.drop_pkt("RECEIPT for an unknown send_id");
+        };
+        if t.peer != pid || !t.dc || t.msg_id != msg_id || t.receipt {
+            return self.drop_pkt("RECEIPT that does not match its send");
+        }
+        t.receipt = true;
+        self.maybe_complete_tx(send_id);
+    }
+
+    /// Queues a control packet (CTS, RECEIPT) to `pid`.
+    pub(super) fn queue_ctrl(&mut self, pid: u64, pkt: &Packet<'_>) {
+        if !self.peers.contains_key(&pid) {
+            return;
+        }
+        if let Some(hdr) = self.encode(pkt) {
+            self.enqueue(Pkt::new(pid, Owner::Ctrl, hdr, Bytes::new()), true, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::medium_split;
+
+    #[test]
+    fn medium_split_like_libfabric() {
+        for total in [1usize, 7, 8, 9, 100, 8000, 8700, 17_000, 65_536, 65_535] {
+            for max in [64usize, 1000, 8748] {
+                let v = medium_split(total, max);
+                assert_eq!(v.iter().sum::<usize>(), total, "{total} {max}");
+                assert!(v.iter().all(|&n| n > 0 && n <= max), "{total} {max} {v:?}");
+                let n = v.len();
+                assert!(
+                    v[..n - 1].iter().all(|&x| x % 8 == 0 || total < 8),
+                    "{total} {max} {v:?}"
+                );
+            }
+        }
+        // 65536 bytes in 8748-byte packets: 8 packets of 8192.
+        assert_eq!(medium_split(65_536, 8748), vec![8192; 8]);
+    }
+}
