@@ -281,6 +281,8 @@ fn pingpong<E: PingEp>(
         timeout,
         tagged,
         done: Vec::with_capacity(16),
+        sends_posted: 0,
+        sends_done: 0,
     };
     for &size in &params.sizes {
         let mut msg = vec![0u8; size];
@@ -322,6 +324,8 @@ struct PingPong<'a, E: PingEp> {
     timeout: Duration,
     tagged: bool,
     done: Vec<Completion>,
+    sends_posted: u64,
+    sends_done: u64,
 }
 
 impl<E: PingEp> PingPong<'_, E> {
@@ -334,7 +338,10 @@ impl<E: PingEp> PingPong<'_, E> {
     fn send(&mut self, msg: &Bytes) -> Res<()> {
         loop {
             match self.ep.post_send(self.peer, msg.clone(), self.tagged) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.sends_posted += 1;
+                    return Ok(());
+                }
                 Err(e) if e.kind() == ErrorKind::Again => {
                     self.poll_once()?;
                 }
@@ -343,8 +350,21 @@ impl<E: PingEp> PingPong<'_, E> {
         }
     }
     fn poll_once(&mut self) -> Res<usize> {
+        let before = self.done.len();
         match self.cq.poll(&mut self.done, 16) {
-            Ok(n) => Ok(n),
+            Ok(n) => {
+                // Count send completions here and keep only receives for `wait_recv`.
+                let mut k = before;
+                while k < self.done.len() {
+                    if self.done[k].flags.contains(CompletionFlags::SEND) {
+                        self.done.swap_remove(k);
+                        self.sends_done += 1;
+                    } else {
+                        k += 1;
+                    }
+                }
+                Ok(n)
+            }
             Err(e) if e.kind() == ErrorKind::ErrorAvailable => {
                 let err = self
                     .cq
@@ -391,10 +411,20 @@ impl<E: PingEp> PingPong<'_, E> {
         }
     }
 
+    /// Waits until every send posted so far has completed. With manual progress this keeps the
+    /// endpoint driven until its last message is through (a long message needs the peer's
+    /// clear-to-send answered) before the out-of-band sync stops polling.
     fn drain_sends(&mut self) -> Res<()> {
-        self.poll_once()?;
-        self.done
-            .retain(|c| !c.flags.contains(CompletionFlags::SEND));
+        let deadline = Instant::now() + self.timeout;
+        while self.sends_done < self.sends_posted {
+            self.poll_once()?;
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{} sends still not complete",
+                    self.sends_posted - self.sends_done
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -105,7 +105,20 @@ fn several_senders_to_one_receiver_keep_per_sender_order() {
         send_mix(s, to, all[k].0, &all[k].1);
     }
     let total: usize = all.iter().map(|(_, m, _)| m.len()).sum();
-    let done = rx.collect(total, "receiver");
+    // Progress is manual: the senders are driven while the receiver collects.
+    let deadline = Instant::now() + DEADLINE;
+    let mut done = Vec::new();
+    while done.len() < total {
+        for s in &senders {
+            s.ep.progress();
+        }
+        done.extend(rx.collect_some());
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {} of {total}",
+            done.len()
+        );
+    }
     for (k, (ks, msgs, from)) in all.iter().enumerate() {
         let mine: Vec<_> = done
             .iter()
@@ -280,9 +293,15 @@ fn async_send_and_recv_without_a_runtime_and_with_tokio() {
     let recv =
         b.ep.recv_async(BytesMut::with_capacity(300_000), RecvOptions::default());
     let send = a.ep.send_async(pb, big.clone(), SendOptions::default());
-    let sent = block_on(send).into_result().unwrap();
-    assert_eq!(sent.len, 300_000);
-    let got = block_on(recv).into_result().unwrap();
+    // Both ends make progress at once (a long-CTS message needs the receiver's CTS): the receive
+    // is awaited on another thread, each with the ten-line executor.
+    let got = std::thread::scope(|s| {
+        let r = s.spawn(|| block_on(recv));
+        let sent = block_on(send).into_result().unwrap();
+        assert_eq!(sent.len, 300_000);
+        r.join().unwrap()
+    });
+    let got = got.into_result().unwrap();
     assert!(got.buf.as_recv().unwrap()[..] == big[..]);
 
     let rt = tokio::runtime::Builder::new_current_thread()

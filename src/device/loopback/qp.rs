@@ -3,6 +3,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::BytesMut;
 use parking_lot::Mutex;
@@ -73,6 +74,10 @@ pub(super) struct QpShared {
     pub(super) notifier: Arc<Notifier>,
     pub(super) dev: Arc<DevShared>,
     pub(super) state: Mutex<QpState>,
+    /// Completions waiting in `state.comps`, readable without the lock so that an application
+    /// busy-polling an idle queue pair never takes the lock a sender needs to deliver to it
+    /// (a spinning poller that keeps re-taking it would starve the sender).
+    pub(super) pending: AtomicUsize,
 }
 
 /// Receive buffers and completions of one queue pair.
@@ -88,6 +93,7 @@ impl QpShared {
     /// Queues a completion and schedules the notifier.
     pub(super) fn push(&self, c: DeviceCompletion, wake: &mut Wake) {
         self.state.lock().comps.push_back(c);
+        self.pending.fetch_add(1, Ordering::Release);
         wake.add(&self.notifier);
     }
 }
@@ -131,6 +137,7 @@ impl LoopbackQp {
             notifier: attr.notifier,
             dev: dev.clone(),
             state: Mutex::new(QpState::default()),
+            pending: AtomicUsize::new(0),
         });
         dev.net.wire.state.lock().attach_qp(shared.clone());
         tracing::trace!(addr = %shared.addr, qp_type = ?attr.qp_type, "loopback queue pair created");
@@ -206,8 +213,12 @@ impl QueuePair for LoopbackQp {
         if wire.in_flight() > 0 {
             wire.pump();
         }
+        if self.shared.pending.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
         let mut st = self.shared.state.lock();
         let n = max.min(st.comps.len());
+        self.shared.pending.fetch_sub(n, Ordering::AcqRel);
         for c in st.comps.drain(..n) {
             match c.opcode {
                 Opcode::Send => self.sends_out = self.sends_out.saturating_sub(1),
@@ -240,11 +251,13 @@ impl QueuePair for LoopbackQp {
                     Opcode::Send,
                     len,
                 ));
+                shared.pending.fetch_add(1, Ordering::Release);
             }
             for (wr_id, buf) in st.recvs.drain(..) {
                 let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
                 c.buf = Some(buf);
                 st.comps.push_back(c);
+                shared.pending.fetch_add(1, Ordering::Release);
             }
         }
         shared.notifier.notify();

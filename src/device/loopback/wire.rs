@@ -475,6 +475,7 @@ impl WireState {
             imm: dg.imm,
             buf: Some(buf),
         });
+        t.pending.fetch_add(1, std::sync::atomic::Ordering::Release);
         drop(st);
         wake.add(&t.notifier);
         if fits {
