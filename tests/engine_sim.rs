@@ -1,9 +1,9 @@
 //! The protocol engine in the simulator.
 
 use bytes::{Bytes, BytesMut};
+use efa::RawAddr;
 use efa::proto::engine::{Event, RecvDone, RecvOp, SendDone, SendOp};
 use efa::proto::sim::{Sim, SimConfig};
-use efa::RawAddr;
 
 fn pattern(seed: u64, len: usize) -> Bytes {
     let mut v = Vec::with_capacity(len + 8);
@@ -19,11 +19,24 @@ fn pattern(seed: u64, len: usize) -> Bytes {
 }
 
 fn sop(dest: RawAddr, buf: Bytes, context: u64) -> SendOp {
-    SendOp { dest, buf, tag: None, data: None, delivery_complete: false, context }
+    SendOp {
+        dest,
+        buf,
+        tag: None,
+        data: None,
+        delivery_complete: false,
+        context,
+    }
 }
 
 fn rop(cap: usize, context: u64) -> RecvOp {
-    RecvOp { buf: BytesMut::with_capacity(cap), tag: None, src: None, multi_recv: None, context }
+    RecvOp {
+        buf: BytesMut::with_capacity(cap),
+        tag: None,
+        src: None,
+        multi_recv: None,
+        context,
+    }
 }
 
 fn split(events: Vec<Event>) -> (Vec<SendDone>, Vec<RecvDone>) {
@@ -41,7 +54,10 @@ fn split(events: Vec<Event>) -> (Vec<SendDone>, Vec<RecvDone>) {
 #[test]
 fn smoke_sizes() {
     let seed = efa::fault::test_seed();
-    for (k, len) in [0usize, 1, 100, 8000, 8200, 30_000, 65_536, 70_000, 1 << 20].into_iter().enumerate() {
+    for (k, len) in [0usize, 1, 100, 8000, 8200, 30_000, 65_536, 70_000, 1 << 20]
+        .into_iter()
+        .enumerate()
+    {
         for dc in [false, true] {
             let mut sim = Sim::new(SimConfig::clean(seed), 2);
             let data = pattern(k as u64, len);
@@ -53,16 +69,367 @@ fn smoke_sizes() {
             let (s, _) = split(sim.take_events(0));
             let (_, r) = split(sim.take_events(1));
             assert_eq!(s.len(), 1, "seed {seed} len {len} dc {dc}");
-            assert!(s[0].error.is_none(), "seed {seed} len {len}: {:?}", s[0].error);
+            assert!(
+                s[0].error.is_none(),
+                "seed {seed} len {len}: {:?}",
+                s[0].error
+            );
             assert_eq!(r.len(), 1, "seed {seed} len {len} dc {dc}");
-            assert!(r[0].error.is_none(), "seed {seed} len {len}: {:?}", r[0].error);
+            assert!(
+                r[0].error.is_none(),
+                "seed {seed} len {len}: {:?}",
+                r[0].error
+            );
             assert_eq!(r[0].len, len);
             assert!(r[0].buf[..] == data[..], "seed {seed} len {len}");
             assert_eq!(r[0].src, Some(sim.addr(0)));
             for i in 0..2 {
                 let res = sim.engine(i).resources();
-                assert_eq!(res, efa::proto::engine::Resources { peers: 1, ..Default::default() }, "seed {seed} len {len} node {i}");
+                assert_eq!(
+                    res,
+                    efa::proto::engine::Resources {
+                        peers: 1,
+                        ..Default::default()
+                    },
+                    "seed {seed} len {len} node {i}"
+                );
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random message mixes under faults.
+
+use efa::fault::Rng;
+use efa::proto::engine::Resources;
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+/// Largest untagged message in the mixes (untagged receives are interchangeable, so each has
+/// this capacity); larger messages are tagged and get a receive of their own size.
+const UNTAGGED_MAX: usize = 150_000;
+
+#[derive(Debug)]
+struct Msg {
+    src: usize,
+    dst: usize,
+    data: Bytes,
+    tag: Option<u64>,
+    cq: Option<u32>,
+    dc: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum RecvKind {
+    /// Untagged from any source.
+    Any,
+    /// The tagged messages of sender `s` (by tag bits or by source), expecting message `msg`.
+    Tagged {
+        s: usize,
+        msg: usize,
+        directed: bool,
+    },
+}
+
+fn draw_size(rng: &mut Rng) -> usize {
+    let p = rng.below(1000);
+    let (lo, hi) = match p {
+        0..=549 => (0, 256),
+        550..=749 => (257, 4096),
+        750..=869 => (4097, 9000),
+        870..=959 => (9001, 65_536),
+        _ => (65_537, UNTAGGED_MAX),
+    };
+    lo + rng.below((hi - lo + 1) as u64) as usize
+}
+
+fn baseline(sim: &mut Sim, seed: u64) {
+    for i in 0..sim.len() {
+        let r = sim.engine(i).resources();
+        assert_eq!(
+            r,
+            Resources {
+                peers: r.peers,
+                ..Default::default()
+            },
+            "seed {seed}: node {i} holds resources"
+        );
+    }
+}
+
+/// Sends `n_msgs` random messages (plus `n_big` multi-MiB ones) over `pairs` and checks
+/// exactly-once, intact, ordered delivery and that every operation completes once.
+fn run_mix(
+    seed: u64,
+    cfg: SimConfig,
+    nodes: usize,
+    pairs: &[(usize, usize)],
+    n_msgs: usize,
+    n_big: usize,
+) -> Sim {
+    let mut rng = Rng::new(seed ^ 0xa11ce);
+    let mut msgs: Vec<Msg> = Vec::new();
+    for _ in 0..n_msgs {
+        let (src, dst) = pairs[rng.below(pairs.len() as u64) as usize];
+        let len = draw_size(&mut rng);
+        let tag = rng
+            .chance(0.4)
+            .then(|| ((src as u64) << 32) | rng.below(1 << 32));
+        let cq = rng.chance(0.3).then(|| rng.next_u64() as u32);
+        let dc = rng.chance(0.25);
+        msgs.push(Msg {
+            src,
+            dst,
+            data: Bytes::new(),
+            tag,
+            cq,
+            dc,
+        });
+        let k = msgs.len() as u64;
+        msgs.last_mut().unwrap().data = pattern(seed ^ (k << 20), len);
+    }
+    for b in 0..n_big {
+        let (src, dst) = pairs[rng.below(pairs.len() as u64) as usize];
+        let len = (1 << 20) + rng.below(3 << 20) as usize;
+        let at = rng.below(msgs.len() as u64 + 1) as usize;
+        let tag = Some(((src as u64) << 32) | 0xb16);
+        let m = Msg {
+            src,
+            dst,
+            data: pattern(seed ^ 0xb16 ^ b as u64, len),
+            tag,
+            cq: None,
+            dc: rng.chance(0.5),
+        };
+        msgs.insert(at, m);
+    }
+
+    let mut sim = Sim::new(cfg, nodes);
+    let addrs: Vec<RawAddr> = (0..nodes).map(|i| sim.addr(i)).collect();
+    let mut sendq: Vec<VecDeque<usize>> = vec![VecDeque::new(); nodes];
+    let mut recvq: Vec<VecDeque<(u64, RecvOp)>> = (0..nodes).map(|_| VecDeque::new()).collect();
+    let mut recv_kind: Vec<HashMap<u64, RecvKind>> = vec![HashMap::new(); nodes];
+    for (k, m) in msgs.iter().enumerate() {
+        sendq[m.src].push_back(k);
+        let ctx = 1_000_000 + recvq[m.dst].len() as u64;
+        let (kind, op) = match m.tag {
+            None => (RecvKind::Any, rop(UNTAGGED_MAX, ctx)),
+            Some(_) => {
+                let directed = rng.chance(0.5);
+                let mut op = rop(m.data.len() + rng.below(16) as usize, ctx);
+                if directed {
+                    op.src = Some(addrs[m.src]);
+                    op.tag = Some((0, u64::MAX));
+                } else {
+                    op.tag = Some(((m.src as u64) << 32, 0xffff_ffff));
+                }
+                (
+                    RecvKind::Tagged {
+                        s: m.src,
+                        msg: k,
+                        directed,
+                    },
+                    op,
+                )
+            }
+        };
+        recv_kind[m.dst].insert(ctx, kind);
+        recvq[m.dst].push_back((ctx, op));
+    }
+
+    // Post sends and receives in random bursts while the network runs.
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        let mut left = false;
+        for i in 0..nodes {
+            let burst = 1 + rng.below(48);
+            for _ in 0..burst {
+                let Some(&k) = sendq[i].front() else { break };
+                let m = &msgs[k];
+                let op = SendOp {
+                    dest: addrs[m.dst],
+                    buf: m.data.clone(),
+                    tag: m.tag,
+                    data: m.cq,
+                    delivery_complete: m.dc,
+                    context: k as u64,
+                };
+                match sim.send(i, op) {
+                    Ok(()) => {
+                        sendq[i].pop_front();
+                    }
+                    Err((e, _)) => {
+                        assert_eq!(e.kind(), efa::ErrorKind::Again, "seed {seed}: {e}");
+                        break;
+                    }
+                }
+            }
+            if rng.chance(0.6) {
+                let burst = 1 + rng.below(48);
+                for _ in 0..burst {
+                    let Some((ctx, op)) = recvq[i].pop_front() else {
+                        break;
+                    };
+                    if let Err((e, op)) = sim.post_recv(i, op) {
+                        assert_eq!(e.kind(), efa::ErrorKind::Again, "seed {seed}: {e}");
+                        recvq[i].push_front((ctx, op));
+                        break;
+                    }
+                }
+            }
+            left |= !sendq[i].is_empty() || !recvq[i].is_empty();
+        }
+        sim.run_for(Duration::from_micros(rng.below(300)));
+        if !left {
+            break;
+        }
+        assert!(rounds < 1_000_000, "seed {seed}: posting never finished");
+    }
+    assert!(
+        sim.run(),
+        "seed {seed}: not quiescent after {:?}",
+        sim.elapsed()
+    );
+
+    // Senders: every operation completed once, successfully, with its buffer.
+    let mut events: Vec<Vec<Event>> = (0..nodes).map(|i| sim.take_events(i)).collect();
+    let mut sent_done = vec![0u32; msgs.len()];
+    let mut recvs: Vec<Vec<RecvDone>> = (0..nodes).map(|_| Vec::new()).collect();
+    for (i, evs) in events.iter_mut().enumerate() {
+        for e in evs.drain(..) {
+            match e {
+                Event::Send(s) => {
+                    let k = s.context as usize;
+                    assert!(
+                        s.error.is_none(),
+                        "seed {seed}: send {k} failed: {:?}",
+                        s.error
+                    );
+                    assert_eq!(msgs[k].src, i, "seed {seed}");
+                    assert_eq!(s.len, msgs[k].data.len(), "seed {seed}");
+                    assert_eq!(s.buf, msgs[k].data, "seed {seed}");
+                    assert_eq!(s.tag, msgs[k].tag, "seed {seed}");
+                    sent_done[k] += 1;
+                }
+                Event::Recv(r) => recvs[i].push(r),
+            }
+        }
+    }
+    for (k, n) in sent_done.iter().enumerate() {
+        assert_eq!(
+            *n,
+            1,
+            "seed {seed}: send {k} completed {n} times ({:?} bytes)",
+            msgs[k].data.len()
+        );
+    }
+
+    // Receivers: every receive once; per (sender, receiver) and queue, in send order.
+    for (r, mut rs) in recvs.into_iter().enumerate() {
+        rs.sort_by_key(|x| x.context);
+        let expected_n = recv_kind[r].len();
+        assert_eq!(
+            rs.len(),
+            expected_n,
+            "seed {seed}: node {r} got {} of {expected_n} receives",
+            rs.len()
+        );
+        for w in rs.windows(2) {
+            assert_ne!(
+                w[0].context, w[1].context,
+                "seed {seed}: receive completed twice"
+            );
+        }
+        let mut untagged: Vec<VecDeque<usize>> = vec![VecDeque::new(); nodes];
+        for (k, m) in msgs.iter().enumerate() {
+            if m.dst == r && m.tag.is_none() {
+                untagged[m.src].push_back(k);
+            }
+        }
+        for d in &rs {
+            assert!(
+                d.error.is_none(),
+                "seed {seed}: receive {} failed: {:?}",
+                d.context,
+                d.error
+            );
+            let src = d.src.expect("FI_SOURCE");
+            let s = addrs.iter().position(|a| *a == src).expect("known source");
+            let k = match recv_kind[r][&d.context] {
+                RecvKind::Any => {
+                    let k = untagged[s].pop_front();
+                    k.unwrap_or_else(|| {
+                        panic!("seed {seed}: extra untagged message from {s} at {r}")
+                    })
+                }
+                RecvKind::Tagged {
+                    s: want,
+                    msg,
+                    directed,
+                } => {
+                    assert_eq!(
+                        s, want,
+                        "seed {seed}: tagged receive (directed {directed}) got a message from {s}"
+                    );
+                    msg
+                }
+            };
+            let m = &msgs[k];
+            assert_eq!(
+                d.len,
+                m.data.len(),
+                "seed {seed}: message {k} {s}->{r} out of order or wrong length"
+            );
+            assert!(
+                d.buf[..] == m.data[..],
+                "seed {seed}: message {k} {s}->{r}: bytes differ"
+            );
+            assert_eq!(d.tag, m.tag, "seed {seed}: message {k}");
+            assert_eq!(d.data, m.cq, "seed {seed}: message {k}");
+            assert!(!d.multi_recv_done && d.olen == 0, "seed {seed}");
+        }
+        assert!(
+            untagged.iter().all(|q| q.is_empty()),
+            "seed {seed}: untagged messages to {r} not delivered"
+        );
+    }
+    baseline(&mut sim, seed);
+    sim
+}
+
+fn mix_seeds() -> Vec<u64> {
+    let base = efa::fault::test_seed();
+    (0..3).map(|i| base.wrapping_add(i)).collect()
+}
+
+#[test]
+fn mix_three_senders_one_receiver_under_faults() {
+    for seed in mix_seeds() {
+        let mut cfg = SimConfig::faulty(seed);
+        cfg.rx_buffers = 24;
+        cfg.rx_repost_delay = Duration::from_micros(20);
+        let sim = run_mix(seed, cfg, 4, &[(1, 0), (2, 0), (3, 0)], 700, 2);
+        let st = sim.stats;
+        eprintln!("seed {seed}: {st:?} in {:?} virtual", sim.elapsed());
+        let e = sim.node(0).engine.stats();
+        eprintln!("seed {seed}: receiver {e:?}");
+    }
+}
+
+#[test]
+fn mix_all_to_all_under_faults() {
+    for seed in mix_seeds() {
+        let cfg = SimConfig::faulty(seed);
+        let pairs: Vec<(usize, usize)> = (0..4)
+            .flat_map(|a| (0..4).filter(move |&b| b != a).map(move |b| (a, b)))
+            .collect();
+        let sim = run_mix(seed, cfg, 4, &pairs, 700, 3);
+        eprintln!(
+            "seed {seed}: {:?} in {:?} virtual",
+            sim.stats,
+            sim.elapsed()
+        );
     }
 }

@@ -91,7 +91,10 @@ impl SimConfig {
 
     /// No faults (but latency, so that packets interleave), plenty of receive buffers.
     pub fn clean(seed: u64) -> SimConfig {
-        SimConfig { seed, ..SimConfig::default() }
+        SimConfig {
+            seed,
+            ..SimConfig::default()
+        }
     }
 
     /// Faults of the mixes: 10 % "loss", 10 % duplicates, jitter, few receive buffers
@@ -156,6 +159,8 @@ pub struct SimStats {
 /// A datagram as the tap saw it.
 #[derive(Clone, Debug)]
 pub struct Datagram {
+    /// Virtual time it was handed to the device.
+    pub at: Duration,
     /// Sending node.
     pub from: usize,
     /// Destination address.
@@ -181,9 +186,26 @@ pub struct Node {
 
 #[derive(Debug)]
 enum Action {
-    Arrive { from: usize, src: Source, to: RawAddr, wr_id: u64, inc: u64, hdr: Bytes, payload: Bytes, rnr: u32 },
-    Complete { node: usize, inc: u64, wr_id: u64, status: Status },
-    Repost { node: usize, inc: u64 },
+    Arrive {
+        from: usize,
+        src: Source,
+        to: RawAddr,
+        wr_id: u64,
+        inc: u64,
+        hdr: Bytes,
+        payload: Bytes,
+        rnr: u32,
+    },
+    Complete {
+        node: usize,
+        inc: u64,
+        wr_id: u64,
+        status: Status,
+    },
+    Repost {
+        node: usize,
+        inc: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -263,7 +285,14 @@ impl Sim {
         let addr = RawAddr::new(Gid::from(ip), 1000 + i as u16, self.new_qkey());
         ecfg.seed ^= self.cfg.seed.rotate_left(17) ^ i as u64;
         let engine = Engine::new(ecfg, addr, self.now());
-        self.nodes.push(Node { engine, addr, alive: true, events: Vec::new(), incarnation: 0, free_bufs: self.cfg.rx_buffers });
+        self.nodes.push(Node {
+            engine,
+            addr,
+            alive: true,
+            events: Vec::new(),
+            incarnation: 0,
+            free_bufs: self.cfg.rx_buffers,
+        });
         i
     }
 
@@ -337,7 +366,10 @@ impl Sim {
     /// The device source of node `i`'s datagrams.
     pub fn source(&self, i: usize) -> Source {
         let a = self.nodes[i].addr;
-        Source { gid: a.gid, qpn: a.qpn }
+        Source {
+            gid: a.gid,
+            qpn: a.qpn,
+        }
     }
 
     /// Records every datagram sent from now on (or stops recording).
@@ -375,7 +407,11 @@ impl Sim {
     fn schedule(&mut self, after: Duration, action: Action) {
         self.seq += 1;
         let at = self.now.saturating_add(after);
-        self.queue.push(Item { at, seq: self.seq, action });
+        self.queue.push(Item {
+            at,
+            seq: self.seq,
+            action,
+        });
     }
 
     /// Polls every live engine until none has anything to do right now. Returns whether any did.
@@ -388,7 +424,11 @@ impl Sim {
                 if !self.nodes[i].alive {
                     continue;
                 }
-                if self.nodes[i].engine.poll_timeout().is_some_and(|t| t <= now) {
+                if self.nodes[i]
+                    .engine
+                    .poll_timeout()
+                    .is_some_and(|t| t <= now)
+                {
                     self.nodes[i].engine.handle_timeout(now);
                     busy = true;
                 }
@@ -412,16 +452,35 @@ impl Sim {
     fn launch(&mut self, from: usize, t: crate::proto::engine::Transmit) {
         self.stats.sent += 1;
         let inc = self.nodes[from].incarnation;
-        if t.hdr.len() + t.payload.len() > self.cfg.engine.mtu.max(self.nodes[from].engine.config().mtu) {
+        if t.hdr.len() + t.payload.len()
+            > self
+                .cfg
+                .engine
+                .mtu
+                .max(self.nodes[from].engine.config().mtu)
+        {
             self.stats.oversize += 1;
             let status = Status::LocalBadLength;
-            self.schedule(Duration::ZERO, Action::Complete { node: from, inc, wr_id: t.wr_id, status });
+            self.schedule(
+                Duration::ZERO,
+                Action::Complete {
+                    node: from,
+                    inc,
+                    wr_id: t.wr_id,
+                    status,
+                },
+            );
             return;
         }
         if let Some(tap) = &mut self.tap {
             let mut bytes = t.hdr.to_vec();
             bytes.extend_from_slice(&t.payload);
-            tap.push(Datagram { from, to: t.dest, bytes });
+            tap.push(Datagram {
+                at: self.now,
+                from,
+                to: t.dest,
+                bytes,
+            });
         }
         let mut delay = self.cfg.latency;
         if !self.cfg.jitter.is_zero() {
@@ -435,7 +494,16 @@ impl Sim {
             self.stats.duplicates += 1;
         }
         let src = self.source(from);
-        let action = Action::Arrive { from, src, to: t.dest, wr_id: t.wr_id, inc, hdr: t.hdr, payload: t.payload, rnr: 0 };
+        let action = Action::Arrive {
+            from,
+            src,
+            to: t.dest,
+            wr_id: t.wr_id,
+            inc,
+            hdr: t.hdr,
+            payload: t.payload,
+            rnr: 0,
+        };
         self.schedule(delay, action);
     }
 
@@ -445,20 +513,54 @@ impl Sim {
 
     fn act(&mut self, action: Action) {
         match action {
-            Action::Arrive { from, src, to, wr_id, inc, hdr, payload, rnr } => {
+            Action::Arrive {
+                from,
+                src,
+                to,
+                wr_id,
+                inc,
+                hdr,
+                payload,
+                rnr,
+            } => {
                 let Some(j) = self.target(&to) else {
                     self.stats.unresponsive += 1;
                     let status = Status::UnresponsiveRemote;
-                    return self.schedule(self.cfg.unresponsive_after, Action::Complete { node: from, inc, wr_id, status });
+                    return self.schedule(
+                        self.cfg.unresponsive_after,
+                        Action::Complete {
+                            node: from,
+                            inc,
+                            wr_id,
+                            status,
+                        },
+                    );
                 };
                 if self.nodes[j].free_bufs == 0 {
                     self.stats.rnr_naks += 1;
                     if rnr >= self.cfg.rnr_retry {
                         self.stats.rnr_exceeded += 1;
                         let status = Status::RnrRetryExceeded;
-                        return self.schedule(self.cfg.rnr_interval, Action::Complete { node: from, inc, wr_id, status });
+                        return self.schedule(
+                            self.cfg.rnr_interval,
+                            Action::Complete {
+                                node: from,
+                                inc,
+                                wr_id,
+                                status,
+                            },
+                        );
                     }
-                    let again = Action::Arrive { from, src, to, wr_id, inc, hdr, payload, rnr: rnr + 1 };
+                    let again = Action::Arrive {
+                        from,
+                        src,
+                        to,
+                        wr_id,
+                        inc,
+                        hdr,
+                        payload,
+                        rnr: rnr + 1,
+                    };
                     return self.schedule(self.cfg.rnr_interval, again);
                 }
                 self.stats.delivered += 1;
@@ -476,12 +578,28 @@ impl Sim {
                 if self.cfg.rx_repost_delay.is_zero() {
                     self.nodes[j].free_bufs += 1;
                 } else {
-                    self.schedule(self.cfg.rx_repost_delay, Action::Repost { node: j, inc: jinc });
+                    self.schedule(
+                        self.cfg.rx_repost_delay,
+                        Action::Repost { node: j, inc: jinc },
+                    );
                 }
                 let status = Status::Success;
-                self.schedule(self.cfg.completion_delay, Action::Complete { node: from, inc, wr_id, status });
+                self.schedule(
+                    self.cfg.completion_delay,
+                    Action::Complete {
+                        node: from,
+                        inc,
+                        wr_id,
+                        status,
+                    },
+                );
             }
-            Action::Complete { node, inc, wr_id, status } => {
+            Action::Complete {
+                node,
+                inc,
+                wr_id,
+                status,
+            } => {
                 let now = self.now();
                 let n = &mut self.nodes[node];
                 if n.alive && n.incarnation == inc {
