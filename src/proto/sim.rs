@@ -39,6 +39,30 @@ use crate::error::Error;
 use crate::fault::Rng;
 use crate::proto::engine::{Engine, EngineConfig, Event, RecvOp, SendOp};
 
+/// `len` bytes of a seeded pseudo-random pattern (cheap even in debug builds).
+pub fn pattern(seed: u64, len: usize) -> Bytes {
+    let mut v = Vec::with_capacity(len + 8);
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    Bytes::from(v)
+}
+
+/// An untagged send without CQ data or delivery complete.
+pub fn send_op(dest: RawAddr, buf: Bytes, context: u64) -> SendOp {
+    SendOp { dest, buf, tag: None, data: None, delivery_complete: false, context }
+}
+
+/// An untagged receive from any source into a new buffer of `cap` bytes.
+pub fn recv_op(cap: usize, context: u64) -> RecvOp {
+    RecvOp { buf: bytes::BytesMut::with_capacity(cap), tag: None, src: None, multi_recv: None, context }
+}
+
 /// How the simulated network and devices behave.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
