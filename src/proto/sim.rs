@@ -55,12 +55,25 @@ pub fn pattern(seed: u64, len: usize) -> Bytes {
 
 /// An untagged send without CQ data or delivery complete.
 pub fn send_op(dest: RawAddr, buf: Bytes, context: u64) -> SendOp {
-    SendOp { dest, buf, tag: None, data: None, delivery_complete: false, context }
+    SendOp {
+        dest,
+        buf,
+        tag: None,
+        data: None,
+        delivery_complete: false,
+        context,
+    }
 }
 
 /// An untagged receive from any source into a new buffer of `cap` bytes.
 pub fn recv_op(cap: usize, context: u64) -> RecvOp {
-    RecvOp { buf: bytes::BytesMut::with_capacity(cap), tag: None, src: None, multi_recv: None, context }
+    RecvOp {
+        buf: bytes::BytesMut::with_capacity(cap),
+        tag: None,
+        src: None,
+        multi_recv: None,
+        context,
+    }
 }
 
 /// How the simulated network and devices behave.

@@ -403,12 +403,12 @@ impl Engine {
         }
         stalled.sort_unstable();
         for rid in stalled {
-            self.abort_rx(
-                rid,
-                ErrorKind::ConnectionAborted,
-                "no packet from the sender for rx_stall_timeout",
-            );
+            self.stall_rx(rid, now);
+            if self.rx.contains_key(&rid) {
+                let due = now.checked_add(stall).unwrap_or(now);
+                next = Some(next.map_or(due, |n| n.min(due)));
+            }
         }
-        self.stall_check = next;
+        self.stall_check = if self.rx_in_progress > 0 { next } else { None };
     }
 }

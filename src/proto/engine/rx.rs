@@ -652,9 +652,20 @@ impl Engine {
         let Some(e) = self.take_entry(rid) else {
             return;
         };
-        let RxState::Matched(mut sink) = e.state else {
+        let RxState::Matched(sink) = e.state else {
             return;
         };
+        self.fail_sink(sink, (e.tagged.then_some(e.tag), e.data, e.src), kind, why);
+    }
+
+    /// The error completion of a receive whose message will not (all) arrive.
+    fn fail_sink(
+        &mut self,
+        mut sink: Sink,
+        msg: (Option<u64>, Option<u32>, RawAddr),
+        kind: ErrorKind,
+        why: &'static str,
+    ) {
         let Some(context) = sink.context else { return };
         self.stats.errors += 1;
         if kind == ErrorKind::Canceled {
@@ -666,12 +677,45 @@ impl Engine {
             buf: sink.buf,
             len: 0,
             olen: 0,
-            tag: e.tagged.then_some(e.tag),
-            data: e.data,
-            src: Some(e.src),
+            tag: msg.0,
+            data: msg.1,
+            src: Some(msg.2),
             multi_recv_done: false,
             error: Some(Error::new(kind, "recv").with_detail(why)),
         }));
         self.piece_done(sink.multi);
+    }
+
+    /// A matched receive got no packet for `rx_stall_timeout`: its application receive fails,
+    /// but the message goes on being received and thrown away, so that a sender that is only
+    /// slow (long RNR backoffs) still completes (no RECEIPT is sent for it, though). A message
+    /// that is already being thrown away and stalls again is forgotten.
+    pub(super) fn stall_rx(&mut self, rid: u32, now: Instant) {
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        let RxState::Matched(sink) = &mut e.state else {
+            return;
+        };
+        if sink.context.is_none() {
+            self.take_entry(rid);
+            return;
+        }
+        let discard = Sink {
+            context: None,
+            buf: BytesMut::new(),
+            place: 0,
+            multi: None,
+        };
+        let user = std::mem::replace(sink, discard);
+        e.last = now;
+        e.dc_send_id = None;
+        let msg = (e.tagged.then_some(e.tag), e.data, e.src);
+        self.fail_sink(
+            user,
+            msg,
+            ErrorKind::ConnectionAborted,
+            "no packet from the sender for rx_stall_timeout",
+        );
     }
 }

@@ -306,6 +306,11 @@ impl Engine {
         let pkt = self.outstanding.remove(key);
         match status {
             Status::Success => {
+                if pkt.rnr > 0 {
+                    // A resent packet got through: the peer's backoff is over and its wait
+                    // starts afresh (libfabric's `efa_rdm_pke_release_tx`).
+                    self.reset_backoff(pkt.peer);
+                }
                 if let Owner::Tx(id) = pkt.owner {
                     if let Some(t) = self.tx.get_mut(&id) {
                         t.pending = t.pending.saturating_sub(1);
