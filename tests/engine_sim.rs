@@ -393,6 +393,11 @@ fn run_mix(
         );
     }
     baseline(&mut sim, seed);
+    assert_eq!(
+        (sim.stats.oversize, sim.stats.over_depth),
+        (0, 0),
+        "seed {seed}: MTU or device depth exceeded"
+    );
     sim
 }
 

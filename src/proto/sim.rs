@@ -191,6 +191,9 @@ pub struct SimStats {
     pub unresponsive: u64,
     /// Datagrams larger than the MTU (an engine bug; completed with `LocalBadLength`).
     pub oversize: u64,
+    /// Datagrams handed out while the node already had `max_outstanding_tx` on the device
+    /// (an engine bug).
+    pub over_depth: u64,
 }
 
 /// A datagram as the tap saw it.
@@ -219,6 +222,8 @@ pub struct Node {
     pub events: Vec<Event>,
     incarnation: u64,
     free_bufs: usize,
+    /// Datagrams on the simulated device, not yet completed.
+    in_flight: usize,
 }
 
 #[derive(Debug)]
@@ -329,6 +334,7 @@ impl Sim {
             events: Vec::new(),
             incarnation: 0,
             free_bufs: self.cfg.rx_buffers,
+            in_flight: 0,
         });
         i
     }
@@ -438,6 +444,7 @@ impl Sim {
         n.incarnation += 1;
         n.events.clear();
         n.free_bufs = self.cfg.rx_buffers;
+        n.in_flight = 0;
         n.addr
     }
 
@@ -488,6 +495,11 @@ impl Sim {
 
     fn launch(&mut self, from: usize, t: crate::proto::engine::Transmit) {
         self.stats.sent += 1;
+        let n = &mut self.nodes[from];
+        n.in_flight += 1;
+        if n.in_flight > n.engine.config().max_outstanding_tx {
+            self.stats.over_depth += 1;
+        }
         let inc = self.nodes[from].incarnation;
         if t.hdr.len() + t.payload.len()
             > self
@@ -640,6 +652,7 @@ impl Sim {
                 let now = self.now();
                 let n = &mut self.nodes[node];
                 if n.alive && n.incarnation == inc {
+                    n.in_flight = n.in_flight.saturating_sub(1);
                     n.engine.handle_send_completion(now, wr_id, status);
                 }
             }
