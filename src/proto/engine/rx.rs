@@ -153,13 +153,31 @@ impl Rtm {
 }
 
 /// Writes `data` at message offset `off` into a sink (the part that fits).
+///
+/// The buffer grows as data arrives: in-order data is appended (no zero-filling first), a gap
+/// before out-of-order data is zero-filled and overwritten when its data comes. Once every byte
+/// arrived the buffer is exactly `place` long.
 fn place(sink: &mut Sink, off: usize, data: &[u8]) {
     if off >= sink.place {
         return;
     }
     let n = data.len().min(sink.place - off);
-    if let (Some(dst), Some(src)) = (sink.buf.get_mut(off..off + n), data.get(..n)) {
+    let Some(data) = data.get(..n) else { return };
+    let len = sink.buf.len();
+    if off >= len {
+        if off > len {
+            sink.buf.resize(off, 0);
+        }
+        sink.buf.extend_from_slice(data);
+        return;
+    }
+    // Filling a gap (maybe running past the end).
+    let inside = n.min(len - off);
+    if let (Some(dst), Some(src)) = (sink.buf.get_mut(off..off + inside), data.get(..inside)) {
         dst.copy_from_slice(src);
+    }
+    if let Some(rest) = data.get(inside..) {
+        sink.buf.extend_from_slice(rest);
     }
 }
 
@@ -437,20 +455,11 @@ impl Engine {
         self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
         self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
         sink.buf.clear();
-        match (e.kind, fresh) {
-            (Kind::Eager, Some((_, data))) if e.held.is_empty() => {
-                sink.buf
-                    .extend_from_slice(data.get(..sink.place).unwrap_or(data));
-            }
-            _ => {
-                sink.buf.resize(sink.place, 0);
-                for (off, bytes) in std::mem::take(&mut e.held) {
-                    place(&mut sink, off, &bytes);
-                }
-                if let Some((off, data)) = fresh {
-                    place(&mut sink, off, data);
-                }
-            }
+        for (off, bytes) in std::mem::take(&mut e.held) {
+            place(&mut sink, off, &bytes);
+        }
+        if let Some((off, data)) = fresh {
+            place(&mut sink, off, data);
         }
         e.held_bytes = 0;
         e.last = now;
@@ -717,5 +726,40 @@ impl Engine {
             ErrorKind::ConnectionAborted,
             "no packet from the sender for rx_stall_timeout",
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Sink, place};
+    use crate::fault::{Rng, test_seed};
+    use bytes::BytesMut;
+
+    #[test]
+    fn place_in_any_order_with_truncation() {
+        let seed = test_seed();
+        let mut rng = Rng::new(seed);
+        for _ in 0..50 {
+            let len = 1 + rng.below(5000) as usize;
+            let place_len = rng.below(len as u64 + 1) as usize;
+            let msg: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+            let seg = 1 + rng.below(700) as usize;
+            let mut segs: Vec<usize> = (0..len).step_by(seg).collect();
+            for i in (1..segs.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                segs.swap(i, j);
+            }
+            let mut sink = Sink {
+                context: None,
+                buf: BytesMut::with_capacity(place_len),
+                place: place_len,
+                multi: None,
+            };
+            for off in segs {
+                place(&mut sink, off, &msg[off..(off + seg).min(len)]);
+            }
+            assert_eq!(sink.buf.len(), place_len, "seed {seed}");
+            assert!(sink.buf[..] == msg[..place_len], "seed {seed}");
+        }
     }
 }
