@@ -108,7 +108,7 @@ fn valid_packet(rng: &mut Rng, from: RawAddr) -> Vec<u8> {
             ),
             connid,
             host_id: rng.chance(0.5).then(|| rng.next_u64()),
-            device_version: rng.chance(0.5).then(|| 0xefa1),
+            device_version: rng.chance(0.5).then_some(0xefa1),
             user_recv_qp: None,
             p2p: Some(rng.chance(0.5)),
         }),

@@ -403,7 +403,7 @@ fn run_mix(
 
 fn mix_seeds() -> Vec<u64> {
     let base = efa::fault::test_seed();
-    (0..3).map(|i| base.wrapping_add(i)).collect()
+    (0..4).map(|i| base.wrapping_add(i)).collect()
 }
 
 #[test]
@@ -412,7 +412,7 @@ fn mix_three_senders_one_receiver_under_faults() {
         let mut cfg = SimConfig::faulty(seed);
         cfg.rx_buffers = 24;
         cfg.rx_repost_delay = Duration::from_micros(20);
-        let sim = run_mix(seed, cfg, 4, &[(1, 0), (2, 0), (3, 0)], 700, 2);
+        let sim = run_mix(seed, cfg, 4, &[(1, 0), (2, 0), (3, 0)], 1000, 3);
         let st = sim.stats;
         eprintln!("seed {seed}: {st:?} in {:?} virtual", sim.elapsed());
         let e = sim.node(0).engine.stats();
@@ -427,7 +427,7 @@ fn mix_all_to_all_under_faults() {
         let pairs: Vec<(usize, usize)> = (0..4)
             .flat_map(|a| (0..4).filter(move |&b| b != a).map(move |b| (a, b)))
             .collect();
-        let sim = run_mix(seed, cfg, 4, &pairs, 700, 3);
+        let sim = run_mix(seed, cfg, 4, &pairs, 1000, 4);
         eprintln!(
             "seed {seed}: {:?} in {:?} virtual",
             sim.stats,
