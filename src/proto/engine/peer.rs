@@ -148,6 +148,12 @@ impl Engine {
             }
             tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
             self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
+            if self.retired.len() >= self.limits.max_peers
+                && !self.retired.contains_key(&(addr.gid, addr.qpn))
+            {
+                // Bounded: forget the oldest protection rather than grow without end.
+                self.retired.clear();
+            }
             let r = self.retired.entry((addr.gid, addr.qpn)).or_default();
             if r.len() >= RETIRED_PER_QP {
                 r.pop_front();

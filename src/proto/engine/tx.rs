@@ -119,9 +119,12 @@ impl Engine {
         }
     }
 
-    pub(super) fn send_impl(&mut self, _now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
+    pub(super) fn send_impl(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
+        }
+        if !self.backoff.is_empty() {
+            self.expire_backoffs(now);
         }
         if self.tx.len() >= self.cfg.max_tx_ops {
             return self.again(op, "max_tx_ops operations in flight", "send");
