@@ -151,7 +151,7 @@ impl Engine {
             if self.retired.len() >= self.limits.max_peers
                 && !self.retired.contains_key(&(addr.gid, addr.qpn))
             {
-                // Bounded: forget the oldest protection rather than grow without end.
+                // Bounded: forget every retired connid rather than grow without end.
                 self.retired.clear();
             }
             let r = self.retired.entry((addr.gid, addr.qpn)).or_default();
