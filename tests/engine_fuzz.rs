@@ -253,7 +253,11 @@ fn hostile_packets_never_panic_and_a_normal_peer_still_works() {
                 .unwrap();
         }
         let before: Vec<u64> = (0..3).map(|i| sim.engine(i).stats().dropped_pkts).collect();
-        let n = 7000;
+        // `EFA_FUZZ_ITERS` runs longer (e.g. in release builds).
+        let n: u64 = std::env::var("EFA_FUZZ_ITERS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(7000);
         for k in 0..n {
             // Target 1 (a receiver) or 0 (a sender), from the other one or from nowhere.
             let (to, from) = if rng.chance(0.7) { (1, a0) } else { (0, a1) };
