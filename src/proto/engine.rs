@@ -31,12 +31,14 @@ use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
 mod peer;
+mod recv;
 mod rx;
 mod tx;
 mod util;
 
 use peer::Peer;
-use rx::{MultiRecv, PostedItem, RxEntry};
+use recv::{MultiRecv, PostedItem};
+use rx::RxEntry;
 use tx::{Pkt, TxEntry};
 use util::IdMap;
 
@@ -270,6 +272,8 @@ pub struct Engine {
     /// Messages held as unexpected (or claimed) and their bytes.
     unexp_msgs: usize,
     unexp_bytes: usize,
+    /// Matched receives waiting for more packets.
+    rx_in_progress: usize,
     /// When to look for stalled receives next.
     stall_check: Option<Instant>,
 
@@ -313,6 +317,7 @@ impl Engine {
             buffered_bytes: 0,
             unexp_msgs: 0,
             unexp_bytes: 0,
+            rx_in_progress: 0,
             stall_check: None,
             events: VecDeque::new(),
             stats: EndpointStats::default(),
@@ -593,5 +598,16 @@ impl Engine {
         self.unexp_bytes = 0;
         self.user_rx_ops = 0;
         self.stall_check = None;
+        self.rx_in_progress = 0;
+    }
+
+    /// A matched receive left (completed or failed): when none is in progress, no stall timer.
+    fn rx_left(&mut self, in_progress: bool) {
+        if in_progress {
+            self.rx_in_progress = self.rx_in_progress.saturating_sub(1);
+            if self.rx_in_progress == 0 {
+                self.stall_check = None;
+            }
+        }
     }
 }

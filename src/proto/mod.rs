@@ -9,4 +9,6 @@
 pub mod engine;
 pub mod matching;
 pub mod reorder;
+#[doc(hidden)]
+pub mod sim;
 pub mod wire;

@@ -41,7 +41,8 @@ pub(super) struct Peer {
     pub(super) in_ready: bool,
     /// In RNR backoff until then.
     pub(super) backoff_until: Option<Instant>,
-    /// Length of the last backoff (doubles per episode, never reset, as libfabric).
+    /// Length of the last backoff (doubles per episode; back to zero once a resent packet
+    /// completes, as libfabric).
     pub(super) rnr_wait: Duration,
     /// Our send operations to it.
     pub(super) tx_ops: IdSet<u32>,
@@ -147,6 +148,12 @@ impl Engine {
             }
             tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
             self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
+            if self.retired.len() >= self.limits.max_peers
+                && !self.retired.contains_key(&(addr.gid, addr.qpn))
+            {
+                // Bounded: forget every retired connid rather than grow without end.
+                self.retired.clear();
+            }
             let r = self.retired.entry((addr.gid, addr.qpn)).or_default();
             if r.len() >= RETIRED_PER_QP {
                 r.pop_front();
@@ -286,6 +293,23 @@ impl Engine {
             tracing::debug!(peer = %p.addr, wait = ?p.rnr_wait, "RNR backoff");
         }
         p.backoff_until = Some(now.checked_add(p.rnr_wait).unwrap_or(now));
+    }
+
+    /// A resent packet completed: the backoff of `pid` ends and its next one starts from the
+    /// initial wait again.
+    pub(super) fn reset_backoff(&mut self, pid: u64) {
+        let Some(p) = self.peers.get_mut(&pid) else {
+            return;
+        };
+        p.rnr_wait = Duration::ZERO;
+        if p.backoff_until.take().is_some() {
+            self.backoff.retain(|&x| x != pid);
+            let queued = !p.ctrl_q.is_empty() || !p.data_q.is_empty();
+            if !p.in_ready && queued {
+                p.in_ready = true;
+                self.ready.push_back(pid);
+            }
+        }
     }
 
     /// Ends the backoffs that are due.

@@ -7,35 +7,11 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::util::RangeSet;
-use super::{Engine, Error, ErrorKind, Event, Peeked, RecvDone, RecvOp};
+use super::{Engine, Error, ErrorKind, Event, RecvDone};
 use crate::addr::RawAddr;
-use crate::proto::matching::{Posted, Unexpected};
+use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
 use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet};
-
-/// A posted receive in the matcher.
-#[derive(Debug)]
-pub(super) enum PostedItem {
-    /// An ordinary receive.
-    One(RecvOp),
-    /// A multi-receive buffer (in `Engine::multi`).
-    Multi(u32),
-}
-
-/// A multi-receive buffer: messages take pieces off its front.
-#[derive(Debug)]
-pub(super) struct MultiRecv {
-    context: u64,
-    /// What is left (length 0; its capacity is the room).
-    buf: BytesMut,
-    min_free: usize,
-    /// Pieces whose message is still arriving.
-    pieces: usize,
-    /// No longer matched; its final completion goes out when `pieces` reaches 0.
-    retired: bool,
-    /// The final completion's error (cancel, close).
-    error: Option<ErrorKind>,
-}
 
 /// Which protocol an inbound message uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,13 +25,13 @@ pub(super) enum Kind {
 #[derive(Debug)]
 pub(super) struct Sink {
     /// The receive's context; `None` for a discarded message.
-    context: Option<u64>,
+    pub(super) context: Option<u64>,
     /// Its buffer: `place` bytes long once the message is matched.
-    buf: BytesMut,
+    pub(super) buf: BytesMut,
     /// Bytes of the message that fit.
-    place: usize,
+    pub(super) place: usize,
     /// The multi-receive buffer this piece comes from.
-    multi: Option<u32>,
+    pub(super) multi: Option<u32>,
 }
 
 /// Where an inbound message is.
@@ -76,31 +52,33 @@ pub(super) enum RxState {
 /// An inbound message, from its first packet to its completion.
 #[derive(Debug)]
 pub(super) struct RxEntry {
-    peer: u64,
-    src: RawAddr,
-    msg_id: u32,
-    kind: Kind,
-    tagged: bool,
-    tag: u64,
-    data: Option<u32>,
-    dc_send_id: Option<u32>,
-    msg_len: usize,
+    pub(super) peer: u64,
+    pub(super) src: RawAddr,
+    pub(super) msg_id: u32,
+    pub(super) kind: Kind,
+    pub(super) tagged: bool,
+    pub(super) tag: u64,
+    pub(super) data: Option<u32>,
+    pub(super) dc_send_id: Option<u32>,
+    pub(super) msg_len: usize,
     /// Bytes received so far, and where.
-    received: usize,
-    ranges: RangeSet,
+    pub(super) received: usize,
+    pub(super) ranges: RangeSet,
     /// Data copied out while no buffer is matched, with its offsets.
-    held: Vec<(usize, Bytes)>,
-    held_bytes: usize,
+    pub(super) held: Vec<(usize, Bytes)>,
+    pub(super) held_bytes: usize,
     /// Long-CTS: the window the last CTS granted.
-    window_start: usize,
-    window_end: usize,
+    pub(super) window_start: usize,
+    pub(super) window_end: usize,
     /// Last packet (stall detection).
-    last: Instant,
-    state: RxState,
+    pub(super) last: Instant,
+    /// Counted in `Engine::rx_in_progress` (matched, waiting for more packets).
+    pub(super) in_progress: bool,
+    pub(super) state: RxState,
 }
 
 impl RxEntry {
-    fn matched(&self) -> bool {
+    pub(super) fn matched(&self) -> bool {
         matches!(self.state, RxState::Matched(_))
     }
 }
@@ -175,18 +153,36 @@ impl Rtm {
 }
 
 /// Writes `data` at message offset `off` into a sink (the part that fits).
+///
+/// The buffer grows as data arrives: in-order data is appended (no zero-filling first), a gap
+/// before out-of-order data is zero-filled and overwritten when its data comes. Once every byte
+/// arrived the buffer is exactly `place` long.
 fn place(sink: &mut Sink, off: usize, data: &[u8]) {
     if off >= sink.place {
         return;
     }
     let n = data.len().min(sink.place - off);
-    if let (Some(dst), Some(src)) = (sink.buf.get_mut(off..off + n), data.get(..n)) {
+    let Some(data) = data.get(..n) else { return };
+    let len = sink.buf.len();
+    if off >= len {
+        if off > len {
+            sink.buf.resize(off, 0);
+        }
+        sink.buf.extend_from_slice(data);
+        return;
+    }
+    // Filling a gap (maybe running past the end).
+    let inside = n.min(len - off);
+    if let (Some(dst), Some(src)) = (sink.buf.get_mut(off..off + inside), data.get(..inside)) {
         dst.copy_from_slice(src);
+    }
+    if let Some(rest) = data.get(inside..) {
+        sink.buf.extend_from_slice(rest);
     }
 }
 
 impl Engine {
-    fn alloc_rx_id(&mut self) -> u32 {
+    pub(super) fn alloc_rx_id(&mut self) -> u32 {
         loop {
             let id = self.next_rx_id;
             self.next_rx_id = self.next_rx_id.wrapping_add(1);
@@ -196,7 +192,7 @@ impl Engine {
         }
     }
 
-    fn fits(&self, bytes: usize) -> bool {
+    pub(super) fn fits(&self, bytes: usize) -> bool {
         self.buffered_bytes.saturating_add(bytes) <= self.limits.max_buffered_bytes
     }
 
@@ -310,6 +306,7 @@ impl Engine {
                 window_start: 0,
                 window_end: 0,
                 last: now,
+                in_progress: false,
                 state,
             },
         );
@@ -322,7 +319,7 @@ impl Engine {
 
     /// Copies data of an unmatched message out of the device buffer, within the memory bounds;
     /// beyond them the message is dropped.
-    fn hold(&mut self, rid: u32, off: usize, data: &[u8]) {
+    pub(super) fn hold(&mut self, rid: u32, off: usize, data: &[u8]) {
         if data.is_empty() {
             return;
         }
@@ -381,7 +378,7 @@ impl Engine {
     }
 
     /// Processes the messages of `pid` that are next in order.
-    fn drain_ready(&mut self, now: Instant, pid: u64) {
+    pub(super) fn drain_ready(&mut self, now: Instant, pid: u64) {
         loop {
             let Some(p) = self.peers.get_mut(&pid) else {
                 return;
@@ -396,7 +393,7 @@ impl Engine {
     /// A message's turn has come (all earlier ones from its peer were processed): match it
     /// against the posted receives or make it unexpected. `fresh` is data of the packet being
     /// handled that was not copied out.
-    fn process(&mut self, now: Instant, rid: u32, fresh: Option<(usize, &[u8])>) {
+    pub(super) fn process(&mut self, now: Instant, rid: u32, fresh: Option<(usize, &[u8])>) {
         let Some(e) = self.rx.get(&rid) else { return };
         if matches!(e.state, RxState::Dropped) {
             // Its later packets are stale now; nothing more to keep.
@@ -436,57 +433,8 @@ impl Engine {
         }
     }
 
-    /// Takes (or carves a piece off) the posted receive at `idx` for a message of `msg_len`.
-    fn take_posted(&mut self, tagged: bool, idx: usize, msg_len: usize) -> Option<Sink> {
-        let mid = match &self.matcher.posted_mut(tagged, idx)?.item {
-            PostedItem::One(_) => None,
-            PostedItem::Multi(mid) => Some(*mid),
-        };
-        match mid {
-            None => match self.matcher.take_posted(tagged, idx)?.item {
-                PostedItem::One(op) => Some(Sink {
-                    context: Some(op.context),
-                    place: msg_len.min(op.buf.capacity()),
-                    buf: op.buf,
-                    multi: None,
-                }),
-                PostedItem::Multi(_) => None,
-            },
-            Some(mid) => {
-                let (sink, retired) = self.carve(mid, msg_len)?;
-                if retired {
-                    self.matcher.take_posted(tagged, idx);
-                }
-                Some(sink)
-            }
-        }
-    }
-
-    /// A piece of multi-receive buffer `mid` for a message of `msg_len`; true when the buffer
-    /// is retired by it (less than `min_free` left).
-    fn carve(&mut self, mid: u32, msg_len: usize) -> Option<(Sink, bool)> {
-        let m = self.multi.get_mut(&mid)?;
-        let place = msg_len.min(m.buf.capacity());
-        let rest = m.buf.split_off(place);
-        let piece = std::mem::replace(&mut m.buf, rest);
-        m.pieces += 1;
-        let retired = m.buf.capacity() < m.min_free;
-        if retired {
-            m.retired = true;
-        }
-        Some((
-            Sink {
-                context: Some(m.context),
-                buf: piece,
-                place,
-                multi: Some(mid),
-            },
-            retired,
-        ))
-    }
-
     /// The message found its buffer: held data is placed, long-CTS asks for the rest.
-    fn start_matched(
+    pub(super) fn start_matched(
         &mut self,
         now: Instant,
         rid: u32,
@@ -507,20 +455,11 @@ impl Engine {
         self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
         self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
         sink.buf.clear();
-        match (e.kind, fresh) {
-            (Kind::Eager, Some((_, data))) if e.held.is_empty() => {
-                sink.buf
-                    .extend_from_slice(data.get(..sink.place).unwrap_or(data));
-            }
-            _ => {
-                sink.buf.resize(sink.place, 0);
-                for (off, bytes) in std::mem::take(&mut e.held) {
-                    place(&mut sink, off, &bytes);
-                }
-                if let Some((off, data)) = fresh {
-                    place(&mut sink, off, data);
-                }
-            }
+        for (off, bytes) in std::mem::take(&mut e.held) {
+            place(&mut sink, off, &bytes);
+        }
+        if let Some((off, data)) = fresh {
+            place(&mut sink, off, data);
         }
         e.held_bytes = 0;
         e.last = now;
@@ -531,13 +470,17 @@ impl Engine {
         if let Kind::LongCts { .. } = e.kind {
             self.send_cts(rid);
         }
+        if let Some(e) = self.rx.get_mut(&rid) {
+            e.in_progress = true;
+        }
+        self.rx_in_progress += 1;
         if self.stall_check.is_none() {
             self.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
         }
     }
 
     /// Grants the sender of long-CTS message `rid` its next window.
-    fn send_cts(&mut self, rid: u32) {
+    pub(super) fn send_cts(&mut self, rid: u32) {
         let per_pkt = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
         let credit = self.cfg.tx_min_credits.max(1).saturating_mul(per_pkt);
         let qkey = self.local.qkey;
@@ -602,7 +545,7 @@ impl Engine {
 
     /// Removes an entry that has no buffer (waiting, unexpected, claimed, dropped) without a
     /// completion, releasing what it held.
-    fn remove_unmatched(&mut self, rid: u32) {
+    pub(super) fn remove_unmatched(&mut self, rid: u32) {
         let Some(e) = self.rx.remove(&rid) else {
             return;
         };
@@ -621,7 +564,7 @@ impl Engine {
 
     /// Drops an unmatched message for lack of memory: one still waiting for its turn becomes a
     /// marker that only advances the window; a processed one goes.
-    fn drop_unmatched(&mut self, rid: u32) {
+    pub(super) fn drop_unmatched(&mut self, rid: u32) {
         let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
@@ -647,16 +590,23 @@ impl Engine {
         }
     }
 
-    /// The whole message is in place: RECEIPT for delivery complete, and the completion.
-    fn complete_rx(&mut self, rid: u32) {
-        let Some(e) = self.rx.remove(&rid) else {
-            return;
-        };
+    /// Removes a matched entry (from the peer's map and the stall accounting too).
+    pub(super) fn take_entry(&mut self, rid: u32) -> Option<RxEntry> {
+        let e = self.rx.remove(&rid)?;
         if let Some(p) = self.peers.get_mut(&e.peer) {
             if p.inbound.get(&e.msg_id) == Some(&rid) {
                 p.inbound.remove(&e.msg_id);
             }
         }
+        self.rx_left(e.in_progress);
+        Some(e)
+    }
+
+    /// The whole message is in place: RECEIPT for delivery complete, and the completion.
+    pub(super) fn complete_rx(&mut self, rid: u32) {
+        let Some(e) = self.take_entry(rid) else {
+            return;
+        };
         let RxState::Matched(sink) = e.state else {
             return;
         };
@@ -708,17 +658,23 @@ impl Engine {
             }
             return self.remove_unmatched(rid);
         }
-        let Some(e) = self.rx.remove(&rid) else {
+        let Some(e) = self.take_entry(rid) else {
             return;
         };
-        if let Some(p) = self.peers.get_mut(&e.peer) {
-            if p.inbound.get(&e.msg_id) == Some(&rid) {
-                p.inbound.remove(&e.msg_id);
-            }
-        }
-        let RxState::Matched(mut sink) = e.state else {
+        let RxState::Matched(sink) = e.state else {
             return;
         };
+        self.fail_sink(sink, (e.tagged.then_some(e.tag), e.data, e.src), kind, why);
+    }
+
+    /// The error completion of a receive whose message will not (all) arrive.
+    fn fail_sink(
+        &mut self,
+        mut sink: Sink,
+        msg: (Option<u64>, Option<u32>, RawAddr),
+        kind: ErrorKind,
+        why: &'static str,
+    ) {
         let Some(context) = sink.context else { return };
         self.stats.errors += 1;
         if kind == ErrorKind::Canceled {
@@ -730,340 +686,80 @@ impl Engine {
             buf: sink.buf,
             len: 0,
             olen: 0,
-            tag: e.tagged.then_some(e.tag),
-            data: e.data,
-            src: Some(e.src),
+            tag: msg.0,
+            data: msg.1,
+            src: Some(msg.2),
             multi_recv_done: false,
             error: Some(Error::new(kind, "recv").with_detail(why)),
         }));
         self.piece_done(sink.multi);
     }
 
-    /// A receive op's completion went out: ordinary receives stop counting; a piece of a
-    /// retired multi-receive buffer may release it.
-    fn piece_done(&mut self, multi: Option<u32>) {
-        match multi {
-            None => self.user_rx_ops = self.user_rx_ops.saturating_sub(1),
-            Some(mid) => {
-                if let Some(m) = self.multi.get_mut(&mid) {
-                    m.pieces = m.pieces.saturating_sub(1);
-                    if m.retired && m.pieces == 0 {
-                        let err = m.error;
-                        self.retire_multi(mid, err);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Retires multi-receive buffer `mid`: its final completion (`multi_recv_done`) hands back
-    /// what is left, once the pieces in progress have completed.
-    pub(super) fn retire_multi(&mut self, mid: u32, error: Option<ErrorKind>) {
-        let Some(m) = self.multi.get_mut(&mid) else {
+    /// A matched receive got no packet for `rx_stall_timeout`: its application receive fails,
+    /// but the message goes on being received and thrown away, so that a sender that is only
+    /// slow (long RNR backoffs) still completes (no RECEIPT is sent for it, though). A message
+    /// that is already being thrown away and stalls again is forgotten.
+    pub(super) fn stall_rx(&mut self, rid: u32, now: Instant) {
+        let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
-        m.retired = true;
-        if error.is_some() {
-            m.error = error;
-        }
-        if m.pieces > 0 {
-            return;
-        }
-        let Some(m) = self.multi.remove(&mid) else {
+        let RxState::Matched(sink) = &mut e.state else {
             return;
         };
-        self.user_rx_ops = self.user_rx_ops.saturating_sub(1);
-        if let Some(k) = m.error {
-            self.stats.errors += 1;
-            if k == ErrorKind::Canceled {
-                self.stats.canceled += 1;
-            }
+        if sink.context.is_none() {
+            self.take_entry(rid);
+            return;
         }
-        self.events.push_back(Event::Recv(RecvDone {
-            context: m.context,
-            buf: m.buf,
-            len: 0,
-            olen: 0,
-            tag: None,
-            data: None,
-            src: None,
-            multi_recv_done: true,
-            error: m.error.map(|k| Error::new(k, "recv")),
-        }));
-    }
-
-    /// A posted receive's `Canceled` completion.
-    pub(super) fn cancel_event(&mut self, op: RecvOp) {
-        self.user_rx_ops = self.user_rx_ops.saturating_sub(1);
-        self.stats.errors += 1;
-        self.stats.canceled += 1;
-        self.events.push_back(Event::Recv(RecvDone {
-            context: op.context,
-            buf: op.buf,
-            len: 0,
-            olen: 0,
-            tag: op.tag.map(|t| t.0),
-            data: None,
-            src: None,
-            multi_recv_done: false,
-            error: Some(Error::new(ErrorKind::Canceled, "recv")),
-        }));
-    }
-
-    pub(super) fn post_recv_impl(
-        &mut self,
-        now: Instant,
-        mut op: RecvOp,
-    ) -> Result<(), (Error, RecvOp)> {
-        if self.closed {
-            return Err((Engine::closed_error("recv"), op));
-        }
-        if self.user_rx_ops >= self.cfg.max_rx_ops {
-            self.stats.again += 1;
-            return Err((
-                Error::new(ErrorKind::Again, "recv").with_detail("max_rx_ops receives posted"),
-                op,
-            ));
-        }
-        self.user_rx_ops += 1;
-        let tagged = op.tag.is_some();
-        let (tag, ignore) = op.tag.unwrap_or((0, 0));
-        let src = op.src;
-        let Some(min_free) = op.multi_recv else {
-            if let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
-                if let Some(u) = self.matcher.take_unexpected(tagged, idx) {
-                    let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
-                    let sink = Sink {
-                        context: Some(op.context),
-                        place: msg_len.min(op.buf.capacity()),
-                        buf: op.buf,
-                        multi: None,
-                    };
-                    self.start_matched(now, u.item, sink, None);
-                    return Ok(());
-                }
-            }
-            self.matcher.post(
-                tagged,
-                Posted {
-                    src,
-                    tag,
-                    ignore,
-                    item: PostedItem::One(op),
-                },
-            );
-            return Ok(());
-        };
-        let mid = self.next_multi_id;
-        self.next_multi_id = self.next_multi_id.wrapping_add(1);
-        op.buf.clear();
-        let retired = op.buf.capacity() < min_free;
-        self.multi.insert(
-            mid,
-            MultiRecv {
-                context: op.context,
-                buf: op.buf,
-                min_free,
-                pieces: 0,
-                retired,
-                error: None,
-            },
-        );
-        if retired {
-            self.retire_multi(mid, None);
-            return Ok(());
-        }
-        while let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
-            let Some(u) = self.matcher.take_unexpected(tagged, idx) else {
-                break;
-            };
-            let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
-            let Some((sink, retired)) = self.carve(mid, msg_len) else {
-                break;
-            };
-            self.start_matched(now, u.item, sink, None);
-            if retired {
-                let (err, pieces) = self
-                    .multi
-                    .get(&mid)
-                    .map_or((None, 1), |m| (m.error, m.pieces));
-                if pieces == 0 {
-                    self.retire_multi(mid, err);
-                }
-                return Ok(());
-            }
-        }
-        self.matcher.post(
-            tagged,
-            Posted {
-                src,
-                tag,
-                ignore,
-                item: PostedItem::Multi(mid),
-            },
-        );
-        Ok(())
-    }
-
-    pub(super) fn cancel_impl(&mut self, context: u64) -> bool {
-        if self.closed {
-            return false;
-        }
-        let multi = &self.multi;
-        let found = self.matcher.cancel_posted(|it| match it {
-            PostedItem::One(op) => op.context == context,
-            PostedItem::Multi(mid) => multi.get(mid).is_some_and(|m| m.context == context),
-        });
-        match found {
-            Some((_, p)) => {
-                match p.item {
-                    PostedItem::One(op) => self.cancel_event(op),
-                    PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
-                }
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn peeked(&self, rid: u32) -> Option<Peeked> {
-        let e = self.rx.get(&rid)?;
-        Some(Peeked {
-            len: e.msg_len,
-            tag: e.tag,
-            data: e.data,
-            src: e.src,
-            claim: None,
-        })
-    }
-
-    fn no_message(op: &'static str) -> Error {
-        Error::new(ErrorKind::NoMessage, op)
-    }
-
-    pub(super) fn peek_impl(
-        &mut self,
-        tag: u64,
-        ignore: u64,
-        src: Option<RawAddr>,
-        claim: bool,
-    ) -> super::Result<Peeked> {
-        if self.closed {
-            return Err(Engine::closed_error("peek"));
-        }
-        let idx = self
-            .matcher
-            .find_unexpected(true, src, tag, ignore)
-            .ok_or_else(|| Engine::no_message("peek"))?;
-        let rid = self
-            .matcher
-            .unexpected(true, idx)
-            .map(|u| u.item)
-            .ok_or_else(|| Engine::no_message("peek"))?;
-        let mut p = self.peeked(rid).ok_or_else(|| Engine::no_message("peek"))?;
-        if claim {
-            self.matcher.take_unexpected(true, idx);
-            if let Some(e) = self.rx.get_mut(&rid) {
-                e.state = RxState::Claimed;
-            }
-            let token = self.next_claim;
-            self.next_claim = self.next_claim.wrapping_add(1);
-            self.claimed.insert(token, rid);
-            p.claim = Some(token);
-        }
-        Ok(p)
-    }
-
-    pub(super) fn recv_claimed_impl(
-        &mut self,
-        now: Instant,
-        claim: u64,
-        op: RecvOp,
-    ) -> Result<(), (Error, RecvOp)> {
-        if self.closed {
-            return Err((Engine::closed_error("recv_claimed"), op));
-        }
-        let Some(&rid) = self.claimed.get(&claim) else {
-            return Err((
-                Engine::no_message("recv_claimed").with_detail("unknown claim"),
-                op,
-            ));
-        };
-        if self.user_rx_ops >= self.cfg.max_rx_ops {
-            self.stats.again += 1;
-            return Err((Error::new(ErrorKind::Again, "recv_claimed"), op));
-        }
-        self.claimed.remove(&claim);
-        self.user_rx_ops += 1;
-        let msg_len = self.rx.get(&rid).map_or(0, |e| e.msg_len);
-        let sink = Sink {
-            context: Some(op.context),
-            place: msg_len.min(op.buf.capacity()),
-            buf: op.buf,
+        let discard = Sink {
+            context: None,
+            buf: BytesMut::new(),
+            place: 0,
             multi: None,
         };
-        self.start_matched(now, rid, sink, None);
-        Ok(())
+        let user = std::mem::replace(sink, discard);
+        e.last = now;
+        e.dc_send_id = None;
+        let msg = (e.tagged.then_some(e.tag), e.data, e.src);
+        self.fail_sink(
+            user,
+            msg,
+            ErrorKind::ConnectionAborted,
+            "no packet from the sender for rx_stall_timeout",
+        );
     }
+}
 
-    pub(super) fn discard_impl(
-        &mut self,
-        tag: u64,
-        ignore: u64,
-        src: Option<RawAddr>,
-    ) -> super::Result<Peeked> {
-        if self.closed {
-            return Err(Engine::closed_error("discard"));
-        }
-        let idx = self
-            .matcher
-            .find_unexpected(true, src, tag, ignore)
-            .ok_or_else(|| Engine::no_message("discard"))?;
-        let u = self
-            .matcher
-            .take_unexpected(true, idx)
-            .ok_or_else(|| Engine::no_message("discard"))?;
-        let p = self
-            .peeked(u.item)
-            .ok_or_else(|| Engine::no_message("discard"))?;
-        let now = self.rx.get(&u.item).map(|e| e.last);
-        if let Some(now) = now {
-            // Received and thrown away, so that the sender completes normally.
-            let sink = Sink {
+#[cfg(test)]
+mod tests {
+    use super::{Sink, place};
+    use crate::fault::{Rng, test_seed};
+    use bytes::BytesMut;
+
+    #[test]
+    fn place_in_any_order_with_truncation() {
+        let seed = test_seed();
+        let mut rng = Rng::new(seed);
+        for _ in 0..50 {
+            let len = 1 + rng.below(5000) as usize;
+            let place_len = rng.below(len as u64 + 1) as usize;
+            let msg: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+            let seg = 1 + rng.below(700) as usize;
+            let mut segs: Vec<usize> = (0..len).step_by(seg).collect();
+            for i in (1..segs.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                segs.swap(i, j);
+            }
+            let mut sink = Sink {
                 context: None,
-                buf: BytesMut::new(),
-                place: 0,
+                buf: BytesMut::with_capacity(place_len),
+                place: place_len,
                 multi: None,
             };
-            self.start_matched(now, u.item, sink, None);
-        }
-        Ok(p)
-    }
-
-    /// Fails the receives that got no packet for `rx_stall_timeout`.
-    pub(super) fn check_stalls(&mut self, now: Instant) {
-        let stall = self.cfg.rx_stall_timeout;
-        let mut stalled = Vec::new();
-        let mut next: Option<Instant> = None;
-        for (&rid, e) in &self.rx {
-            if !e.matched() {
-                continue;
+            for off in segs {
+                place(&mut sink, off, &msg[off..(off + seg).min(len)]);
             }
-            let due = e.last.checked_add(stall).unwrap_or(e.last);
-            if due <= now {
-                stalled.push(rid);
-            } else {
-                next = Some(next.map_or(due, |n| n.min(due)));
-            }
+            assert_eq!(sink.buf.len(), place_len, "seed {seed}");
+            assert!(sink.buf[..] == msg[..place_len], "seed {seed}");
         }
-        stalled.sort_unstable();
-        for rid in stalled {
-            self.abort_rx(
-                rid,
-                ErrorKind::ConnectionAborted,
-                "no packet from the sender for rx_stall_timeout",
-            );
-        }
-        self.stall_check = next;
     }
 }

@@ -119,9 +119,12 @@ impl Engine {
         }
     }
 
-    pub(super) fn send_impl(&mut self, _now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
+    pub(super) fn send_impl(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
+        }
+        if !self.backoff.is_empty() {
+            self.expire_backoffs(now);
         }
         if self.tx.len() >= self.cfg.max_tx_ops {
             return self.again(op, "max_tx_ops operations in flight", "send");
@@ -306,6 +309,11 @@ impl Engine {
         let pkt = self.outstanding.remove(key);
         match status {
             Status::Success => {
+                if pkt.rnr > 0 {
+                    // A resent packet got through: the peer's backoff is over and its wait
+                    // starts afresh (libfabric's `efa_rdm_pke_release_tx`).
+                    self.reset_backoff(pkt.peer);
+                }
                 if let Owner::Tx(id) = pkt.owner {
                     if let Some(t) = self.tx.get_mut(&id) {
                         t.pending = t.pending.saturating_sub(1);

@@ -1,0 +1,76 @@
+//! The protocol engine alone: two engines joined directly by the simulator (no faults, no
+//! device, no threads), so the figures are the engine's own cost per message.
+//!
+//! * message rate of small messages (8 B and 64 B, eager), in messages per second;
+//! * throughput of 64 KiB (medium) and 1 MiB (long-CTS) messages.
+//!
+//! `cargo bench --bench engine` (sample size 10, short measurement).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use efa::proto::sim::{Sim, SimConfig, pattern, recv_op, send_op};
+
+/// One batch: `n` receives posted, `n` messages sent, run to quiescence, completions taken.
+fn batch(sim: &mut Sim, payload: &Bytes, n: usize) {
+    let dest = sim.addr(1);
+    for k in 0..n {
+        if let Err((e, _)) = sim.post_recv(1, recv_op(payload.len(), k as u64)) {
+            panic!("post_recv: {e}");
+        }
+        if let Err((e, _)) = sim.send(0, send_op(dest, payload.clone(), k as u64)) {
+            panic!("send: {e}");
+        }
+    }
+    assert!(sim.run());
+    let r = sim.take_events(1);
+    let s = sim.take_events(0);
+    assert_eq!((r.len(), s.len()), (n, n));
+}
+
+fn new_sim() -> Sim {
+    let mut cfg = SimConfig::clean(1);
+    cfg.engine.max_tx_ops = 4096;
+    cfg.engine.max_rx_ops = 4096;
+    Sim::new(cfg, 2)
+}
+
+fn message_rate(c: &mut Criterion) {
+    let mut g = c.benchmark_group("engine/message_rate");
+    let n = 1000;
+    for size in [8usize, 64] {
+        let payload = pattern(1, size);
+        let mut sim = new_sim();
+        batch(&mut sim, &payload, 10);
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(size), &payload, |b, p| {
+            b.iter(|| batch(&mut sim, p, n))
+        });
+    }
+    g.finish();
+}
+
+fn throughput(c: &mut Criterion) {
+    let mut g = c.benchmark_group("engine/throughput");
+    for (size, n) in [(64 << 10, 64usize), (1 << 20, 8)] {
+        let payload = pattern(2, size);
+        let mut sim = new_sim();
+        batch(&mut sim, &payload, 2);
+        g.throughput(Throughput::Bytes((size * n) as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(size), &payload, |b, p| {
+            b.iter(|| batch(&mut sim, p, n))
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    targets = message_rate, throughput
+}
+criterion_main!(benches);

@@ -1,0 +1,749 @@
+//! A deterministic simulator for the protocol engine: several [`Engine`]s joined by a simulated
+//! SRD network with a virtual clock (tests and benches; not a stable API).
+//!
+//! The network keeps the device contract: every datagram is delivered **exactly once**, in a
+//! seeded random order. "Loss" is modelled as what SRD turns it into — a retransmission delay —
+//! and "duplicates" are suppressed (counted only). Each node has a limited number of device
+//! receive buffers, consumed by a delivery and re-posted after [`Engine::handle_recv`] returns
+//! (optionally after a delay): a datagram that finds none is retried by the simulated device up
+//! to `rnr_retry` times, then the sender's packet completes with [`Status::RnrRetryExceeded`].
+//! A sender's completion comes when its datagram is delivered. A node can vanish (datagrams to it
+//! complete with [`Status::UnresponsiveRemote`]) or restart with a new QKEY.
+//!
+//! ```
+//! use bytes::{Bytes, BytesMut};
+//! use efa::proto::engine::{Event, RecvOp, SendOp};
+//! use efa::proto::sim::{Sim, SimConfig};
+//!
+//! let mut sim = Sim::new(SimConfig::default(), 2);
+//! let dest = sim.addr(1);
+//! sim.post_recv(1, RecvOp { buf: BytesMut::with_capacity(64), tag: None, src: None, multi_recv: None, context: 7 })
+//!     .unwrap();
+//! sim.send(0, SendOp { dest, buf: Bytes::from_static(b"hello"), tag: None, data: None,
+//!     delivery_complete: false, context: 1 }).unwrap();
+//! assert!(sim.run());
+//! let Some(Event::Recv(r)) = sim.take_events(1).pop() else { panic!() };
+//! assert_eq!(&r.buf[..], b"hello");
+//! ```
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::addr::{Gid, RawAddr};
+use crate::device::{Source, Status};
+use crate::error::Error;
+use crate::fault::Rng;
+use crate::proto::engine::{Engine, EngineConfig, Event, RecvOp, SendOp};
+
+/// `len` bytes of a seeded pseudo-random pattern (cheap even in debug builds).
+pub fn pattern(seed: u64, len: usize) -> Bytes {
+    let mut v = Vec::with_capacity(len + 8);
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    Bytes::from(v)
+}
+
+/// An untagged send without CQ data or delivery complete.
+pub fn send_op(dest: RawAddr, buf: Bytes, context: u64) -> SendOp {
+    SendOp {
+        dest,
+        buf,
+        tag: None,
+        data: None,
+        delivery_complete: false,
+        context,
+    }
+}
+
+/// An untagged receive from any source into a new buffer of `cap` bytes.
+pub fn recv_op(cap: usize, context: u64) -> RecvOp {
+    RecvOp {
+        buf: bytes::BytesMut::with_capacity(cap),
+        tag: None,
+        src: None,
+        multi_recv: None,
+        context,
+    }
+}
+
+/// How the simulated network and devices behave.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Seed of every random decision (and of the QKEYs).
+    pub seed: u64,
+    /// Template of every node's engine configuration (the seed is varied per node).
+    pub engine: EngineConfig,
+    /// One-way latency.
+    pub latency: Duration,
+    /// Extra random delay in `0..jitter` per datagram: reordering.
+    pub jitter: Duration,
+    /// Probability that a datagram is "lost" and delivered after SRD's retransmission delay.
+    pub loss: f64,
+    /// Retransmission delay of a lost datagram (1 to 3 times this).
+    pub retransmit_delay: Duration,
+    /// Probability that a datagram is duplicated on the wire (SRD suppresses it: counted only).
+    pub duplicate: f64,
+    /// Device receive buffers per node.
+    pub rx_buffers: usize,
+    /// Delay before a consumed receive buffer is posted again.
+    pub rx_repost_delay: Duration,
+    /// RNR retries of the simulated device before the sender sees `RnrRetryExceeded`.
+    pub rnr_retry: u32,
+    /// Interval between RNR retries.
+    pub rnr_interval: Duration,
+    /// Delay of a sender's completion after the delivery.
+    pub completion_delay: Duration,
+    /// After this long a datagram to a vanished node completes with `UnresponsiveRemote`.
+    pub unresponsive_after: Duration,
+}
+
+impl SimConfig {
+    /// The default engine configuration of simulated nodes: MTU 8192, 256 packets on the
+    /// device, 1024 operations each way, libfabric's protocol defaults, 5 s receive stall.
+    pub fn default_engine() -> EngineConfig {
+        EngineConfig {
+            mtu: 8192,
+            max_outstanding_tx: 256,
+            max_tx_ops: 1024,
+            max_rx_ops: 1024,
+            recvwin_size: 16,
+            tx_min_credits: 32,
+            max_medium_msg_size: 65536,
+            timeout_interval: Duration::ZERO,
+            max_timeout: Duration::from_millis(1000),
+            rx_stall_timeout: Duration::from_secs(5),
+            seed: 0,
+        }
+    }
+
+    /// No faults (but latency, so that packets interleave), plenty of receive buffers.
+    pub fn clean(seed: u64) -> SimConfig {
+        SimConfig {
+            seed,
+            ..SimConfig::default()
+        }
+    }
+
+    /// Faults of the issue's mixes: 10 % "loss", 10 % duplicates, jitter, few receive buffers
+    /// (so RNR happens), buffers re-posted after a delay.
+    pub fn faulty(seed: u64) -> SimConfig {
+        SimConfig {
+            seed,
+            jitter: Duration::from_micros(30),
+            loss: 0.1,
+            duplicate: 0.1,
+            rx_buffers: 32,
+            rx_repost_delay: Duration::from_micros(3),
+            rnr_retry: 1,
+            ..SimConfig::default()
+        }
+    }
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            seed: 0,
+            engine: SimConfig::default_engine(),
+            latency: Duration::from_micros(2),
+            jitter: Duration::ZERO,
+            loss: 0.0,
+            retransmit_delay: Duration::from_micros(50),
+            duplicate: 0.0,
+            rx_buffers: 4096,
+            rx_repost_delay: Duration::ZERO,
+            rnr_retry: 3,
+            rnr_interval: Duration::from_micros(10),
+            completion_delay: Duration::from_micros(1),
+            unresponsive_after: Duration::from_millis(10),
+        }
+    }
+}
+
+/// Counters of the simulated network.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimStats {
+    /// Datagrams posted by engines.
+    pub sent: u64,
+    /// Datagrams delivered to an engine.
+    pub delivered: u64,
+    /// Payload bytes delivered.
+    pub delivered_bytes: u64,
+    /// Datagrams delayed by a simulated loss.
+    pub lost: u64,
+    /// Duplicates suppressed.
+    pub duplicates: u64,
+    /// Times a datagram found no receive buffer.
+    pub rnr_naks: u64,
+    /// Sender completions with `RnrRetryExceeded`.
+    pub rnr_exceeded: u64,
+    /// Sender completions with `UnresponsiveRemote`.
+    pub unresponsive: u64,
+    /// Datagrams larger than the MTU (an engine bug; completed with `LocalBadLength`).
+    pub oversize: u64,
+    /// Datagrams handed out while the node already had `max_outstanding_tx` on the device
+    /// (an engine bug).
+    pub over_depth: u64,
+}
+
+/// A datagram as the tap saw it.
+#[derive(Clone, Debug)]
+pub struct Datagram {
+    /// Virtual time it was handed to the device.
+    pub at: Duration,
+    /// Sending node.
+    pub from: usize,
+    /// Destination address.
+    pub to: RawAddr,
+    /// Header and payload, contiguous.
+    pub bytes: Vec<u8>,
+}
+
+/// One simulated endpoint.
+#[derive(Debug)]
+pub struct Node {
+    /// Its engine.
+    pub engine: Engine,
+    /// Its address.
+    pub addr: RawAddr,
+    /// False once it vanished.
+    pub alive: bool,
+    /// Completions collected from the engine.
+    pub events: Vec<Event>,
+    incarnation: u64,
+    free_bufs: usize,
+    /// Datagrams on the simulated device, not yet completed.
+    in_flight: usize,
+}
+
+#[derive(Debug)]
+enum Action {
+    Arrive {
+        from: usize,
+        src: Source,
+        to: RawAddr,
+        wr_id: u64,
+        inc: u64,
+        hdr: Bytes,
+        payload: Bytes,
+        rnr: u32,
+    },
+    Complete {
+        node: usize,
+        inc: u64,
+        wr_id: u64,
+        status: Status,
+    },
+    Repost {
+        node: usize,
+        inc: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Item {
+    at: Duration,
+    seq: u64,
+    action: Action,
+}
+
+impl PartialEq for Item {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Item {}
+impl PartialOrd for Item {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Item {
+    /// Reversed: the heap pops the earliest first.
+    fn cmp(&self, o: &Self) -> Ordering {
+        (o.at, o.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+/// Engines on a simulated SRD network with a virtual clock.
+#[derive(Debug)]
+pub struct Sim {
+    cfg: SimConfig,
+    base: Instant,
+    now: Duration,
+    rng: Rng,
+    seq: u64,
+    queue: BinaryHeap<Item>,
+    nodes: Vec<Node>,
+    scratch: Vec<u8>,
+    tap: Option<Vec<Datagram>>,
+    /// Network counters.
+    pub stats: SimStats,
+    /// Stop [`Sim::run`] after this much virtual time (default 600 s).
+    pub time_limit: Duration,
+}
+
+impl Sim {
+    /// A simulator with `n` nodes configured by `cfg.engine`.
+    pub fn new(cfg: SimConfig, n: usize) -> Sim {
+        let mut sim = Sim {
+            rng: Rng::new(cfg.seed),
+            cfg,
+            base: Instant::now(),
+            now: Duration::ZERO,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            nodes: Vec::new(),
+            scratch: Vec::new(),
+            tap: None,
+            stats: SimStats::default(),
+            time_limit: Duration::from_secs(600),
+        };
+        for _ in 0..n {
+            let e = sim.cfg.engine.clone();
+            sim.add_node(e);
+        }
+        sim
+    }
+
+    fn new_qkey(&mut self) -> u32 {
+        (self.rng.next_u64() as u32 & 0x7fff_ffff).max(1)
+    }
+
+    /// Adds a node with its own engine configuration; returns its index.
+    pub fn add_node(&mut self, mut ecfg: EngineConfig) -> usize {
+        let i = self.nodes.len();
+        let ip = Ipv4Addr::new(10, 0, (i >> 8) as u8, (i & 0xff) as u8 + 1);
+        let addr = RawAddr::new(Gid::from(ip), 1000 + i as u16, self.new_qkey());
+        ecfg.seed ^= self.cfg.seed.rotate_left(17) ^ i as u64;
+        let engine = Engine::new(ecfg, addr, self.now());
+        self.nodes.push(Node {
+            engine,
+            addr,
+            alive: true,
+            events: Vec::new(),
+            incarnation: 0,
+            free_bufs: self.cfg.rx_buffers,
+            in_flight: 0,
+        });
+        i
+    }
+
+    /// The current virtual time.
+    pub fn now(&self) -> Instant {
+        self.base.checked_add(self.now).unwrap_or(self.base)
+    }
+
+    /// Virtual time elapsed since the start.
+    pub fn elapsed(&self) -> Duration {
+        self.now
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SimConfig {
+        &self.cfg
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// True without nodes.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Node `i`.
+    pub fn node(&self, i: usize) -> &Node {
+        &self.nodes[i]
+    }
+
+    /// Node `i`'s engine.
+    pub fn engine(&mut self, i: usize) -> &mut Engine {
+        &mut self.nodes[i].engine
+    }
+
+    /// Node `i`'s address.
+    pub fn addr(&self, i: usize) -> RawAddr {
+        self.nodes[i].addr
+    }
+
+    /// Starts a send on node `i` at the current virtual time.
+    pub fn send(&mut self, i: usize, op: SendOp) -> Result<(), (Error, SendOp)> {
+        let now = self.now();
+        self.nodes[i].engine.send(now, op)
+    }
+
+    /// Posts a receive on node `i`.
+    pub fn post_recv(&mut self, i: usize, op: RecvOp) -> Result<(), (Error, RecvOp)> {
+        let now = self.now();
+        self.nodes[i].engine.post_recv(now, op)
+    }
+
+    /// Takes the completions node `i` collected (also polls its engine).
+    pub fn take_events(&mut self, i: usize) -> Vec<Event> {
+        let n = &mut self.nodes[i];
+        while let Some(e) = n.engine.poll_event() {
+            n.events.push(e);
+        }
+        std::mem::take(&mut n.events)
+    }
+
+    /// Hands `bytes` to node `i` as if it arrived from `src` (fuzzing, crafted packets).
+    pub fn inject(&mut self, i: usize, src: Source, bytes: &[u8]) {
+        let now = self.now();
+        self.nodes[i].engine.handle_recv(now, src, bytes);
+    }
+
+    /// The device source of node `i`'s datagrams.
+    pub fn source(&self, i: usize) -> Source {
+        let a = self.nodes[i].addr;
+        Source {
+            gid: a.gid,
+            qpn: a.qpn,
+        }
+    }
+
+    /// Records every datagram sent from now on (or stops recording).
+    pub fn set_tap(&mut self, on: bool) {
+        self.tap = on.then(Vec::new);
+    }
+
+    /// The datagrams recorded since the last call.
+    pub fn take_tap(&mut self) -> Vec<Datagram> {
+        self.tap.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Node `i` vanishes: datagrams to it complete with `UnresponsiveRemote`, its own are
+    /// forgotten.
+    pub fn vanish(&mut self, i: usize) {
+        self.nodes[i].alive = false;
+    }
+
+    /// Node `i` restarts on the same GID and QPN with a new QKEY and a fresh engine.
+    pub fn restart(&mut self, i: usize) -> RawAddr {
+        let qkey = self.new_qkey();
+        let now = self.now();
+        let n = &mut self.nodes[i];
+        n.addr.qkey = qkey;
+        let mut ecfg = n.engine.config().clone();
+        ecfg.seed = ecfg.seed.wrapping_add(1);
+        n.engine = Engine::new(ecfg, n.addr, now);
+        n.alive = true;
+        n.incarnation += 1;
+        n.events.clear();
+        n.free_bufs = self.cfg.rx_buffers;
+        n.in_flight = 0;
+        n.addr
+    }
+
+    fn schedule(&mut self, after: Duration, action: Action) {
+        self.seq += 1;
+        let at = self.now.saturating_add(after);
+        self.queue.push(Item {
+            at,
+            seq: self.seq,
+            action,
+        });
+    }
+
+    /// Polls every live engine until none has anything to do right now. Returns whether any did.
+    fn pump(&mut self) -> bool {
+        let now = self.now();
+        let mut any = false;
+        loop {
+            let mut busy = false;
+            for i in 0..self.nodes.len() {
+                if !self.nodes[i].alive {
+                    continue;
+                }
+                if self.nodes[i]
+                    .engine
+                    .poll_timeout()
+                    .is_some_and(|t| t <= now)
+                {
+                    self.nodes[i].engine.handle_timeout(now);
+                    busy = true;
+                }
+                while let Some(t) = self.nodes[i].engine.poll_transmit(now) {
+                    busy = true;
+                    self.launch(i, t);
+                }
+                let n = &mut self.nodes[i];
+                while let Some(e) = n.engine.poll_event() {
+                    busy = true;
+                    n.events.push(e);
+                }
+            }
+            if !busy {
+                return any;
+            }
+            any = true;
+        }
+    }
+
+    fn launch(&mut self, from: usize, t: crate::proto::engine::Transmit) {
+        self.stats.sent += 1;
+        let n = &mut self.nodes[from];
+        n.in_flight += 1;
+        if n.in_flight > n.engine.config().max_outstanding_tx {
+            self.stats.over_depth += 1;
+        }
+        let inc = self.nodes[from].incarnation;
+        if t.hdr.len() + t.payload.len()
+            > self
+                .cfg
+                .engine
+                .mtu
+                .max(self.nodes[from].engine.config().mtu)
+        {
+            self.stats.oversize += 1;
+            let status = Status::LocalBadLength;
+            self.schedule(
+                Duration::ZERO,
+                Action::Complete {
+                    node: from,
+                    inc,
+                    wr_id: t.wr_id,
+                    status,
+                },
+            );
+            return;
+        }
+        if let Some(tap) = &mut self.tap {
+            let mut bytes = t.hdr.to_vec();
+            bytes.extend_from_slice(&t.payload);
+            tap.push(Datagram {
+                at: self.now,
+                from,
+                to: t.dest,
+                bytes,
+            });
+        }
+        let mut delay = self.cfg.latency;
+        if !self.cfg.jitter.is_zero() {
+            delay += Duration::from_nanos(self.rng.below(self.cfg.jitter.as_nanos() as u64));
+        }
+        if self.rng.chance(self.cfg.loss) {
+            self.stats.lost += 1;
+            delay += self.cfg.retransmit_delay * (1 + self.rng.below(3) as u32);
+        }
+        if self.rng.chance(self.cfg.duplicate) {
+            self.stats.duplicates += 1;
+        }
+        let src = self.source(from);
+        let action = Action::Arrive {
+            from,
+            src,
+            to: t.dest,
+            wr_id: t.wr_id,
+            inc,
+            hdr: t.hdr,
+            payload: t.payload,
+            rnr: 0,
+        };
+        self.schedule(delay, action);
+    }
+
+    fn target(&self, to: &RawAddr) -> Option<usize> {
+        self.nodes.iter().position(|n| n.alive && n.addr == *to)
+    }
+
+    fn act(&mut self, action: Action) {
+        match action {
+            Action::Arrive {
+                from,
+                src,
+                to,
+                wr_id,
+                inc,
+                hdr,
+                payload,
+                rnr,
+            } => {
+                let Some(j) = self.target(&to) else {
+                    self.stats.unresponsive += 1;
+                    let status = Status::UnresponsiveRemote;
+                    return self.schedule(
+                        self.cfg.unresponsive_after,
+                        Action::Complete {
+                            node: from,
+                            inc,
+                            wr_id,
+                            status,
+                        },
+                    );
+                };
+                if self.nodes[j].free_bufs == 0 {
+                    self.stats.rnr_naks += 1;
+                    if rnr >= self.cfg.rnr_retry {
+                        self.stats.rnr_exceeded += 1;
+                        let status = Status::RnrRetryExceeded;
+                        return self.schedule(
+                            self.cfg.rnr_interval,
+                            Action::Complete {
+                                node: from,
+                                inc,
+                                wr_id,
+                                status,
+                            },
+                        );
+                    }
+                    let again = Action::Arrive {
+                        from,
+                        src,
+                        to,
+                        wr_id,
+                        inc,
+                        hdr,
+                        payload,
+                        rnr: rnr + 1,
+                    };
+                    return self.schedule(self.cfg.rnr_interval, again);
+                }
+                self.stats.delivered += 1;
+                self.stats.delivered_bytes += payload.len() as u64;
+                let now = self.now();
+                let mut buf = std::mem::take(&mut self.scratch);
+                buf.clear();
+                buf.extend_from_slice(&hdr);
+                buf.extend_from_slice(&payload);
+                let node = &mut self.nodes[j];
+                node.free_bufs -= 1;
+                node.engine.handle_recv(now, src, &buf);
+                self.scratch = buf;
+                let jinc = self.nodes[j].incarnation;
+                if self.cfg.rx_repost_delay.is_zero() {
+                    self.nodes[j].free_bufs += 1;
+                } else {
+                    self.schedule(
+                        self.cfg.rx_repost_delay,
+                        Action::Repost { node: j, inc: jinc },
+                    );
+                }
+                let status = Status::Success;
+                self.schedule(
+                    self.cfg.completion_delay,
+                    Action::Complete {
+                        node: from,
+                        inc,
+                        wr_id,
+                        status,
+                    },
+                );
+            }
+            Action::Complete {
+                node,
+                inc,
+                wr_id,
+                status,
+            } => {
+                let now = self.now();
+                let n = &mut self.nodes[node];
+                if n.alive && n.incarnation == inc {
+                    n.in_flight = n.in_flight.saturating_sub(1);
+                    n.engine.handle_send_completion(now, wr_id, status);
+                }
+            }
+            Action::Repost { node, inc } => {
+                let n = &mut self.nodes[node];
+                if n.incarnation == inc {
+                    n.free_bufs += 1;
+                }
+            }
+        }
+    }
+
+    /// Polls the engines and performs what is due now; true if anything happened.
+    fn work(&mut self) -> bool {
+        let mut progressed = self.pump();
+        while self.queue.peek().is_some_and(|it| it.at <= self.now) {
+            if let Some(it) = self.queue.pop() {
+                self.act(it.action);
+                progressed = true;
+            }
+        }
+        progressed
+    }
+
+    /// When the next datagram event or engine timer is due.
+    fn next_time(&self) -> Option<Duration> {
+        let timer = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive)
+            .filter_map(|n| n.engine.poll_timeout())
+            .min()
+            .map(|t| t.saturating_duration_since(self.base));
+        match (self.queue.peek().map(|it| it.at), timer) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// One step: polls the engines and performs what is due, or else advances the clock to the
+    /// next datagram or timer. Returns false when nothing is left to do (quiescent).
+    pub fn step(&mut self) -> bool {
+        if self.work() {
+            return true;
+        }
+        match self.next_time() {
+            Some(t) => {
+                self.now = self.now.max(t);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Runs until quiescent; false if [`Sim::time_limit`] ran out first.
+    pub fn run(&mut self) -> bool {
+        while self.step() {
+            if self.now > self.time_limit {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Runs for `d` of virtual time: afterwards the clock reads exactly `d` later.
+    pub fn run_for(&mut self, d: Duration) {
+        let end = self.now.saturating_add(d);
+        loop {
+            if self.work() {
+                continue;
+            }
+            match self.next_time() {
+                Some(t) if t <= end => self.now = self.now.max(t),
+                _ => {
+                    self.now = self.now.max(end);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Runs until `done` holds (checked after every step) or quiescence; returns `done`'s last
+    /// answer.
+    pub fn run_until(&mut self, mut done: impl FnMut(&mut Sim) -> bool) -> bool {
+        loop {
+            if done(self) {
+                return true;
+            }
+            if !self.step() || self.now > self.time_limit {
+                return done(self);
+            }
+        }
+    }
+}
