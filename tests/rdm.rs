@@ -368,7 +368,7 @@ fn progress_thread_moves_data_while_nobody_polls() {
     a.ep.send(pb, msg.clone(), 2).unwrap();
     // Neither side polls: the progress threads must carry the long-CTS exchange to the end.
     let deadline = Instant::now() + DEADLINE;
-    while b.cq.len() == 0 || a.cq.len() == 0 {
+    while b.cq.is_empty() || a.cq.is_empty() {
         assert!(
             Instant::now() < deadline,
             "progress thread did not complete the transfer"
@@ -383,4 +383,89 @@ fn progress_thread_moves_data_while_nobody_polls() {
 fn rdm_endpoint_is_send_and_sync() {
     fn both<T: Send + Sync>() {}
     both::<Endpoint<Rdm>>();
+}
+
+#[test]
+fn multi_recv_directed_and_delivery_complete() {
+    let net = efa::device::loopback::LoopbackNetwork::new(FaultConfig::default());
+    let d = loopback_domain(&net);
+    let (a, b, c) = (Node::new(&d), Node::new(&d), Node::new(&d));
+    let (pa, pc) = (b.insert(a.ep.addr()), b.insert(c.ep.addr()));
+    let pb_a = a.insert(b.ep.addr());
+    let pb_c = c.insert(b.ep.addr());
+    // Directed: the receive for c's message is posted first but only takes c's.
+    b.ep.recv_with(
+        BytesMut::with_capacity(16),
+        RecvOptions {
+            from: Some(pc),
+            ..Default::default()
+        },
+        1,
+    )
+    .unwrap();
+    b.ep.recv_with(
+        BytesMut::with_capacity(16),
+        RecvOptions {
+            from: Some(pa),
+            ..Default::default()
+        },
+        2,
+    )
+    .unwrap();
+    a.ep.send_with(
+        pb_a,
+        Bytes::from_static(b"from a"),
+        SendOptions {
+            delivery_complete: true,
+            ..Default::default()
+        },
+        10,
+    )
+    .unwrap();
+    let done = b.collect(1, "receiver");
+    assert_eq!(done[0].context, 2);
+    assert_eq!(done[0].source, Some(pa));
+    // Delivery complete: the sender's completion comes after the RECEIPT.
+    assert_eq!(a.collect(1, "sender")[0].context, 10);
+    c.ep.send(pb_c, Bytes::from_static(b"from c"), 11).unwrap();
+    let done = b.collect(1, "receiver");
+    assert_eq!((done[0].context, done[0].source), (1, Some(pc)));
+    c.collect(1, "sender c");
+
+    // Multi-receive: one 1 KiB buffer takes messages until less than 200 bytes remain.
+    let o = RecvOptions {
+        multi_recv: Some(200),
+        ..Default::default()
+    };
+    b.ep.recv_with(BytesMut::with_capacity(1024), o, 50)
+        .unwrap();
+    for i in 0..4u8 {
+        a.ep.send(pb_a, Bytes::from(vec![i; 250]), 20 + u64::from(i))
+            .unwrap();
+    }
+    // 1024 bytes take four 250-byte messages; the 24 left are below 200, so a fifth completion
+    // retires the buffer.
+    let done = b.collect(5, "multi-recv");
+    let parts: Vec<_> = done.iter().filter(|c| c.len == 250).collect();
+    assert_eq!(parts.len(), 4, "{done:?}");
+    for (i, p) in parts.iter().enumerate() {
+        assert_eq!(p.context, 50);
+        assert!(p.buf.as_recv().unwrap().iter().all(|&x| x == i as u8));
+    }
+    assert!(
+        done.iter()
+            .any(|c| c.flags.contains(efa::CompletionFlags::MULTI_RECV)),
+        "the buffer is retired"
+    );
+    // A tagged multi-receive is refused and handed back.
+    let o = RecvOptions {
+        multi_recv: Some(10),
+        tag: Some((1, 0)),
+        ..Default::default()
+    };
+    let e =
+        b.ep.recv_with(BytesMut::with_capacity(64), o, 51)
+            .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.into_buffer().into_recv().is_some());
 }

@@ -179,6 +179,8 @@ struct OpState {
     sink: Sink,
     target: Option<RecvTarget>,
     region: Option<crate::mr::MemoryRegion>,
+    /// A multi-receive buffer: it completes once per message and stays until retired.
+    multi: bool,
 }
 
 struct State {
@@ -210,13 +212,13 @@ impl fmt::Debug for RdmCore {
     }
 }
 
+/// How one operation ended, as a future receives it.
+type OpResult = std::result::Result<Completion, CompletionError>;
+
 /// A completion delivered to a future.
 #[derive(Default)]
 struct Slot {
-    done: Mutex<(
-        Option<std::result::Result<Completion, CompletionError>>,
-        Option<Waker>,
-    )>,
+    done: Mutex<(Option<OpResult>, Option<Waker>)>,
 }
 
 impl Endpoint<Rdm> {
@@ -509,6 +511,7 @@ impl RdmCore {
             sink,
             target: None,
             region,
+            multi: false,
         });
         let op = SendOp {
             dest,
@@ -538,6 +541,25 @@ impl RdmCore {
             Ok(s) => s,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
+        if o.multi_recv.is_some() {
+            let why = if o.tag.is_some() {
+                Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
+            } else if matches!(buf, RecvBuf::Region(_)) {
+                Some("a multi-receive buffer must be a BytesMut, not a memory region")
+            } else if matches!(sink, Sink::Future(_)) {
+                Some(
+                    "a multi-receive buffer completes many times: post it with recv_with, not recv_async",
+                )
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(refuse(
+                    Error::new(ErrorKind::InvalidArgument, "recv").with_detail(why),
+                    buf.into_buffer(),
+                ));
+            }
+        }
         let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv")?;
         let now = Instant::now();
         let mut st = self.state.lock();
@@ -551,6 +573,7 @@ impl RdmCore {
             sink,
             target: Some(target),
             region: None,
+            multi: o.multi_recv.is_some(),
         });
         let op = RecvOp {
             buf: down,
@@ -587,6 +610,7 @@ impl RdmCore {
             sink: Sink::Cq(context),
             target: Some(target),
             region: None,
+            multi: false,
         });
         let op = RecvOp {
             buf: down,
@@ -720,6 +744,22 @@ impl RdmCore {
             Event::Send(s) => (s.context as usize, true),
             Event::Recv(r) => (r.context as usize, false),
         };
+        // A multi-receive buffer completes once per message (each with its own part of the
+        // buffer) and is only retired by its final `multi_recv_done` completion.
+        if let Event::Recv(r) = &ev {
+            if !r.multi_recv_done && ops.get(key).is_some_and(|o| o.multi) {
+                let Some(Sink::Cq(ctx)) = ops.get(key).map(|o| &o.sink) else {
+                    return false;
+                };
+                let ctx = *ctx;
+                let Event::Recv(r) = ev else { return false };
+                match self.recv_completion(r, ctx, None) {
+                    Ok(c) => self.rx_cq.push(c),
+                    Err(e) => self.rx_cq.push_err(e),
+                }
+                return true;
+            }
+        }
         let Some(op) = ops.try_remove(key) else {
             tracing::warn!(key, "engine completion for an unknown operation");
             return false;
