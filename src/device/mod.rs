@@ -27,6 +27,8 @@ use crate::error::{ErrorKind, Result};
 use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 
+#[cfg(feature = "efa")]
+pub mod efa;
 pub mod loopback;
 pub mod udp;
 
