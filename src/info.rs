@@ -528,8 +528,15 @@ pub enum DeviceSpec {
     Udp(UdpConfig),
     /// A `loopback` device on [`LoopbackNetwork::global()`].
     Loopback(LoopbackConfig),
-    // The `efa` variant (rdma-core device name) comes with the hardware device, behind
-    // `#[cfg(feature = "efa")]`; `shm` with the shared-memory device.
+    /// An `efa` NIC (cargo feature `efa`).
+    #[cfg(feature = "efa")]
+    Efa {
+        /// rdma-core device name, e.g. `rdmap0s6`.
+        name: String,
+        /// `FI_EFA_USE_DEVICE_RDMA` when it was discovered (decides the RDMA capabilities).
+        use_device_rdma: Option<bool>,
+    },
+    // `shm` comes with the shared-memory device.
 }
 
 impl DeviceSpec {
@@ -538,14 +545,22 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Udp(_) => DeviceKind::Udp,
             DeviceSpec::Loopback(_) => DeviceKind::Loopback,
+            #[cfg(feature = "efa")]
+            DeviceSpec::Efa { .. } => DeviceKind::Efa,
         }
     }
 
-    /// Opens the device (cheap: no sockets until a queue pair is created).
+    /// Opens the device (cheap for software devices: no sockets until a queue pair is created;
+    /// an `efa` NIC is opened and queried, and gets its protection domain).
     pub fn open(&self) -> Result<Arc<dyn Device>> {
         Ok(match self {
             DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
             DeviceSpec::Loopback(c) => LoopbackDevice::open(&LoopbackNetwork::global(), c.clone())?,
+            #[cfg(feature = "efa")]
+            DeviceSpec::Efa {
+                name,
+                use_device_rdma,
+            } => crate::device::efa::EfaDevice::open(name, *use_device_rdma)?,
         })
     }
 
@@ -1098,49 +1113,101 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
 
     let mut out = Vec::new();
     let mut first_err = None;
+    #[cfg_attr(not(feature = "efa"), allow(unused_mut))]
+    let mut notes: Vec<&'static str> = Vec::new();
     for kind in kinds {
-        let spec = match kind {
-            DeviceKind::Udp => DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into())),
-            DeviceKind::Loopback => DeviceSpec::loopback(),
+        let devices: Vec<(DeviceSpec, Arc<dyn Device>)> = match kind {
+            DeviceKind::Udp | DeviceKind::Loopback => {
+                let spec = match kind {
+                    DeviceKind::Udp => {
+                        DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into()))
+                    }
+                    _ => DeviceSpec::loopback(),
+                };
+                match spec.open() {
+                    Ok(d) => vec![(spec, d)],
+                    Err(e) => {
+                        tracing::warn!(device = %kind, error = %e, "getinfo: cannot open device; skipped");
+                        first_err.get_or_insert(e);
+                        continue;
+                    }
+                }
+            }
+            #[cfg(feature = "efa")]
+            DeviceKind::Efa => {
+                // A configuration error (FI_EFA_USE_DEVICE_RDMA=1 without RDMA) is fatal, as in
+                // libfabric; NICs that fail to open are skipped with a warning.
+                let found = crate::device::efa::EfaDevice::open_all(&config)?;
+                if found.is_empty() {
+                    notes.push("no EFA device found");
+                }
+                found
+                    .into_iter()
+                    .map(|d| {
+                        let spec = DeviceSpec::Efa {
+                            name: d.attr().name.clone(),
+                            use_device_rdma: config.use_device_rdma,
+                        };
+                        (spec, d as Arc<dyn Device>)
+                    })
+                    .collect()
+            }
             _ => continue,
         };
-        let device = match spec.open() {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(device = %kind, error = %e, "getinfo: cannot open device; skipped");
-                first_err.get_or_insert(e);
-                continue;
+        for (spec, device) in devices {
+            if config.iface_allows(&device.attr().name) {
+                push_infos(&mut out, hints, &config, &ep_types, &spec, &device);
             }
-        };
-        let attr = device.attr().clone();
-        if !config.iface_allows(&attr.name) {
-            continue;
-        }
-        for &t in &ep_types {
-            let domain = format!("{}{}", attr.name, domain_suffix(t));
-            let domain_ok = hints
-                .domain
-                .as_ref()
-                .is_none_or(|want| *want == attr.name || *want == domain);
-            if !domain_ok {
-                continue;
-            }
-            let mut info = Info::for_device(kind, &attr, t, config.clone(), spec.clone());
-            info.handle = Some(device.clone());
-            if hints.mode.contains(Mode::MSG_PREFIX) {
-                info = info.with_msg_prefix();
-            }
-            out.push(info);
         }
     }
     if out.is_empty() {
-        return Err(first_err.unwrap_or_else(|| no_data(hints.describe(&config))));
+        return Err(first_err.unwrap_or_else(|| {
+            let mut why = hints.describe(&config);
+            for n in notes {
+                why.push_str("; ");
+                why.push_str(n);
+            }
+            no_data(why)
+        }));
     }
     Ok(out)
 }
 
+/// Appends the infos of one device: one per endpoint type, unless the domain hint excludes it.
+fn push_infos(
+    out: &mut Vec<Info>,
+    hints: &Hints,
+    config: &Config,
+    ep_types: &[EpType],
+    spec: &DeviceSpec,
+    device: &Arc<dyn Device>,
+) {
+    let attr = device.attr();
+    for &t in ep_types {
+        let domain = format!("{}{}", attr.name, domain_suffix(t));
+        let domain_ok = hints
+            .domain
+            .as_ref()
+            .is_none_or(|want| *want == attr.name || *want == domain);
+        if !domain_ok {
+            continue;
+        }
+        let mut info = Info::for_device(spec.kind(), attr, t, config.clone(), spec.clone());
+        info.handle = Some(device.clone());
+        if hints.mode.contains(Mode::MSG_PREFIX) {
+            info = info.with_msg_prefix();
+        }
+        out.push(info);
+    }
+}
+
 /// The device kinds this build can open, in listing order.
 fn available_kinds() -> Vec<DeviceKind> {
-    // With `feature = "efa"`, `DeviceKind::Efa` goes first (one entry per NIC).
-    vec![DeviceKind::Udp, DeviceKind::Loopback]
+    vec![
+        // One entry per NIC, first.
+        #[cfg(feature = "efa")]
+        DeviceKind::Efa,
+        DeviceKind::Udp,
+        DeviceKind::Loopback,
+    ]
 }
