@@ -433,6 +433,10 @@ impl Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
+        // The event thread first, so nothing acknowledges events of a CQ being destroyed.
+        if let Some(ch) = self.channel.as_mut() {
+            ch.stop_thread();
+        }
         // SAFETY: created in `create_inner`; the QP using it was destroyed before (`VerbsNic`
         // destroys its QP first); events were acknowledged by the channel thread.
         let rc = unsafe { rdma_sys::ibv_destroy_cq(self.as_cq()) };

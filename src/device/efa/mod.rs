@@ -325,7 +325,19 @@ impl Device for EfaDevice {
                 .with_detail(format!("QKEY {qkey:#x} has the high (controlled) bit set")));
         }
         let send_depth = attr.send_depth.clamp(1, a.max_send_wr.max(1));
-        let recv_depth = attr.recv_depth.clamp(1, a.max_recv_wr.max(1));
+        let mut recv_depth = attr.recv_depth.clamp(1, a.max_recv_wr.max(1));
+        // Both queues complete into one CQ, which must hold them all.
+        let max_cqe = self.queried.device.max_cqe as usize;
+        if max_cqe > 0 && send_depth + recv_depth > max_cqe {
+            let fit = max_cqe.saturating_sub(send_depth).max(1);
+            tracing::debug!(
+                recv_depth,
+                fit,
+                max_cqe,
+                "efa: receive depth lowered to fit the CQ"
+            );
+            recv_depth = fit;
+        }
         let srd = attr.qp_type == QpType::Srd;
         let caps = if srd {
             a.caps
