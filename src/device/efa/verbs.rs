@@ -271,8 +271,14 @@ impl Pd {
         let mr =
             unsafe { rdma_sys::ibv_reg_mr(self.pd.as_ptr(), ptr.cast(), len, access as c_int) };
         let mr = NonNull::new(mr).ok_or_else(|| {
-            verbs_error("ibv_reg_mr", errno())
-                .with_detail(format!("{len} bytes, access {access:#x}"))
+            let e = errno();
+            let hint = if e == ffi::ENOMEM || e == 1 {
+                "; is the locked-memory limit (`ulimit -l`) high enough? see docs/efa-hardware.md"
+            } else {
+                ""
+            };
+            verbs_error("ibv_reg_mr", e)
+                .with_detail(format!("{len} bytes, access {access:#x}{hint}"))
         })?;
         Ok(EfaMr {
             mr,
