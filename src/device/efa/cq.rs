@@ -296,10 +296,11 @@ impl Cq {
             // SAFETY: non-null EFA view of a live CQ; the v2 layout is only read when the CQ was
             // created with the unsolicited flag, which only a libefa that has the field accepts.
             unsafe {
-                sgid_ok &= (*efa_cq).wc_read_sgid.is_some();
-                uns_ok &= (*efa_cq.cast::<ffi::efadv_cq_v2>())
-                    .wc_is_unsolicited
-                    .is_some();
+                sgid_ok = sgid_ok && (*efa_cq).wc_read_sgid.is_some();
+                uns_ok = uns_ok
+                    && (*efa_cq.cast::<ffi::efadv_cq_v2>())
+                        .wc_is_unsolicited
+                        .is_some();
             }
         }
         Ok(Cq {
