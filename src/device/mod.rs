@@ -28,6 +28,8 @@ use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 
 pub mod loopback;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod udp;
 
 /// Which kind of device this is.
