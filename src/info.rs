@@ -2,8 +2,8 @@
 //! (device, endpoint type), each with the attributes libfabric's EFA provider reports, printable
 //! like `fi_info` ([`Info`]'s `Display`, [`Info::verbose`]) and serializable with serde.
 //!
-//! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then
-//! `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
+//! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then `shm`
+//! (Linux), then `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
 //! in this release**; RDM info is built (see [`Info::for_device`]) but not listed until the
 //! protocol engine lands.
 //!
@@ -25,6 +25,8 @@ use std::sync::Arc;
 use crate::addr::RawAddr;
 use crate::config::Config;
 use crate::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+#[cfg(target_os = "linux")]
+use crate::device::shm::{ShmConfig, ShmDevice};
 use crate::device::udp::{UdpConfig, UdpDevice};
 use crate::device::{Device, DeviceAttr, DeviceKind};
 use crate::error::{Error, ErrorKind, Result};
@@ -526,10 +528,13 @@ pub struct DomainAttr {
 pub enum DeviceSpec {
     /// A `udp` device with this configuration.
     Udp(UdpConfig),
+    /// An `shm` device (processes on one host) with this configuration.
+    #[cfg(target_os = "linux")]
+    Shm(ShmConfig),
     /// A `loopback` device on [`LoopbackNetwork::global()`].
     Loopback(LoopbackConfig),
     // The `efa` variant (rdma-core device name) comes with the hardware device, behind
-    // `#[cfg(feature = "efa")]`; `shm` with the shared-memory device.
+    // `#[cfg(feature = "efa")]`.
 }
 
 impl DeviceSpec {
@@ -537,6 +542,8 @@ impl DeviceSpec {
     pub fn kind(&self) -> DeviceKind {
         match self {
             DeviceSpec::Udp(_) => DeviceKind::Udp,
+            #[cfg(target_os = "linux")]
+            DeviceSpec::Shm(_) => DeviceKind::Shm,
             DeviceSpec::Loopback(_) => DeviceKind::Loopback,
         }
     }
@@ -545,6 +552,8 @@ impl DeviceSpec {
     pub fn open(&self) -> Result<Arc<dyn Device>> {
         Ok(match self {
             DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
+            #[cfg(target_os = "linux")]
+            DeviceSpec::Shm(c) => ShmDevice::open(c.clone())?,
             DeviceSpec::Loopback(c) => LoopbackDevice::open(&LoopbackNetwork::global(), c.clone())?,
         })
     }
@@ -552,6 +561,12 @@ impl DeviceSpec {
     /// The spec of a `udp` device bound to `bind`.
     pub fn udp(bind: IpAddr) -> DeviceSpec {
         DeviceSpec::Udp(udp_config(bind))
+    }
+
+    /// The spec of an `shm` device with its default configuration (segments in `/dev/shm`).
+    #[cfg(target_os = "linux")]
+    pub fn shm() -> DeviceSpec {
+        DeviceSpec::Shm(ShmConfig::default())
     }
 
     /// The spec of a `loopback` device with its default configuration.
@@ -1041,7 +1056,7 @@ fn rounddown_pow2(n: usize) -> usize {
 /// Lists every usable (device, endpoint type) that matches `hints`, like `fi_getinfo`.
 ///
 /// Order: `efa` NICs (with the `efa` feature), then `udp` (bound to [`Hints::addr`], default
-/// `127.0.0.1`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
+/// `127.0.0.1`), then `shm` (on Linux, segments in `/dev/shm`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
 /// release. The configuration is the hints' (validated) or [`Config::from_env`]; an invalid
 /// `FI_EFA_*` value is returned as its `Config` error. Devices not allowed by `FI_EFA_IFACE` or
 /// the domain hint, and endpoint types lacking a requested capability, are left out; when
@@ -1101,6 +1116,8 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     for kind in kinds {
         let spec = match kind {
             DeviceKind::Udp => DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into())),
+            #[cfg(target_os = "linux")]
+            DeviceKind::Shm => DeviceSpec::shm(),
             DeviceKind::Loopback => DeviceSpec::loopback(),
             _ => continue,
         };
@@ -1142,5 +1159,10 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
 /// The device kinds this build can open, in listing order.
 fn available_kinds() -> Vec<DeviceKind> {
     // With `feature = "efa"`, `DeviceKind::Efa` goes first (one entry per NIC).
-    vec![DeviceKind::Udp, DeviceKind::Loopback]
+    vec![
+        DeviceKind::Udp,
+        #[cfg(target_os = "linux")]
+        DeviceKind::Shm,
+        DeviceKind::Loopback,
+    ]
 }
