@@ -459,7 +459,7 @@ fn child_echo() {
                 q.post_recv(c.wr_id, buf).unwrap();
             }
         }
-        if got == 0 {
+        if got == 0 && std::env::var_os("EFA_SHM_BUSY").is_none() {
             n.wait_until(seen, Some(Instant::now() + Duration::from_millis(10)));
         }
     }
