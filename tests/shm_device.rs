@@ -404,7 +404,9 @@ fn child_dir() -> Option<PathBuf> {
 }
 
 /// Child: echoes every datagram on an SRD and a UD queue pair back to the parent's queue pair
-/// of the same type (addresses read from stdin), until the parent closes stdin.
+/// of the same type (addresses read from stdin), until the parent closes stdin. It sleeps on its
+/// notifier between polls (so its NIC thread delivers and wakes it), or busy-polls when
+/// `EFA_SHM_BUSY` is set (the environment is inherited from the parent test).
 #[test]
 #[ignore = "helper run by two_processes_exchange_datagrams in a child process"]
 fn child_echo() {
@@ -1195,6 +1197,36 @@ fn forged_segment_files_are_refused() {
     assert!(dev.stats().malformed_dropped >= 6, "{:?}", dev.stats());
     // The lock-less copy is noticed as dead and removed.
     assert!(!dev.segment_path(40_007).exists());
+}
+
+#[test]
+fn slot_reserved_by_a_dead_writer_is_skipped() {
+    use std::os::unix::fs::FileExt;
+    let dir = test_dir();
+    let dev = open(small_cfg(dir.path()));
+    let n = Arc::new(Notifier::new());
+    // A UD receiver: no acknowledgement table, so its ring starts right after the 256-byte
+    // header (docs/shm-device.md).
+    let mut rx = qp(&dev, QpType::Ud, &n);
+    let mut tx = qp(&dev, QpType::Ud, &n);
+    rx.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+    // Forge what a writer that died between reserving slot 0 and publishing it leaves: the
+    // tail moved to 1, slot 0 names a writer whose segment does not exist.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dev.segment_path(rx.addr().qpn))
+        .unwrap();
+    f.write_at(&1u64.to_le_bytes(), 192).unwrap();
+    f.write_at(&40_000u32.to_le_bytes(), 256 + 16).unwrap();
+    tx.post_send(wr(1, rx.addr(), b"", b"behind the hole", None))
+        .unwrap();
+    let got = poll_until(&mut [&mut tx, &mut rx], &n, "skip", |c| {
+        c.iter().any(|(q, _)| *q == 1)
+    });
+    let r = got.iter().find(|(q, _)| *q == 1).unwrap();
+    assert_eq!(r.1.status, Status::Success);
+    assert_eq!(&r.1.buf.as_ref().unwrap()[..], b"behind the hole");
+    assert!(dev.stats().malformed_dropped >= 1, "{:?}", dev.stats());
 }
 
 // ------------------------------------------------------------------------------------------

@@ -162,14 +162,15 @@ impl State {
         if self.closed {
             return false;
         }
-        let more = self.drain(now, budget);
-        let bell = Ring::new(&self.own.map, &self.own.geo)
-            .bell()
-            .map_or(0, |(b, _)| b.load(Ordering::SeqCst));
+        // Timers are recomputed by the pass (the drain may set one for a stuck slot).
         let due = self.next_timer.is_some_and(|t| now >= t);
         if due {
             self.next_timer = None;
         }
+        let more = self.drain(now, budget);
+        let bell = Ring::new(&self.own.map, &self.own.geo)
+            .bell()
+            .map_or(0, |(b, _)| b.load(Ordering::SeqCst));
         if bell != self.last_bell || due {
             self.last_bell = bell;
             if self.n_inflight > 0 {
