@@ -41,8 +41,9 @@ const STUCK_CHECK: Duration = Duration::from_millis(20);
 const HEADER_CHECK: Duration = Duration::from_millis(100);
 /// How often sends waiting for room in a full ring try again.
 const BACKLOG_RETRY: Duration = Duration::from_micros(200);
-/// Peer segments kept mapped without outstanding sends, at most.
-const MAX_IDLE_PEERS: usize = 1024;
+/// Peer segments kept mapped (each holds a file descriptor); past this, the idle ones (no sends
+/// outstanding) are dropped.
+const MAX_IDLE_PEERS: usize = 256;
 /// RNR retry count that means "retry forever".
 const RNR_INFINITE: u8 = 7;
 
