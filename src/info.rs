@@ -2,8 +2,8 @@
 //! (device, endpoint type), each with the attributes libfabric's EFA provider reports, printable
 //! like `fi_info` ([`Info`]'s `Display`, [`Info::verbose`]) and serializable with serde.
 //!
-//! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then
-//! `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
+//! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then `shm`
+//! (Linux), then `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
 //! in this release**; RDM info is built (see [`Info::for_device`]) but not listed until the
 //! protocol engine lands.
 //!
@@ -25,6 +25,8 @@ use std::sync::Arc;
 use crate::addr::RawAddr;
 use crate::config::Config;
 use crate::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+#[cfg(target_os = "linux")]
+use crate::device::shm::{ShmConfig, ShmDevice};
 use crate::device::udp::{UdpConfig, UdpDevice};
 use crate::device::{Device, DeviceAttr, DeviceKind};
 use crate::error::{Error, ErrorKind, Result};
@@ -526,6 +528,9 @@ pub struct DomainAttr {
 pub enum DeviceSpec {
     /// A `udp` device with this configuration.
     Udp(UdpConfig),
+    /// An `shm` device (processes on one host) with this configuration.
+    #[cfg(target_os = "linux")]
+    Shm(ShmConfig),
     /// A `loopback` device on [`LoopbackNetwork::global()`].
     Loopback(LoopbackConfig),
     /// An `efa` NIC (cargo feature `efa`).
@@ -536,7 +541,6 @@ pub enum DeviceSpec {
         /// `FI_EFA_USE_DEVICE_RDMA` when it was discovered (decides the RDMA capabilities).
         use_device_rdma: Option<bool>,
     },
-    // `shm` comes with the shared-memory device.
 }
 
 impl DeviceSpec {
@@ -544,6 +548,8 @@ impl DeviceSpec {
     pub fn kind(&self) -> DeviceKind {
         match self {
             DeviceSpec::Udp(_) => DeviceKind::Udp,
+            #[cfg(target_os = "linux")]
+            DeviceSpec::Shm(_) => DeviceKind::Shm,
             DeviceSpec::Loopback(_) => DeviceKind::Loopback,
             #[cfg(feature = "efa")]
             DeviceSpec::Efa { .. } => DeviceKind::Efa,
@@ -555,6 +561,8 @@ impl DeviceSpec {
     pub fn open(&self) -> Result<Arc<dyn Device>> {
         Ok(match self {
             DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
+            #[cfg(target_os = "linux")]
+            DeviceSpec::Shm(c) => ShmDevice::open(c.clone())?,
             DeviceSpec::Loopback(c) => LoopbackDevice::open(&LoopbackNetwork::global(), c.clone())?,
             #[cfg(feature = "efa")]
             DeviceSpec::Efa {
@@ -567,6 +575,12 @@ impl DeviceSpec {
     /// The spec of a `udp` device bound to `bind`.
     pub fn udp(bind: IpAddr) -> DeviceSpec {
         DeviceSpec::Udp(udp_config(bind))
+    }
+
+    /// The spec of an `shm` device with its default configuration (segments in `/dev/shm`).
+    #[cfg(target_os = "linux")]
+    pub fn shm() -> DeviceSpec {
+        DeviceSpec::Shm(ShmConfig::default())
     }
 
     /// The spec of a `loopback` device with its default configuration.
@@ -1056,7 +1070,7 @@ fn rounddown_pow2(n: usize) -> usize {
 /// Lists every usable (device, endpoint type) that matches `hints`, like `fi_getinfo`.
 ///
 /// Order: `efa` NICs (with the `efa` feature), then `udp` (bound to [`Hints::addr`], default
-/// `127.0.0.1`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
+/// `127.0.0.1`), then `shm` (on Linux, segments in `/dev/shm`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
 /// release. The configuration is the hints' (validated) or [`Config::from_env`]; an invalid
 /// `FI_EFA_*` value is returned as its `Config` error. Devices not allowed by `FI_EFA_IFACE` or
 /// the domain hint, and endpoint types lacking a requested capability, are left out; when
@@ -1117,11 +1131,13 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     let mut notes: Vec<&'static str> = Vec::new();
     for kind in kinds {
         let devices: Vec<(DeviceSpec, Arc<dyn Device>)> = match kind {
-            DeviceKind::Udp | DeviceKind::Loopback => {
+            DeviceKind::Udp | DeviceKind::Shm | DeviceKind::Loopback => {
                 let spec = match kind {
                     DeviceKind::Udp => {
                         DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into()))
                     }
+                    #[cfg(target_os = "linux")]
+                    DeviceKind::Shm => DeviceSpec::shm(),
                     _ => DeviceSpec::loopback(),
                 };
                 match spec.open() {
@@ -1208,6 +1224,8 @@ fn available_kinds() -> Vec<DeviceKind> {
         #[cfg(feature = "efa")]
         DeviceKind::Efa,
         DeviceKind::Udp,
+        #[cfg(target_os = "linux")]
+        DeviceKind::Shm,
         DeviceKind::Loopback,
     ]
 }

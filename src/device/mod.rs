@@ -30,6 +30,8 @@ use crate::stats::DeviceStats;
 #[cfg(feature = "efa")]
 pub mod efa;
 pub mod loopback;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod udp;
 
 /// Which kind of device this is.
