@@ -2,8 +2,8 @@
 //! (device, endpoint type), each with the attributes libfabric's EFA provider reports, printable
 //! like `fi_info` ([`Info`]'s `Display`, [`Info::verbose`]) and serializable with serde.
 //!
-//! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then
-//! `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
+//! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then `shm`
+//! (Linux), then `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
 //! in this release**; RDM info is built (see [`Info::for_device`]) but not listed until the
 //! protocol engine lands.
 //!
@@ -25,6 +25,8 @@ use std::sync::Arc;
 use crate::addr::RawAddr;
 use crate::config::Config;
 use crate::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+#[cfg(target_os = "linux")]
+use crate::device::shm::{ShmConfig, ShmDevice};
 use crate::device::udp::{UdpConfig, UdpDevice};
 use crate::device::{Device, DeviceAttr, DeviceKind};
 use crate::error::{Error, ErrorKind, Result};
@@ -522,10 +524,19 @@ pub struct DomainAttr {
 pub enum DeviceSpec {
     /// A `udp` device with this configuration.
     Udp(UdpConfig),
+    /// An `shm` device (processes on one host) with this configuration.
+    #[cfg(target_os = "linux")]
+    Shm(ShmConfig),
     /// A `loopback` device on [`LoopbackNetwork::global()`].
     Loopback(LoopbackConfig),
-    // The `efa` variant (rdma-core device name) comes with the hardware device, behind
-    // `#[cfg(feature = "efa")]`; `shm` with the shared-memory device.
+    /// An `efa` NIC (cargo feature `efa`).
+    #[cfg(feature = "efa")]
+    Efa {
+        /// rdma-core device name, e.g. `rdmap0s6`.
+        name: String,
+        /// `FI_EFA_USE_DEVICE_RDMA` when it was discovered (decides the RDMA capabilities).
+        use_device_rdma: Option<bool>,
+    },
 }
 
 impl DeviceSpec {
@@ -533,21 +544,39 @@ impl DeviceSpec {
     pub fn kind(&self) -> DeviceKind {
         match self {
             DeviceSpec::Udp(_) => DeviceKind::Udp,
+            #[cfg(target_os = "linux")]
+            DeviceSpec::Shm(_) => DeviceKind::Shm,
             DeviceSpec::Loopback(_) => DeviceKind::Loopback,
+            #[cfg(feature = "efa")]
+            DeviceSpec::Efa { .. } => DeviceKind::Efa,
         }
     }
 
-    /// Opens the device (cheap: no sockets until a queue pair is created).
+    /// Opens the device (cheap for software devices: no sockets until a queue pair is created;
+    /// an `efa` NIC is opened and queried, and gets its protection domain).
     pub fn open(&self) -> Result<Arc<dyn Device>> {
         Ok(match self {
             DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
+            #[cfg(target_os = "linux")]
+            DeviceSpec::Shm(c) => ShmDevice::open(c.clone())?,
             DeviceSpec::Loopback(c) => LoopbackDevice::open(&LoopbackNetwork::global(), c.clone())?,
+            #[cfg(feature = "efa")]
+            DeviceSpec::Efa {
+                name,
+                use_device_rdma,
+            } => crate::device::efa::EfaDevice::open(name, *use_device_rdma)?,
         })
     }
 
     /// The spec of a `udp` device bound to `bind`.
     pub fn udp(bind: IpAddr) -> DeviceSpec {
         DeviceSpec::Udp(udp_config(bind))
+    }
+
+    /// The spec of an `shm` device with its default configuration (segments in `/dev/shm`).
+    #[cfg(target_os = "linux")]
+    pub fn shm() -> DeviceSpec {
+        DeviceSpec::Shm(ShmConfig::default())
     }
 
     /// The spec of a `loopback` device with its default configuration.
@@ -1033,7 +1062,7 @@ fn rounddown_pow2(n: usize) -> usize {
 /// Lists every usable (device, endpoint type) that matches `hints`, like `fi_getinfo`.
 ///
 /// Order: `efa` NICs (with the `efa` feature), then `udp` (bound to [`Hints::addr`], default
-/// `127.0.0.1`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
+/// `127.0.0.1`), then `shm` (on Linux, segments in `/dev/shm`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
 /// release. The configuration is the hints' (validated) or [`Config::from_env`]; an invalid
 /// `FI_EFA_*` value is returned as its `Config` error. Devices not allowed by `FI_EFA_IFACE` or
 /// the domain hint, and endpoint types lacking a requested capability, are left out; when
@@ -1085,49 +1114,106 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
 
     let mut out = Vec::new();
     let mut first_err = None;
+    #[cfg_attr(not(feature = "efa"), allow(unused_mut))]
+    let mut notes: Vec<&'static str> = Vec::new();
     for kind in kinds {
-        let spec = match kind {
-            DeviceKind::Udp => DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into())),
-            DeviceKind::Loopback => DeviceSpec::loopback(),
+        let devices: Vec<(DeviceSpec, Arc<dyn Device>)> = match kind {
+            DeviceKind::Udp | DeviceKind::Shm | DeviceKind::Loopback => {
+                let spec = match kind {
+                    DeviceKind::Udp => {
+                        DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into()))
+                    }
+                    #[cfg(target_os = "linux")]
+                    DeviceKind::Shm => DeviceSpec::shm(),
+                    _ => DeviceSpec::loopback(),
+                };
+                match spec.open() {
+                    Ok(d) => vec![(spec, d)],
+                    Err(e) => {
+                        tracing::warn!(device = %kind, error = %e, "getinfo: cannot open device; skipped");
+                        first_err.get_or_insert(e);
+                        continue;
+                    }
+                }
+            }
+            #[cfg(feature = "efa")]
+            DeviceKind::Efa => {
+                // A configuration error (FI_EFA_USE_DEVICE_RDMA=1 without RDMA) is fatal, as in
+                // libfabric; NICs that fail to open are skipped with a warning.
+                let found = crate::device::efa::EfaDevice::open_all(&config)?;
+                if found.is_empty() {
+                    notes.push("no EFA device found");
+                }
+                found
+                    .into_iter()
+                    .map(|d| {
+                        let spec = DeviceSpec::Efa {
+                            name: d.attr().name.clone(),
+                            use_device_rdma: config.use_device_rdma,
+                        };
+                        (spec, d as Arc<dyn Device>)
+                    })
+                    .collect()
+            }
+            #[allow(unreachable_patterns)] // reachable without the `efa` feature
             _ => continue,
         };
-        let device = match spec.open() {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(device = %kind, error = %e, "getinfo: cannot open device; skipped");
-                first_err.get_or_insert(e);
-                continue;
+        for (spec, device) in devices {
+            if config.iface_allows(&device.attr().name) {
+                push_infos(&mut out, hints, &config, &ep_types, &spec, &device);
             }
-        };
-        let attr = device.attr().clone();
-        if !config.iface_allows(&attr.name) {
-            continue;
-        }
-        for &t in &ep_types {
-            let domain = format!("{}{}", attr.name, domain_suffix(t));
-            let domain_ok = hints
-                .domain
-                .as_ref()
-                .is_none_or(|want| *want == attr.name || *want == domain);
-            if !domain_ok {
-                continue;
-            }
-            let mut info = Info::for_device(kind, &attr, t, config.clone(), spec.clone());
-            info.handle = Some(device.clone());
-            if hints.mode.contains(Mode::MSG_PREFIX) {
-                info = info.with_msg_prefix();
-            }
-            out.push(info);
         }
     }
     if out.is_empty() {
-        return Err(first_err.unwrap_or_else(|| no_data(hints.describe(&config))));
+        return Err(first_err.unwrap_or_else(|| {
+            let mut why = hints.describe(&config);
+            for n in notes {
+                why.push_str("; ");
+                why.push_str(n);
+            }
+            no_data(why)
+        }));
     }
     Ok(out)
 }
 
+/// Appends the infos of one device: one per endpoint type, unless the domain hint excludes it.
+fn push_infos(
+    out: &mut Vec<Info>,
+    hints: &Hints,
+    config: &Config,
+    ep_types: &[EpType],
+    spec: &DeviceSpec,
+    device: &Arc<dyn Device>,
+) {
+    let attr = device.attr();
+    for &t in ep_types {
+        let domain = format!("{}{}", attr.name, domain_suffix(t));
+        let domain_ok = hints
+            .domain
+            .as_ref()
+            .is_none_or(|want| *want == attr.name || *want == domain);
+        if !domain_ok {
+            continue;
+        }
+        let mut info = Info::for_device(spec.kind(), attr, t, config.clone(), spec.clone());
+        info.handle = Some(device.clone());
+        if hints.mode.contains(Mode::MSG_PREFIX) {
+            info = info.with_msg_prefix();
+        }
+        out.push(info);
+    }
+}
+
 /// The device kinds this build can open, in listing order.
 fn available_kinds() -> Vec<DeviceKind> {
-    // With `feature = "efa"`, `DeviceKind::Efa` goes first (one entry per NIC).
-    vec![DeviceKind::Udp, DeviceKind::Loopback]
+    vec![
+        // One entry per NIC, first.
+        #[cfg(feature = "efa")]
+        DeviceKind::Efa,
+        DeviceKind::Udp,
+        #[cfg(target_os = "linux")]
+        DeviceKind::Shm,
+        DeviceKind::Loopback,
+    ]
 }

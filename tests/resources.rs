@@ -187,6 +187,21 @@ fn completion_queue_and_builder_misuse() {
             .build()),
         ErrorKind::InvalidArgument
     );
+    // Capabilities a DGRAM endpoint lacks are refused; the ones it has are fine.
+    let e = Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .caps(efa::Caps::TAGGED)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotSupported);
+    assert!(e.to_string().contains("FI_TAGGED"), "{e}");
+    Endpoint::<Dgram>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .caps(efa::Caps::MSG | efa::Caps::SOURCE)
+        .build()
+        .unwrap();
     // Reading an empty queue is not an error; waiting on it times out.
     let mut out = Vec::new();
     assert_eq!(cq.poll(&mut out, 8).unwrap(), 0);

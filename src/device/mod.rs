@@ -27,7 +27,11 @@ use crate::error::{ErrorKind, Result};
 use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 
+#[cfg(feature = "efa")]
+pub mod efa;
 pub mod loopback;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod udp;
 
 /// Which kind of device this is.

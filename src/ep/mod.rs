@@ -9,7 +9,7 @@ use crate::av::AddressVector;
 use crate::cq::CompletionQueue;
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
-use crate::info::EpType;
+use crate::info::{Caps, EpType, Info};
 
 mod buf;
 mod dgram;
@@ -90,6 +90,7 @@ impl<K: EndpointKind> Endpoint<K> {
             rx_size: None,
             msg_prefix: domain.msg_prefix(),
             progress_thread: false,
+            caps: Caps::empty(),
             _kind: PhantomData,
         }
     }
@@ -113,6 +114,7 @@ pub struct EndpointBuilder<K: EndpointKind> {
     pub(crate) rx_size: Option<usize>,
     pub(crate) msg_prefix: bool,
     pub(crate) progress_thread: bool,
+    pub(crate) caps: Caps,
     _kind: PhantomData<K>,
 }
 
@@ -154,12 +156,30 @@ impl<K: EndpointKind> EndpointBuilder<K> {
         self
     }
 
-    /// The queues and address vector, checked: present and of this domain.
+    /// Capabilities the endpoint must have (`fi_info.caps` of the hints); building fails with
+    /// `NotSupported` naming the missing ones when this kind of endpoint lacks any.
+    pub fn caps(mut self, caps: Caps) -> Self {
+        self.caps = caps;
+        self
+    }
+
+    /// The queues and address vector, checked: present and of this domain; and the requested
+    /// capabilities, checked against what this kind of endpoint offers.
     pub(crate) fn parts(&self) -> Result<(CompletionQueue, CompletionQueue, AddressVector)> {
         let missing = |what: &str| {
             Error::new(ErrorKind::InvalidArgument, "ep_open")
                 .with_detail(format!("no {what} bound (call .{what}(..))"))
         };
+        let offered = Info::ep_caps(K::EP_TYPE);
+        if !offered.contains(self.caps) {
+            return Err(
+                Error::new(ErrorKind::NotSupported, "ep_open").with_detail(format!(
+                    "{} endpoints lack {}",
+                    K::EP_TYPE,
+                    self.caps - offered
+                )),
+            );
+        }
         let tx = self.tx_cq.clone().ok_or_else(|| missing("cq"))?;
         let rx = self.rx_cq.clone().ok_or_else(|| missing("cq"))?;
         let av = self.av.clone().ok_or_else(|| missing("av"))?;

@@ -1,0 +1,277 @@
+//! Declarations of libefa's direct-verbs API (`<infiniband/efadv.h>`), which `rdma-sys` does not
+//! bind, and the function-pointer tables of rdma-core's extended CQ and QP that this device calls.
+//!
+//! The structs are declared in their **first** (smallest) layout and passed with that `inlen`, so
+//! every libefa since rdma-core v28 accepts them: libefa only reads `inlen` bytes and requires the
+//! bytes it does not know to be zero. Newer fields that sit inside the old `reserved` bytes
+//! (`efadv_qp_init_attr::flags`, `efadv_device_attr::inline_buf_size_ex`) are set or read only where
+//! the device reports the matching capability, which only a libefa that knows them does.
+
+use std::os::raw::{c_int, c_uint};
+
+use rdma_sys::{
+    __be32, ibv_ah, ibv_context, ibv_cq_ex, ibv_cq_init_attr_ex, ibv_data_buf, ibv_gid,
+    ibv_poll_cq_attr, ibv_qp, ibv_qp_ex, ibv_qp_init_attr_ex, ibv_sge, ibv_wc_opcode,
+};
+
+/// `EFADV_QP_DRIVER_TYPE_SRD`: the driver QP type of an SRD queue pair.
+pub const EFADV_QP_DRIVER_TYPE_SRD: u32 = 0;
+
+/// `EFADV_DEVICE_ATTR_CAPS_RDMA_READ`.
+pub const CAPS_RDMA_READ: u32 = 1 << 0;
+/// `EFADV_DEVICE_ATTR_CAPS_RNR_RETRY`: the RNR retry count of a QP can be modified.
+pub const CAPS_RNR_RETRY: u32 = 1 << 1;
+/// `EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID`: CQs can report the source GID of unknown senders.
+pub const CAPS_CQ_WITH_SGID: u32 = 1 << 2;
+/// `EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE`.
+pub const CAPS_RDMA_WRITE: u32 = 1 << 3;
+/// `EFADV_DEVICE_ATTR_CAPS_UNSOLICITED_WRITE_RECV`.
+pub const CAPS_UNSOLICITED_WRITE_RECV: u32 = 1 << 4;
+
+/// `EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV`.
+pub const QP_FLAGS_UNSOLICITED_WRITE_RECV: u16 = 1 << 0;
+
+/// `EFADV_WC_EX_WITH_SGID`.
+pub const WC_EX_WITH_SGID: u64 = 1 << 0;
+/// `EFADV_WC_EX_WITH_IS_UNSOLICITED`.
+pub const WC_EX_WITH_IS_UNSOLICITED: u64 = 1 << 1;
+
+/// `struct efadv_device_attr` (32 bytes in every libefa; `inline_buf_size_ex` was `reserved[2]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct efadv_device_attr {
+    pub comp_mask: u64,
+    pub max_sq_wr: u32,
+    pub max_rq_wr: u32,
+    pub max_sq_sge: u16,
+    pub max_rq_sge: u16,
+    pub inline_buf_size: u16,
+    pub inline_buf_size_ex: u16,
+    pub device_caps: u32,
+    pub max_rdma_size: u32,
+}
+
+/// `struct efadv_qp_init_attr`, first 16 bytes (`flags` and `sl` were `reserved[4]`; the later
+/// `wr_flags` is left out and therefore zero).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct efadv_qp_init_attr {
+    pub comp_mask: u64,
+    pub driver_qp_type: u32,
+    pub flags: u16,
+    pub sl: u8,
+    pub reserved: u8,
+}
+
+/// `struct efadv_ah_attr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct efadv_ah_attr {
+    pub comp_mask: u64,
+    pub ahn: u16,
+    pub reserved: [u8; 6],
+}
+
+/// `struct efadv_cq_init_attr`, first 16 bytes (the later `flags` and external-memory fields are
+/// left out and therefore zero).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct efadv_cq_init_attr {
+    pub comp_mask: u64,
+    pub wc_flags: u64,
+}
+
+/// `struct efadv_cq` as every libefa that has `efadv_create_cq` lays it out.
+#[repr(C)]
+pub struct efadv_cq {
+    pub comp_mask: u64,
+    pub wc_read_sgid: Option<unsafe extern "C" fn(cq: *mut efadv_cq, sgid: *mut ibv_gid) -> c_int>,
+}
+
+/// `struct efadv_cq` of a libefa that knows unsolicited write-recv completions. Only read through a
+/// pointer whose CQ was created with [`WC_EX_WITH_IS_UNSOLICITED`] (which an older libefa refuses).
+#[repr(C)]
+pub struct efadv_cq_v2 {
+    pub comp_mask: u64,
+    pub wc_read_sgid: Option<unsafe extern "C" fn(cq: *mut efadv_cq, sgid: *mut ibv_gid) -> c_int>,
+    pub wc_is_unsolicited: Option<unsafe extern "C" fn(cq: *mut efadv_cq) -> bool>,
+}
+
+#[link(name = "efa")]
+unsafe extern "C" {
+    /// `efadv_query_device`: 0 or an errno (`EOPNOTSUPP` for a device that is not EFA).
+    pub fn efadv_query_device(
+        ibvctx: *mut ibv_context,
+        attr: *mut efadv_device_attr,
+        inlen: u32,
+    ) -> c_int;
+
+    /// `efadv_create_qp_ex`: an SRD queue pair (`attr_ex.qp_type` must be `IBV_QPT_DRIVER`), or
+    /// null with `errno` set.
+    pub fn efadv_create_qp_ex(
+        ibvctx: *mut ibv_context,
+        attr_ex: *mut ibv_qp_init_attr_ex,
+        efa_attr: *mut efadv_qp_init_attr,
+        inlen: u32,
+    ) -> *mut ibv_qp;
+
+    /// `efadv_query_ah`: the address handle number the device reports in receive completions.
+    pub fn efadv_query_ah(ibvah: *mut ibv_ah, attr: *mut efadv_ah_attr, inlen: u32) -> c_int;
+
+    /// `efadv_create_cq`: an extended CQ with EFA completion fields, or null with `errno` set.
+    pub fn efadv_create_cq(
+        ibvctx: *mut ibv_context,
+        attr_ex: *mut ibv_cq_init_attr_ex,
+        efa_attr: *mut efadv_cq_init_attr,
+        inlen: u32,
+    ) -> *mut ibv_cq_ex;
+
+    /// `efadv_cq_from_ibv_cq_ex`: the EFA view of a CQ made by `efadv_create_cq` (null otherwise).
+    pub fn efadv_cq_from_ibv_cq_ex(ibvcqx: *mut ibv_cq_ex) -> *mut efadv_cq;
+}
+
+/// The C library's `struct pollfd`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pollfd {
+    pub fd: c_int,
+    pub events: i16,
+    pub revents: i16,
+}
+
+/// `POLLIN`.
+pub const POLLIN: i16 = 0x1;
+/// `F_GETFL`.
+pub const F_GETFL: c_int = 3;
+/// `F_SETFL`.
+pub const F_SETFL: c_int = 4;
+/// `O_NONBLOCK` (Linux).
+pub const O_NONBLOCK: c_int = 0o4000;
+
+// The C library is always linked (std uses it); these two are not in std's public API.
+unsafe extern "C" {
+    /// `poll(2)`.
+    pub fn poll(fds: *mut pollfd, nfds: std::os::raw::c_ulong, timeout: c_int) -> c_int;
+    /// `fcntl(2)` (variadic).
+    pub fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
+}
+
+/// `ENOENT` (an empty CQ).
+pub const ENOENT: c_int = 2;
+/// `EAGAIN`.
+pub const EAGAIN: c_int = 11;
+/// `ENOMEM`.
+pub const ENOMEM: c_int = 12;
+/// `EINVAL`.
+pub const EINVAL: c_int = 22;
+/// `EOPNOTSUPP`.
+pub const EOPNOTSUPP: c_int = 95;
+
+/// The current thread's `errno` (0 when the OS reports none).
+pub fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// The polling functions of an extended CQ, checked once at creation so that calling them can
+/// never hit a missing entry.
+#[derive(Clone, Copy)]
+pub struct CqFns {
+    pub start_poll: unsafe extern "C" fn(*mut ibv_cq_ex, *mut ibv_poll_cq_attr) -> c_int,
+    pub next_poll: unsafe extern "C" fn(*mut ibv_cq_ex) -> c_int,
+    pub end_poll: unsafe extern "C" fn(*mut ibv_cq_ex),
+    pub read_opcode: unsafe extern "C" fn(*mut ibv_cq_ex) -> ibv_wc_opcode::Type,
+    pub read_vendor_err: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+    pub read_byte_len: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+    pub read_imm_data: unsafe extern "C" fn(*mut ibv_cq_ex) -> __be32,
+    pub read_wc_flags: unsafe extern "C" fn(*mut ibv_cq_ex) -> c_uint,
+    pub read_src_qp: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+    pub read_slid: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+}
+
+impl CqFns {
+    /// The table of `cq`, or the name of the first missing function.
+    ///
+    /// # Safety
+    ///
+    /// `cq` must point to a live extended CQ.
+    pub unsafe fn of(cq: *const ibv_cq_ex) -> Result<CqFns, &'static str> {
+        // SAFETY: the caller guarantees `cq` is live; reading its function pointers is a plain read.
+        let c = unsafe { &*cq };
+        Ok(CqFns {
+            start_poll: c.start_poll.ok_or("start_poll")?,
+            next_poll: c.next_poll.ok_or("next_poll")?,
+            end_poll: c.end_poll.ok_or("end_poll")?,
+            read_opcode: c.read_opcode.ok_or("read_opcode")?,
+            read_vendor_err: c.read_vendor_err.ok_or("read_vendor_err")?,
+            read_byte_len: c.read_byte_len.ok_or("read_byte_len")?,
+            read_imm_data: c.read_imm_data.ok_or("read_imm_data")?,
+            read_wc_flags: c.read_wc_flags.ok_or("read_wc_flags")?,
+            read_src_qp: c.read_src_qp.ok_or("read_src_qp")?,
+            read_slid: c.read_slid.ok_or("read_slid")?,
+        })
+    }
+}
+
+/// The work-request builder functions of an extended QP (`ibv_wr_*`), checked once at creation.
+#[derive(Clone, Copy)]
+pub struct WrFns {
+    pub start: unsafe extern "C" fn(*mut ibv_qp_ex),
+    pub complete: unsafe extern "C" fn(*mut ibv_qp_ex) -> c_int,
+    pub abort: unsafe extern "C" fn(*mut ibv_qp_ex),
+    pub send: unsafe extern "C" fn(*mut ibv_qp_ex),
+    pub send_imm: unsafe extern "C" fn(*mut ibv_qp_ex, __be32),
+    pub set_ud_addr: unsafe extern "C" fn(*mut ibv_qp_ex, *mut ibv_ah, u32, u32),
+    pub set_sge_list: unsafe extern "C" fn(*mut ibv_qp_ex, usize, *const ibv_sge),
+    pub set_inline_data_list: unsafe extern "C" fn(*mut ibv_qp_ex, usize, *const ibv_data_buf),
+    pub rdma_read: Option<unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64)>,
+    pub rdma_write: Option<unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64)>,
+    pub rdma_write_imm: Option<unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64, __be32)>,
+}
+
+impl WrFns {
+    /// The table of `qpx`, or the name of the first missing function. The RDMA entries are
+    /// required only when `read` / `write` is asked for.
+    ///
+    /// # Safety
+    ///
+    /// `qpx` must point to a live extended QP.
+    pub unsafe fn of(
+        qpx: *const ibv_qp_ex,
+        read: bool,
+        write: bool,
+    ) -> Result<WrFns, &'static str> {
+        // SAFETY: the caller guarantees `qpx` is live; reading its function pointers is a plain read.
+        let q = unsafe { &*qpx };
+        let fns = WrFns {
+            start: q.wr_start.ok_or("wr_start")?,
+            complete: q.wr_complete.ok_or("wr_complete")?,
+            abort: q.wr_abort.ok_or("wr_abort")?,
+            send: q.wr_send.ok_or("wr_send")?,
+            send_imm: q.wr_send_imm.ok_or("wr_send_imm")?,
+            set_ud_addr: q.wr_set_ud_addr.ok_or("wr_set_ud_addr")?,
+            set_sge_list: q.wr_set_sge_list.ok_or("wr_set_sge_list")?,
+            set_inline_data_list: q.wr_set_inline_data_list.ok_or("wr_set_inline_data_list")?,
+            rdma_read: q.wr_rdma_read,
+            rdma_write: q.wr_rdma_write,
+            rdma_write_imm: q.wr_rdma_write_imm,
+        };
+        if read && fns.rdma_read.is_none() {
+            return Err("wr_rdma_read");
+        }
+        if write && (fns.rdma_write.is_none() || fns.rdma_write_imm.is_none()) {
+            return Err("wr_rdma_write");
+        }
+        Ok(fns)
+    }
+}
+
+/// Compile-time checks that the declared layouts match libefa's.
+const _: () = {
+    assert!(std::mem::size_of::<efadv_device_attr>() == 32);
+    assert!(std::mem::size_of::<efadv_qp_init_attr>() == 16);
+    assert!(std::mem::size_of::<efadv_ah_attr>() == 16);
+    assert!(std::mem::size_of::<efadv_cq_init_attr>() == 16);
+    assert!(std::mem::offset_of!(efadv_device_attr, device_caps) == 24);
+    assert!(std::mem::offset_of!(efadv_device_attr, max_rdma_size) == 28);
+    assert!(std::mem::size_of::<pollfd>() == 8);
+};

@@ -1,0 +1,400 @@
+//! The `efa` device: AWS Elastic Fabric Adapter hardware through rdma-core (`libibverbs` +
+//! `libefa`), behind the cargo feature `efa`.
+//!
+//! # What it does
+//!
+//! * **Discovery** ([`EfaDevice::open_all`]): every RDMA device `ibv_get_device_list` lists that
+//!   `efadv_query_device` accepts (that is, whose driver is EFA) and `FI_EFA_IFACE` allows, with
+//!   its attributes from `ibv_query_device`, `ibv_query_port` (port 1: `max_msg_sz` is the MTU),
+//!   `efadv_query_device` (queue depths, SGEs, inline size, RDMA read/write, RNR retry,
+//!   unsolicited write-recv, `max_rdma_size`), `ibv_query_gid` (port 1, index 0), and the PCI
+//!   address and NUMA node from sysfs, so threads can be placed near the NIC. The conversion to
+//!   the seam's [`DeviceAttr`] is the pure [`QueriedDevice::device_attr`]; `FI_EFA_USE_DEVICE_RDMA`
+//!   decides the advertised RDMA capabilities ([`apply_use_device_rdma`]).
+//! * **Queue pairs** ([`Device::create_qp`]): [`QpType::Srd`] is an SRD QP made with
+//!   `efadv_create_qp_ex` (send, send with immediate, and RDMA read / write / write with
+//!   immediate where the device and the configuration allow), [`QpType::Ud`] a UD QP; both share
+//!   one extended CQ and are brought RESET → INIT (pkey 0, port 1, QKEY) → RTR → RTS (send PSN 0;
+//!   the RNR retry count on SRD when the device can set it). The QKEY is [`QpAttr::qkey`] or a
+//!   random 31-bit value.
+//! * **Data path**: sends build one work request with `ibv_wr_start` / `ibv_wr_send(_imm)` /
+//!   `ibv_wr_set_ud_addr` / `ibv_wr_set_sge_list` (or `ibv_wr_set_inline_data_list` up to the
+//!   inline size) / `ibv_wr_complete`; receives use `ibv_post_recv`; completions are read with
+//!   `ibv_start_poll` / `ibv_next_poll` / `ibv_end_poll`, with the sender's QPN and address handle
+//!   number (mapped back to its GID through the device's address-handle cache, or read with
+//!   `efadv_wc_read_sgid` for senders without one) and the immediate data.
+//! * **Memory**: each queue pair copies through registered bounce buffers it owns (see the `mr`
+//!   module docs: every address given to the NIC lies in memory the queue pair owns and has
+//!   registered); one-sided reads and writes register the caller's buffer for the duration of the
+//!   operation. [`EfaDevice::register`] and [`EfaDevice::register_dmabuf`] make registrations
+//!   peers can target (GPU memory through a dmabuf file descriptor).
+//! * **Bookkeeping**: every work request gets a token (`wr_id` = slab key + generation) naming
+//!   what it owns; its completion hands that back exactly once. Stale or unknown tokens from the
+//!   CQ are ignored and counted ([`EfaDevice::stray_completions`]). [`QueuePair::close`] moves the
+//!   QP to ERR, lets outstanding sends complete for up to 50 ms, destroys the QP (after which the
+//!   NIC touches nothing) and completes the rest with [`Status::Flushed`].
+//! * **Statuses**: `vendor_err` is the EFA status code (0–18) and becomes the seam's [`Status`]
+//!   ([`status_from_wc`]); unknown codes become [`Status::LocalQpInternalError`], never a panic.
+//! * **UD receives**: the NIC writes a 40-byte GRH in front of every datagram; receive buffers are
+//!   40 bytes larger and the GRH is stripped, so a receive completion holds exactly the datagram.
+//! * **Waiting**: each CQ gets a completion channel where the device supports CQ notifications;
+//!   a small thread turns its events into [`Notifier`](crate::notify::Notifier) signals, so
+//!   blocking and async waits on completion queues wake up. On devices without CQ notifications
+//!   waiting is by polling: [`QueuePair::poll`] signals the notifier when it finds completions, but
+//!   nothing wakes a sleeping waiter (poll with a timeout, or busy-poll as `examples/ping-pong` does).
+//!
+//! # Linking
+//!
+//! `rdma-sys` links `libibverbs` (found with pkg-config); the `efadv_*` functions, which `rdma-sys`
+//! does not bind, are declared here and link `libefa` (`#[link(name = "efa")]`), which rdma-core
+//! installs next to `libibverbs`. Struct layouts follow the oldest `efadv.h` (rdma-core v28+) and are
+//! passed with that size, so both old and new libefa accept them.
+//!
+//! Nothing here has run on a NIC: the data path is unit-tested against a fake NIC. See
+//! `docs/efa-hardware.md`.
+
+#![allow(unsafe_code)]
+
+mod ah;
+mod cq;
+mod discovery;
+mod ffi;
+mod mr;
+mod nic;
+mod qp;
+mod qp_state;
+mod status;
+mod verbs;
+mod verbs_nic;
+mod wr;
+
+#[cfg(test)]
+mod fake;
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::BytesMut;
+
+pub use discovery::{
+    EfadvAttrs, IbvDeviceAttrs, PORT_ACTIVE, PortAttrs, QueriedDevice, SYSFS_CLASS,
+    apply_use_device_rdma, is_pci_addr, sysfs_location,
+};
+pub use mr::ibv_access;
+pub use status::{opcode_from_wc, status_from_vendor_err, status_from_wc};
+pub use verbs::{EfaMr, device_names};
+
+use crate::config::Config;
+use crate::device::{Device, DeviceAttr, QpAttr, QpType, QueuePair, RemoteIov, random_qkey};
+use crate::error::{Error, ErrorKind, Result};
+use crate::mr::Access;
+use crate::stats::{DeviceCounters, DeviceStats};
+
+#[cfg(doc)]
+use crate::device::Status;
+
+/// Bytes of the Global Routing Header the NIC writes in front of every datagram received on a UD
+/// queue pair (libfabric's `FI_MSG_PREFIX` size for EFA DGRAM).
+pub const GRH_LEN: usize = 40;
+
+/// The `wr_id` of an unsolicited write-recv completion: the target side of an RDMA write with
+/// immediate data that consumed no receive buffer (opcode
+/// [`RecvRdmaWithImm`](crate::device::Opcode::RecvRdmaWithImm)). Only on SRD queue pairs of
+/// devices with [`DeviceCaps::unsolicited_write_recv`](crate::device::DeviceCaps).
+pub const UNSOLICITED_WR_ID: u64 = u64::MAX;
+
+/// An error of verb `op` that failed with `errno`, with the OS error as its source.
+pub(crate) fn verbs_error(op: &'static str, errno: i32) -> Error {
+    let kind = match errno {
+        11 => ErrorKind::Again,
+        12 => ErrorKind::NoMemory,
+        16 => ErrorKind::Busy,
+        22 => ErrorKind::InvalidArgument,
+        38 | 95 => ErrorKind::NotSupported,
+        _ => ErrorKind::Io,
+    };
+    Error::new(kind, op).with_source(std::io::Error::from_raw_os_error(errno))
+}
+
+/// An EFA NIC, opened: its context, protection domain, address handles and attributes. Queue
+/// pairs hold it (by `Arc`) until they are dropped.
+pub struct EfaDevice {
+    attr: DeviceAttr,
+    queried: QueriedDevice,
+    shared: Arc<verbs::Shared>,
+    counters: Arc<DeviceCounters>,
+    strays: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for EfaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EfaDevice")
+            .field("name", &self.attr.name)
+            .field("gid", &self.attr.gid)
+            .field("pci_addr", &self.attr.pci_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EfaDevice {
+    /// Opens the EFA device `name` (e.g. `rdmap0s6`), with device RDMA as
+    /// `FI_EFA_USE_DEVICE_RDMA` (`use_device_rdma`) allows.
+    ///
+    /// Errors: `NoData` when there is no such device, `NotSupported` when it is not an EFA
+    /// device, `Config` for `use_device_rdma = Some(true)` without RDMA read, and the verb that
+    /// failed otherwise.
+    pub fn open(name: &str, use_device_rdma: Option<bool>) -> Result<Arc<EfaDevice>> {
+        let ctx = verbs::Context::open(name)?;
+        let queried = ctx.query()?;
+        let attr = queried.device_attr(use_device_rdma)?;
+        if queried.port.state != PORT_ACTIVE {
+            tracing::warn!(
+                device = name,
+                state = queried.port.state,
+                "efa: port 1 is not active"
+            );
+        }
+        let shared = verbs::Shared::new(&ctx)?;
+        tracing::debug!(device = name, gid = %attr.gid, mtu = attr.mtu, caps = ?attr.caps, "efa: device opened");
+        Ok(Arc::new(EfaDevice {
+            attr,
+            queried,
+            shared,
+            counters: Arc::new(DeviceCounters::default()),
+            strays: Arc::new(AtomicU64::new(0)),
+        }))
+    }
+
+    /// Opens every EFA device `config.iface` (`FI_EFA_IFACE`) allows, in rdma-core's order.
+    /// RDMA devices that are not EFA are skipped, as are devices that fail to open (with a
+    /// warning). No device at all is an empty list, not an error.
+    ///
+    /// Errors: a `Config` error (`FI_EFA_USE_DEVICE_RDMA=1` on a device without RDMA read).
+    pub fn open_all(config: &Config) -> Result<Vec<Arc<EfaDevice>>> {
+        let mut out = Vec::new();
+        for name in device_names() {
+            if !config.iface_allows(&name) {
+                continue;
+            }
+            match EfaDevice::open(&name, config.use_device_rdma) {
+                Ok(d) => out.push(d),
+                Err(e) if e.kind() == ErrorKind::Config => return Err(e),
+                Err(e) if e.kind() == ErrorKind::NotSupported => {
+                    tracing::debug!(device = %name, error = %e, "efa: not an EFA device; skipped");
+                }
+                Err(e) => {
+                    tracing::warn!(device = %name, error = %e, "efa: cannot open device; skipped")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// What discovery learned about the device.
+    pub fn queried(&self) -> &QueriedDevice {
+        &self.queried
+    }
+
+    /// Address handles: (cached now, created so far, evicted so far).
+    pub fn address_handle_counts(&self) -> (usize, u64, u64) {
+        let c = self.shared.ahs.lock();
+        let (created, evicted) = c.counts();
+        (c.len(), created, evicted)
+    }
+
+    /// Completions the device reported for no outstanding work request (ignored), over all its
+    /// queue pairs.
+    pub fn stray_completions(&self) -> u64 {
+        self.strays.load(Ordering::Relaxed)
+    }
+
+    /// Registers `len` bytes at `offset` of the dmabuf `fd` (GPU memory exported by its driver)
+    /// with `access` rights (`ibv_reg_dmabuf_mr`); the registration's address (IOVA) is `offset`.
+    /// Deregistered when the returned [`EfaMr`] is dropped.
+    ///
+    /// # Safety
+    ///
+    /// The NIC (and, with remote rights, any peer holding the rkey) may read and write the
+    /// memory while the registration lives. The memory must not be memory Rust code in this
+    /// process holds references to (for instance through an `mmap` of the same dmabuf).
+    pub unsafe fn register_dmabuf(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<EfaMr> {
+        // SAFETY: forwarded contract.
+        unsafe { self.register_dmabuf_iova(fd, offset, len, offset, access) }
+    }
+
+    /// As [`register_dmabuf`](Self::register_dmabuf), with the address peers use (`iova`, e.g.
+    /// the GPU virtual address of the buffer) given explicitly.
+    ///
+    /// # Safety
+    ///
+    /// As [`register_dmabuf`](Self::register_dmabuf).
+    pub unsafe fn register_dmabuf_iova(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<EfaMr> {
+        if len == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "ibv_reg_dmabuf_mr")
+                .with_detail("empty range"));
+        }
+        // SAFETY: forwarded contract; the kernel checks fd, offset and length.
+        unsafe {
+            self.shared
+                .pd
+                .reg_dmabuf_mr(fd.as_raw_fd(), offset, len, iova, ibv_access(access))
+        }
+    }
+
+    /// Registers `buf` (its `len()` bytes) with `access` rights, so peers can target it with RDMA
+    /// (describe it with [`EfaRegion::remote_iov`]). The region owns the buffer; get it back with
+    /// [`EfaRegion::into_inner`], which deregisters first.
+    pub fn register(&self, mut buf: BytesMut, access: Access) -> Result<EfaRegion> {
+        if buf.is_empty() {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "ibv_reg_mr").with_detail("empty buffer")
+            );
+        }
+        let len = buf.len();
+        // SAFETY: the region owns `buf` and offers no access to its bytes while registered; it is
+        // deregistered before the buffer is released (field order, `into_inner`).
+        let mr = unsafe {
+            self.shared
+                .pd
+                .reg_mr(buf.as_mut_ptr(), len, ibv_access(access))
+        }?;
+        Ok(EfaRegion { mr: Some(mr), buf })
+    }
+}
+
+/// A buffer registered on an efa device (from [`EfaDevice::register`]). Its bytes are not
+/// accessible while it is registered (the NIC and peers may write them); [`into_inner`]
+/// deregisters and gives the buffer back.
+///
+/// [`into_inner`]: EfaRegion::into_inner
+#[derive(Debug)]
+pub struct EfaRegion {
+    /// Dropped before `buf` (declaration order).
+    mr: Option<EfaMr>,
+    buf: BytesMut,
+}
+
+impl EfaRegion {
+    /// The registration (keys).
+    pub fn mr(&self) -> Option<&EfaMr> {
+        self.mr.as_ref()
+    }
+
+    /// What a peer needs to read or write the whole region: address, length, rkey.
+    pub fn remote_iov(&self) -> RemoteIov {
+        RemoteIov {
+            addr: self.buf.as_ptr() as u64,
+            len: self.buf.len() as u64,
+            key: self.mr.as_ref().map_or(0, |m| u64::from(m.rkey())),
+        }
+    }
+
+    /// Deregisters (after which neither the NIC nor a peer can touch the memory) and returns the
+    /// buffer.
+    pub fn into_inner(self) -> BytesMut {
+        let EfaRegion { mr, buf } = self;
+        drop(mr);
+        buf
+    }
+}
+
+impl Device for EfaDevice {
+    fn attr(&self) -> &DeviceAttr {
+        &self.attr
+    }
+
+    fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>> {
+        let a = &self.attr;
+        let qkey = attr.qkey.unwrap_or_else(random_qkey);
+        if qkey & 0x8000_0000 != 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "create_qp")
+                .with_detail(format!("QKEY {qkey:#x} has the high (controlled) bit set")));
+        }
+        let send_depth = attr.send_depth.clamp(1, a.max_send_wr.max(1));
+        let mut recv_depth = attr.recv_depth.clamp(1, a.max_recv_wr.max(1));
+        // Both queues complete into one CQ, which must hold them all.
+        let max_cqe = self.queried.device.max_cqe as usize;
+        if max_cqe > 0 && send_depth + recv_depth > max_cqe {
+            let fit = max_cqe.saturating_sub(send_depth).max(1);
+            tracing::debug!(
+                recv_depth,
+                fit,
+                max_cqe,
+                "efa: receive depth lowered to fit the CQ"
+            );
+            recv_depth = fit;
+        }
+        let srd = attr.qp_type == QpType::Srd;
+        let caps = if srd {
+            a.caps
+        } else {
+            crate::device::DeviceCaps {
+                rnr_retry: a.caps.rnr_retry,
+                ..Default::default()
+            }
+        };
+        let spec = verbs_nic::QpSpec {
+            qp_type: attr.qp_type,
+            send_depth: u32::try_from(send_depth).unwrap_or(u32::MAX),
+            recv_depth: u32::try_from(recv_depth).unwrap_or(u32::MAX),
+            max_send_sge: u32::try_from(a.max_sge.clamp(1, 2)).unwrap_or(1),
+            max_inline: u32::try_from(a.inline_size).unwrap_or(0),
+            rdma_read: caps.rdma_read,
+            rdma_write: caps.rdma_write,
+            unsolicited_write_recv: caps.unsolicited_write_recv,
+            cq_with_sgid: self.queried.efa.cq_with_sgid(),
+            qkey,
+            rnr_retry: attr.rnr_retry,
+            rnr_retry_modifiable: a.caps.rnr_retry,
+        };
+        let nic = verbs_nic::VerbsNic::create(&self.shared, &spec, &attr.notifier)?;
+        let qpn = u16::try_from(nic.qpn()).map_err(|_| {
+            Error::new(ErrorKind::NotSupported, "create_qp").with_detail(format!(
+                "QPN {} does not fit the 16-bit EFA address",
+                nic.qpn()
+            ))
+        })?;
+        let caps = crate::device::DeviceCaps {
+            unsolicited_write_recv: caps.unsolicited_write_recv && nic.unsolicited(),
+            ..caps
+        };
+        let limits = qp::QpLimits {
+            mtu: a.mtu,
+            inline_size: a.inline_size,
+            send_depth,
+            recv_depth,
+            caps,
+            max_rdma_size: if srd { a.max_rdma_size } else { 0 },
+        };
+        let addr = crate::addr::RawAddr::new(a.gid, qpn, qkey);
+        let qp = qp::EfaQp::new(
+            nic,
+            addr,
+            attr.qp_type,
+            limits,
+            attr.notifier,
+            self.counters.clone(),
+            self.strays.clone(),
+        )?;
+        tracing::debug!(%addr, qp_type = ?attr.qp_type, send_depth, recv_depth, "efa: queue pair created");
+        Ok(Box::new(qp))
+    }
+
+    fn stats(&self) -> DeviceStats {
+        self.counters.snapshot()
+    }
+}

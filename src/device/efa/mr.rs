@@ -1,0 +1,246 @@
+//! Memory the NIC touches: access flags, the registered bounce-buffer pools of a queue pair, and
+//! (in [`verbs`](super::verbs)) the public registrations [`EfaMr`](super::EfaMr).
+//!
+//! # Why bounce buffers
+//!
+//! The device seam hands the device owned `Bytes` (sends) and `BytesMut` (receives), allocated by
+//! whoever called it, anywhere in the heap. Registering each one (`ibv_reg_mr` pins pages and
+//! costs a system call) per datagram would be slower than copying an MTU, and two `Bytes` may share
+//! pages with unrelated data. So each queue pair owns two pools of MTU-sized slots carved out of one
+//! page-aligned allocation, registered once:
+//!
+//! * a send copies its header and payload into a free send slot (sends of at most the inline size
+//!   are copied into the work queue entry instead and need no slot);
+//! * a receive posts a free receive slot (MTU bytes, plus 40 for the GRH on UD) and keeps the
+//!   caller's `BytesMut`; at completion the datagram is copied from the slot into it.
+//!
+//! Every address the NIC is given therefore lies in memory the queue pair owns and has
+//! registered, and the caller's buffers are never touched by the NIC. A slot returns to its pool
+//! only when its work request has completed (or the queue pair has been destroyed, after which the
+//! NIC touches nothing). One-sided RDMA is the exception: the local buffer of a read or write
+//! (up to `max_rdma_size`) is registered for the duration of the operation (and deregistered before
+//! it is handed back). Zero-copy sends and receives are left for later.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use super::nic::{Nic, Registration, Sge};
+use crate::error::{Error, ErrorKind, Result};
+use crate::mr::Access;
+
+/// `IBV_ACCESS_LOCAL_WRITE`.
+pub const ACCESS_LOCAL_WRITE: u32 = 1;
+/// `IBV_ACCESS_REMOTE_WRITE`.
+pub const ACCESS_REMOTE_WRITE: u32 = 2;
+/// `IBV_ACCESS_REMOTE_READ`.
+pub const ACCESS_REMOTE_READ: u32 = 4;
+
+const _: () = {
+    use rdma_sys::ibv_access_flags as a;
+    assert!(ACCESS_LOCAL_WRITE == a::IBV_ACCESS_LOCAL_WRITE.0);
+    assert!(ACCESS_REMOTE_WRITE == a::IBV_ACCESS_REMOTE_WRITE.0);
+    assert!(ACCESS_REMOTE_READ == a::IBV_ACCESS_REMOTE_READ.0);
+};
+
+/// The `ibv_access_flags` of the crate's [`Access`] rights. The NIC writes local memory for
+/// receives and as the target of reads (`LOCAL_WRITE`); verbs requires `LOCAL_WRITE` with
+/// `REMOTE_WRITE`; local reads (sends, write sources) need no flag.
+///
+/// ```
+/// # #[cfg(feature = "efa")] {
+/// use efa::Access;
+/// use efa::device::efa::ibv_access;
+/// assert_eq!(ibv_access(Access::SEND), 0);
+/// assert_eq!(ibv_access(Access::RECV), 1);
+/// assert_eq!(ibv_access(Access::REMOTE_WRITE), 1 | 2);
+/// assert_eq!(ibv_access(Access::REMOTE_READ), 4);
+/// # }
+/// ```
+pub fn ibv_access(access: Access) -> u32 {
+    let mut f = 0;
+    if access.contains(Access::RECV) || access.contains(Access::READ) {
+        f |= ACCESS_LOCAL_WRITE;
+    }
+    if access.contains(Access::REMOTE_WRITE) {
+        f |= ACCESS_REMOTE_WRITE | ACCESS_LOCAL_WRITE;
+    }
+    if access.contains(Access::REMOTE_READ) {
+        f |= ACCESS_REMOTE_READ;
+    }
+    f
+}
+
+/// Slots are aligned to this many bytes (a cache line; the NIC writes whole lines).
+const SLOT_ALIGN: usize = 64;
+/// The pool's memory is page aligned.
+const POOL_ALIGN: usize = 4096;
+
+/// Fixed-size slots of one registered, page-aligned allocation.
+pub struct SlotPool<M: Registration> {
+    base: NonNull<u8>,
+    layout: Layout,
+    /// Bytes between slot starts (the slot size rounded up to [`SLOT_ALIGN`]).
+    stride: usize,
+    /// Usable bytes of a slot.
+    slot_size: usize,
+    mr: Option<M>,
+    free: Vec<u32>,
+    in_use: Vec<bool>,
+}
+
+// SAFETY: the pool exclusively owns its allocation (the raw pointer is never shared outside of the
+// work requests it tracks), and its registration is `Send`.
+unsafe impl<M: Registration> Send for SlotPool<M> {}
+
+impl<M: Registration> SlotPool<M> {
+    /// `slots` slots of `slot_size` bytes, zeroed and registered with `nic` for local write.
+    pub fn new<N: Nic<Mr = M>>(nic: &N, slot_size: usize, slots: usize) -> Result<SlotPool<M>> {
+        let bad =
+            |d: String| Error::new(ErrorKind::InvalidArgument, "efa_slot_pool").with_detail(d);
+        if slots == 0
+            || slots > u32::MAX as usize
+            || slot_size == 0
+            || slot_size > u32::MAX as usize
+        {
+            return Err(bad(format!("{slots} slots of {slot_size} bytes")));
+        }
+        let stride = slot_size.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let total = stride
+            .checked_mul(slots)
+            .ok_or_else(|| bad(format!("{slots} slots of {slot_size} bytes overflow")))?;
+        let layout = Layout::from_size_align(total, POOL_ALIGN)
+            .map_err(|e| bad(format!("{total} bytes: {e}")))?;
+        // SAFETY: `layout` has a non-zero size (slots, slot_size ≥ 1).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(ptr).ok_or_else(|| {
+            Error::new(ErrorKind::NoMemory, "efa_slot_pool")
+                .with_detail(format!("cannot allocate {total} bytes"))
+        })?;
+        // SAFETY: the allocation stays valid and in place until `Drop`, which drops the
+        // registration first; no reference to it exists until a slot is handed out.
+        let mr = match unsafe { nic.register(base.as_ptr(), total, ACCESS_LOCAL_WRITE) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                // SAFETY: allocated above with this layout, never registered.
+                unsafe { std::alloc::dealloc(base.as_ptr(), layout) };
+                return Err(e);
+            }
+        };
+        Ok(SlotPool {
+            base,
+            layout,
+            stride,
+            slot_size,
+            mr: Some(mr),
+            free: (0..slots as u32).rev().collect(),
+            in_use: vec![false; slots],
+        })
+    }
+
+    /// Takes a free slot.
+    pub fn alloc(&mut self) -> Option<u32> {
+        let i = self.free.pop()?;
+        if let Some(u) = self.in_use.get_mut(i as usize) {
+            *u = true;
+        }
+        Some(i)
+    }
+
+    /// Gives slot `i` back; freeing a slot twice is ignored (and logged).
+    pub fn release(&mut self, i: u32) {
+        match self.in_use.get_mut(i as usize) {
+            Some(u) if *u => {
+                *u = false;
+                self.free.push(i);
+            }
+            _ => tracing::warn!(
+                slot = i,
+                "efa: slot released twice or out of range; ignored"
+            ),
+        }
+    }
+
+    /// Free slots.
+    #[cfg(test)]
+    pub fn available(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Usable bytes per slot.
+    pub fn slot_size(&self) -> usize {
+        self.slot_size
+    }
+
+    /// The SGE of the first `len` bytes of slot `i` (`len` is capped at the slot size).
+    pub fn sge(&self, i: u32, len: usize) -> Sge {
+        Sge {
+            addr: self.base.as_ptr() as u64 + (i as usize * self.stride) as u64,
+            len: len.min(self.slot_size) as u32,
+            lkey: self.mr.as_ref().map_or(0, |m| m.lkey()),
+        }
+    }
+
+    fn slot_ptr(&self, i: u32) -> Option<*mut u8> {
+        if (i as usize) < self.in_use.len() {
+            // SAFETY: `i < slots`, so the offset lies inside the allocation.
+            Some(unsafe { self.base.as_ptr().add(i as usize * self.stride) })
+        } else {
+            None
+        }
+    }
+
+    /// The bytes of slot `i`, for reading a completed receive.
+    ///
+    /// # Safety
+    ///
+    /// The NIC must not be writing slot `i`: its work request has completed, or was never posted.
+    pub unsafe fn slot(&self, i: u32) -> &[u8] {
+        match self.slot_ptr(i) {
+            // SAFETY: in bounds (checked), initialized (zeroed at allocation, then written only by
+            // the NIC or by `slot_mut`), and not written concurrently (caller's contract).
+            Some(p) => unsafe { std::slice::from_raw_parts(p, self.slot_size) },
+            None => &[],
+        }
+    }
+
+    /// The bytes of slot `i`, for filling a send before posting it.
+    ///
+    /// # Safety
+    ///
+    /// Slot `i` must not be posted to the NIC.
+    pub unsafe fn slot_mut(&mut self, i: u32) -> &mut [u8] {
+        match self.slot_ptr(i) {
+            // SAFETY: in bounds (checked); `&mut self` and the caller's contract make this the only
+            // access to these bytes.
+            Some(p) => unsafe { std::slice::from_raw_parts_mut(p, self.slot_size) },
+            None => &mut [],
+        }
+    }
+}
+
+impl<M: Registration> Drop for SlotPool<M> {
+    fn drop(&mut self) {
+        // Deregister first: after that the NIC cannot touch the memory, which can then be freed.
+        drop(self.mr.take());
+        // SAFETY: allocated in `new` with `self.layout`; deregistered just above.
+        unsafe { std::alloc::dealloc(self.base.as_ptr(), self.layout) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_flags() {
+        assert_eq!(ibv_access(Access::SEND | Access::WRITE), 0);
+        assert_eq!(ibv_access(Access::RECV), ACCESS_LOCAL_WRITE);
+        assert_eq!(ibv_access(Access::READ), ACCESS_LOCAL_WRITE);
+        assert_eq!(
+            ibv_access(Access::REMOTE_WRITE),
+            ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
+        );
+        assert_eq!(ibv_access(Access::REMOTE_READ), ACCESS_REMOTE_READ);
+        assert_eq!(ibv_access(Access::LOCAL | Access::REMOTE), 7);
+    }
+}

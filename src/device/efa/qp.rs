@@ -1,0 +1,766 @@
+//! [`EfaQp`]: the seam's [`QueuePair`] on a [`Nic`] — bounce-buffer copies, work-request
+//! bookkeeping, completion matching, UD GRH stripping, close and flush.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+
+use super::mr::{ACCESS_LOCAL_WRITE, SlotPool};
+use super::nic::{Nic, Payload, RawWc, Registration, SendOp, SendWqe};
+use super::status::status_from_wc;
+use super::verbs_error;
+use super::wr::WrTable;
+use super::{GRH_LEN, UNSOLICITED_WR_ID};
+use crate::addr::RawAddr;
+use crate::device::{
+    DeviceCaps, DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Source, Status,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
+use crate::stats::{self, DeviceCounters};
+
+/// Device completions read per `poll` call at most.
+const POLL_BATCH: usize = 64;
+/// On close, how long to wait for outstanding sends to complete before the queue pair is destroyed.
+const CLOSE_DRAIN: Duration = Duration::from_millis(50);
+/// On close, stop waiting after this long without any completion.
+const CLOSE_QUIET: Duration = Duration::from_millis(2);
+
+/// What an outstanding work request owns, released at its completion.
+enum Res<N: Nic> {
+    Send {
+        /// Send slot (`None`: the data went inline).
+        slot: Option<u32>,
+        _ah: Arc<N::Ah>,
+        len: usize,
+    },
+    Recv {
+        slot: u32,
+        buf: BytesMut,
+    },
+    Read {
+        /// Deregistered before `buf` is handed back.
+        mr: Option<N::Mr>,
+        buf: BytesMut,
+        _ah: Arc<N::Ah>,
+        len: usize,
+    },
+    Write {
+        /// Deregistered before `src` is dropped.
+        mr: Option<N::Mr>,
+        src: Bytes,
+        _ah: Arc<N::Ah>,
+        len: usize,
+    },
+}
+
+/// Limits and capabilities a queue pair enforces.
+#[derive(Clone, Copy, Debug)]
+pub struct QpLimits {
+    /// Largest datagram.
+    pub mtu: usize,
+    /// Largest inline send (0: never inline).
+    pub inline_size: usize,
+    /// Send queue depth (sends, reads and writes).
+    pub send_depth: usize,
+    /// Receive queue depth.
+    pub recv_depth: usize,
+    /// RDMA capabilities.
+    pub caps: DeviceCaps,
+    /// Largest RDMA read/write.
+    pub max_rdma_size: u64,
+}
+
+/// The payload a receive slot holds: for UD the NIC put a 40-byte GRH in front of the datagram,
+/// which is stripped; for SRD the datagram starts the slot. `None` when `byte_len` is impossible
+/// (shorter than the GRH, or longer than the slot).
+pub fn recv_payload(qp_type: QpType, slot: &[u8], byte_len: u32) -> Option<&[u8]> {
+    let len = byte_len as usize;
+    match qp_type {
+        QpType::Ud if len < GRH_LEN => None,
+        QpType::Ud => slot.get(GRH_LEN..len),
+        QpType::Srd => slot.get(..len),
+    }
+}
+
+/// Copies a received datagram into the caller's buffer: `Success`, or `LocalBadLength` when it is
+/// longer than the buffer's capacity (the buffer then holds what fits). Never reallocates.
+pub fn deliver(buf: &mut BytesMut, data: &[u8]) -> Status {
+    buf.clear();
+    let cap = buf.capacity();
+    if data.len() > cap {
+        buf.extend_from_slice(data.get(..cap).unwrap_or_default());
+        Status::LocalBadLength
+    } else {
+        buf.extend_from_slice(data);
+        Status::Success
+    }
+}
+
+/// A queue pair of the efa device: the seam on top of a [`Nic`].
+pub struct EfaQp<N: Nic> {
+    nic: N,
+    addr: RawAddr,
+    qp_type: QpType,
+    limits: QpLimits,
+    table: WrTable<Res<N>>,
+    /// `None` only after being leaked (a failed destroy).
+    send_pool: Option<SlotPool<N::Mr>>,
+    recv_pool: Option<SlotPool<N::Mr>>,
+    sends: usize,
+    recvs: usize,
+    pending: VecDeque<DeviceCompletion>,
+    raw: Vec<RawWc>,
+    closed: bool,
+    destroyed: bool,
+    /// The QP could not be destroyed: never free what it was given.
+    leak: bool,
+    notifier: Arc<Notifier>,
+    counters: Arc<DeviceCounters>,
+    /// Completions matching no outstanding work request (device-wide).
+    strays: Arc<AtomicU64>,
+}
+
+impl<N: Nic> fmt::Debug for EfaQp<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EfaQp")
+            .field("addr", &self.addr)
+            .field("qp_type", &self.qp_type)
+            .field("outstanding", &self.table.len())
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<N: Nic> EfaQp<N> {
+    /// Wraps a NIC whose queue pair is ready (RTS): allocates and registers the bounce pools
+    /// (`send_depth` slots of MTU bytes, `recv_depth` of MTU bytes plus the GRH for UD).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        nic: N,
+        addr: RawAddr,
+        qp_type: QpType,
+        limits: QpLimits,
+        notifier: Arc<Notifier>,
+        counters: Arc<DeviceCounters>,
+        strays: Arc<AtomicU64>,
+    ) -> Result<EfaQp<N>> {
+        let recv_slot = match qp_type {
+            QpType::Ud => limits.mtu + GRH_LEN,
+            QpType::Srd => limits.mtu,
+        };
+        let send_pool = SlotPool::new(&nic, limits.mtu.max(1), limits.send_depth.max(1))?;
+        let recv_pool = SlotPool::new(&nic, recv_slot, limits.recv_depth.max(1))?;
+        Ok(EfaQp {
+            nic,
+            addr,
+            qp_type,
+            limits,
+            table: WrTable::new(),
+            send_pool: Some(send_pool),
+            recv_pool: Some(recv_pool),
+            sends: 0,
+            recvs: 0,
+            pending: VecDeque::new(),
+            raw: Vec::with_capacity(POLL_BATCH),
+            closed: false,
+            destroyed: false,
+            leak: false,
+            notifier,
+            counters,
+            strays,
+        })
+    }
+
+    /// The NIC (tests).
+    #[cfg(test)]
+    pub(crate) fn nic_mut(&mut self) -> &mut N {
+        &mut self.nic
+    }
+
+    fn check_open(&self, op: &'static str) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, op));
+        }
+        Ok(())
+    }
+
+    fn send_room(&self, op: &'static str) -> Result<()> {
+        if self.sends >= self.limits.send_depth {
+            return Err(Error::new(ErrorKind::Again, op).with_detail(format!(
+                "send queue full ({} work requests)",
+                self.limits.send_depth
+            )));
+        }
+        Ok(())
+    }
+
+    /// Posts `wqe` (already recorded under `wqe.wr_id`); on refusal takes the record back and
+    /// releases what it owned.
+    fn post(&mut self, wqe: &SendWqe<'_, N::Ah>, verb: &'static str) -> Result<()> {
+        match self.nic.post_send(wqe) {
+            Ok(()) => {
+                self.sends += 1;
+                Ok(())
+            }
+            Err(errno) => {
+                if let Some((_, res)) = self.table.cancel(wqe.wr_id) {
+                    self.release(res);
+                }
+                Err(post_error(verb, errno))
+            }
+        }
+    }
+
+    /// Releases what a work request owned without reporting it (posting failed).
+    fn release(&mut self, res: Res<N>) {
+        match res {
+            Res::Send { slot: Some(s), .. } => {
+                if let Some(p) = self.send_pool.as_mut() {
+                    p.release(s);
+                }
+            }
+            Res::Recv { slot, .. } => {
+                if let Some(p) = self.recv_pool.as_mut() {
+                    p.release(slot);
+                }
+            }
+            Res::Read { mr, buf, .. } => {
+                drop(mr);
+                drop(buf);
+            }
+            Res::Write { mr, src, .. } => {
+                drop(mr);
+                drop(src);
+            }
+            Res::Send { slot: None, .. } => {}
+        }
+    }
+
+    fn source(&self, raw: &RawWc) -> Option<Source> {
+        let by_ahn = u16::try_from(raw.slid)
+            .ok()
+            .filter(|a| u32::from(*a) != super::verbs::AHN_UNKNOWN)
+            .and_then(|a| self.nic.gid_of_ahn(a));
+        let gid = by_ahn.or(raw.sgid)?;
+        let qpn = u16::try_from(raw.src_qp).ok()?;
+        Some(Source { gid, qpn })
+    }
+
+    /// Turns one device completion into the seam's, releasing what its work request owned.
+    /// `None` for a completion that matches no outstanding work request.
+    fn complete(&mut self, raw: &RawWc) -> Option<DeviceCompletion> {
+        let status = status_from_wc(raw.status, raw.vendor_err);
+        if raw.unsolicited {
+            return Some(DeviceCompletion {
+                wr_id: UNSOLICITED_WR_ID,
+                status,
+                opcode: Opcode::RecvRdmaWithImm,
+                byte_len: raw.byte_len as usize,
+                src: if status.is_ok() {
+                    self.source(raw)
+                } else {
+                    None
+                },
+                imm: raw.imm,
+                buf: None,
+            });
+        }
+        let (wr_id, res) = match self.table.take(raw.wr_id) {
+            Ok(x) => x,
+            Err(miss) => {
+                self.strays.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(token = raw.wr_id, ?miss, status = ?status, "efa: completion for no outstanding work request; ignored");
+                return None;
+            }
+        };
+        Some(self.finish(wr_id, res, status, raw))
+    }
+
+    fn finish(&mut self, wr_id: u64, res: Res<N>, status: Status, raw: &RawWc) -> DeviceCompletion {
+        let ok = status.is_ok();
+        let c = &self.counters;
+        match res {
+            Res::Send { slot, len, .. } => {
+                self.sends = self.sends.saturating_sub(1);
+                if let (Some(s), Some(p)) = (slot, self.send_pool.as_mut()) {
+                    p.release(s);
+                }
+                if ok {
+                    stats::inc(&c.tx_pkts);
+                    stats::add(&c.tx_bytes, len as u64);
+                } else if status != Status::Flushed {
+                    stats::inc(&c.send_errors);
+                    if status == Status::RnrRetryExceeded {
+                        stats::inc(&c.rnr_events);
+                    }
+                }
+                DeviceCompletion::new(wr_id, status, Opcode::Send, if ok { len } else { 0 })
+            }
+            Res::Recv { slot, mut buf } => {
+                self.recvs = self.recvs.saturating_sub(1);
+                let mut out = DeviceCompletion::new(wr_id, status, Opcode::Recv, 0);
+                if ok && raw.opcode == rdma_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                    // The target side of an RDMA write with immediate data: the data went to the
+                    // registered target region; this buffer only carried the notification.
+                    buf.clear();
+                    out.opcode = Opcode::RecvRdmaWithImm;
+                    out.byte_len = raw.byte_len as usize;
+                } else if ok {
+                    let data = self.recv_pool.as_ref().and_then(|p| {
+                        // SAFETY: the work request completed, so the NIC no longer writes the slot.
+                        let bytes = unsafe { p.slot(slot) };
+                        recv_payload(self.qp_type, bytes, raw.byte_len)
+                    });
+                    match data {
+                        Some(d) => {
+                            out.status = deliver(&mut buf, d);
+                            out.byte_len = d.len();
+                            stats::inc(&c.rx_pkts);
+                            stats::add(&c.rx_bytes, d.len() as u64);
+                        }
+                        None => {
+                            tracing::warn!(byte_len = raw.byte_len, qp_type = ?self.qp_type, "efa: receive completion with an impossible length");
+                            buf.clear();
+                            out.status = Status::LocalQpInternalError;
+                        }
+                    }
+                } else {
+                    buf.clear();
+                }
+                if let Some(p) = self.recv_pool.as_mut() {
+                    p.release(slot);
+                }
+                if out.status.is_ok() || out.status == Status::LocalBadLength {
+                    out.src = self.source(raw);
+                    out.imm = raw.imm;
+                }
+                out.buf = Some(buf);
+                out
+            }
+            Res::Read {
+                mr, mut buf, len, ..
+            } => {
+                self.sends = self.sends.saturating_sub(1);
+                // Deregister before the buffer is handed back: after this the NIC cannot write it.
+                drop(mr);
+                if ok {
+                    // SAFETY: a successful read wrote exactly `len` bytes at the start of the
+                    // buffer's capacity (`len <= capacity` was checked at posting), so they are
+                    // initialized; the registration is gone.
+                    unsafe { buf.set_len(len) };
+                    stats::inc(&c.rdma_ops);
+                    stats::add(&c.rdma_bytes, len as u64);
+                } else {
+                    buf.clear();
+                }
+                let mut out = DeviceCompletion::new(
+                    wr_id,
+                    status,
+                    Opcode::RdmaRead,
+                    if ok { len } else { 0 },
+                );
+                out.buf = Some(buf);
+                out
+            }
+            Res::Write { mr, src, len, .. } => {
+                self.sends = self.sends.saturating_sub(1);
+                drop(mr);
+                drop(src);
+                if ok {
+                    stats::inc(&c.rdma_ops);
+                    stats::add(&c.rdma_bytes, len as u64);
+                }
+                DeviceCompletion::new(wr_id, status, Opcode::RdmaWrite, if ok { len } else { 0 })
+            }
+        }
+    }
+
+    /// Reads up to `max` device completions and queues the seam's in `pending`; returns how many
+    /// device completions were read.
+    fn reap(&mut self, max: usize) -> usize {
+        if self.destroyed || max == 0 {
+            return 0;
+        }
+        let mut raw = std::mem::take(&mut self.raw);
+        raw.clear();
+        if let Err(errno) = self.nic.poll(max.min(POLL_BATCH), &mut raw) {
+            tracing::warn!(errno, "efa: polling the completion queue failed");
+        }
+        let n = raw.len();
+        for r in &raw {
+            if let Some(c) = self.complete(r) {
+                self.pending.push_back(c);
+            }
+        }
+        self.raw = raw;
+        n
+    }
+
+    /// Destroys the QP (the NIC stops touching every buffer), remembering a failure.
+    fn destroy_nic(&mut self) {
+        if !self.destroyed {
+            self.destroyed = true;
+            if !self.nic.destroy() {
+                self.leak = true;
+            }
+        }
+    }
+
+    /// Completes every outstanding work request with `Flushed`; the QP must be destroyed.
+    fn flush_all(&mut self) {
+        debug_assert!(self.destroyed);
+        for (wr_id, res) in self.table.drain() {
+            let c = if self.leak {
+                // The NIC may still write these buffers: never release them.
+                let opcode = match &res {
+                    Res::Send { .. } => Opcode::Send,
+                    Res::Recv { .. } => Opcode::Recv,
+                    Res::Read { .. } => Opcode::RdmaRead,
+                    Res::Write { .. } => Opcode::RdmaWrite,
+                };
+                std::mem::forget(res);
+                DeviceCompletion::new(wr_id, Status::Flushed, opcode, 0)
+            } else {
+                let raw = RawWc::default();
+                self.finish(wr_id, res, Status::Flushed, &raw)
+            };
+            self.pending.push_back(c);
+        }
+        self.sends = 0;
+        self.recvs = 0;
+    }
+}
+
+/// The error of a refused post: a full queue is `Again`, anything else names the verb.
+fn post_error(verb: &'static str, errno: i32) -> Error {
+    if super::verbs_nic::is_queue_full(errno) {
+        Error::new(ErrorKind::Again, verb)
+            .with_detail(format!("the device queue is full (errno {errno})"))
+    } else {
+        verbs_error(verb, errno)
+    }
+}
+
+impl<N: Nic> QueuePair for EfaQp<N> {
+    fn addr(&self) -> RawAddr {
+        self.addr
+    }
+
+    fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        self.check_open("post_send")?;
+        let len = wr.len();
+        if len > self.limits.mtu {
+            return Err(Error::new(ErrorKind::MsgSize, "post_send")
+                .with_detail(format!("{len} bytes > MTU {}", self.limits.mtu)));
+        }
+        self.send_room("post_send")?;
+        let ah = self.nic.address_handle(&wr.dest.gid)?;
+        let segs = [&wr.hdr[..], &wr.payload[..]];
+        let slot = if len <= self.limits.inline_size {
+            None
+        } else {
+            let pool = self
+                .send_pool
+                .as_mut()
+                .ok_or_else(|| Error::new(ErrorKind::Closed, "post_send"))?;
+            let s = pool.alloc().ok_or_else(|| {
+                Error::new(ErrorKind::Again, "post_send").with_detail("no free send buffer")
+            })?;
+            // SAFETY: a free slot is posted to nothing.
+            let bytes = unsafe { pool.slot_mut(s) };
+            let (h, p) = (wr.hdr.len(), wr.payload.len());
+            if let Some(dst) = bytes.get_mut(..h + p) {
+                let (dh, dp) = dst.split_at_mut(h);
+                dh.copy_from_slice(&wr.hdr);
+                dp.copy_from_slice(&wr.payload);
+            }
+            Some(s)
+        };
+        let payload = match (slot, self.send_pool.as_ref()) {
+            (Some(s), Some(p)) => Payload::Sge(p.sge(s, len)),
+            _ => Payload::Inline(&segs),
+        };
+        let token = self.table.insert(
+            wr.wr_id,
+            Res::Send {
+                slot,
+                _ah: ah.clone(),
+                len,
+            },
+        );
+        let wqe = SendWqe {
+            wr_id: token,
+            op: SendOp::Send { imm: wr.imm },
+            ah: &*ah,
+            remote_qpn: u32::from(wr.dest.qpn),
+            remote_qkey: wr.dest.qkey,
+            payload,
+        };
+        self.post(&wqe, "ibv_wr_send")
+    }
+
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
+        self.check_open("post_recv")?;
+        if self.recvs >= self.limits.recv_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
+                    "receive queue full ({} work requests)",
+                    self.limits.recv_depth
+                )),
+            );
+        }
+        let pool = self
+            .recv_pool
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Closed, "post_recv"))?;
+        let slot = pool.alloc().ok_or_else(|| {
+            Error::new(ErrorKind::Again, "post_recv").with_detail("no free receive buffer")
+        })?;
+        let sge = pool.sge(slot, pool.slot_size());
+        let token = self.table.insert(wr_id, Res::Recv { slot, buf });
+        match self.nic.post_recv(token, sge) {
+            Ok(()) => {
+                self.recvs += 1;
+                Ok(())
+            }
+            Err(errno) => {
+                if let Some((_, res)) = self.table.cancel(token) {
+                    self.release(res);
+                }
+                Err(post_error("ibv_post_recv", errno))
+            }
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        if self.pending.len() < max {
+            let n = self.reap(max - self.pending.len());
+            if n == 0 && self.pending.is_empty() && !self.destroyed && self.nic.arm() {
+                // Armed just now: completions that arrived before the arming raise no event.
+                self.reap(max);
+            }
+        }
+        let mut n = 0;
+        while n < max {
+            let Some(c) = self.pending.pop_front() else {
+                break;
+            };
+            out.push(c);
+            n += 1;
+        }
+        if n > 0 {
+            self.notifier.notify();
+        }
+        n
+    }
+
+    fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if !self.destroyed {
+            if let Err(e) = self.nic.to_error() {
+                tracing::debug!(error = %e, "efa: moving the queue pair to ERR failed");
+            }
+            // Give outstanding sends (and whatever the device flushes) a moment to complete;
+            // receives alone are not waited for beyond a short quiet period.
+            let start = Instant::now();
+            let mut last = start;
+            while !self.table.is_empty() && start.elapsed() < CLOSE_DRAIN {
+                if self.sends == 0 && last.elapsed() >= CLOSE_QUIET {
+                    break;
+                }
+                if self.reap(POLL_BATCH) > 0 {
+                    last = Instant::now();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            self.destroy_nic();
+        }
+        self.flush_all();
+        tracing::debug!(addr = %self.addr, "efa: queue pair closed");
+        self.notifier.notify();
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        mut local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.check_open("post_read")?;
+        if !self.limits.caps.rdma_read || self.qp_type != QpType::Srd {
+            return Err(Error::new(ErrorKind::NotSupported, "post_read")
+                .with_detail("no device RDMA read on this queue pair"));
+        }
+        let len = self.rdma_len("post_read", remote, local.capacity() as u64)?;
+        let rkey = rkey_of("post_read", remote.key)?;
+        self.send_room("post_read")?;
+        let ah = self.nic.address_handle(&dest.gid)?;
+        local.clear();
+        let mr = if len > 0 {
+            let ptr = local.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+            // SAFETY: the buffer's capacity (≥ len) stays allocated and in place while the
+            // work request owns it; nothing reads or writes it until its completion, which
+            // deregisters before handing it back.
+            Some(unsafe { self.nic.register(ptr, len, ACCESS_LOCAL_WRITE) }?)
+        } else {
+            None
+        };
+        let payload = match &mr {
+            Some(m) => Payload::Sge(super::nic::Sge {
+                addr: local.spare_capacity_mut().as_mut_ptr() as u64,
+                len: len as u32,
+                lkey: m.lkey(),
+            }),
+            None => Payload::Empty,
+        };
+        let token = self.table.insert(
+            wr_id,
+            Res::Read {
+                mr,
+                buf: local,
+                _ah: ah.clone(),
+                len,
+            },
+        );
+        let wqe = SendWqe {
+            wr_id: token,
+            op: SendOp::Read {
+                rkey,
+                raddr: remote.addr,
+            },
+            ah: &*ah,
+            remote_qpn: u32::from(dest.qpn),
+            remote_qkey: dest.qkey,
+            payload,
+        };
+        self.post(&wqe, "ibv_wr_rdma_read")
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.check_open("post_write")?;
+        if !self.limits.caps.rdma_write || self.qp_type != QpType::Srd {
+            return Err(Error::new(ErrorKind::NotSupported, "post_write")
+                .with_detail("no device RDMA write on this queue pair"));
+        }
+        let len = local.len();
+        if len as u64 > remote.len {
+            return Err(Error::new(ErrorKind::InvalidArgument, "post_write")
+                .with_detail(format!("{len} bytes into a remote range of {}", remote.len)));
+        }
+        self.rdma_len(
+            "post_write",
+            RemoteIov {
+                len: len as u64,
+                ..remote
+            },
+            len as u64,
+        )?;
+        let rkey = rkey_of("post_write", remote.key)?;
+        self.send_room("post_write")?;
+        let ah = self.nic.address_handle(&dest.gid)?;
+        let mr = if len > 0 {
+            // SAFETY: `local` is kept by the work request until its completion, which
+            // deregisters before dropping it; the NIC only reads it (no write access).
+            Some(unsafe { self.nic.register(local.as_ptr().cast_mut(), len, 0) }?)
+        } else {
+            None
+        };
+        let payload = match &mr {
+            Some(m) => Payload::Sge(super::nic::Sge {
+                addr: local.as_ptr() as u64,
+                len: len as u32,
+                lkey: m.lkey(),
+            }),
+            None => Payload::Empty,
+        };
+        let token = self.table.insert(
+            wr_id,
+            Res::Write {
+                mr,
+                src: local,
+                _ah: ah.clone(),
+                len,
+            },
+        );
+        let wqe = SendWqe {
+            wr_id: token,
+            op: SendOp::Write {
+                rkey,
+                raddr: remote.addr,
+                imm,
+            },
+            ah: &*ah,
+            remote_qpn: u32::from(dest.qpn),
+            remote_qkey: dest.qkey,
+            payload,
+        };
+        self.post(&wqe, "ibv_wr_rdma_write")
+    }
+}
+
+impl<N: Nic> EfaQp<N> {
+    /// The length of an RDMA operation on `remote` with `room` local bytes.
+    fn rdma_len(&self, op: &'static str, remote: RemoteIov, room: u64) -> Result<usize> {
+        if remote.len > room {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
+                    "remote range of {} bytes, local room {room}",
+                    remote.len
+                )),
+            );
+        }
+        if remote.len > self.limits.max_rdma_size || remote.len > u64::from(u32::MAX) {
+            return Err(Error::new(ErrorKind::MsgSize, op).with_detail(format!(
+                "{} bytes > max_rdma_size {}",
+                remote.len, self.limits.max_rdma_size
+            )));
+        }
+        Ok(remote.len as usize)
+    }
+}
+
+fn rkey_of(op: &'static str, key: u64) -> Result<u32> {
+    u32::try_from(key).map_err(|_| {
+        Error::new(ErrorKind::InvalidArgument, op)
+            .with_detail(format!("remote key {key:#x} is not an EFA rkey"))
+    })
+}
+
+impl<N: Nic> Drop for EfaQp<N> {
+    fn drop(&mut self) {
+        self.destroy_nic();
+        // Release (or, after a failed destroy, leak) what outstanding work requests own; the
+        // completions are not reported to anyone.
+        self.flush_all();
+        self.pending.clear();
+        if self.leak {
+            std::mem::forget(self.send_pool.take());
+            std::mem::forget(self.recv_pool.take());
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "qp_tests.rs"]
+mod tests;

@@ -1,0 +1,243 @@
+//! The only place of the shm device that talks to the kernel through raw calls: shared file
+//! mappings, futex waits and wakes, `flock`, `posix_fallocate`, `kill(pid, 0)` and `getuid`.
+//!
+//! A [`Mapping`] hands out **no references to shared bytes**: control words are reached as
+//! `&AtomicU32` / `&AtomicU64` (lock-free atomics are valid between processes), data is copied in
+//! and out with bounds-checked raw copies. Every offset is checked against the mapping's length,
+//! so whatever another process writes into the segment, this process never reads or writes
+//! outside it.
+
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::time::Duration;
+
+use bytes::BytesMut;
+
+/// A `MAP_SHARED`, read-write mapping of the first `len` bytes of a file.
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value until `Drop`; every access goes
+// through atomics or raw copies that tolerate concurrent writers, so sharing it between threads
+// is no different from sharing it between processes.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; no method hands out `&mut` access or a plain reference to the bytes.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of `file` (which must be at least that long; the caller checks
+    /// the file size first so no access can fall beyond the end of the file).
+    pub(crate) fn map(file: &File, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
+        }
+        // SAFETY: a fresh shared mapping chosen by the kernel (no fixed address), of a file
+        // descriptor that is valid for the duration of the call; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// Length of the mapping, bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The byte range `off..off + n`, if it lies inside the mapping.
+    fn range(&self, off: usize, n: usize) -> Option<usize> {
+        let end = off.checked_add(n)?;
+        (end <= self.len).then_some(off)
+    }
+
+    /// The 32-bit control word at `off` (4-aligned, inside the mapping).
+    pub(crate) fn u32(&self, off: usize) -> Option<&AtomicU32> {
+        let off = self.range(off, 4)?;
+        if off % 4 != 0 {
+            return None;
+        }
+        // SAFETY: `off..off+4` lies inside the mapping (checked above) and the mapping is page
+        // aligned, so the address is 4-aligned; `AtomicU32` has the size and alignment of `u32`
+        // and is valid for any bit pattern; the reference lives no longer than `&self`, i.e. the
+        // mapping. Other processes may change the word at any time, which atomics allow.
+        Some(unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() })
+    }
+
+    /// The 64-bit control word at `off` (8-aligned, inside the mapping).
+    pub(crate) fn u64(&self, off: usize) -> Option<&AtomicU64> {
+        let off = self.range(off, 8)?;
+        if off % 8 != 0 {
+            return None;
+        }
+        // SAFETY: as in `u32`, for an 8-byte, 8-aligned word.
+        Some(unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() })
+    }
+
+    /// Copies `src` to `off`; false (nothing written) when the range leaves the mapping.
+    pub(crate) fn write(&self, off: usize, src: &[u8]) -> bool {
+        let Some(off) = self.range(off, src.len()) else {
+            return false;
+        };
+        // SAFETY: the destination range lies inside the mapping (checked), the source is a
+        // valid slice in private memory, so the two cannot overlap. Concurrent writers in other
+        // processes can only make the bytes garbage, which every reader validates.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len());
+        }
+        true
+    }
+
+    /// Appends `n` bytes from `off` to `buf`, within its spare capacity; false (nothing copied)
+    /// when the range leaves the mapping or `buf` lacks the room.
+    pub(crate) fn read_into(&self, off: usize, n: usize, buf: &mut BytesMut) -> bool {
+        let Some(off) = self.range(off, n) else {
+            return false;
+        };
+        if buf.capacity() - buf.len() < n {
+            return false;
+        }
+        let spare = buf.spare_capacity_mut();
+        // SAFETY: the source range lies inside the mapping (checked); the destination is the
+        // buffer's spare capacity, at least `n` bytes (checked), private memory that cannot
+        // overlap the mapping. After the copy those `n` bytes are initialised, so extending the
+        // length by `n` is sound.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(off),
+                spare.as_mut_ptr().cast::<u8>(),
+                n,
+            );
+            buf.set_len(buf.len() + n);
+        }
+        true
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what `mmap` returned; no reference into the mapping
+        // outlives `self` (every accessor borrows `self`).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout` (a shared futex: works between
+/// processes mapping the same file). Spurious returns are fine; callers re-check.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, aligned 32-bit word for the duration of the call; the timespec
+    // is a valid local; FUTEX_WAIT only reads the word and sleeps.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every waiter of `word` in any process.
+pub(crate) fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE does not access memory beyond
+    // looking the address up.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Takes a shared `flock` on `file` (held until the file is closed): the owner's mark of life.
+pub(crate) fn lock_shared(file: &File) -> io::Result<()> {
+    // SAFETY: plain syscall on a valid descriptor.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Tries to take an exclusive `flock` without waiting: `Ok(true)` when taken (nobody else holds
+/// a lock on the file), `Ok(false)` when someone does.
+pub(crate) fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    // SAFETY: plain syscall on a valid descriptor.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Reserves the blocks of the first `len` bytes of `file`, so that touching the mapping later
+/// cannot fail with `SIGBUS` for lack of space. Filesystems without `fallocate` are accepted.
+pub(crate) fn allocate(file: &File, len: usize) -> io::Result<()> {
+    let len = libc::off_t::try_from(len)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "segment too large"))?;
+    // SAFETY: plain syscall on a valid descriptor.
+    let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    match r {
+        0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
+}
+
+/// True unless process `pid` certainly does not exist (`kill(pid, 0)` fails with `ESRCH`).
+/// Pid 0 and pids beyond `i32::MAX` (which `kill` would read as process groups) count as gone.
+pub(crate) fn pid_exists(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if p <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission; `p` is a positive pid, never
+    // a process group.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The real user id of this process.
+pub(crate) fn uid() -> u32 {
+    // SAFETY: `getuid` cannot fail and touches no memory.
+    unsafe { libc::getuid() }
+}

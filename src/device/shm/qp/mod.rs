@@ -1,0 +1,514 @@
+//! An shm queue pair: its own segment (receive ring and acknowledgement table), the peers it has
+//! mapped, its state behind one lock, its background "NIC" thread and the [`QueuePair`] handle.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+
+mod rx;
+mod tx;
+
+use super::DevShared;
+use super::map::{self, Mapping};
+use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
+use super::segment::{self, Geometry, OwnSegment, PeerSegment};
+use crate::addr::RawAddr;
+use crate::device::{
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
+use crate::stats::{self, DeviceCounters};
+
+/// Ring slots one application `poll` consumes at most.
+const APP_BUDGET: usize = 64;
+/// Ring slots the NIC thread consumes before it looks at its timers again.
+const NIC_BUDGET: usize = 1024;
+/// How often the owner of a peer with outstanding sends is checked for life.
+const LIVENESS_INTERVAL: Duration = Duration::from_millis(10);
+/// Longest sleep of the NIC thread (a bound on a lost wake-up, e.g. from garbage in the header).
+const IDLE_WAIT: Duration = Duration::from_millis(20);
+/// How long a reserved, unpublished slot at the head may wait before its writer is checked.
+const STUCK_CHECK: Duration = Duration::from_millis(20);
+/// How often the owner checks that its segment header is intact.
+const HEADER_CHECK: Duration = Duration::from_millis(100);
+/// How often sends waiting for room in a full ring try again.
+const BACKLOG_RETRY: Duration = Duration::from_micros(200);
+/// Peer segments kept mapped (each holds a file descriptor); past this, the idle ones (no sends
+/// outstanding) are dropped.
+const MAX_IDLE_PEERS: usize = 256;
+/// RNR retry count that means "retry forever".
+const RNR_INFINITE: u8 = 7;
+
+/// A peer's mapped segment.
+struct Peer {
+    seg: PeerSegment,
+    /// SRD sends in flight to it.
+    outstanding: usize,
+    /// Next liveness check (while sends are outstanding).
+    next_check: Instant,
+}
+
+/// An SRD send published in a peer's ring, waiting for its acknowledgement.
+struct Inflight {
+    wr_id: u64,
+    qpn: u16,
+    pos: u64,
+    len: usize,
+    gen_: u32,
+    rnr_count: u32,
+    next_rnr: Option<Instant>,
+    deadline: Instant,
+}
+
+/// A send waiting for room in its destination's ring.
+struct Pending {
+    wr: SendWr,
+    since: Instant,
+}
+
+/// What became of one attempt to send.
+enum Sent {
+    /// Completed at once with this status and byte count.
+    Done(Status, usize),
+    /// Published; the acknowledgement will complete it.
+    Inflight,
+    /// The destination ring is full.
+    Full,
+}
+
+/// What the consumer did with the slot at its head.
+enum Consumed {
+    /// Done with it: advance.
+    Advance,
+    /// Look at the same slot again (its state changed under us).
+    Again,
+    /// Blocked (SRD datagram, no receive buffer).
+    Blocked,
+}
+
+/// Everything behind the queue pair's lock.
+pub(super) struct State {
+    dev: Arc<DevShared>,
+    own: OwnSegment,
+    addr: RawAddr,
+    qp_type: QpType,
+    rnr_retry: u8,
+    closed: bool,
+    send_depth: usize,
+    recv_depth: usize,
+    send_outstanding: usize,
+    recv_outstanding: usize,
+    recvs: VecDeque<(u64, BytesMut)>,
+    cq: VecDeque<DeviceCompletion>,
+    new_comps: bool,
+    /// The consumer's next ring position.
+    head: u64,
+    /// Ring positions below this were already marked RNR.
+    rnr_marked: u64,
+    /// A reserved, unpublished head slot and since when.
+    stuck: Option<(u64, Instant)>,
+    peers: HashMap<u16, Peer>,
+    /// SRD sends in flight, indexed by acknowledgement entry.
+    inflight: Vec<Option<Inflight>>,
+    /// Generation of each acknowledgement entry.
+    gens: Vec<u32>,
+    free_acks: Vec<u32>,
+    n_inflight: usize,
+    backlog: VecDeque<Pending>,
+    /// The doorbell value of the last scan of the in-flight sends.
+    last_bell: u32,
+    /// Earliest timer (RNR retry, liveness check, deadline, backlog retry, header check).
+    next_timer: Option<Instant>,
+    next_header_check: Instant,
+}
+
+fn min_opt(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+impl State {
+    fn counters(&self) -> &DeviceCounters {
+        &self.dev.counters
+    }
+
+    fn complete(&mut self, c: DeviceCompletion) {
+        self.cq.push_back(c);
+        self.new_comps = true;
+    }
+
+    fn complete_send(&mut self, wr_id: u64, status: Status, n: usize) {
+        if !status.is_ok() {
+            stats::inc(&self.counters().send_errors);
+        }
+        self.complete(DeviceCompletion::new(wr_id, status, Opcode::Send, n));
+    }
+
+    // ---- progress ---------------------------------------------------------------------------
+
+    /// One pass: the ring, the in-flight sends, the peers, the backlog, the header. True when
+    /// more ring slots may be waiting.
+    fn progress(&mut self, now: Instant, budget: usize) -> bool {
+        if self.closed {
+            return false;
+        }
+        // Timers are recomputed by the pass (the drain may set one for a stuck slot).
+        let due = self.next_timer.is_some_and(|t| now >= t);
+        if due {
+            self.next_timer = None;
+        }
+        let more = self.drain(now, budget);
+        let bell = Ring::new(&self.own.map, &self.own.geo)
+            .bell()
+            .map_or(0, |(b, _)| b.load(Ordering::SeqCst));
+        if bell != self.last_bell || due {
+            self.last_bell = bell;
+            if self.n_inflight > 0 {
+                self.check_sends(now);
+                self.check_peers(now);
+            }
+            if !self.backlog.is_empty() {
+                self.run_backlog(now);
+                if !self.backlog.is_empty() {
+                    self.next_timer = min_opt(self.next_timer, Some(now + BACKLOG_RETRY));
+                }
+            }
+        }
+        if now >= self.next_header_check {
+            self.next_header_check = now + HEADER_CHECK;
+            let m = &self.own.map;
+            let intact = segment::header_intact(m, &self.own.geo, &self.own.id)
+                && !Ring::new(m, &self.own.geo).closed();
+            if !intact {
+                stats::inc(&self.dev.counters.malformed_dropped);
+                tracing::warn!(path = %self.own.path.display(), "shm: own segment header overwritten; restored");
+                segment::write_header(m, &self.own.geo, &self.own.id);
+                if let Some(w) = m.u32(segment::H_CLOSED) {
+                    w.store(0, Ordering::Release);
+                }
+            }
+        }
+        self.next_timer = min_opt(self.next_timer, Some(self.next_header_check));
+        more
+    }
+
+    /// Completes every outstanding work request (acknowledged sends with their status, the
+    /// rest `Flushed`) and hands receive buffers back.
+    fn flush(&mut self) {
+        let own_map = self.own.map.clone();
+        let own_geo = self.own.geo;
+        let own = Ring::new(&own_map, &own_geo);
+        for i in 0..self.inflight.len() {
+            let Some(inf) = self.inflight[i].as_ref() else {
+                continue;
+            };
+            let w = own.ack(i as u32).map_or(0, |w| w.load(Ordering::Acquire));
+            let acked = (w >> 8) as u32 == inf.gen_ && (w & 0xff) as u8 != ACK_PENDING;
+            let status = if acked {
+                Status::from_code((w & 0xff) as u8).unwrap_or(Status::RemoteBadStatus)
+            } else {
+                // Take the datagram back where the receiver has not taken it yet.
+                if let Some(p) = self.peers.get(&inf.qpn) {
+                    let r = Ring::new(&p.seg.map, &p.seg.geo);
+                    let _ = r.transition(inf.pos, ST_PUBLISHED, ST_CANCELLED)
+                        || r.transition(inf.pos, ST_RNR, ST_CANCELLED);
+                }
+                Status::Flushed
+            };
+            self.finish(i, status);
+        }
+        while let Some(p) = self.backlog.pop_front() {
+            self.complete_send(p.wr.wr_id, Status::Flushed, 0);
+        }
+        while let Some((wr_id, buf)) = self.recvs.pop_front() {
+            let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
+            c.buf = Some(buf);
+            self.complete(c);
+        }
+    }
+}
+
+/// What the application handle and the NIC thread share.
+pub(super) struct Shared {
+    state: Mutex<State>,
+    /// The own segment's mapping (for the doorbell, without the lock).
+    map: Arc<Mapping>,
+    geo: Geometry,
+    stop: AtomicBool,
+    notifier: Arc<Notifier>,
+}
+
+impl Shared {
+    /// One progress pass; returns whether more is waiting and the next timer.
+    fn progress(&self, budget: usize) -> (bool, Option<Instant>) {
+        let mut st = self.state.lock();
+        if st.closed {
+            return (false, None);
+        }
+        let more = st.progress(Instant::now(), budget);
+        let timer = st.next_timer;
+        let notify = std::mem::take(&mut st.new_comps);
+        drop(st);
+        if notify {
+            self.notifier.notify();
+        }
+        (more, timer)
+    }
+
+    fn after(&self, mut st: parking_lot::MutexGuard<'_, State>) {
+        let notify = std::mem::take(&mut st.new_comps);
+        drop(st);
+        if notify {
+            self.notifier.notify();
+        }
+    }
+
+    fn wake_thread(&self) {
+        Ring::new(&self.map, &self.geo).ring_bell();
+    }
+}
+
+/// The background "NIC": drains the ring into posted buffers, completes acknowledged sends and
+/// runs the timers; sleeps on the own doorbell (a futex) in between.
+fn nic_thread(shared: Arc<Shared>) {
+    let map = shared.map.clone();
+    let geo = shared.geo;
+    let ring = Ring::new(&map, &geo);
+    let Some((bell, sleepers)) = ring.bell() else {
+        return;
+    };
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let b0 = bell.load(Ordering::SeqCst);
+        let (more, timer) = shared.progress(NIC_BUDGET);
+        if more {
+            continue;
+        }
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        let b = bell.load(Ordering::SeqCst);
+        if b == b0 && !shared.stop.load(Ordering::Acquire) {
+            let wait = timer
+                .map_or(IDLE_WAIT, |t| t.saturating_duration_since(Instant::now()))
+                .min(IDLE_WAIT);
+            if !wait.is_zero() {
+                map::futex_wait(bell, b, wait);
+            }
+        }
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A queue pair of the shm device.
+pub(crate) struct ShmQp {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    addr: RawAddr,
+    qp_type: QpType,
+}
+
+impl fmt::Debug for ShmQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShmQp")
+            .field("addr", &self.addr)
+            .field("qp_type", &self.qp_type)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShmQp {
+    pub(super) fn create(dev: &Arc<DevShared>, attr: QpAttr) -> Result<ShmQp> {
+        let bad = |detail: String| {
+            Error::new(ErrorKind::InvalidArgument, "create_qp").with_detail(detail)
+        };
+        if attr.send_depth == 0 || attr.recv_depth == 0 {
+            return Err(bad(format!(
+                "queue depths must be positive (send {}, recv {})",
+                attr.send_depth, attr.recv_depth
+            )));
+        }
+        if attr.rnr_retry > RNR_INFINITE {
+            return Err(bad(format!(
+                "rnr_retry {} outside 0..={RNR_INFINITE}",
+                attr.rnr_retry
+            )));
+        }
+        let cfg = &dev.cfg;
+        let send_depth = attr.send_depth.min(cfg.max_send_wr);
+        let recv_depth = attr.recv_depth.min(cfg.max_recv_wr);
+        let acks = if attr.qp_type == QpType::Srd {
+            send_depth
+        } else {
+            0
+        };
+        let geo = cfg
+            .geometry(attr.qp_type, acks)
+            .ok_or_else(|| bad("segment too large".into()))?;
+        let qkey = attr.qkey.unwrap_or_else(random_qkey);
+        let own = OwnSegment::create(&dev.dir, dev.uid, qkey, geo).map_err(|e| {
+            let detail = format!(
+                "cannot create a {}-byte segment in {}",
+                geo.total,
+                dev.dir.display()
+            );
+            let no_space = e.raw_os_error() == Some(libc::ENOSPC);
+            let err = if no_space || e.kind() == io::ErrorKind::AddrInUse {
+                Error::new(ErrorKind::NoMemory, "create_qp").with_source(e)
+            } else {
+                Error::io("create_qp", e)
+            };
+            err.with_detail(detail)
+        })?;
+        let addr = RawAddr::new(dev.gid, own.id.qpn, qkey);
+        let map = own.map.clone();
+        let now = Instant::now();
+        let state = State {
+            dev: dev.clone(),
+            addr,
+            qp_type: attr.qp_type,
+            rnr_retry: attr.rnr_retry,
+            closed: false,
+            send_depth,
+            recv_depth,
+            send_outstanding: 0,
+            recv_outstanding: 0,
+            recvs: VecDeque::new(),
+            cq: VecDeque::new(),
+            new_comps: false,
+            head: 0,
+            rnr_marked: 0,
+            stuck: None,
+            peers: HashMap::new(),
+            inflight: (0..acks).map(|_| None).collect(),
+            gens: vec![0; acks],
+            free_acks: (0..acks as u32).rev().collect(),
+            n_inflight: 0,
+            backlog: VecDeque::new(),
+            last_bell: 0,
+            next_timer: None,
+            next_header_check: now + HEADER_CHECK,
+            own,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            map,
+            geo,
+            stop: AtomicBool::new(false),
+            notifier: attr.notifier,
+        });
+        let s2 = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("efa-shm-{}", addr.qpn))
+            .spawn(move || nic_thread(s2))
+            .map_err(|e| Error::io("create_qp", e))?;
+        tracing::debug!(%addr, qp_type = ?attr.qp_type, "shm: queue pair created");
+        Ok(ShmQp {
+            shared,
+            thread: Some(thread),
+            addr,
+            qp_type: attr.qp_type,
+        })
+    }
+
+    fn stop_thread(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.shared.stop.store(true, Ordering::Release);
+            self.shared.wake_thread();
+            let _ = t.join();
+        }
+    }
+}
+
+impl QueuePair for ShmQp {
+    fn addr(&self) -> RawAddr {
+        self.addr
+    }
+
+    fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.post_send(wr, Instant::now())?;
+        self.shared.after(st);
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        if st.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_recv").with_detail("queue pair closed"));
+        }
+        if st.recv_outstanding >= st.recv_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
+                    "receive queue full ({} work requests)",
+                    st.recv_depth
+                )),
+            );
+        }
+        st.recv_outstanding += 1;
+        st.recvs.push_back((wr_id, buf));
+        if st.recvs.len() == 1 {
+            // A datagram may be waiting for a buffer (RNR): take it now.
+            st.drain(Instant::now(), APP_BUDGET);
+        }
+        self.shared.after(st);
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        self.shared.progress(APP_BUDGET);
+        let mut st = self.shared.state.lock();
+        let mut n = 0;
+        while n < max {
+            let Some(c) = st.cq.pop_front() else {
+                break;
+            };
+            if c.opcode == Opcode::Send {
+                st.send_outstanding = st.send_outstanding.saturating_sub(1);
+            } else {
+                st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
+            }
+            out.push(c);
+            n += 1;
+        }
+        n
+    }
+
+    fn close(&mut self) {
+        {
+            let mut st = self.shared.state.lock();
+            if !st.closed {
+                st.closed = true;
+                Ring::new(&self.shared.map, &self.shared.geo).set_closed();
+                st.flush();
+                st.own.unlink();
+                st.peers.clear();
+                tracing::debug!(addr = %self.addr, "shm: queue pair closed");
+            }
+            st.new_comps = false;
+        }
+        self.stop_thread();
+        self.shared.notifier.notify();
+    }
+}
+
+impl Drop for ShmQp {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

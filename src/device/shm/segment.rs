@@ -1,0 +1,486 @@
+//! Shared-memory segments: the byte layout of a queue pair's segment file, its name, creating
+//! one (with a host-unique QPN), opening a peer's (validating every field), and cleaning up the
+//! segments of processes that are gone.
+//!
+//! The layout is documented byte by byte in `docs/shm-device.md`; the constants below are the
+//! single source of truth for it.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::map::{self, Mapping};
+use crate::device::QpType;
+
+/// Every file of the device starts with this.
+pub(crate) const PREFIX: &str = "efa-shm-";
+/// `"EFA-SHM\0"` little-endian: the first 8 bytes of every segment.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"EFA-SHM\0");
+/// Layout version; a peer with another version is refused.
+pub(crate) const VERSION: u32 = 1;
+/// Size of the header, bytes.
+pub(crate) const HDR_SIZE: usize = 256;
+/// Size of a slot's header in front of its data, bytes.
+pub(crate) const SLOT_HDR: usize = 64;
+/// Largest ring a peer may announce (slots).
+pub(crate) const MAX_SLOTS: u32 = 1 << 16;
+/// Largest MTU a peer may announce, bytes.
+pub(crate) const MAX_SEG_MTU: u32 = 1 << 20;
+/// Largest acknowledgement table a peer may announce (entries).
+pub(crate) const MAX_ACKS: u32 = 1 << 20;
+/// Largest segment, bytes.
+pub(crate) const MAX_SEGMENT: usize = 1 << 30;
+
+// Header offsets (all little-endian; every field is read and written as an atomic word).
+pub(crate) const H_MAGIC: usize = 0; // u64
+pub(crate) const H_VERSION: usize = 8; // u32
+pub(crate) const H_HDR_SIZE: usize = 12; // u32
+pub(crate) const H_TOTAL: usize = 16; // u64
+pub(crate) const H_PID: usize = 24; // u32
+pub(crate) const H_QKEY: usize = 28; // u32
+pub(crate) const H_QPN: usize = 32; // u32
+pub(crate) const H_QP_TYPE: usize = 36; // u32: 1 SRD, 2 UD
+pub(crate) const H_SLOTS: usize = 40; // u32
+pub(crate) const H_STRIDE: usize = 44; // u32
+pub(crate) const H_MTU: usize = 48; // u32
+pub(crate) const H_ACKS: usize = 52; // u32
+pub(crate) const H_ACK_OFF: usize = 56; // u64
+pub(crate) const H_RING_OFF: usize = 64; // u64
+pub(crate) const H_UID: usize = 72; // u32
+pub(crate) const H_CLOSED: usize = 128; // u32
+pub(crate) const H_SLEEPERS: usize = 132; // u32
+pub(crate) const H_BELL: usize = 136; // u32 (futex word)
+pub(crate) const H_TAIL: usize = 192; // u64
+pub(crate) const H_HEAD: usize = 200; // u64
+
+/// The shape of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub qp_type: QpType,
+    /// Ring slots (a power of two).
+    pub slots: u32,
+    /// Bytes from one slot to the next (multiple of 64, at least `SLOT_HDR + mtu`).
+    pub stride: u32,
+    /// Largest datagram a slot holds.
+    pub mtu: u32,
+    /// Acknowledgement table entries.
+    pub acks: u32,
+    pub ack_off: usize,
+    pub ring_off: usize,
+    pub total: usize,
+}
+
+fn qp_type_code(t: QpType) -> u32 {
+    match t {
+        QpType::Srd => 1,
+        QpType::Ud => 2,
+    }
+}
+
+fn align64(n: usize) -> Option<usize> {
+    n.checked_add(63).map(|n| n & !63)
+}
+
+impl Geometry {
+    /// The geometry of a new segment; `None` when it would exceed [`MAX_SEGMENT`].
+    pub(crate) fn new(qp_type: QpType, slots: u32, mtu: u32, acks: u32) -> Option<Geometry> {
+        let stride = align64(SLOT_HDR + mtu as usize)?;
+        let ack_off = HDR_SIZE;
+        let ring_off = align64(ack_off + acks as usize * 8)?;
+        let total = ring_off.checked_add(stride.checked_mul(slots as usize)?)?;
+        (total <= MAX_SEGMENT).then_some(Geometry {
+            qp_type,
+            slots,
+            stride: u32::try_from(stride).ok()?,
+            mtu,
+            acks,
+            ack_off,
+            ring_off,
+            total,
+        })
+    }
+
+    /// Offset of the slot of ring position `pos`.
+    pub(crate) fn slot(&self, pos: u64) -> usize {
+        let i = (pos & u64::from(self.slots - 1)) as usize;
+        self.ring_off + i * self.stride as usize
+    }
+
+    /// Offset of acknowledgement entry `i` (`None` when out of range).
+    pub(crate) fn ack(&self, i: u32) -> Option<usize> {
+        (i < self.acks).then(|| self.ack_off + i as usize * 8)
+    }
+}
+
+/// Why a peer's segment cannot be used.
+#[derive(Debug)]
+pub(crate) enum OpenError {
+    /// No such file: the queue pair does not exist (any more).
+    Gone,
+    /// The file is not a valid segment (the reason).
+    Malformed(&'static str),
+    /// Another I/O error.
+    Io(io::Error),
+}
+
+/// The name of the segment of queue pair `qpn` of user `uid`.
+pub(crate) fn seg_name(uid: u32, qpn: u16) -> String {
+    format!("{PREFIX}{uid}-{qpn}")
+}
+
+/// The temporary name a process creates a segment under before it owns a QPN.
+fn tmp_name(uid: u32, pid: u32, n: u64) -> String {
+    format!("{PREFIX}{uid}-tmp-{pid}-{n}")
+}
+
+fn u32_at(m: &Mapping, off: usize) -> Option<&AtomicU32> {
+    m.u32(off)
+}
+
+/// Reads a header word (`None` outside the mapping).
+fn load32(m: &Mapping, off: usize) -> Option<u32> {
+    u32_at(m, off).map(|w| w.load(Ordering::Relaxed))
+}
+
+fn load64(m: &Mapping, off: usize) -> Option<u64> {
+    m.u64(off).map(|w| w.load(Ordering::Relaxed))
+}
+
+fn store32(m: &Mapping, off: usize, v: u32) {
+    if let Some(w) = m.u32(off) {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+fn store64(m: &Mapping, off: usize, v: u64) {
+    if let Some(w) = m.u64(off) {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+/// What identifies the owner of a segment, written once at creation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Identity {
+    pub pid: u32,
+    pub uid: u32,
+    pub qkey: u32,
+    pub qpn: u16,
+}
+
+/// Writes every static header field (magic last).
+pub(crate) fn write_header(m: &Mapping, g: &Geometry, id: &Identity) {
+    store32(m, H_VERSION, VERSION);
+    store32(m, H_HDR_SIZE, HDR_SIZE as u32);
+    store64(m, H_TOTAL, g.total as u64);
+    store32(m, H_PID, id.pid);
+    store32(m, H_QKEY, id.qkey);
+    store32(m, H_QPN, u32::from(id.qpn));
+    store32(m, H_QP_TYPE, qp_type_code(g.qp_type));
+    store32(m, H_SLOTS, g.slots);
+    store32(m, H_STRIDE, g.stride);
+    store32(m, H_MTU, g.mtu);
+    store32(m, H_ACKS, g.acks);
+    store64(m, H_ACK_OFF, g.ack_off as u64);
+    store64(m, H_RING_OFF, g.ring_off as u64);
+    store32(m, H_UID, id.uid);
+    if let Some(w) = m.u64(H_MAGIC) {
+        w.store(MAGIC, Ordering::Release);
+    }
+}
+
+/// True when the static header still says what the owner wrote.
+pub(crate) fn header_intact(m: &Mapping, g: &Geometry, id: &Identity) -> bool {
+    match read_header(m, m.len()) {
+        Ok((g2, id2)) => {
+            g2 == *g
+                && id2.pid == id.pid
+                && id2.qkey == id.qkey
+                && id2.qpn == id.qpn
+                && id2.uid == id.uid
+        }
+        Err(_) => false,
+    }
+}
+
+/// Reads and validates a header against a mapping of `len` bytes.
+pub(crate) fn read_header(m: &Mapping, len: usize) -> Result<(Geometry, Identity), &'static str> {
+    let g = |off| load32(m, off).ok_or("header truncated");
+    if load64(m, H_MAGIC) != Some(MAGIC) {
+        return Err("bad magic");
+    }
+    if g(H_VERSION)? != VERSION {
+        return Err("unsupported version");
+    }
+    if g(H_HDR_SIZE)? as usize != HDR_SIZE {
+        return Err("bad header size");
+    }
+    let qp_type = match g(H_QP_TYPE)? {
+        1 => QpType::Srd,
+        2 => QpType::Ud,
+        _ => return Err("bad queue pair type"),
+    };
+    let slots = g(H_SLOTS)?;
+    if slots == 0 || !slots.is_power_of_two() || slots > MAX_SLOTS {
+        return Err("bad slot count");
+    }
+    let mtu = g(H_MTU)?;
+    if mtu == 0 || mtu > MAX_SEG_MTU {
+        return Err("bad mtu");
+    }
+    let acks = g(H_ACKS)?;
+    if acks > MAX_ACKS {
+        return Err("bad acknowledgement table size");
+    }
+    let want = Geometry::new(qp_type, slots, mtu, acks).ok_or("segment too large")?;
+    let total = load64(m, H_TOTAL).ok_or("header truncated")?;
+    if g(H_STRIDE)? != want.stride
+        || load64(m, H_ACK_OFF) != Some(want.ack_off as u64)
+        || load64(m, H_RING_OFF) != Some(want.ring_off as u64)
+        || total != want.total as u64
+    {
+        return Err("inconsistent geometry");
+    }
+    if want.total > len {
+        return Err("file shorter than its geometry");
+    }
+    let qpn = u16::try_from(g(H_QPN)?).map_err(|_| "bad qpn")?;
+    Ok((
+        want,
+        Identity {
+            pid: g(H_PID)?,
+            uid: g(H_UID)?,
+            qkey: g(H_QKEY)?,
+            qpn,
+        },
+    ))
+}
+
+/// A segment this process owns.
+pub(crate) struct OwnSegment {
+    /// Holds the shared `flock` that tells peers the owner lives.
+    file: Option<File>,
+    pub map: Arc<Mapping>,
+    pub geo: Geometry,
+    pub id: Identity,
+    pub path: PathBuf,
+    ino: u64,
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A pseudo-random starting point for the QPN search.
+fn qpn_start() -> u16 {
+    (crate::device::random_qkey() % 65_535) as u16
+}
+
+impl OwnSegment {
+    /// Creates a segment in `dir`: under a temporary name (carrying the pid) it is sized,
+    /// allocated, locked and initialised, then hard-linked to the first free `efa-shm-<uid>-<qpn>`
+    /// (`link` fails on an existing name, so a QPN is unique in `dir` while its file exists).
+    pub(crate) fn create(dir: &Path, uid: u32, qkey: u32, geo: Geometry) -> io::Result<OwnSegment> {
+        let pid = std::process::id();
+        let tmp = dir.join(tmp_name(
+            uid,
+            pid,
+            TMP_COUNTER.fetch_add(1, Ordering::Relaxed),
+        ));
+        let res = Self::create_at(dir, &tmp, uid, qkey, geo);
+        let _ = fs::remove_file(&tmp);
+        res
+    }
+
+    fn create_at(
+        dir: &Path,
+        tmp: &Path,
+        uid: u32,
+        qkey: u32,
+        geo: Geometry,
+    ) -> io::Result<OwnSegment> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(tmp)?;
+        map::lock_shared(&file)?;
+        file.set_len(geo.total as u64)?;
+        map::allocate(&file, geo.total)?;
+        let ino = file.metadata()?.ino();
+        let map = Mapping::map(&file, geo.total)?;
+        // Ring: slot i starts with sequence i (free for the producer of position i).
+        for i in 0..u64::from(geo.slots) {
+            store64(&map, geo.slot(i), i);
+        }
+        let mut id = Identity {
+            pid: std::process::id(),
+            uid,
+            qkey,
+            qpn: 0,
+        };
+        let start = qpn_start();
+        for k in 0..65_535u32 {
+            let qpn = ((u32::from(start) + k) % 65_535 + 1) as u16;
+            id.qpn = qpn;
+            write_header(&map, &geo, &id);
+            let path = dir.join(seg_name(uid, qpn));
+            match fs::hard_link(tmp, &path) {
+                Ok(()) => {
+                    return Ok(OwnSegment {
+                        file: Some(file),
+                        map: Arc::new(map),
+                        geo,
+                        id,
+                        path,
+                        ino,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            "every QPN of this directory is in use",
+        ))
+    }
+
+    /// Removes the segment's name (only if it still names this file) and releases the lock, so
+    /// peers see the queue pair gone. The mapping stays valid until `self` is dropped.
+    pub(crate) fn unlink(&mut self) {
+        unlink_if_same(&self.path, self.ino);
+        self.file = None;
+    }
+}
+
+/// Unlinks `path` if it still names inode `ino` (a new segment may have taken the name).
+pub(crate) fn unlink_if_same(path: &Path, ino: u64) -> bool {
+    match fs::metadata(path) {
+        Ok(m) if m.ino() == ino => fs::remove_file(path).is_ok(),
+        _ => false,
+    }
+}
+
+/// A peer's segment, mapped and validated.
+pub(crate) struct PeerSegment {
+    pub file: File,
+    pub map: Arc<Mapping>,
+    pub geo: Geometry,
+    pub id: Identity,
+    pub path: PathBuf,
+    pub ino: u64,
+}
+
+/// Opens the segment of queue pair `qpn` of user `uid` in `dir`, validating its header against
+/// the file's real size before trusting any of it.
+pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, OpenError> {
+    let path = dir.join(seg_name(uid, qpn));
+    let file = match OpenOptions::new().read(true).write(true).open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(OpenError::Gone),
+        Err(e) => return Err(OpenError::Io(e)),
+    };
+    let meta = file.metadata().map_err(OpenError::Io)?;
+    let size = usize::try_from(meta.len()).unwrap_or(usize::MAX);
+    if size < HDR_SIZE {
+        return Err(OpenError::Malformed("file shorter than a header"));
+    }
+    // Map only the header first; the rest once its geometry is known to fit the file.
+    let head = Mapping::map(&file, HDR_SIZE).map_err(OpenError::Io)?;
+    let total = match read_header(&head, size) {
+        Ok((g, _)) => g.total,
+        Err(why) => return Err(OpenError::Malformed(why)),
+    };
+    drop(head);
+    let map = Mapping::map(&file, total).map_err(OpenError::Io)?;
+    let (geo, id) = read_header(&map, total).map_err(OpenError::Malformed)?;
+    if geo.total != total {
+        return Err(OpenError::Malformed("header changed while opening"));
+    }
+    if id.qpn != qpn {
+        return Err(OpenError::Malformed("qpn does not match the file name"));
+    }
+    Ok(PeerSegment {
+        file,
+        map: Arc::new(map),
+        geo,
+        id,
+        path,
+        ino: meta.ino(),
+    })
+}
+
+/// Is the owner of a peer segment still there?
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Liveness {
+    Alive,
+    /// The owner closed the queue pair.
+    Closed,
+    /// The owner is gone without closing (its lock is free); the name has been unlinked.
+    Dead,
+}
+
+impl PeerSegment {
+    /// The closed flag, then the owner's lock: a free lock means no process holds the segment.
+    pub(crate) fn liveness(&self) -> Liveness {
+        if load32(&self.map, H_CLOSED).unwrap_or(1) != 0 {
+            return Liveness::Closed;
+        }
+        match map::try_lock_exclusive(&self.file) {
+            Ok(true) => {
+                // We hold the lock: nobody owns the segment. Remove its name while we hold it.
+                if unlink_if_same(&self.path, self.ino) {
+                    tracing::debug!(path = %self.path.display(), pid = self.id.pid,
+                        "shm: removed the segment of a dead queue pair");
+                }
+                Liveness::Dead
+            }
+            Ok(false) => Liveness::Alive,
+            Err(e) => {
+                tracing::debug!(error = %e, "shm: cannot probe a peer's lock");
+                Liveness::Alive
+            }
+        }
+    }
+}
+
+/// Removes the stale files of user `uid` in `dir`: segments whose owner's lock is free (the
+/// owner died without closing) and temporary files of processes that no longer exist. Returns
+/// how many were removed.
+pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let ours = format!("{PREFIX}{uid}-");
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&ours)) else {
+            continue;
+        };
+        let path = e.path();
+        if let Some(tmp) = rest.strip_prefix("tmp-") {
+            let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
+            if let Some(pid) = pid {
+                if !map::pid_exists(pid) && fs::remove_file(&path).is_ok() {
+                    removed += 1;
+                }
+            }
+            continue;
+        }
+        if rest.parse::<u16>().is_err() {
+            continue;
+        }
+        let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) else {
+            continue;
+        };
+        let Ok(meta) = file.metadata() else { continue };
+        if matches!(map::try_lock_exclusive(&file), Ok(true)) && unlink_if_same(&path, meta.ino()) {
+            tracing::debug!(path = %path.display(), "shm: swept a stale segment");
+            removed += 1;
+        }
+    }
+    removed
+}

@@ -1,0 +1,536 @@
+//! The `efa` hardware device (cargo feature `efa`).
+//!
+//! The tests without `#[ignore]` need no hardware: discovery on a machine without an EFA NIC,
+//! status mapping, attribute conversion and `FI_EFA_USE_DEVICE_RDMA`. The unit tests in
+//! `src/device/efa/` cover the data path against a fake NIC.
+//!
+//! The `#[ignore]`d `hw_*` tests need an EFA NIC and fail, saying so, without one. Run them on an
+//! EFA instance with
+//!
+//! ```text
+//! cargo test --release --features efa --test efa_device -- --ignored --test-threads=1
+//! ```
+#![cfg(feature = "efa")]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use efa::device::efa::{
+    EfaDevice, EfadvAttrs, GRH_LEN, IbvDeviceAttrs, PORT_ACTIVE, PortAttrs, QueriedDevice,
+    apply_use_device_rdma, ibv_access, is_pci_addr, opcode_from_wc, status_from_wc,
+};
+use efa::device::{
+    Device, DeviceCaps, DeviceCompletion, DeviceKind, Opcode, QpAttr, QpType, QueuePair, RemoteIov,
+    SendWr, Status,
+};
+use efa::info::DeviceSpec;
+use efa::{
+    Access, AddressVector, CompletionQueue, Config, Dgram, Domain, Endpoint, EpType, ErrorKind,
+    Gid, Hints, Info, getinfo,
+};
+
+/// EFA devices on this machine (none on a machine without EFA or without RDMA in the kernel).
+fn efa_devices() -> Vec<Arc<EfaDevice>> {
+    EfaDevice::open_all(&Config::default()).expect("discovery must not fail with defaults")
+}
+
+// ------------------------------------------------------------------------------------------
+// Discovery without hardware
+// ------------------------------------------------------------------------------------------
+
+#[test]
+fn getinfo_provider_efa() {
+    let devs = efa_devices();
+    let r = getinfo(&Hints::new().provider("efa").config(Config::default()));
+    if devs.is_empty() {
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NoData, "{e}");
+        let text = e.to_string();
+        assert!(text.contains("no EFA device found"), "{text}");
+    } else {
+        let infos = r.unwrap();
+        assert!(infos.iter().all(|i| i.provider == DeviceKind::Efa));
+        for i in &infos {
+            assert!(i.domain.ends_with("-dgrm") || i.domain.ends_with("-rdm"));
+        }
+    }
+}
+
+#[test]
+fn getinfo_without_hints_lists_efa_first_or_not_at_all() {
+    let devs = efa_devices();
+    let infos = getinfo(&Hints::new().config(Config::default())).unwrap();
+    let n_efa = infos
+        .iter()
+        .filter(|i| i.provider == DeviceKind::Efa)
+        .count();
+    if devs.is_empty() {
+        assert_eq!(n_efa, 0);
+        assert!(!infos.is_empty(), "udp and loopback are still listed");
+    } else {
+        assert!(n_efa > 0);
+        assert!(infos[..n_efa].iter().all(|i| i.provider == DeviceKind::Efa));
+    }
+}
+
+#[test]
+fn iface_filter_excludes_every_efa_device() {
+    let cfg = Config {
+        iface: "no-such-nic".into(),
+        ..Config::default()
+    };
+    let e = getinfo(&Hints::new().provider("efa").config(cfg.clone())).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoData);
+    assert!(e.to_string().contains("FI_EFA_IFACE=no-such-nic"), "{e}");
+    assert!(EfaDevice::open_all(&cfg).unwrap().is_empty());
+}
+
+#[test]
+fn opening_a_missing_device_is_an_error_not_a_panic() {
+    let e = EfaDevice::open("no-such-nic", None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoData, "{e}");
+    let spec = DeviceSpec::Efa {
+        name: "no-such-nic".into(),
+        use_device_rdma: None,
+    };
+    assert_eq!(spec.kind(), DeviceKind::Efa);
+    assert_eq!(spec.open().unwrap_err().kind(), ErrorKind::NoData);
+}
+
+/// `examples/ping-pong -p efa` on a machine without EFA: it prints the getinfo error and exits
+/// non-zero. Skipped (with a note) when the example binary was not built or an EFA NIC exists.
+#[test]
+fn ping_pong_example_without_device() {
+    if !efa_devices().is_empty() {
+        eprintln!("skipped: this machine has an EFA device (the example would run)");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let dir: PathBuf = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples");
+    let bin = dir.join("ping-pong");
+    if !bin.exists() {
+        eprintln!("skipped: {} not built", bin.display());
+        return;
+    }
+    let out = Command::new(&bin)
+        .args(["-p", "efa", "-S", "64", "-I", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "exit status {:?}", out.status);
+    assert!(
+        stderr.contains("no EFA device found") || stderr.contains("cargo feature `efa`"),
+        "{stderr}"
+    );
+}
+
+// ------------------------------------------------------------------------------------------
+// Status mapping
+// ------------------------------------------------------------------------------------------
+
+#[test]
+fn every_efa_status_code() {
+    // (vendor code, ibv_wc_status rdma-core pairs with it, expected status, error kind)
+    let table: &[(u32, u32, Status, ErrorKind)] = &[
+        (1, 5, Status::Flushed, ErrorKind::Canceled),
+        (2, 2, Status::LocalQpInternalError, ErrorKind::Io),
+        (3, 2, Status::UnsupportedOp, ErrorKind::NotSupported),
+        (4, 2, Status::InvalidAh, ErrorKind::InvalidArgument),
+        (5, 4, Status::InvalidLkey, ErrorKind::InvalidArgument),
+        (6, 1, Status::LocalBadLength, ErrorKind::MsgSize),
+        (7, 10, Status::RemoteBadAddress, ErrorKind::RemoteAccess),
+        (8, 13, Status::RemoteAbort, ErrorKind::ConnectionAborted),
+        (9, 9, Status::BadDestQpn, ErrorKind::NotConnected),
+        (10, 13, Status::RnrRetryExceeded, ErrorKind::NoRx),
+        (11, 8, Status::RemoteBadLength, ErrorKind::MsgSize),
+        (12, 7, Status::RemoteBadStatus, ErrorKind::RemoteIo),
+        (
+            13,
+            12,
+            Status::UnresponsiveRemote,
+            ErrorKind::ConnectionAborted,
+        ),
+        (14, 11, Status::UnknownPeer, ErrorKind::NotConnected),
+        (15, 12, Status::UnreachableRemote, ErrorKind::Unreachable),
+        (16, 21, Status::LocalQpInternalError, ErrorKind::Io),
+        (17, 21, Status::LocalQpInternalError, ErrorKind::Io),
+        (18, 8, Status::FeatureMismatch, ErrorKind::NotSupported),
+    ];
+    assert_eq!(status_from_wc(0, 0), Status::Success);
+    for &(code, wc, status, kind) in table {
+        let s = status_from_wc(wc, code);
+        assert_eq!(s, status, "code {code}");
+        assert_eq!(s.error_kind(), kind, "code {code}");
+    }
+    for code in [19, 100, 255, 65_536, u32::MAX] {
+        assert_eq!(status_from_wc(21, code), Status::LocalQpInternalError);
+    }
+    assert_eq!(opcode_from_wc(0), Some(Opcode::Send));
+    assert_eq!(opcode_from_wc(128), Some(Opcode::Recv));
+    assert_eq!(opcode_from_wc(129), Some(Opcode::RecvRdmaWithImm));
+    assert_eq!(opcode_from_wc(77), None);
+}
+
+// ------------------------------------------------------------------------------------------
+// Attribute conversion
+// ------------------------------------------------------------------------------------------
+
+/// A p5-like NIC: MTU 8928, 4096-deep send queue, 32-byte inline, RDMA read and write, 1 GiB
+/// RDMA, RNR retry.
+fn p5_like() -> QueriedDevice {
+    QueriedDevice {
+        name: "rdmap113s0".into(),
+        device: IbvDeviceAttrs {
+            vendor_id: 0x1d0f,
+            vendor_part_id: 0xefa2,
+            max_qp: 256,
+            max_qp_wr: 4096,
+            max_cq: 512,
+            max_cqe: 65536,
+            max_mr_size: 1 << 39,
+            max_ah: 1024,
+            phys_port_cnt: 1,
+            ..IbvDeviceAttrs::default()
+        },
+        port: PortAttrs {
+            state: PORT_ACTIVE,
+            max_msg_sz: 8928,
+            link_layer: 0,
+        },
+        efa: EfadvAttrs {
+            max_sq_wr: 4096,
+            max_rq_wr: 8192,
+            max_sq_sge: 2,
+            max_rq_sge: 2,
+            inline_buf_size: 32,
+            // RDMA read, RNR retry, CQ with SGID, RDMA write.
+            device_caps: 0b1111,
+            max_rdma_size: 1 << 30,
+        },
+        gid: Gid([
+            0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
+        ]),
+        pci_addr: Some("0000:71:00.0".into()),
+        numa_node: Some(0),
+    }
+}
+
+#[test]
+fn p5_like_attributes_and_infos() {
+    let q = p5_like();
+    let a = q.device_attr(None).unwrap();
+    assert_eq!(a.kind, DeviceKind::Efa);
+    assert_eq!((a.mtu, a.max_send_wr, a.max_recv_wr), (8928, 4096, 8192));
+    assert_eq!(
+        (a.max_sge, a.inline_size, a.max_rdma_size),
+        (2, 32, 1 << 30)
+    );
+    assert_eq!(
+        a.caps,
+        DeviceCaps {
+            rdma_read: true,
+            rdma_write: true,
+            unsolicited_write_recv: false,
+            rnr_retry: true,
+        }
+    );
+    assert_eq!(a.pci_addr.as_deref(), Some("0000:71:00.0"));
+    assert_eq!(a.numa_node, Some(0));
+    let spec = DeviceSpec::Efa {
+        name: a.name.clone(),
+        use_device_rdma: None,
+    };
+    let dgram = Info::for_device(
+        DeviceKind::Efa,
+        &a,
+        EpType::Dgram,
+        Config::default(),
+        spec.clone(),
+    );
+    assert_eq!(dgram.domain, "rdmap113s0-dgrm");
+    assert_eq!(dgram.ep_attr.max_msg_size, 8928);
+    assert_eq!(dgram.tx_attr.inject_size, 32);
+    assert_eq!(dgram.tx_attr.size, 4096);
+    assert_eq!(dgram.rx_attr.size, 4096, "rounddown_pow2(8192 / 2 SGEs)");
+    let rdm = Info::for_device(DeviceKind::Efa, &a, EpType::Rdm, Config::default(), spec);
+    assert_eq!(rdm.domain, "rdmap113s0-rdm");
+    let text = dgram.verbose().to_string();
+    assert!(
+        text.contains("pci_addr: 0000:71:00.0") && text.contains("mtu: 8928"),
+        "{text}"
+    );
+}
+
+#[test]
+fn use_device_rdma_from_the_environment() {
+    let cfg = |v: &str| Config::from_vars([("FI_EFA_USE_DEVICE_RDMA", v)]).unwrap();
+    let q = p5_like();
+    // Unset: what the hardware has.
+    assert!(
+        q.device_attr(Config::default().use_device_rdma)
+            .unwrap()
+            .caps
+            .rdma_write
+    );
+    // 0: no device RDMA.
+    let off = q.device_attr(cfg("0").use_device_rdma).unwrap();
+    assert!(!off.caps.rdma_read && !off.caps.rdma_write);
+    assert_eq!(off.max_rdma_size, 0);
+    // 1: as the hardware has it.
+    assert!(
+        q.device_attr(cfg("1").use_device_rdma)
+            .unwrap()
+            .caps
+            .rdma_read
+    );
+    // 1 without hardware RDMA: a Config error, as libfabric aborts.
+    let mut old = p5_like();
+    old.efa.device_caps = 0b0010;
+    let e = old.device_attr(cfg("1").use_device_rdma).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert_eq!(e.op(), "FI_EFA_USE_DEVICE_RDMA");
+    assert!(old.device_attr(cfg("0").use_device_rdma).is_ok());
+    assert!(old.device_attr(None).is_ok());
+    // The rule on its own.
+    let hw = DeviceCaps {
+        rdma_read: true,
+        rdma_write: false,
+        unsolicited_write_recv: false,
+        rnr_retry: true,
+    };
+    assert_eq!(apply_use_device_rdma(hw, Some(true)).unwrap(), hw);
+}
+
+#[test]
+fn access_flags_and_pci_addresses() {
+    assert_eq!(ibv_access(Access::SEND), 0);
+    assert_eq!(ibv_access(Access::RECV | Access::READ), 1);
+    assert_eq!(ibv_access(Access::REMOTE_READ | Access::REMOTE_WRITE), 7);
+    assert!(is_pci_addr("0000:10:1c.0"));
+    assert!(!is_pci_addr("rdmap0s6"));
+    assert_eq!(GRH_LEN, 40);
+}
+
+// ------------------------------------------------------------------------------------------
+// On an EFA NIC (ignored: run with --ignored on an EFA instance)
+// ------------------------------------------------------------------------------------------
+
+fn hw_device() -> Arc<EfaDevice> {
+    efa_devices()
+        .into_iter()
+        .next()
+        .expect("this test needs an EFA device (run it on an EFA-enabled EC2 instance)")
+}
+
+/// Polls both queue pairs until `n` completions arrived (or 5 s passed).
+fn collect(qps: &mut [&mut Box<dyn QueuePair>], n: usize) -> Vec<DeviceCompletion> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut got = Vec::new();
+    while got.len() < n && Instant::now() < deadline {
+        for q in qps.iter_mut() {
+            q.poll(&mut got, 64);
+        }
+    }
+    got
+}
+
+fn self_send(qp_type: QpType) {
+    let dev = hw_device();
+    let mtu = dev.attr().mtu;
+    let mut a = dev.create_qp(QpAttr::new(qp_type)).unwrap();
+    let mut b = dev.create_qp(QpAttr::new(qp_type)).unwrap();
+    let sizes = [0usize, 8, 32, 33, 1000, mtu];
+    for wr_id in 100..100 + sizes.len() as u64 {
+        b.post_recv(wr_id, BytesMut::with_capacity(mtu)).unwrap();
+    }
+    for (i, &size) in sizes.iter().enumerate() {
+        let payload: Vec<u8> = (0..size).map(|j| (j * 7 + i) as u8).collect();
+        let hdr_len = size.min(4);
+        a.post_send(SendWr {
+            wr_id: i as u64,
+            dest: b.addr(),
+            hdr: Bytes::copy_from_slice(&payload[..hdr_len]),
+            payload: Bytes::copy_from_slice(&payload[hdr_len..]),
+            imm: Some(i as u32 + 1000),
+        })
+        .unwrap();
+    }
+    let got = collect(&mut [&mut a, &mut b], 2 * sizes.len());
+    assert_eq!(got.len(), 2 * sizes.len(), "completions: {got:?}");
+    for c in &got {
+        assert_eq!(c.status, Status::Success, "{c:?}");
+        if c.opcode == Opcode::Recv {
+            // UD may reorder too; match by content length and immediate.
+            let i = (c.imm.unwrap() - 1000) as usize;
+            let size = sizes[i];
+            assert_eq!(c.byte_len, size);
+            let want: Vec<u8> = (0..size).map(|j| (j * 7 + i) as u8).collect();
+            assert_eq!(&c.buf.as_ref().unwrap()[..], &want[..]);
+            let src = c.src.expect("source of a datagram from a known peer");
+            assert_eq!(src.gid, a.addr().gid);
+            assert_eq!(src.qpn, a.addr().qpn);
+        }
+    }
+    a.close();
+    b.close();
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_discovery() {
+    let dev = hw_device();
+    let a = dev.attr();
+    eprintln!("{:#?}\n{:#?}", a, dev.queried());
+    assert_eq!(a.kind, DeviceKind::Efa);
+    assert!(a.mtu >= 1024 && a.max_send_wr > 0 && a.max_recv_wr > 0);
+    assert_ne!(a.gid, Gid::default());
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_ud_self_send() {
+    self_send(QpType::Ud);
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_srd_self_send() {
+    self_send(QpType::Srd);
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_srd_rnr_without_a_receive() {
+    let dev = hw_device();
+    let mut attr = QpAttr::new(QpType::Srd);
+    attr.rnr_retry = 0;
+    let mut a = dev.create_qp(attr).unwrap();
+    let mut b = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    a.post_send(SendWr {
+        wr_id: 1,
+        dest: b.addr(),
+        hdr: Bytes::new(),
+        payload: Bytes::from_static(b"nobody listens"),
+        imm: None,
+    })
+    .unwrap();
+    let got = collect(&mut [&mut a, &mut b], 1);
+    assert_eq!(got.len(), 1);
+    if dev.attr().caps.rnr_retry {
+        assert_eq!(got[0].status, Status::RnrRetryExceeded);
+    } else {
+        eprintln!(
+            "device cannot set the RNR retry count; got {:?}",
+            got[0].status
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_rdma_read_and_write() {
+    let dev = hw_device();
+    let caps = dev.attr().caps;
+    if !caps.rdma_read {
+        eprintln!("skipped: the device has no RDMA read");
+        return;
+    }
+    let mut a = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    let mut b = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    let mut target = BytesMut::zeroed(4096);
+    target[..5].copy_from_slice(b"hello");
+    let region = dev
+        .register(target, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    let iov = region.remote_iov();
+    a.post_read(
+        1,
+        b.addr(),
+        BytesMut::with_capacity(5),
+        RemoteIov { len: 5, ..iov },
+    )
+    .unwrap();
+    let mut got = collect(&mut [&mut a, &mut b], 1);
+    assert_eq!(got[0].status, Status::Success, "{:?}", got[0]);
+    assert_eq!(&got[0].buf.take().unwrap()[..], b"hello");
+    if caps.rdma_write {
+        a.post_write(
+            2,
+            b.addr(),
+            Bytes::from_static(b"WORLD"),
+            RemoteIov { len: 5, ..iov },
+            None,
+        )
+        .unwrap();
+        let got = collect(&mut [&mut a, &mut b], 1);
+        assert_eq!(got[0].status, Status::Success, "{:?}", got[0]);
+    }
+    let back = region.into_inner();
+    if caps.rdma_write {
+        assert_eq!(&back[..5], b"WORLD");
+    }
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_close_flushes_receives() {
+    let dev = hw_device();
+    let mut q = dev.create_qp(QpAttr::new(QpType::Ud)).unwrap();
+    for i in 0..8 {
+        q.post_recv(i, BytesMut::with_capacity(64)).unwrap();
+    }
+    q.close();
+    let mut got = Vec::new();
+    while q.poll(&mut got, 64) > 0 {}
+    assert_eq!(got.len(), 8);
+    assert!(
+        got.iter()
+            .all(|c| c.status == Status::Flushed && c.buf.is_some())
+    );
+    assert_eq!(dev.stray_completions(), 0);
+}
+
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_dgram_endpoints_and_blocking_wait() {
+    let info = getinfo(&Hints::new().provider("efa").ep_type(EpType::Dgram))
+        .unwrap()
+        .remove(0);
+    let domain = Domain::open(&info).unwrap();
+    let cq = CompletionQueue::new(&domain, 64).unwrap();
+    let av = AddressVector::new(&domain);
+    let a = Endpoint::<Dgram>::builder(&domain)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
+    let b = Endpoint::<Dgram>::builder(&domain)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
+    let peer_b = av.insert(b.addr()).unwrap();
+    b.recv(BytesMut::with_capacity(64), 1).unwrap();
+    a.send(peer_b, Bytes::from_static(b"hello"), 2).unwrap();
+    let start = Instant::now();
+    let mut got = Vec::new();
+    while got.len() < 2 && start.elapsed() < Duration::from_secs(10) {
+        let _ = cq.wait(&mut got, 8, Some(Duration::from_secs(2)));
+    }
+    eprintln!(
+        "two completions after {:?} of blocking waits",
+        start.elapsed()
+    );
+    let recv = got
+        .iter()
+        .find(|c| c.context == 1)
+        .expect("receive completion");
+    assert_eq!(recv.buf.as_recv().unwrap(), &b"hello"[..]);
+}
