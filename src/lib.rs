@@ -1,34 +1,37 @@
 //! # efa
 //!
 //! Safe, idiomatic reliable-datagram (RDM) and datagram (DGRAM) endpoints in the manner of
-//! libfabric's EFA provider, on AWS Elastic Fabric Adapter hardware and on software devices
-//! (`udp`, `loopback`) that behave like an EFA NIC, so the same program runs and is tested on
-//! any Linux machine.
+//! libfabric's EFA provider, on AWS Elastic Fabric Adapter hardware (cargo feature `efa`) and on
+//! software devices (`udp`, `shm`, `loopback`) that behave like an EFA NIC, so the same program
+//! runs and is tested on any Linux machine.
 //!
 //! The layers, top to bottom: discovery ([`getinfo`]) → [`Domain`] (memory registration, address
-//! vectors, completion queues) → typed endpoints ([`Endpoint<Dgram>`](Endpoint)) → the device seam
-//! ([`device::Device`]) → devices.
+//! vectors, completion queues) → typed endpoints ([`Endpoint<Rdm>`](Endpoint),
+//! [`Endpoint<Dgram>`](Endpoint)) → the RDM protocol engine ([`proto::engine`], EFA RDM wire
+//! protocol v4, sans-I/O) → the device seam ([`device::Device`]) → devices.
 //!
 //! ```
 //! use bytes::{Bytes, BytesMut};
-//! use efa::{getinfo, Hints, EpType, Domain, Endpoint, Dgram, CompletionQueue, AddressVector};
+//! use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector};
 //!
 //! # fn main() -> efa::Result<()> {
-//! let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Dgram))?.remove(0);
+//! let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
 //! let domain = Domain::open(&info)?;
 //! let cq = CompletionQueue::new(&domain, 64)?;
 //! let av = AddressVector::new(&domain);
-//! let a = Endpoint::<Dgram>::builder(&domain).cq(&cq).av(&av).build()?;
-//! let b = Endpoint::<Dgram>::builder(&domain).cq(&cq).av(&av).build()?;
+//! let a = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+//! let b = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
 //! let peer_b = av.insert(b.addr())?;
-//! b.recv(BytesMut::with_capacity(64), 1)?;
-//! a.send(peer_b, Bytes::from_static(b"hello"), 2)?;
+//! // Any size: this one goes as a long-CTS message, paced by the receiver.
+//! let big = Bytes::from(vec![7u8; 300_000]);
+//! b.recv(BytesMut::with_capacity(300_000), 1)?;
+//! a.send(peer_b, big.clone(), 2)?;
 //! let mut got = Vec::new();
 //! while got.len() < 2 {
 //!     cq.wait(&mut got, 8, Some(std::time::Duration::from_secs(5)))?;
 //! }
 //! let recv = got.iter().find(|c| c.context == 1).unwrap();
-//! assert_eq!(&recv.buf.as_recv().unwrap()[..], b"hello");
+//! assert_eq!(recv.buf.as_recv().unwrap(), &big[..]);
 //! # Ok(()) }
 //! ```
 
