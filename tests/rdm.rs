@@ -469,3 +469,17 @@ fn multi_recv_directed_and_delivery_complete() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     assert!(e.into_buffer().into_recv().is_some());
 }
+
+#[test]
+fn rdm_needs_a_routable_device_address() {
+    let d = udp_domain("0.0.0.0".parse().unwrap(), FaultConfig::default());
+    let cq = efa::CompletionQueue::new(&d, 8).unwrap();
+    let av = efa::AddressVector::new(&d);
+    let e = Endpoint::<Rdm>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("routable"), "{e}");
+}

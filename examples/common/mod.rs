@@ -341,14 +341,17 @@ where
             .map_err(|_| "server thread panicked".to_string())?;
         client.and(server)
     } else if conn.listen {
-        let bind = conn.src_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let listen = conn.src_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let port = conn.bind_port.unwrap_or(DEFAULT_OOB_PORT);
         let oob =
-            Oob::accept(bind, port).map_err(|e| format!("oob listen on {bind}:{port}: {e}"))?;
+            Oob::accept(listen, port).map_err(|e| format!("oob listen on {listen}:{port}: {e}"))?;
+        // The listener takes every address; the endpoint binds the one this client reached, so
+        // that its raw address names a routable GID (an RDM peer checks the address it is sent).
+        let bind = conn.src_addr.or(oob.local_ip().ok());
         end(Side {
             role: Role::Server,
             oob,
-            bind: Some(bind),
+            bind,
             print: true,
         })
     } else {

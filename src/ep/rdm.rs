@@ -70,6 +70,14 @@ impl EndpointBuilder<Rdm> {
     pub fn build(self) -> Result<Endpoint<Rdm>> {
         let (tx_cq, rx_cq, av) = self.parts()?;
         let attr = self.domain.attr().clone();
+        if attr.gid.to_ip().is_unspecified() {
+            // Peers check the raw address an RDM endpoint puts in its packets against where the
+            // packets came from; `0.0.0.0` or `::` matches nothing.
+            return Err(Error::new(ErrorKind::InvalidArgument, "ep_open").with_detail(format!(
+                "device {} has the unspecified GID {}: bind it to a routable address for RDM endpoints",
+                attr.name, attr.gid
+            )));
+        }
         let cfg = self.domain.config().clone();
         let tx_ops = self.queue_size(self.tx_size, cfg.tx_size, attr.max_send_wr, "tx_size")?;
         let rx_ops = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;

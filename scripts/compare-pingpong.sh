@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Runs this crate's ping-pong and Debian's fi_pingpong (libfabric-bin) back to back, with the same
+# sizes and iterations, two processes each, on the loopback interface, and prints usec/xfer
+# (one-way latency) and MB/sec side by side with the ratios.
+#
+#   scripts/compare-pingpong.sh [-e rdm|dgram] [-r ROUNDS] [-p efa-device] [PROVIDER...]
+#
+# PROVIDER defaults to "udp;ofi_rxd" and "tcp;ofi_rxm" for rdm, "udp" for dgram. Each round runs
+# every configuration once, alternating; the table gives the median of the rounds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ep=rdm rounds=3 dev=udp
+while getopts "e:r:p:" o; do
+    case $o in
+    e) ep=$OPTARG ;;
+    r) rounds=$OPTARG ;;
+    p) dev=$OPTARG ;;
+    *) exit 2 ;;
+    esac
+done
+shift $((OPTIND - 1))
+if [ $# -gt 0 ]; then provs=("$@"); elif [ "$ep" = rdm ]; then provs=("udp;ofi_rxd" "tcp;ofi_rxm"); else provs=(udp); fi
+if [ "$ep" = rdm ]; then sizes=(64 65536 1048576); else sizes=(64 1024); fi
+command -v fi_pingpong >/dev/null || { echo "fi_pingpong not found: apt-get install libfabric-bin" >&2; exit 1; }
+cargo build --release --quiet --example ping-pong
+pp=target/release/examples/ping-pong
+port=$((40000 + RANDOM % 20000))
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+iters() { if [ "$1" -ge 1048576 ]; then echo 200; elif [ "$1" -ge 65536 ]; then echo 2000; else echo 10000; fi; }
+
+# One run: prints "usec MB/sec" taken from the client's last output line.
+run_ours() {
+    local s=$1 i; i=$(iters "$s"); port=$((port + 1))
+    "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+    local srv=$!
+    sleep 0.3
+    "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $6, $5}'
+    wait $srv || true
+}
+run_fi() {
+    local prov=$1 s=$2 i; i=$(iters "$s"); port=$((port + 1))
+    fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -B $port >/dev/null 2>&1 &
+    local srv=$!
+    sleep 0.3
+    timeout 120 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $7, $6}'
+    wait $srv || true
+}
+
+for r in $(seq "$rounds"); do
+    for s in "${sizes[@]}"; do
+        run_ours "$s" >>"$tmp/efa-$s"
+        for p in "${provs[@]}"; do run_fi "$p" "$s" >>"$tmp/$(echo "$p" | tr ';' _)-$s"; done
+    done
+done
+
+median() { sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "nan"}'; }
+printf "%-10s %-16s %12s %12s %10s %10s\n" size config usec/xfer MB/sec lat-ratio bw-ratio
+for s in "${sizes[@]}"; do
+    ol=$(cut -d' ' -f1 "$tmp/efa-$s" | median); ob=$(cut -d' ' -f2 "$tmp/efa-$s" | median)
+    printf "%-10s %-16s %12s %12s %10s %10s\n" "$s" "efa $dev $ep" "$ol" "$ob" 1 1
+    for p in "${provs[@]}"; do
+        f="$tmp/$(echo "$p" | tr ';' _)-$s"
+        fl=$(cut -d' ' -f1 "$f" | median); fb=$(cut -d' ' -f2 "$f" | median)
+        lr=$(awk -v a="$ol" -v b="$fl" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "nan" }')
+        br=$(awk -v a="$ob" -v b="$fb" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "nan" }')
+        printf "%-10s %-16s %12s %12s %10s %10s\n" "$s" "$p" "$fl" "$fb" "$lr" "$br"
+    done
+done
+echo "lat-ratio = efa usec / libfabric usec (below 1: efa faster); bw-ratio = efa MB/s / libfabric MB/s"
