@@ -24,7 +24,7 @@ use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use common::{
     Conn, Role, Side, all_sizes, check_pattern, fill_pattern, launch, open_domain, parse_size,
-    print_header, print_row,
+    poll_cq, print_header, print_row,
 };
 use efa::{
     AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Endpoint, EpType,
@@ -351,30 +351,18 @@ impl<E: PingEp> PingPong<'_, E> {
     }
     fn poll_once(&mut self) -> Res<usize> {
         let before = self.done.len();
-        match self.cq.poll(&mut self.done, 16) {
-            Ok(n) => {
-                // Count send completions here and keep only receives for `wait_recv`.
-                let mut k = before;
-                while k < self.done.len() {
-                    if self.done[k].flags.contains(CompletionFlags::SEND) {
-                        self.done.swap_remove(k);
-                        self.sends_done += 1;
-                    } else {
-                        k += 1;
-                    }
-                }
-                Ok(n)
+        let n = poll_cq(self.cq, &mut self.done, 16)?;
+        // Count send completions here and keep only receives for `wait_recv`.
+        let mut k = before;
+        while k < self.done.len() {
+            if self.done[k].flags.contains(CompletionFlags::SEND) {
+                self.done.swap_remove(k);
+                self.sends_done += 1;
+            } else {
+                k += 1;
             }
-            Err(e) if e.kind() == ErrorKind::ErrorAvailable => {
-                let err = self
-                    .cq
-                    .read_err()
-                    .map(|c| c.error.to_string())
-                    .unwrap_or_default();
-                Err(format!("error completion: {err}"))
-            }
-            Err(e) => Err(e.to_string()),
         }
+        Ok(n)
     }
 
     /// Spins until the receive completes, reposting its buffer at once when asked.

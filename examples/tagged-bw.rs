@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use common::{
-    Conn, Role, Side, check_pattern, fill_pattern, launch, open_domain, parse_size, print_header,
-    print_row,
+    Conn, Role, Side, check_pattern, fill_pattern, launch, open_domain, parse_size, poll_cq,
+    print_header, print_row,
 };
 use efa::{
     AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType, ErrorKind,
@@ -188,18 +188,7 @@ impl Bw<'_> {
     }
 
     fn poll(&mut self) -> Res<()> {
-        match self.cq.poll(&mut self.done, 64) {
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == ErrorKind::ErrorAvailable => {
-                let err = self
-                    .cq
-                    .read_err()
-                    .map(|c| c.error.to_string())
-                    .unwrap_or_default();
-                Err(format!("error completion: {err}"))
-            }
-            Err(e) => Err(e.to_string()),
-        }
+        poll_cq(self.cq, &mut self.done, 64).map(|_| ())
     }
 
     /// Waits for `n` completions of `kind` (verifying received data when asked).

@@ -386,3 +386,22 @@ pub fn open_domain(
         .ok_or("no device")?;
     efa::Domain::open(&info).map_err(|e| e.to_string())
 }
+
+/// Polls `cq` once; an error completion becomes the error text.
+pub fn poll_cq(
+    cq: &efa::CompletionQueue,
+    out: &mut Vec<efa::Completion>,
+    max: usize,
+) -> Result<usize, String> {
+    match cq.poll(out, max) {
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == efa::ErrorKind::ErrorAvailable => {
+            let err = cq
+                .read_err()
+                .map(|c| c.error.to_string())
+                .unwrap_or_default();
+            Err(format!("error completion: {err}"))
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}

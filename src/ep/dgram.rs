@@ -18,7 +18,6 @@ use crate::cq::{
 use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
-use crate::notify::Notifier;
 use crate::stats::{self, EndpointCounters, EndpointStats};
 
 /// Size of EFA's `FI_MSG_PREFIX` area for DGRAM endpoints (the UD global route header).
@@ -47,14 +46,7 @@ impl EndpointBuilder<Dgram> {
         let cfg = self.domain.config();
         let send_depth = self.queue_size(self.tx_size, cfg.tx_size, attr.max_send_wr, "tx_size")?;
         let recv_depth = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;
-        let notifier = if tx_cq.same(&rx_cq) {
-            tx_cq.notifier().clone()
-        } else {
-            Arc::new(Notifier::forwarding(vec![
-                tx_cq.notifier().clone(),
-                rx_cq.notifier().clone(),
-            ]))
-        };
+        let notifier = Self::qp_notifier(&tx_cq, &rx_cq, None);
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Ud,
             send_depth,

@@ -4,12 +4,14 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use crate::av::AddressVector;
 use crate::cq::CompletionQueue;
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::info::{Caps, EpType, Info};
+use crate::notify::Notifier;
 
 mod buf;
 mod dgram;
@@ -194,6 +196,24 @@ impl<K: EndpointKind> EndpointBuilder<K> {
             }
         }
         Ok((tx, rx, av))
+    }
+
+    /// The notifier the queue pair signals: it wakes the waiters of both completion queues (one
+    /// notifier when they are the same queue) and, if given, the endpoint's own waiters.
+    pub(crate) fn qp_notifier(
+        tx: &CompletionQueue,
+        rx: &CompletionQueue,
+        own: Option<&Arc<Notifier>>,
+    ) -> Arc<Notifier> {
+        let mut targets = vec![tx.notifier().clone()];
+        if !rx.same(tx) {
+            targets.push(rx.notifier().clone());
+        }
+        targets.extend(own.cloned());
+        match targets.len() {
+            1 => targets.remove(0),
+            _ => Arc::new(Notifier::forwarding(targets)),
+        }
     }
 
     /// Resolves a queue size: the builder's, else the config's, 0 meaning the device's depth;

@@ -82,17 +82,13 @@ impl EndpointBuilder<Rdm> {
         let tx_ops = self.queue_size(self.tx_size, cfg.tx_size, attr.max_send_wr, "tx_size")?;
         let rx_ops = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;
         let own = Arc::new(Notifier::new());
-        let mut targets = vec![tx_cq.notifier().clone(), own.clone()];
-        if !rx_cq.same(&tx_cq) {
-            targets.push(rx_cq.notifier().clone());
-        }
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
             send_depth: attr.max_send_wr,
             recv_depth: attr.max_recv_wr,
             rnr_retry: 3,
             qkey: None,
-            notifier: Arc::new(Notifier::forwarding(targets)),
+            notifier: Self::qp_notifier(&tx_cq, &rx_cq, Some(&own)),
         })?;
         let addr = qp.addr();
         let now = Instant::now();
