@@ -124,15 +124,23 @@ impl EndpointBuilder<Rdm> {
                 scratch: Vec::new(),
                 pending: Default::default(),
                 closed: false,
+                rx_free: Vec::new(),
+                rx_posted: 0,
+                rx_buf_size: attr.mtu,
             }),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
         });
         {
             let mut st = core.state.lock();
-            for i in 0..rx_bufs {
-                st.qp
-                    .post_recv(i as u64, BytesMut::with_capacity(attr.mtu))?;
+            st.rx_free = (0..rx_bufs)
+                .map(|i| (i as u64, BytesMut::with_capacity(attr.mtu)))
+                .collect();
+            st.rx_buf_size = attr.mtu;
+            RdmCore::repost_rx(&mut st);
+            if st.rx_posted == 0 {
+                return Err(Error::new(ErrorKind::NoMemory, "ep_open")
+                    .with_detail("no receive buffer could be posted"));
             }
         }
         let weak: Weak<dyn ProgressSource> = Arc::downgrade(&core) as _;
@@ -195,6 +203,12 @@ struct State {
     /// Claimed unexpected messages (`FI_CLAIM`) by token.
     pending: HashSet<u64>,
     closed: bool,
+    /// Device receive buffers back from the device and not yet reposted.
+    rx_free: Vec<(u64, BytesMut)>,
+    /// Device receive buffers posted now.
+    rx_posted: usize,
+    /// Their size (the device MTU).
+    rx_buf_size: usize,
 }
 
 /// Shared state of an RDM endpoint.
@@ -677,6 +691,7 @@ impl RdmCore {
                 self.device_completion(st, now, c);
             }
             st.scratch = batch;
+            Self::repost_rx(st);
             if st.engine.poll_timeout().is_some_and(|t| t <= now) {
                 st.engine.handle_timeout(now);
             }
@@ -734,11 +749,38 @@ impl RdmCore {
                     tracing::debug!(status = %c.status, "receive error on the device; packet dropped");
                 }
                 buf.clear();
-                if let Err(e) = st.qp.post_recv(c.wr_id, buf) {
-                    tracing::warn!(error = %e, "could not repost a receive buffer");
-                }
+                st.rx_posted -= 1;
+                st.rx_free.push((c.wr_id, buf));
             }
             _ => st.engine.handle_send_completion(now, c.wr_id, c.status),
+        }
+    }
+
+    /// Reposts free device receive buffers, as many as the engine could buffer if every one of
+    /// them brought an unexpected message: beyond that the device refuses packets with
+    /// receiver-not-ready, the senders back off, and nothing a peer sent is dropped for lack of
+    /// memory (the engine's `EngineLimits` cap what it holds for messages without a receive).
+    fn repost_rx(st: &mut State) {
+        if st.rx_free.is_empty() {
+            return;
+        }
+        let lim = st.engine.limits();
+        let r = st.engine.resources();
+        let by_msgs = lim.max_buffered_msgs.saturating_sub(r.buffered_msgs);
+        let by_bytes =
+            lim.max_buffered_bytes.saturating_sub(r.buffered_bytes) / st.rx_buf_size.max(1);
+        let allowed = by_msgs.min(by_bytes).saturating_sub(st.rx_posted);
+        for _ in 0..allowed.min(st.rx_free.len()) {
+            let Some((wr_id, buf)) = st.rx_free.pop() else {
+                break;
+            };
+            match st.qp.post_recv(wr_id, buf) {
+                Ok(()) => st.rx_posted += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not repost a receive buffer");
+                    break;
+                }
+            }
         }
     }
 

@@ -191,6 +191,11 @@ pub struct Resources {
     pub unexpected_bytes: usize,
     /// Packets held in reorder windows and overflow lists.
     pub reorder_held: usize,
+    /// Messages held without a receive (waiting their turn, unexpected, claimed): what
+    /// [`EngineLimits::max_buffered_msgs`] caps.
+    pub buffered_msgs: usize,
+    /// Bytes copied out for them: what [`EngineLimits::max_buffered_bytes`] caps.
+    pub buffered_bytes: usize,
     /// Packets queued for transmission (not yet handed out).
     pub queued_pkts: usize,
     /// Packets handed out and not yet completed by the device.
@@ -504,6 +509,8 @@ impl Engine {
             unexpected_msgs: self.unexp_msgs,
             unexpected_bytes: self.unexp_bytes,
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
+            buffered_msgs: self.buffered_msgs,
+            buffered_bytes: self.buffered_bytes,
             queued_pkts: self.queued_pkts,
             outstanding_pkts: self.outstanding.len(),
             peers: self.peers.len(),
