@@ -97,7 +97,9 @@ impl Domain {
     /// Writes `data` at `addr` of the region `key` names, as a peer's RMA write does (the
     /// protocol engine's emulated RMA). `RemoteAccess` — and nothing written — if the key is
     /// unknown or revoked, the region lacks `REMOTE_WRITE`, or `addr .. addr + data.len()` is not
-    /// inside it. The copy happens under the region's lock.
+    /// inside it. The copy happens under the region's lock, which this never waits for: `Again`
+    /// while it is taken (a [`MemoryRegion::read`]/[`write`](MemoryRegion::write) guard is alive,
+    /// or another access copies) — retry later.
     pub fn remote_write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
         crate::mr::remote_write(&self.inner.mrs, key, addr, data)
     }
@@ -105,7 +107,8 @@ impl Domain {
     /// The `len` bytes at `addr` of the region `key` names, as a peer's RMA read sees them (the
     /// protocol engine's emulated RMA). `RemoteAccess` if the key is unknown or revoked, the
     /// region lacks `REMOTE_READ`, or the range is not inside it. The copy happens under the
-    /// region's lock.
+    /// region's lock, which this never waits for: `Again` while a
+    /// [`write`](MemoryRegion::write) guard is alive — retry later.
     pub fn remote_read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
         crate::mr::remote_read(&self.inner.mrs, key, addr, len)
     }

@@ -26,6 +26,7 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
 
 /// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
 /// `FI_REMOTE_READ`, `FI_REMOTE_WRITE`).
@@ -171,10 +172,28 @@ pub struct RemoteKey {
 /// while registered (the guards hand out slices, not the `BytesMut`), so the address stays true.
 /// When the region is closed the bytes are taken out, leaving it empty: every later remote access
 /// fails its bounds check.
+///
+/// Devices inside the crate never block on the lock (an application thread that holds a guard may
+/// be the one driving the device): they try it, and when it is taken they register a notifier
+/// that is signalled as soon as the lock is released, and retry later.
 pub struct RegionMem {
     data: RwLock<BytesMut>,
     addr: u64,
     len: usize,
+    /// Signalled (and cleared) whenever the lock is released; see [`RegionMem::try_write_with`].
+    waiters: Mutex<Vec<Arc<Notifier>>>,
+}
+
+/// The outcome of a non-blocking access to a [`RegionMem`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum TryAccess<R> {
+    /// Done (or, for a gated write, decided).
+    Done(R),
+    /// The lock is taken (a guard is alive or another access copies); the waiter, if one was
+    /// given, is signalled when it is released.
+    Busy,
+    /// The range is not inside the region, or the region is closed. Nothing was touched.
+    OutOfRange,
 }
 
 impl RegionMem {
@@ -183,6 +202,7 @@ impl RegionMem {
             addr: buf.as_ptr() as usize as u64,
             len: buf.len(),
             data: RwLock::new(buf),
+            waiters: Mutex::new(Vec::new()),
         })
     }
 
@@ -202,8 +222,11 @@ impl RegionMem {
     }
 
     /// True once the owning region has been closed or dropped (its bytes were taken out).
+    /// Blocks while a write guard is alive.
     pub fn is_closed(&self) -> bool {
-        self.data.read().is_empty()
+        let closed = self.data.read().is_empty();
+        self.wake_waiters();
+        closed
     }
 
     /// The offsets of `addr .. addr + len` in a buffer of `have` bytes, with overflow-safe
@@ -227,34 +250,139 @@ impl RegionMem {
         ))
     }
 
-    /// Copies `src` to `addr` under the write lock. `RemoteAccess` (and nothing written) when the
-    /// range is not inside the region or the region is closed. Checks no key or right: the caller
-    /// (a device's or domain's key table) has.
+    /// Copies `src` to `addr`, blocking while a guard is alive. `RemoteAccess` (and nothing
+    /// written) when the range is not inside the region or the region is closed. Checks no key or
+    /// right: the caller (a device's key table) has. For devices outside the crate; never call it
+    /// from a thread that may hold a guard on the region.
     pub fn write_at(&self, addr: u64, src: &[u8]) -> Result<()> {
-        let mut data = self.data.write();
-        let r = self
-            .range(data.len(), addr, src.len() as u64)
-            .ok_or_else(|| self.out_of_range("mr_remote_write", addr, src.len() as u64))?;
-        data[r].copy_from_slice(src);
-        Ok(())
+        let r = {
+            let mut data = self.data.write();
+            self.range(data.len(), addr, src.len() as u64)
+                .map(|r| data[r].copy_from_slice(src))
+        };
+        self.wake_waiters();
+        r.ok_or_else(|| self.out_of_range("mr_remote_write", addr, src.len() as u64))
     }
 
-    /// Replaces the contents of `out` with the `len` bytes at `addr`, copied under the read lock.
-    /// `RemoteAccess` (and `out` left as it was) when the range is not inside the region or the
-    /// region is closed. Checks no key or right: the caller has.
+    /// Replaces the contents of `out` with the `len` bytes at `addr`, blocking while a write guard
+    /// is alive. `RemoteAccess` (and `out` left as it was) when the range is not inside the region
+    /// or the region is closed. Checks no key or right: the caller has. For devices outside the
+    /// crate; never call it from a thread that may hold a write guard on the region.
     pub fn read_into(&self, addr: u64, len: u64, out: &mut BytesMut) -> Result<()> {
-        let data = self.data.read();
-        let r = self
-            .range(data.len(), addr, len)
-            .ok_or_else(|| self.out_of_range("mr_remote_read", addr, len))?;
-        out.clear();
-        out.extend_from_slice(&data[r]);
-        Ok(())
+        let r = {
+            let data = self.data.read();
+            self.range(data.len(), addr, len).map(|r| {
+                out.clear();
+                out.extend_from_slice(&data[r]);
+            })
+        };
+        self.wake_waiters();
+        r.ok_or_else(|| self.out_of_range("mr_remote_read", addr, len))
     }
 
-    /// The bytes of the region, leaving it empty (closed).
+    /// Registers `w` to be signalled at the next release of the lock.
+    fn add_waiter(&self, w: &Arc<Notifier>) {
+        let mut ws = self.waiters.lock();
+        if !ws.iter().any(|x| Arc::ptr_eq(x, w)) {
+            ws.push(w.clone());
+        }
+    }
+
+    /// Signals (and forgets) every registered waiter; called after every release of the lock.
+    fn wake_waiters(&self) {
+        // Always under the mutex: a waiter registers under it and then tries the lock once more,
+        // so either its retry sees the lock free or this sees the waiter.
+        let ws = std::mem::take(&mut *self.waiters.lock());
+        for w in ws {
+            w.notify();
+        }
+    }
+
+    /// Takes the write lock without blocking; when it is busy, registers `waiter` and tries once
+    /// more (so a release in between is never missed).
+    fn try_write_lock(
+        &self,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> Option<RwLockWriteGuard<'_, BytesMut>> {
+        if let Some(g) = self.data.try_write() {
+            return Some(g);
+        }
+        let w = waiter?;
+        self.add_waiter(w);
+        self.data.try_write()
+    }
+
+    fn try_read_lock(
+        &self,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> Option<RwLockReadGuard<'_, BytesMut>> {
+        if let Some(g) = self.data.try_read() {
+            return Some(g);
+        }
+        let w = waiter?;
+        self.add_waiter(w);
+        self.data.try_read()
+    }
+
+    /// Non-blocking write of `src` at `addr`, gated: once the lock is held and the range checked,
+    /// `gate` decides whether to write (`Some(r)`: write, then `Done(Some(r))`; `None`: write
+    /// nothing, `Done(None)`). `Busy` when the lock is taken (then `waiter` is signalled at its
+    /// release), `OutOfRange` when the range is not inside the region or the region is closed.
+    pub(crate) fn try_write_with<R>(
+        &self,
+        addr: u64,
+        src: &[u8],
+        waiter: Option<&Arc<Notifier>>,
+        gate: impl FnOnce() -> Option<R>,
+    ) -> TryAccess<Option<R>> {
+        let Some(mut data) = self.try_write_lock(waiter) else {
+            return TryAccess::Busy;
+        };
+        let out = match self.range(data.len(), addr, src.len() as u64) {
+            None => TryAccess::OutOfRange,
+            Some(r) => match gate() {
+                Some(v) => {
+                    data[r].copy_from_slice(src);
+                    TryAccess::Done(Some(v))
+                }
+                None => TryAccess::Done(None),
+            },
+        };
+        drop(data);
+        self.wake_waiters();
+        out
+    }
+
+    /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write lock is held (then
+    /// `waiter` is signalled at its release), `OutOfRange` as there.
+    pub(crate) fn try_read_into(
+        &self,
+        addr: u64,
+        len: u64,
+        out: &mut BytesMut,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> TryAccess<()> {
+        let Some(data) = self.try_read_lock(waiter) else {
+            return TryAccess::Busy;
+        };
+        let res = match self.range(data.len(), addr, len) {
+            None => TryAccess::OutOfRange,
+            Some(r) => {
+                out.clear();
+                out.extend_from_slice(&data[r]);
+                TryAccess::Done(())
+            }
+        };
+        drop(data);
+        self.wake_waiters();
+        res
+    }
+
+    /// The bytes of the region, leaving it empty (closed). Blocks while a guard is alive.
     fn take(&self) -> BytesMut {
-        std::mem::take(&mut *self.data.write())
+        let b = std::mem::take(&mut *self.data.write());
+        self.wake_waiters();
+        b
     }
 }
 
@@ -264,6 +392,52 @@ impl fmt::Debug for RegionMem {
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
             .finish()
+    }
+}
+
+/// The guard [`MemoryRegion::read`] returns: releases the lock, then signals waiting accesses.
+struct ReadGuard<'a> {
+    guard: Option<RwLockReadGuard<'a, BytesMut>>,
+    mem: &'a RegionMem,
+}
+
+impl Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..])
+    }
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.mem.wake_waiters();
+    }
+}
+
+/// The guard [`MemoryRegion::write`] returns: releases the lock, then signals waiting accesses.
+struct WriteGuard<'a> {
+    guard: Option<RwLockWriteGuard<'a, BytesMut>>,
+    mem: &'a RegionMem,
+}
+
+impl Deref for WriteGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..])
+    }
+}
+
+impl DerefMut for WriteGuard<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.guard.as_deref_mut().map_or(&mut [], |b| &mut b[..])
+    }
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.mem.wake_waiters();
     }
 }
 
@@ -338,37 +512,48 @@ pub(crate) fn verify(
     access: Access,
 ) -> Result<()> {
     let mem = table.lock().lookup(key, access, "mr_verify")?;
-    let have = mem.data.read().len();
-    match mem.range(have, addr, len) {
-        Some(_) => Ok(()),
-        None => Err(mem.out_of_range("mr_verify", addr, len)),
+    // Against the registered range; takes no region lock, so it never waits for a guard.
+    if mem.range(mem.len, addr, len).is_none() {
+        return Err(mem.out_of_range("mr_verify", addr, len));
     }
+    Ok(())
+}
+
+fn busy(op: &'static str) -> Error {
+    Error::new(ErrorKind::Again, op)
+        .with_detail("the region is locked (a guard is alive or another access copies); retry")
 }
 
 /// Writes `src` at `addr` of the region `key` names, if the key is live and grants
 /// `REMOTE_WRITE` and the range lies inside the region (`RemoteAccess` otherwise, nothing
-/// written).
+/// written). Never blocks: `Again` while the region's lock is taken.
 pub(crate) fn remote_write(table: &Mutex<MrTable>, key: u64, addr: u64, src: &[u8]) -> Result<()> {
-    let mem = table
-        .lock()
-        .lookup(key, Access::REMOTE_WRITE, "mr_remote_write")?;
-    mem.write_at(addr, src)
+    const OP: &str = "mr_remote_write";
+    let mem = table.lock().lookup(key, Access::REMOTE_WRITE, OP)?;
+    match mem.try_write_with(addr, src, None, || Some(())) {
+        TryAccess::Done(_) => Ok(()),
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, src.len() as u64)),
+    }
 }
 
 /// The `len` bytes at `addr` of the region `key` names, if the key is live and grants
-/// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise).
+/// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise). Never blocks:
+/// `Again` while a write guard on the region is alive.
 pub(crate) fn remote_read(table: &Mutex<MrTable>, key: u64, addr: u64, len: u64) -> Result<Bytes> {
-    let mem = table
-        .lock()
-        .lookup(key, Access::REMOTE_READ, "mr_remote_read")?;
-    // Checked before allocating, so an absurd length allocates nothing.
-    let have = mem.data.read().len();
-    if mem.range(have, addr, len).is_none() {
-        return Err(mem.out_of_range("mr_remote_read", addr, len));
+    const OP: &str = "mr_remote_read";
+    let mem = table.lock().lookup(key, Access::REMOTE_READ, OP)?;
+    // Checked against the registered length before allocating, so an absurd length allocates
+    // nothing; checked again under the lock.
+    if mem.range(mem.len, addr, len).is_none() {
+        return Err(mem.out_of_range(OP, addr, len));
     }
     let mut out = BytesMut::with_capacity(len as usize);
-    mem.read_into(addr, len, &mut out)?;
-    Ok(out.freeze())
+    match mem.try_read_into(addr, len, &mut out, None) {
+        TryAccess::Done(()) => Ok(out.freeze()),
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, len)),
+    }
 }
 
 /// A registered memory region that owns its buffer.
@@ -488,13 +673,19 @@ impl MemoryRegion {
 
     /// The region's bytes, for reading, under the region's lock (shared with remote reads).
     pub fn read(&self) -> impl Deref<Target = [u8]> + '_ {
-        RwLockReadGuard::map(self.mem.data.read(), |b| &b[..])
+        ReadGuard {
+            guard: Some(self.mem.data.read()),
+            mem: &self.mem,
+        }
     }
 
     /// The region's bytes, for writing, under the region's lock (remote accesses wait for the
     /// guard to go).
     pub fn write(&mut self) -> impl DerefMut<Target = [u8]> + '_ {
-        RwLockWriteGuard::map(self.mem.data.write(), |b| &mut b[..])
+        WriteGuard {
+            guard: Some(self.mem.data.write()),
+            mem: &self.mem,
+        }
     }
 
     /// The description a peer needs for remote access. `InvalidArgument` unless the region was
