@@ -124,10 +124,18 @@ pub enum Buffer {
 }
 
 impl Buffer {
-    /// The received bytes (a receive's `BytesMut` or a region).
+    /// The received bytes of a receive's `BytesMut` (`None` for a region: read it through
+    /// [`as_region`](Buffer::as_region)`.read()`, as its bytes sit behind the region's lock).
     pub fn as_recv(&self) -> Option<&[u8]> {
         match self {
             Buffer::Recv(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The memory region handed back, if the operation was given one.
+    pub fn as_region(&self) -> Option<&MemoryRegion> {
+        match self {
             Buffer::Region(r) => Some(r),
             _ => None,
         }

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 
 use crate::config::Config;
@@ -75,7 +76,13 @@ impl Domain {
 
     /// Registers `buf` (its `len()` bytes) with `access` rights. The region owns the buffer.
     ///
-    /// Errors: `InvalidArgument` for an empty buffer or empty access flags.
+    /// The device is asked first ([`Device::register_mem`]): a device with one-sided RDMA hands
+    /// out the key its peers use; otherwise the domain makes up a software key. Either way the
+    /// key is in this domain's key table until the region is closed or dropped (then it is
+    /// revoked in the device too), and is never handed out again by this domain.
+    ///
+    /// Errors: `InvalidArgument` for an empty buffer or empty access flags; the device's error
+    /// if it refuses the registration.
     pub fn register(&self, buf: impl IntoRegionBuf, access: Access) -> Result<MemoryRegion> {
         MemoryRegion::register(self, buf.into_region_buf(), access)
     }
@@ -85,6 +92,25 @@ impl Domain {
     /// region or the right was not granted.
     pub fn verify_remote(&self, key: u64, addr: u64, len: u64, access: Access) -> Result<()> {
         crate::mr::verify(&self.inner.mrs, key, addr, len, access)
+    }
+
+    /// Writes `data` at `addr` of the region `key` names, as a peer's RMA write does (the
+    /// protocol engine's emulated RMA). `RemoteAccess` — and nothing written — if the key is
+    /// unknown or revoked, the region lacks `REMOTE_WRITE`, or `addr .. addr + data.len()` is not
+    /// inside it. The copy happens under the region's lock, which this never waits for: `Again`
+    /// while it is taken (a [`MemoryRegion::read`]/[`write`](MemoryRegion::write) guard is alive,
+    /// or another access copies) — retry later.
+    pub fn remote_write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
+        crate::mr::remote_write(&self.inner.mrs, key, addr, data)
+    }
+
+    /// The `len` bytes at `addr` of the region `key` names, as a peer's RMA read sees them (the
+    /// protocol engine's emulated RMA). `RemoteAccess` if the key is unknown or revoked, the
+    /// region lacks `REMOTE_READ`, or the range is not inside it. The copy happens under the
+    /// region's lock, which this never waits for: `Again` while a
+    /// [`write`](MemoryRegion::write) guard is alive — retry later.
+    pub fn remote_read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
+        crate::mr::remote_read(&self.inner.mrs, key, addr, len)
     }
 
     /// True when the `Info` this domain was opened from asked for `FI_MSG_PREFIX`

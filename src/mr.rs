@@ -2,16 +2,31 @@
 //! operations that use it (and handed back in their completions). A region registered for remote
 //! access can be described to a peer with a serializable [`RemoteKey`]; dropping or closing the
 //! region revokes the key before the memory is released, so no peer can reach freed memory.
+//!
+//! # The memory-region core
+//!
+//! A region's bytes live in a [`RegionMem`]: the buffer behind a reader-writer lock, shared by
+//! `Arc` between the [`MemoryRegion`] handle and whatever may access it remotely (the device's
+//! key table, an RDMA operation in flight, the domain's key table for emulated RMA). The
+//! application reads and writes the bytes through [`MemoryRegion::read`] and
+//! [`MemoryRegion::write`] guards; a remote access takes the same lock to copy data in or out
+//! ([`RegionMem::write_at`], [`RegionMem::read_into`]). So a user never sees a torn remote write,
+//! a remote access never sees a half-done local one, and Rust's aliasing rules hold without any
+//! `unsafe` code. Closing a region revokes its key everywhere, then takes the bytes out under the
+//! write lock: a remote access that had already looked the key up finds the region empty and fails
+//! with `RemoteAccess` (the device reports `Status::RemoteBadAddress`).
 
 use std::collections::HashMap;
 use std::fmt;
-use std::ops::{BitOr, BitOrAssign, Deref, DerefMut};
+use std::ops::{BitOr, BitOrAssign, Deref, DerefMut, Range};
+use std::sync::Arc;
 
-use bytes::BytesMut;
-use parking_lot::Mutex;
+use bytes::{Bytes, BytesMut};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
 
 /// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
 /// `FI_REMOTE_READ`, `FI_REMOTE_WRITE`).
@@ -148,14 +163,292 @@ pub struct RemoteKey {
     pub key: u64,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct MrEntry {
+/// The memory of a registered region, shared by `Arc` between the [`MemoryRegion`] that owns it
+/// and the device (or domain) that serves remote accesses to it.
+///
+/// The bytes sit behind a reader-writer lock; every access, local or remote, copies under it.
+/// Remote accesses name bytes by address, as [`RemoteKey::addr`] does: `addr()` is the address of
+/// the first byte at registration (`FI_MR_VIRT_ADDR` style). The buffer is never reallocated
+/// while registered (the guards hand out slices, not the `BytesMut`), so the address stays true.
+/// When the region is closed the bytes are taken out, leaving it empty: every later remote access
+/// fails its bounds check.
+///
+/// Devices inside the crate never block on the lock (an application thread that holds a guard may
+/// be the one driving the device): they try it, and when it is taken they register a notifier
+/// that is signalled as soon as the lock is released, and retry later.
+pub struct RegionMem {
+    data: RwLock<BytesMut>,
     addr: u64,
-    len: u64,
+    len: usize,
+    /// Signalled (and cleared) whenever the lock is released; see [`RegionMem::try_write_with`].
+    waiters: Mutex<Vec<Arc<Notifier>>>,
+}
+
+/// The outcome of a non-blocking access to a [`RegionMem`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum TryAccess<R> {
+    /// Done (or, for a gated write, decided).
+    Done(R),
+    /// The lock is taken (a guard is alive or another access copies); the waiter, if one was
+    /// given, is signalled when it is released.
+    Busy,
+    /// The range is not inside the region, or the region is closed. Nothing was touched.
+    OutOfRange,
+}
+
+impl RegionMem {
+    pub(crate) fn new(buf: BytesMut) -> Arc<RegionMem> {
+        Arc::new(RegionMem {
+            addr: buf.as_ptr() as usize as u64,
+            len: buf.len(),
+            data: RwLock::new(buf),
+            waiters: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The address of the first byte (what [`RemoteKey::addr`] names).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// The length at registration, bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the region was registered empty (never: registration refuses empty buffers).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True once the owning region has been closed or dropped (its bytes were taken out).
+    /// Blocks while a write guard is alive.
+    pub fn is_closed(&self) -> bool {
+        let closed = self.data.read().is_empty();
+        self.wake_waiters();
+        closed
+    }
+
+    /// The offsets of `addr .. addr + len` in a buffer of `have` bytes, with overflow-safe
+    /// arithmetic; `None` when the range is not inside it or the buffer is empty (closed).
+    fn range(&self, have: usize, addr: u64, len: u64) -> Option<Range<usize>> {
+        if have == 0 {
+            return None;
+        }
+        let start = addr.checked_sub(self.addr)?;
+        let end = start.checked_add(len)?;
+        if end > have as u64 {
+            return None;
+        }
+        Some(start as usize..end as usize)
+    }
+
+    fn out_of_range(&self, op: &'static str, addr: u64, len: u64) -> Error {
+        Error::new(ErrorKind::RemoteAccess, op).with_detail(format!(
+            "range {addr:#x}+{len} outside region {:#x}+{} (or region closed)",
+            self.addr, self.len
+        ))
+    }
+
+    /// Copies `src` to `addr`, blocking while a guard is alive. `RemoteAccess` (and nothing
+    /// written) when the range is not inside the region or the region is closed. Checks no key or
+    /// right: the caller (a device's key table) has. For devices outside the crate; never call it
+    /// from a thread that may hold a guard on the region.
+    pub fn write_at(&self, addr: u64, src: &[u8]) -> Result<()> {
+        let r = {
+            let mut data = self.data.write();
+            self.range(data.len(), addr, src.len() as u64)
+                .map(|r| data[r].copy_from_slice(src))
+        };
+        self.wake_waiters();
+        r.ok_or_else(|| self.out_of_range("mr_remote_write", addr, src.len() as u64))
+    }
+
+    /// Replaces the contents of `out` with the `len` bytes at `addr`, blocking while a write guard
+    /// is alive. `RemoteAccess` (and `out` left as it was) when the range is not inside the region
+    /// or the region is closed. Checks no key or right: the caller has. For devices outside the
+    /// crate; never call it from a thread that may hold a write guard on the region.
+    pub fn read_into(&self, addr: u64, len: u64, out: &mut BytesMut) -> Result<()> {
+        let r = {
+            let data = self.data.read();
+            self.range(data.len(), addr, len).map(|r| {
+                out.clear();
+                out.extend_from_slice(&data[r]);
+            })
+        };
+        self.wake_waiters();
+        r.ok_or_else(|| self.out_of_range("mr_remote_read", addr, len))
+    }
+
+    /// Registers `w` to be signalled at the next release of the lock.
+    fn add_waiter(&self, w: &Arc<Notifier>) {
+        let mut ws = self.waiters.lock();
+        if !ws.iter().any(|x| Arc::ptr_eq(x, w)) {
+            ws.push(w.clone());
+        }
+    }
+
+    /// Signals (and forgets) every registered waiter; called after every release of the lock.
+    fn wake_waiters(&self) {
+        // Always under the mutex: a waiter registers under it and then tries the lock once more,
+        // so either its retry sees the lock free or this sees the waiter.
+        let ws = std::mem::take(&mut *self.waiters.lock());
+        for w in ws {
+            w.notify();
+        }
+    }
+
+    /// Takes the write lock without blocking; when it is busy, registers `waiter` and tries once
+    /// more (so a release in between is never missed).
+    fn try_write_lock(
+        &self,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> Option<RwLockWriteGuard<'_, BytesMut>> {
+        if let Some(g) = self.data.try_write() {
+            return Some(g);
+        }
+        let w = waiter?;
+        self.add_waiter(w);
+        self.data.try_write()
+    }
+
+    fn try_read_lock(
+        &self,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> Option<RwLockReadGuard<'_, BytesMut>> {
+        if let Some(g) = self.data.try_read() {
+            return Some(g);
+        }
+        let w = waiter?;
+        self.add_waiter(w);
+        self.data.try_read()
+    }
+
+    /// Non-blocking write of `src` at `addr`, gated: once the lock is held and the range checked,
+    /// `gate` decides whether to write (`Some(r)`: write, then `Done(Some(r))`; `None`: write
+    /// nothing, `Done(None)`). `Busy` when the lock is taken (then `waiter` is signalled at its
+    /// release), `OutOfRange` when the range is not inside the region or the region is closed.
+    pub(crate) fn try_write_with<R>(
+        &self,
+        addr: u64,
+        src: &[u8],
+        waiter: Option<&Arc<Notifier>>,
+        gate: impl FnOnce() -> Option<R>,
+    ) -> TryAccess<Option<R>> {
+        let Some(mut data) = self.try_write_lock(waiter) else {
+            return TryAccess::Busy;
+        };
+        let out = match self.range(data.len(), addr, src.len() as u64) {
+            None => TryAccess::OutOfRange,
+            Some(r) => match gate() {
+                Some(v) => {
+                    data[r].copy_from_slice(src);
+                    TryAccess::Done(Some(v))
+                }
+                None => TryAccess::Done(None),
+            },
+        };
+        drop(data);
+        self.wake_waiters();
+        out
+    }
+
+    /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write lock is held (then
+    /// `waiter` is signalled at its release), `OutOfRange` as there.
+    pub(crate) fn try_read_into(
+        &self,
+        addr: u64,
+        len: u64,
+        out: &mut BytesMut,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> TryAccess<()> {
+        let Some(data) = self.try_read_lock(waiter) else {
+            return TryAccess::Busy;
+        };
+        let res = match self.range(data.len(), addr, len) {
+            None => TryAccess::OutOfRange,
+            Some(r) => {
+                out.clear();
+                out.extend_from_slice(&data[r]);
+                TryAccess::Done(())
+            }
+        };
+        drop(data);
+        self.wake_waiters();
+        res
+    }
+
+    /// The bytes of the region, leaving it empty (closed). Blocks while a guard is alive.
+    fn take(&self) -> BytesMut {
+        let b = std::mem::take(&mut *self.data.write());
+        self.wake_waiters();
+        b
+    }
+}
+
+impl fmt::Debug for RegionMem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionMem")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// The guard [`MemoryRegion::read`] returns: releases the lock, then signals waiting accesses.
+struct ReadGuard<'a> {
+    guard: Option<RwLockReadGuard<'a, BytesMut>>,
+    mem: &'a RegionMem,
+}
+
+impl Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..])
+    }
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.mem.wake_waiters();
+    }
+}
+
+/// The guard [`MemoryRegion::write`] returns: releases the lock, then signals waiting accesses.
+struct WriteGuard<'a> {
+    guard: Option<RwLockWriteGuard<'a, BytesMut>>,
+    mem: &'a RegionMem,
+}
+
+impl Deref for WriteGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..])
+    }
+}
+
+impl DerefMut for WriteGuard<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.guard.as_deref_mut().map_or(&mut [], |b| &mut b[..])
+    }
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.mem.wake_waiters();
+    }
+}
+
+/// One live registration in a domain's key table.
+#[derive(Clone, Debug)]
+struct MrEntry {
+    mem: Arc<RegionMem>,
     access: Access,
 }
 
-/// The keys a domain has handed out and not yet revoked.
+/// The keys a domain has handed out and not yet revoked, with the memory they name.
 #[derive(Debug)]
 pub(crate) struct MrTable {
     next_key: u64,
@@ -169,6 +462,44 @@ impl MrTable {
             live: HashMap::new(),
         })
     }
+
+    /// Enters a registration under the device's key, or under a fresh software key (never one
+    /// handed out before by this table, never a live one). `None` when the device's key is live
+    /// already.
+    fn insert(&mut self, device_key: Option<u64>, entry: MrEntry) -> Option<u64> {
+        let key = match device_key {
+            Some(k) if self.live.contains_key(&k) => return None,
+            Some(k) => k,
+            None => loop {
+                let k = self.next_key;
+                self.next_key = self.next_key.wrapping_add(1).max(1);
+                if !self.live.contains_key(&k) {
+                    break k;
+                }
+            },
+        };
+        self.live.insert(key, entry);
+        Some(key)
+    }
+
+    fn remove(&mut self, key: u64) {
+        self.live.remove(&key);
+    }
+
+    /// The memory `key` names if the key is live and grants `access`; `RemoteAccess` otherwise.
+    fn lookup(&self, key: u64, access: Access, op: &'static str) -> Result<Arc<RegionMem>> {
+        let e = self.live.get(&key).ok_or_else(|| {
+            Error::new(ErrorKind::RemoteAccess, op)
+                .with_detail(format!("key {key:#x} is not registered"))
+        })?;
+        if !e.access.contains(access) {
+            return Err(Error::new(ErrorKind::RemoteAccess, op).with_detail(format!(
+                "access {access:?} not granted (region has {:?})",
+                e.access
+            )));
+        }
+        Ok(e.mem.clone())
+    }
 }
 
 /// Checks a remote access against the key table of `table`: the key must be live, the range
@@ -180,40 +511,94 @@ pub(crate) fn verify(
     len: u64,
     access: Access,
 ) -> Result<()> {
-    let t = table.lock();
-    let e = t.live.get(&key).ok_or_else(|| {
-        Error::new(ErrorKind::RemoteAccess, "mr_verify")
-            .with_detail(format!("key {key:#x} is not registered"))
-    })?;
-    let end = addr.checked_add(len);
-    if addr < e.addr || end.is_none_or(|end| end > e.addr + e.len) {
-        return Err(
-            Error::new(ErrorKind::RemoteAccess, "mr_verify").with_detail(format!(
-                "range {addr:#x}+{len} outside region {:#x}+{}",
-                e.addr, e.len
-            )),
-        );
-    }
-    if !e.access.contains(access) {
-        return Err(
-            Error::new(ErrorKind::RemoteAccess, "mr_verify").with_detail(format!(
-                "access {access:?} not granted (region has {:?})",
-                e.access
-            )),
-        );
+    let mem = table.lock().lookup(key, access, "mr_verify")?;
+    // Against the registered range; takes no region lock, so it never waits for a guard.
+    if mem.range(mem.len, addr, len).is_none() {
+        return Err(mem.out_of_range("mr_verify", addr, len));
     }
     Ok(())
+}
+
+fn busy(op: &'static str) -> Error {
+    Error::new(ErrorKind::Again, op)
+        .with_detail("the region is locked (a guard is alive or another access copies); retry")
+}
+
+/// Writes `src` at `addr` of the region `key` names, if the key is live and grants
+/// `REMOTE_WRITE` and the range lies inside the region (`RemoteAccess` otherwise, nothing
+/// written). Never blocks: `Again` while the region's lock is taken.
+pub(crate) fn remote_write(table: &Mutex<MrTable>, key: u64, addr: u64, src: &[u8]) -> Result<()> {
+    const OP: &str = "mr_remote_write";
+    let mem = table.lock().lookup(key, Access::REMOTE_WRITE, OP)?;
+    match mem.try_write_with(addr, src, None, || Some(())) {
+        TryAccess::Done(_) => Ok(()),
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, src.len() as u64)),
+    }
+}
+
+/// The `len` bytes at `addr` of the region `key` names, if the key is live and grants
+/// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise). Never blocks:
+/// `Again` while a write guard on the region is alive.
+pub(crate) fn remote_read(table: &Mutex<MrTable>, key: u64, addr: u64, len: u64) -> Result<Bytes> {
+    const OP: &str = "mr_remote_read";
+    let mem = table.lock().lookup(key, Access::REMOTE_READ, OP)?;
+    // Checked against the registered length before allocating, so an absurd length allocates
+    // nothing; checked again under the lock.
+    if mem.range(mem.len, addr, len).is_none() {
+        return Err(mem.out_of_range(OP, addr, len));
+    }
+    let mut out = BytesMut::with_capacity(len as usize);
+    match mem.try_read_into(addr, len, &mut out, None) {
+        TryAccess::Done(()) => Ok(out.freeze()),
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, len)),
+    }
 }
 
 /// A registered memory region that owns its buffer.
 ///
 /// Move it into an operation (`Endpoint::recv`, `Endpoint::send`) and get it back from the
-/// completion. Dropping it (or [`MemoryRegion::close`]) revokes its key first.
+/// completion. Read and write its bytes with the [`read`](MemoryRegion::read) and
+/// [`write`](MemoryRegion::write) guards: remote accesses (RDMA by a peer's device, or emulated
+/// RMA) take the same lock, so a guard never sees a remote write half done. Do not hold a guard
+/// while this thread posts an RDMA operation that targets the same region (the device would wait
+/// for the guard); a guard held in another thread only delays remote accesses.
+///
+/// Dropping it (or [`MemoryRegion::close`]) revokes its key first; remote accesses that arrive
+/// later fail with `RemoteAccess` (`Status::RemoteBadAddress` on the device).
+///
+/// ```
+/// # use efa::{Access, Domain};
+/// # fn main() -> efa::Result<()> {
+/// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+/// let mut mr = domain.register(vec![0u8; 8], Access::SEND | Access::REMOTE_WRITE)?;
+/// mr.write()[..2].copy_from_slice(b"hi");
+/// assert_eq!(&mr.read()[..3], b"hi\0");
+/// let buf = mr.close();
+/// assert_eq!(&buf[..2], b"hi");
+/// # Ok(()) }
+/// ```
+///
+/// A guard borrows the region, so the region cannot be moved into an operation (or closed) while
+/// a guard is alive:
+///
+/// ```compile_fail
+/// # use efa::{Access, Domain};
+/// # fn main() -> efa::Result<()> {
+/// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+/// let mr = domain.register(vec![0u8; 8], Access::SEND)?;
+/// let bytes = mr.read();
+/// let buf = mr.close(); // error: `mr` is borrowed by `bytes`
+/// assert_eq!(bytes[0], 0);
+/// # drop(buf); Ok(()) }
+/// ```
 pub struct MemoryRegion {
-    buf: BytesMut,
+    mem: Arc<RegionMem>,
     key: u64,
     access: Access,
     domain: Domain,
+    revoked: bool,
 }
 
 impl MemoryRegion {
@@ -229,24 +614,35 @@ impl MemoryRegion {
             return Err(Error::new(ErrorKind::InvalidArgument, "mr_reg")
                 .with_detail("access flags are empty"));
         }
+        let mem = RegionMem::new(buf);
+        let device_key = domain.device().register_mem(&mem, access)?;
         let entry = MrEntry {
-            addr: buf.as_ptr() as usize as u64,
-            len: buf.len() as u64,
+            mem: mem.clone(),
             access,
         };
-        let key = {
-            let mut t = domain.mr_table().lock();
-            let key = t.next_key;
-            t.next_key += 1;
-            t.live.insert(key, entry);
-            key
+        let key = domain.mr_table().lock().insert(device_key, entry);
+        let Some(key) = key else {
+            // A device handed out a key that is live already: refuse rather than alias.
+            if let Some(k) = device_key {
+                domain.device().deregister_mem(k);
+            }
+            return Err(Error::new(ErrorKind::Io, "mr_reg").with_detail(format!(
+                "the device returned key {device_key:?}, which is registered already"
+            )));
         };
-        tracing::debug!(key, len = entry.len, ?access, "mr_reg");
+        tracing::debug!(
+            key,
+            len = mem.len,
+            ?access,
+            device_key = device_key.is_some(),
+            "mr_reg"
+        );
         Ok(MemoryRegion {
-            buf,
+            mem,
             key,
             access,
             domain: domain.clone(),
+            revoked: false,
         })
     }
 
@@ -265,6 +661,33 @@ impl MemoryRegion {
         &self.domain
     }
 
+    /// The registered length, bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len
+    }
+
+    /// Always false: a region is never empty (registration refuses empty buffers).
+    pub fn is_empty(&self) -> bool {
+        self.mem.len == 0
+    }
+
+    /// The region's bytes, for reading, under the region's lock (shared with remote reads).
+    pub fn read(&self) -> impl Deref<Target = [u8]> + '_ {
+        ReadGuard {
+            guard: Some(self.mem.data.read()),
+            mem: &self.mem,
+        }
+    }
+
+    /// The region's bytes, for writing, under the region's lock (remote accesses wait for the
+    /// guard to go).
+    pub fn write(&mut self) -> impl DerefMut<Target = [u8]> + '_ {
+        WriteGuard {
+            guard: Some(self.mem.data.write()),
+            mem: &self.mem,
+        }
+    }
+
     /// The description a peer needs for remote access. `InvalidArgument` unless the region was
     /// registered with `REMOTE_READ` or `REMOTE_WRITE`.
     pub fn remote_key(&self) -> Result<RemoteKey> {
@@ -273,23 +696,25 @@ impl MemoryRegion {
                 .with_detail("region was not registered for remote access"));
         }
         Ok(RemoteKey {
-            addr: self.buf.as_ptr() as usize as u64,
-            len: self.buf.len() as u64,
+            addr: self.mem.addr,
+            len: self.mem.len as u64,
             key: self.key,
         })
     }
 
-    /// Revokes the key and hands the buffer back.
+    /// Revokes the key (in the domain and the device), then hands the buffer back. A remote
+    /// access still in flight either landed before or fails with `RemoteAccess`.
     pub fn close(mut self) -> BytesMut {
         self.revoke();
-        std::mem::take(&mut self.buf)
+        self.mem.take()
     }
 
     fn revoke(&mut self) {
-        if self.key != 0 {
-            self.domain.mr_table().lock().live.remove(&self.key);
+        if !self.revoked {
+            self.revoked = true;
+            self.domain.mr_table().lock().remove(self.key);
+            self.domain.device().deregister_mem(self.key);
             tracing::debug!(key = self.key, "mr_close");
-            self.key = 0;
         }
     }
 
@@ -312,24 +737,11 @@ impl MemoryRegion {
     }
 }
 
-impl Deref for MemoryRegion {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl DerefMut for MemoryRegion {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.buf
-    }
-}
-
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryRegion")
             .field("key", &self.key)
-            .field("len", &self.buf.len())
+            .field("len", &self.mem.len)
             .field("access", &self.access)
             .finish()
     }
@@ -337,6 +749,10 @@ impl fmt::Debug for MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        self.revoke();
+        if !self.revoked {
+            self.revoke();
+            // Leave nothing for a remote access that looked the key up before the revocation.
+            drop(self.mem.take());
+        }
     }
 }

@@ -283,13 +283,17 @@ fn registered_regions_are_sent_and_received() {
     let rx = d.register(vec![0u8; 64], Access::RECV).unwrap();
     t.b.recv(rx, 1).unwrap();
     let mut tx = d.register(vec![0u8; 16], Access::SEND).unwrap();
-    tx.copy_from_slice(b"0123456789abcdef");
+    tx.write().copy_from_slice(b"0123456789abcdef");
     t.a.send(pb, tx, 2).unwrap();
     let done = collect(&t.cq, 2);
     let r = done.into_iter().find(|c| c.context == 1).unwrap();
     assert_eq!(r.len, 16);
+    assert!(
+        r.buf.as_recv().is_none(),
+        "a region is read through its guard"
+    );
     let region = r.buf.into_region().unwrap();
-    assert_eq!(&region[..16], b"0123456789abcdef");
+    assert_eq!(&region.read()[..16], b"0123456789abcdef");
     // A region without RECV access is refused and handed back.
     let wrong = d.register(vec![0u8; 8], Access::SEND).unwrap();
     let e = t.b.recv(wrong, 3).unwrap_err();

@@ -84,9 +84,21 @@ fn device_attributes() {
     assert!(attr.name.starts_with("loopback"));
     assert_ne!(attr.gid, b.attr().gid);
     assert_ne!(attr.name, b.attr().name);
-    assert_eq!((attr.mtu, attr.max_sge, attr.max_rdma_size), (8192, 2, 0));
-    assert!(attr.caps.rnr_retry && !attr.caps.rdma_read && !attr.caps.rdma_write);
-    assert!(!attr.caps.unsolicited_write_recv);
+    assert_eq!(
+        (attr.mtu, attr.max_sge, attr.max_rdma_size),
+        (8192, 2, 1 << 30)
+    );
+    assert!(attr.caps.rnr_retry && attr.caps.rdma_read && attr.caps.rdma_write);
+    assert!(attr.caps.unsolicited_write_recv);
+    // Without RDMA: no RDMA caps, max_rdma_size 0.
+    let cfg = LoopbackConfig {
+        rdma: false,
+        ..Default::default()
+    };
+    let plain = LoopbackDevice::open(&net, cfg).unwrap();
+    let p = plain.attr();
+    assert_eq!(p.max_rdma_size, 0);
+    assert!(!p.caps.rdma_read && !p.caps.rdma_write && !p.caps.unsolicited_write_recv);
     // Another network: another GID space.
     let other = open(&LoopbackNetwork::new(FaultConfig::default()));
     assert_ne!(other.attr().gid, attr.gid);

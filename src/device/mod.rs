@@ -12,7 +12,10 @@
 //! * [`QueuePair::poll`] returns completions, each with its `wr_id`, an EFA [`Status`], the opcode,
 //!   the byte count, the source queue pair and the immediate data;
 //! * one-sided RDMA read and write ([`QueuePair::post_read`], [`QueuePair::post_write`]) where
-//!   [`DeviceCaps`] says the device has them.
+//!   [`DeviceCaps`] says the device has them. They complete **without the target application
+//!   polling**, against memory the target registered with [`Device::register_mem`]; every access
+//!   is checked against the key, the bounds and the access rights and fails with
+//!   [`Status::RemoteBadAddress`], never touching other memory.
 //!
 //! Buffers are owned: a send keeps a reference-counted [`Bytes`] until its completion, a receive
 //! buffer ([`BytesMut`]) is handed back inside its completion. Nothing here borrows.
@@ -24,6 +27,7 @@ use bytes::{Bytes, BytesMut};
 
 use crate::addr::{Gid, RawAddr};
 use crate::error::{ErrorKind, Result};
+use crate::mr::{Access, RegionMem};
 use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 
@@ -33,6 +37,13 @@ pub mod loopback;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod udp;
+
+/// The `wr_id` of an unsolicited write-recv completion: the target side of an RDMA write with
+/// immediate data that consumed no receive buffer (opcode [`Opcode::RecvRdmaWithImm`], no
+/// `buf`). Only on SRD queue pairs of devices with [`DeviceCaps::unsolicited_write_recv`]; on other
+/// devices such a write consumes a posted receive buffer and its completion carries that buffer's
+/// `wr_id`.
+pub const UNSOLICITED_WR_ID: u64 = u64::MAX;
 
 /// Which kind of device this is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -322,6 +333,13 @@ pub struct Source {
 }
 
 /// One device completion.
+///
+/// Buffers come back in `buf`: a receive buffer (filled, `len() == byte_len` on success), the local
+/// buffer of an RDMA read (filled with the `byte_len` bytes read on success, untouched otherwise),
+/// and the receive buffer an RDMA write with immediate data consumed at the target (handed back
+/// untouched: the data went to the registered region). An RDMA write with immediate data that
+/// consumed no buffer (devices with [`DeviceCaps::unsolicited_write_recv`]) completes at the
+/// target with `wr_id` [`UNSOLICITED_WR_ID`] and no buffer.
 #[derive(Debug)]
 pub struct DeviceCompletion {
     /// The work request id given when posting.
@@ -330,13 +348,16 @@ pub struct DeviceCompletion {
     pub status: Status,
     /// What completed.
     pub opcode: Opcode,
-    /// Bytes received (receives) or transferred.
+    /// Bytes received (receives) or transferred (RDMA; at the target of a write with immediate
+    /// data, the bytes written).
     pub byte_len: usize,
     /// Sender of a received datagram.
     pub src: Option<Source>,
-    /// Immediate data, when the sender gave some.
+    /// Immediate data, when the sender (or RDMA writer) gave some.
     pub imm: Option<u32>,
-    /// A receive buffer handed back; its `len()` equals `byte_len` on success.
+    /// A buffer handed back: a receive buffer (its `len()` equals `byte_len` on success), the
+    /// local buffer of an RDMA read, or the receive buffer an RDMA write with immediate data
+    /// consumed.
     pub buf: Option<BytesMut>,
 }
 
@@ -401,6 +422,18 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>>;
     /// Counters of every queue pair of this device.
     fn stats(&self) -> DeviceStats;
+    /// Makes `mem` reachable by one-sided RDMA of peers, with `access` rights, and returns the
+    /// key they name it by; `Ok(None)` when the device has no RDMA (the default; the domain then
+    /// makes up a software key). The device keeps `mem` (an `Arc`) until
+    /// [`deregister_mem`](Device::deregister_mem); a key must never name another region later.
+    /// Called by [`Domain::register`](crate::Domain::register) for every region.
+    fn register_mem(&self, _mem: &Arc<RegionMem>, _access: Access) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// Revokes `key` (a key [`register_mem`](Device::register_mem) returned): later remote
+    /// accesses with it fail with [`Status::RemoteBadAddress`]. Called when the region is closed
+    /// or dropped, before its memory is handed back. The default does nothing.
+    fn deregister_mem(&self, _key: u64) {}
 }
 
 /// A queue pair: a send queue and a receive queue sharing one completion queue.
@@ -422,7 +455,11 @@ pub trait QueuePair: Send + fmt::Debug {
     /// Stops the queue pair: every outstanding work request completes with [`Status::Flushed`]
     /// (collect them with `poll`), later posts fail with `ErrorKind::Closed`.
     fn close(&mut self);
-    /// Posts a one-sided RDMA read of `remote` into `local` (capacity = length).
+    /// Posts a one-sided RDMA read of the `remote.len` bytes at `remote` (on the queue pair
+    /// `dest`) into `local`, whose `capacity()` must hold them; its contents are replaced. The
+    /// completion ([`Opcode::RdmaRead`]) hands `local` back in `buf`. A bad key, revoked key,
+    /// range outside the region or missing `REMOTE_READ` right completes with
+    /// [`Status::RemoteBadAddress`]. The default is `NotSupported`.
     fn post_read(
         &mut self,
         _wr_id: u64,
@@ -432,7 +469,14 @@ pub trait QueuePair: Send + fmt::Debug {
     ) -> Result<()> {
         Err(crate::Error::new(ErrorKind::NotSupported, "post_read"))
     }
-    /// Posts a one-sided RDMA write of `local` to `remote`, with optional immediate data.
+    /// Posts a one-sided RDMA write of `local` to `remote` (on the queue pair `dest`;
+    /// `remote.len` must equal `local.len()`), with optional immediate data. The initiator's
+    /// completion is [`Opcode::RdmaWrite`]; with immediate data the target also gets one
+    /// ([`Opcode::RecvRdmaWithImm`], `imm`, `byte_len`), which consumes a posted receive buffer
+    /// unless the device has [`DeviceCaps::unsolicited_write_recv`] (then `wr_id` is
+    /// [`UNSOLICITED_WR_ID`]). A bad key, revoked key, range outside the region or missing
+    /// `REMOTE_WRITE` right completes with [`Status::RemoteBadAddress`] and writes nothing. The
+    /// default is `NotSupported`.
     fn post_write(
         &mut self,
         _wr_id: u64,

@@ -14,7 +14,7 @@ pub(crate) fn send_bytes(buf: &SendBuf, domain: &Domain, op: &'static str) -> Re
         SendBuf::Bytes(b) => Ok(b.clone()),
         SendBuf::Region(r) => {
             r.check_local(domain, Access::SEND, op)?;
-            Ok(Bytes::copy_from_slice(r))
+            Ok(Bytes::copy_from_slice(&r.read()))
         }
     }
 }
@@ -103,7 +103,7 @@ impl RecvTarget {
             RecvTarget::Region { mut region, offset } => {
                 if filled {
                     let n = down.len().min(region.len() - offset);
-                    region[offset..offset + n].copy_from_slice(&down[..n]);
+                    region.write()[offset..offset + n].copy_from_slice(&down[..n]);
                 }
                 Buffer::Region(region)
             }

@@ -98,11 +98,7 @@ use crate::device::Status;
 /// queue pair (libfabric's `FI_MSG_PREFIX` size for EFA DGRAM).
 pub const GRH_LEN: usize = 40;
 
-/// The `wr_id` of an unsolicited write-recv completion: the target side of an RDMA write with
-/// immediate data that consumed no receive buffer (opcode
-/// [`RecvRdmaWithImm`](crate::device::Opcode::RecvRdmaWithImm)). Only on SRD queue pairs of
-/// devices with [`DeviceCaps::unsolicited_write_recv`](crate::device::DeviceCaps).
-pub const UNSOLICITED_WR_ID: u64 = u64::MAX;
+pub use crate::device::UNSOLICITED_WR_ID;
 
 /// An error of verb `op` that failed with `errno`, with the OS error as its source.
 pub(crate) fn verbs_error(op: &'static str, errno: i32) -> Error {

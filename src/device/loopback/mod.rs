@@ -10,11 +10,19 @@
 //! datagrams (reordered, delayed, retransmitted, waiting for a receive buffer) are released by the
 //! next `post_send` or `poll` on any queue pair of the network, or by [`LoopbackNetwork::pump`].
 //!
+//! One-sided RDMA read, write and write with immediate data (on by default,
+//! [`LoopbackConfig::rdma`]) are performed in the initiator's thread against memory the target
+//! registered ([`Device::register_mem`], which [`Domain::register`](crate::Domain::register)
+//! calls), checked against key, bounds and access rights, and complete without the target
+//! application polling.
+//!
 //! See `docs/loopback-device.md` for the full model and the status each failure gives.
 
 mod qp;
+mod rdma;
 mod wire;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -26,6 +34,7 @@ use crate::addr::Gid;
 use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
+use crate::mr::{Access, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 use self::qp::{LoopbackQp, QpnTable};
@@ -39,6 +48,8 @@ pub const MAX_MTU: usize = 1 << 20;
 pub const MAX_QUEUE_DEPTH: usize = 1 << 20;
 /// Largest inline send the loopback device advertises, bytes (as EFA).
 pub const INLINE_SIZE: usize = 32;
+/// Default largest single RDMA read or write, bytes (1 GiB, EFA's write segment size).
+pub const DEFAULT_MAX_RDMA_SIZE: u64 = 1 << 30;
 
 /// Settings of one loopback device.
 ///
@@ -63,6 +74,15 @@ pub struct LoopbackConfig {
     /// How long an SRD send to a queue pair that is gone (closed, never existed, wrong QKEY) or to
     /// an unknown device waits before it completes with an error status. Default 1 s.
     pub unresponsive_timeout: Duration,
+    /// One-sided RDMA read and write (`caps.rdma_read`, `caps.rdma_write`). Default true; when
+    /// false, `post_read`/`post_write` are `NotSupported` and `max_rdma_size` is 0.
+    pub rdma: bool,
+    /// An RDMA write with immediate data completes at the target without consuming a receive
+    /// buffer (`caps.unsolicited_write_recv`; the completion's `wr_id` is
+    /// [`UNSOLICITED_WR_ID`](crate::device::UNSOLICITED_WR_ID)). Default true; only with `rdma`.
+    pub unsolicited_write_recv: bool,
+    /// Largest single RDMA read or write, bytes. Default [`DEFAULT_MAX_RDMA_SIZE`]; at least 1.
+    pub max_rdma_size: u64,
 }
 
 impl Default for LoopbackConfig {
@@ -73,6 +93,9 @@ impl Default for LoopbackConfig {
             max_recv_wr: 4096,
             rnr_retry_interval: Duration::from_micros(50),
             unresponsive_timeout: Duration::from_secs(1),
+            rdma: true,
+            unsolicited_write_recv: true,
+            max_rdma_size: DEFAULT_MAX_RDMA_SIZE,
         }
     }
 }
@@ -93,6 +116,9 @@ impl LoopbackConfig {
             if !(1..=MAX_QUEUE_DEPTH).contains(&v) {
                 return bad(format!("{name} {v} outside 1..={MAX_QUEUE_DEPTH}"));
             }
+        }
+        if self.max_rdma_size == 0 {
+            return bad("max_rdma_size must be at least 1".into());
         }
         Ok(())
     }
@@ -208,6 +234,8 @@ pub(crate) struct DevShared {
     cfg: LoopbackConfig,
     counters: DeviceCounters,
     qpns: Mutex<QpnTable>,
+    /// Regions peers may reach by RDMA, by key (keys are unique per network, never reused).
+    mrs: Mutex<HashMap<u64, (Arc<RegionMem>, Access)>>,
 }
 
 /// An in-process software NIC on a [`LoopbackNetwork`].
@@ -267,11 +295,12 @@ impl LoopbackDevice {
                     cfg: cfg.clone(),
                     counters: DeviceCounters::default(),
                     qpns: Mutex::new(QpnTable::new()),
+                    mrs: Mutex::new(HashMap::new()),
                 })
             })
         };
         let gid = shared.gid;
-        let attr = DeviceAttr::software(
+        let mut attr = DeviceAttr::software(
             DeviceKind::Loopback,
             format!("loopback{n}"),
             gid,
@@ -279,6 +308,12 @@ impl LoopbackDevice {
             cfg.max_send_wr,
             cfg.max_recv_wr,
         );
+        if cfg.rdma {
+            attr.caps.rdma_read = true;
+            attr.caps.rdma_write = true;
+            attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
+            attr.max_rdma_size = cfg.max_rdma_size;
+        }
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
         tracing::debug!(name = %attr.name, %gid, network = network.id(), "loopback device opened");
         Ok(Arc::new(LoopbackDevice { attr, shared }))
@@ -316,5 +351,20 @@ impl Device for LoopbackDevice {
 
     fn stats(&self) -> DeviceStats {
         self.shared.counters.snapshot()
+    }
+
+    /// With RDMA on, enters `mem` in the device's key table under a key no region of this network
+    /// ever had; without, `Ok(None)`.
+    fn register_mem(&self, mem: &Arc<RegionMem>, access: Access) -> Result<Option<u64>> {
+        if !self.shared.cfg.rdma {
+            return Ok(None);
+        }
+        let key = self.shared.net.wire.new_key();
+        self.shared.mrs.lock().insert(key, (mem.clone(), access));
+        Ok(Some(key))
+    }
+
+    fn deregister_mem(&self, key: u64) {
+        self.shared.mrs.lock().remove(&key);
     }
 }

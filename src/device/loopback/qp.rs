@@ -5,14 +5,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 
 use super::DevShared;
+use super::rdma::RdmaOp;
 use super::wire::{RNR_INFINITE, Wake};
 use crate::addr::RawAddr;
 use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, Status, random_qkey,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
@@ -158,6 +159,29 @@ impl LoopbackQp {
             Ok(())
         }
     }
+
+    /// The checks every RDMA post makes before it is accepted.
+    fn check_rdma(&self, op: &'static str, len: u64) -> Result<()> {
+        self.check_open(op)?;
+        let cfg = &self.shared.dev.cfg;
+        if !cfg.rdma {
+            return Err(Error::new(ErrorKind::NotSupported, op)
+                .with_detail("the loopback device was opened with rdma: false"));
+        }
+        if self.shared.qp_type != QpType::Srd {
+            return Err(Error::new(ErrorKind::NotSupported, op)
+                .with_detail("one-sided RDMA needs an SRD queue pair"));
+        }
+        if len > cfg.max_rdma_size {
+            return Err(Error::new(ErrorKind::MsgSize, op)
+                .with_detail(format!("{len} bytes > max_rdma_size {}", cfg.max_rdma_size)));
+        }
+        if self.sends_out >= self.send_depth {
+            return Err(Error::new(ErrorKind::Again, op)
+                .with_detail(format!("{} sends outstanding", self.sends_out)));
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Debug for LoopbackQp {
@@ -208,6 +232,59 @@ impl QueuePair for LoopbackQp {
         Ok(())
     }
 
+    /// Reads `remote.len` bytes; `local.capacity()` must hold them (`InvalidArgument` otherwise).
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        const OP: &str = "post_read";
+        self.check_rdma(OP, remote.len)?;
+        if (local.capacity() as u64) < remote.len {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, OP).with_detail(format!(
+                    "local buffer capacity {} < remote length {}",
+                    local.capacity(),
+                    remote.len
+                )),
+            );
+        }
+        self.sends_out += 1;
+        let op = RdmaOp::new(self.shared.clone(), wr_id, remote, Some(local));
+        let wire = &self.shared.dev.net.wire;
+        wire.rdma(&self.shared, dest, Bytes::new(), None, op);
+        Ok(())
+    }
+
+    /// Writes `local`; `remote.len` must equal `local.len()` (`InvalidArgument` otherwise).
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        const OP: &str = "post_write";
+        self.check_rdma(OP, local.len() as u64)?;
+        if remote.len != local.len() as u64 {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, OP).with_detail(format!(
+                    "remote length {} differs from local length {}",
+                    remote.len,
+                    local.len()
+                )),
+            );
+        }
+        self.sends_out += 1;
+        let op = RdmaOp::new(self.shared.clone(), wr_id, remote, None);
+        let wire = &self.shared.dev.net.wire;
+        wire.rdma(&self.shared, dest, local, imm, op);
+        Ok(())
+    }
+
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
         let wire = &self.shared.dev.net.wire;
         if wire.in_flight() > 0 {
@@ -221,8 +298,14 @@ impl QueuePair for LoopbackQp {
         self.shared.pending.fetch_sub(n, Ordering::AcqRel);
         for c in st.comps.drain(..n) {
             match c.opcode {
-                Opcode::Send => self.sends_out = self.sends_out.saturating_sub(1),
-                _ => self.recvs_out = self.recvs_out.saturating_sub(1),
+                Opcode::Send | Opcode::RdmaRead | Opcode::RdmaWrite => {
+                    self.sends_out = self.sends_out.saturating_sub(1)
+                }
+                // An unsolicited write-recv consumed no receive buffer.
+                Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
+                Opcode::Recv | Opcode::RecvRdmaWithImm => {
+                    self.recvs_out = self.recvs_out.saturating_sub(1)
+                }
             }
             out.push(c);
         }
@@ -235,7 +318,7 @@ impl QueuePair for LoopbackQp {
         }
         self.closed = true;
         let shared = &self.shared;
-        let sends = shared
+        let flushed = shared
             .dev
             .net
             .wire
@@ -243,14 +326,11 @@ impl QueuePair for LoopbackQp {
         {
             let mut guard = shared.state.lock();
             let st = &mut *guard;
-            for (wr_id, len) in sends {
-                inc(&shared.dev.counters.send_errors);
-                st.comps.push_back(DeviceCompletion::new(
-                    wr_id,
-                    Status::Flushed,
-                    Opcode::Send,
-                    len,
-                ));
+            for c in flushed {
+                if c.opcode == Opcode::Send {
+                    inc(&shared.dev.counters.send_errors);
+                }
+                st.comps.push_back(c);
                 shared.pending.fetch_add(1, Ordering::Release);
             }
             for (wr_id, buf) in st.recvs.drain(..) {

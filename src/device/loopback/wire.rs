@@ -8,6 +8,13 @@
 //! the network lock or another queue pair's lock. `post_recv` and the fast path of `poll` take only
 //! their own queue pair's lock. Notifiers are signalled after every lock is released.
 //!
+//! RDMA operations are routed under the network lock but applied after it is released
+//! ([`Wake::defer`], run by [`Wire::with_state`]): a region's lock is never taken under the network
+//! lock, and never waited for (it is only tried; a busy region holds the operation for the next
+//! network event and signals the initiator when it is free). While a region lock is held, at most
+//! the target queue pair's lock is taken (to consume a receive buffer); a device's key-table lock
+//! is taken alone.
+//!
 //! # Determinism
 //!
 //! Fates are drawn from the seeded generator in transmission order, under the network lock. Held
@@ -27,11 +34,13 @@ use parking_lot::Mutex;
 
 use super::DevShared;
 use super::qp::QpShared;
+use super::rdma::{self, Applied, Deferred, RdmaOp};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{DeviceCompletion, Opcode, QpType, SendWr, Source, Status};
+use crate::fault::Fate;
 use crate::fault::{FaultConfig, FaultInjector};
 use crate::notify::Notifier;
-use crate::stats::{add, inc};
+use crate::stats::{DeviceCounters, add, inc};
 
 /// A reordered or retransmitted datagram is held for `1..=MAX_HOLD_EVENTS` network events.
 pub(super) const MAX_HOLD_EVENTS: u64 = 16;
@@ -50,6 +59,8 @@ pub(super) struct Wire {
     clock: Clock,
     /// Mirror of `WireState::in_flight()`, so that `poll` skips the network lock when nothing is held.
     held: AtomicUsize,
+    /// The next memory key of this network (keys are never reused).
+    next_key: AtomicU64,
     pub(super) state: Mutex<WireState>,
 }
 
@@ -63,6 +74,7 @@ impl Wire {
                 Clock::Real(Instant::now())
             },
             held: AtomicUsize::new(0),
+            next_key: AtomicU64::new(1),
             state: Mutex::new(WireState {
                 faults: FaultInjector::new(faults),
                 next_dev: 0,
@@ -105,8 +117,14 @@ impl Wire {
         self.held.load(Ordering::Acquire)
     }
 
-    /// Runs `f` under the network lock with the current time, then publishes the held count and
-    /// signals the notifiers `f` collected, after the lock is released.
+    /// A memory key no region of this network ever had.
+    pub(super) fn new_key(&self) -> u64 {
+        self.next_key.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs `f` under the network lock with the current time, then publishes the held count;
+    /// after the lock is released, applies the RDMA operations `f` routed (holding again those
+    /// that must wait) and signals the notifiers collected.
     pub(super) fn with_state<R>(
         &self,
         f: impl FnOnce(&mut WireState, Duration, &mut Wake) -> R,
@@ -119,6 +137,21 @@ impl Wire {
             self.held.store(st.in_flight(), Ordering::Release);
             r
         };
+        let mut again = Vec::new();
+        for d in std::mem::take(&mut wake.rdma) {
+            match rdma::apply(d, &mut wake) {
+                Applied::Done => {}
+                other => again.push(other),
+            }
+        }
+        if !again.is_empty() {
+            let now = self.now();
+            let mut st = self.state.lock();
+            for a in again {
+                st.hold_again(now, a, &mut wake);
+            }
+            self.held.store(st.in_flight(), Ordering::Release);
+        }
         wake.notify();
         r
     }
@@ -135,38 +168,64 @@ impl Wire {
             st.progress(now, wake);
         });
     }
+
+    /// Puts one RDMA operation of `sender` on the wire (to `dest`; `data` is what a write
+    /// carries), then makes progress (one network event). It is applied in this thread unless a
+    /// fault holds it.
+    pub(super) fn rdma(
+        &self,
+        sender: &Arc<QpShared>,
+        dest: RawAddr,
+        data: Bytes,
+        imm: Option<u32>,
+        op: RdmaOp,
+    ) {
+        self.with_state(|st, now, wake| {
+            st.transmit_rdma(now, sender, dest, data, imm, op, wake);
+            st.progress(now, wake);
+        });
+    }
 }
 
-/// Notifiers to signal once the locks are released.
+/// What to do once the locks are released: notifiers to signal and RDMA operations to apply.
 #[derive(Default)]
-pub(super) struct Wake(Vec<Arc<Notifier>>);
+pub(super) struct Wake {
+    notifiers: Vec<Arc<Notifier>>,
+    rdma: Vec<Deferred>,
+}
 
 impl Wake {
     pub(super) fn add(&mut self, n: &Arc<Notifier>) {
-        if !self.0.iter().any(|x| Arc::ptr_eq(x, n)) {
-            self.0.push(n.clone());
+        if !self.notifiers.iter().any(|x| Arc::ptr_eq(x, n)) {
+            self.notifiers.push(n.clone());
         }
     }
 
+    /// Applies the routed RDMA operation `d` after the network lock is released.
+    fn defer(&mut self, d: Deferred) {
+        self.rdma.push(d);
+    }
+
     pub(super) fn notify(self) {
-        for n in self.0 {
+        for n in self.notifiers {
             n.notify();
         }
     }
 }
 
-/// One datagram on the wire.
-struct Datagram {
-    src: Source,
-    dest: RawAddr,
+/// One datagram on the wire (for an RDMA operation: its route, the data a write carries and the
+/// immediate data).
+pub(super) struct Datagram {
+    pub(super) src: Source,
+    pub(super) dest: RawAddr,
     qp_type: QpType,
     hdr: Bytes,
-    payload: Bytes,
-    imm: Option<u32>,
+    pub(super) payload: Bytes,
+    pub(super) imm: Option<u32>,
 }
 
 impl Datagram {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.hdr.len() + self.payload.len()
     }
 }
@@ -189,6 +248,8 @@ enum Kind {
         copies: u8,
     },
     Srd(SrdSend),
+    /// A one-sided RDMA operation (on SRD queue pairs only).
+    Rdma(Box<RdmaOp>),
 }
 
 /// A held datagram.
@@ -257,25 +318,55 @@ impl WireState {
         self.qps.insert((qp.addr.gid, qp.addr.qpn), qp);
     }
 
-    /// Removes `qp` from the routing table and takes back its SRD sends still held by the network;
-    /// returns their `(wr_id, byte_len)` in transmission order, for `Flushed` completions.
-    pub(super) fn detach_qp(&mut self, qp: &Arc<QpShared>) -> Vec<(u64, usize)> {
+    /// Removes `qp` from the routing table and takes back its SRD sends and RDMA operations still
+    /// held by the network; returns their `Flushed` completions in transmission order (an RDMA
+    /// read's completion hands its buffer back).
+    pub(super) fn detach_qp(&mut self, qp: &Arc<QpShared>) -> Vec<DeviceCompletion> {
         let key = (qp.addr.gid, qp.addr.qpn);
         if self.qps.get(&key).is_some_and(|e| Arc::ptr_eq(e, qp)) {
             self.qps.remove(&key);
         }
-        let mut taken = Vec::new();
-        let mut keep = |f: &Flight| match &f.kind {
-            Kind::Srd(s) if Arc::ptr_eq(&s.sender, qp) => {
-                taken.push((f.seq, s.wr_id, f.dg.len()));
-                false
-            }
-            _ => true,
+        let mine = |f: &Flight| match &f.kind {
+            Kind::Srd(s) => Arc::ptr_eq(&s.sender, qp),
+            Kind::Rdma(op) => Arc::ptr_eq(&op.initiator, qp),
+            Kind::Ud { .. } => false,
         };
-        self.by_event.retain(|_, f| keep(f));
-        self.by_time.retain(|_, f| keep(f));
-        taken.sort_unstable_by_key(|t| t.0);
-        taken.into_iter().map(|(_, w, l)| (w, l)).collect()
+        let mut taken = Vec::new();
+        for map_key in self
+            .by_event
+            .iter()
+            .filter(|(_, f)| mine(f))
+            .map(|(k, _)| *k)
+            .collect::<Vec<_>>()
+        {
+            taken.extend(self.by_event.remove(&map_key));
+        }
+        for map_key in self
+            .by_time
+            .iter()
+            .filter(|(_, f)| mine(f))
+            .map(|(k, _)| *k)
+            .collect::<Vec<_>>()
+        {
+            taken.extend(self.by_time.remove(&map_key));
+        }
+        taken.sort_unstable_by_key(|f| f.seq);
+        taken
+            .into_iter()
+            .filter_map(|f| {
+                let len = f.dg.len();
+                match f.kind {
+                    Kind::Srd(s) => Some(DeviceCompletion::new(
+                        s.wr_id,
+                        Status::Flushed,
+                        Opcode::Send,
+                        len,
+                    )),
+                    Kind::Rdma(op) => Some(op.into_completion(Status::Flushed)),
+                    Kind::Ud { .. } => None,
+                }
+            })
+            .collect()
     }
 
     /// Puts one datagram of `sender` on the wire: counts it, draws its fate, and delivers or holds
@@ -341,9 +432,70 @@ impl WireState {
             },
             kind,
         };
-        if fate.reorder || !fate.delay.is_zero() {
-            inc(&c.faults_reordered);
+        self.place(now, &fate, hold_events, flight, c, wake);
+    }
+
+    /// Puts one RDMA operation of `sender` on the wire with SRD semantics: a fault may only delay
+    /// or reorder it ("dropped" means retransmitted later, "duplicated" means suppressed at the
+    /// target); it is applied exactly once.
+    #[allow(clippy::too_many_arguments)]
+    fn transmit_rdma(
+        &mut self,
+        now: Duration,
+        sender: &Arc<QpShared>,
+        dest: RawAddr,
+        payload: Bytes,
+        imm: Option<u32>,
+        mut op: RdmaOp,
+        wake: &mut Wake,
+    ) {
+        let c = &sender.dev.counters;
+        let seq = self.seq;
+        self.seq += 1;
+        let fate = self.faults.next_fate();
+        let mut hold_events = fate.reorder;
+        if fate.drop {
+            inc(&c.faults_dropped);
+            inc(&c.retransmits);
+            hold_events = true;
         }
+        if fate.duplicate {
+            inc(&c.faults_duplicated);
+            op.dup = true;
+        }
+        let flight = Flight {
+            seq,
+            dg: Datagram {
+                src: Source {
+                    gid: sender.addr.gid,
+                    qpn: sender.addr.qpn,
+                },
+                dest,
+                qp_type: QpType::Srd,
+                hdr: Bytes::new(),
+                payload,
+                imm,
+            },
+            kind: Kind::Rdma(Box::new(op)),
+        };
+        self.place(now, &fate, hold_events, flight, c, wake);
+    }
+
+    /// Holds a freshly transmitted `flight` as its fate says (counting a reorder or delay on
+    /// `counters`, the sender's), or attempts it at once.
+    fn place(
+        &mut self,
+        now: Duration,
+        fate: &Fate,
+        hold_events: bool,
+        flight: Flight,
+        counters: &DeviceCounters,
+        wake: &mut Wake,
+    ) {
+        if fate.reorder || !fate.delay.is_zero() {
+            inc(&counters.faults_reordered);
+        }
+        let seq = flight.seq;
         if !fate.delay.is_zero() {
             self.by_time.insert((now + fate.delay, seq), flight);
         } else if hold_events {
@@ -351,6 +503,38 @@ impl WireState {
             self.by_event.insert((self.event + k, seq), flight);
         } else {
             self.attempt(now, flight, wake);
+        }
+    }
+
+    /// Holds again an RDMA operation that could not be applied: until the next network event when
+    /// its region was busy; for an RNR retry (or its final `RnrRetryExceeded`) when the target had
+    /// no receive buffer for its immediate data.
+    fn hold_again(&mut self, now: Duration, a: Applied, wake: &mut Wake) {
+        match a {
+            Applied::Done => {}
+            Applied::Busy(d) => {
+                let Deferred { seq, dg, op, .. } = d;
+                let kind = Kind::Rdma(op);
+                self.by_event
+                    .insert((self.event, seq), Flight { seq, dg, kind });
+            }
+            Applied::NotReady(d) => {
+                let Deferred {
+                    seq, dg, mut op, ..
+                } = d;
+                let dev = op.initiator.dev.clone();
+                inc(&dev.counters.rnr_naks_received);
+                let limit = op.initiator.rnr_retry;
+                if limit != RNR_INFINITE && op.rnr_retries >= limit {
+                    tracing::debug!(src = ?dg.src, dest = %dg.dest, "loopback: RDMA write RNR retries exceeded");
+                    op.complete(Status::RnrRetryExceeded, wake);
+                } else {
+                    op.rnr_retries = op.rnr_retries.saturating_add(1);
+                    let at = now + dev.cfg.rnr_retry_interval;
+                    let kind = Kind::Rdma(op);
+                    self.by_time.insert((at, seq), Flight { seq, dg, kind });
+                }
+            }
         }
     }
 
@@ -390,6 +574,7 @@ impl WireState {
                 return;
             }
             Kind::Srd(s) => s,
+            Kind::Rdma(op) => return self.attempt_rdma(now, seq, dg, op, wake),
         };
         let len = dg.len();
         if let Some(status) = s.doom {
@@ -426,26 +611,74 @@ impl WireState {
         }
     }
 
-    /// Hands `dg` to its destination queue pair, counting on the receiving device.
-    fn deliver(&self, dg: &Datagram, dup: bool, wake: &mut Wake) -> Outcome {
+    /// Routes a released RDMA operation: to be applied once the network lock is released, or
+    /// failed (after the unresponsive timeout) when its destination is not there.
+    fn attempt_rdma(
+        &mut self,
+        now: Duration,
+        seq: u64,
+        dg: Datagram,
+        mut op: Box<RdmaOp>,
+        wake: &mut Wake,
+    ) {
+        if let Some(status) = op.doom {
+            return op.complete(status, wake);
+        }
+        match self.route(&dg) {
+            Ok(target) => {
+                let target = target.clone();
+                wake.defer(Deferred {
+                    seq,
+                    dg,
+                    op,
+                    target,
+                });
+            }
+            Err(status) => {
+                let timeout = op.initiator.dev.cfg.unresponsive_timeout;
+                if timeout.is_zero() {
+                    op.complete(status, wake);
+                } else {
+                    op.doom = Some(status);
+                    let kind = Kind::Rdma(op);
+                    self.by_time
+                        .insert((now + timeout, seq), Flight { seq, dg, kind });
+                }
+            }
+        }
+    }
+
+    /// The queue pair `dg` is for, or the status of a destination that is not there (counted on
+    /// the receiving device).
+    fn route(&self, dg: &Datagram) -> Result<&Arc<QpShared>, Status> {
         let Some(t) = self.qps.get(&(dg.dest.gid, dg.dest.qpn)) else {
             return match self.devices.get(&dg.dest.gid).and_then(Weak::upgrade) {
                 Some(dev) => {
                     inc(&dev.counters.malformed_dropped);
-                    Outcome::Gone(Status::UnresponsiveRemote)
+                    Err(Status::UnresponsiveRemote)
                 }
-                None => Outcome::Gone(Status::UnreachableRemote),
+                None => Err(Status::UnreachableRemote),
             };
         };
         let c = &t.dev.counters;
         if t.qp_type != dg.qp_type {
             inc(&c.malformed_dropped);
-            return Outcome::Gone(Status::UnresponsiveRemote);
+            return Err(Status::UnresponsiveRemote);
         }
         if t.addr.qkey != dg.dest.qkey {
             inc(&c.stale_dropped);
-            return Outcome::Gone(Status::UnresponsiveRemote);
+            return Err(Status::UnresponsiveRemote);
         }
+        Ok(t)
+    }
+
+    /// Hands `dg` to its destination queue pair, counting on the receiving device.
+    fn deliver(&self, dg: &Datagram, dup: bool, wake: &mut Wake) -> Outcome {
+        let t = match self.route(dg) {
+            Ok(t) => t,
+            Err(status) => return Outcome::Gone(status),
+        };
+        let c = &t.dev.counters;
         let len = dg.len();
         let mut st = t.state.lock();
         let Some((wr_id, mut buf)) = st.recvs.pop_front() else {
