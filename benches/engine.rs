@@ -5,11 +5,17 @@
 //! * throughput of 64 KiB (medium) and 1 MiB (long-CTS) messages.
 //!
 //! `cargo bench --bench engine` (sample size 10, short measurement).
+//!
+//! For instruction counts (repeatable on a noisy machine), `EFA_ENGINE_PROFILE=<kind>:<size>:<n>`
+//! skips criterion and runs `n` messages (batches of 1000 after a warm-up) of `size` bytes, so
+//! that `valgrind --tool=callgrind` (or `perf stat`) of the bench binary with and without the
+//! measured part gives the cost per message; `kind` is `rate` (untagged, receives posted first)
+//! or `tagged`.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use efa::proto::sim::{Sim, SimConfig, pattern, recv_op, send_op};
 
 /// One batch: `n` receives posted, `n` messages sent, run to quiescence, completions taken.
@@ -65,6 +71,49 @@ fn throughput(c: &mut Criterion) {
     g.finish();
 }
 
+/// `EFA_ENGINE_PROFILE=<kind>:<size>:<n>`: runs `n` messages outside criterion (see the top).
+fn profile(spec: &str) {
+    let mut it = spec.split(':');
+    let kind = it.next().unwrap_or("rate");
+    let size: usize = it.next().and_then(|x| x.parse().ok()).unwrap_or(8);
+    let n: usize = it.next().and_then(|x| x.parse().ok()).unwrap_or(100_000);
+    let payload = pattern(1, size);
+    let mut sim = new_sim();
+    batch(&mut sim, &payload, 10);
+    let per = 1000.min(n.max(1));
+    let mut left = n;
+    while left > 0 {
+        let k = per.min(left);
+        match kind {
+            "tagged" => tagged_batch(&mut sim, &payload, k),
+            _ => batch(&mut sim, &payload, k),
+        }
+        left -= k;
+    }
+    println!("{kind}: {n} messages of {size} bytes");
+}
+
+/// Like [`batch`] with tagged messages (tag = index).
+fn tagged_batch(sim: &mut Sim, payload: &Bytes, n: usize) {
+    let dest = sim.addr(1);
+    for k in 0..n {
+        let mut r = recv_op(payload.len(), k as u64);
+        r.tag = Some((k as u64, 0));
+        if let Err((e, _)) = sim.post_recv(1, r) {
+            panic!("post_recv: {e}");
+        }
+        let mut s = send_op(dest, payload.clone(), k as u64);
+        s.tag = Some(k as u64);
+        if let Err((e, _)) = sim.send(0, s) {
+            panic!("send: {e}");
+        }
+    }
+    assert!(sim.run());
+    let r = sim.take_events(1);
+    let s = sim.take_events(0);
+    assert_eq!((r.len(), s.len()), (n, n));
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
@@ -73,4 +122,10 @@ criterion_group! {
         .measurement_time(Duration::from_secs(2));
     targets = message_rate, throughput
 }
-criterion_main!(benches);
+fn main() {
+    if let Ok(spec) = std::env::var("EFA_ENGINE_PROFILE") {
+        return profile(&spec);
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
