@@ -6,8 +6,9 @@
 //!
 //! `cargo bench --bench engine` (sample size 10, short measurement).
 //!
-//! For instruction counts (repeatable on a noisy machine), `EFA_ENGINE_PROFILE=<kind>:<size>:<n>`
-//! skips criterion and runs `n` messages (batches of 1000 after a warm-up) of `size` bytes, so
+//! For instruction counts (repeatable on a noisy machine),
+//! `EFA_ENGINE_PROFILE=<kind>:<size>:<n>[:<batch>]` skips criterion and runs `n` messages (in
+//! batches of 1000, or `batch`, after a warm-up) of `size` bytes, so
 //! that `valgrind --tool=callgrind` (or `perf stat`) of the bench binary with and without the
 //! measured part gives the cost per message; `kind` is `rate` (untagged, receives posted first)
 //! or `tagged`.
@@ -71,16 +72,17 @@ fn throughput(c: &mut Criterion) {
     g.finish();
 }
 
-/// `EFA_ENGINE_PROFILE=<kind>:<size>:<n>`: runs `n` messages outside criterion (see the top).
+/// `EFA_ENGINE_PROFILE=<kind>:<size>:<n>[:<batch>]`: runs `n` messages outside criterion (see the top).
 fn profile(spec: &str) {
     let mut it = spec.split(':');
     let kind = it.next().unwrap_or("rate");
     let size: usize = it.next().and_then(|x| x.parse().ok()).unwrap_or(8);
     let n: usize = it.next().and_then(|x| x.parse().ok()).unwrap_or(100_000);
+    let per: usize = it.next().and_then(|x| x.parse().ok()).unwrap_or(1000);
     let payload = pattern(1, size);
     let mut sim = new_sim();
     batch(&mut sim, &payload, 10);
-    let per = 1000.min(n.max(1));
+    let per = per.clamp(1, 4096);
     let mut left = n;
     while left > 0 {
         let k = per.min(left);

@@ -40,7 +40,7 @@ use peer::Peer;
 use recv::{MultiRecv, PostedItem};
 use rx::RxEntry;
 use tx::{Pkt, TxEntry};
-use util::IdMap;
+use util::{HeaderArena, IdMap};
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -280,7 +280,9 @@ pub struct Engine {
     events: VecDeque<Event>,
     stats: EndpointStats,
     /// Arena the packet headers are encoded into.
-    hdr_buf: BytesMut,
+    hdr: HeaderArena,
+    /// Reused list of the packets a send or a CTS window creates (no allocation per message).
+    pkt_scratch: Vec<Pkt>,
 }
 
 impl Engine {
@@ -321,7 +323,8 @@ impl Engine {
             stall_check: None,
             events: VecDeque::new(),
             stats: EndpointStats::default(),
-            hdr_buf: BytesMut::new(),
+            hdr: HeaderArena::default(),
+            pkt_scratch: Vec::new(),
         }
     }
 
@@ -530,15 +533,12 @@ impl Engine {
 
     /// Encodes a header into the arena; `None` only if the codec refuses (a bug).
     fn encode(&mut self, pkt: &Packet<'_>) -> Option<Bytes> {
-        let len = pkt.header_len();
-        if self.hdr_buf.capacity() < len {
-            self.hdr_buf.reserve(len.max(16 * 1024));
-        }
-        match pkt.encode_header(&mut self.hdr_buf) {
-            Ok(_) => Some(self.hdr_buf.split().freeze()),
+        self.hdr.reserve(pkt.header_len());
+        match pkt.encode_header(self.hdr.buf()) {
+            Ok(_) => Some(self.hdr.take()),
             Err(e) => {
                 tracing::error!(error = %e, ty = %pkt.packet_type(), "could not encode a packet");
-                self.hdr_buf.clear();
+                self.hdr.discard();
                 None
             }
         }

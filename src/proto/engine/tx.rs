@@ -80,27 +80,47 @@ pub(super) struct TxEntry {
     pub(super) receipt: bool,
 }
 
+/// The fields every packet of one message shares.
+struct MsgHdr {
+    pid: u64,
+    send_id: u32,
+    opt: ReqOpt,
+    msg_id: u32,
+    tag: Option<u64>,
+    dc: bool,
+}
+
 /// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
-/// equal, aligned segments, the remainder on the last one or in one more packet.
-pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
-    if total == 0 || max == 0 {
-        return vec![total];
-    }
-    let cnt = (total - 1) / max + 1;
-    let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
-    if single == 0 {
-        single = total.min(max);
-    }
-    let cnt = total / single;
-    let mut v = vec![single; cnt];
-    let rem = total - cnt * single;
-    if rem > 0 {
-        match v.last_mut() {
-            Some(last) if single + rem <= max => *last += rem,
-            _ => v.push(rem),
+/// equal, aligned segments, the remainder on the last one or in one more packet. The segment
+/// sizes in order, without allocating.
+pub(super) fn medium_segments(total: usize, max: usize) -> impl Iterator<Item = usize> {
+    // (segments of `single`, the size of the last of them, an extra last segment).
+    let (single, cnt, last, extra) = if total == 0 || max == 0 {
+        (total, 1, total, 0)
+    } else {
+        let cnt = (total - 1) / max + 1;
+        let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
+        if single == 0 {
+            single = total.min(max);
         }
-    }
-    v
+        let cnt = total / single;
+        let rem = total - cnt * single;
+        if rem > 0 && single + rem <= max {
+            (single, cnt, single + rem, 0)
+        } else {
+            (single, cnt, single, rem)
+        }
+    };
+    let extra = (extra > 0).then_some(extra);
+    (0..cnt)
+        .map(move |i| if i + 1 == cnt { last } else { single })
+        .chain(extra)
+}
+
+/// [`medium_segments`] as a vector.
+#[cfg(test)]
+pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
+    medium_segments(total, max).collect()
 }
 
 impl Engine {
@@ -150,81 +170,25 @@ impl Engine {
             cq_data: op.data.map(u64::from),
         };
         let send_id = self.alloc_tx_id();
-        let len = op.buf.len();
-        let mtu = self.cfg.mtu;
         let tag = op.tag;
         let dc = op.delivery_complete;
-        let dc_send_id = dc.then_some(send_id);
-
-        // (header, data range) of every packet sent now.
-        let mut plan: Vec<(Packet<'static>, usize, usize)> = Vec::new();
-        let eager = Packet::EagerRtm {
+        let m = MsgHdr {
+            pid,
+            send_id,
             opt,
             msg_id,
             tag,
-            dc_send_id,
+            dc,
         };
-        let proto = if mtu
-            .checked_sub(eager.header_len())
-            .is_some_and(|cap| len <= cap)
-        {
-            plan.push((eager, 0, len));
-            Proto::Eager
-        } else if len <= self.cfg.max_medium_msg_size {
-            let seg = |seg_offset: u64| Packet::MediumRtm {
-                opt,
-                msg_id,
-                msg_length: len as u64,
-                seg_offset,
-                tag,
-                dc_send_id,
-            };
-            let cap = mtu.saturating_sub(seg(0).header_len());
-            if cap == 0 {
-                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small");
+        let mut pkts = std::mem::take(&mut self.pkt_scratch);
+        let (proto, scheduled) = match self.packetize(&mut pkts, &m, &op.buf) {
+            Ok(x) => x,
+            Err(e) => {
+                pkts.clear();
+                self.pkt_scratch = pkts;
                 return Err((e, op));
             }
-            let mut off = 0;
-            for n in medium_split(len, cap) {
-                plan.push((seg(off as u64), off, off + n));
-                off += n;
-            }
-            Proto::Medium
-        } else {
-            let first = Packet::LongCtsRtm {
-                opt,
-                msg_id,
-                msg_length: len as u64,
-                send_id,
-                credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
-                tag,
-                dc,
-                read_nack: false,
-            };
-            let cap = mtu.saturating_sub(first.header_len());
-            if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
-                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small");
-                return Err((e, op));
-            }
-            plan.push((first, 0, cap.min(len)));
-            Proto::LongCts
         };
-        let mut pkts = Vec::with_capacity(plan.len());
-        for (pkt, a, b) in &plan {
-            let Some(hdr) = self.encode(pkt) else {
-                return Err((
-                    Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"),
-                    op,
-                ));
-            };
-            pkts.push(super::Pkt::new(
-                pid,
-                Owner::Tx(send_id),
-                hdr,
-                op.buf.slice(*a..*b),
-            ));
-        }
-        let scheduled = plan.last().map_or(0, |p| p.2);
         if let Some(p) = self.peers.get_mut(&pid) {
             p.next_msg_id = p.next_msg_id.wrapping_add(1);
             p.tx_ops.insert(send_id);
@@ -246,9 +210,93 @@ impl Engine {
                 receipt: false,
             },
         );
-        for p in pkts {
+        for p in pkts.drain(..) {
             self.enqueue(p, false, false);
         }
+        self.pkt_scratch = pkts;
+        Ok(())
+    }
+
+    /// The packets a message is sent in now (all of eager and medium, the first of long-CTS),
+    /// appended to `pkts`; the protocol and the bytes they carry.
+    fn packetize(
+        &mut self,
+        pkts: &mut Vec<Pkt>,
+        m: &MsgHdr,
+        buf: &Bytes,
+    ) -> Result<(Proto, usize), Error> {
+        let len = buf.len();
+        let mtu = self.cfg.mtu;
+        let (opt, msg_id, tag) = (m.opt, m.msg_id, m.tag);
+        let dc_send_id = m.dc.then_some(m.send_id);
+        let eager = Packet::EagerRtm {
+            opt,
+            msg_id,
+            tag,
+            dc_send_id,
+        };
+        if mtu
+            .checked_sub(eager.header_len())
+            .is_some_and(|cap| len <= cap)
+        {
+            self.push_pkt(pkts, m, &eager, buf, 0, len)?;
+            return Ok((Proto::Eager, len));
+        }
+        if len <= self.cfg.max_medium_msg_size {
+            let seg = |seg_offset: u64| Packet::MediumRtm {
+                opt,
+                msg_id,
+                msg_length: len as u64,
+                seg_offset,
+                tag,
+                dc_send_id,
+            };
+            let cap = mtu.saturating_sub(seg(0).header_len());
+            if cap == 0 {
+                return Err(
+                    Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small")
+                );
+            }
+            let mut off = 0;
+            for n in medium_segments(len, cap) {
+                self.push_pkt(pkts, m, &seg(off as u64), buf, off, off + n)?;
+                off += n;
+            }
+            return Ok((Proto::Medium, off));
+        }
+        let first = Packet::LongCtsRtm {
+            opt,
+            msg_id,
+            msg_length: len as u64,
+            send_id: m.send_id,
+            credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
+            tag,
+            dc: m.dc,
+            read_nack: false,
+        };
+        let cap = mtu.saturating_sub(first.header_len());
+        if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small"));
+        }
+        let n = cap.min(len);
+        self.push_pkt(pkts, m, &first, buf, 0, n)?;
+        Ok((Proto::LongCts, n))
+    }
+
+    /// Encodes `pkt` and appends it, with `buf[a..b]` as payload, to `pkts`.
+    fn push_pkt(
+        &mut self,
+        pkts: &mut Vec<Pkt>,
+        m: &MsgHdr,
+        pkt: &Packet<'_>,
+        buf: &Bytes,
+        a: usize,
+        b: usize,
+    ) -> Result<(), Error> {
+        let Some(hdr) = self.encode(pkt) else {
+            return Err(Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"));
+        };
+        pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, buf.slice(a..b)));
         Ok(())
     }
 
@@ -454,7 +502,7 @@ impl Engine {
             (t.peer, t.buf.clone(), t.recv_id, t.scheduled, t.window_end);
         let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
         let qkey = self.local.qkey;
-        let mut pkts = Vec::new();
+        let mut pkts = std::mem::take(&mut self.pkt_scratch);
         while off < end {
             let n = max.min(end - off);
             let h = Packet::CtsData {
@@ -464,6 +512,8 @@ impl Engine {
                 seg_offset: off as u64,
             };
             let Some(hdr) = self.encode(&h) else {
+                pkts.clear();
+                self.pkt_scratch = pkts;
                 let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
                 return self.fail_tx(id, e, None);
             };
@@ -474,9 +524,10 @@ impl Engine {
             t.scheduled = end;
             t.pending += pkts.len();
         }
-        for p in pkts {
+        for p in pkts.drain(..) {
             self.enqueue(p, false, false);
         }
+        self.pkt_scratch = pkts;
     }
 
     /// A RECEIPT: the data of delivery-complete send `send_id` is in the receiver's buffer.

@@ -1,8 +1,10 @@
-//! Small helpers of the engine: a coalescing set of byte ranges and a fast hasher for the ids
-//! the engine allocates itself.
+//! Small helpers of the engine: a coalescing set of byte ranges, a fast hasher for the ids
+//! the engine allocates itself and the arena packet headers are encoded into.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+
+use bytes::{Bytes, BytesMut};
 
 /// A multiplicative hasher for keys the engine chooses (operation, peer and claim ids). Keys a
 /// peer controls (message ids) use the standard, randomly keyed hasher instead.
@@ -40,11 +42,82 @@ pub(super) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 /// A set of engine-chosen ids.
 pub(super) type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
 
+/// Size of one chunk of the header arena: a header is a slice of a chunk, so the `Bytes`
+/// handed out share a few allocations.
+const HDR_CHUNK: usize = 16 * 1024;
+
+/// Used-up chunks the arena keeps to reuse once their headers are all gone.
+const HDR_SPARES: usize = 8;
+
+/// The arena packet headers are encoded into: one chunk is filled header after header (each
+/// split off as a `Bytes`); a used-up chunk is kept and reused, without allocating, once the
+/// packets that point into it have all been released (by the device completion that frees the
+/// packet and by the device dropping the `Transmit`). In steady state two chunks take turns.
+#[derive(Debug, Default)]
+pub(super) struct HeaderArena {
+    /// The chunk being filled (empty and unallocated before the first header).
+    cur: BytesMut,
+    /// `cur` is a chunk (not the initial empty buffer).
+    live: bool,
+    /// Used-up chunks, oldest first.
+    spares: VecDeque<BytesMut>,
+}
+
+impl HeaderArena {
+    /// Room for a header of `len` bytes, appended with [`HeaderArena::buf`].
+    pub(super) fn reserve(&mut self, len: usize) {
+        if self.cur.capacity() >= len {
+            return;
+        }
+        let want = HDR_CHUNK.max(len);
+        let used = std::mem::take(&mut self.cur);
+        if self.live {
+            if self.spares.len() >= HDR_SPARES {
+                // Its headers keep it alive; it is freed when they go.
+                self.spares.pop_front();
+            }
+            self.spares.push_back(used);
+        }
+        self.live = true;
+        // The oldest chunk whose headers are all released (nothing else points into it).
+        for _ in 0..self.spares.len() {
+            let Some(mut c) = self.spares.pop_front() else {
+                break;
+            };
+            if c.try_reclaim(want) {
+                self.cur = c;
+                return;
+            }
+            self.spares.push_back(c);
+        }
+        self.cur = BytesMut::with_capacity(want);
+    }
+
+    /// The buffer to append the header to (after [`HeaderArena::reserve`]).
+    pub(super) fn buf(&mut self) -> &mut BytesMut {
+        &mut self.cur
+    }
+
+    /// The header appended since the last call.
+    pub(super) fn take(&mut self) -> Bytes {
+        self.cur.split().freeze()
+    }
+
+    /// Forgets a partly written header.
+    pub(super) fn discard(&mut self) {
+        self.cur.clear();
+    }
+}
+
 /// The byte ranges of a message received so far: sorted, disjoint, adjacent ranges merged.
 ///
 /// Segments arrive in any order; an overlapping segment is a duplicate (or a lie) and refused.
+/// While the ranges received form one range (segments in order, the usual case) it is kept
+/// inline, without allocating.
 #[derive(Debug, Default)]
 pub(super) struct RangeSet {
+    /// The only range while `r` is empty.
+    one: Option<(u64, u64)>,
     r: Vec<(u64, u64)>,
 }
 
@@ -54,6 +127,25 @@ impl RangeSet {
     pub(super) fn insert(&mut self, start: u64, end: u64) -> bool {
         if start >= end {
             return false;
+        }
+        if self.r.is_empty() {
+            let Some((s, e)) = self.one else {
+                self.one = Some((start, end));
+                return true;
+            };
+            if start < e && s < end {
+                return false;
+            }
+            if start == e {
+                self.one = Some((s, end));
+                return true;
+            }
+            if end == s {
+                self.one = Some((start, e));
+                return true;
+            }
+            self.one = None;
+            self.r.push((s, e));
         }
         // First range that ends after `start`: the only one that can overlap or follow.
         let i = self.r.partition_point(|&(_, e)| e <= start);
@@ -90,7 +182,11 @@ impl RangeSet {
     /// Number of disjoint ranges held.
     #[cfg(test)]
     pub(super) fn ranges(&self) -> usize {
-        self.r.len()
+        if self.r.is_empty() {
+            usize::from(self.one.is_some())
+        } else {
+            self.r.len()
+        }
     }
 }
 
