@@ -9,7 +9,10 @@ use bytes::Bytes;
 use super::peer::peer_fatal;
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
-use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet, ReqOpt, Sender};
+use crate::proto::wire::{
+    CONNID_HDR_LEN, CQ_DATA_HDR_LEN, CTSDATA_MAX_HEADER_LEN, PROTOCOL_VERSION, Packet, PacketType,
+    RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, ReqOpt, Sender, req_flags,
+};
 
 /// Alignment of medium segments in host memory (libfabric's `EFA_RDM_DEFAULT_MEMORY_ALIGNMENT`).
 const MEDIUM_ALIGN: usize = 8;
@@ -78,6 +81,94 @@ pub(super) struct TxEntry {
     pub(super) recv_id: u32,
     /// Delivery complete: the RECEIPT arrived.
     pub(super) receipt: bool,
+}
+
+/// Largest eager header: DC_EAGER_TAGRTM (24) with the raw-address (40) and CQ-data (8)
+/// headers.
+const EAGER_MAX_HDR: usize = 24 + RAW_ADDR_HDR_LEN + CQ_DATA_HDR_LEN;
+
+/// Length of the headers of an eager REQ (what [`Packet::header_len`] says of
+/// `Packet::EagerRtm`).
+fn eager_header_len(opt: &ReqOpt, tagged: bool, dc: bool) -> usize {
+    let sender = match opt.sender {
+        Sender::RawAddr(_) => RAW_ADDR_HDR_LEN,
+        Sender::Connid(_) => CONNID_HDR_LEN,
+        Sender::None => 0,
+    };
+    let cq = if opt.cq_data.is_some() {
+        CQ_DATA_HDR_LEN
+    } else {
+        0
+    };
+    8 + 8 * usize::from(tagged) + 8 * usize::from(dc) + sender + cq
+}
+
+/// The headers of an eager REQ (EAGER_MSGRTM/TAGRTM, DC_EAGER_MSGRTM/TAGRTM), byte for byte
+/// what [`Packet::encode_header`] writes for `Packet::EagerRtm` (a test compares them), written
+/// without the codec's generality: every small message has one.
+struct EagerHeader {
+    b: [u8; EAGER_MAX_HDR],
+    n: usize,
+}
+
+impl EagerHeader {
+    fn put(&mut self, bytes: &[u8]) {
+        if let Some(d) = self.b.get_mut(self.n..self.n + bytes.len()) {
+            d.copy_from_slice(bytes);
+        }
+        self.n += bytes.len();
+    }
+
+    fn new(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<u32>) -> EagerHeader {
+        let ty = match (tag.is_some(), dc_send_id.is_some()) {
+            (false, false) => PacketType::EagerMsgRtm,
+            (true, false) => PacketType::EagerTagRtm,
+            (false, true) => PacketType::DcEagerMsgRtm,
+            (true, true) => PacketType::DcEagerTagRtm,
+        };
+        let mut flags = req_flags::MSG;
+        if tag.is_some() {
+            flags |= req_flags::TAGGED;
+        }
+        match opt.sender {
+            Sender::RawAddr(_) => flags |= req_flags::RAW_ADDR_HDR,
+            Sender::Connid(_) => flags |= req_flags::CONNID_HDR,
+            Sender::None => {}
+        }
+        if opt.cq_data.is_some() {
+            flags |= req_flags::CQ_DATA_HDR;
+        }
+        let mut h = EagerHeader {
+            b: [0; EAGER_MAX_HDR],
+            n: 0,
+        };
+        h.put(&[ty.id(), PROTOCOL_VERSION]);
+        h.put(&flags.to_le_bytes());
+        h.put(&msg_id.to_le_bytes());
+        if let Some(id) = dc_send_id {
+            h.put(&id.to_le_bytes());
+            h.put(&[0; 4]);
+        }
+        if let Some(t) = tag {
+            h.put(&t.to_le_bytes());
+        }
+        if let Sender::RawAddr(a) = opt.sender {
+            h.put(&RAW_ADDR_HDR_ADDR_LEN.to_le_bytes());
+            h.put(&a.to_bytes());
+            h.put(&[0; RAW_ADDR_HDR_LEN - 4 - crate::addr::RAW_ADDR_LEN]);
+        }
+        if let Some(d) = opt.cq_data {
+            h.put(&d.to_le_bytes());
+        }
+        if let Sender::Connid(c) = opt.sender {
+            h.put(&c.to_le_bytes());
+        }
+        h
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.b.get(..self.n).unwrap_or(&[])
+    }
 }
 
 /// The fields every packet of one message shares.
@@ -229,17 +320,18 @@ impl Engine {
         let mtu = self.cfg.mtu;
         let (opt, msg_id, tag) = (m.opt, m.msg_id, m.tag);
         let dc_send_id = m.dc.then_some(m.send_id);
-        let eager = Packet::EagerRtm {
-            opt,
-            msg_id,
-            tag,
-            dc_send_id,
-        };
         if mtu
-            .checked_sub(eager.header_len())
+            .checked_sub(eager_header_len(&opt, tag.is_some(), m.dc))
             .is_some_and(|cap| len <= cap)
         {
-            self.push_pkt(pkts, m, &eager, buf, 0, len)?;
+            let h = EagerHeader::new(&opt, msg_id, tag, dc_send_id);
+            let hdr = self.hdr.copy(h.bytes());
+            pkts.push(Pkt::new(
+                m.pid,
+                Owner::Tx(m.send_id),
+                hdr,
+                buf.slice(0..len),
+            ));
             return Ok((Proto::Eager, len));
         }
         if len <= self.cfg.max_medium_msg_size {
@@ -555,7 +647,50 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::medium_split;
+    use super::{EagerHeader, eager_header_len, medium_split};
+    use crate::addr::{Gid, RawAddr};
+    use crate::fault::{Rng, test_seed};
+    use crate::proto::wire::{Packet, ReqOpt, Sender};
+
+    #[test]
+    fn eager_header_is_the_codecs() {
+        let seed = test_seed();
+        let mut rng = Rng::new(seed);
+        for _ in 0..200 {
+            let mut gid = [0u8; 16];
+            for b in &mut gid {
+                *b = rng.next_u64() as u8;
+            }
+            let addr = RawAddr::new(Gid(gid), rng.next_u64() as u16, rng.next_u64() as u32);
+            for sender in [
+                Sender::None,
+                Sender::RawAddr(addr),
+                Sender::Connid(rng.next_u64() as u32),
+            ] {
+                for (cq, tag, dc) in (0..8).map(|k| (k & 1 != 0, k & 2 != 0, k & 4 != 0)) {
+                    let opt = ReqOpt {
+                        sender,
+                        cq_data: cq.then(|| rng.next_u64()),
+                    };
+                    let msg_id = rng.next_u64() as u32;
+                    let tag = tag.then(|| rng.next_u64());
+                    let dc_send_id = dc.then(|| rng.next_u64() as u32);
+                    let p = Packet::EagerRtm {
+                        opt,
+                        msg_id,
+                        tag,
+                        dc_send_id,
+                    };
+                    let mut want = Vec::new();
+                    let n = p.encode_header(&mut want).unwrap();
+                    let h = EagerHeader::new(&opt, msg_id, tag, dc_send_id);
+                    assert_eq!(h.bytes(), &want[..], "seed {seed} {p:?}");
+                    assert_eq!(eager_header_len(&opt, tag.is_some(), dc), n, "seed {seed}");
+                    assert_eq!(p.header_len(), n, "seed {seed}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn medium_split_like_libfabric() {

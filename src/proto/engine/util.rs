@@ -93,6 +93,13 @@ impl HeaderArena {
         self.cur = BytesMut::with_capacity(want);
     }
 
+    /// A header already encoded elsewhere, copied into the arena.
+    pub(super) fn copy(&mut self, hdr: &[u8]) -> Bytes {
+        self.reserve(hdr.len());
+        self.cur.extend_from_slice(hdr);
+        self.take()
+    }
+
     /// The buffer to append the header to (after [`HeaderArena::reserve`]).
     pub(super) fn buf(&mut self) -> &mut BytesMut {
         &mut self.cur
