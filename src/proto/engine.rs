@@ -36,7 +36,7 @@ mod rx;
 mod tx;
 mod util;
 
-use peer::Peer;
+use peer::{AddrCache, Peer};
 use recv::{MultiRecv, PostedItem};
 use rx::RxEntry;
 use tx::{Pkt, TxEntry};
@@ -237,6 +237,8 @@ pub struct Engine {
     peers: IdMap<u64, Peer>,
     /// Every known incarnation by full address.
     by_addr: HashMap<RawAddr, u64>,
+    /// The last peers found in `by_addr`.
+    addr_cache: AddrCache,
     /// The incarnations at (GID, QPN), oldest first; the newest takes packets without connid.
     incarnations: HashMap<(Gid, u16), Vec<u64>>,
     /// Connids of incarnations replaced by a newer one at the same (GID, QPN): their packets
@@ -297,6 +299,7 @@ impl Engine {
             closed: false,
             peers: IdMap::default(),
             by_addr: HashMap::new(),
+            addr_cache: AddrCache::default(),
             incarnations: HashMap::new(),
             retired: HashMap::new(),
             next_peer_id: 1,
