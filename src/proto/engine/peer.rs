@@ -5,7 +5,6 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::tx::{Owner, Pkt};
-use super::util::IdSet;
 use super::{Engine, ErrorKind};
 use crate::addr::RawAddr;
 use crate::device::{Source, Status};
@@ -94,8 +93,6 @@ pub(super) struct Peer {
     /// Length of the last backoff (doubles per episode; back to zero once a resent packet
     /// completes, as libfabric).
     pub(super) rnr_wait: Duration,
-    /// Our send operations to it.
-    pub(super) tx_ops: IdSet<u32>,
     /// Long-CTS sends with a window granted, waiting for its HANDSHAKE before CTSDATA.
     pub(super) blocked: Vec<u32>,
 }
@@ -135,8 +132,6 @@ impl Engine {
             self.drop_pkt("peer table full");
             return None;
         }
-        let id = self.next_peer_id;
-        self.next_peer_id = self.next_peer_id.wrapping_add(1);
         let peer = Peer {
             addr,
             hs_sent: false,
@@ -150,10 +145,9 @@ impl Engine {
             in_ready: false,
             backoff_until: None,
             rnr_wait: Duration::ZERO,
-            tx_ops: IdSet::default(),
             blocked: Vec::new(),
         };
-        self.peers.insert(id, peer);
+        let id = self.peers.insert(peer);
         self.by_addr.insert(addr, id);
         self.addr_cache.forget(&addr);
         self.incarnations
@@ -429,7 +423,12 @@ impl Engine {
         for rid in rids {
             self.abort_rx(rid, kind, why);
         }
-        let mut tids: Vec<u32> = p.tx_ops.iter().copied().collect();
+        let mut tids: Vec<u32> = self
+            .tx
+            .iter()
+            .filter(|(_, t)| t.peer == pid)
+            .map(|(id, _)| id)
+            .collect();
         tids.sort_unstable();
         for tid in tids {
             let e = crate::error::Error::new(kind, "send").with_detail(why);

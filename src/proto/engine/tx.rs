@@ -282,7 +282,6 @@ impl Engine {
         };
         if let Some(p) = self.peers.get_mut(&pid) {
             p.next_msg_id = p.next_msg_id.wrapping_add(1);
-            p.tx_ops.insert(send_id);
         }
         self.tx.insert(
             send_id,
@@ -510,9 +509,6 @@ impl Engine {
             return;
         }
         let Some(t) = self.tx.remove(&id) else { return };
-        if let Some(p) = self.peers.get_mut(&t.peer) {
-            p.tx_ops.remove(&id);
-        }
         let len = t.buf.len();
         self.stats.tx_msgs += 1;
         self.stats.tx_bytes += len as u64;
@@ -530,7 +526,6 @@ impl Engine {
     pub(super) fn fail_tx(&mut self, id: u32, error: Error, status: Option<Status>) {
         let Some(t) = self.tx.remove(&id) else { return };
         if let Some(p) = self.peers.get_mut(&t.peer) {
-            p.tx_ops.remove(&id);
             p.blocked.retain(|&x| x != id);
             let before = p.data_q.len();
             p.data_q.retain(|k| k.owner != Owner::Tx(id));
