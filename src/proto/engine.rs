@@ -36,11 +36,11 @@ mod rx;
 mod tx;
 mod util;
 
-use peer::Peer;
+use peer::{AddrCache, Peer};
 use recv::{MultiRecv, PostedItem};
 use rx::RxEntry;
 use tx::{Pkt, TxEntry};
-use util::IdMap;
+use util::{GenSlab, HeaderArena, IdMap, SeqMap};
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -239,22 +239,23 @@ pub struct Engine {
     closed: bool,
 
     /// Peers by engine-chosen id (never reused).
-    peers: IdMap<u64, Peer>,
+    peers: GenSlab<Peer>,
     /// Every known incarnation by full address.
     by_addr: HashMap<RawAddr, u64>,
+    /// The last peers found in `by_addr`.
+    addr_cache: AddrCache,
     /// The incarnations at (GID, QPN), oldest first; the newest takes packets without connid.
     incarnations: HashMap<(Gid, u16), Vec<u64>>,
     /// Connids of incarnations replaced by a newer one at the same (GID, QPN): their packets
     /// are stale.
     retired: HashMap<(Gid, u16), VecDeque<u32>>,
-    next_peer_id: u64,
     /// Peers with queued packets, served round-robin.
     ready: VecDeque<u64>,
     /// Peers in RNR backoff.
     backoff: Vec<u64>,
 
     /// Send operations by `send_id`.
-    tx: IdMap<u32, TxEntry>,
+    tx: SeqMap<TxEntry>,
     next_tx_id: u32,
     /// Packets handed out, by the low 32 bits of their `wr_id`.
     outstanding: Slab<Pkt>,
@@ -262,7 +263,7 @@ pub struct Engine {
     queued_pkts: usize,
 
     /// Inbound messages by `recv_id`, from the first packet to completion.
-    rx: IdMap<u32, RxEntry>,
+    rx: SeqMap<RxEntry>,
     next_rx_id: u32,
     matcher: Matcher<RawAddr, PostedItem, u32>,
     multi: IdMap<u32, MultiRecv>,
@@ -285,32 +286,35 @@ pub struct Engine {
     events: VecDeque<Event>,
     stats: EndpointStats,
     /// Arena the packet headers are encoded into.
-    hdr_buf: BytesMut,
+    hdr: HeaderArena,
+    /// Reused list of the packets a send or a CTS window creates (no allocation per message).
+    pkt_scratch: Vec<Pkt>,
 }
 
 impl Engine {
     /// An engine for the endpoint whose queue pair has raw address `local`.
     pub fn new(cfg: EngineConfig, local: RawAddr, _now: Instant) -> Engine {
         let rng = Rng::new(cfg.seed ^ 0x5eed_e761_9e00_0000);
+        let (max_tx, max_rx) = (cfg.max_tx_ops, cfg.max_rx_ops);
         Engine {
             cfg,
             limits: EngineLimits::default(),
             local,
             rng,
             closed: false,
-            peers: IdMap::default(),
+            peers: GenSlab::default(),
             by_addr: HashMap::new(),
+            addr_cache: AddrCache::default(),
             incarnations: HashMap::new(),
             retired: HashMap::new(),
-            next_peer_id: 1,
             ready: VecDeque::new(),
             backoff: Vec::new(),
-            tx: IdMap::default(),
+            tx: SeqMap::new(2 * max_tx),
             next_tx_id: 1,
             outstanding: Slab::new(),
             wr_seq: 0,
             queued_pkts: 0,
-            rx: IdMap::default(),
+            rx: SeqMap::new((2 * max_rx).max(4096)),
             next_rx_id: 1,
             matcher: Matcher::default(),
             multi: IdMap::default(),
@@ -326,7 +330,8 @@ impl Engine {
             stall_check: None,
             events: VecDeque::new(),
             stats: EndpointStats::default(),
-            hdr_buf: BytesMut::new(),
+            hdr: HeaderArena::default(),
+            pkt_scratch: Vec::new(),
         }
     }
 
@@ -537,15 +542,12 @@ impl Engine {
 
     /// Encodes a header into the arena; `None` only if the codec refuses (a bug).
     fn encode(&mut self, pkt: &Packet<'_>) -> Option<Bytes> {
-        let len = pkt.header_len();
-        if self.hdr_buf.capacity() < len {
-            self.hdr_buf.reserve(len.max(16 * 1024));
-        }
-        match pkt.encode_header(&mut self.hdr_buf) {
-            Ok(_) => Some(self.hdr_buf.split().freeze()),
+        self.hdr.reserve(pkt.header_len());
+        match pkt.encode_header(self.hdr.buf()) {
+            Ok(_) => Some(self.hdr.take()),
             Err(e) => {
                 tracing::error!(error = %e, ty = %pkt.packet_type(), "could not encode a packet");
-                self.hdr_buf.clear();
+                self.hdr.discard();
                 None
             }
         }
@@ -559,7 +561,7 @@ impl Engine {
         self.closed = true;
         self.matcher.remove_unexpected_where(|_| true);
         // Receives first (pieces of multi-receive buffers before the buffers themselves).
-        let ids: Vec<u32> = self.rx.keys().copied().collect();
+        let ids = self.rx.sorted_keys();
         for id in ids {
             self.abort_rx(id, ErrorKind::Canceled, "close");
         }
@@ -573,7 +575,7 @@ impl Engine {
         for mid in mids {
             self.retire_multi(mid, Some(ErrorKind::Canceled));
         }
-        let tids: Vec<u32> = self.tx.keys().copied().collect();
+        let tids = self.tx.sorted_keys();
         for id in tids {
             self.fail_tx(
                 id,
@@ -591,7 +593,6 @@ impl Engine {
                 self.cfg.recvwin_size,
             );
             p.inbound.clear();
-            p.tx_ops.clear();
             p.blocked.clear();
             p.in_ready = false;
             p.backoff_until = None;

@@ -87,6 +87,7 @@ impl<T> ReorderWindow<T> {
         let s = self.slot(id);
         let item = match self.slots[s].take() {
             Some(x) => x,
+            None if self.overflow.is_empty() => return None,
             None => self.overflow.remove(&id)?,
         };
         self.exp = self.exp.wrapping_add(1);
@@ -99,6 +100,24 @@ impl<T> ReorderWindow<T> {
             }
         }
         Some((id, item))
+    }
+
+    /// The expected id arrived and is processed at once: advances past it without storing it
+    /// (as [`ReorderWindow::insert`] then [`ReorderWindow::pop_ready`] would). False, changing
+    /// nothing, when `id` is not the expected id or an item already waits under it.
+    pub fn pass(&mut self, id: u32) -> bool {
+        let s = self.slot(id);
+        if id != self.exp || self.slots[s].is_some() {
+            return false;
+        }
+        self.exp = self.exp.wrapping_add(1);
+        if !self.overflow.is_empty() {
+            let promote = id.wrapping_add(self.slots.len() as u32);
+            if let Some(x) = self.overflow.remove(&promote) {
+                self.slots[s] = Some(x);
+            }
+        }
+        true
     }
 
     /// Skips the expected id without an item (an aborted message that will never arrive).
@@ -171,6 +190,46 @@ mod tests {
                     "processed ids are stale"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn pass_is_insert_then_pop() {
+        let seed = test_seed();
+        let mut rng = Rng::new(seed);
+        let mut a = ReorderWindow::new(u32::MAX - 20, 4);
+        let mut b = ReorderWindow::new(u32::MAX - 20, 4);
+        let mut next = u32::MAX - 20;
+        for _ in 0..2000 {
+            // Either the expected id passes, or a later one is stored in both.
+            if rng.chance(0.5) {
+                let id = a.expected();
+                assert_eq!(
+                    a.pass(id),
+                    b.insert(id, id) == Arrival::Stored,
+                    "seed {seed}"
+                );
+                assert_eq!(b.pop_ready(), Some((id, id)), "seed {seed}");
+                assert!(!a.pass(id), "seed {seed}");
+            } else {
+                if (a.expected().wrapping_sub(next) as i32) > 0 {
+                    next = a.expected();
+                }
+                next = next.wrapping_add(1 + rng.below(8) as u32);
+                assert_eq!(a.insert(next, next), b.insert(next, next), "seed {seed}");
+            }
+            loop {
+                let (x, y) = (a.pop_ready(), b.pop_ready());
+                assert_eq!(x, y, "seed {seed}");
+                if x.is_none() {
+                    break;
+                }
+            }
+            assert_eq!(
+                (a.expected(), a.held(), a.overflowed()),
+                (b.expected(), b.held(), b.overflowed()),
+                "seed {seed}"
+            );
         }
     }
 

@@ -5,7 +5,6 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::tx::{Owner, Pkt};
-use super::util::IdSet;
 use super::{Engine, ErrorKind};
 use crate::addr::RawAddr;
 use crate::device::{Source, Status};
@@ -14,6 +13,56 @@ use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
 
 /// Connids remembered per (GID, QPN) after their incarnation was replaced.
 const RETIRED_PER_QP: usize = 8;
+
+/// Slots of [`AddrCache`] (a power of two).
+const ADDR_CACHE_SLOTS: usize = 64;
+
+/// A direct-mapped cache in front of `Engine::by_addr`, whose keys come from peers and are
+/// therefore hashed with the randomly keyed SipHash: an endpoint mostly talks to a few peers,
+/// and finding one by its full address is then one comparison. A peer that picks addresses to
+/// collide here only makes lookups miss and go to the map.
+#[derive(Debug)]
+pub(super) struct AddrCache {
+    slots: Box<[Option<(RawAddr, u64)>]>,
+}
+
+impl Default for AddrCache {
+    fn default() -> Self {
+        AddrCache {
+            slots: vec![None; ADDR_CACHE_SLOTS].into_boxed_slice(),
+        }
+    }
+}
+
+impl AddrCache {
+    fn slot(a: &RawAddr) -> usize {
+        let g = a.gid.0;
+        let low = u32::from_le_bytes([g[12], g[13], g[14], g[15]]);
+        let h = (low ^ a.qkey ^ u32::from(a.qpn).rotate_left(16)).wrapping_mul(0x9e37_79b9);
+        (h >> 26) as usize & (ADDR_CACHE_SLOTS - 1)
+    }
+
+    fn get(&self, a: &RawAddr) -> Option<u64> {
+        match self.slots.get(Self::slot(a)) {
+            Some(Some((k, id))) if k == a => Some(*id),
+            _ => None,
+        }
+    }
+
+    fn put(&mut self, a: RawAddr, id: u64) {
+        if let Some(s) = self.slots.get_mut(Self::slot(&a)) {
+            *s = Some((a, id));
+        }
+    }
+
+    fn forget(&mut self, a: &RawAddr) {
+        if let Some(s) = self.slots.get_mut(Self::slot(a)) {
+            if s.is_some_and(|(k, _)| k == *a) {
+                *s = None;
+            }
+        }
+    }
+}
 
 /// What the engine knows about one remote endpoint (one incarnation: GID, QPN and QKEY).
 #[derive(Debug)]
@@ -44,8 +93,6 @@ pub(super) struct Peer {
     /// Length of the last backoff (doubles per episode; back to zero once a resent packet
     /// completes, as libfabric).
     pub(super) rnr_wait: Duration,
-    /// Our send operations to it.
-    pub(super) tx_ops: IdSet<u32>,
     /// Long-CTS sends with a window granted, waiting for its HANDSHAKE before CTSDATA.
     pub(super) blocked: Vec<u32>,
 }
@@ -85,8 +132,6 @@ impl Engine {
             self.drop_pkt("peer table full");
             return None;
         }
-        let id = self.next_peer_id;
-        self.next_peer_id = self.next_peer_id.wrapping_add(1);
         let peer = Peer {
             addr,
             hs_sent: false,
@@ -100,11 +145,11 @@ impl Engine {
             in_ready: false,
             backoff_until: None,
             rnr_wait: Duration::ZERO,
-            tx_ops: IdSet::default(),
             blocked: Vec::new(),
         };
-        self.peers.insert(id, peer);
+        let id = self.peers.insert(peer);
         self.by_addr.insert(addr, id);
+        self.addr_cache.forget(&addr);
         self.incarnations
             .entry((addr.gid, addr.qpn))
             .or_default()
@@ -113,9 +158,19 @@ impl Engine {
         Some(id)
     }
 
+    /// The peer with address `a`, if known.
+    fn peer_by_addr(&mut self, a: &RawAddr) -> Option<u64> {
+        if let Some(id) = self.addr_cache.get(a) {
+            return Some(id);
+        }
+        let id = *self.by_addr.get(a)?;
+        self.addr_cache.put(*a, id);
+        Some(id)
+    }
+
     /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
     pub(super) fn peer_for_send(&mut self, dest: RawAddr) -> Option<u64> {
-        if let Some(&id) = self.by_addr.get(&dest) {
+        if let Some(id) = self.peer_by_addr(&dest) {
             return Some(id);
         }
         if self.peers.len() >= self.limits.max_peers {
@@ -174,7 +229,7 @@ impl Engine {
                         self.drop_pkt("raw address header does not match the source");
                         return None;
                     }
-                    if let Some(&id) = self.by_addr.get(&a) {
+                    if let Some(id) = self.peer_by_addr(&a) {
                         return Some(id);
                     }
                     if self.is_retired(&a) {
@@ -184,8 +239,8 @@ impl Engine {
                     self.replace_incarnations(a);
                     self.new_peer(a)
                 }
-                Sender::Connid(c) => match self.by_addr.get(&RawAddr::new(src.gid, src.qpn, c)) {
-                    Some(&id) => Some(id),
+                Sender::Connid(c) => match self.peer_by_addr(&RawAddr::new(src.gid, src.qpn, c)) {
+                    Some(id) => Some(id),
                     None => {
                         self.drop_pkt("REQ with an unknown connid");
                         None
@@ -201,10 +256,7 @@ impl Engine {
             }
         } else {
             let found = match pkt.connid() {
-                Some(c) => self
-                    .by_addr
-                    .get(&RawAddr::new(src.gid, src.qpn, c))
-                    .copied(),
+                Some(c) => self.peer_by_addr(&RawAddr::new(src.gid, src.qpn, c)),
                 None => newest(self),
             };
             if found.is_none() {
@@ -354,6 +406,7 @@ impl Engine {
         };
         tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
         self.by_addr.remove(&p.addr);
+        self.addr_cache.forget(&p.addr);
         if let Some(v) = self.incarnations.get_mut(&(p.addr.gid, p.addr.qpn)) {
             v.retain(|&x| x != pid);
             if v.is_empty() {
@@ -370,7 +423,12 @@ impl Engine {
         for rid in rids {
             self.abort_rx(rid, kind, why);
         }
-        let mut tids: Vec<u32> = p.tx_ops.iter().copied().collect();
+        let mut tids: Vec<u32> = self
+            .tx
+            .iter()
+            .filter(|(_, t)| t.peer == pid)
+            .map(|(id, _)| id)
+            .collect();
         tids.sort_unstable();
         for tid in tids {
             let e = crate::error::Error::new(kind, "send").with_detail(why);

@@ -390,7 +390,7 @@ impl Engine {
         let stall = self.cfg.rx_stall_timeout;
         let mut stalled = Vec::new();
         let mut next: Option<Instant> = None;
-        for (&rid, e) in &self.rx {
+        for (rid, e) in self.rx.iter() {
             if !e.matched() {
                 continue;
             }

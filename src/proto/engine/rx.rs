@@ -83,6 +83,18 @@ impl RxEntry {
     }
 }
 
+/// What the completion of a received message reports.
+struct Done {
+    peer: u64,
+    src: RawAddr,
+    msg_id: u32,
+    msg_len: usize,
+    tagged: bool,
+    tag: u64,
+    data: Option<u32>,
+    dc_send_id: Option<u32>,
+}
+
 /// The fields of an RTM packet the receive side uses.
 struct Rtm {
     msg_id: u32,
@@ -204,10 +216,20 @@ impl Engine {
         let Some(peer) = self.peers.get(&pid) else {
             return;
         };
-        if let Some(&rid) = peer.inbound.get(&m.msg_id) {
+        let exp = peer.robuf.expected();
+        // The expected id is never in `inbound` (messages waiting in the window are after it,
+        // processed ones before it).
+        debug_assert!(m.msg_id != exp || !peer.inbound.contains_key(&m.msg_id));
+        let mut unmatched = false;
+        if m.kind == Kind::Eager && m.msg_id == exp {
+            let src = peer.addr;
+            if self.eager_in_order(now, pid, src, &m, data) {
+                return;
+            }
+            unmatched = true;
+        } else if let Some(&rid) = peer.inbound.get(&m.msg_id) {
             return self.continue_rtm(now, rid, &m, data);
         }
-        let exp = peer.robuf.expected();
         if (m.msg_id.wrapping_sub(exp) as i32) < 0 {
             return self.drop_pkt("REQ with an already processed msg_id");
         }
@@ -249,7 +271,7 @@ impl Engine {
             if let Some(p) = self.peers.get_mut(&pid) {
                 p.robuf.pop_ready();
             }
-            self.process(now, rid, Some((off, data)));
+            self.process(now, rid, Some((off, data)), unmatched);
         } else {
             self.stats.reorder_buffered += 1;
             self.hold(rid, off, data);
@@ -386,21 +408,81 @@ impl Engine {
             let Some((_, rid)) = p.robuf.pop_ready() else {
                 return;
             };
-            self.process(now, rid, None);
+            self.process(now, rid, None, false);
         }
+    }
+
+    /// The fast path of the usual case: an eager message whose turn it is (`msg_id` is the
+    /// expected one) and that a posted receive matches is placed and completed at once, without
+    /// an `RxEntry` (what [`Engine::handle_rtm`] then [`Engine::process`] would do with one).
+    /// False, changing nothing, when no posted receive takes it.
+    fn eager_in_order(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        src: RawAddr,
+        m: &Rtm,
+        data: &[u8],
+    ) -> bool {
+        let tagged = m.tag.is_some();
+        let tag = m.tag.unwrap_or(0);
+        let Some(idx) = self.matcher.find_posted(tagged, src, tag) else {
+            return false;
+        };
+        let Some(mut sink) = self.take_posted(tagged, idx, data.len()) else {
+            return false;
+        };
+        // The id the entry would have had, so that later ids are the same.
+        self.alloc_rx_id();
+        let passed = self.peers.get_mut(&pid).is_some_and(|p| {
+            let ok = p.robuf.pass(m.msg_id);
+            debug_assert!(ok, "the expected msg_id passes");
+            p.robuf.held() > 0
+        });
+        sink.buf.clear();
+        place(&mut sink, 0, data);
+        let msg = Done {
+            peer: pid,
+            src,
+            msg_id: m.msg_id,
+            msg_len: data.len(),
+            tagged,
+            tag,
+            data: m.data,
+            dc_send_id: m.dc_send_id,
+        };
+        self.finish_rx(sink, &msg);
+        if passed {
+            // Later messages were waiting for this one.
+            self.drain_ready(now, pid);
+        }
+        true
     }
 
     /// A message's turn has come (all earlier ones from its peer were processed): match it
     /// against the posted receives or make it unexpected. `fresh` is data of the packet being
     /// handled that was not copied out.
-    pub(super) fn process(&mut self, now: Instant, rid: u32, fresh: Option<(usize, &[u8])>) {
+    ///
+    /// `unmatched`: the caller found already that no posted receive matches.
+    pub(super) fn process(
+        &mut self,
+        now: Instant,
+        rid: u32,
+        fresh: Option<(usize, &[u8])>,
+        unmatched: bool,
+    ) {
         let Some(e) = self.rx.get(&rid) else { return };
         if matches!(e.state, RxState::Dropped) {
             // Its later packets are stale now; nothing more to keep.
             return self.remove_unmatched(rid);
         }
         let (tagged, src, tag, msg_len) = (e.tagged, e.src, e.tag, e.msg_len);
-        if let Some(idx) = self.matcher.find_posted(tagged, src, tag) {
+        let posted = if unmatched {
+            None
+        } else {
+            self.matcher.find_posted(tagged, src, tag)
+        };
+        if let Some(idx) = posted {
             if let Some(sink) = self.take_posted(tagged, idx, msg_len) {
                 return self.start_matched(now, rid, sink, fresh);
             }
@@ -610,23 +692,38 @@ impl Engine {
         let RxState::Matched(sink) = e.state else {
             return;
         };
-        if let Some(send_id) = e.dc_send_id {
+        let msg = Done {
+            peer: e.peer,
+            src: e.src,
+            msg_id: e.msg_id,
+            msg_len: e.msg_len,
+            tagged: e.tagged,
+            tag: e.tag,
+            data: e.data,
+            dc_send_id: e.dc_send_id,
+        };
+        self.finish_rx(sink, &msg);
+    }
+
+    /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
+    fn finish_rx(&mut self, sink: Sink, msg: &Done) {
+        if let Some(send_id) = msg.dc_send_id {
             let r = Packet::Receipt {
                 connid: Some(self.local.qkey),
                 send_id,
-                msg_id: e.msg_id,
+                msg_id: msg.msg_id,
             };
-            self.queue_ctrl(e.peer, &r);
+            self.queue_ctrl(msg.peer, &r);
         }
         let Some(context) = sink.context else { return };
-        let olen = e.msg_len - sink.place;
+        let olen = msg.msg_len - sink.place;
         let error = if olen > 0 {
             self.stats.errors += 1;
             self.stats.truncated += 1;
             Some(
                 Error::new(ErrorKind::Truncated, "recv").with_detail(format!(
                     "message of {} bytes, buffer of {}",
-                    e.msg_len, sink.place
+                    msg.msg_len, sink.place
                 )),
             )
         } else {
@@ -639,9 +736,9 @@ impl Engine {
             buf: sink.buf,
             len: sink.place,
             olen,
-            tag: e.tagged.then_some(e.tag),
-            data: e.data,
-            src: Some(e.src),
+            tag: msg.tagged.then_some(msg.tag),
+            data: msg.data,
+            src: Some(msg.src),
             multi_recv_done: false,
             error,
         }));

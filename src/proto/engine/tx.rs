@@ -9,7 +9,10 @@ use bytes::Bytes;
 use super::peer::peer_fatal;
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
-use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet, ReqOpt, Sender};
+use crate::proto::wire::{
+    CONNID_HDR_LEN, CQ_DATA_HDR_LEN, CTSDATA_MAX_HEADER_LEN, PROTOCOL_VERSION, Packet, PacketType,
+    RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, ReqOpt, Sender, req_flags,
+};
 
 /// Alignment of medium segments in host memory (libfabric's `EFA_RDM_DEFAULT_MEMORY_ALIGNMENT`).
 const MEDIUM_ALIGN: usize = 8;
@@ -80,27 +83,135 @@ pub(super) struct TxEntry {
     pub(super) receipt: bool,
 }
 
-/// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
-/// equal, aligned segments, the remainder on the last one or in one more packet.
-pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
-    if total == 0 || max == 0 {
-        return vec![total];
-    }
-    let cnt = (total - 1) / max + 1;
-    let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
-    if single == 0 {
-        single = total.min(max);
-    }
-    let cnt = total / single;
-    let mut v = vec![single; cnt];
-    let rem = total - cnt * single;
-    if rem > 0 {
-        match v.last_mut() {
-            Some(last) if single + rem <= max => *last += rem,
-            _ => v.push(rem),
+/// Largest eager header: DC_EAGER_TAGRTM (24) with the raw-address (40) and CQ-data (8)
+/// headers.
+const EAGER_MAX_HDR: usize = 24 + RAW_ADDR_HDR_LEN + CQ_DATA_HDR_LEN;
+
+/// Length of the headers of an eager REQ (what [`Packet::header_len`] says of
+/// `Packet::EagerRtm`).
+fn eager_header_len(opt: &ReqOpt, tagged: bool, dc: bool) -> usize {
+    let sender = match opt.sender {
+        Sender::RawAddr(_) => RAW_ADDR_HDR_LEN,
+        Sender::Connid(_) => CONNID_HDR_LEN,
+        Sender::None => 0,
+    };
+    let cq = if opt.cq_data.is_some() {
+        CQ_DATA_HDR_LEN
+    } else {
+        0
+    };
+    8 + 8 * usize::from(tagged) + 8 * usize::from(dc) + sender + cq
+}
+
+/// The headers of an eager REQ (EAGER_MSGRTM/TAGRTM, DC_EAGER_MSGRTM/TAGRTM), byte for byte
+/// what [`Packet::encode_header`] writes for `Packet::EagerRtm` (a test compares them), written
+/// without the codec's generality: every small message has one.
+struct EagerHeader {
+    b: [u8; EAGER_MAX_HDR],
+    n: usize,
+}
+
+impl EagerHeader {
+    fn put(&mut self, bytes: &[u8]) {
+        if let Some(d) = self.b.get_mut(self.n..self.n + bytes.len()) {
+            d.copy_from_slice(bytes);
         }
+        self.n += bytes.len();
     }
-    v
+
+    fn new(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<u32>) -> EagerHeader {
+        let ty = match (tag.is_some(), dc_send_id.is_some()) {
+            (false, false) => PacketType::EagerMsgRtm,
+            (true, false) => PacketType::EagerTagRtm,
+            (false, true) => PacketType::DcEagerMsgRtm,
+            (true, true) => PacketType::DcEagerTagRtm,
+        };
+        let mut flags = req_flags::MSG;
+        if tag.is_some() {
+            flags |= req_flags::TAGGED;
+        }
+        match opt.sender {
+            Sender::RawAddr(_) => flags |= req_flags::RAW_ADDR_HDR,
+            Sender::Connid(_) => flags |= req_flags::CONNID_HDR,
+            Sender::None => {}
+        }
+        if opt.cq_data.is_some() {
+            flags |= req_flags::CQ_DATA_HDR;
+        }
+        let mut h = EagerHeader {
+            b: [0; EAGER_MAX_HDR],
+            n: 0,
+        };
+        h.put(&[ty.id(), PROTOCOL_VERSION]);
+        h.put(&flags.to_le_bytes());
+        h.put(&msg_id.to_le_bytes());
+        if let Some(id) = dc_send_id {
+            h.put(&id.to_le_bytes());
+            h.put(&[0; 4]);
+        }
+        if let Some(t) = tag {
+            h.put(&t.to_le_bytes());
+        }
+        if let Sender::RawAddr(a) = opt.sender {
+            h.put(&RAW_ADDR_HDR_ADDR_LEN.to_le_bytes());
+            h.put(&a.to_bytes());
+            h.put(&[0; RAW_ADDR_HDR_LEN - 4 - crate::addr::RAW_ADDR_LEN]);
+        }
+        if let Some(d) = opt.cq_data {
+            h.put(&d.to_le_bytes());
+        }
+        if let Sender::Connid(c) = opt.sender {
+            h.put(&c.to_le_bytes());
+        }
+        h
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.b.get(..self.n).unwrap_or(&[])
+    }
+}
+
+/// The fields every packet of one message shares.
+struct MsgHdr {
+    pid: u64,
+    send_id: u32,
+    opt: ReqOpt,
+    msg_id: u32,
+    tag: Option<u64>,
+    dc: bool,
+}
+
+/// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
+/// equal, aligned segments, the remainder on the last one or in one more packet. The segment
+/// sizes in order, without allocating.
+pub(super) fn medium_segments(total: usize, max: usize) -> impl Iterator<Item = usize> {
+    // (segments of `single`, the size of the last of them, an extra last segment).
+    let (single, cnt, last, extra) = if total == 0 || max == 0 {
+        (total, 1, total, 0)
+    } else {
+        let cnt = (total - 1) / max + 1;
+        let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
+        if single == 0 {
+            single = total.min(max);
+        }
+        let cnt = total / single;
+        let rem = total - cnt * single;
+        if rem > 0 && single + rem <= max {
+            (single, cnt, single + rem, 0)
+        } else {
+            (single, cnt, single, rem)
+        }
+    };
+    let extra = (extra > 0).then_some(extra);
+    (0..cnt)
+        .map(move |i| if i + 1 == cnt { last } else { single })
+        .chain(extra)
+}
+
+/// [`medium_segments`] as a vector.
+#[cfg(test)]
+pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
+    medium_segments(total, max).collect()
 }
 
 impl Engine {
@@ -150,84 +261,27 @@ impl Engine {
             cq_data: op.data.map(u64::from),
         };
         let send_id = self.alloc_tx_id();
-        let len = op.buf.len();
-        let mtu = self.cfg.mtu;
         let tag = op.tag;
         let dc = op.delivery_complete;
-        let dc_send_id = dc.then_some(send_id);
-
-        // (header, data range) of every packet sent now.
-        let mut plan: Vec<(Packet<'static>, usize, usize)> = Vec::new();
-        let eager = Packet::EagerRtm {
+        let m = MsgHdr {
+            pid,
+            send_id,
             opt,
             msg_id,
             tag,
-            dc_send_id,
+            dc,
         };
-        let proto = if mtu
-            .checked_sub(eager.header_len())
-            .is_some_and(|cap| len <= cap)
-        {
-            plan.push((eager, 0, len));
-            Proto::Eager
-        } else if len <= self.cfg.max_medium_msg_size {
-            let seg = |seg_offset: u64| Packet::MediumRtm {
-                opt,
-                msg_id,
-                msg_length: len as u64,
-                seg_offset,
-                tag,
-                dc_send_id,
-            };
-            let cap = mtu.saturating_sub(seg(0).header_len());
-            if cap == 0 {
-                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small");
+        let mut pkts = std::mem::take(&mut self.pkt_scratch);
+        let (proto, scheduled) = match self.packetize(&mut pkts, &m, &op.buf) {
+            Ok(x) => x,
+            Err(e) => {
+                pkts.clear();
+                self.pkt_scratch = pkts;
                 return Err((e, op));
             }
-            let mut off = 0;
-            for n in medium_split(len, cap) {
-                plan.push((seg(off as u64), off, off + n));
-                off += n;
-            }
-            Proto::Medium
-        } else {
-            let first = Packet::LongCtsRtm {
-                opt,
-                msg_id,
-                msg_length: len as u64,
-                send_id,
-                credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
-                tag,
-                dc,
-                read_nack: false,
-            };
-            let cap = mtu.saturating_sub(first.header_len());
-            if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
-                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small");
-                return Err((e, op));
-            }
-            plan.push((first, 0, cap.min(len)));
-            Proto::LongCts
         };
-        let mut pkts = Vec::with_capacity(plan.len());
-        for (pkt, a, b) in &plan {
-            let Some(hdr) = self.encode(pkt) else {
-                return Err((
-                    Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"),
-                    op,
-                ));
-            };
-            pkts.push(super::Pkt::new(
-                pid,
-                Owner::Tx(send_id),
-                hdr,
-                op.buf.slice(*a..*b),
-            ));
-        }
-        let scheduled = plan.last().map_or(0, |p| p.2);
         if let Some(p) = self.peers.get_mut(&pid) {
             p.next_msg_id = p.next_msg_id.wrapping_add(1);
-            p.tx_ops.insert(send_id);
         }
         self.tx.insert(
             send_id,
@@ -246,9 +300,94 @@ impl Engine {
                 receipt: false,
             },
         );
-        for p in pkts {
+        for p in pkts.drain(..) {
             self.enqueue(p, false, false);
         }
+        self.pkt_scratch = pkts;
+        Ok(())
+    }
+
+    /// The packets a message is sent in now (all of eager and medium, the first of long-CTS),
+    /// appended to `pkts`; the protocol and the bytes they carry.
+    fn packetize(
+        &mut self,
+        pkts: &mut Vec<Pkt>,
+        m: &MsgHdr,
+        buf: &Bytes,
+    ) -> Result<(Proto, usize), Error> {
+        let len = buf.len();
+        let mtu = self.cfg.mtu;
+        let (opt, msg_id, tag) = (m.opt, m.msg_id, m.tag);
+        let dc_send_id = m.dc.then_some(m.send_id);
+        if mtu
+            .checked_sub(eager_header_len(&opt, tag.is_some(), m.dc))
+            .is_some_and(|cap| len <= cap)
+        {
+            let h = EagerHeader::new(&opt, msg_id, tag, dc_send_id);
+            let hdr = self.hdr.copy(h.bytes());
+            pkts.push(Pkt::new(
+                m.pid,
+                Owner::Tx(m.send_id),
+                hdr,
+                buf.slice(0..len),
+            ));
+            return Ok((Proto::Eager, len));
+        }
+        if len <= self.cfg.max_medium_msg_size {
+            let seg = |seg_offset: u64| Packet::MediumRtm {
+                opt,
+                msg_id,
+                msg_length: len as u64,
+                seg_offset,
+                tag,
+                dc_send_id,
+            };
+            let cap = mtu.saturating_sub(seg(0).header_len());
+            if cap == 0 {
+                return Err(
+                    Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small")
+                );
+            }
+            let mut off = 0;
+            for n in medium_segments(len, cap) {
+                self.push_pkt(pkts, m, &seg(off as u64), buf, off, off + n)?;
+                off += n;
+            }
+            return Ok((Proto::Medium, off));
+        }
+        let first = Packet::LongCtsRtm {
+            opt,
+            msg_id,
+            msg_length: len as u64,
+            send_id: m.send_id,
+            credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
+            tag,
+            dc: m.dc,
+            read_nack: false,
+        };
+        let cap = mtu.saturating_sub(first.header_len());
+        if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small"));
+        }
+        let n = cap.min(len);
+        self.push_pkt(pkts, m, &first, buf, 0, n)?;
+        Ok((Proto::LongCts, n))
+    }
+
+    /// Encodes `pkt` and appends it, with `buf[a..b]` as payload, to `pkts`.
+    fn push_pkt(
+        &mut self,
+        pkts: &mut Vec<Pkt>,
+        m: &MsgHdr,
+        pkt: &Packet<'_>,
+        buf: &Bytes,
+        a: usize,
+        b: usize,
+    ) -> Result<(), Error> {
+        let Some(hdr) = self.encode(pkt) else {
+            return Err(Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"));
+        };
+        pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, buf.slice(a..b)));
         Ok(())
     }
 
@@ -370,9 +509,6 @@ impl Engine {
             return;
         }
         let Some(t) = self.tx.remove(&id) else { return };
-        if let Some(p) = self.peers.get_mut(&t.peer) {
-            p.tx_ops.remove(&id);
-        }
         let len = t.buf.len();
         self.stats.tx_msgs += 1;
         self.stats.tx_bytes += len as u64;
@@ -390,7 +526,6 @@ impl Engine {
     pub(super) fn fail_tx(&mut self, id: u32, error: Error, status: Option<Status>) {
         let Some(t) = self.tx.remove(&id) else { return };
         if let Some(p) = self.peers.get_mut(&t.peer) {
-            p.tx_ops.remove(&id);
             p.blocked.retain(|&x| x != id);
             let before = p.data_q.len();
             p.data_q.retain(|k| k.owner != Owner::Tx(id));
@@ -454,7 +589,7 @@ impl Engine {
             (t.peer, t.buf.clone(), t.recv_id, t.scheduled, t.window_end);
         let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
         let qkey = self.local.qkey;
-        let mut pkts = Vec::new();
+        let mut pkts = std::mem::take(&mut self.pkt_scratch);
         while off < end {
             let n = max.min(end - off);
             let h = Packet::CtsData {
@@ -464,6 +599,8 @@ impl Engine {
                 seg_offset: off as u64,
             };
             let Some(hdr) = self.encode(&h) else {
+                pkts.clear();
+                self.pkt_scratch = pkts;
                 let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
                 return self.fail_tx(id, e, None);
             };
@@ -474,9 +611,10 @@ impl Engine {
             t.scheduled = end;
             t.pending += pkts.len();
         }
-        for p in pkts {
+        for p in pkts.drain(..) {
             self.enqueue(p, false, false);
         }
+        self.pkt_scratch = pkts;
     }
 
     /// A RECEIPT: the data of delivery-complete send `send_id` is in the receiver's buffer.
@@ -504,7 +642,50 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::medium_split;
+    use super::{EagerHeader, eager_header_len, medium_split};
+    use crate::addr::{Gid, RawAddr};
+    use crate::fault::{Rng, test_seed};
+    use crate::proto::wire::{Packet, ReqOpt, Sender};
+
+    #[test]
+    fn eager_header_is_the_codecs() {
+        let seed = test_seed();
+        let mut rng = Rng::new(seed);
+        for _ in 0..200 {
+            let mut gid = [0u8; 16];
+            for b in &mut gid {
+                *b = rng.next_u64() as u8;
+            }
+            let addr = RawAddr::new(Gid(gid), rng.next_u64() as u16, rng.next_u64() as u32);
+            for sender in [
+                Sender::None,
+                Sender::RawAddr(addr),
+                Sender::Connid(rng.next_u64() as u32),
+            ] {
+                for (cq, tag, dc) in (0..8).map(|k| (k & 1 != 0, k & 2 != 0, k & 4 != 0)) {
+                    let opt = ReqOpt {
+                        sender,
+                        cq_data: cq.then(|| rng.next_u64()),
+                    };
+                    let msg_id = rng.next_u64() as u32;
+                    let tag = tag.then(|| rng.next_u64());
+                    let dc_send_id = dc.then(|| rng.next_u64() as u32);
+                    let p = Packet::EagerRtm {
+                        opt,
+                        msg_id,
+                        tag,
+                        dc_send_id,
+                    };
+                    let mut want = Vec::new();
+                    let n = p.encode_header(&mut want).unwrap();
+                    let h = EagerHeader::new(&opt, msg_id, tag, dc_send_id);
+                    assert_eq!(h.bytes(), &want[..], "seed {seed} {p:?}");
+                    assert_eq!(eager_header_len(&opt, tag.is_some(), dc), n, "seed {seed}");
+                    assert_eq!(p.header_len(), n, "seed {seed}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn medium_split_like_libfabric() {

@@ -1,8 +1,10 @@
-//! Small helpers of the engine: a coalescing set of byte ranges and a fast hasher for the ids
-//! the engine allocates itself.
+//! Small helpers of the engine: a coalescing set of byte ranges, a fast hasher for the ids
+//! the engine allocates itself and the arena packet headers are encoded into.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+
+use bytes::{Bytes, BytesMut};
 
 /// A multiplicative hasher for keys the engine chooses (operation, peer and claim ids). Keys a
 /// peer controls (message ids) use the standard, randomly keyed hasher instead.
@@ -35,16 +37,306 @@ impl Hasher for IdHasher {
     }
 }
 
+/// A slab whose ids carry a generation (high 32 bits; the slot is the low 32 bits): finding an
+/// entry is an index and a compare, and an id is not reused when its slot is (a stale id, say of
+/// a packet of a failed peer completing late, finds nothing).
+#[derive(Debug)]
+pub(super) struct GenSlab<T> {
+    /// (generation, entry) per slot.
+    slots: Vec<(u32, Option<T>)>,
+    /// Empty slots.
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl<T> Default for GenSlab<T> {
+    fn default() -> Self {
+        GenSlab {
+            slots: Vec::new(),
+            free: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> GenSlab<T> {
+    fn split(id: u64) -> (u32, usize) {
+        ((id >> 32) as u32, (id & 0xffff_ffff) as usize)
+    }
+
+    /// Stores `v` under a new id (never 0).
+    pub(super) fn insert(&mut self, v: T) -> u64 {
+        self.len += 1;
+        if let Some(i) = self.free.pop() {
+            if let Some(s) = self.slots.get_mut(i as usize) {
+                s.0 = s.0.wrapping_add(1).max(1);
+                s.1 = Some(v);
+                return (u64::from(s.0) << 32) | u64::from(i);
+            }
+        }
+        let i = self.slots.len() as u64;
+        self.slots.push((1, Some(v)));
+        (1 << 32) | i
+    }
+
+    pub(super) fn get(&self, id: &u64) -> Option<&T> {
+        let (g, i) = Self::split(*id);
+        match self.slots.get(i) {
+            Some((sg, Some(v))) if *sg == g => Some(v),
+            _ => None,
+        }
+    }
+
+    pub(super) fn get_mut(&mut self, id: &u64) -> Option<&mut T> {
+        let (g, i) = Self::split(*id);
+        match self.slots.get_mut(i) {
+            Some((sg, Some(v))) if *sg == g => Some(v),
+            _ => None,
+        }
+    }
+
+    pub(super) fn contains_key(&self, id: &u64) -> bool {
+        self.get(id).is_some()
+    }
+
+    pub(super) fn remove(&mut self, id: &u64) -> Option<T> {
+        let (g, i) = Self::split(*id);
+        match self.slots.get_mut(i) {
+            Some((sg, v @ Some(_))) if *sg == g => {
+                self.len -= 1;
+                self.free.push(i as u32);
+                v.take()
+            }
+            _ => None,
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &T> {
+        self.slots.iter().filter_map(|(_, v)| v.as_ref())
+    }
+
+    pub(super) fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.slots.iter_mut().filter_map(|(_, v)| v.as_mut())
+    }
+}
+
+/// Smallest ring of a [`SeqMap`].
+const SEQ_MIN_RING: usize = 16;
+
+/// A map for the ids the engine hands out in sequence (send and receive ids): an id's slot in a
+/// ring is its low bits, so the ids in flight, being close together, sit in the ring and finding
+/// one is an index and a compare. The ring doubles (up to `max_ring`) when a slot is taken while
+/// it is at least half full; an id whose slot is taken otherwise (a long-lived operation lapped
+/// by later ones) goes to an overflow map.
+#[derive(Debug)]
+pub(super) struct SeqMap<T> {
+    ring: Vec<Option<(u32, T)>>,
+    overflow: IdMap<u32, T>,
+    len: usize,
+    max_ring: usize,
+}
+
+impl<T> SeqMap<T> {
+    /// A map whose ring grows to `max_ring` slots at most (rounded up to a power of two).
+    pub(super) fn new(max_ring: usize) -> SeqMap<T> {
+        SeqMap {
+            ring: Vec::new(),
+            overflow: IdMap::default(),
+            len: 0,
+            max_ring: max_ring.clamp(SEQ_MIN_RING, 1 << 20).next_power_of_two(),
+        }
+    }
+
+    fn slot(&self, id: u32) -> usize {
+        id as usize & self.ring.len().wrapping_sub(1)
+    }
+
+    fn place(&mut self, id: u32, v: T) {
+        let s = self.slot(id);
+        match self.ring.get_mut(s) {
+            Some(e @ None) => *e = Some((id, v)),
+            _ => {
+                self.overflow.insert(id, v);
+            }
+        }
+    }
+
+    fn grow(&mut self) {
+        let n = (self.ring.len() * 2).max(SEQ_MIN_RING);
+        let old = std::mem::replace(&mut self.ring, (0..n).map(|_| None).collect());
+        for (id, v) in old.into_iter().flatten() {
+            self.place(id, v);
+        }
+        if !self.overflow.is_empty() {
+            let mut ids: Vec<u32> = self.overflow.keys().copied().collect();
+            ids.sort_unstable();
+            for id in ids {
+                let s = self.slot(id);
+                if self.ring.get(s).is_some_and(Option::is_none) {
+                    if let Some(v) = self.overflow.remove(&id) {
+                        self.place(id, v);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stores `v` under `id`, which must not be present.
+    pub(super) fn insert(&mut self, id: u32, v: T) {
+        let taken = self.ring.get(self.slot(id)).is_none_or(Option::is_some);
+        if taken && self.ring.len() < self.max_ring && self.len >= self.ring.len() / 2 {
+            self.grow();
+        }
+        self.place(id, v);
+        self.len += 1;
+    }
+
+    pub(super) fn get(&self, id: &u32) -> Option<&T> {
+        match self.ring.get(self.slot(*id)) {
+            Some(Some((k, v))) if k == id => Some(v),
+            _ if self.overflow.is_empty() => None,
+            _ => self.overflow.get(id),
+        }
+    }
+
+    pub(super) fn get_mut(&mut self, id: &u32) -> Option<&mut T> {
+        let s = self.slot(*id);
+        match self.ring.get_mut(s) {
+            Some(Some((k, v))) if k == id => Some(v),
+            _ if self.overflow.is_empty() => None,
+            _ => self.overflow.get_mut(id),
+        }
+    }
+
+    pub(super) fn contains_key(&self, id: &u32) -> bool {
+        self.get(id).is_some()
+    }
+
+    pub(super) fn remove(&mut self, id: &u32) -> Option<T> {
+        let s = self.slot(*id);
+        let v = match self.ring.get_mut(s) {
+            Some(e @ Some(_)) if e.as_ref().is_some_and(|(k, _)| k == id) => {
+                e.take().map(|(_, v)| v)
+            }
+            _ if self.overflow.is_empty() => None,
+            _ => self.overflow.remove(id),
+        };
+        if v.is_some() {
+            self.len -= 1;
+        }
+        v
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Every entry, in no particular order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.ring
+            .iter()
+            .filter_map(|e| e.as_ref().map(|(k, v)| (*k, v)))
+            .chain(self.overflow.iter().map(|(&k, v)| (k, v)))
+    }
+
+    /// Every id, in increasing order.
+    pub(super) fn sorted_keys(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.iter().map(|(k, _)| k).collect();
+        v.sort_unstable();
+        v
+    }
+}
+
 /// A map keyed by engine-chosen ids.
 pub(super) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
-/// A set of engine-chosen ids.
-pub(super) type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
+
+/// Size of one chunk of the header arena: a header is a slice of a chunk, so the `Bytes`
+/// handed out share a few allocations.
+const HDR_CHUNK: usize = 16 * 1024;
+
+/// Used-up chunks the arena keeps to reuse once their headers are all gone.
+const HDR_SPARES: usize = 8;
+
+/// The arena packet headers are encoded into: one chunk is filled header after header (each
+/// split off as a `Bytes`); a used-up chunk is kept and reused, without allocating, once the
+/// packets that point into it have all been released (by the device completion that frees the
+/// packet and by the device dropping the `Transmit`). In steady state two chunks take turns.
+#[derive(Debug, Default)]
+pub(super) struct HeaderArena {
+    /// The chunk being filled (empty and unallocated before the first header).
+    cur: BytesMut,
+    /// `cur` is a chunk (not the initial empty buffer).
+    live: bool,
+    /// Used-up chunks, oldest first.
+    spares: VecDeque<BytesMut>,
+}
+
+impl HeaderArena {
+    /// Room for a header of `len` bytes, appended with [`HeaderArena::buf`].
+    pub(super) fn reserve(&mut self, len: usize) {
+        if self.cur.capacity() >= len {
+            return;
+        }
+        let want = HDR_CHUNK.max(len);
+        let used = std::mem::take(&mut self.cur);
+        if self.live {
+            if self.spares.len() >= HDR_SPARES {
+                // Its headers keep it alive; it is freed when they go.
+                self.spares.pop_front();
+            }
+            self.spares.push_back(used);
+        }
+        self.live = true;
+        // The oldest chunk whose headers are all released (nothing else points into it).
+        for _ in 0..self.spares.len() {
+            let Some(mut c) = self.spares.pop_front() else {
+                break;
+            };
+            if c.try_reclaim(want) {
+                self.cur = c;
+                return;
+            }
+            self.spares.push_back(c);
+        }
+        self.cur = BytesMut::with_capacity(want);
+    }
+
+    /// A header already encoded elsewhere, copied into the arena.
+    pub(super) fn copy(&mut self, hdr: &[u8]) -> Bytes {
+        self.reserve(hdr.len());
+        self.cur.extend_from_slice(hdr);
+        self.take()
+    }
+
+    /// The buffer to append the header to (after [`HeaderArena::reserve`]).
+    pub(super) fn buf(&mut self) -> &mut BytesMut {
+        &mut self.cur
+    }
+
+    /// The header appended since the last call.
+    pub(super) fn take(&mut self) -> Bytes {
+        self.cur.split().freeze()
+    }
+
+    /// Forgets a partly written header.
+    pub(super) fn discard(&mut self) {
+        self.cur.clear();
+    }
+}
 
 /// The byte ranges of a message received so far: sorted, disjoint, adjacent ranges merged.
 ///
 /// Segments arrive in any order; an overlapping segment is a duplicate (or a lie) and refused.
+/// While the ranges received form one range (segments in order, the usual case) it is kept
+/// inline, without allocating.
 #[derive(Debug, Default)]
 pub(super) struct RangeSet {
+    /// The only range while `r` is empty.
+    one: Option<(u64, u64)>,
     r: Vec<(u64, u64)>,
 }
 
@@ -54,6 +346,25 @@ impl RangeSet {
     pub(super) fn insert(&mut self, start: u64, end: u64) -> bool {
         if start >= end {
             return false;
+        }
+        if self.r.is_empty() {
+            let Some((s, e)) = self.one else {
+                self.one = Some((start, end));
+                return true;
+            };
+            if start < e && s < end {
+                return false;
+            }
+            if start == e {
+                self.one = Some((s, end));
+                return true;
+            }
+            if end == s {
+                self.one = Some((start, e));
+                return true;
+            }
+            self.one = None;
+            self.r.push((s, e));
         }
         // First range that ends after `start`: the only one that can overlap or follow.
         let i = self.r.partition_point(|&(_, e)| e <= start);
@@ -90,7 +401,11 @@ impl RangeSet {
     /// Number of disjoint ranges held.
     #[cfg(test)]
     pub(super) fn ranges(&self) -> usize {
-        self.r.len()
+        if self.r.is_empty() {
+            usize::from(self.one.is_some())
+        } else {
+            self.r.len()
+        }
     }
 }
 
@@ -98,6 +413,63 @@ impl RangeSet {
 mod tests {
     use super::*;
     use crate::fault::{Rng, test_seed};
+
+    #[test]
+    fn gen_slab_never_reuses_an_id() {
+        let mut s: GenSlab<u32> = GenSlab::default();
+        let a = s.insert(1);
+        let b = s.insert(2);
+        assert_ne!(a, 0);
+        assert_eq!(s.remove(&a), Some(1));
+        assert_eq!(s.remove(&a), None);
+        let c = s.insert(3);
+        assert_ne!(c, a, "the slot is reused, the id is not");
+        assert_eq!(s.get(&a), None);
+        assert_eq!(s.get(&c), Some(&3));
+        assert_eq!(s.get_mut(&b), Some(&mut 2));
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.values().copied().sum::<u32>(), 5);
+        assert!(!s.contains_key(&(a + (7 << 40))));
+    }
+
+    #[test]
+    fn seq_map_is_a_map() {
+        let seed = test_seed();
+        let mut rng = Rng::new(seed);
+        for max in [16usize, 64, 1024] {
+            let mut m: SeqMap<u64> = SeqMap::new(max);
+            let mut want: HashMap<u32, u64> = HashMap::new();
+            let mut next = u32::MAX - 300;
+            for step in 0..20_000u64 {
+                // Mostly recent ids complete; a few linger for long.
+                if rng.chance(0.5) || want.len() > 200 {
+                    let k = *want
+                        .keys()
+                        .nth(rng.below(want.len().max(1) as u64) as usize)
+                        .unwrap_or(&0);
+                    assert_eq!(m.remove(&k), want.remove(&k), "seed {seed}");
+                } else {
+                    while want.contains_key(&next) {
+                        next = next.wrapping_add(1);
+                    }
+                    assert!(!m.contains_key(&next), "seed {seed}");
+                    m.insert(next, step);
+                    want.insert(next, step);
+                    next = next.wrapping_add(1 + rng.below(3) as u32);
+                }
+                let probe = next.wrapping_sub(rng.below(400) as u32);
+                assert_eq!(m.get(&probe), want.get(&probe), "seed {seed}");
+                if let Some(v) = m.get_mut(&probe) {
+                    *v += 1;
+                    *want.get_mut(&probe).unwrap() += 1;
+                }
+                assert_eq!(m.len(), want.len(), "seed {seed}");
+            }
+            let mut keys: Vec<u32> = want.keys().copied().collect();
+            keys.sort_unstable();
+            assert_eq!(m.sorted_keys(), keys, "seed {seed}");
+        }
+    }
 
     #[test]
     fn ranges_merge_and_refuse_overlaps() {
