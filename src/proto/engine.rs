@@ -40,7 +40,7 @@ use peer::{AddrCache, Peer};
 use recv::{MultiRecv, PostedItem};
 use rx::RxEntry;
 use tx::{Pkt, TxEntry};
-use util::{GenSlab, HeaderArena, IdMap, SeqMap};
+use util::{GenSlab, Hdr, HeaderArena, IdMap, SeqMap};
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -285,7 +285,7 @@ pub struct Engine {
 
     events: VecDeque<Event>,
     stats: EndpointStats,
-    /// Arena the packet headers are encoded into.
+    /// Arena the headers handed to the device are copied into.
     hdr: HeaderArena,
     /// Reused list of the packets a send or a CTS window creates (no allocation per message).
     pkt_scratch: Vec<Pkt>,
@@ -540,14 +540,12 @@ impl Engine {
         tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
     }
 
-    /// Encodes a header into the arena; `None` only if the codec refuses (a bug).
-    fn encode(&mut self, pkt: &Packet<'_>) -> Option<Bytes> {
-        self.hdr.reserve(pkt.header_len());
-        match pkt.encode_header(self.hdr.buf()) {
-            Ok(_) => Some(self.hdr.take()),
+    /// Encodes a packet's headers; `None` only if the codec refuses (a bug).
+    fn encode(&self, pkt: &Packet<'_>) -> Option<Hdr> {
+        match Hdr::encode(pkt) {
+            Ok(h) => Some(h),
             Err(e) => {
                 tracing::error!(error = %e, ty = %pkt.packet_type(), "could not encode a packet");
-                self.hdr.discard();
                 None
             }
         }

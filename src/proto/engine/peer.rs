@@ -278,11 +278,7 @@ impl Engine {
         if let Some(p) = self.peers.get_mut(&pid) {
             p.hs_sent = true;
         }
-        self.enqueue(
-            Pkt::new(pid, Owner::Handshake, hdr, bytes::Bytes::new()),
-            true,
-            false,
-        );
+        self.enqueue(Pkt::ctrl(pid, Owner::Handshake, hdr), true, false);
     }
 
     /// The peer's HANDSHAKE: its features; REQs switch to the connid header and held CTSDATA

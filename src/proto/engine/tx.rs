@@ -7,6 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::peer::peer_fatal;
+use super::util::Hdr;
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
 use crate::proto::wire::{
@@ -29,25 +30,38 @@ pub(super) enum Owner {
 }
 
 /// A packet queued for, or handed to, the device.
+///
+/// It holds no reference-counted buffer: its headers are inline and its payload is a range of
+/// its send's buffer, turned into the `Transmit`'s `Bytes` when it goes to the device (and
+/// again if an RNR sends it once more).
 #[derive(Debug)]
 pub(super) struct Pkt {
     pub(super) peer: u64,
     pub(super) owner: Owner,
     pub(super) wr_id: u64,
-    pub(super) hdr: Bytes,
-    pub(super) payload: Bytes,
+    pub(super) hdr: Hdr,
+    /// The payload: bytes `off..end` of the buffer of send `owner` (none for other owners).
+    pub(super) off: usize,
+    pub(super) end: usize,
     /// RNR completions this packet has met.
     pub(super) rnr: u8,
 }
 
 impl Pkt {
-    pub(super) fn new(peer: u64, owner: Owner, hdr: Bytes, payload: Bytes) -> Pkt {
+    /// A control packet (no payload).
+    pub(super) fn ctrl(peer: u64, owner: Owner, hdr: Hdr) -> Pkt {
+        Pkt::new(peer, owner, hdr, 0, 0)
+    }
+
+    /// A packet of send `owner` carrying bytes `off..end` of its buffer.
+    pub(super) fn new(peer: u64, owner: Owner, hdr: Hdr, off: usize, end: usize) -> Pkt {
         Pkt {
             peer,
             owner,
             wr_id: 0,
             hdr,
-            payload,
+            off,
+            end,
             rnr: 0,
         }
     }
@@ -83,10 +97,6 @@ pub(super) struct TxEntry {
     pub(super) receipt: bool,
 }
 
-/// Largest eager header: DC_EAGER_TAGRTM (24) with the raw-address (40) and CQ-data (8)
-/// headers.
-const EAGER_MAX_HDR: usize = 24 + RAW_ADDR_HDR_LEN + CQ_DATA_HDR_LEN;
-
 /// Length of the headers of an eager REQ (what [`Packet::header_len`] says of
 /// `Packet::EagerRtm`).
 fn eager_header_len(opt: &ReqOpt, tagged: bool, dc: bool) -> usize {
@@ -106,69 +116,48 @@ fn eager_header_len(opt: &ReqOpt, tagged: bool, dc: bool) -> usize {
 /// The headers of an eager REQ (EAGER_MSGRTM/TAGRTM, DC_EAGER_MSGRTM/TAGRTM), byte for byte
 /// what [`Packet::encode_header`] writes for `Packet::EagerRtm` (a test compares them), written
 /// without the codec's generality: every small message has one.
-struct EagerHeader {
-    b: [u8; EAGER_MAX_HDR],
-    n: usize,
-}
-
-impl EagerHeader {
-    fn put(&mut self, bytes: &[u8]) {
-        if let Some(d) = self.b.get_mut(self.n..self.n + bytes.len()) {
-            d.copy_from_slice(bytes);
-        }
-        self.n += bytes.len();
+fn eager_header(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<u32>) -> Hdr {
+    let ty = match (tag.is_some(), dc_send_id.is_some()) {
+        (false, false) => PacketType::EagerMsgRtm,
+        (true, false) => PacketType::EagerTagRtm,
+        (false, true) => PacketType::DcEagerMsgRtm,
+        (true, true) => PacketType::DcEagerTagRtm,
+    };
+    let mut flags = req_flags::MSG;
+    if tag.is_some() {
+        flags |= req_flags::TAGGED;
     }
-
-    fn new(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<u32>) -> EagerHeader {
-        let ty = match (tag.is_some(), dc_send_id.is_some()) {
-            (false, false) => PacketType::EagerMsgRtm,
-            (true, false) => PacketType::EagerTagRtm,
-            (false, true) => PacketType::DcEagerMsgRtm,
-            (true, true) => PacketType::DcEagerTagRtm,
-        };
-        let mut flags = req_flags::MSG;
-        if tag.is_some() {
-            flags |= req_flags::TAGGED;
-        }
-        match opt.sender {
-            Sender::RawAddr(_) => flags |= req_flags::RAW_ADDR_HDR,
-            Sender::Connid(_) => flags |= req_flags::CONNID_HDR,
-            Sender::None => {}
-        }
-        if opt.cq_data.is_some() {
-            flags |= req_flags::CQ_DATA_HDR;
-        }
-        let mut h = EagerHeader {
-            b: [0; EAGER_MAX_HDR],
-            n: 0,
-        };
-        h.put(&[ty.id(), PROTOCOL_VERSION]);
-        h.put(&flags.to_le_bytes());
-        h.put(&msg_id.to_le_bytes());
-        if let Some(id) = dc_send_id {
-            h.put(&id.to_le_bytes());
-            h.put(&[0; 4]);
-        }
-        if let Some(t) = tag {
-            h.put(&t.to_le_bytes());
-        }
-        if let Sender::RawAddr(a) = opt.sender {
-            h.put(&RAW_ADDR_HDR_ADDR_LEN.to_le_bytes());
-            h.put(&a.to_bytes());
-            h.put(&[0; RAW_ADDR_HDR_LEN - 4 - crate::addr::RAW_ADDR_LEN]);
-        }
-        if let Some(d) = opt.cq_data {
-            h.put(&d.to_le_bytes());
-        }
-        if let Sender::Connid(c) = opt.sender {
-            h.put(&c.to_le_bytes());
-        }
-        h
+    match opt.sender {
+        Sender::RawAddr(_) => flags |= req_flags::RAW_ADDR_HDR,
+        Sender::Connid(_) => flags |= req_flags::CONNID_HDR,
+        Sender::None => {}
     }
-
-    fn bytes(&self) -> &[u8] {
-        self.b.get(..self.n).unwrap_or(&[])
+    if opt.cq_data.is_some() {
+        flags |= req_flags::CQ_DATA_HDR;
     }
+    let mut h = Hdr::empty();
+    h.put(&[ty.id(), PROTOCOL_VERSION]);
+    h.put(&flags.to_le_bytes());
+    h.put(&msg_id.to_le_bytes());
+    if let Some(id) = dc_send_id {
+        h.put(&id.to_le_bytes());
+        h.put(&[0; 4]);
+    }
+    if let Some(t) = tag {
+        h.put(&t.to_le_bytes());
+    }
+    if let Sender::RawAddr(a) = opt.sender {
+        h.put(&RAW_ADDR_HDR_ADDR_LEN.to_le_bytes());
+        h.put(&a.to_bytes());
+        h.put(&[0; RAW_ADDR_HDR_LEN - 4 - crate::addr::RAW_ADDR_LEN]);
+    }
+    if let Some(d) = opt.cq_data {
+        h.put(&d.to_le_bytes());
+    }
+    if let Sender::Connid(c) = opt.sender {
+        h.put(&c.to_le_bytes());
+    }
+    h
 }
 
 /// The fields every packet of one message shares.
@@ -272,7 +261,7 @@ impl Engine {
             dc,
         };
         let mut pkts = std::mem::take(&mut self.pkt_scratch);
-        let (proto, scheduled) = match self.packetize(&mut pkts, &m, &op.buf) {
+        let (proto, scheduled) = match self.packetize(&mut pkts, &m, op.buf.len()) {
             Ok(x) => x,
             Err(e) => {
                 pkts.clear();
@@ -313,9 +302,8 @@ impl Engine {
         &mut self,
         pkts: &mut Vec<Pkt>,
         m: &MsgHdr,
-        buf: &Bytes,
+        len: usize,
     ) -> Result<(Proto, usize), Error> {
-        let len = buf.len();
         let mtu = self.cfg.mtu;
         let (opt, msg_id, tag) = (m.opt, m.msg_id, m.tag);
         let dc_send_id = m.dc.then_some(m.send_id);
@@ -323,14 +311,8 @@ impl Engine {
             .checked_sub(eager_header_len(&opt, tag.is_some(), m.dc))
             .is_some_and(|cap| len <= cap)
         {
-            let h = EagerHeader::new(&opt, msg_id, tag, dc_send_id);
-            let hdr = self.hdr.copy(h.bytes());
-            pkts.push(Pkt::new(
-                m.pid,
-                Owner::Tx(m.send_id),
-                hdr,
-                buf.slice(0..len),
-            ));
+            let hdr = eager_header(&opt, msg_id, tag, dc_send_id);
+            pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, 0, len));
             return Ok((Proto::Eager, len));
         }
         if len <= self.cfg.max_medium_msg_size {
@@ -350,7 +332,7 @@ impl Engine {
             }
             let mut off = 0;
             for n in medium_segments(len, cap) {
-                self.push_pkt(pkts, m, &seg(off as u64), buf, off, off + n)?;
+                self.push_pkt(pkts, m, &seg(off as u64), off, off + n)?;
                 off += n;
             }
             return Ok((Proto::Medium, off));
@@ -370,24 +352,23 @@ impl Engine {
             return Err(Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small"));
         }
         let n = cap.min(len);
-        self.push_pkt(pkts, m, &first, buf, 0, n)?;
+        self.push_pkt(pkts, m, &first, 0, n)?;
         Ok((Proto::LongCts, n))
     }
 
-    /// Encodes `pkt` and appends it, with `buf[a..b]` as payload, to `pkts`.
+    /// Encodes `pkt` and appends it, with bytes `a..b` of the message as payload, to `pkts`.
     fn push_pkt(
         &mut self,
         pkts: &mut Vec<Pkt>,
         m: &MsgHdr,
         pkt: &Packet<'_>,
-        buf: &Bytes,
         a: usize,
         b: usize,
     ) -> Result<(), Error> {
         let Some(hdr) = self.encode(pkt) else {
             return Err(Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"));
         };
-        pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, buf.slice(a..b)));
+        pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, a, b));
         Ok(())
     }
 
@@ -415,23 +396,25 @@ impl Engine {
             }
             let dest = p.addr;
             self.queued_pkts = self.queued_pkts.saturating_sub(1);
-            if let Owner::Tx(id) = pkt.owner {
-                if !self.tx.contains_key(&id) {
-                    continue;
-                }
-            }
+            let payload = match pkt.owner {
+                Owner::Tx(id) => match self.tx.get(&id) {
+                    Some(t) => t.buf.slice(pkt.off..pkt.end),
+                    None => continue,
+                },
+                Owner::Handshake | Owner::Ctrl => Bytes::new(),
+            };
+            let hdr = self.hdr.copy(pkt.hdr.bytes());
             self.wr_seq = self.wr_seq.wrapping_add(1);
             let entry = self.outstanding.vacant_entry();
             let wr_id = (u64::from(self.wr_seq) << 32) | (entry.key() as u64 & 0xffff_ffff);
             pkt.wr_id = wr_id;
-            let t = Transmit {
+            entry.insert(pkt);
+            return Some(Transmit {
                 wr_id,
                 dest,
-                hdr: pkt.hdr.clone(),
-                payload: pkt.payload.clone(),
-            };
-            entry.insert(pkt);
-            return Some(t);
+                hdr,
+                payload,
+            });
         }
         None
     }
@@ -585,8 +568,7 @@ impl Engine {
     /// Queues the CTSDATA packets of the window granted to send `id`.
     pub(super) fn schedule_ctsdata(&mut self, id: u32) {
         let Some(t) = self.tx.get(&id) else { return };
-        let (pid, buf, recv_id, mut off, end) =
-            (t.peer, t.buf.clone(), t.recv_id, t.scheduled, t.window_end);
+        let (pid, recv_id, mut off, end) = (t.peer, t.recv_id, t.scheduled, t.window_end);
         let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
         let qkey = self.local.qkey;
         let mut pkts = std::mem::take(&mut self.pkt_scratch);
@@ -604,7 +586,7 @@ impl Engine {
                 let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
                 return self.fail_tx(id, e, None);
             };
-            pkts.push(Pkt::new(pid, Owner::Tx(id), hdr, buf.slice(off..off + n)));
+            pkts.push(Pkt::new(pid, Owner::Tx(id), hdr, off, off + n));
             off += n;
         }
         if let Some(t) = self.tx.get_mut(&id) {
@@ -635,14 +617,14 @@ impl Engine {
             return;
         }
         if let Some(hdr) = self.encode(pkt) {
-            self.enqueue(Pkt::new(pid, Owner::Ctrl, hdr, Bytes::new()), true, false);
+            self.enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{EagerHeader, eager_header_len, medium_split};
+    use super::{eager_header, eager_header_len, medium_split};
     use crate::addr::{Gid, RawAddr};
     use crate::fault::{Rng, test_seed};
     use crate::proto::wire::{Packet, ReqOpt, Sender};
@@ -678,7 +660,7 @@ mod tests {
                     };
                     let mut want = Vec::new();
                     let n = p.encode_header(&mut want).unwrap();
-                    let h = EagerHeader::new(&opt, msg_id, tag, dc_send_id);
+                    let h = eager_header(&opt, msg_id, tag, dc_send_id);
                     assert_eq!(h.bytes(), &want[..], "seed {seed} {p:?}");
                     assert_eq!(eager_header_len(&opt, tag.is_some(), dc), n, "seed {seed}");
                     assert_eq!(p.header_len(), n, "seed {seed}");

@@ -6,6 +6,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use bytes::{Bytes, BytesMut};
 
+use crate::proto::wire::{Packet, WireError};
+
 /// A multiplicative hasher for keys the engine chooses (operation, peer and claim ids). Keys a
 /// peer controls (message ids) use the standard, randomly keyed hasher instead.
 #[derive(Clone, Copy, Debug, Default)]
@@ -254,6 +256,56 @@ impl<T> SeqMap<T> {
 /// A map keyed by engine-chosen ids.
 pub(super) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
+/// Room for the largest header the engine sends: a DC tagged MEDIUM segment with the
+/// raw-address and CQ-data headers (88 bytes); a HANDSHAKE has 80 at most.
+pub(super) const HDR_INLINE: usize = 96;
+
+/// A packet's headers, kept inline with the packet until it goes to the device (and again if
+/// an RNR sends it once more): no shared buffer whose references are counted per packet.
+#[derive(Clone, Copy)]
+pub(super) struct Hdr {
+    b: [u8; HDR_INLINE],
+    n: u8,
+}
+
+impl std::fmt::Debug for Hdr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hdr({} bytes)", self.n)
+    }
+}
+
+impl Hdr {
+    /// Empty, to be filled with [`Hdr::put`].
+    pub(super) fn empty() -> Hdr {
+        Hdr {
+            b: [0; HDR_INLINE],
+            n: 0,
+        }
+    }
+
+    /// Appends `bytes` (nothing if they do not fit; the header sizes the engine sends do).
+    pub(super) fn put(&mut self, bytes: &[u8]) {
+        let n = usize::from(self.n);
+        if let Some(d) = self.b.get_mut(n..n + bytes.len()) {
+            d.copy_from_slice(bytes);
+            self.n += bytes.len() as u8;
+        }
+    }
+
+    /// `pkt`'s headers, encoded by the codec.
+    pub(super) fn encode(pkt: &Packet<'_>) -> Result<Hdr, WireError> {
+        let mut h = Hdr::empty();
+        let mut out: &mut [u8] = &mut h.b[..];
+        let n = pkt.encode_header(&mut out)?;
+        h.n = n as u8;
+        Ok(h)
+    }
+
+    pub(super) fn bytes(&self) -> &[u8] {
+        self.b.get(..usize::from(self.n)).unwrap_or(&[])
+    }
+}
+
 /// Size of one chunk of the header arena: a header is a slice of a chunk, so the `Bytes`
 /// handed out share a few allocations.
 const HDR_CHUNK: usize = 16 * 1024;
@@ -261,10 +313,10 @@ const HDR_CHUNK: usize = 16 * 1024;
 /// Used-up chunks the arena keeps to reuse once their headers are all gone.
 const HDR_SPARES: usize = 8;
 
-/// The arena packet headers are encoded into: one chunk is filled header after header (each
-/// split off as a `Bytes`); a used-up chunk is kept and reused, without allocating, once the
-/// packets that point into it have all been released (by the device completion that frees the
-/// packet and by the device dropping the `Transmit`). In steady state two chunks take turns.
+/// The arena the headers handed to the device are copied into: one chunk is filled header
+/// after header (each split off as a `Bytes`); a used-up chunk is kept and reused, without
+/// allocating, once the headers that point into it have all been dropped by the device (with
+/// their `Transmit`). In steady state two chunks take turns.
 #[derive(Debug, Default)]
 pub(super) struct HeaderArena {
     /// The chunk being filled (empty and unallocated before the first header).
@@ -276,8 +328,8 @@ pub(super) struct HeaderArena {
 }
 
 impl HeaderArena {
-    /// Room for a header of `len` bytes, appended with [`HeaderArena::buf`].
-    pub(super) fn reserve(&mut self, len: usize) {
+    /// Room for a header of `len` bytes.
+    fn reserve(&mut self, len: usize) {
         if self.cur.capacity() >= len {
             return;
         }
@@ -305,26 +357,11 @@ impl HeaderArena {
         self.cur = BytesMut::with_capacity(want);
     }
 
-    /// A header already encoded elsewhere, copied into the arena.
+    /// `hdr` as a `Bytes` in the arena.
     pub(super) fn copy(&mut self, hdr: &[u8]) -> Bytes {
         self.reserve(hdr.len());
         self.cur.extend_from_slice(hdr);
-        self.take()
-    }
-
-    /// The buffer to append the header to (after [`HeaderArena::reserve`]).
-    pub(super) fn buf(&mut self) -> &mut BytesMut {
-        &mut self.cur
-    }
-
-    /// The header appended since the last call.
-    pub(super) fn take(&mut self) -> Bytes {
         self.cur.split().freeze()
-    }
-
-    /// Forgets a partly written header.
-    pub(super) fn discard(&mut self) {
-        self.cur.clear();
     }
 }
 
@@ -413,6 +450,75 @@ impl RangeSet {
 mod tests {
     use super::*;
     use crate::fault::{Rng, test_seed};
+
+    #[test]
+    fn every_header_the_engine_sends_fits_inline() {
+        use crate::addr::{Gid, RawAddr};
+        use crate::proto::wire::{ExtraInfo, Handshake, ReqOpt, Sender};
+        let opt = ReqOpt {
+            sender: Sender::RawAddr(RawAddr::new(Gid([0xff; 16]), u16::MAX, u32::MAX)),
+            cq_data: Some(u64::MAX),
+        };
+        let big = [
+            Packet::EagerRtm {
+                opt,
+                msg_id: 1,
+                tag: Some(2),
+                dc_send_id: Some(3),
+            },
+            Packet::MediumRtm {
+                opt,
+                msg_id: 1,
+                msg_length: 2,
+                seg_offset: 3,
+                tag: Some(4),
+                dc_send_id: Some(5),
+            },
+            Packet::LongCtsRtm {
+                opt,
+                msg_id: 1,
+                msg_length: 2,
+                send_id: 3,
+                credit_request: 4,
+                tag: Some(5),
+                dc: true,
+                read_nack: false,
+            },
+            Packet::CtsData {
+                connid: Some(1),
+                recv_id: 2,
+                seg_length: 3,
+                seg_offset: 4,
+            },
+            Packet::Cts {
+                connid: Some(1),
+                send_id: 2,
+                recv_id: 3,
+                recv_length: 4,
+                read_req: false,
+            },
+            Packet::Receipt {
+                connid: Some(1),
+                send_id: 2,
+                msg_id: 3,
+            },
+            Packet::Handshake(Handshake {
+                extra_info: ExtraInfo::from_words(&[u64::MAX; 8]),
+                connid: Some(1),
+                host_id: Some(2),
+                device_version: Some(3),
+                user_recv_qp: Some((4, 5)),
+                p2p: Some(true),
+            }),
+        ];
+        for p in big {
+            let h = Hdr::encode(&p).unwrap_or_else(|e| panic!("{p:?}: {e}"));
+            assert_eq!(h.bytes().len(), p.header_len(), "{p:?}");
+            let mut want = Vec::new();
+            p.encode_header(&mut want).unwrap();
+            assert_eq!(h.bytes(), &want[..], "{p:?}");
+        }
+    }
 
     #[test]
     fn gen_slab_never_reuses_an_id() {
