@@ -39,6 +39,7 @@
 #![deny(unsafe_code)]
 
 pub mod addr;
+pub mod atomic;
 pub mod av;
 pub mod config;
 pub mod cq;
@@ -55,6 +56,7 @@ pub mod stats;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};
 
+pub use atomic::{AtomicOp, AtomicType};
 pub use config::Config;
 
 pub use device::{DeviceKind, Status};

@@ -202,6 +202,7 @@ impl Pair {
                             recvs += 1;
                             self.bufs.push(r.buf);
                         }
+                        other => panic!("unexpected event {other:?}"),
                     }
                 }
             }

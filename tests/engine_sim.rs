@@ -32,6 +32,7 @@ fn split(events: Vec<Event>) -> (Vec<SendDone>, Vec<RecvDone>) {
         match e {
             Event::Send(x) => s.push(x),
             Event::Recv(x) => r.push(x),
+            other => panic!("unexpected event {other:?}"),
         }
     }
     (s, r)
@@ -317,6 +318,7 @@ fn run_mix(
                     sent_done[k] += 1;
                 }
                 Event::Recv(r) => recvs[i].push(r),
+                other => panic!("seed {seed}: unexpected event {other:?}"),
             }
         }
     }

@@ -105,6 +105,14 @@ impl EndpointBuilder<Rdm> {
                 max_timeout: cfg.max_timeout,
                 rx_stall_timeout: Duration::from_secs(30),
                 seed: u64::from(addr.qkey) ^ u64::from(addr.qpn) << 32,
+                // Device RDMA and the read-based protocols come with the endpoint's RMA support.
+                device_rdma_read: false,
+                device_rdma_write: false,
+                max_rdma_size: attr.max_rdma_size,
+                inter_min_read_write_size: cfg.inter_min_read_write_size,
+                inter_min_read_message_size: cfg.inter_min_read_message_size,
+                runt_size: cfg.runt_size,
+                inter_read_segment_size: cfg.inter_read_segment_size,
             },
             addr,
             now,
@@ -789,6 +797,8 @@ impl RdmCore {
         let (key, is_send) = match &ev {
             Event::Send(s) => (s.context as usize, true),
             Event::Recv(r) => (r.context as usize, false),
+            // RMA is not started by this endpoint yet (RMA issue, in progress).
+            Event::Rma(_) | Event::RemoteWrite(_) => return false,
         };
         // A multi-receive buffer completes once per message (each with its own part of the
         // buffer) and is only retired by its final `multi_recv_done` completion.
@@ -817,6 +827,7 @@ impl RdmCore {
         let result = match ev {
             Event::Send(s) => self.send_completion(s, user_ctx, op.region),
             Event::Recv(r) => self.recv_completion(r, user_ctx, op.target),
+            Event::Rma(_) | Event::RemoteWrite(_) => return false,
         };
         match op.sink {
             Sink::Cq(_) => {

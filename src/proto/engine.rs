@@ -23,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use slab::Slab;
 
 use crate::addr::{Gid, RawAddr};
-use crate::device::{Source, Status};
+use crate::device::{RemoteIov, Source, Status};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::Rng;
 use crate::proto::matching::Matcher;
@@ -67,6 +67,25 @@ pub struct EngineConfig {
     pub rx_stall_timeout: Duration,
     /// Seed of the engine's randomness (backoff jitter).
     pub seed: u64,
+    /// This side's device can do one-sided RDMA read and `FI_EFA_USE_DEVICE_RDMA` allows it
+    /// (advertised in the handshake; used towards peers that advertise it too).
+    pub device_rdma_read: bool,
+    /// This side's device can do one-sided RDMA write (and write with immediate data) and the
+    /// configuration allows it.
+    pub device_rdma_write: bool,
+    /// Largest single device RDMA read or write (bytes); larger operations are split.
+    pub max_rdma_size: u64,
+    /// `FI_EFA_INTER_MIN_READ_WRITE_SIZE`: emulated RMA writes at least this long use
+    /// LONGREAD_RTW when RDMA read exists on both sides.
+    pub inter_min_read_write_size: usize,
+    /// `FI_EFA_INTER_MIN_READ_MESSAGE_SIZE`: messages at least this long use the long-read (or
+    /// runting-read) protocol when RDMA read exists on both sides and the buffer is readable.
+    pub inter_min_read_message_size: usize,
+    /// `FI_EFA_RUNT_SIZE`: bytes a runting read sends eagerly before the receiver reads the rest
+    /// (0 disables runting reads).
+    pub runt_size: usize,
+    /// `FI_EFA_INTER_READ_SEGMENT_SIZE`: largest single read of the read-based protocols.
+    pub inter_read_segment_size: usize,
 }
 
 /// One send operation (message or tagged message).
@@ -101,17 +120,170 @@ pub struct RecvOp {
     pub context: u64,
 }
 
-/// A packet to post on the device: two segments to `dest`.
+/// A work request to post on the device: a datagram (two segments) to `dest`, or a one-sided
+/// RDMA operation ([`TransmitKind`]).
 #[derive(Debug, Clone)]
 pub struct Transmit {
-    /// Give it back in [`Engine::handle_send_completion`].
+    /// Give it back in [`Engine::handle_send_completion`] (datagrams) or
+    /// [`Engine::handle_rdma_completion`] (RDMA).
     pub wr_id: u64,
     /// Destination queue pair.
     pub dest: RawAddr,
-    /// Protocol header.
+    /// Protocol header (datagrams only).
     pub hdr: Bytes,
-    /// Application data (may be empty).
+    /// Application data: a datagram's second segment, or the data of an RDMA write.
     pub payload: Bytes,
+    /// What to post.
+    pub kind: TransmitKind,
+}
+
+/// What a [`Transmit`] asks the device for.
+#[derive(Debug, Clone, Default)]
+pub enum TransmitKind {
+    /// `post_send` of `hdr` + `payload`.
+    #[default]
+    Send,
+    /// `post_write` of `payload` to `remote`, with optional immediate data.
+    RdmaWrite {
+        /// Target range.
+        remote: RemoteIov,
+        /// Immediate data for the target's completion.
+        imm: Option<u32>,
+    },
+    /// `post_read` of `remote` into `buf` (its capacity holds `remote.len` bytes).
+    RdmaRead {
+        /// Source range.
+        remote: RemoteIov,
+        /// Local buffer, handed back in the device completion.
+        buf: BytesMut,
+    },
+}
+
+/// One RMA or atomic operation (`fi_write`, `fi_read`, `fi_writedata`, `fi_atomic`, ...).
+#[derive(Debug)]
+pub struct RmaOp {
+    /// Target endpoint.
+    pub dest: RawAddr,
+    /// Target range (key, address in the key's address space, length).
+    pub remote: RemoteIov,
+    /// What to do.
+    pub kind: RmaKind,
+    /// The local buffer of a write is a registered region peers can read (key, address): makes
+    /// the LONGREAD_RTW protocol possible.
+    pub local_key: Option<(u64, u64)>,
+    /// Complete only when the data is in the target's memory (`FI_DELIVERY_COMPLETE`: DC_*RTW /
+    /// DC_*RTA, or device write followed by nothing more since device writes are placed).
+    pub delivery_complete: bool,
+    /// Returned in the completion.
+    pub context: u64,
+}
+
+/// The kind of an [`RmaOp`].
+#[derive(Debug)]
+pub enum RmaKind {
+    /// Write `buf` (its length must equal `remote.len`); with `data`, the target gets a
+    /// [`Event::RemoteWrite`] carrying it (`fi_writedata`).
+    Write {
+        /// The data.
+        buf: Bytes,
+        /// 4 bytes of remote CQ data.
+        data: Option<u32>,
+    },
+    /// Read `remote.len` bytes into `buf` (its capacity must hold them).
+    Read {
+        /// The destination.
+        buf: BytesMut,
+    },
+    /// An atomic on `remote.len / datatype.size()` elements.
+    Atomic {
+        /// The operation.
+        op: crate::atomic::AtomicOp,
+        /// The element type.
+        datatype: crate::atomic::AtomicType,
+        /// Operand elements (empty for [`AtomicOp::Read`](crate::atomic::AtomicOp::Read)).
+        operand: Bytes,
+        /// Compare elements (compare operations only).
+        compare: Option<Bytes>,
+        /// Where the target's previous values go (fetch and compare atomics).
+        fetch: Option<BytesMut>,
+    },
+}
+
+/// The buffers of a finished [`RmaOp`], handed back.
+#[derive(Debug)]
+pub enum RmaBuf {
+    /// A write's data.
+    Write(Bytes),
+    /// A read's destination, filled on success.
+    Read(BytesMut),
+    /// An atomic's operand and, for fetch and compare atomics, the previous target values.
+    Atomic {
+        /// The operand.
+        operand: Bytes,
+        /// The previous values (filled on success).
+        fetch: Option<BytesMut>,
+    },
+}
+
+/// Whether an RMA operation ran as one-sided device RDMA or was emulated with packets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum RmaPath {
+    /// Device RDMA read/write.
+    Device,
+    /// The engine's emulation (RTW / RTR / RTA packets, or the read-based protocols).
+    Emulated,
+}
+
+/// A finished RMA or atomic operation.
+#[derive(Debug)]
+pub struct RmaDone {
+    /// The operation's context.
+    pub context: u64,
+    /// The buffers, handed back.
+    pub buf: RmaBuf,
+    /// Bytes transferred.
+    pub len: usize,
+    /// How it ran.
+    pub path: RmaPath,
+    /// `None` on success; `RemoteAccess` for a bad key or range, ...
+    pub error: Option<Error>,
+    /// Device (or peer-reported) status behind an error, if any.
+    pub status: Option<Status>,
+}
+
+/// The target side of a write with immediate data (`FI_REMOTE_CQ_DATA | FI_REMOTE_WRITE`): the
+/// data is already in the target's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteWriteDone {
+    /// The writer.
+    pub src: RawAddr,
+    /// The 4 bytes of immediate data.
+    pub data: u32,
+    /// Bytes written.
+    pub len: usize,
+}
+
+/// The memory peers reach with emulated RMA and atomics: the domain's registered regions
+/// ([`crate::Domain`] implements it). Access is checked against the key, bounds and rights.
+pub trait RmaMemory: Send + Sync + std::fmt::Debug {
+    /// Writes `data` at `addr` of the region `key` names. `RemoteAccess` for a bad key, range or
+    /// right (nothing written); `Again` when the application holds the region's lock right now
+    /// (retry later).
+    fn write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()>;
+    /// The `len` bytes at `addr` of the region `key` names; errors as for `write`.
+    fn read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes>;
+    /// Applies an atomic to the elements at `addr` as one step and returns their previous
+    /// values; errors as for `write`, `InvalidArgument` for a bad operand length or an operation
+    /// the datatype does not support.
+    fn atomic(
+        &self,
+        key: u64,
+        addr: u64,
+        op: crate::atomic::AtomicOp,
+        datatype: crate::atomic::AtomicType,
+        operand: &[u8],
+        compare: Option<&[u8]>,
+    ) -> Result<Bytes>;
 }
 
 /// A finished send.
@@ -161,6 +333,10 @@ pub enum Event {
     Send(SendDone),
     /// A receive finished.
     Recv(RecvDone),
+    /// An RMA or atomic operation this side initiated finished.
+    Rma(RmaDone),
+    /// A peer's write with immediate data landed in this side's memory.
+    RemoteWrite(RemoteWriteDone),
 }
 
 /// Result of a peek at the unexpected messages (`FI_PEEK`).
@@ -285,6 +461,8 @@ pub struct Engine {
 
     events: VecDeque<Event>,
     stats: EndpointStats,
+    /// Memory peers reach with emulated RMA and atomics.
+    memory: Option<std::sync::Arc<dyn RmaMemory>>,
     /// Arena the headers handed to the device are copied into.
     hdr: HeaderArena,
     /// Reused list of the packets a send or a CTS window creates (no allocation per message).
@@ -330,6 +508,7 @@ impl Engine {
             stall_check: None,
             events: VecDeque::new(),
             stats: EndpointStats::default(),
+            memory: None,
             hdr: HeaderArena::default(),
             pkt_scratch: Vec::new(),
         }
@@ -399,6 +578,41 @@ impl Engine {
     /// completes normally. `NoMessage` when none matches.
     pub fn discard(&mut self, tag: u64, ignore: u64, src: Option<RawAddr>) -> Result<Peeked> {
         self.discard_impl(tag, ignore, src)
+    }
+
+    /// Gives the engine the memory peers' emulated RMA and atomics reach. Without it, such
+    /// requests are refused with [`Status::RemoteBadAddress`].
+    pub fn set_memory(&mut self, mem: std::sync::Arc<dyn RmaMemory>) {
+        self.memory = Some(mem);
+    }
+
+    /// Starts an RMA or atomic operation; `Again` when `max_tx_ops` operations are in flight.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value, as send and post_recv do"
+    )]
+    pub fn rma(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
+        let _ = now;
+        Err((Error::new(ErrorKind::NotSupported, "rma"), op))
+    }
+
+    /// The device completed the RDMA work request `wr_id` (a [`TransmitKind::RdmaWrite`] or
+    /// [`TransmitKind::RdmaRead`] handed out by [`Engine::poll_transmit`]); `buf` is the read
+    /// buffer the device handed back.
+    pub fn handle_rdma_completion(
+        &mut self,
+        now: Instant,
+        wr_id: u64,
+        status: Status,
+        buf: Option<BytesMut>,
+    ) {
+        let _ = (now, wr_id, status, buf);
+    }
+
+    /// The device placed a peer's RDMA write with immediate data (`imm`, `len` bytes) in this
+    /// side's memory: reported as [`Event::RemoteWrite`].
+    pub fn handle_remote_write(&mut self, now: Instant, src: Source, imm: u32, len: usize) {
+        let _ = (now, src, imm, len);
     }
 
     /// A datagram arrived from `src` (the device's receive completion); `data` is its bytes.

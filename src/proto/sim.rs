@@ -123,6 +123,13 @@ impl SimConfig {
             max_timeout: Duration::from_millis(1000),
             rx_stall_timeout: Duration::from_secs(5),
             seed: 0,
+            device_rdma_read: false,
+            device_rdma_write: false,
+            max_rdma_size: 0,
+            inter_min_read_write_size: 65536,
+            inter_min_read_message_size: 1_048_576,
+            runt_size: 307_200,
+            inter_read_segment_size: 1 << 30,
         }
     }
 

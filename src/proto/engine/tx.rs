@@ -414,6 +414,7 @@ impl Engine {
                 dest,
                 hdr,
                 payload,
+                kind: super::TransmitKind::Send,
             });
         }
         None
