@@ -606,18 +606,19 @@ impl Config {
         list == "all" || list.split(',').any(|n| n.trim() == name)
     }
 
-    /// Whether to use the device's RDMA read/write: `FI_EFA_USE_DEVICE_RDMA` if set, else
-    /// whether the device has both. Asking for it on a device without RDMA read and write is a
-    /// `Config` error (libfabric aborts the process).
+    /// Whether to use the device's RDMA (read, and write where the device also has it):
+    /// `FI_EFA_USE_DEVICE_RDMA` if set, else whether the device has RDMA read. Asking for it on
+    /// a device without RDMA read is a `Config` error (libfabric aborts the process); as in
+    /// libfabric, RDMA read is the capability that decides.
     pub fn device_rdma(&self, caps: &DeviceCaps) -> Result<bool> {
-        let supported = caps.rdma_read && caps.rdma_write;
+        let supported = caps.rdma_read;
         match self.use_device_rdma {
             None => Ok(supported),
             Some(false) => Ok(false),
             Some(true) if supported => Ok(true),
             Some(true) => Err(config_error(
                 "FI_EFA_USE_DEVICE_RDMA",
-                "is 1 but the device has no RDMA read/write; unset it or set it to 0",
+                "is 1 but the device has no RDMA read; unset it or set it to 0",
             )),
         }
     }

@@ -68,8 +68,8 @@ pub use cq::{
 };
 pub use domain::Domain;
 pub use ep::{
-    Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome, Rdm, RecvOptions,
-    SendOptions,
+    AtomicRequest, Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome, Rdm,
+    RecvOptions, RmaAddr, RmaEmulation, SendOptions, WriteOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;

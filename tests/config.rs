@@ -506,6 +506,12 @@ fn device_rdma_choice() {
     assert!(!off.device_rdma(&rdma).unwrap());
     let on = cfg(&[("FI_EFA_USE_DEVICE_RDMA", "1")]);
     assert!(on.device_rdma(&rdma).unwrap());
+    // As in libfabric, RDMA read decides (a device with read but no write still uses it).
+    let read_only = DeviceCaps {
+        rdma_read: true,
+        ..DeviceCaps::default()
+    };
+    assert!(unset.device_rdma(&read_only).unwrap());
     let e = on.device_rdma(&none).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
     assert_eq!(e.op(), "FI_EFA_USE_DEVICE_RDMA");

@@ -16,9 +16,11 @@ use crate::notify::Notifier;
 mod buf;
 mod dgram;
 mod rdm;
+mod rma;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
 pub use rdm::{OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions};
+pub use rma::{AtomicRequest, RmaAddr, RmaEmulation, WriteOptions};
 
 mod sealed {
     pub trait Sealed {}

@@ -27,7 +27,7 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 use crate::proto::engine::{
-    Engine, EngineConfig, Event, Peeked, RecvDone, RecvOp, SendDone, SendOp,
+    Engine, EngineConfig, Event, Peeked, RecvDone, RecvOp, SendDone, SendOp, TransmitKind,
 };
 use crate::stats::EndpointStats;
 
@@ -82,6 +82,7 @@ impl EndpointBuilder<Rdm> {
         let tx_ops = self.queue_size(self.tx_size, cfg.tx_size, attr.max_send_wr, "tx_size")?;
         let rx_ops = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;
         let own = Arc::new(Notifier::new());
+        let use_rdma = cfg.device_rdma(&attr.caps)?;
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
             send_depth: attr.max_send_wr,
@@ -105,9 +106,8 @@ impl EndpointBuilder<Rdm> {
                 max_timeout: cfg.max_timeout,
                 rx_stall_timeout: Duration::from_secs(30),
                 seed: u64::from(addr.qkey) ^ u64::from(addr.qpn) << 32,
-                // Device RDMA and the read-based protocols come with the endpoint's RMA support.
-                device_rdma_read: false,
-                device_rdma_write: false,
+                device_rdma_read: use_rdma && attr.caps.rdma_read,
+                device_rdma_write: use_rdma && attr.caps.rdma_write,
                 max_rdma_size: attr.max_rdma_size,
                 inter_min_read_write_size: cfg.inter_min_read_write_size,
                 inter_min_read_message_size: cfg.inter_min_read_message_size,
@@ -187,7 +187,7 @@ fn progress_thread(core: Weak<RdmCore>, stop: Arc<AtomicBool>, notifier: Arc<Not
 }
 
 /// Where an operation's completion goes.
-enum Sink {
+pub(super) enum Sink {
     /// The bound completion queue, with the user's context.
     Cq(u64),
     /// An awaiting future.
@@ -195,22 +195,24 @@ enum Sink {
 }
 
 /// An operation the endpoint tracks: its sink and what to restore in its buffer.
-struct OpState {
-    sink: Sink,
-    target: Option<RecvTarget>,
-    region: Option<crate::mr::MemoryRegion>,
+pub(super) struct OpState {
+    pub(super) sink: Sink,
+    pub(super) target: Option<RecvTarget>,
+    pub(super) region: Option<crate::mr::MemoryRegion>,
     /// A multi-receive buffer: it completes once per message and stays until retired.
-    multi: bool,
+    pub(super) multi: bool,
+    /// An RMA or atomic operation: its completion flags.
+    pub(super) rma: Option<CompletionFlags>,
 }
 
-struct State {
-    engine: Engine,
+pub(super) struct State {
+    pub(super) engine: Engine,
     qp: Box<dyn QueuePair>,
-    ops: Slab<OpState>,
+    pub(super) ops: Slab<OpState>,
     scratch: Vec<DeviceCompletion>,
     /// Claimed unexpected messages (`FI_CLAIM`) by token.
     pending: HashSet<u64>,
-    closed: bool,
+    pub(super) closed: bool,
     /// Device receive buffers back from the device and not yet reposted.
     rx_free: Vec<(u64, BytesMut)>,
     /// Device receive buffers posted now.
@@ -221,13 +223,13 @@ struct State {
 
 /// Shared state of an RDM endpoint.
 pub struct RdmCore {
-    domain: Domain,
-    av: AddressVector,
+    pub(super) domain: Domain,
+    pub(super) av: AddressVector,
     tx_cq: CompletionQueue,
     rx_cq: CompletionQueue,
     addr: RawAddr,
     notifier: Arc<Notifier>,
-    state: Mutex<State>,
+    pub(super) state: Mutex<State>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -243,7 +245,7 @@ type OpResult = std::result::Result<Completion, CompletionError>;
 
 /// A completion delivered to a future.
 #[derive(Default)]
-struct Slot {
+pub(super) struct Slot {
     done: Mutex<(Option<OpResult>, Option<Waker>)>,
 }
 
@@ -441,6 +443,12 @@ pub struct OpFuture {
     early: Option<PostError>,
 }
 
+impl OpFuture {
+    pub(super) fn new(core: Arc<RdmCore>, slot: Arc<Slot>, early: Option<PostError>) -> OpFuture {
+        OpFuture { core, slot, early }
+    }
+}
+
 impl fmt::Debug for OpFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OpFuture").finish()
@@ -499,7 +507,7 @@ impl Future for OpFuture {
     }
 }
 
-fn refuse(error: Error, buf: Buffer) -> PostError {
+pub(super) fn refuse(error: Error, buf: Buffer) -> PostError {
     PostError { error, buf }
 }
 
@@ -538,6 +546,7 @@ impl RdmCore {
             target: None,
             region,
             multi: false,
+            rma: None,
         });
         let op = SendOp {
             dest,
@@ -600,6 +609,7 @@ impl RdmCore {
             target: Some(target),
             region: None,
             multi: o.multi_recv.is_some(),
+            rma: None,
         });
         let op = RecvOp {
             buf: down,
@@ -637,6 +647,7 @@ impl RdmCore {
             target: Some(target),
             region: None,
             multi: false,
+            rma: None,
         });
         let op = RecvOp {
             buf: down,
@@ -689,7 +700,7 @@ impl RdmCore {
 
     /// Moves everything that is ready: device completions into the engine, the engine's packets
     /// onto the device, the engine's completions into queues and futures.
-    fn pump(&self, st: &mut State, now: Instant) {
+    pub(super) fn pump(&self, st: &mut State, now: Instant) {
         loop {
             let mut busy = false;
             let mut batch = std::mem::take(&mut st.scratch);
@@ -705,21 +716,34 @@ impl RdmCore {
             }
             while let Some(t) = st.engine.poll_transmit(now) {
                 busy = true;
-                let wr = SendWr {
-                    wr_id: t.wr_id,
-                    dest: t.dest,
-                    hdr: t.hdr,
-                    payload: t.payload,
-                    imm: None,
+                let (wr_id, rdma) = (t.wr_id, !matches!(t.kind, TransmitKind::Send));
+                let posted = match t.kind {
+                    TransmitKind::Send => st.qp.post_send(SendWr {
+                        wr_id,
+                        dest: t.dest,
+                        hdr: t.hdr,
+                        payload: t.payload,
+                        imm: None,
+                    }),
+                    TransmitKind::RdmaWrite { remote, imm } => {
+                        st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
+                    }
+                    TransmitKind::RdmaRead { remote, buf } => {
+                        st.qp.post_read(wr_id, t.dest, buf, remote)
+                    }
                 };
-                if let Err(e) = st.qp.post_send(wr) {
-                    tracing::warn!(error = %e, "device refused a packet");
+                if let Err(e) = posted {
+                    tracing::warn!(error = %e, "device refused a work request");
                     let status = if e.kind() == ErrorKind::Closed {
                         Status::Flushed
                     } else {
                         Status::LocalQpInternalError
                     };
-                    st.engine.handle_send_completion(now, t.wr_id, status);
+                    if rdma {
+                        st.engine.handle_rdma_completion(now, wr_id, status, None);
+                    } else {
+                        st.engine.handle_send_completion(now, wr_id, status);
+                    }
                 }
             }
             let mut delivered = false;
@@ -760,7 +784,29 @@ impl RdmCore {
                 st.rx_posted -= 1;
                 st.rx_free.push((c.wr_id, buf));
             }
-            _ => st.engine.handle_send_completion(now, c.wr_id, c.status),
+            Opcode::RdmaRead | Opcode::RdmaWrite => st
+                .engine
+                .handle_rdma_completion(now, c.wr_id, c.status, c.buf),
+            Opcode::RecvRdmaWithImm => {
+                if c.status.is_ok() {
+                    if let (Some(src), Some(imm)) = (c.src, c.imm) {
+                        st.engine.handle_remote_write(now, src, imm, c.byte_len);
+                    }
+                } else if c.status != Status::Flushed {
+                    tracing::debug!(status = %c.status, "write-with-immediate error on the device");
+                }
+                // The write consumed a posted receive buffer (devices without unsolicited
+                // write-recv): it comes back untouched.
+                if let Some(mut buf) = c.buf {
+                    if c.status == Status::Flushed {
+                        return;
+                    }
+                    buf.clear();
+                    st.rx_posted -= 1;
+                    st.rx_free.push((c.wr_id, buf));
+                }
+            }
+            Opcode::Send => st.engine.handle_send_completion(now, c.wr_id, c.status),
         }
     }
 
@@ -797,8 +843,12 @@ impl RdmCore {
         let (key, is_send) = match &ev {
             Event::Send(s) => (s.context as usize, true),
             Event::Recv(r) => (r.context as usize, false),
-            // RMA is not started by this endpoint yet (RMA issue, in progress).
-            Event::Rma(_) | Event::RemoteWrite(_) => return false,
+            Event::Rma(r) => (r.context as usize, true),
+            Event::RemoteWrite(w) => {
+                let c = self.remote_write_completion(*w);
+                self.rx_cq.push(c);
+                return true;
+            }
         };
         // A multi-receive buffer completes once per message (each with its own part of the
         // buffer) and is only retired by its final `multi_recv_done` completion.
@@ -824,12 +874,29 @@ impl RdmCore {
             Sink::Cq(c) => *c,
             Sink::Future(_) => 0,
         };
-        let result = match ev {
-            Event::Send(s) => self.send_completion(s, user_ctx, op.region),
-            Event::Recv(r) => self.recv_completion(r, user_ctx, op.target),
-            Event::Rma(_) | Event::RemoteWrite(_) => return false,
+        let (sink, result) = match ev {
+            Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.region)),
+            Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target)),
+            Event::Rma(r) => {
+                let OpState {
+                    sink,
+                    target,
+                    region,
+                    multi,
+                    rma,
+                } = op;
+                let rest = OpState {
+                    sink: Sink::Cq(0),
+                    target,
+                    region,
+                    multi,
+                    rma,
+                };
+                (sink, self.rma_completion(r, user_ctx, rest))
+            }
+            Event::RemoteWrite(_) => return false,
         };
-        match op.sink {
+        match sink {
             Sink::Cq(_) => {
                 let cq = if is_send { &self.tx_cq } else { &self.rx_cq };
                 match result {

@@ -1,0 +1,587 @@
+//! RMA and atomics on RDM endpoints: `fi_write`, `fi_writedata`, `fi_read`, `fi_atomic`,
+//! `fi_fetch_atomic`, `fi_compare_atomic`.
+//!
+//! An operation names the peer's memory by an [`RmaAddr`] (an address in the space of the
+//! region's key, and the key), which the peer hands out as a [`RemoteKey`]. The local buffer is
+//! moved into the operation and handed back in its completion, as for sends and receives.
+//!
+//! Whether an operation runs as one-sided device RDMA or is emulated by the protocol engine
+//! (RTW / RTR / RTA packets) is decided per operation: device RDMA when both sides' devices have
+//! it and `FI_EFA_USE_DEVICE_RDMA` allows it; atomics are always emulated.
+//! [`Endpoint::rma_emulation`] tells which, like libfabric's `FI_OPT_EFA_EMULATED_READ`,
+//! `_WRITE` and `_ATOMICS`; [`EndpointStats`](crate::EndpointStats) counts device and emulated
+//! bytes apart. See `docs/rma.md`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::Endpoint;
+use super::rdm::{OpFuture, OpState, RdmCore, Sink, Slot, refuse};
+use crate::atomic::{AtomicOp, AtomicType};
+use crate::av::PeerId;
+use crate::cq::{
+    Buffer, Completion, CompletionError, CompletionFlags, PostError, RecvBuf, SendBuf,
+};
+use crate::device::RemoteIov;
+use crate::error::{Error, ErrorKind};
+use crate::mr::{Access, MemoryRegion, RemoteKey};
+use crate::proto::engine::{RemoteWriteDone, RmaBuf, RmaDone, RmaKind, RmaOp};
+use crate::{Rdm, Result};
+
+/// Where an RMA operation lands in, or reads from, a peer's memory: an address in the address
+/// space of the peer's region key (`FI_MR_VIRT_ADDR`: the region's own address plus an offset),
+/// and the key. Get one from the [`RemoteKey`] the peer handed out:
+///
+/// ```
+/// # use efa::{RemoteKey, RmaAddr};
+/// let rk = RemoteKey { addr: 0x1000, len: 4096, key: 7 };
+/// assert_eq!(rk.at(16), RmaAddr { addr: 0x1010, key: 7 });
+/// assert_eq!(rk.start(), rk.at(0));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct RmaAddr {
+    /// Address in the region key's address space.
+    pub addr: u64,
+    /// The region key.
+    pub key: u64,
+}
+
+impl RemoteKey {
+    /// The address `offset` bytes into the region (not checked here: the target refuses an
+    /// access outside the region with `RemoteAccess`).
+    pub fn at(&self, offset: u64) -> RmaAddr {
+        RmaAddr {
+            addr: self.addr.wrapping_add(offset),
+            key: self.key,
+        }
+    }
+
+    /// The region's first byte.
+    pub fn start(&self) -> RmaAddr {
+        self.at(0)
+    }
+}
+
+/// Options of one RMA write (`fi_writemsg` flags).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteOptions {
+    /// 4 bytes of immediate data (`fi_writedata`): the target gets one completion carrying them
+    /// (`FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA`) once all the bytes are in its memory.
+    pub data: Option<u32>,
+    /// Complete only once the data is in the target's memory (`FI_DELIVERY_COMPLETE`).
+    pub delivery_complete: bool,
+}
+
+/// Which operations of an endpoint run emulated by the protocol engine rather than as device
+/// RDMA (`FI_OPT_EFA_EMULATED_READ`, `_WRITE`, `_ATOMICS`). Towards a peer whose device lacks
+/// RDMA, operations are emulated even when this says `false`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RmaEmulation {
+    /// RMA reads are emulated (SHORT_RTR / LONGCTS_RTR).
+    pub read: bool,
+    /// RMA writes are emulated (EAGER_RTW / LONGCTS_RTW / LONGREAD_RTW).
+    pub write: bool,
+    /// Atomics are emulated (always, as on EFA).
+    pub atomics: bool,
+}
+
+/// An atomic operation's description: what to apply to the target's elements.
+#[derive(Clone, Debug)]
+pub struct AtomicRequest {
+    /// The operation.
+    pub op: AtomicOp,
+    /// The element type.
+    pub datatype: AtomicType,
+    /// Operand elements, little-endian; their count is the operation's element count (for
+    /// [`AtomicOp::Read`], a buffer of the length to fetch, whose contents are ignored).
+    pub operand: Bytes,
+    /// Compare elements (compare operations only), as many as the operand's.
+    pub compare: Option<Bytes>,
+}
+
+impl Endpoint<Rdm> {
+    /// Writes `buf` to the peer's memory at `to` (`fi_write`). The completion (`FI_RMA |
+    /// FI_WRITE`) hands `buf` back. A region must have `WRITE` access.
+    ///
+    /// ```
+    /// # use bytes::Bytes;
+    /// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector, Access};
+    /// # fn main() -> efa::Result<()> {
+    /// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+    /// # let domain = Domain::open(&info)?;
+    /// # let cq = CompletionQueue::new(&domain, 64)?;
+    /// # let av = AddressVector::new(&domain);
+    /// # let a = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// # let b = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// // The target registers memory for remote writes and hands out its key.
+    /// let region = domain.register(vec![0u8; 4096], Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+    /// let rk = region.remote_key()?;
+    /// let peer_b = av.insert(b.addr())?;
+    /// a.write(peer_b, Bytes::from_static(b"hello"), rk.at(100), 1)?;
+    /// let mut done = Vec::new();
+    /// while done.is_empty() {
+    ///     cq.wait(&mut done, 8, Some(std::time::Duration::from_secs(5)))?;
+    /// }
+    /// assert_eq!(done[0].context, 1);
+    /// assert_eq!(&region.read()[100..105], b"hello");
+    /// # Ok(()) }
+    /// ```
+    pub fn write(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        to: RmaAddr,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.write_with(peer, buf, to, WriteOptions::default(), context)
+    }
+
+    /// Writes `buf` with 4 bytes of immediate data (`fi_writedata`): the target gets exactly one
+    /// completion carrying `data` once all the bytes are in its memory.
+    pub fn write_data(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        to: RmaAddr,
+        data: u32,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let o = WriteOptions {
+            data: Some(data),
+            ..WriteOptions::default()
+        };
+        self.write_with(peer, buf, to, o, context)
+    }
+
+    /// Writes with options (`fi_writemsg`).
+    pub fn write_with(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        to: RmaAddr,
+        options: WriteOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core
+            .post_write(peer, buf.into(), to, options, Sink::Cq(context))
+    }
+
+    /// Reads `len` bytes of the peer's memory at `from` into `buf` (`fi_read`): a `BytesMut`
+    /// whose contents are replaced (its capacity grows if needed), or a region with `READ`
+    /// access whose first `len` bytes are replaced. The completion (`FI_RMA | FI_READ`) hands
+    /// `buf` back.
+    pub fn read(
+        &self,
+        peer: PeerId,
+        buf: impl Into<RecvBuf>,
+        len: usize,
+        from: RmaAddr,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core
+            .post_read(peer, buf.into(), len, from, Sink::Cq(context))
+    }
+
+    /// Applies an atomic to the peer's elements at `to` (`fi_atomic`); the completion
+    /// (`FI_ATOMIC | FI_WRITE`) hands the operand back.
+    pub fn atomic(
+        &self,
+        peer: PeerId,
+        req: AtomicRequest,
+        to: RmaAddr,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core
+            .post_atomic(peer, req, None, to, false, Sink::Cq(context))
+    }
+
+    /// Applies an atomic and fetches the elements' previous values into `result`
+    /// (`fi_fetch_atomic`, `fi_compare_atomic` when `req.op` is a compare operation); the
+    /// completion (`FI_ATOMIC | FI_READ`) hands `result` back filled.
+    pub fn fetch_atomic(
+        &self,
+        peer: PeerId,
+        req: AtomicRequest,
+        result: BytesMut,
+        to: RmaAddr,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core
+            .post_atomic(peer, req, Some(result), to, false, Sink::Cq(context))
+    }
+
+    /// Writes and awaits the completion; cancel-safe like [`Endpoint::send_async`].
+    pub fn write_async(
+        &self,
+        peer: PeerId,
+        buf: impl Into<SendBuf>,
+        to: RmaAddr,
+        options: WriteOptions,
+    ) -> OpFuture {
+        let slot = Arc::new(Slot::default());
+        let posted =
+            self.core
+                .post_write(peer, buf.into(), to, options, Sink::Future(slot.clone()));
+        OpFuture::new(self.core.clone(), slot, posted.err())
+    }
+
+    /// Reads and awaits the completion; cancel-safe like [`Endpoint::send_async`].
+    pub fn read_async(
+        &self,
+        peer: PeerId,
+        buf: impl Into<RecvBuf>,
+        len: usize,
+        from: RmaAddr,
+    ) -> OpFuture {
+        let slot = Arc::new(Slot::default());
+        let posted = self
+            .core
+            .post_read(peer, buf.into(), len, from, Sink::Future(slot.clone()));
+        OpFuture::new(self.core.clone(), slot, posted.err())
+    }
+
+    /// Which operations run emulated (see [`RmaEmulation`]).
+    pub fn rma_emulation(&self) -> RmaEmulation {
+        let st = self.core.state.lock();
+        let cfg = st.engine.config();
+        RmaEmulation {
+            read: !cfg.device_rdma_read,
+            write: !cfg.device_rdma_write,
+            atomics: true,
+        }
+    }
+}
+
+/// The bytes of a write's source (a region needs `WRITE` access; its bytes are copied).
+fn write_bytes(buf: &SendBuf, core: &RdmCore) -> Result<Bytes> {
+    match buf {
+        SendBuf::Bytes(b) => Ok(b.clone()),
+        SendBuf::Region(r) => {
+            r.check_local(&core.domain, Access::WRITE, "write")?;
+            Ok(Bytes::copy_from_slice(&r.read()))
+        }
+    }
+}
+
+/// The key and address peers can read a region by (it has `REMOTE_READ`), for the read-based
+/// protocols.
+fn readable(r: &MemoryRegion) -> Option<(u64, u64)> {
+    r.access()
+        .contains(Access::REMOTE_READ)
+        .then(|| r.remote_key().ok().map(|k| (k.key, k.addr)))
+        .flatten()
+}
+
+impl RdmCore {
+    fn post_write(
+        &self,
+        peer: PeerId,
+        buf: SendBuf,
+        to: RmaAddr,
+        o: WriteOptions,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let dest = match self.av.lookup(peer) {
+            Ok(a) => a,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let data = match write_bytes(&buf, self) {
+            Ok(d) => d,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let (region, local_key) = match buf {
+            SendBuf::Region(r) => {
+                let k = readable(&r);
+                (Some(r), k)
+            }
+            SendBuf::Bytes(_) => (None, None),
+        };
+        let remote = RemoteIov {
+            addr: to.addr,
+            len: data.len() as u64,
+            key: to.key,
+        };
+        let state = OpState {
+            sink,
+            target: None,
+            region,
+            multi: false,
+            rma: Some(CompletionFlags::RMA | CompletionFlags::WRITE),
+        };
+        let op = RmaOp {
+            dest,
+            remote,
+            kind: RmaKind::Write {
+                buf: data,
+                data: o.data,
+            },
+            local_key,
+            delivery_complete: o.delivery_complete,
+            context: 0,
+        };
+        self.start_rma(state, op, "write")
+    }
+
+    fn post_read(
+        &self,
+        peer: PeerId,
+        buf: RecvBuf,
+        len: usize,
+        from: RmaAddr,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let dest = match self.av.lookup(peer) {
+            Ok(a) => a,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let (down, target) = match buf {
+            RecvBuf::Bytes(mut b) => {
+                b.clear();
+                b.reserve(len);
+                (b, None)
+            }
+            RecvBuf::Region(r) => {
+                if let Err(e) = r.check_local(&self.domain, Access::READ, "read") {
+                    return Err(refuse(e, Buffer::Region(r)));
+                }
+                if r.len() < len {
+                    let e = Error::new(ErrorKind::InvalidArgument, "read")
+                        .with_detail(format!("region of {} bytes cannot hold {len}", r.len()));
+                    return Err(refuse(e, Buffer::Region(r)));
+                }
+                (
+                    BytesMut::with_capacity(len),
+                    Some(super::buf::RecvTarget::Region {
+                        region: r,
+                        offset: 0,
+                    }),
+                )
+            }
+        };
+        let remote = RemoteIov {
+            addr: from.addr,
+            len: len as u64,
+            key: from.key,
+        };
+        let state = OpState {
+            sink,
+            target,
+            region: None,
+            multi: false,
+            rma: Some(CompletionFlags::RMA | CompletionFlags::READ),
+        };
+        let op = RmaOp {
+            dest,
+            remote,
+            kind: RmaKind::Read { buf: down },
+            local_key: None,
+            delivery_complete: false,
+            context: 0,
+        };
+        self.start_rma(state, op, "read")
+    }
+
+    fn post_atomic(
+        &self,
+        peer: PeerId,
+        req: AtomicRequest,
+        fetch: Option<BytesMut>,
+        to: RmaAddr,
+        delivery_complete: bool,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let give_back = |fetch: Option<BytesMut>, operand: Bytes| match fetch {
+            Some(f) => Buffer::Recv(f),
+            None => Buffer::Send(operand),
+        };
+        let dest = match self.av.lookup(peer) {
+            Ok(a) => a,
+            Err(e) => return Err(refuse(e, give_back(fetch, req.operand))),
+        };
+        let size = req.datatype.size();
+        let n = req.operand.len();
+        let why = if n == 0 || n % size != 0 {
+            Some(format!(
+                "operand of {n} bytes is not a whole, non-zero number of {:?} elements",
+                req.datatype
+            ))
+        } else if req.op.is_compare() != req.compare.is_some() {
+            Some(format!(
+                "{:?} {} a compare operand",
+                req.op,
+                if req.op.is_compare() {
+                    "needs"
+                } else {
+                    "takes no"
+                }
+            ))
+        } else if req.compare.as_ref().is_some_and(|c| c.len() != n) {
+            Some("compare operand and operand differ in length".to_string())
+        } else if fetch.is_none() && (req.op == AtomicOp::Read || req.op.is_compare()) {
+            Some(format!(
+                "{:?} returns the previous values: use fetch_atomic",
+                req.op
+            ))
+        } else if req.datatype.is_float()
+            && matches!(
+                req.op,
+                AtomicOp::Bor | AtomicOp::Band | AtomicOp::Bxor | AtomicOp::Mswap
+            )
+        {
+            Some(format!("{:?} is not defined on {:?}", req.op, req.datatype))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            let e = Error::new(ErrorKind::InvalidArgument, "atomic").with_detail(why);
+            return Err(refuse(e, give_back(fetch, req.operand)));
+        }
+        let fetch = fetch.map(|mut f| {
+            f.clear();
+            f.reserve(n);
+            f
+        });
+        let mut flags = CompletionFlags::ATOMIC;
+        flags |= if fetch.is_some() {
+            CompletionFlags::READ
+        } else {
+            CompletionFlags::WRITE
+        };
+        let state = OpState {
+            sink,
+            target: None,
+            region: None,
+            multi: false,
+            rma: Some(flags),
+        };
+        let op = RmaOp {
+            dest,
+            remote: RemoteIov {
+                addr: to.addr,
+                len: n as u64,
+                key: to.key,
+            },
+            kind: RmaKind::Atomic {
+                op: req.op,
+                datatype: req.datatype,
+                operand: req.operand,
+                compare: req.compare,
+                fetch,
+            },
+            local_key: None,
+            delivery_complete,
+            context: 0,
+        };
+        self.start_rma(state, op, "atomic")
+    }
+
+    /// Hands an RMA operation to the engine, tracking `state` under the operation's context.
+    fn start_rma(
+        &self,
+        state: OpState,
+        mut op: RmaOp,
+        name: &'static str,
+    ) -> Result<(), PostError> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        if st.closed {
+            let b = give_back(state, op_buf(op.kind));
+            return Err(refuse(Error::new(ErrorKind::Closed, name), b));
+        }
+        let key = st.ops.insert(state);
+        op.context = key as u64;
+        match st.engine.rma(now, op) {
+            Ok(()) => {
+                self.pump(&mut st, now);
+                Ok(())
+            }
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                Err(refuse(e, give_back(s, op_buf(op.kind))))
+            }
+        }
+    }
+
+    /// The completion of an RMA operation this side started.
+    pub(super) fn rma_completion(
+        &self,
+        r: RmaDone,
+        context: u64,
+        op: OpState,
+    ) -> std::result::Result<Completion, CompletionError> {
+        let flags = op.rma.unwrap_or(CompletionFlags::RMA);
+        let ok = r.error.is_none();
+        let buf = match (r.buf, op.target, op.region) {
+            (RmaBuf::Read(b), Some(t), _) => t.finish(b, ok),
+            (RmaBuf::Read(b), None, _) => Buffer::Recv(b),
+            (RmaBuf::Write(_), _, Some(region)) => Buffer::Region(region),
+            (RmaBuf::Write(b), _, None) => Buffer::Send(b),
+            (RmaBuf::Atomic { fetch: Some(f), .. }, _, _) => Buffer::Recv(f),
+            (RmaBuf::Atomic { operand, .. }, _, _) => Buffer::Send(operand),
+        };
+        match r.error {
+            None => Ok(Completion {
+                context,
+                flags,
+                len: r.len,
+                data: None,
+                tag: 0,
+                source: None,
+                buf,
+            }),
+            Some(error) => Err(CompletionError {
+                context,
+                flags,
+                error,
+                len: 0,
+                olen: 0,
+                status: r.status,
+                data: None,
+                tag: 0,
+                buf,
+            }),
+        }
+    }
+
+    /// The target-side completion of a peer's write with immediate data.
+    pub(super) fn remote_write_completion(&self, w: RemoteWriteDone) -> Completion {
+        let source = self
+            .av
+            .find(&w.src)
+            .or_else(|| self.av.reverse_lookup(w.src.gid, w.src.qpn));
+        Completion {
+            context: 0,
+            flags: CompletionFlags::RMA
+                | CompletionFlags::REMOTE_WRITE
+                | CompletionFlags::REMOTE_CQ_DATA,
+            len: w.len,
+            data: Some(w.data),
+            tag: 0,
+            source,
+            buf: Buffer::None,
+        }
+    }
+}
+
+/// The buffer an RMA operation's kind carries.
+fn op_buf(kind: RmaKind) -> RmaBuf {
+    match kind {
+        RmaKind::Write { buf, .. } => RmaBuf::Write(buf),
+        RmaKind::Read { buf } => RmaBuf::Read(buf),
+        RmaKind::Atomic { operand, fetch, .. } => RmaBuf::Atomic { operand, fetch },
+    }
+}
+
+/// The user's buffer of a refused RMA operation.
+fn give_back(state: OpState, buf: RmaBuf) -> Buffer {
+    match (buf, state.target, state.region) {
+        (_, Some(t), _) => t.abandon(),
+        (_, None, Some(r)) => Buffer::Region(r),
+        (RmaBuf::Write(b), None, None) => Buffer::Send(b),
+        (RmaBuf::Read(b), None, None) => Buffer::Recv(b),
+        (RmaBuf::Atomic { fetch: Some(f), .. }, None, None) => Buffer::Recv(f),
+        (RmaBuf::Atomic { operand, .. }, None, None) => Buffer::Send(operand),
+    }
+}
