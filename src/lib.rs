@@ -68,8 +68,8 @@ pub use cq::{
 };
 pub use domain::Domain;
 pub use ep::{
-    AtomicRequest, Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome, Rdm,
-    RecvOptions, RmaAddr, RmaEmulation, SendOptions, WriteOptions,
+    AtomicRequest, BatchError, Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome,
+    Rdm, RecvOptions, RmaAddr, RmaEmulation, SendOptions, SendRequest, WriteOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;

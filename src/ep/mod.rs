@@ -19,7 +19,7 @@ mod rdm;
 mod rma;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
-pub use rdm::{OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions};
+pub use rdm::{BatchError, OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions, SendRequest};
 pub use rma::{AtomicRequest, RmaAddr, RmaEmulation, WriteOptions};
 
 mod sealed {

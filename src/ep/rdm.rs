@@ -1,7 +1,7 @@
 //! `Endpoint<Rdm>`: reliable, ordered (send-after-send) messages and tagged messages of any size
 //! on the protocol engine, over a device's SRD queue pair.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -10,7 +10,7 @@ use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use slab::Slab;
 
@@ -55,6 +55,38 @@ pub struct RecvOptions {
     /// `Some(min_free)`: a multi-receive buffer (`FI_MULTI_RECV`) retired when less than
     /// `min_free` bytes remain; every message that lands in it completes with its part.
     pub multi_recv: Option<usize>,
+}
+
+/// One send of a batch ([`Endpoint::send_batch`]).
+#[derive(Debug)]
+pub struct SendRequest {
+    /// Destination.
+    pub peer: PeerId,
+    /// The data.
+    pub buf: SendBuf,
+    /// Tag, remote CQ data, delivery completion.
+    pub options: SendOptions,
+    /// Returned in the completion.
+    pub context: u64,
+}
+
+/// A batch stopped by an error other than `Again`: how many sends before it were posted, and
+/// the refused one's error with its buffer.
+#[derive(Debug, thiserror::Error)]
+#[error("batch stopped after {posted} sends: {error}")]
+pub struct BatchError {
+    /// Sends posted before the refusal (they complete as usual).
+    pub posted: usize,
+    /// The refusal, with the refused send's buffer.
+    #[source]
+    pub error: PostError,
+}
+
+/// A send whose destination and bytes are checked, ready for the engine.
+struct PreparedSend {
+    dest: RawAddr,
+    data: Bytes,
+    region: Option<crate::mr::MemoryRegion>,
 }
 
 impl EndpointBuilder<Rdm> {
@@ -313,6 +345,53 @@ impl Endpoint<Rdm> {
             .post_send(peer, buf.into(), options, Sink::Cq(context))
     }
 
+    /// Posts the sends at the front of `reqs` together, like a chain of `fi_sendmsg` calls with
+    /// `FI_MORE` ending in one without: the endpoint is locked once, the engine takes them all,
+    /// and one progress pass hands their packets to the device back to back (the device can
+    /// then push them out with one system call or doorbell). Posted requests are removed from
+    /// the front of `reqs`; when the endpoint is full (`Again`) the rest stay there, to be posted
+    /// again after completions. Returns how many were posted; another refusal stops the batch
+    /// with a [`BatchError`] that hands that send's buffer back.
+    ///
+    /// ```
+    /// # use std::collections::VecDeque;
+    /// # use bytes::{Bytes, BytesMut};
+    /// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector, SendRequest, SendOptions};
+    /// # fn main() -> efa::Result<()> {
+    /// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+    /// # let domain = Domain::open(&info)?;
+    /// # let cq = CompletionQueue::new(&domain, 256)?;
+    /// # let av = AddressVector::new(&domain);
+    /// # let a = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// # let b = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// let peer = av.insert(b.addr())?;
+    /// for i in 0..16 {
+    ///     b.recv(BytesMut::with_capacity(64), 100 + i)?;
+    /// }
+    /// let mut reqs: VecDeque<SendRequest> = (0..16)
+    ///     .map(|i| SendRequest {
+    ///         peer,
+    ///         buf: Bytes::from(vec![i as u8; 64]).into(),
+    ///         options: SendOptions::default(),
+    ///         context: i,
+    ///     })
+    ///     .collect();
+    /// let mut posted = 0;
+    /// while !reqs.is_empty() {
+    ///     posted += a.send_batch(&mut reqs).map_err(|e| e.error.error)?;
+    ///     a.progress();
+    /// }
+    /// assert_eq!(posted, 16);
+    /// let mut done = Vec::new();
+    /// while done.len() < 32 {
+    ///     cq.wait(&mut done, 32, Some(std::time::Duration::from_secs(5)))?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn send_batch(&self, reqs: &mut VecDeque<SendRequest>) -> Result<usize, BatchError> {
+        self.core.post_send_batch(reqs)
+    }
+
     /// Posts a receive for an untagged message from any peer.
     ///
     /// ```compile_fail
@@ -523,6 +602,16 @@ impl RdmCore {
         o: SendOptions,
         sink: Sink,
     ) -> Result<(), PostError> {
+        let prepared = self.prepare_send(peer, buf)?;
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        self.enqueue_send(&mut st, now, prepared, o, sink)?;
+        self.pump(&mut st, now);
+        Ok(())
+    }
+
+    /// The checks and copies of a send that need no lock: destination and bytes.
+    fn prepare_send(&self, peer: PeerId, buf: SendBuf) -> Result<PreparedSend, PostError> {
         let dest = match self.av.lookup(peer) {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
@@ -535,8 +624,19 @@ impl RdmCore {
             SendBuf::Region(r) => Some(r),
             SendBuf::Bytes(_) => None,
         };
-        let now = Instant::now();
-        let mut st = self.state.lock();
+        Ok(PreparedSend { dest, data, region })
+    }
+
+    /// Hands a prepared send to the engine (the caller pumps).
+    fn enqueue_send(
+        &self,
+        st: &mut State,
+        now: Instant,
+        p: PreparedSend,
+        o: SendOptions,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let PreparedSend { dest, data, region } = p;
         if st.closed {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
@@ -557,10 +657,7 @@ impl RdmCore {
             context: key as u64,
         };
         match st.engine.send(now, op) {
-            Ok(()) => {
-                self.pump(&mut st, now);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err((e, op)) => {
                 let s = st.ops.remove(key);
                 Err(refuse(
@@ -568,6 +665,54 @@ impl RdmCore {
                     s.region.map_or(Buffer::Send(op.buf), Buffer::Region),
                 ))
             }
+        }
+    }
+
+    /// Posts the sends at the front of `reqs` under one lock and one progress pass.
+    pub(super) fn post_send_batch(
+        &self,
+        reqs: &mut VecDeque<SendRequest>,
+    ) -> Result<usize, BatchError> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        let mut posted = 0;
+        let mut failure = None;
+        while let Some(r) = reqs.pop_front() {
+            let prepared = match self.prepare_send(r.peer, r.buf) {
+                Ok(p) => p,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            match self.enqueue_send(&mut st, now, prepared, r.options, Sink::Cq(r.context)) {
+                Ok(()) => posted += 1,
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    // Full: leave it (and the rest) for the caller to post later.
+                    reqs.push_front(SendRequest {
+                        peer: r.peer,
+                        buf: match e.buf {
+                            Buffer::Region(m) => SendBuf::Region(m),
+                            Buffer::Send(b) => SendBuf::Bytes(b),
+                            _ => SendBuf::Bytes(Bytes::new()),
+                        },
+                        options: r.options,
+                        context: r.context,
+                    });
+                    break;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if posted > 0 {
+            self.pump(&mut st, now);
+        }
+        match failure {
+            None => Ok(posted),
+            Some(error) => Err(BatchError { posted, error }),
         }
     }
 
