@@ -284,7 +284,7 @@ fn print_paths(ep: &Endpoint<Rdm>, who: &str) {
     let s = ep.stats();
     println!(
         "# {who}: rma bytes on the device {}, emulated {}",
-        s.rma_device_bytes, s.rma_emulated_bytes
+        s.device_rma_bytes, s.emulated_rma_bytes
     );
 }
 

@@ -343,12 +343,12 @@ fn write_then_read(setup: Setup) {
     let s = p.a.ep.stats();
     let moved = 2 * SIZES.iter().sum::<usize>() as u64;
     if p.emulated {
-        assert_eq!(s.rma_device_bytes, 0, "{setup:?}: {s:?}");
-        assert_eq!(s.rma_emulated_bytes, moved, "{setup:?}: {s:?}");
+        assert_eq!(s.device_rma_bytes, 0, "{setup:?}: {s:?}");
+        assert_eq!(s.emulated_rma_bytes, moved, "{setup:?}: {s:?}");
     } else {
-        assert!(s.rma_device_bytes > 0, "{setup:?}: {s:?}");
+        assert!(s.device_rma_bytes > 0, "{setup:?}: {s:?}");
         assert_eq!(
-            s.rma_device_bytes + s.rma_emulated_bytes,
+            s.device_rma_bytes + s.emulated_rma_bytes,
             moved,
             "{setup:?}: {s:?}"
         );
@@ -702,7 +702,7 @@ fn device_rdma_completes_while_the_target_never_polls() {
         }
         assert_eq!(got[0].context, 11);
         assert!(got[0].buf.as_recv().unwrap()[..] == data[..]);
-        assert!(p.a.ep.stats().rma_device_bytes >= 2 << 20);
+        assert!(p.a.ep.stats().device_rma_bytes >= 2 << 20);
     }
 }
 

@@ -1,0 +1,214 @@
+//! What posting in batches buys: the message rate of small sends posted one call at a time
+//! (`Endpoint::send`) against the same sends posted as batches (`Endpoint::send_batch`, like
+//! `FI_MORE` chains), over the same endpoints, back to back.
+//!
+//! ```text
+//! cargo run --release --example batch                         # both ends in this process
+//! cargo run --release --example batch -- -S 64 -b 32 -I 200000
+//! cargo run --release --example batch -- -l                   # server
+//! cargo run --release --example batch -- 127.0.0.1            # client
+//! ```
+//!
+//! The client sends `-I` messages of `-S` bytes with a window of `-W` outstanding, first one at a
+//! time, then in batches of `-b`; the server keeps a window of receives posted. Each row gives
+//! fabtests' columns plus the mode; the last line the ratio.
+
+mod common;
+
+use std::collections::VecDeque;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use clap::Parser;
+use common::{Conn, Role, Side, launch, open_domain, parse_size, poll_cq, print_header, print_row};
+use efa::{
+    AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType, ErrorKind,
+    PeerId, Rdm, SendOptions, SendRequest,
+};
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Batched vs single posting of small sends over efa RDM endpoints")]
+struct Args {
+    /// Message size.
+    #[arg(short = 'S', default_value = "64")]
+    size: String,
+    /// Messages per mode.
+    #[arg(short = 'I', default_value_t = 100_000)]
+    iters: usize,
+    /// Sends outstanding at most.
+    #[arg(short = 'W', default_value_t = 256)]
+    window: usize,
+    /// Sends per batch.
+    #[arg(short = 'b', default_value_t = 32)]
+    batch: usize,
+    /// Print both endpoints' counters (RNR events, retransmits, unexpected messages) per mode.
+    #[arg(short = 'v')]
+    verbose: bool,
+    #[command(flatten)]
+    conn: Conn,
+}
+
+type Res<T> = Result<T, String>;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let conn = args.conn.clone();
+    match launch(&conn, move |side| session(&args, side)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("batch: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn session(args: &Args, side: Side) -> Res<()> {
+    let size = parse_size(&args.size)?;
+    if args.window == 0 || args.batch == 0 {
+        return Err("-W and -b must be at least 1".into());
+    }
+    let Side {
+        role,
+        mut oob,
+        print,
+        bind,
+    } = side;
+    let domain = open_domain(&args.conn.provider, EpType::Rdm, bind)?;
+    let cq = CompletionQueue::new(&domain, 4 * args.window + 64).map_err(|e| e.to_string())?;
+    let av = AddressVector::new(&domain);
+    let ep = Endpoint::<Rdm>::builder(&domain)
+        .cq(&cq)
+        .av(&av)
+        .tx_size(args.window.max(args.batch))
+        .rx_size(args.window)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let peer_addr = oob
+        .exchange_addr(ep.addr())
+        .map_err(|e| format!("address exchange: {e}"))?;
+    let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    if print && role == Role::Client {
+        print_header();
+    }
+    let mut rates = Vec::new();
+    for batched in [false, true] {
+        oob.sync().map_err(|e| e.to_string())?;
+        match role {
+            Role::Client => {
+                let start = Instant::now();
+                send_all(&ep, &cq, peer, size, args, batched)?;
+                let elapsed = start.elapsed();
+                // The server confirms it got everything before the next mode starts.
+                oob.recv_line().map_err(|e| e.to_string())?;
+                if print {
+                    print_row(size, args.iters, 1, elapsed);
+                    println!(
+                        "# {}: {:.0} messages/s",
+                        if batched {
+                            format!("send_batch, {} per batch", args.batch)
+                        } else {
+                            "send, one call per message".to_string()
+                        },
+                        args.iters as f64 / elapsed.as_secs_f64()
+                    );
+                }
+                rates.push(args.iters as f64 / elapsed.as_secs_f64());
+                if args.verbose {
+                    println!("# client {:?}", ep.stats());
+                }
+            }
+            Role::Server => {
+                recv_all(&ep, &cq, size, args)?;
+                if args.verbose {
+                    println!("# server {:?}", ep.stats());
+                }
+                oob.send_line("done").map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    if print && role == Role::Client {
+        println!("# send_batch / send: {:.2}x", rates[1] / rates[0]);
+    }
+    oob.sync().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn send_all(
+    ep: &Endpoint<Rdm>,
+    cq: &CompletionQueue,
+    peer: PeerId,
+    size: usize,
+    args: &Args,
+    batched: bool,
+) -> Res<()> {
+    let msg = Bytes::from(vec![0x5au8; size]);
+    let mut done: Vec<Completion> = Vec::new();
+    let (mut posted, mut completed) = (0usize, 0usize);
+    let mut reqs: VecDeque<SendRequest> = VecDeque::with_capacity(args.batch);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while completed < args.iters {
+        let room = args.window - (posted - completed);
+        if batched {
+            while reqs.len() < args.batch.min(room).min(args.iters - posted) {
+                reqs.push_back(SendRequest {
+                    peer,
+                    buf: msg.clone().into(),
+                    options: SendOptions::default(),
+                    context: 0,
+                });
+            }
+            if !reqs.is_empty() {
+                let n = ep.send_batch(&mut reqs).map_err(|e| e.to_string())?;
+                posted += n;
+                // Unposted requests are rebuilt next round with the current room.
+                reqs.clear();
+            }
+        } else {
+            for _ in 0..room.min(args.iters - posted) {
+                match ep.send(peer, msg.clone(), 0) {
+                    Ok(()) => posted += 1,
+                    Err(e) if e.kind() == ErrorKind::Again => break,
+                    Err(e) => return Err(format!("send: {e}")),
+                }
+            }
+        }
+        poll_cq(cq, &mut done, 256)?;
+        completed += done
+            .drain(..)
+            .filter(|c| c.flags.contains(CompletionFlags::SEND))
+            .count();
+        if Instant::now() > deadline {
+            return Err(format!("only {completed} of {} sends completed", args.iters));
+        }
+    }
+    Ok(())
+}
+
+fn recv_all(ep: &Endpoint<Rdm>, cq: &CompletionQueue, size: usize, args: &Args) -> Res<()> {
+    let mut done: Vec<Completion> = Vec::new();
+    let (mut posted, mut completed) = (0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while completed < args.iters {
+        while posted < args.iters && posted - completed < args.window {
+            match ep.recv(BytesMut::with_capacity(size.max(1)), 0) {
+                Ok(()) => posted += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => return Err(format!("recv: {e}")),
+            }
+        }
+        poll_cq(cq, &mut done, 256)?;
+        for c in done.drain(..) {
+            if c.flags.contains(CompletionFlags::RECV) {
+                if c.len != size {
+                    return Err(format!("received {} bytes, expected {size}", c.len));
+                }
+                completed += 1;
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("only {completed} of {} messages arrived", args.iters));
+        }
+    }
+    Ok(())
+}
