@@ -179,7 +179,10 @@ fn send_all(
             .filter(|c| c.flags.contains(CompletionFlags::SEND))
             .count();
         if Instant::now() > deadline {
-            return Err(format!("only {completed} of {} sends completed", args.iters));
+            return Err(format!(
+                "only {completed} of {} sends completed",
+                args.iters
+            ));
         }
     }
     Ok(())
@@ -207,7 +210,10 @@ fn recv_all(ep: &Endpoint<Rdm>, cq: &CompletionQueue, size: usize, args: &Args) 
             }
         }
         if Instant::now() > deadline {
-            return Err(format!("only {completed} of {} messages arrived", args.iters));
+            return Err(format!(
+                "only {completed} of {} messages arrived",
+                args.iters
+            ));
         }
     }
     Ok(())

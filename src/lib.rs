@@ -69,7 +69,7 @@ pub use cq::{
 pub use domain::Domain;
 pub use ep::{
     AtomicRequest, BatchError, Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome,
-    Rdm, RecvOptions, RmaAddr, RmaEmulation, SendOptions, SendRequest, WriteOptions,
+    ProgressCpu, Rdm, RecvOptions, RmaAddr, RmaEmulation, SendOptions, SendRequest, WriteOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;

@@ -350,18 +350,21 @@ fn dropping_a_future_keeps_the_operation_alive() {
 #[test]
 fn progress_thread_moves_data_while_nobody_polls() {
     let d = udp_domain(LOCAL4, FaultConfig::default());
-    let mk = || {
+    // One progress thread pinned to CPU 0, one "near the device" (a software device has no
+    // NUMA node: unpinned).
+    let mk = |cpu| {
         let cq = efa::CompletionQueue::new(&d, 256).unwrap();
         let av = efa::AddressVector::new(&d);
         let ep = Endpoint::<Rdm>::builder(&d)
             .cq(&cq)
             .av(&av)
             .progress_thread(true)
+            .progress_cpu(cpu)
             .build()
             .unwrap();
         Node { cq, av, ep }
     };
-    let (a, b) = (mk(), mk());
+    let (a, b) = (mk(efa::ProgressCpu::Cpu(0)), mk(efa::ProgressCpu::NearDevice));
     let pb = a.insert(b.ep.addr());
     b.ep.recv(BytesMut::with_capacity(1 << 20), 1).unwrap();
     let msg = payload(3, 0, 1 << 20);
@@ -377,6 +380,18 @@ fn progress_thread_moves_data_while_nobody_polls() {
     }
     let got = b.collect(1, "receiver");
     assert!(got[0].buf.as_recv().unwrap()[..] == msg[..]);
+}
+
+#[test]
+fn progress_thread_on_an_impossible_cpu_is_refused() {
+    let d = udp_domain(LOCAL4, FaultConfig::default());
+    let cq = efa::CompletionQueue::new(&d, 16).unwrap();
+    let e = Endpoint::<Rdm>::builder(&d)
+        .cq(&cq)
+        .progress_cpu(efa::ProgressCpu::Cpu(1 << 20))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
 }
 
 #[test]

@@ -15,10 +15,12 @@ use crate::notify::Notifier;
 
 mod buf;
 mod dgram;
+mod pin;
 mod rdm;
 mod rma;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
+pub use pin::ProgressCpu;
 pub use rdm::{BatchError, OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions, SendRequest};
 pub use rma::{AtomicRequest, RmaAddr, RmaEmulation, WriteOptions};
 
@@ -94,6 +96,7 @@ impl<K: EndpointKind> Endpoint<K> {
             rx_size: None,
             msg_prefix: domain.msg_prefix(),
             progress_thread: false,
+            progress_cpu: ProgressCpu::Unpinned,
             caps: Caps::empty(),
             _kind: PhantomData,
         }
@@ -118,6 +121,7 @@ pub struct EndpointBuilder<K: EndpointKind> {
     pub(crate) rx_size: Option<usize>,
     pub(crate) msg_prefix: bool,
     pub(crate) progress_thread: bool,
+    pub(crate) progress_cpu: ProgressCpu,
     pub(crate) caps: Caps,
     _kind: PhantomData<K>,
 }

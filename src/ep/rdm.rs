@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use super::buf::{RecvTarget, send_bytes};
+use super::pin::ProgressCpu;
 use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
 use crate::av::{AddressVector, PeerId};
@@ -95,6 +96,17 @@ impl EndpointBuilder<Rdm> {
     /// waiting on the completion queues.
     pub fn progress_thread(mut self, on: bool) -> Self {
         self.progress_thread = on;
+        self
+    }
+
+    /// Where the progress thread runs: unpinned (default), on one CPU, or near the device's NUMA
+    /// node. Implies [`progress_thread(true)`](Self::progress_thread) unless `Unpinned`. A CPU
+    /// the process may not run on makes [`build`](Self::build) fail with `InvalidArgument`.
+    pub fn progress_cpu(mut self, cpu: ProgressCpu) -> Self {
+        self.progress_cpu = cpu;
+        if cpu != ProgressCpu::Unpinned {
+            self.progress_thread = true;
+        }
         self
     }
 
@@ -192,10 +204,27 @@ impl EndpointBuilder<Rdm> {
             let w = Arc::downgrade(&core);
             let stop = core.stop.clone();
             let notifier = core.notifier.clone();
+            let cpu = super::pin::resolve(self.progress_cpu, attr.numa_node);
+            let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
             let handle = std::thread::Builder::new()
                 .name(format!("efa-progress-{}", addr.qpn))
-                .spawn(move || progress_thread(w, stop, notifier))
+                .spawn(move || {
+                    let pinned = cpu.map_or(Ok(()), super::pin::pin_current);
+                    let ok = pinned.is_ok();
+                    let _ = pinned_tx.send(pinned);
+                    if ok {
+                        progress_thread(w, stop, notifier)
+                    }
+                })
                 .map_err(|e| Error::io("ep_open", e))?;
+            let pinned = pinned_rx.recv().unwrap_or(Ok(()));
+            if let Err(e) = pinned {
+                let _ = handle.join();
+                return Err(e);
+            }
+            if let Some(c) = cpu {
+                tracing::debug!(cpu = c, "progress thread pinned");
+            }
             *core.thread.lock() = Some(handle);
         }
         tracing::debug!(%addr, tx_ops, rx_ops, "rdm_ep_open");
