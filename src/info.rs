@@ -905,10 +905,14 @@ impl Info {
         match ep_type {
             EpType::Dgram => dgram,
             EpType::Rdm => {
-                // RMA and atomics (FI_RMA, FI_ATOMIC, FI_READ, FI_WRITE, FI_REMOTE_*) come with
-                // the RMA issue; until then RDM offers what the protocol engine implements.
                 dgram
                     | Caps::TAGGED
+                    | Caps::RMA
+                    | Caps::ATOMIC
+                    | Caps::READ
+                    | Caps::WRITE
+                    | Caps::REMOTE_READ
+                    | Caps::REMOTE_WRITE
                     | Caps::MULTI_RECV
                     | Caps::DIRECTED_RECV
                     | Caps::DELIVERY_COMPLETE

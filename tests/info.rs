@@ -254,8 +254,16 @@ fn rdm_info_attributes() {
     ] {
         assert!(i.caps.contains(c), "RDM lacks {c}");
     }
-    // RMA and atomics come with their own issue.
-    assert!(!i.caps.intersects(Caps::RMA | Caps::ATOMIC));
+    for c in [
+        Caps::RMA,
+        Caps::ATOMIC,
+        Caps::READ,
+        Caps::WRITE,
+        Caps::REMOTE_READ,
+        Caps::REMOTE_WRITE,
+    ] {
+        assert!(i.caps.contains(c), "RDM lacks {c}");
+    }
     assert!(!i.caps.contains(Caps::HMEM));
     assert_eq!(i.protocol_version, 4);
     assert_eq!(i.ep_attr.max_msg_size, u64::MAX);
@@ -413,20 +421,24 @@ fn getinfo_unavailable_providers() {
     );
 }
 
-/// The current listing offers DGRAM only; RDM comes with the protocol engine.
+/// RMA and atomics select RDM endpoints only (DGRAM has neither).
 #[test]
-fn getinfo_offers_no_rma_or_atomics_yet() {
-    // RDM endpoints exist, but RMA and atomics come with their own issue.
+fn rma_and_atomics_select_rdm() {
+    for caps in [Caps::MSG | Caps::RMA, Caps::ATOMIC] {
+        let infos = getinfo(&Hints::new().caps(caps).config(Config::default())).unwrap();
+        assert!(!infos.is_empty());
+        assert!(
+            infos
+                .iter()
+                .all(|i| i.ep_type == EpType::Rdm && i.caps.contains(caps))
+        );
+    }
     no_data(
         Hints::new()
-            .provider("udp")
-            .caps(Caps::MSG | Caps::RMA)
+            .ep_type(EpType::Dgram)
+            .caps(Caps::RMA)
             .config(Config::default()),
-        "provider udp",
-    );
-    no_data(
-        Hints::new().caps(Caps::ATOMIC).config(Config::default()),
-        "caps [ FI_ATOMIC ]",
+        "FI_EP_DGRAM",
     );
 }
 
@@ -512,7 +524,7 @@ fn getinfo_lists_udp_then_loopback_rdm_then_dgram() {
             i.caps
                 .contains(Caps::TAGGED | Caps::DIRECTED_RECV | Caps::MULTI_RECV)
         );
-        assert!(!i.caps.intersects(Caps::RMA | Caps::ATOMIC));
+        assert!(i.caps.contains(Caps::RMA | Caps::ATOMIC));
     }
     let infos: Vec<Info> = all
         .into_iter()

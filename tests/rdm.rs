@@ -364,7 +364,10 @@ fn progress_thread_moves_data_while_nobody_polls() {
             .unwrap();
         Node { cq, av, ep }
     };
-    let (a, b) = (mk(efa::ProgressCpu::Cpu(0)), mk(efa::ProgressCpu::NearDevice));
+    let (a, b) = (
+        mk(efa::ProgressCpu::Cpu(0)),
+        mk(efa::ProgressCpu::NearDevice),
+    );
     let pb = a.insert(b.ep.addr());
     b.ep.recv(BytesMut::with_capacity(1 << 20), 1).unwrap();
     let msg = payload(3, 0, 1 << 20);
