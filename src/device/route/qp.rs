@@ -1,0 +1,358 @@
+//! The routed queue pair: a primary queue pair (its address is the address) and an shm queue pair
+//! for peers on this host, behind one [`QueuePair`].
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use super::dir::{self, Entry, Lookup};
+use super::{HDR_LEN, HDR_MAGIC, RouteShared};
+use crate::addr::{Gid, RawAddr};
+use crate::device::{
+    DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Source, Status,
+    UNSOLICITED_WR_ID,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::stats;
+
+/// Route cache entries kept before the cache is emptied and rebuilt.
+const MAX_ROUTES: usize = 1 << 14;
+
+/// Which queue pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Primary,
+    Shm,
+}
+
+/// The local (shm) side of a routed queue pair.
+pub(super) struct Local {
+    pub qp: Box<dyn QueuePair>,
+    /// Our published directory entry (removed when dropped); `None` if the name was taken.
+    pub entry: Option<Entry>,
+    /// Destination primary address → its shm address, or `None` (use the primary).
+    routes: HashMap<RawAddr, Option<RawAddr>>,
+    /// Primary destination of every shm send in flight, by `wr_id`.
+    inflight: HashMap<u64, RawAddr>,
+    /// Paths whose receive buffers came back: the next posted buffers go there.
+    refill: VecDeque<Path>,
+    /// Receive buffers posted to each path.
+    posted: [usize; 2],
+    /// The header every shm datagram starts with (magic, our primary GID and QPN).
+    hdr: [u8; HDR_LEN],
+}
+
+impl Local {
+    pub(super) fn new(qp: Box<dyn QueuePair>, entry: Option<Entry>, me: &RawAddr) -> Local {
+        let mut hdr = [0u8; HDR_LEN];
+        hdr[..4].copy_from_slice(&HDR_MAGIC);
+        hdr[4..20].copy_from_slice(&me.gid.0);
+        hdr[20..22].copy_from_slice(&me.qpn.to_le_bytes());
+        Local {
+            qp,
+            entry,
+            routes: HashMap::new(),
+            inflight: HashMap::new(),
+            refill: VecDeque::new(),
+            posted: [0; 2],
+            hdr,
+        }
+    }
+}
+
+/// A queue pair of a [`RoutedDevice`](super::RoutedDevice).
+pub(super) struct RoutedQp {
+    pub(super) shared: Arc<RouteShared>,
+    pub(super) primary: Box<dyn QueuePair>,
+    pub(super) local: Option<Local>,
+    pub(super) addr: RawAddr,
+    pub(super) mtu: usize,
+    pub(super) scratch: Vec<DeviceCompletion>,
+    pub(super) shm_first: bool,
+}
+
+impl fmt::Debug for RoutedQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RoutedQp")
+            .field("addr", &self.addr)
+            .field("shm", &self.local.as_ref().map(|l| l.qp.addr()))
+            .finish_non_exhaustive()
+    }
+}
+
+fn idx(p: Path) -> usize {
+    match p {
+        Path::Primary => 0,
+        Path::Shm => 1,
+    }
+}
+
+impl RoutedQp {
+    /// The shm address that reaches `dest`, if it is a live routed queue pair on this host.
+    fn route(&mut self, dest: &RawAddr) -> Option<RawAddr> {
+        if *dest == self.addr {
+            return None;
+        }
+        let sh = &self.shared;
+        let local = self.local.as_mut()?;
+        if let Some(r) = local.routes.get(dest) {
+            return *r;
+        }
+        let r = match dir::lookup(&sh.dir, sh.uid, &sh.netns, &sh.shm_gid, dest) {
+            Lookup::Local(shm) => Some(shm),
+            Lookup::Remote => None,
+        };
+        if local.routes.len() >= MAX_ROUTES {
+            local.routes.clear();
+        }
+        local.routes.insert(*dest, r);
+        tracing::debug!(%dest, shm = ?r, "shm route: destination looked up");
+        r
+    }
+
+    /// Turns one completion of the shm queue pair into what the layer above expects.
+    fn take_shm(&mut self, mut c: DeviceCompletion) -> DeviceCompletion {
+        let sh = self.shared.clone();
+        let Some(local) = self.local.as_mut() else {
+            return c;
+        };
+        match c.opcode {
+            Opcode::Send => {
+                if let Some(dest) = local.inflight.remove(&c.wr_id) {
+                    if matches!(
+                        c.status,
+                        Status::UnresponsiveRemote
+                            | Status::UnreachableRemote
+                            | Status::BadDestQpn
+                            | Status::UnknownPeer
+                    ) {
+                        // The peer may be gone: look it up afresh next time, and remove its
+                        // entry if its owner died.
+                        local.routes.remove(&dest);
+                        dir::forget_if_stale(&sh.dir, sh.uid, &dest);
+                    }
+                }
+                c
+            }
+            Opcode::Recv => {
+                local.posted[idx(Path::Shm)] = local.posted[idx(Path::Shm)].saturating_sub(1);
+                if c.status == Status::Flushed {
+                    return c;
+                }
+                let has_data = matches!(c.status, Status::Success | Status::LocalBadLength);
+                if has_data {
+                    let parsed = c.buf.as_ref().and_then(|b| parse_hdr(b, self.addr.qpn));
+                    match parsed {
+                        Some(src) => {
+                            if let Some(b) = c.buf.as_mut() {
+                                // O(1): the header's room is reclaimed when the buffer is
+                                // posted to the shm queue pair again.
+                                b.advance(HDR_LEN.min(b.len()));
+                            }
+                            c.byte_len = c.byte_len.saturating_sub(HDR_LEN);
+                            c.src = Some(src);
+                            if c.status.is_ok() {
+                                stats::inc(&sh.counters.shm_route_rx_pkts);
+                                stats::add(&sh.counters.shm_route_rx_bytes, c.byte_len as u64);
+                            }
+                        }
+                        None => {
+                            // Not from a routed peer: dropped. The buffer goes back to the layer
+                            // above with an error status (it reposts it), so the work request
+                            // still completes exactly once.
+                            stats::inc(&sh.counters.malformed_dropped);
+                            tracing::debug!(src = ?c.src, "shm route: datagram without a routing header dropped");
+                            if let Some(b) = c.buf.as_mut() {
+                                b.clear();
+                            }
+                            c.status = Status::LocalQpInternalError;
+                            c.byte_len = 0;
+                            c.src = None;
+                        }
+                    }
+                } else {
+                    c.src = None;
+                }
+                local.refill.push_back(Path::Shm);
+                c
+            }
+            _ => c,
+        }
+    }
+}
+
+/// The primary source a routing header names, if it is one addressed to `me_qpn`.
+fn parse_hdr(b: &[u8], me_qpn: u16) -> Option<Source> {
+    if b.len() < HDR_LEN || b[..4] != HDR_MAGIC {
+        return None;
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&b[4..20]);
+    let qpn = u16::from_le_bytes([b[20], b[21]]);
+    let dest_qpn = u16::from_le_bytes([b[22], b[23]]);
+    (dest_qpn == me_qpn).then_some(Source { gid: Gid(gid), qpn })
+}
+
+impl QueuePair for RoutedQp {
+    fn addr(&self) -> RawAddr {
+        self.addr
+    }
+
+    fn qp_type(&self) -> QpType {
+        QpType::Srd
+    }
+
+    fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        if wr.len() > self.mtu {
+            return Err(
+                Error::new(ErrorKind::MsgSize, "post_send").with_detail(format!(
+                    "{} bytes exceed the mtu of {}",
+                    wr.len(),
+                    self.mtu
+                )),
+            );
+        }
+        let Some(shm_dest) = self.route(&wr.dest) else {
+            return self.primary.post_send(wr);
+        };
+        let sh = self.shared.clone();
+        let Some(local) = self.local.as_mut() else {
+            return self.primary.post_send(wr);
+        };
+        let mut hdr = BytesMut::with_capacity(HDR_LEN + wr.hdr.len());
+        hdr.put_slice(&local.hdr);
+        hdr[22..24].copy_from_slice(&wr.dest.qpn.to_le_bytes());
+        hdr.put_slice(&wr.hdr);
+        let len = wr.len() as u64;
+        let (wr_id, dest) = (wr.wr_id, wr.dest);
+        local.qp.post_send(SendWr {
+            wr_id,
+            dest: shm_dest,
+            hdr: hdr.freeze(),
+            payload: wr.payload,
+            imm: wr.imm,
+        })?;
+        local.inflight.insert(wr_id, dest);
+        stats::inc(&sh.counters.shm_route_tx_pkts);
+        stats::add(&sh.counters.shm_route_tx_bytes, len);
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: u64, mut buf: BytesMut) -> Result<()> {
+        let Some(local) = self.local.as_mut() else {
+            return self.primary.post_recv(wr_id, buf);
+        };
+        // Buffers follow the traffic: one that comes back from a path is reposted there; new
+        // ones go to the path with fewer.
+        let path = local.refill.pop_front().unwrap_or(
+            if local.posted[idx(Path::Shm)] < local.posted[idx(Path::Primary)] {
+                Path::Shm
+            } else {
+                Path::Primary
+            },
+        );
+        if path == Path::Shm {
+            // Room for the routing header in front of the same datagram room: a buffer that
+            // came back from the shm path has it in front (reclaimed without copying); another
+            // one is replaced by a buffer of the right size.
+            buf.clear();
+            let room = buf.capacity();
+            if !buf.try_reclaim(room + HDR_LEN) {
+                buf = BytesMut::with_capacity(room + HDR_LEN);
+            }
+            let r = local.qp.post_recv(wr_id, buf);
+            if r.is_ok() {
+                local.posted[idx(Path::Shm)] += 1;
+            }
+            return r;
+        }
+        self.primary.post_recv(wr_id, buf)?;
+        local.posted[idx(Path::Primary)] += 1;
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        if self.local.is_none() {
+            return self.primary.poll(out, max);
+        }
+        let mut n = 0;
+        self.shm_first = !self.shm_first;
+        for shm in [self.shm_first, !self.shm_first] {
+            if n >= max {
+                break;
+            }
+            if !shm {
+                let start = out.len();
+                let got = self.primary.poll(out, max - n);
+                if let Some(local) = self.local.as_mut() {
+                    for c in &out[start..] {
+                        let consumed = c.opcode == Opcode::Recv
+                            || (c.opcode == Opcode::RecvRdmaWithImm
+                                && c.wr_id != UNSOLICITED_WR_ID);
+                        if consumed {
+                            let p = &mut local.posted[idx(Path::Primary)];
+                            *p = p.saturating_sub(1);
+                            if c.status != Status::Flushed {
+                                local.refill.push_back(Path::Primary);
+                            }
+                        }
+                    }
+                }
+                n += got;
+                continue;
+            }
+            let mut batch = std::mem::take(&mut self.scratch);
+            if let Some(local) = self.local.as_mut() {
+                local.qp.poll(&mut batch, max - n);
+            }
+            for c in batch.drain(..) {
+                let c = self.take_shm(c);
+                out.push(c);
+                n += 1;
+            }
+            self.scratch = batch;
+        }
+        n
+    }
+
+    fn close(&mut self) {
+        if let Some(local) = self.local.as_mut() {
+            // Unpublish first, so no peer picks the shm path any more.
+            local.entry = None;
+            local.qp.close();
+            local.refill.clear();
+        }
+        self.primary.close();
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.primary.post_read(wr_id, dest, local, remote)
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.primary.post_write(wr_id, dest, local, remote, imm)
+    }
+}
+
+impl Drop for RoutedQp {
+    fn drop(&mut self) {
+        if let Some(local) = self.local.as_mut() {
+            local.entry = None;
+        }
+    }
+}
