@@ -245,12 +245,15 @@ pub fn lookup(dir: &Path, uid: u32, netns: &str, shm_gid: &Gid, dest: &RawAddr) 
     }
 }
 
-/// Removes the entry of `dest` if its owner is gone (after a send to it failed).
-pub fn forget_if_stale(dir: &Path, uid: u32, dest: &RawAddr) {
+/// Removes the entry of `dest` if its owner is gone (after a send to it failed); true when it
+/// did, which proves that the process owning `dest` died.
+pub fn forget_if_stale(dir: &Path, uid: u32, dest: &RawAddr) -> bool {
     let path = dir.join(entry_name(uid, dest));
     if path.exists() && remove_if_stale(&path) {
         tracing::debug!(path = %path.display(), "shm route: removed the stale entry of a dead process");
+        return true;
     }
+    false
 }
 
 /// Removes this user's stale files from `dir`: entries whose lock is free (owner gone) and

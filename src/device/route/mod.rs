@@ -202,6 +202,8 @@ impl Device for RoutedDevice {
             mtu: self.primary.attr().mtu,
             scratch: Vec::new(),
             shm_first: false,
+            failed: Default::default(),
+            closed: false,
         }))
     }
 

@@ -27,13 +27,25 @@ enum Path {
     Shm,
 }
 
+/// How a destination is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// Over the primary queue pair.
+    Primary,
+    /// Over shm, to this shm queue pair.
+    Shm(RawAddr),
+    /// Its owner is known to have died (its entry was stale after a send failed): sends
+    /// complete with `UnresponsiveRemote` at once instead of timing out on the primary path.
+    Dead,
+}
+
 /// The local (shm) side of a routed queue pair.
 pub(super) struct Local {
     pub qp: Box<dyn QueuePair>,
     /// Our published directory entry (removed when dropped); `None` if the name was taken.
     pub entry: Option<Entry>,
-    /// Destination primary address → its shm address, or `None` (use the primary).
-    routes: HashMap<RawAddr, Option<RawAddr>>,
+    /// How each destination (primary address) was found to be reached.
+    routes: HashMap<RawAddr, Route>,
     /// Primary destination of every shm send in flight, by `wr_id`.
     inflight: HashMap<u64, RawAddr>,
     /// Paths whose receive buffers came back: the next posted buffers go there.
@@ -71,6 +83,9 @@ pub(super) struct RoutedQp {
     pub(super) mtu: usize,
     pub(super) scratch: Vec<DeviceCompletion>,
     pub(super) shm_first: bool,
+    /// Sends to dead peers, completed without reaching a queue pair.
+    pub(super) failed: VecDeque<DeviceCompletion>,
+    pub(super) closed: bool,
 }
 
 impl fmt::Debug for RoutedQp {
@@ -90,25 +105,27 @@ fn idx(p: Path) -> usize {
 }
 
 impl RoutedQp {
-    /// The shm address that reaches `dest`, if it is a live routed queue pair on this host.
-    fn route(&mut self, dest: &RawAddr) -> Option<RawAddr> {
+    /// How `dest` is reached: looked up in the directory the first time.
+    fn route(&mut self, dest: &RawAddr) -> Route {
         if *dest == self.addr {
-            return None;
+            return Route::Primary;
         }
         let sh = &self.shared;
-        let local = self.local.as_mut()?;
+        let Some(local) = self.local.as_mut() else {
+            return Route::Primary;
+        };
         if let Some(r) = local.routes.get(dest) {
             return *r;
         }
         let r = match dir::lookup(&sh.dir, sh.uid, &sh.netns, &sh.shm_gid, dest) {
-            Lookup::Local(shm) => Some(shm),
-            Lookup::Remote => None,
+            Lookup::Local(shm) => Route::Shm(shm),
+            Lookup::Remote => Route::Primary,
         };
         if local.routes.len() >= MAX_ROUTES {
             local.routes.clear();
         }
         local.routes.insert(*dest, r);
-        tracing::debug!(%dest, shm = ?r, "shm route: destination looked up");
+        tracing::debug!(%dest, route = ?r, "shm route: destination looked up");
         r
     }
 
@@ -128,10 +145,14 @@ impl RoutedQp {
                             | Status::BadDestQpn
                             | Status::UnknownPeer
                     ) {
-                        // The peer may be gone: look it up afresh next time, and remove its
-                        // entry if its owner died.
-                        local.routes.remove(&dest);
-                        dir::forget_if_stale(&sh.dir, sh.uid, &dest);
+                        // The peer may be gone. If its entry is stale, its owner died (and
+                        // with it the primary address): later sends fail at once. Otherwise
+                        // look it up afresh next time.
+                        if dir::forget_if_stale(&sh.dir, sh.uid, &dest) {
+                            local.routes.insert(dest, Route::Dead);
+                        } else if local.routes.get(&dest) != Some(&Route::Dead) {
+                            local.routes.remove(&dest);
+                        }
                     }
                 }
                 c
@@ -205,6 +226,9 @@ impl QueuePair for RoutedQp {
     }
 
     fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_send").with_detail("queue pair closed"));
+        }
         if wr.len() > self.mtu {
             return Err(
                 Error::new(ErrorKind::MsgSize, "post_send").with_detail(format!(
@@ -214,8 +238,19 @@ impl QueuePair for RoutedQp {
                 )),
             );
         }
-        let Some(shm_dest) = self.route(&wr.dest) else {
-            return self.primary.post_send(wr);
+        let shm_dest = match self.route(&wr.dest) {
+            Route::Primary => return self.primary.post_send(wr),
+            Route::Shm(a) => a,
+            Route::Dead => {
+                stats::inc(&self.shared.counters.send_errors);
+                self.failed.push_back(DeviceCompletion::new(
+                    wr.wr_id,
+                    Status::UnresponsiveRemote,
+                    Opcode::Send,
+                    0,
+                ));
+                return Ok(());
+            }
         };
         let sh = self.shared.clone();
         let Some(local) = self.local.as_mut() else {
@@ -278,6 +313,13 @@ impl QueuePair for RoutedQp {
             return self.primary.poll(out, max);
         }
         let mut n = 0;
+        while n < max {
+            let Some(c) = self.failed.pop_front() else {
+                break;
+            };
+            out.push(c);
+            n += 1;
+        }
         self.shm_first = !self.shm_first;
         for shm in [self.shm_first, !self.shm_first] {
             if n >= max {
@@ -318,6 +360,7 @@ impl QueuePair for RoutedQp {
     }
 
     fn close(&mut self) {
+        self.closed = true;
         if let Some(local) = self.local.as_mut() {
             // Unpublish first, so no peer picks the shm path any more.
             local.entry = None;
