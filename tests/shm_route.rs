@@ -429,6 +429,54 @@ fn rnr_on_the_shm_path_and_refill_follows_the_traffic() {
     );
 }
 
+#[test]
+fn spare_receive_buffers_go_to_the_busy_path_and_flush_on_close() {
+    let dir = test_dir();
+    let dev = routed(dir.path());
+    let n = Arc::new(Notifier::new());
+    let mut a = dev.create_qp(attr(&n, 7)).unwrap();
+    let mut b = dev.create_qp(attr(&n, 7)).unwrap();
+    // 40 buffers: 16 per path, 8 spare.
+    for i in 0..40 {
+        b.post_recv(i, BytesMut::with_capacity(512)).unwrap();
+    }
+    // 24 datagrams over shm, none reposted: the spare buffers follow the traffic.
+    for i in 0..24u64 {
+        a.post_send(SendWr {
+            wr_id: 100 + i,
+            dest: b.addr(),
+            hdr: Bytes::new(),
+            payload: Bytes::from(vec![i as u8; 100]),
+            imm: None,
+        })
+        .unwrap();
+    }
+    let got = poll_until(&mut [&mut a, &mut b], &n, 48, "24 datagrams");
+    assert!(
+        got.iter().all(|(_, c)| c.status == Status::Success),
+        "{got:?}"
+    );
+    assert_eq!(dev.stats().shm_route_rx_pkts, 24);
+    // 16 left (16 on the primary path); close hands them back exactly once.
+    b.close();
+    let flushed = poll_until(&mut [&mut b], &n, 16, "flush");
+    let mut ids: Vec<u64> = got
+        .iter()
+        .filter(|(q, _)| *q == 1)
+        .chain(flushed.iter())
+        .map(|(_, c)| c.wr_id)
+        .collect();
+    ids.sort();
+    assert_eq!(ids, (0..40).collect::<Vec<u64>>());
+    assert!(
+        flushed
+            .iter()
+            .all(|(_, c)| c.status == Status::Flushed && c.buf.is_some())
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(b.poll(&mut Vec::new(), 64), 0);
+}
+
 // ---- two processes ---------------------------------------------------------------------------
 
 struct Proc {

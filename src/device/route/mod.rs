@@ -15,9 +15,10 @@
 //! the sender's primary GID and QPN, the destination's primary QPN); anything else goes over the
 //! primary. A datagram received over shm completes with the sender's **primary**
 //! [`Source`](crate::device::Source), so the layer above sees one peer whichever path a packet
-//! took. Receive buffers are split between the two queue pairs and follow the traffic (a
-//! buffer that comes back from a path is reposted there); every posted work request completes
-//! exactly once, also on close (`Flushed`). RNR, QKEY checks and error statuses are each
+//! took. Receive buffers are split between the two queue pairs and follow the traffic (each
+//! path gets a few, the rest are kept spare and handed to the path that consumes; a buffer that
+//! comes back from a path is reposted there); every posted work request completes exactly once,
+//! also on close (`Flushed`). RNR, QKEY checks and error statuses are each
 //! path's own: the shm queue pair has the primary's QKEY, and a stale primary address (another
 //! QKEY) has no entry, so it goes to the primary path and fails there as it always did.
 //!
@@ -162,6 +163,7 @@ impl Device for RoutedDevice {
         if attr.qp_type != QpType::Srd {
             return self.primary.create_qp(attr);
         }
+        let recv_depth = attr.recv_depth.min(self.primary.attr().max_recv_wr).max(1);
         let primary = self.primary.create_qp(attr.clone())?;
         let addr = primary.addr();
         let shm_attr = QpAttr {
@@ -204,6 +206,7 @@ impl Device for RoutedDevice {
             shm_first: false,
             failed: Default::default(),
             closed: false,
+            recv_depth,
         }))
     }
 

@@ -19,6 +19,8 @@ use crate::stats;
 
 /// Route cache entries kept before the cache is emptied and rebuilt.
 const MAX_ROUTES: usize = 1 << 14;
+/// Receive buffers each path gets before further ones are kept spare (see [`Local::spare`]).
+const BASE_RECV: usize = 16;
 
 /// Which queue pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,11 +54,63 @@ pub(super) struct Local {
     refill: VecDeque<Path>,
     /// Receive buffers posted to each path.
     posted: [usize; 2],
+    /// Receive buffers posted to the routed queue pair but to neither path yet: a path that
+    /// consumes a buffer takes one from here, so buffers go where the traffic is.
+    spare: VecDeque<(u64, BytesMut)>,
     /// The header every shm datagram starts with (magic, our primary GID and QPN).
     hdr: [u8; HDR_LEN],
 }
 
 impl Local {
+    /// Posts a receive buffer to `path`. A failed post drops the buffer (as the seam does).
+    fn post_to(
+        &mut self,
+        primary: &mut dyn QueuePair,
+        path: Path,
+        wr_id: u64,
+        mut buf: BytesMut,
+    ) -> Result<()> {
+        if path == Path::Shm {
+            // Room for the routing header in front of the same datagram room: a buffer that
+            // came back from the shm path has it in front (reclaimed without copying); another
+            // one is replaced by a buffer of the right size.
+            buf.clear();
+            let room = buf.capacity();
+            if !buf.try_reclaim(room + HDR_LEN) {
+                buf = BytesMut::with_capacity(room + HDR_LEN);
+            }
+            self.qp.post_recv(wr_id, buf)?;
+        } else {
+            primary.post_recv(wr_id, buf)?;
+        }
+        self.posted[idx(path)] += 1;
+        Ok(())
+    }
+
+    /// A receive buffer of `path` came back: the next posted buffer goes there, and a spare
+    /// one goes there at once.
+    fn consumed(
+        &mut self,
+        primary: &mut dyn QueuePair,
+        path: Path,
+        failed: &mut VecDeque<DeviceCompletion>,
+    ) {
+        self.refill.push_back(path);
+        if let Some((wr_id, buf)) = self.spare.pop_front() {
+            if let Err(e) = self.post_to(primary, path, wr_id, buf) {
+                // Cannot happen while open (each path's depth is the whole queue's); the work
+                // request still completes once, without its buffer.
+                tracing::warn!(error = %e, "shm route: could not post a spare receive buffer");
+                failed.push_back(DeviceCompletion::new(
+                    wr_id,
+                    Status::LocalQpInternalError,
+                    Opcode::Recv,
+                    0,
+                ));
+            }
+        }
+    }
+
     pub(super) fn new(qp: Box<dyn QueuePair>, entry: Option<Entry>, me: &RawAddr) -> Local {
         let mut hdr = [0u8; HDR_LEN];
         hdr[..4].copy_from_slice(&HDR_MAGIC);
@@ -69,6 +123,7 @@ impl Local {
             inflight: HashMap::new(),
             refill: VecDeque::new(),
             posted: [0; 2],
+            spare: VecDeque::new(),
             hdr,
         }
     }
@@ -86,6 +141,8 @@ pub(super) struct RoutedQp {
     /// Sends to dead peers, completed without reaching a queue pair.
     pub(super) failed: VecDeque<DeviceCompletion>,
     pub(super) closed: bool,
+    /// The receive queue depth (posted to either path or spare).
+    pub(super) recv_depth: usize,
 }
 
 impl fmt::Debug for RoutedQp {
@@ -196,7 +253,7 @@ impl RoutedQp {
                 } else {
                     c.src = None;
                 }
-                local.refill.push_back(Path::Shm);
+                local.consumed(self.primary.as_mut(), Path::Shm, &mut self.failed);
                 c
             }
             _ => c,
@@ -275,37 +332,39 @@ impl QueuePair for RoutedQp {
         Ok(())
     }
 
-    fn post_recv(&mut self, wr_id: u64, mut buf: BytesMut) -> Result<()> {
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_recv").with_detail("queue pair closed"));
+        }
         let Some(local) = self.local.as_mut() else {
             return self.primary.post_recv(wr_id, buf);
         };
-        // Buffers follow the traffic: one that comes back from a path is reposted there; new
-        // ones go to the path with fewer.
-        let path = local.refill.pop_front().unwrap_or(
-            if local.posted[idx(Path::Shm)] < local.posted[idx(Path::Primary)] {
-                Path::Shm
-            } else {
-                Path::Primary
-            },
-        );
-        if path == Path::Shm {
-            // Room for the routing header in front of the same datagram room: a buffer that
-            // came back from the shm path has it in front (reclaimed without copying); another
-            // one is replaced by a buffer of the right size.
-            buf.clear();
-            let room = buf.capacity();
-            if !buf.try_reclaim(room + HDR_LEN) {
-                buf = BytesMut::with_capacity(room + HDR_LEN);
-            }
-            let r = local.qp.post_recv(wr_id, buf);
-            if r.is_ok() {
-                local.posted[idx(Path::Shm)] += 1;
-            }
-            return r;
+        // Buffers follow the traffic: one that comes back from a path is reposted there; each
+        // path has at least BASE_RECV; the rest wait spare until a path consumes one.
+        let [p, s] = local.posted;
+        if local.spare.len() + p + s >= self.recv_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
+                    "receive queue full ({} work requests)",
+                    self.recv_depth
+                )),
+            );
         }
-        self.primary.post_recv(wr_id, buf)?;
-        local.posted[idx(Path::Primary)] += 1;
-        Ok(())
+        let path = match local.refill.pop_front() {
+            Some(path) => path,
+            None if p.min(s) < BASE_RECV => {
+                if s < p {
+                    Path::Shm
+                } else {
+                    Path::Primary
+                }
+            }
+            None => {
+                local.spare.push_back((wr_id, buf));
+                return Ok(());
+            }
+        };
+        local.post_to(self.primary.as_mut(), path, wr_id, buf)
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
@@ -337,7 +396,11 @@ impl QueuePair for RoutedQp {
                             let p = &mut local.posted[idx(Path::Primary)];
                             *p = p.saturating_sub(1);
                             if c.status != Status::Flushed {
-                                local.refill.push_back(Path::Primary);
+                                local.consumed(
+                                    self.primary.as_mut(),
+                                    Path::Primary,
+                                    &mut self.failed,
+                                );
                             }
                         }
                     }
@@ -366,6 +429,12 @@ impl QueuePair for RoutedQp {
             local.entry = None;
             local.qp.close();
             local.refill.clear();
+            // Spare buffers were posted to the routed queue pair: they come back flushed.
+            while let Some((wr_id, buf)) = local.spare.pop_front() {
+                let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
+                c.buf = Some(buf);
+                self.failed.push_back(c);
+            }
         }
         self.primary.close();
     }
