@@ -435,7 +435,10 @@ fn spare_receive_buffers_go_to_the_busy_path_and_flush_on_close() {
     let dev = routed(dir.path());
     let n = Arc::new(Notifier::new());
     let mut a = dev.create_qp(attr(&n, 7)).unwrap();
-    let mut b = dev.create_qp(attr(&n, 7)).unwrap();
+    // Receive depth 64: each path gets max(64 / 8, 16) = 16 buffers first.
+    let mut battr = attr(&n, 7);
+    battr.recv_depth = 64;
+    let mut b = dev.create_qp(battr).unwrap();
     // 40 buffers: 16 per path, 8 spare.
     for i in 0..40 {
         b.post_recv(i, BytesMut::with_capacity(512)).unwrap();

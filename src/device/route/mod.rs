@@ -189,7 +189,7 @@ impl Device for RoutedDevice {
                         None
                     }
                 };
-                Some(qp::Local::new(sq, entry, &addr))
+                Some(qp::Local::new(sq, entry, &addr, recv_depth))
             }
             Err(e) => {
                 tracing::warn!(%addr, error = %e, "shm route: no shm queue pair; every peer goes over the primary path");

@@ -19,7 +19,8 @@ use crate::stats;
 
 /// Route cache entries kept before the cache is emptied and rebuilt.
 const MAX_ROUTES: usize = 1 << 14;
-/// Receive buffers each path gets before further ones are kept spare (see [`Local::spare`]).
+/// Receive buffers each path gets at least before further ones are kept spare (see
+/// [`Local::spare`]); an eighth of the receive queue depth when that is more.
 const BASE_RECV: usize = 16;
 
 /// Which queue pair.
@@ -57,6 +58,8 @@ pub(super) struct Local {
     /// Receive buffers posted to the routed queue pair but to neither path yet: a path that
     /// consumes a buffer takes one from here, so buffers go where the traffic is.
     spare: VecDeque<(u64, BytesMut)>,
+    /// Receive buffers each path gets before further ones are kept spare.
+    base: usize,
     /// The header every shm datagram starts with (magic, our primary GID and QPN).
     hdr: [u8; HDR_LEN],
 }
@@ -111,7 +114,12 @@ impl Local {
         }
     }
 
-    pub(super) fn new(qp: Box<dyn QueuePair>, entry: Option<Entry>, me: &RawAddr) -> Local {
+    pub(super) fn new(
+        qp: Box<dyn QueuePair>,
+        entry: Option<Entry>,
+        me: &RawAddr,
+        recv_depth: usize,
+    ) -> Local {
         let mut hdr = [0u8; HDR_LEN];
         hdr[..4].copy_from_slice(&HDR_MAGIC);
         hdr[4..20].copy_from_slice(&me.gid.0);
@@ -124,6 +132,7 @@ impl Local {
             refill: VecDeque::new(),
             posted: [0; 2],
             spare: VecDeque::new(),
+            base: (recv_depth / 8).max(BASE_RECV),
             hdr,
         }
     }
@@ -340,7 +349,7 @@ impl QueuePair for RoutedQp {
             return self.primary.post_recv(wr_id, buf);
         };
         // Buffers follow the traffic: one that comes back from a path is reposted there; each
-        // path has at least BASE_RECV; the rest wait spare until a path consumes one.
+        // path gets `base` first; the rest wait spare until a path consumes one.
         let [p, s] = local.posted;
         if local.spare.len() + p + s >= self.recv_depth {
             return Err(
@@ -352,7 +361,7 @@ impl QueuePair for RoutedQp {
         }
         let path = match local.refill.pop_front() {
             Some(path) => path,
-            None if p.min(s) < BASE_RECV => {
+            None if p.min(s) < local.base => {
                 if s < p {
                     Path::Shm
                 } else {
