@@ -11,6 +11,10 @@
 //! Run with neither `-l` nor a server address, both ends run in this process and every message
 //! is verified (as with `-c`).
 //!
+//! `FI_EFA_*` variables apply. RDM endpoints on `-p udp` reach a peer on the same host over
+//! shared memory (`FI_EFA_ENABLE_SHM_TRANSFER`, on by default as in libfabric); set
+//! `FI_EFA_ENABLE_SHM_TRANSFER=0` on both sides to measure the udp path.
+//!
 //! A small TCP connection (port `-B` on the server, `-P` on the client, default 47592) exchanges
 //! the endpoints' raw addresses and the test parameters (the client's `-S`, `-I`, `-w`, `-c`
 //! decide; the server follows), and synchronises start and finish of every size.

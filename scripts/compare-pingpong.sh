@@ -34,10 +34,11 @@ iters() { if [ "$1" -ge 1048576 ]; then echo 200; elif [ "$1" -ge 65536 ]; then 
 # One run: prints "usec MB/sec" taken from the client's last output line.
 run_ours() {
     local s=$1 i; i=$(iters "$s"); port=$((port + 1))
-    "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+    # No shm routing: the libfabric providers compared (udp;ofi_rxd, tcp;ofi_rxm) do not use shm.
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $6, $5}'
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $6, $5}'
     wait $srv || true
 }
 run_fi() {

@@ -30,8 +30,19 @@ struct DomainInner {
 
 impl Domain {
     /// Opens the device an [`Info`] from [`getinfo`](crate::getinfo) describes, with its config.
+    ///
+    /// An RDM info on a `udp` or `efa` device with `config.enable_shm_transfer` on
+    /// (`FI_EFA_ENABLE_SHM_TRANSFER`, the default) gets a
+    /// [`RoutedDevice`](crate::device::route::RoutedDevice): peers on this host are reached
+    /// over shared memory (`/dev/shm`). [`Domain::with_device`] never wraps.
     pub fn open(info: &Info) -> Result<Domain> {
         let device = info.open_device()?;
+        #[cfg(target_os = "linux")]
+        let device = if info.ep_type == crate::info::EpType::Rdm {
+            crate::device::route::for_rdm(device, info.config.enable_shm_transfer)
+        } else {
+            device
+        };
         let mut d = Domain::with_device(device, info.config.clone());
         if info.ep_attr.msg_prefix_size > 0 {
             if let Some(inner) = Arc::get_mut(&mut d.inner) {

@@ -82,6 +82,16 @@ counters!(
         rdma_ops,
         /// Bytes moved by one-sided RDMA.
         rdma_bytes,
+        /// Datagrams a routing device ([`RoutedDevice`](crate::device::route::RoutedDevice),
+        /// `FI_EFA_ENABLE_SHM_TRANSFER`) sent over its shm path to a peer on this host; 0 on
+        /// every other device.
+        shm_route_tx_pkts,
+        /// Bytes of those datagrams (without the routing header).
+        shm_route_tx_bytes,
+        /// Datagrams a routing device received over its shm path.
+        shm_route_rx_pkts,
+        /// Bytes of those datagrams (without the routing header).
+        shm_route_rx_bytes,
     }
 );
 

@@ -59,7 +59,8 @@
 //! ```
 
 pub mod cma;
-mod map;
+// Visible to the routing device (`device::route`), which uses its `flock` and uid helpers.
+pub(crate) mod map;
 mod qp;
 mod ring;
 mod segment;

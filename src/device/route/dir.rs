@@ -1,0 +1,402 @@
+//! The host-local directory of a routing device: one small file per routed queue pair, named after
+//! its **primary** address, saying which shm queue pair reaches it.
+//!
+//! * Name: `efa-route-<uid>-<gid as 32 hex digits>-<qpn>-<qkey as 8 hex digits>` in the shm
+//!   device's (canonical) directory, so a sender finds the entry of a destination from its raw
+//!   address alone, and a stale address (another QKEY) finds nothing.
+//! * Content (text, at most [`MAX_ENTRY`] bytes):
+//!   `efa-route 1\npid <pid>\nnetns <id>\nprimary <raw addr>\nshm <raw addr>\n`.
+//! * Liveness is the shm device's: the owner holds a shared `flock` on the file from before it
+//!   gets its name until the queue pair is closed (the kernel drops it when the process dies).
+//!   A lock that a prober can take exclusively is proof that the owner is gone; the prober then
+//!   removes the file (only if the name still refers to the same inode).
+//! * Creation: a temporary file `efa-route-<uid>-tmp-<pid>-<n>` (mode 0600) is locked, written
+//!   and hard-linked to the final name; `link` fails on an existing name, so a peer never reads
+//!   a half-written entry and two live owners never share one.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use crate::addr::{Gid, RawAddr};
+use crate::device::shm::map;
+
+/// Name prefix of every file of the routing directory.
+pub const PREFIX: &str = "efa-route-";
+/// Largest entry file read, bytes.
+pub const MAX_ENTRY: u64 = 1024;
+/// First line of an entry.
+const MAGIC: &str = "efa-route 1";
+/// A temporary file whose lock is free is removed by a sweep once it is this old.
+const TMP_GRACE: Duration = Duration::from_secs(10);
+
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// The real user id of this process.
+pub fn uid() -> u32 {
+    map::uid()
+}
+
+/// The identity of this process's network namespace (`net:[4026531840]`), empty if unknown.
+/// Addresses of software devices (IP and port) only mean the same thing inside one namespace.
+pub fn netns() -> String {
+    std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The entry name of the queue pair whose primary address is `a`.
+pub fn entry_name(uid: u32, a: &RawAddr) -> String {
+    let gid: String = a.gid.0.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{PREFIX}{uid}-{gid}-{}-{:08x}", a.qpn, a.qkey)
+}
+
+/// What an entry says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntryInfo {
+    /// Owner process.
+    pub pid: u32,
+    /// Owner's network namespace.
+    pub netns: String,
+    /// The primary address (the file name says the same).
+    pub primary: RawAddr,
+    /// The shm queue pair that reaches it.
+    pub shm: RawAddr,
+}
+
+impl EntryInfo {
+    fn render(&self) -> String {
+        format!(
+            "{MAGIC}\npid {}\nnetns {}\nprimary {}\nshm {}\n",
+            self.pid, self.netns, self.primary, self.shm
+        )
+    }
+
+    fn parse(s: &str) -> Option<EntryInfo> {
+        let mut lines = s.lines();
+        if lines.next()? != MAGIC {
+            return None;
+        }
+        let mut field = |name: &str| -> Option<String> {
+            let l = lines.next()?;
+            let v = l.strip_prefix(name)?.strip_prefix(' ')?;
+            Some(v.to_string())
+        };
+        let pid = field("pid")?.parse().ok()?;
+        let netns = field("netns")?;
+        let primary = field("primary")?.parse().ok()?;
+        let shm = field("shm")?.parse().ok()?;
+        Some(EntryInfo {
+            pid,
+            netns,
+            primary,
+            shm,
+        })
+    }
+}
+
+/// A published entry, owned by a routed queue pair: dropping it removes the file and releases
+/// the lock.
+#[derive(Debug)]
+pub struct Entry {
+    path: PathBuf,
+    ino: u64,
+    /// Holds the shared lock.
+    _file: File,
+}
+
+impl Entry {
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        remove_if_same(&self.path, self.ino);
+    }
+}
+
+/// Removes `path` if it still names inode `ino`.
+fn remove_if_same(path: &Path, ino: u64) -> bool {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.ino() == ino => std::fs::remove_file(path).is_ok(),
+        _ => false,
+    }
+}
+
+/// Opens an existing file for probing or reading: no symlinks followed, never created.
+fn open_existing(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// True when nobody holds the lock of `f` (its owner is gone). Errors count as "held".
+/// (Taking it exclusively is the probe; it is released when `f` is closed.)
+fn lock_free(f: &File) -> bool {
+    map::try_lock_exclusive(f).unwrap_or(false)
+}
+
+/// Publishes the entry `info` in `dir` (user `uid`). `Ok(None)` when a live owner already holds
+/// the name (the same primary address published by another process, e.g. in another network
+/// namespace): the queue pair then runs without a local path for receiving.
+pub fn publish(dir: &Path, uid: u32, info: &EntryInfo) -> io::Result<Option<Entry>> {
+    let name = entry_name(uid, &info.primary);
+    let path = dir.join(&name);
+    let n = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!("{PREFIX}{uid}-tmp-{}-{n}", info.pid));
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)?;
+    let result = (|| {
+        map::lock_shared(&file)?;
+        file.write_all(info.render().as_bytes())?;
+        let ino = file.metadata()?.ino();
+        for attempt in 0..2 {
+            match std::fs::hard_link(&tmp, &path) {
+                Ok(()) => return Ok(Some(ino)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt == 0 => {
+                    // A stale entry of a dead owner is removed; a live one is left alone.
+                    if !remove_if_stale(&path) {
+                        return Ok(None);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    match result? {
+        Some(ino) => Ok(Some(Entry {
+            path,
+            ino,
+            _file: file,
+        })),
+        None => Ok(None),
+    }
+}
+
+/// Removes the entry at `path` if its owner is gone; true when the name is free now.
+fn remove_if_stale(path: &Path) -> bool {
+    let Ok(f) = open_existing(path) else {
+        return !path.exists();
+    };
+    let Ok(m) = f.metadata() else {
+        return false;
+    };
+    if lock_free(&f) {
+        remove_if_same(path, m.ino());
+        return !path.exists();
+    }
+    false
+}
+
+/// What a lookup found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// A live owner in this namespace on this shm directory: its shm queue pair.
+    Local(RawAddr),
+    /// No usable entry (none, stale and removed, foreign, or unreadable).
+    Remote,
+}
+
+/// Looks up the entry of primary address `dest` in `dir` (user `uid`). It is used only if the
+/// file is a regular file of this user, its owner is alive (holds the lock), it is well formed,
+/// names exactly `dest`, was published from network namespace `netns`, and its shm address has
+/// GID `shm_gid` (same kernel, user and directory as ours). A stale entry is removed.
+pub fn lookup(dir: &Path, uid: u32, netns: &str, shm_gid: &Gid, dest: &RawAddr) -> Lookup {
+    let path = dir.join(entry_name(uid, dest));
+    let Ok(mut f) = open_existing(&path) else {
+        return Lookup::Remote;
+    };
+    let Ok(m) = f.metadata() else {
+        return Lookup::Remote;
+    };
+    if !m.is_file() || m.uid() != uid || m.len() > MAX_ENTRY {
+        return Lookup::Remote;
+    }
+    if lock_free(&f) {
+        if remove_if_same(&path, m.ino()) {
+            tracing::debug!(path = %path.display(), "shm route: removed the stale entry of a dead process");
+        }
+        return Lookup::Remote;
+    }
+    let mut s = String::new();
+    if (&mut f).take(MAX_ENTRY).read_to_string(&mut s).is_err() {
+        return Lookup::Remote;
+    }
+    match EntryInfo::parse(&s) {
+        Some(e) if e.primary == *dest && e.netns == netns && e.shm.gid == *shm_gid => {
+            Lookup::Local(e.shm)
+        }
+        _ => Lookup::Remote,
+    }
+}
+
+/// Removes the entry of `dest` if its owner is gone (after a send to it failed); true when it
+/// did, which proves that the process owning `dest` died.
+pub fn forget_if_stale(dir: &Path, uid: u32, dest: &RawAddr) -> bool {
+    let path = dir.join(entry_name(uid, dest));
+    if path.exists() && remove_if_stale(&path) {
+        tracing::debug!(path = %path.display(), "shm route: removed the stale entry of a dead process");
+        return true;
+    }
+    false
+}
+
+/// Removes this user's stale files from `dir`: entries whose lock is free (owner gone) and
+/// temporary files whose lock is free and that are older than a few seconds. Returns how many.
+pub fn sweep(dir: &Path, uid: u32) -> usize {
+    let mine = format!("{PREFIX}{uid}-");
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut n = 0;
+    for ent in rd.flatten() {
+        let name = ent.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        let Some(rest) = name.strip_prefix(&mine) else {
+            continue;
+        };
+        let path = ent.path();
+        let Ok(f) = open_existing(&path) else {
+            continue;
+        };
+        let Ok(m) = f.metadata() else {
+            continue;
+        };
+        if !m.is_file() || m.uid() != uid || !lock_free(&f) {
+            continue;
+        }
+        if rest.starts_with("tmp-") {
+            let old = m
+                .modified()
+                .ok()
+                .and_then(|t| SystemTime::now().duration_since(t).ok())
+                .is_some_and(|age| age >= TMP_GRACE);
+            if !old {
+                continue;
+            }
+        }
+        if remove_if_same(&path, m.ino()) {
+            n += 1;
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(qpn: u16, qkey: u32) -> RawAddr {
+        RawAddr::new(Gid::from_ip("127.0.0.1".parse().unwrap()), qpn, qkey)
+    }
+
+    #[test]
+    fn entry_round_trip() {
+        let e = EntryInfo {
+            pid: 42,
+            netns: "net:[4026531840]".into(),
+            primary: addr(5000, 0x1234),
+            shm: RawAddr::new(Gid([0xfd; 16]), 77, 0x1234),
+        };
+        assert_eq!(EntryInfo::parse(&e.render()), Some(e.clone()));
+        assert_eq!(EntryInfo::parse("garbage"), None);
+        assert_eq!(EntryInfo::parse(&e.render().replace("pid", "pod")), None);
+    }
+
+    #[test]
+    fn names_are_distinct_per_qkey() {
+        let a = entry_name(1000, &addr(5000, 1));
+        let b = entry_name(1000, &addr(5000, 2));
+        assert_ne!(a, b);
+        assert!(a.starts_with("efa-route-1000-0000"));
+        assert!(a.ends_with("-5000-00000001"), "{a}");
+    }
+
+    #[test]
+    fn publish_lookup_remove() {
+        let dir = tempfile::tempdir().unwrap();
+        let uid = std::fs::metadata(dir.path()).unwrap().uid();
+        let shm_gid = Gid([0xfd; 16]);
+        let e = EntryInfo {
+            pid: std::process::id(),
+            netns: netns(),
+            primary: addr(5000, 9),
+            shm: RawAddr::new(shm_gid, 77, 9),
+        };
+        let entry = publish(dir.path(), uid, &e).unwrap().unwrap();
+        let ns = netns();
+        assert_eq!(
+            lookup(dir.path(), uid, &ns, &shm_gid, &e.primary),
+            Lookup::Local(e.shm)
+        );
+        // Another QKEY, another namespace or another shm GID: not local.
+        assert_eq!(
+            lookup(dir.path(), uid, &ns, &shm_gid, &addr(5000, 10)),
+            Lookup::Remote
+        );
+        assert_eq!(
+            lookup(dir.path(), uid, "net:[1]", &shm_gid, &e.primary),
+            Lookup::Remote
+        );
+        assert_eq!(
+            lookup(dir.path(), uid, &ns, &Gid([0xfe; 16]), &e.primary),
+            Lookup::Remote
+        );
+        // A second owner of the same name is refused while the first lives.
+        assert!(publish(dir.path(), uid, &e).unwrap().is_none());
+        let path = entry.path().to_path_buf();
+        drop(entry);
+        assert!(!path.exists());
+        assert_eq!(
+            lookup(dir.path(), uid, &ns, &shm_gid, &e.primary),
+            Lookup::Remote
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn stale_entries_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let uid = std::fs::metadata(dir.path()).unwrap().uid();
+        let shm_gid = Gid([0xfd; 16]);
+        let e = EntryInfo {
+            pid: std::process::id(),
+            netns: netns(),
+            primary: addr(6000, 3),
+            shm: RawAddr::new(shm_gid, 78, 3),
+        };
+        // An entry nobody holds a lock on: what a dead process leaves.
+        let path = dir.path().join(entry_name(uid, &e.primary));
+        std::fs::write(&path, e.render()).unwrap();
+        assert_eq!(
+            lookup(dir.path(), uid, &netns(), &shm_gid, &e.primary),
+            Lookup::Remote
+        );
+        assert!(!path.exists());
+        std::fs::write(&path, e.render()).unwrap();
+        assert_eq!(sweep(dir.path(), uid), 1);
+        assert!(!path.exists());
+        // A live entry survives the sweep; a stale one in its place is replaced by publish.
+        std::fs::write(&path, e.render()).unwrap();
+        let live = publish(dir.path(), uid, &e).unwrap().unwrap();
+        assert_eq!(sweep(dir.path(), uid), 0);
+        assert!(live.path().exists());
+    }
+}

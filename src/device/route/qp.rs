@@ -1,0 +1,479 @@
+//! The routed queue pair: a primary queue pair (its address is the address) and an shm queue pair
+//! for peers on this host, behind one [`QueuePair`].
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use super::dir::{self, Entry, Lookup};
+use super::{HDR_LEN, HDR_MAGIC, RouteShared};
+use crate::addr::{Gid, RawAddr};
+use crate::device::{
+    DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Source, Status,
+    UNSOLICITED_WR_ID,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::stats;
+
+/// Route cache entries kept before the cache is emptied and rebuilt.
+const MAX_ROUTES: usize = 1 << 14;
+/// Receive buffers each path gets at least before further ones are kept spare (see
+/// [`Local::spare`]); an eighth of the receive queue depth when that is more.
+const BASE_RECV: usize = 16;
+
+/// Which queue pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Primary,
+    Shm,
+}
+
+/// How a destination is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// Over the primary queue pair.
+    Primary,
+    /// Over shm, to this shm queue pair.
+    Shm(RawAddr),
+    /// Its owner is known to have died (its entry was stale after a send failed): sends
+    /// complete with `UnresponsiveRemote` at once instead of timing out on the primary path.
+    Dead,
+}
+
+/// The local (shm) side of a routed queue pair.
+pub(super) struct Local {
+    pub qp: Box<dyn QueuePair>,
+    /// Our published directory entry (removed when dropped); `None` if the name was taken.
+    pub entry: Option<Entry>,
+    /// How each destination (primary address) was found to be reached.
+    routes: HashMap<RawAddr, Route>,
+    /// Primary destination of every shm send in flight, by `wr_id`.
+    inflight: HashMap<u64, RawAddr>,
+    /// Paths whose receive buffers came back: the next posted buffers go there.
+    refill: VecDeque<Path>,
+    /// Receive buffers posted to each path.
+    posted: [usize; 2],
+    /// Receive buffers posted to the routed queue pair but to neither path yet: a path that
+    /// consumes a buffer takes one from here, so buffers go where the traffic is.
+    spare: VecDeque<(u64, BytesMut)>,
+    /// Receive buffers each path gets before further ones are kept spare.
+    base: usize,
+    /// The header every shm datagram starts with (magic, our primary GID and QPN).
+    hdr: [u8; HDR_LEN],
+}
+
+impl Local {
+    /// Posts a receive buffer to `path`. A failed post drops the buffer (as the seam does).
+    fn post_to(
+        &mut self,
+        primary: &mut dyn QueuePair,
+        path: Path,
+        wr_id: u64,
+        mut buf: BytesMut,
+    ) -> Result<()> {
+        if path == Path::Shm {
+            // Room for the routing header in front of the same datagram room: a buffer that
+            // came back from the shm path has it in front (reclaimed without copying); another
+            // one is replaced by a buffer of the right size.
+            buf.clear();
+            let room = buf.capacity();
+            if !buf.try_reclaim(room + HDR_LEN) {
+                buf = BytesMut::with_capacity(room + HDR_LEN);
+            }
+            self.qp.post_recv(wr_id, buf)?;
+        } else {
+            primary.post_recv(wr_id, buf)?;
+        }
+        self.posted[idx(path)] += 1;
+        Ok(())
+    }
+
+    /// A receive buffer of `path` came back: the next posted buffer goes there, and a spare
+    /// one goes there at once.
+    fn consumed(
+        &mut self,
+        primary: &mut dyn QueuePair,
+        path: Path,
+        failed: &mut VecDeque<DeviceCompletion>,
+    ) {
+        self.refill.push_back(path);
+        if let Some((wr_id, buf)) = self.spare.pop_front() {
+            if let Err(e) = self.post_to(primary, path, wr_id, buf) {
+                // Cannot happen while open (each path's depth is the whole queue's); the work
+                // request still completes once, without its buffer.
+                tracing::warn!(error = %e, "shm route: could not post a spare receive buffer");
+                failed.push_back(DeviceCompletion::new(
+                    wr_id,
+                    Status::LocalQpInternalError,
+                    Opcode::Recv,
+                    0,
+                ));
+            }
+        }
+    }
+
+    pub(super) fn new(
+        qp: Box<dyn QueuePair>,
+        entry: Option<Entry>,
+        me: &RawAddr,
+        recv_depth: usize,
+    ) -> Local {
+        let mut hdr = [0u8; HDR_LEN];
+        hdr[..4].copy_from_slice(&HDR_MAGIC);
+        hdr[4..20].copy_from_slice(&me.gid.0);
+        hdr[20..22].copy_from_slice(&me.qpn.to_le_bytes());
+        Local {
+            qp,
+            entry,
+            routes: HashMap::new(),
+            inflight: HashMap::new(),
+            refill: VecDeque::new(),
+            posted: [0; 2],
+            spare: VecDeque::new(),
+            base: (recv_depth / 8).max(BASE_RECV),
+            hdr,
+        }
+    }
+}
+
+/// A queue pair of a [`RoutedDevice`](super::RoutedDevice).
+pub(super) struct RoutedQp {
+    pub(super) shared: Arc<RouteShared>,
+    pub(super) primary: Box<dyn QueuePair>,
+    pub(super) local: Option<Local>,
+    pub(super) addr: RawAddr,
+    pub(super) mtu: usize,
+    pub(super) scratch: Vec<DeviceCompletion>,
+    pub(super) shm_first: bool,
+    /// Sends to dead peers, completed without reaching a queue pair.
+    pub(super) failed: VecDeque<DeviceCompletion>,
+    pub(super) closed: bool,
+    /// The receive queue depth (posted to either path or spare).
+    pub(super) recv_depth: usize,
+}
+
+impl fmt::Debug for RoutedQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RoutedQp")
+            .field("addr", &self.addr)
+            .field("shm", &self.local.as_ref().map(|l| l.qp.addr()))
+            .finish_non_exhaustive()
+    }
+}
+
+fn idx(p: Path) -> usize {
+    match p {
+        Path::Primary => 0,
+        Path::Shm => 1,
+    }
+}
+
+impl RoutedQp {
+    /// How `dest` is reached: looked up in the directory the first time.
+    fn route(&mut self, dest: &RawAddr) -> Route {
+        if *dest == self.addr {
+            return Route::Primary;
+        }
+        let sh = &self.shared;
+        let Some(local) = self.local.as_mut() else {
+            return Route::Primary;
+        };
+        if let Some(r) = local.routes.get(dest) {
+            return *r;
+        }
+        let r = match dir::lookup(&sh.dir, sh.uid, &sh.netns, &sh.shm_gid, dest) {
+            Lookup::Local(shm) => Route::Shm(shm),
+            Lookup::Remote => Route::Primary,
+        };
+        if local.routes.len() >= MAX_ROUTES {
+            local.routes.clear();
+        }
+        local.routes.insert(*dest, r);
+        tracing::debug!(%dest, route = ?r, "shm route: destination looked up");
+        r
+    }
+
+    /// Turns one completion of the shm queue pair into what the layer above expects.
+    fn take_shm(&mut self, mut c: DeviceCompletion) -> DeviceCompletion {
+        let sh = self.shared.clone();
+        let Some(local) = self.local.as_mut() else {
+            return c;
+        };
+        match c.opcode {
+            Opcode::Send => {
+                if let Some(dest) = local.inflight.remove(&c.wr_id) {
+                    if matches!(
+                        c.status,
+                        Status::UnresponsiveRemote
+                            | Status::UnreachableRemote
+                            | Status::BadDestQpn
+                            | Status::UnknownPeer
+                    ) {
+                        // The peer may be gone. If its entry is stale, its owner died (and
+                        // with it the primary address): later sends fail at once. Otherwise
+                        // look it up afresh next time.
+                        if dir::forget_if_stale(&sh.dir, sh.uid, &dest) {
+                            local.routes.insert(dest, Route::Dead);
+                        } else if local.routes.get(&dest) != Some(&Route::Dead) {
+                            local.routes.remove(&dest);
+                        }
+                    }
+                }
+                c
+            }
+            Opcode::Recv => {
+                local.posted[idx(Path::Shm)] = local.posted[idx(Path::Shm)].saturating_sub(1);
+                if c.status == Status::Flushed {
+                    return c;
+                }
+                let has_data = matches!(c.status, Status::Success | Status::LocalBadLength);
+                if has_data {
+                    let parsed = c.buf.as_ref().and_then(|b| parse_hdr(b, self.addr.qpn));
+                    match parsed {
+                        Some(src) => {
+                            if let Some(b) = c.buf.as_mut() {
+                                // O(1): the header's room is reclaimed when the buffer is
+                                // posted to the shm queue pair again.
+                                b.advance(HDR_LEN.min(b.len()));
+                            }
+                            c.byte_len = c.byte_len.saturating_sub(HDR_LEN);
+                            c.src = Some(src);
+                            if c.status.is_ok() {
+                                stats::inc(&sh.counters.shm_route_rx_pkts);
+                                stats::add(&sh.counters.shm_route_rx_bytes, c.byte_len as u64);
+                            }
+                        }
+                        None => {
+                            // Not from a routed peer: dropped. The buffer goes back to the layer
+                            // above with an error status (it reposts it), so the work request
+                            // still completes exactly once.
+                            stats::inc(&sh.counters.malformed_dropped);
+                            tracing::debug!(src = ?c.src, "shm route: datagram without a routing header dropped");
+                            if let Some(b) = c.buf.as_mut() {
+                                b.clear();
+                            }
+                            c.status = Status::LocalQpInternalError;
+                            c.byte_len = 0;
+                            c.src = None;
+                        }
+                    }
+                } else {
+                    c.src = None;
+                }
+                local.consumed(self.primary.as_mut(), Path::Shm, &mut self.failed);
+                c
+            }
+            _ => c,
+        }
+    }
+}
+
+/// The primary source a routing header names, if it is one addressed to `me_qpn`.
+fn parse_hdr(b: &[u8], me_qpn: u16) -> Option<Source> {
+    if b.len() < HDR_LEN || b[..4] != HDR_MAGIC {
+        return None;
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&b[4..20]);
+    let qpn = u16::from_le_bytes([b[20], b[21]]);
+    let dest_qpn = u16::from_le_bytes([b[22], b[23]]);
+    (dest_qpn == me_qpn).then_some(Source { gid: Gid(gid), qpn })
+}
+
+impl QueuePair for RoutedQp {
+    fn addr(&self) -> RawAddr {
+        self.addr
+    }
+
+    fn qp_type(&self) -> QpType {
+        QpType::Srd
+    }
+
+    fn post_send(&mut self, wr: SendWr) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_send").with_detail("queue pair closed"));
+        }
+        if wr.len() > self.mtu {
+            return Err(
+                Error::new(ErrorKind::MsgSize, "post_send").with_detail(format!(
+                    "{} bytes exceed the mtu of {}",
+                    wr.len(),
+                    self.mtu
+                )),
+            );
+        }
+        let shm_dest = match self.route(&wr.dest) {
+            Route::Primary => return self.primary.post_send(wr),
+            Route::Shm(a) => a,
+            Route::Dead => {
+                stats::inc(&self.shared.counters.send_errors);
+                self.failed.push_back(DeviceCompletion::new(
+                    wr.wr_id,
+                    Status::UnresponsiveRemote,
+                    Opcode::Send,
+                    0,
+                ));
+                return Ok(());
+            }
+        };
+        let sh = self.shared.clone();
+        let Some(local) = self.local.as_mut() else {
+            return self.primary.post_send(wr);
+        };
+        let mut hdr = BytesMut::with_capacity(HDR_LEN + wr.hdr.len());
+        hdr.put_slice(&local.hdr);
+        hdr[22..24].copy_from_slice(&wr.dest.qpn.to_le_bytes());
+        hdr.put_slice(&wr.hdr);
+        let len = wr.len() as u64;
+        let (wr_id, dest) = (wr.wr_id, wr.dest);
+        local.qp.post_send(SendWr {
+            wr_id,
+            dest: shm_dest,
+            hdr: hdr.freeze(),
+            payload: wr.payload,
+            imm: wr.imm,
+        })?;
+        local.inflight.insert(wr_id, dest);
+        stats::inc(&sh.counters.shm_route_tx_pkts);
+        stats::add(&sh.counters.shm_route_tx_bytes, len);
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, "post_recv").with_detail("queue pair closed"));
+        }
+        let Some(local) = self.local.as_mut() else {
+            return self.primary.post_recv(wr_id, buf);
+        };
+        // Buffers follow the traffic: one that comes back from a path is reposted there; each
+        // path gets `base` first; the rest wait spare until a path consumes one.
+        let [p, s] = local.posted;
+        if local.spare.len() + p + s >= self.recv_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
+                    "receive queue full ({} work requests)",
+                    self.recv_depth
+                )),
+            );
+        }
+        let path = match local.refill.pop_front() {
+            Some(path) => path,
+            None if p.min(s) < local.base => {
+                if s < p {
+                    Path::Shm
+                } else {
+                    Path::Primary
+                }
+            }
+            None => {
+                local.spare.push_back((wr_id, buf));
+                return Ok(());
+            }
+        };
+        local.post_to(self.primary.as_mut(), path, wr_id, buf)
+    }
+
+    fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        if self.local.is_none() {
+            return self.primary.poll(out, max);
+        }
+        let mut n = 0;
+        while n < max {
+            let Some(c) = self.failed.pop_front() else {
+                break;
+            };
+            out.push(c);
+            n += 1;
+        }
+        self.shm_first = !self.shm_first;
+        for shm in [self.shm_first, !self.shm_first] {
+            if n >= max {
+                break;
+            }
+            if !shm {
+                let start = out.len();
+                let got = self.primary.poll(out, max - n);
+                if let Some(local) = self.local.as_mut() {
+                    for c in &out[start..] {
+                        let consumed = c.opcode == Opcode::Recv
+                            || (c.opcode == Opcode::RecvRdmaWithImm
+                                && c.wr_id != UNSOLICITED_WR_ID);
+                        if consumed {
+                            let p = &mut local.posted[idx(Path::Primary)];
+                            *p = p.saturating_sub(1);
+                            if c.status != Status::Flushed {
+                                local.consumed(
+                                    self.primary.as_mut(),
+                                    Path::Primary,
+                                    &mut self.failed,
+                                );
+                            }
+                        }
+                    }
+                }
+                n += got;
+                continue;
+            }
+            let mut batch = std::mem::take(&mut self.scratch);
+            if let Some(local) = self.local.as_mut() {
+                local.qp.poll(&mut batch, max - n);
+            }
+            for c in batch.drain(..) {
+                let c = self.take_shm(c);
+                out.push(c);
+                n += 1;
+            }
+            self.scratch = batch;
+        }
+        n
+    }
+
+    fn close(&mut self) {
+        self.closed = true;
+        if let Some(local) = self.local.as_mut() {
+            // Unpublish first, so no peer picks the shm path any more.
+            local.entry = None;
+            local.qp.close();
+            local.refill.clear();
+            // Spare buffers were posted to the routed queue pair: they come back flushed.
+            while let Some((wr_id, buf)) = local.spare.pop_front() {
+                let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
+                c.buf = Some(buf);
+                self.failed.push_back(c);
+            }
+        }
+        self.primary.close();
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.primary.post_read(wr_id, dest, local, remote)
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.primary.post_write(wr_id, dest, local, remote, imm)
+    }
+}
+
+impl Drop for RoutedQp {
+    fn drop(&mut self) {
+        if let Some(local) = self.local.as_mut() {
+            local.entry = None;
+        }
+    }
+}
