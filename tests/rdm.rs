@@ -548,3 +548,35 @@ fn flooding_sender_is_throttled_not_dropped() {
     }
     assert!(b.ep.resources().buffered_bytes == 0);
 }
+
+#[test]
+fn a_refused_receive_hands_its_own_buffer_back() {
+    // Regression: a receive refused by the engine (`Again` on a full receive queue) used to hand
+    // back an empty buffer instead of the one posted, so a retry posted a zero-byte buffer and
+    // the message completed `Truncated`.
+    let d = udp_domain(LOCAL4, FaultConfig::default());
+    let cq = efa::CompletionQueue::new(&d, 64).unwrap();
+    let av = efa::AddressVector::new(&d);
+    let ep = Endpoint::<Rdm>::builder(&d)
+        .cq(&cq)
+        .av(&av)
+        .rx_size(4)
+        .build()
+        .unwrap();
+    let mut refused = None;
+    for i in 0..16 {
+        let mut b = BytesMut::with_capacity(5000);
+        b.extend_from_slice(b"old contents");
+        match ep.recv(b, i) {
+            Ok(()) => {}
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Again);
+                refused = Some(e.into_buffer().into_recv().expect("the BytesMut back"));
+                break;
+            }
+        }
+    }
+    let b = refused.expect("a receive queue of 4 refuses the fifth receive");
+    assert!(b.capacity() >= 5000, "capacity {}", b.capacity());
+    assert_eq!(&b[..], b"old contents");
+}

@@ -615,9 +615,11 @@ impl RdmCore {
             }
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                let b = s
-                    .target
-                    .map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
+                // The refused buffer goes back whole: the engine hands back what went down.
+                let b = match s.target {
+                    Some(t) => t.finish(op.buf, false),
+                    None => Buffer::Recv(op.buf),
+                };
                 Err(refuse(e, b))
             }
         }
@@ -652,9 +654,11 @@ impl RdmCore {
             }
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                let b = s
-                    .target
-                    .map_or(Buffer::Recv(op.buf), |t| t.finish(BytesMut::new(), false));
+                // The refused buffer goes back whole: the engine hands back what went down.
+                let b = match s.target {
+                    Some(t) => t.finish(op.buf, false),
+                    None => Buffer::Recv(op.buf),
+                };
                 Err(refuse(e, b))
             }
         }
