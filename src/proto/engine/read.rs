@@ -1408,6 +1408,12 @@ impl Engine {
         }
         let start = r.start.min(msg_len);
         let end = sink.place;
+        if start == msg_len {
+            // The runt is the whole message: nothing to read, no EOR (libfabric reads, and
+            // answers, only when the message is longer than its runt).
+            r.phase = Phase::Done;
+            return;
+        }
         if end <= start {
             // Nothing of the read part fits (truncated, discarded): EOR at once.
             return self.rx_read_finished(rid);
