@@ -13,8 +13,9 @@
 //! How it works (state per peer, protocol choice, windows, backoff, memory caps, what the
 //! handshake advertises) is described in the "Engine" section of `docs/protocol.md`. The code is
 //! split by direction: `peer` (identification, handshake, backoff, failure), `tx` (protocol
-//! choice, packet queues, CTS/RECEIPT, device completions) and `rx` (reordering, matching,
-//! segments, CTSDATA, receives, peek/claim/discard).
+//! choice, packet queues, CTS/RECEIPT, device completions), `rx` (reordering, matching,
+//! segments, CTSDATA, receives, peek/claim/discard) and `read` (device RDMA, long/runting read,
+//! EOR, READ_NACK, LONGREAD_RTW).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};

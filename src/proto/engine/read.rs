@@ -421,7 +421,7 @@ impl Engine {
     }
 
     fn segment(&self, limit: u64) -> usize {
-        let limit = limit.max(1);
+        let limit = if limit == 0 { WRITE_SEGMENT } else { limit };
         let seg = match self.cfg.max_rdma_size {
             0 => limit,
             m => limit.min(m),
