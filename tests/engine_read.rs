@@ -1255,3 +1255,188 @@ fn long_writes_from_registered_buffers_are_read_by_the_target() {
     );
     assert_eq!(count(&packet_types(&mut sim), PacketType::ReadNack), 1);
 }
+
+// ---- robustness ----
+
+#[test]
+fn crafted_read_packets_never_harm() {
+    use efa::Gid;
+    use efa::proto::wire::{IovList, ReqOpt, Sender};
+    let seed = test_seed();
+    let mut rng = Rng::new(seed);
+    let (mut sim, mems) = msg_sim(seed, 16_384, false);
+    let a0 = sim.addr(0);
+    let src0 = sim.source(0);
+    // A peer that exists only in these packets.
+    let fake = RawAddr::new(Gid::from(std::net::Ipv4Addr::new(10, 9, 9, 9)), 4242, 77);
+    let fsrc = Source {
+        gid: fake.gid,
+        qpn: fake.qpn,
+    };
+    let mut fake_next = 0u32;
+    for round in 0..400u32 {
+        let iovs = [
+            RemoteIov {
+                addr: rng.next_u64() % 4096,
+                len: rng.below(1 << 20),
+                key: if rng.chance(0.5) {
+                    SKEY
+                } else {
+                    rng.next_u64()
+                },
+            },
+            RemoteIov {
+                addr: SBASE,
+                len: rng.next_u64(),
+                key: SKEY,
+            },
+        ];
+        let n_iov = 1 + rng.below(2) as usize;
+        let iov = IovList::new(&iovs[..n_iov]);
+        let id = if rng.chance(0.5) {
+            rng.below(8) as u32
+        } else {
+            rng.next_u64() as u32
+        };
+        let len = if rng.chance(0.5) {
+            rng.below(400_000)
+        } else {
+            rng.next_u64()
+        };
+        let (opt, src) = if rng.chance(0.5) {
+            let o = ReqOpt {
+                sender: Sender::Connid(a0.qkey),
+                cq_data: None,
+            };
+            (o, src0)
+        } else {
+            let o = ReqOpt {
+                sender: Sender::RawAddr(fake),
+                cq_data: Some(5),
+            };
+            (o, fsrc)
+        };
+        let connid = Some(opt.connid().unwrap_or(0));
+        let mut msg_id = || {
+            if src == fsrc {
+                fake_next += 1;
+                fake_next - 1
+            } else {
+                1000 + id
+            }
+        };
+        let payload = pattern(u64::from(round), 1 + rng.below(300) as usize);
+        let pkt = match rng.below(6) {
+            0 => Packet::Eor {
+                connid,
+                send_id: id,
+                recv_id: id,
+            },
+            1 => Packet::ReadNack {
+                connid,
+                send_id: id,
+                recv_id: id,
+            },
+            2 => Packet::LongCtsRtm {
+                opt,
+                msg_id: id,
+                msg_length: len,
+                send_id: id,
+                credit_request: 1,
+                tag: None,
+                dc: rng.chance(0.5),
+                read_nack: true,
+            },
+            3 => Packet::LongReadRtw {
+                opt,
+                msg_length: len,
+                send_id: id,
+                rma_iov: IovList::new(&iovs[..1]),
+                read_iov: iov,
+            },
+            // The fake peer's messages are well formed (so that its window moves and they are
+            // matched and read: from nowhere), node 0's are garbage.
+            4 if src == fsrc => Packet::RuntReadRtm {
+                opt,
+                msg_id: msg_id(),
+                msg_length: payload.len() as u64 + rng.below(300_000),
+                send_id: id,
+                seg_offset: 0,
+                runt_length: payload.len() as u64,
+                tag: None,
+                read_iov: iov,
+            },
+            4 => Packet::RuntReadRtm {
+                opt,
+                msg_id: msg_id(),
+                msg_length: len,
+                send_id: id,
+                seg_offset: rng.below(400_000),
+                runt_length: rng.below(400_000),
+                tag: None,
+                read_iov: iov,
+            },
+            _ => Packet::LongReadRtm {
+                opt,
+                msg_id: msg_id(),
+                msg_length: if src == fsrc { len % 400_000 } else { len },
+                send_id: id,
+                tag: None,
+                read_iov: iov,
+            },
+        };
+        let long = matches!(pkt, Packet::LongReadRtm { .. });
+        let data = if long && src == fsrc {
+            &payload[..0]
+        } else {
+            &payload[..]
+        };
+        let bytes = pkt.to_vec(data).unwrap();
+        sim.inject(1, src, &bytes);
+        if round % 50 == 0 {
+            sim.post_recv(
+                1,
+                recv_op(rng.below(300_000) as usize, 5000 + u64::from(round)),
+            )
+            .unwrap();
+        }
+        if round % 20 == 0 {
+            sim.run_for(Duration::from_micros(50));
+        }
+    }
+    assert!(sim.run(), "seed {seed}");
+    assert!(sim.engine(1).stats().dropped_pkts > 0, "seed {seed}");
+    let t = packet_types(&mut sim);
+    assert!(count(&t, PacketType::ReadNack) > 0, "seed {seed}: {t:?}");
+    // Crafted messages were processed (matched or unexpected), not only dropped.
+    let fake_recvs = events(&mut sim, 1).recvs.len() as u64;
+    assert!(
+        sim.engine(1).stats().unexpected_msgs + fake_recvs > 0,
+        "seed {seed}"
+    );
+    sim.take_events(0);
+    // Real traffic still works (tagged, so that the crafted messages do not take it).
+    let mut want = Vec::new();
+    for n in 0..3u64 {
+        let (mut op, d) = reg_send(&sim, &mems[0], 100 + n, 150_000 + 1000 * n as usize, seed);
+        op.tag = Some(n);
+        let mut r = recv_op(d.len(), 100 + n);
+        r.tag = Some((n, 0));
+        sim.post_recv(1, r).unwrap();
+        sim.send(0, op).unwrap();
+        want.push((100 + n, d));
+    }
+    assert!(sim.run(), "seed {seed}");
+    let s = events(&mut sim, 0).sends;
+    assert_eq!(s.len(), 3, "seed {seed}");
+    assert!(s.iter().all(|d| d.error.is_none()), "seed {seed}: {s:?}");
+    let r: Vec<RecvDone> = events(&mut sim, 1)
+        .recvs
+        .into_iter()
+        .filter(|r| r.context >= 100 && r.context < 5000)
+        .collect();
+    for (ctx, d) in &want {
+        let x = r.iter().find(|x| x.context == *ctx).expect("received");
+        assert!(x.error.is_none() && x.buf[..] == d[..], "seed {seed}");
+    }
+}
