@@ -19,6 +19,7 @@ use efa::proto::sim::{Sim, SimConfig, pattern, recv_op, send_op};
 use efa::proto::wire::{self, ExtraFeature, ExtraInfo, Handshake, Packet, PacketType};
 use efa::{AtomicOp, AtomicType, Error, ErrorKind, RawAddr};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +37,8 @@ struct Region {
 #[derive(Debug, Default)]
 struct Mem {
     regions: Mutex<HashMap<u64, Region>>,
+    /// The next this many non-empty writes find the region locked by the application (`Again`).
+    busy: AtomicU32,
 }
 
 fn refused(why: &'static str) -> Error {
@@ -69,6 +72,11 @@ impl Mem {
 
 impl RmaMemory for Mem {
     fn write(&self, key: u64, addr: u64, data: &[u8]) -> efa::Result<()> {
+        let busy = self.busy.load(Ordering::Relaxed);
+        if !data.is_empty() && busy > 0 {
+            self.busy.store(busy - 1, Ordering::Relaxed);
+            return Err(Error::new(ErrorKind::Again, "mem"));
+        }
         let mut g = self.regions.lock().unwrap();
         let r = g.get_mut(&key).ok_or_else(|| refused("key"))?;
         if !r.write {
@@ -1439,4 +1447,62 @@ fn crafted_read_packets_never_harm() {
         let x = r.iter().find(|x| x.context == *ctx).expect("received");
         assert!(x.error.is_none() && x.buf[..] == d[..], "seed {seed}");
     }
+}
+
+#[test]
+fn memory_locked_by_the_application_is_retried() {
+    let seed = test_seed();
+    let mut c = SimConfig::clean(seed);
+    c.engine.inter_min_read_write_size = 65_536;
+    c.engine.inter_read_segment_size = 50_000;
+    let (mut sim, mems) = two(c, [(true, false), (true, false)]);
+    connect(&mut sim, seed);
+    let a1 = sim.addr(1);
+    let data = pattern(seed, 300_000);
+    mems[0].add(SKEY, SBASE, data.to_vec(), true, false);
+    mems[1].busy.store(4, Ordering::Relaxed);
+    let mut op = write_op(a1, TBASE, data.clone(), None, 1);
+    op.local_key = Some((SKEY, SBASE));
+    let d = run_rma(&mut sim, 0, op, seed).unwrap();
+    assert!(d.error.is_none(), "seed {seed}: {d:?}");
+    assert_eq!(
+        mems[1].busy.load(Ordering::Relaxed),
+        0,
+        "seed {seed}: it was locked"
+    );
+    assert_eq!(&mems[1].bytes(TKEY)[..data.len()], &data[..], "seed {seed}");
+    baseline(&mut sim, seed);
+    // The same for a device write (the NIC waits).
+    let (mut sim, mems) = all(SimConfig::clean(seed));
+    connect(&mut sim, seed);
+    let a1 = sim.addr(1);
+    mems[1].busy.store(3, Ordering::Relaxed);
+    let d = run_rma(
+        &mut sim,
+        0,
+        write_op(a1, TBASE, data.clone(), None, 1),
+        seed,
+    )
+    .unwrap();
+    assert!(d.error.is_none(), "seed {seed}: {d:?}");
+    assert_eq!(&mems[1].bytes(TKEY)[..data.len()], &data[..], "seed {seed}");
+}
+
+#[test]
+fn a_receive_whose_reads_are_on_the_device_does_not_stall() {
+    let seed = test_seed();
+    let mut c = SimConfig::clean(seed);
+    c.latency = Duration::from_micros(200);
+    c.engine.rx_stall_timeout = Duration::from_micros(50);
+    c.engine.inter_min_read_message_size = 100_000;
+    c.engine.runt_size = 0;
+    c.engine.max_outstanding_tx = 2;
+    c.engine.inter_read_segment_size = 16_384;
+    let (mut sim, mems) = two(c, [(true, false), (true, false)]);
+    connect(&mut sim, seed);
+    let (op, d) = reg_send(&sim, &mems[0], 1, 200_000, seed);
+    sim.post_recv(1, recv_op(200_000, 1)).unwrap();
+    sim.send(0, op).unwrap();
+    assert!(sim.run(), "seed {seed}");
+    check_msg(&mut sim, &[(1, d)], seed);
 }
