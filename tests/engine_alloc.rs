@@ -178,6 +178,7 @@ impl Pair {
                     data: kind.cq_data.then_some(ctx as u32),
                     delivery_complete: kind.dc,
                     context: ctx,
+                    read_key: None,
                 };
                 if self.e[0].send(self.now, s).is_err() {
                     panic!("send refused");

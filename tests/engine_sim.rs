@@ -237,6 +237,7 @@ fn run_mix(
                     data: m.cq,
                     delivery_complete: m.dc,
                     context: k as u64,
+                    read_key: None,
                 };
                 match sim.send(i, op) {
                     Ok(()) => {

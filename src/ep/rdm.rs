@@ -684,6 +684,7 @@ impl RdmCore {
             data: o.data,
             delivery_complete: o.delivery_complete,
             context: key as u64,
+            read_key: None,
         };
         match st.engine.send(now, op) {
             Ok(()) => Ok(()),

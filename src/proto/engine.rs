@@ -13,8 +13,9 @@
 //! How it works (state per peer, protocol choice, windows, backoff, memory caps, what the
 //! handshake advertises) is described in the "Engine" section of `docs/protocol.md`. The code is
 //! split by direction: `peer` (identification, handshake, backoff, failure), `tx` (protocol
-//! choice, packet queues, CTS/RECEIPT, device completions) and `rx` (reordering, matching,
-//! segments, CTSDATA, receives, peek/claim/discard).
+//! choice, packet queues, CTS/RECEIPT, device completions), `rx` (reordering, matching,
+//! segments, CTSDATA, receives, peek/claim/discard) and `read` (device RDMA, long/runting read,
+//! EOR, READ_NACK, LONGREAD_RTW).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -31,6 +32,7 @@ use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
 mod peer;
+mod read;
 mod recv;
 mod rx;
 mod tx;
@@ -103,6 +105,9 @@ pub struct SendOp {
     pub delivery_complete: bool,
     /// Returned in the completion.
     pub context: u64,
+    /// The send buffer is a registered region peers can RDMA-read: `(key, address of its first
+    /// byte)`. Makes the long-read and runting-read protocols possible for large messages.
+    pub read_key: Option<(u64, u64)>,
 }
 
 /// One receive operation.
@@ -467,6 +472,8 @@ pub struct Engine {
     hdr: HeaderArena,
     /// Reused list of the packets a send or a CTS window creates (no allocation per message).
     pkt_scratch: Vec<Pkt>,
+    /// Device RDMA and the read-based protocols (`read.rs`).
+    rd: read::ReadState,
 }
 
 impl Engine {
@@ -511,6 +518,7 @@ impl Engine {
             memory: None,
             hdr: HeaderArena::default(),
             pkt_scratch: Vec::new(),
+            rd: read::ReadState::default(),
         }
     }
 
@@ -536,6 +544,10 @@ impl Engine {
 
     /// Starts a send. `Again` (with the operation handed back) when `max_tx_ops` are in flight
     /// or the peer is in RNR backoff; `MsgSize` never (any size is allowed).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
     pub fn send(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
         self.send_impl(now, op)
     }
@@ -592,6 +604,19 @@ impl Engine {
         reason = "the refused operation is handed back by value, as send and post_recv do"
     )]
     pub fn rma(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
+        // Device RDMA (and LONGREAD_RTW) first; the op comes back when it must be emulated.
+        match self.try_device_rma(now, op)? {
+            None => Ok(()),
+            Some(op) => self.rma_emulated(now, op),
+        }
+    }
+
+    /// Emulated RMA and atomics (RTW / RTR / RTA). Filled in by the emulated-RMA work.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value, as send and post_recv do"
+    )]
+    fn rma_emulated(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
         let _ = now;
         Err((Error::new(ErrorKind::NotSupported, "rma"), op))
     }
@@ -606,13 +631,13 @@ impl Engine {
         status: Status,
         buf: Option<BytesMut>,
     ) {
-        let _ = (now, wr_id, status, buf);
+        self.rdma_completion_impl(now, wr_id, status, buf)
     }
 
     /// The device placed a peer's RDMA write with immediate data (`imm`, `len` bytes) in this
     /// side's memory: reported as [`Event::RemoteWrite`].
     pub fn handle_remote_write(&mut self, now: Instant, src: Source, imm: u32, len: usize) {
-        let _ = (now, src, imm, len);
+        self.remote_write_impl(now, src, imm, len)
     }
 
     /// A datagram arrived from `src` (the device's receive completion); `data` is its bytes.
@@ -634,10 +659,23 @@ impl Engine {
             return;
         };
         match pkt {
-            Packet::EagerRtm { .. } | Packet::MediumRtm { .. } | Packet::LongCtsRtm { .. } => {
-                self.handle_rtm(now, pid, &pkt, payload)
+            Packet::EagerRtm { .. }
+            | Packet::MediumRtm { .. }
+            | Packet::LongCtsRtm { .. }
+            | Packet::LongReadRtm { .. }
+            | Packet::RuntReadRtm { .. } => self.handle_rtm(now, pid, &pkt, payload),
+            Packet::LongReadRtw { .. } | Packet::Eor { .. } | Packet::ReadNack { .. } => {
+                self.handle_read_pkt(now, pid, &pkt, payload)
             }
-            Packet::Handshake(h) => self.handle_handshake(pid, &h),
+            Packet::EagerRtw {
+                rma_iov,
+                dc_send_id: None,
+                ..
+            } if rma_iov.is_empty() && payload.is_empty() => {
+                // A 0-byte write: libfabric's handshake trigger. Nothing to do but answer with
+                // our HANDSHAKE (below).
+            }
+            Packet::Handshake(h) => self.handle_handshake(now, pid, &h),
             Packet::Cts {
                 send_id,
                 recv_id,
@@ -653,11 +691,9 @@ impl Engine {
             Packet::Receipt {
                 send_id, msg_id, ..
             } => self.handle_receipt(pid, send_id, msg_id),
-            Packet::Rta { msg_id, .. }
-            | Packet::LongReadRtm { msg_id, .. }
-            | Packet::RuntReadRtm { msg_id, .. } => {
-                // Not implemented (atomics, RDMA-read protocols): the id still advances the
-                // window so that later messages are not held forever.
+            Packet::Rta { msg_id, .. } => {
+                // Not implemented (atomics): the id still advances the window so that later
+                // messages are not held forever.
                 self.drop_pkt_type(&pkt);
                 self.skip_msg_id(now, pid, msg_id);
             }
@@ -683,11 +719,14 @@ impl Engine {
         if self.stall_check.is_some_and(|t| t <= now) {
             self.check_stalls(now);
         }
+        if self.rd.timer.is_some_and(|t| t <= now) {
+            self.read_timeout(now);
+        }
     }
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
-        self.poll_transmit_impl(now)
+        self.poll_transmit_any(now)
     }
 
     /// The next completion.
@@ -705,7 +744,11 @@ impl Engine {
             .iter()
             .filter_map(|p| self.peers.get(p)?.backoff_until)
             .min();
-        match (backoff, self.stall_check) {
+        let t = match (backoff, self.stall_check) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        match (t, self.rd.timer) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -723,15 +766,15 @@ impl Engine {
     /// What the engine holds now.
     pub fn resources(&self) -> Resources {
         Resources {
-            tx_ops: self.tx.len(),
+            tx_ops: self.tx.len() + self.rd_ops(),
             rx_ops: self.user_rx_ops,
             unexpected_msgs: self.unexp_msgs,
             unexpected_bytes: self.unexp_bytes,
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
             buffered_msgs: self.buffered_msgs,
             buffered_bytes: self.buffered_bytes,
-            queued_pkts: self.queued_pkts,
-            outstanding_pkts: self.outstanding.len(),
+            queued_pkts: self.queued_pkts + self.rd_queued_wrs(),
+            outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
         }
     }
@@ -795,6 +838,7 @@ impl Engine {
                 None,
             );
         }
+        self.read_close();
         self.claimed.clear();
         self.outstanding.clear();
         for p in self.peers.values_mut() {

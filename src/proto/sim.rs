@@ -10,6 +10,14 @@
 //! A sender's completion comes when its datagram is delivered. A node can vanish (datagrams to it
 //! complete with [`Status::UnresponsiveRemote`]) or restart with a new QKEY.
 //!
+//! Device RDMA ([`TransmitKind::RdmaWrite`] / [`TransmitKind::RdmaRead`]) is applied to the target
+//! node's device memory ([`Sim::set_device_memory`]) without its engine doing anything, after the
+//! same latency, jitter and "loss" delay as a datagram; a bad key or range completes with
+//! [`Status::RemoteBadAddress`] and touches nothing; a write with immediate data also gives the
+//! target a [`Engine::handle_remote_write`] (the device's `RecvRdmaWithImm` completion). A node can
+//! be frozen ([`Sim::freeze`]): its engine is not polled and what is delivered to it waits, but
+//! RDMA against its memory still completes.
+//!
 //! ```
 //! use bytes::{Bytes, BytesMut};
 //! use efa::proto::engine::{Event, RecvOp, SendOp};
@@ -20,7 +28,7 @@
 //! sim.post_recv(1, RecvOp { buf: BytesMut::with_capacity(64), tag: None, src: None, multi_recv: None, context: 7 })
 //!     .unwrap();
 //! sim.send(0, SendOp { dest, buf: Bytes::from_static(b"hello"), tag: None, data: None,
-//!     delivery_complete: false, context: 1 }).unwrap();
+//!     delivery_complete: false, context: 1, read_key: None }).unwrap();
 //! assert!(sim.run());
 //! let Some(Event::Recv(r)) = sim.take_events(1).pop() else { panic!() };
 //! assert_eq!(&r.buf[..], b"hello");
@@ -29,15 +37,18 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 use std::net::Ipv4Addr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use crate::addr::{Gid, RawAddr};
-use crate::device::{Source, Status};
-use crate::error::Error;
+use crate::device::{RemoteIov, Source, Status};
+use crate::error::{Error, ErrorKind};
 use crate::fault::Rng;
-use crate::proto::engine::{Engine, EngineConfig, Event, RecvOp, SendOp};
+use crate::proto::engine::{
+    Engine, EngineConfig, Event, RecvOp, RmaMemory, RmaOp, SendOp, Transmit, TransmitKind,
+};
 
 /// `len` bytes of a seeded pseudo-random pattern (cheap even in debug builds).
 pub fn pattern(seed: u64, len: usize) -> Bytes {
@@ -62,6 +73,7 @@ pub fn send_op(dest: RawAddr, buf: Bytes, context: u64) -> SendOp {
         data: None,
         delivery_complete: false,
         context,
+        read_key: None,
     }
 }
 
@@ -201,6 +213,12 @@ pub struct SimStats {
     /// Datagrams handed out while the node already had `max_outstanding_tx` on the device
     /// (an engine bug).
     pub over_depth: u64,
+    /// RDMA work requests posted by engines.
+    pub rdma_ops: u64,
+    /// Bytes RDMA wrote or read successfully.
+    pub rdma_bytes: u64,
+    /// RDMA work requests refused by the target (`RemoteBadAddress`).
+    pub rdma_refused: u64,
 }
 
 /// A datagram as the tap saw it.
@@ -231,6 +249,11 @@ pub struct Node {
     free_bufs: usize,
     /// Datagrams on the simulated device, not yet completed.
     in_flight: usize,
+    /// What peers' device RDMA reaches (and the engine's memory).
+    device_mem: Option<Arc<dyn RmaMemory>>,
+    /// Not polled; what is delivered to it waits in `parked`.
+    frozen: bool,
+    parked: Vec<Action>,
 }
 
 #[derive(Debug)]
@@ -254,6 +277,43 @@ enum Action {
     Repost {
         node: usize,
         inc: u64,
+    },
+    /// An RDMA work request reaches its target's memory.
+    Rdma {
+        from: usize,
+        inc: u64,
+        to: RawAddr,
+        wr_id: u64,
+        op: RdmaOp,
+    },
+    /// The initiator's completion of an RDMA work request.
+    RdmaDone {
+        node: usize,
+        inc: u64,
+        wr_id: u64,
+        status: Status,
+        buf: Option<BytesMut>,
+    },
+    /// The target's completion of a write with immediate data.
+    RemoteWrite {
+        node: usize,
+        inc: u64,
+        src: Source,
+        imm: u32,
+        len: usize,
+    },
+}
+
+#[derive(Debug)]
+enum RdmaOp {
+    Write {
+        remote: RemoteIov,
+        data: Bytes,
+        imm: Option<u32>,
+    },
+    Read {
+        remote: RemoteIov,
+        buf: BytesMut,
     },
 }
 
@@ -398,6 +458,9 @@ impl Sim {
             incarnation: 0,
             free_bufs: self.cfg.rx_buffers,
             in_flight: 0,
+            device_mem: None,
+            frozen: false,
+            parked: Vec::new(),
         });
         i
     }
@@ -443,6 +506,10 @@ impl Sim {
     }
 
     /// Starts a send on node `i` at the current virtual time.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
     pub fn send(&mut self, i: usize, op: SendOp) -> Result<(), (Error, SendOp)> {
         let now = self.now();
         self.nodes[i].engine.send(now, op)
@@ -510,6 +577,11 @@ impl Sim {
         n.events.clear();
         n.free_bufs = self.cfg.rx_buffers;
         n.in_flight = 0;
+        n.frozen = false;
+        n.parked.clear();
+        if let Some(mem) = n.device_mem.clone() {
+            n.engine.set_memory(mem);
+        }
         n.addr
     }
 
@@ -531,7 +603,7 @@ impl Sim {
         loop {
             let mut busy = false;
             for i in 0..self.nodes.len() {
-                if !self.nodes[i].alive {
+                if !self.nodes[i].alive || self.nodes[i].frozen {
                     continue;
                 }
                 if self.nodes[i]
@@ -560,12 +632,15 @@ impl Sim {
     }
 
     fn launch(&mut self, from: usize, t: crate::proto::engine::Transmit) {
-        self.stats.sent += 1;
         let n = &mut self.nodes[from];
         n.in_flight += 1;
         if n.in_flight > n.engine.config().max_outstanding_tx {
             self.stats.over_depth += 1;
         }
+        if !matches!(t.kind, TransmitKind::Send) {
+            return self.launch_rdma(from, t);
+        }
+        self.stats.sent += 1;
         let inc = self.nodes[from].incarnation;
         if t.hdr.len() + t.payload.len()
             > self
@@ -627,6 +702,16 @@ impl Sim {
     }
 
     fn act(&mut self, action: Action) {
+        let reaches = match &action {
+            Action::Arrive { to, .. } => self.target(to),
+            a => a.node(),
+        };
+        if let Some(n) = reaches.and_then(|i| self.nodes.get_mut(i)) {
+            if n.frozen {
+                n.parked.push(action);
+                return;
+            }
+        }
         match action {
             Action::Arrive {
                 from,
@@ -728,6 +813,40 @@ impl Sim {
                     n.free_bufs += 1;
                 }
             }
+            Action::Rdma {
+                from,
+                inc,
+                to,
+                wr_id,
+                op,
+            } => self.rdma_arrive(from, inc, to, wr_id, op),
+            Action::RdmaDone {
+                node,
+                inc,
+                wr_id,
+                status,
+                buf,
+            } => {
+                let now = self.now();
+                let n = &mut self.nodes[node];
+                if n.alive && n.incarnation == inc {
+                    n.in_flight = n.in_flight.saturating_sub(1);
+                    n.engine.handle_rdma_completion(now, wr_id, status, buf);
+                }
+            }
+            Action::RemoteWrite {
+                node,
+                inc,
+                src,
+                imm,
+                len,
+            } => {
+                let now = self.now();
+                let n = &mut self.nodes[node];
+                if n.alive && n.incarnation == inc {
+                    n.engine.handle_remote_write(now, src, imm, len);
+                }
+            }
         }
     }
 
@@ -808,6 +927,181 @@ impl Sim {
             if !self.step() || self.now > self.time_limit {
                 return done(self);
             }
+        }
+    }
+    // ---- Device RDMA between nodes ----
+
+    /// Gives node `i` the memory peers' device RDMA reaches; its engine gets it too (as a
+    /// domain's registered regions serve both the device and the emulated protocols).
+    pub fn set_device_memory(&mut self, i: usize, mem: Arc<dyn RmaMemory>) {
+        let n = &mut self.nodes[i];
+        n.engine.set_memory(mem.clone());
+        n.device_mem = Some(mem);
+    }
+
+    /// Starts an RMA operation on node `i`.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    pub fn rma(&mut self, i: usize, op: RmaOp) -> Result<(), (Error, RmaOp)> {
+        let now = self.now();
+        self.nodes[i].engine.rma(now, op)
+    }
+
+    /// Freezes node `i` (its application stops polling) or thaws it. While frozen its engine is
+    /// not polled and what is delivered to it (datagrams, completions) waits; RDMA against its
+    /// memory still completes.
+    pub fn freeze(&mut self, i: usize, on: bool) {
+        let n = &mut self.nodes[i];
+        n.frozen = on;
+        if !on {
+            let parked = std::mem::take(&mut n.parked);
+            for a in parked {
+                self.schedule(Duration::ZERO, a);
+            }
+        }
+    }
+
+    fn launch_rdma(&mut self, from: usize, t: Transmit) {
+        self.stats.rdma_ops += 1;
+        let inc = self.nodes[from].incarnation;
+        let op = match t.kind {
+            TransmitKind::RdmaWrite { remote, imm } => RdmaOp::Write {
+                remote,
+                data: t.payload,
+                imm,
+            },
+            TransmitKind::RdmaRead { remote, buf } => RdmaOp::Read { remote, buf },
+            TransmitKind::Send => return,
+        };
+        let mut delay = self.cfg.latency;
+        if !self.cfg.jitter.is_zero() {
+            delay += Duration::from_nanos(self.rng.below(self.cfg.jitter.as_nanos() as u64));
+        }
+        if self.rng.chance(self.cfg.loss) {
+            self.stats.lost += 1;
+            delay += self.cfg.retransmit_delay * (1 + self.rng.below(3) as u32);
+        }
+        let action = Action::Rdma {
+            from,
+            inc,
+            to: t.dest,
+            wr_id: t.wr_id,
+            op,
+        };
+        self.schedule(delay, action);
+    }
+
+    /// An RDMA work request reaches the target's memory: applied (or refused), then the
+    /// initiator's completion; the target's engine does nothing (except for the completion of a
+    /// write with immediate data).
+    fn rdma_arrive(&mut self, from: usize, inc: u64, to: RawAddr, wr_id: u64, op: RdmaOp) {
+        let done = |status, buf| Action::RdmaDone {
+            node: from,
+            inc,
+            wr_id,
+            status,
+            buf,
+        };
+        let Some(j) = self.target(&to) else {
+            self.stats.unresponsive += 1;
+            let buf = match op {
+                RdmaOp::Read { buf, .. } => Some(buf),
+                RdmaOp::Write { .. } => None,
+            };
+            let a = done(Status::UnresponsiveRemote, buf);
+            return self.schedule(self.cfg.unresponsive_after, a);
+        };
+        let mem = self.nodes[j].device_mem.clone();
+        let refused = Error::new(ErrorKind::RemoteAccess, "rdma");
+        match op {
+            RdmaOp::Write { remote, data, imm } => {
+                let r = match &mem {
+                    Some(_) if data.len() as u64 != remote.len => Err(refused),
+                    Some(m) => m.write(remote.key, remote.addr, &data),
+                    None => Err(refused),
+                };
+                let status = match r {
+                    Err(e) if e.kind() == ErrorKind::Again => {
+                        // The application holds the region: the NIC waits a little.
+                        let op = RdmaOp::Write { remote, data, imm };
+                        let again = Action::Rdma {
+                            from,
+                            inc,
+                            to,
+                            wr_id,
+                            op,
+                        };
+                        return self.schedule(self.cfg.rnr_interval, again);
+                    }
+                    Err(_) => {
+                        self.stats.rdma_refused += 1;
+                        Status::RemoteBadAddress
+                    }
+                    Ok(()) => {
+                        self.stats.rdma_bytes += data.len() as u64;
+                        if let Some(imm) = imm {
+                            let a = Action::RemoteWrite {
+                                node: j,
+                                inc: self.nodes[j].incarnation,
+                                src: self.source(from),
+                                imm,
+                                len: data.len(),
+                            };
+                            self.schedule(Duration::ZERO, a);
+                        }
+                        Status::Success
+                    }
+                };
+                self.schedule(self.cfg.completion_delay, done(status, None));
+            }
+            RdmaOp::Read { remote, mut buf } => {
+                let r = match &mem {
+                    Some(_) if (buf.capacity() as u64) < remote.len => {
+                        Err(Error::new(ErrorKind::MsgSize, "rdma"))
+                    }
+                    Some(m) => m.read(remote.key, remote.addr, remote.len),
+                    None => Err(refused),
+                };
+                let status = match r {
+                    Err(e) if e.kind() == ErrorKind::Again => {
+                        let op = RdmaOp::Read { remote, buf };
+                        let again = Action::Rdma {
+                            from,
+                            inc,
+                            to,
+                            wr_id,
+                            op,
+                        };
+                        return self.schedule(self.cfg.rnr_interval, again);
+                    }
+                    Err(e) if e.kind() == ErrorKind::MsgSize => Status::LocalBadLength,
+                    Err(_) => {
+                        self.stats.rdma_refused += 1;
+                        Status::RemoteBadAddress
+                    }
+                    Ok(data) => {
+                        self.stats.rdma_bytes += data.len() as u64;
+                        buf.clear();
+                        buf.extend_from_slice(&data);
+                        Status::Success
+                    }
+                };
+                self.schedule(self.cfg.completion_delay, done(status, Some(buf)));
+            }
+        }
+    }
+}
+
+impl Action {
+    /// The node whose engine the action reaches (frozen nodes park it).
+    fn node(&self) -> Option<usize> {
+        match self {
+            Action::Complete { node, .. }
+            | Action::RdmaDone { node, .. }
+            | Action::RemoteWrite { node, .. } => Some(*node),
+            Action::Arrive { .. } | Action::Repost { .. } | Action::Rdma { .. } => None,
         }
     }
 }

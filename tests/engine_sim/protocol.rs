@@ -30,7 +30,9 @@ fn handshake_advertises_dc_and_connid_and_reqs_switch_to_connid() {
                     feats,
                     vec![
                         ExtraFeature::DeliveryComplete,
-                        ExtraFeature::RequestConnidHeader
+                        ExtraFeature::RequestConnidHeader,
+                        ExtraFeature::Runt,
+                        ExtraFeature::ReadNack,
                     ],
                     "seed {seed}"
                 );

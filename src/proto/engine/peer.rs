@@ -95,6 +95,14 @@ pub(super) struct Peer {
     pub(super) rnr_wait: Duration,
     /// Long-CTS sends with a window granted, waiting for its HANDSHAKE before CTSDATA.
     pub(super) blocked: Vec<u32>,
+    /// Its buffers are reachable by the NIC (the HANDSHAKE's p2p field; true when absent, as
+    /// libfabric assumes for legacy peers).
+    pub(super) p2p: bool,
+    /// Bytes of our runting-read messages to it sent eagerly and not yet completed
+    /// (libfabric's `num_runt_bytes_in_flight`).
+    pub(super) runt_in_flight: usize,
+    /// We sent it a 0-byte EAGER_RTW to make it send its HANDSHAKE (libfabric's trigger).
+    pub(super) hs_triggered: bool,
 }
 
 /// Device statuses after which a peer is considered gone.
@@ -112,17 +120,36 @@ pub(super) fn peer_fatal(s: Status) -> bool {
 
 impl Engine {
     /// The HANDSHAKE this engine sends: only what is implemented is advertised.
+    ///
+    /// Always: delivery complete, the connid-header request, runting read and READ_NACK (as
+    /// libfabric, which advertises the baselined bits whatever the device). RDMA read and write
+    /// only when the device can and the configuration allows (`device_rdma_read`,
+    /// `device_rdma_write`), unsolicited write-recv only with RDMA write and when the queue pair
+    /// has it ([`Engine::set_unsolicited_write_recv`]). p2p is `true`: all our buffers are host
+    /// memory, which the NIC always reaches (libfabric's `efa_rdm_ep_use_p2p` without FI_HMEM).
     pub(super) fn handshake(&self) -> Handshake {
+        let mut extra_info = ExtraInfo::with_features(&[
+            ExtraFeature::DeliveryComplete,
+            ExtraFeature::RequestConnidHeader,
+            ExtraFeature::Runt,
+            ExtraFeature::ReadNack,
+        ]);
+        if self.cfg.device_rdma_read {
+            extra_info.set(ExtraFeature::RdmaRead);
+        }
+        if self.cfg.device_rdma_write {
+            extra_info.set(ExtraFeature::RdmaWrite);
+            if self.rd_unsolicited_write_recv() {
+                extra_info.set(ExtraFeature::UnsolicitedWriteRecv);
+            }
+        }
         Handshake {
-            extra_info: ExtraInfo::with_features(&[
-                ExtraFeature::DeliveryComplete,
-                ExtraFeature::RequestConnidHeader,
-            ]),
+            extra_info,
             connid: Some(self.local.qkey),
             host_id: None,
             device_version: None,
             user_recv_qp: None,
-            p2p: Some(false),
+            p2p: Some(true),
         }
     }
 
@@ -146,6 +173,9 @@ impl Engine {
             backoff_until: None,
             rnr_wait: Duration::ZERO,
             blocked: Vec::new(),
+            p2p: true,
+            runt_in_flight: 0,
+            hs_triggered: false,
         };
         let id = self.peers.insert(peer);
         self.by_addr.insert(addr, id);
@@ -281,20 +311,25 @@ impl Engine {
         self.enqueue(Pkt::ctrl(pid, Owner::Handshake, hdr), true, false);
     }
 
-    /// The peer's HANDSHAKE: its features; REQs switch to the connid header and held CTSDATA
-    /// windows go out.
-    pub(super) fn handle_handshake(&mut self, pid: u64, h: &Handshake) {
+    /// The peer's HANDSHAKE: its features; REQs switch to the connid header, held CTSDATA
+    /// windows go out and RMA operations that waited for it choose their protocol.
+    pub(super) fn handle_handshake(&mut self, now: Instant, pid: u64, h: &Handshake) {
         let Some(p) = self.peers.get_mut(&pid) else {
             return;
         };
         p.features = h.extra_info;
-        if !p.hs_received {
+        p.p2p = h.p2p.unwrap_or(true);
+        let first = !p.hs_received;
+        if first {
             tracing::debug!(peer = %p.addr, features = ?h.extra_info, "handshake received");
         }
         p.hs_received = true;
         let blocked = std::mem::take(&mut p.blocked);
         for id in blocked {
             self.schedule_ctsdata(id);
+        }
+        if first {
+            self.read_handshake_arrived(now, pid);
         }
     }
 
@@ -430,5 +465,6 @@ impl Engine {
             let e = crate::error::Error::new(kind, "send").with_detail(why);
             self.fail_tx(tid, e, status);
         }
+        self.read_peer_failed(pid, kind, status, why);
     }
 }

@@ -391,7 +391,8 @@ impl Engine {
         let mut stalled = Vec::new();
         let mut next: Option<Instant> = None;
         for (rid, e) in self.rx.iter() {
-            if !e.matched() {
+            // A receive whose reads are on the device is not stalled: the device completes them.
+            if !e.matched() || e.read.as_ref().is_some_and(|r| r.reading()) {
                 continue;
             }
             let due = e.last.checked_add(stall).unwrap_or(e.last);

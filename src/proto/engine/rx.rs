@@ -18,7 +18,18 @@ use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet};
 pub(super) enum Kind {
     Eager,
     Medium,
-    LongCts { send_id: u32 },
+    LongCts {
+        send_id: u32,
+    },
+    /// LONGREAD_RTM: read by this side (`read.rs`), then EOR.
+    LongRead {
+        send_id: u32,
+    },
+    /// RUNTREAD_RTM: `runt` bytes in packets, the rest read by this side.
+    RuntRead {
+        send_id: u32,
+        runt: u64,
+    },
 }
 
 /// Where a matched message goes.
@@ -75,6 +86,8 @@ pub(super) struct RxEntry {
     /// Counted in `Engine::rx_in_progress` (matched, waiting for more packets).
     pub(super) in_progress: bool,
     pub(super) state: RxState,
+    /// Long-read and runting-read messages: what to read and how far it got (`read.rs`).
+    pub(super) read: Option<Box<super::read::RxRead>>,
 }
 
 impl RxEntry {
@@ -105,6 +118,8 @@ struct Rtm {
     /// Total length (`None` for eager: the data length).
     msg_length: Option<u64>,
     seg_offset: u64,
+    /// The sender's buffers (long-read and runting-read messages).
+    read: Option<super::read::ReadIovs>,
 }
 
 impl Rtm {
@@ -124,6 +139,7 @@ impl Rtm {
                 dc_send_id,
                 msg_length: None,
                 seg_offset: 0,
+                read: None,
             },
             Packet::MediumRtm {
                 ref opt,
@@ -140,6 +156,7 @@ impl Rtm {
                 dc_send_id,
                 msg_length: Some(msg_length),
                 seg_offset,
+                read: None,
             },
             Packet::LongCtsRtm {
                 ref opt,
@@ -158,6 +175,46 @@ impl Rtm {
                 dc_send_id: dc.then_some(send_id),
                 msg_length: Some(msg_length),
                 seg_offset: 0,
+                read: None,
+            },
+            Packet::LongReadRtm {
+                ref opt,
+                msg_id,
+                msg_length,
+                send_id,
+                tag,
+                ref read_iov,
+            } => Rtm {
+                msg_id,
+                kind: Kind::LongRead { send_id },
+                tag,
+                data: data(opt),
+                dc_send_id: None,
+                msg_length: Some(msg_length),
+                seg_offset: 0,
+                read: Some(super::read::ReadIovs::of(read_iov)),
+            },
+            Packet::RuntReadRtm {
+                ref opt,
+                msg_id,
+                msg_length,
+                send_id,
+                seg_offset,
+                runt_length,
+                tag,
+                ref read_iov,
+            } => Rtm {
+                msg_id,
+                kind: Kind::RuntRead {
+                    send_id,
+                    runt: runt_length,
+                },
+                tag,
+                data: data(opt),
+                dc_send_id: None,
+                msg_length: Some(msg_length),
+                seg_offset,
+                read: Some(super::read::ReadIovs::of(read_iov)),
             },
             _ => return None,
         })
@@ -210,6 +267,17 @@ impl Engine {
 
     /// An RTM packet (eager, medium segment, long-CTS first chunk) from peer `pid`.
     pub(super) fn handle_rtm(&mut self, now: Instant, pid: u64, pkt: &Packet<'_>, data: &[u8]) {
+        if let Packet::LongCtsRtm {
+            read_nack: true,
+            msg_id,
+            send_id,
+            dc,
+            ..
+        } = *pkt
+        {
+            // The sender continues a NACKed read message as long-CTS (`read.rs`).
+            return self.handle_nack_rtm(now, pid, msg_id, send_id, dc);
+        }
         let Some(m) = Rtm::of(pkt) else {
             return self.drop_pkt("read-NACK REQ without a long-read message");
         };
@@ -244,6 +312,12 @@ impl Engine {
             Kind::Eager => true,
             Kind::Medium => n > 0 && off.checked_add(n).is_some_and(|e| e <= msg_len),
             Kind::LongCts { .. } => n <= msg_len,
+            Kind::LongRead { .. } => n == 0,
+            Kind::RuntRead { runt, .. } => {
+                n > 0
+                    && runt <= msg_len as u64
+                    && off.checked_add(n).is_some_and(|e| e as u64 <= runt)
+            }
         };
         if !valid {
             return self.drop_pkt("REQ segment inconsistent with its message length");
@@ -298,6 +372,7 @@ impl Engine {
             dc_send_id: None,
             msg_length: None,
             seg_offset: 0,
+            read: None,
         };
         let rid = self.new_rx(now, pid, &m, 0, RxState::Dropped);
         if let Some(p) = self.peers.get_mut(&pid) {
@@ -330,6 +405,9 @@ impl Engine {
                 last: now,
                 in_progress: false,
                 state,
+                read: m
+                    .read
+                    .and_then(|iovs| super::read::RxRead::new(m.kind, iovs)),
             },
         );
         if let Some(p) = self.peers.get_mut(&pid) {
@@ -368,8 +446,12 @@ impl Engine {
         let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
-        let consistent = m.kind == Kind::Medium
-            && e.kind == Kind::Medium
+        let same_kind = match (m.kind, e.kind) {
+            (Kind::Medium, Kind::Medium) => true,
+            (Kind::RuntRead { .. }, Kind::RuntRead { .. }) => m.kind == e.kind,
+            _ => false,
+        };
+        let consistent = same_kind
             && m.msg_length.and_then(|l| usize::try_from(l).ok()) == Some(e.msg_len)
             && m.tag.unwrap_or(0) == e.tag
             && m.tag.is_some() == e.tagged;
@@ -378,7 +460,11 @@ impl Engine {
         }
         let n = data.len();
         let off = usize::try_from(m.seg_offset).unwrap_or(usize::MAX);
-        let Some(end) = off.checked_add(n).filter(|&end| n > 0 && end <= e.msg_len) else {
+        let limit = match e.kind {
+            Kind::RuntRead { runt, .. } => usize::try_from(runt).unwrap_or(usize::MAX),
+            _ => e.msg_len,
+        };
+        let Some(end) = off.checked_add(n).filter(|&end| n > 0 && end <= limit) else {
             return self.drop_pkt("medium segment beyond its message");
         };
         if !e.ranges.insert(off as u64, end as u64) {
@@ -387,11 +473,14 @@ impl Engine {
         e.received += n;
         e.last = now;
         let complete = e.received == e.msg_len;
+        let reading = e.read.is_some();
         match &mut e.state {
             RxState::Matched(sink) => {
                 place(sink, off, data);
                 if complete {
                     self.complete_rx(rid);
+                } else if reading {
+                    self.runt_progress(rid);
                 }
             }
             RxState::Dropped => self.stats.dropped_pkts += 1,
@@ -559,6 +648,9 @@ impl Engine {
         if self.stall_check.is_none() {
             self.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
         }
+        if self.rx.get(&rid).is_some_and(|e| e.read.is_some()) {
+            self.start_rx_read(now, rid);
+        }
     }
 
     /// Grants the sender of long-CTS message `rid` its next window.
@@ -674,7 +766,10 @@ impl Engine {
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
     pub(super) fn take_entry(&mut self, rid: u32) -> Option<RxEntry> {
-        let e = self.rx.remove(&rid)?;
+        let mut e = self.rx.remove(&rid)?;
+        if e.read.is_some() {
+            self.read_entry_removed(rid, &mut e);
+        }
         if let Some(p) = self.peers.get_mut(&e.peer) {
             if p.inbound.get(&e.msg_id) == Some(&rid) {
                 p.inbound.remove(&e.msg_id);

@@ -27,6 +27,8 @@ pub(super) enum Owner {
     Handshake,
     /// A CTS or RECEIPT (owned by no application operation).
     Ctrl,
+    /// A REQ of an RMA operation of `read.rs` (LONGREAD_RTW).
+    Rd(u32),
 }
 
 /// A packet queued for, or handed to, the device.
@@ -73,6 +75,10 @@ pub(super) enum Proto {
     Eager,
     Medium,
     LongCts,
+    /// LONGREAD_RTM: the receiver reads the message, then EOR.
+    LongRead,
+    /// RUNTREAD_RTM: runt bytes in packets, the receiver reads the rest, then EOR.
+    RuntRead,
 }
 
 /// A send operation in flight.
@@ -161,13 +167,13 @@ fn eager_header(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<
 }
 
 /// The fields every packet of one message shares.
-struct MsgHdr {
-    pid: u64,
-    send_id: u32,
-    opt: ReqOpt,
-    msg_id: u32,
-    tag: Option<u64>,
-    dc: bool,
+pub(super) struct MsgHdr {
+    pub(super) pid: u64,
+    pub(super) send_id: u32,
+    pub(super) opt: ReqOpt,
+    pub(super) msg_id: u32,
+    pub(super) tag: Option<u64>,
+    pub(super) dc: bool,
 }
 
 /// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
@@ -209,7 +215,7 @@ impl Engine {
         Err((Error::new(ErrorKind::Again, what).with_detail(why), op))
     }
 
-    fn alloc_tx_id(&mut self) -> u32 {
+    pub(super) fn alloc_tx_id(&mut self) -> u32 {
         loop {
             let id = self.next_tx_id;
             self.next_tx_id = self.next_tx_id.wrapping_add(1);
@@ -219,6 +225,10 @@ impl Engine {
         }
     }
 
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
     pub(super) fn send_impl(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
@@ -261,7 +271,11 @@ impl Engine {
             dc,
         };
         let mut pkts = std::mem::take(&mut self.pkt_scratch);
-        let (proto, scheduled) = match self.packetize(&mut pkts, &m, op.buf.len()) {
+        let packed = match self.read_protocol(pid, &op) {
+            Some(rp) => self.packetize_read(&mut pkts, &m, op.buf.len(), rp),
+            None => self.packetize(&mut pkts, &m, op.buf.len()),
+        };
+        let (proto, scheduled) = match packed {
             Ok(x) => x,
             Err(e) => {
                 pkts.clear();
@@ -357,7 +371,7 @@ impl Engine {
     }
 
     /// Encodes `pkt` and appends it, with bytes `a..b` of the message as payload, to `pkts`.
-    fn push_pkt(
+    pub(super) fn push_pkt(
         &mut self,
         pkts: &mut Vec<Pkt>,
         m: &MsgHdr,
@@ -373,7 +387,7 @@ impl Engine {
     }
 
     pub(super) fn poll_transmit_impl(&mut self, now: Instant) -> Option<Transmit> {
-        if self.closed || self.outstanding.len() >= self.cfg.max_outstanding_tx {
+        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
             return None;
         }
         if !self.backoff.is_empty() {
@@ -401,7 +415,7 @@ impl Engine {
                     Some(t) => t.buf.slice(pkt.off..pkt.end),
                     None => continue,
                 },
-                Owner::Handshake | Owner::Ctrl => Bytes::new(),
+                Owner::Handshake | Owner::Ctrl | Owner::Rd(_) => Bytes::new(),
             };
             let hdr = self.hdr.copy(pkt.hdr.bytes());
             self.wr_seq = self.wr_seq.wrapping_add(1);
@@ -438,6 +452,7 @@ impl Engine {
                     self.reset_backoff(pkt.peer);
                 }
                 if let Owner::Tx(id) = pkt.owner {
+                    self.read_pkt_done(id, &pkt);
                     if let Some(t) = self.tx.get_mut(&id) {
                         t.pending = t.pending.saturating_sub(1);
                         self.maybe_complete_tx(id);
@@ -455,6 +470,7 @@ impl Engine {
                         .with_detail(format!("device status {s}"));
                     self.fail_tx(id, e, Some(s));
                 }
+                Owner::Rd(id) => self.read_req_failed(id, s),
                 _ => tracing::debug!(status = %s, "a control packet failed; dropped"),
             },
         }
@@ -485,14 +501,17 @@ impl Engine {
     /// Completes a send when all its packets are done, all its bytes sent and (delivery
     /// complete) its RECEIPT arrived.
     pub(super) fn maybe_complete_tx(&mut self, id: u32) {
-        let done = self
-            .tx
-            .get(&id)
-            .is_some_and(|t| t.pending == 0 && t.scheduled == t.buf.len() && (!t.dc || t.receipt));
+        // Read-based messages are delivery complete by nature (EOR), without RECEIPT.
+        let done = self.tx.get(&id).is_some_and(|t| {
+            t.pending == 0
+                && t.scheduled == t.buf.len()
+                && (!t.dc || t.receipt || matches!(t.proto, Proto::LongRead | Proto::RuntRead))
+        });
         if !done {
             return;
         }
         let Some(t) = self.tx.remove(&id) else { return };
+        self.read_tx_gone(id, t.peer);
         let len = t.buf.len();
         self.stats.tx_msgs += 1;
         self.stats.tx_bytes += len as u64;
@@ -509,6 +528,7 @@ impl Engine {
     /// Fails a send at once; its packets still on the device complete unnoticed.
     pub(super) fn fail_tx(&mut self, id: u32, error: Error, status: Option<Status>) {
         let Some(t) = self.tx.remove(&id) else { return };
+        self.read_tx_gone(id, t.peer);
         if let Some(p) = self.peers.get_mut(&t.peer) {
             p.blocked.retain(|&x| x != id);
             let before = p.data_q.len();

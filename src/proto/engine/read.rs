@@ -1,0 +1,571 @@
+//! Device RDMA and the read-based protocols:
+//!
+//! * **device RMA**: `RmaKind::Write` / `RmaKind::Read` towards a peer where both sides advertised
+//!   RDMA write / read go to the device as one-sided work requests ([`TransmitKind::RdmaWrite`] /
+//!   [`TransmitKind::RdmaRead`]), split at `max_rdma_size`; before the peer's HANDSHAKE such an
+//!   operation waits for it (a 0-byte EAGER_RTW makes the peer send it), as libfabric does;
+//! * **LONGREAD_RTW**: a long write from a registered buffer, read by the target, then EOR;
+//! * **LONGREAD_RTM / RUNTREAD_RTM**: large messages from a registered buffer, read by the
+//!   receiver (after a runt sent in packets), then EOR;
+//! * **READ_NACK**: a receiver that cannot read makes the sender fall back to long-CTS (messages)
+//!   or to the emulated write (LONGREAD_RTW).
+//!
+//! The choices are described in `docs/protocol.md`, "Device RDMA and the read-based protocols".
+//!
+//! Buffers are never copied for device reads: the user's buffer is cut into pieces
+//! ([`BytesMut::split_off`]), each piece goes to the device and comes back in its completion, and
+//! the pieces are joined again ([`BytesMut::unsplit`], which is O(1) for neighbouring pieces).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use slab::Slab;
+
+use super::peer::peer_fatal;
+use super::rx::{Kind, RxEntry, RxState};
+use super::tx::{MsgHdr, Owner, Pkt, Proto, medium_segments};
+use super::util::IdMap;
+use super::{
+    Engine, Error, ErrorKind, Event, RemoteWriteDone, RmaBuf, RmaDone, RmaKind, RmaMemory, RmaOp,
+    RmaPath, SendOp, Transmit, TransmitKind,
+};
+use crate::addr::RawAddr;
+use crate::device::{RemoteIov, Source, Status};
+use crate::proto::wire::{ExtraFeature, IOV_LIMIT, IovList, Packet, PacketType, ReqOpt, Sender};
+
+/// Marks the `wr_id`s of RDMA work requests (those of packets have bit 63 clear).
+const RDMA_WR: u64 = 1 << 63;
+/// Largest piece of a device write (libfabric's `efa_write_segment_size`).
+const WRITE_SEGMENT: u64 = 1 << 30;
+/// Largest piece a LONGREAD_RTW target reads at once: its buffer is held until written into
+/// the memory, so this bounds what a peer makes the target allocate per work request.
+const RTW_SEGMENT: usize = 1 << 20;
+/// RMA operations that may wait for HANDSHAKEs at once
+/// (`EFA_RDM_MAX_QUEUED_OPE_BEFORE_HANDSHAKE`); beyond, `Again`.
+const MAX_QUEUED_BEFORE_HANDSHAKE: usize = 16;
+/// Runt sizes are multiples of this (host memory alignment, as medium segments).
+const RUNT_ALIGN: usize = 8;
+/// Retry of a write into memory the application holds locked (`RmaMemory` said `Again`).
+const MEMORY_RETRY: Duration = Duration::from_micros(20);
+
+mod device;
+mod msg;
+mod rtw;
+
+use device::DevOp;
+pub(super) use msg::RxRead;
+use msg::TxRead;
+use rtw::RtwTarget;
+
+const NO_IOV: RemoteIov = RemoteIov {
+    addr: 0,
+    len: 0,
+    key: 0,
+};
+
+/// A packet's `read_iov` / `rma_iov` list, copied out (at most [`IOV_LIMIT`] entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ReadIovs {
+    n: usize,
+    v: [RemoteIov; IOV_LIMIT],
+}
+
+impl ReadIovs {
+    pub(super) fn of(l: &IovList<'_>) -> ReadIovs {
+        let mut r = ReadIovs {
+            n: 0,
+            v: [NO_IOV; IOV_LIMIT],
+        };
+        for (slot, iov) in r.v.iter_mut().zip(l.iter()) {
+            *slot = iov;
+            r.n += 1;
+        }
+        r
+    }
+
+    fn as_slice(&self) -> &[RemoteIov] {
+        self.v.get(..self.n).unwrap_or(&[])
+    }
+
+    fn total(&self) -> Option<u64> {
+        self.as_slice()
+            .iter()
+            .try_fold(0u64, |a, i| a.checked_add(i.len))
+    }
+}
+
+/// The remote ranges that hold bytes `from..to` of the concatenation of `iovs`, each at most
+/// `seg` long and within one iov; `None` when the iovs end before `to`.
+fn carve(iovs: &[RemoteIov], from: usize, to: usize, seg: usize) -> Option<Vec<RemoteIov>> {
+    let (mut pos, to, seg) = (from as u64, to as u64, seg.max(1) as u64);
+    let mut out = Vec::new();
+    let mut base = 0u64;
+    for iov in iovs {
+        if pos >= to {
+            break;
+        }
+        let end = base.checked_add(iov.len)?;
+        while pos < to && pos < end {
+            let n = (end.min(to) - pos).min(seg);
+            out.push(RemoteIov {
+                addr: iov.addr.checked_add(pos - base)?,
+                len: n,
+                key: iov.key,
+            });
+            pos += n;
+        }
+        base = end;
+    }
+    (pos >= to).then_some(out)
+}
+
+/// A destination buffer cut into pieces that are read separately.
+#[derive(Debug, Default)]
+struct Pieces {
+    /// Expected length and buffer of each piece (`None` while it is on the device).
+    bufs: Vec<(usize, Option<BytesMut>)>,
+    /// The capacity beyond the last piece.
+    rest: BytesMut,
+    /// Pieces not completed yet.
+    outstanding: usize,
+    /// The first failure.
+    error: Option<Status>,
+}
+
+impl Pieces {
+    /// Cuts `buf` (capacity at least `start + Σ lens`): `buf` keeps `..start`, the pieces follow.
+    fn cut(buf: &mut BytesMut, start: usize, lens: &[usize]) -> (Pieces, Vec<BytesMut>) {
+        let end = start + lens.iter().sum::<usize>();
+        let rest = buf.split_off(end);
+        let mut tail = buf.split_off(start);
+        let mut out = Vec::with_capacity(lens.len());
+        for &n in lens {
+            let next = tail.split_off(n);
+            out.push(std::mem::replace(&mut tail, next));
+        }
+        let pieces = Pieces {
+            bufs: lens.iter().map(|&n| (n, None)).collect(),
+            rest,
+            outstanding: lens.len(),
+            error: None,
+        };
+        (pieces, out)
+    }
+
+    /// A piece came back (or will not: `buf` is `None`).
+    fn put(&mut self, i: usize, buf: Option<BytesMut>, status: Status) {
+        if let Some(slot) = self.bufs.get_mut(i) {
+            if slot.1.is_none() {
+                slot.1 = buf;
+            }
+        }
+        self.outstanding = self.outstanding.saturating_sub(1);
+        if !status.is_ok() && self.error.is_none() {
+            self.error = Some(status);
+        }
+    }
+
+    /// `head` (made `start` long), the pieces and the spare capacity, joined again; a piece
+    /// that did not come back is replaced by zeros.
+    fn join(self, mut head: BytesMut, start: usize) -> BytesMut {
+        if head.len() != start {
+            head.resize(start, 0);
+        }
+        for (n, b) in self.bufs {
+            let mut b = b.unwrap_or_else(|| BytesMut::zeroed(n));
+            if b.len() != n {
+                b.resize(n, 0);
+            }
+            head.unsplit(b);
+        }
+        head.unsplit(self.rest);
+        head
+    }
+}
+
+/// Who a work request serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WrOwner {
+    /// A device RMA operation (`ReadState::ops`).
+    Op(u32),
+    /// The reads of a long/runting-read message (`Engine::rx`, by `recv_id`).
+    Rx(u32),
+    /// The reads of a LONGREAD_RTW target (`ReadState::rtw`).
+    Rtw(u32),
+}
+
+#[derive(Debug)]
+enum WrWhat {
+    /// Bytes `off..end` of the operation's buffer.
+    Write {
+        off: usize,
+        end: usize,
+        imm: Option<u32>,
+    },
+    /// Piece `piece`; its buffer (`None` once on the device, or allocated when posted).
+    Read { piece: usize, buf: Option<BytesMut> },
+}
+
+/// One RDMA work request, queued or on the device.
+#[derive(Debug)]
+struct Wr {
+    owner: WrOwner,
+    peer: u64,
+    dest: RawAddr,
+    remote: RemoteIov,
+    what: WrWhat,
+    /// RNR completions met (writes with immediate data).
+    rnr: u8,
+    wr_id: u64,
+}
+
+/// The state of this module in the engine (`Engine::rd`).
+#[derive(Debug, Default)]
+pub(super) struct ReadState {
+    ops: IdMap<u32, DevOp>,
+    /// Operations in `ops` waiting for a HANDSHAKE.
+    waiting: usize,
+    /// Work requests waiting for room on the device.
+    wrs: VecDeque<Wr>,
+    /// Work requests on the device, by the low 32 bits of their `wr_id`.
+    outstanding: Slab<Wr>,
+    seq: u32,
+    rtw: IdMap<u32, RtwTarget>,
+    next_rtw: u32,
+    /// Our read-based messages whose EOR or READ_NACK has not come (libfabric's
+    /// `num_read_msg_in_flight`; runting reads are used only when it is 0).
+    read_msgs: usize,
+    tx_read: IdMap<u32, TxRead>,
+    /// Alternates work requests and packets in `poll_transmit`.
+    turn: bool,
+    /// The queue pair has unsolicited write-recv.
+    unsolicited: bool,
+    /// When to retry writes into locked memory.
+    pub(super) timer: Option<Instant>,
+}
+
+impl Engine {
+    /// Tells the engine whether its queue pair lets RDMA writes with immediate data land without
+    /// a posted receive buffer ([`DeviceCaps::unsolicited_write_recv`]
+    /// (crate::device::DeviceCaps)): advertised in the HANDSHAKE (with RDMA write), and device
+    /// writes with immediate data are used only towards peers with the same setting, as
+    /// libfabric. Default false. (An addition to the declared API.)
+    pub fn set_unsolicited_write_recv(&mut self, on: bool) {
+        self.rd.unsolicited = on;
+    }
+
+    pub(super) fn rd_unsolicited_write_recv(&self) -> bool {
+        self.rd.unsolicited
+    }
+
+    /// RMA operations of this module in flight (counted as operations in `Resources::tx_ops`).
+    pub(super) fn rd_ops(&self) -> usize {
+        self.rd.ops.len()
+    }
+
+    /// RDMA work requests waiting for room on the device.
+    pub(super) fn rd_queued_wrs(&self) -> usize {
+        self.rd.wrs.len()
+    }
+
+    /// Packets and RDMA work requests on the device (bounded by `max_outstanding_tx`).
+    pub(super) fn wrs_outstanding(&self) -> usize {
+        self.outstanding.len() + self.rd.outstanding.len()
+    }
+
+    fn segment(&self, limit: u64) -> usize {
+        let limit = if limit == 0 { WRITE_SEGMENT } else { limit };
+        let seg = match self.cfg.max_rdma_size {
+            0 => limit,
+            m => limit.min(m),
+        };
+        usize::try_from(seg).unwrap_or(usize::MAX)
+    }
+
+    /// Largest piece of a read: `min(inter_read_segment_size, max_rdma_size)` (`max_rdma_size`
+    /// 0: no limit of its own).
+    fn read_segment(&self) -> usize {
+        self.segment(self.cfg.inter_read_segment_size as u64)
+    }
+
+    /// Largest piece of a device write: `min(1 GiB, max_rdma_size)`.
+    fn write_segment(&self) -> usize {
+        self.segment(WRITE_SEGMENT)
+    }
+
+    /// Both sides can RDMA-read: this side's device and configuration, and the peer's
+    /// HANDSHAKE (feature bit and p2p) — libfabric's `efa_both_support_rdma_read`. Towards
+    /// ourselves only this side counts.
+    pub(super) fn both_read(&self, pid: u64) -> bool {
+        self.cfg.device_rdma_read
+            && self.peers.get(&pid).is_some_and(|p| {
+                p.addr == self.local
+                    || (p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaRead))
+            })
+    }
+
+    /// Both sides can RDMA-write (`efa_both_support_rdma_write`).
+    fn both_write(&self, pid: u64) -> bool {
+        self.cfg.device_rdma_write
+            && self.peers.get(&pid).is_some_and(|p| {
+                p.addr == self.local
+                    || (p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaWrite))
+            })
+    }
+
+    /// A write with immediate data may go to the device: both sides agree on unsolicited
+    /// write-recv.
+    fn imm_ok(&self, pid: u64) -> bool {
+        self.peers.get(&pid).is_some_and(|p| {
+            p.addr == self.local
+                || p.features.has(ExtraFeature::UnsolicitedWriteRecv) == self.rd.unsolicited
+        })
+    }
+
+    /// The peer is gone: its RMA operations fail, the LONGREAD_RTW reads from it stop.
+    pub(super) fn read_peer_failed(
+        &mut self,
+        pid: u64,
+        kind: ErrorKind,
+        status: Option<Status>,
+        why: &'static str,
+    ) {
+        let mut ids: Vec<u32> = self
+            .rd
+            .ops
+            .iter()
+            .filter(|(_, o)| o.peer() == pid)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            self.abort_op(id, kind, status, why);
+        }
+        self.rd.rtw.retain(|_, t| t.peer != pid);
+        self.rd.wrs.retain(|w| w.peer != pid);
+    }
+
+    /// `close()`: every operation of this module completes with `Canceled`.
+    pub(super) fn read_close(&mut self) {
+        let mut ids: Vec<u32> = self.rd.ops.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            self.abort_op(id, ErrorKind::Canceled, None, "endpoint closed");
+        }
+        self.rd.wrs.clear();
+        self.rd.outstanding.clear();
+        self.rd.rtw.clear();
+        self.rd.tx_read.clear();
+        self.rd.read_msgs = 0;
+        self.rd.waiting = 0;
+        self.rd.timer = None;
+    }
+
+    /// `poll_transmit`: packets and RDMA work requests take turns (the device's send queue
+    /// holds both; `max_outstanding_tx` bounds them together).
+    pub(super) fn poll_transmit_any(&mut self, now: Instant) -> Option<Transmit> {
+        if self.rd.wrs.is_empty() {
+            return self.poll_transmit_impl(now);
+        }
+        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
+            return None;
+        }
+        if !self.backoff.is_empty() {
+            self.expire_backoffs(now);
+        }
+        self.rd.turn = !self.rd.turn;
+        if self.rd.turn {
+            if let Some(t) = self.next_wr() {
+                return Some(t);
+            }
+            self.poll_transmit_impl(now)
+        } else {
+            if let Some(t) = self.poll_transmit_impl(now) {
+                return Some(t);
+            }
+            self.next_wr()
+        }
+    }
+
+    /// The next RDMA work request for the device (skipping peers in RNR backoff).
+    fn next_wr(&mut self) -> Option<Transmit> {
+        loop {
+            let peers = &self.peers;
+            let i = self
+                .rd
+                .wrs
+                .iter()
+                .position(|w| peers.get(&w.peer).is_none_or(|p| p.backoff_until.is_none()))?;
+            let mut w = self.rd.wrs.remove(i)?;
+            let (payload, kind) = match &mut w.what {
+                WrWhat::Write { off, end, imm } => {
+                    let buf = match w.owner {
+                        WrOwner::Op(id) => match self.rd.ops.get(&id) {
+                            Some(DevOp::Write { buf, .. }) => buf,
+                            _ => continue,
+                        },
+                        _ => continue,
+                    };
+                    if *off > *end || *end > buf.len() {
+                        continue;
+                    }
+                    let kind = TransmitKind::RdmaWrite {
+                        remote: w.remote,
+                        imm: *imm,
+                    };
+                    (buf.slice(*off..*end), kind)
+                }
+                WrWhat::Read { buf, .. } => {
+                    let n = usize::try_from(w.remote.len).unwrap_or(0);
+                    let b = buf.take().unwrap_or_else(|| BytesMut::with_capacity(n));
+                    let kind = TransmitKind::RdmaRead {
+                        remote: w.remote,
+                        buf: b,
+                    };
+                    (Bytes::new(), kind)
+                }
+            };
+            self.rd.seq = self.rd.seq.wrapping_add(1);
+            let entry = self.rd.outstanding.vacant_entry();
+            let wr_id = RDMA_WR
+                | (u64::from(self.rd.seq & 0x7fff_ffff) << 32)
+                | (entry.key() as u64 & 0xffff_ffff);
+            w.wr_id = wr_id;
+            let dest = w.dest;
+            entry.insert(w);
+            return Some(Transmit {
+                wr_id,
+                dest,
+                hdr: Bytes::new(),
+                payload,
+                kind,
+            });
+        }
+    }
+
+    /// [`Engine::handle_rdma_completion`].
+    pub(super) fn rdma_completion_impl(
+        &mut self,
+        now: Instant,
+        wr_id: u64,
+        status: Status,
+        buf: Option<BytesMut>,
+    ) {
+        if self.closed {
+            return;
+        }
+        let key = (wr_id & 0xffff_ffff) as usize;
+        if wr_id & RDMA_WR == 0
+            || self
+                .rd
+                .outstanding
+                .get(key)
+                .is_none_or(|w| w.wr_id != wr_id)
+        {
+            tracing::debug!(wr_id, "RDMA completion for an unknown work request");
+            return;
+        }
+        let mut w = self.rd.outstanding.remove(key);
+        if status == Status::RnrRetryExceeded
+            && matches!(w.what, WrWhat::Write { .. })
+            && self.peers.contains_key(&w.peer)
+        {
+            // A write with immediate data found no receive buffer at the target: again at
+            // once, backing off from its second RNR on (as packets).
+            self.stats.rnr += 1;
+            self.stats.retransmits += 1;
+            w.rnr = w.rnr.saturating_add(1);
+            let (again, pid) = (w.rnr > 1, w.peer);
+            self.rd.wrs.push_front(w);
+            if again {
+                self.enter_backoff(pid, now);
+            }
+            return;
+        }
+        if let WrWhat::Read { buf: slot, .. } = &mut w.what {
+            *slot = buf;
+        }
+        let pid = w.peer;
+        match w.owner {
+            WrOwner::Op(id) => self.op_wr_done(id, w, status),
+            WrOwner::Rx(rid) => self.rx_wr_done(now, rid, w, status),
+            WrOwner::Rtw(id) => self.rtw_wr_done(now, id, w, status),
+        }
+        if peer_fatal(status) && self.peers.contains_key(&pid) {
+            self.fail_peer(pid, status.error_kind(), Some(status), "RDMA failed");
+        }
+    }
+
+    /// EOR, READ_NACK and LONGREAD_RTW.
+    pub(super) fn handle_read_pkt(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        pkt: &Packet<'_>,
+        payload: &[u8],
+    ) {
+        let _ = payload;
+        match *pkt {
+            Packet::Eor { send_id, .. } => self.handle_eor(pid, send_id),
+            Packet::ReadNack {
+                send_id, recv_id, ..
+            } => self.handle_read_nack(now, pid, send_id, recv_id),
+            Packet::LongReadRtw {
+                ref opt,
+                msg_length,
+                send_id,
+                ref rma_iov,
+                ref read_iov,
+            } => {
+                let data = opt.cq_data.map(|d| d as u32);
+                let (rma, read) = (ReadIovs::of(rma_iov), ReadIovs::of(read_iov));
+                self.handle_longread_rtw(pid, data, msg_length, send_id, rma, read)
+            }
+            _ => self.drop_pkt_type(pkt),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Pieces, carve};
+    use crate::device::RemoteIov;
+    use bytes::BytesMut;
+
+    fn iov(addr: u64, len: u64, key: u64) -> RemoteIov {
+        RemoteIov { addr, len, key }
+    }
+
+    #[test]
+    fn carve_splits_at_iovs_and_segments() {
+        let iovs = [iov(1000, 10, 1), iov(5000, 20, 2)];
+        let v = carve(&iovs, 4, 26, 8).unwrap();
+        assert_eq!(v, vec![iov(1004, 6, 1), iov(5000, 8, 2), iov(5008, 8, 2)]);
+        assert_eq!(carve(&iovs, 0, 31, 100), None, "beyond the iovs");
+        assert_eq!(carve(&iovs, 7, 7, 100), Some(vec![]));
+    }
+
+    #[test]
+    fn pieces_join_without_copying() {
+        let mut buf = BytesMut::with_capacity(100);
+        buf.extend_from_slice(b"abc");
+        let base = buf.as_ptr();
+        let (p, bufs) = Pieces::cut(&mut buf, 10, &[30, 30, 5]);
+        assert_eq!(buf.capacity(), 10);
+        let mut p = p;
+        for (i, mut b) in bufs.into_iter().enumerate() {
+            let n = b.capacity();
+            b.extend(std::iter::repeat_n(b'0' + i as u8, n));
+            p.put(i, Some(b), crate::device::Status::Success);
+        }
+        let out = p.join(buf, 10);
+        assert_eq!(out.len(), 75);
+        assert_eq!(out.capacity(), 100);
+        assert_eq!(out.as_ptr(), base, "joined in place");
+        assert_eq!(&out[..3], b"abc");
+        assert_eq!(&out[3..10], &[0; 7]);
+        assert!(out[10..40].iter().all(|&c| c == b'0'));
+        assert!(out[70..75].iter().all(|&c| c == b'2'));
+    }
+}

@@ -1,0 +1,575 @@
+//! Device RMA: the route an RMA operation takes, its work requests, waiting for the peer's
+//! HANDSHAKE, completions (`docs/protocol.md`, "Device RDMA and the read-based protocols").
+
+use super::*;
+
+/// An RMA operation of this module.
+#[derive(Debug)]
+pub(super) enum DevOp {
+    /// Waits for the peer's HANDSHAKE to choose its protocol.
+    Waiting { peer: u64, op: RmaOp },
+    /// Device write: `pending` work requests on the device or queued; with immediate data the
+    /// last piece is `held` until the others completed, so that the target's completion means
+    /// all the data is in place.
+    Write {
+        peer: u64,
+        context: u64,
+        buf: Bytes,
+        pending: usize,
+        held: Option<Wr>,
+        error: Option<Status>,
+    },
+    /// Device read into the pieces of the user's buffer.
+    Read {
+        peer: u64,
+        context: u64,
+        len: usize,
+        pieces: Pieces,
+    },
+    /// LONGREAD_RTW sent: waits for EOR (or READ_NACK).
+    LongReadRtw { peer: u64, op: RmaOp, len: usize },
+}
+
+impl DevOp {
+    pub(super) fn peer(&self) -> u64 {
+        match self {
+            DevOp::Waiting { peer, .. }
+            | DevOp::Write { peer, .. }
+            | DevOp::Read { peer, .. }
+            | DevOp::LongReadRtw { peer, .. } => *peer,
+        }
+    }
+}
+
+/// Where an RMA operation goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Route {
+    Device,
+    LongReadRtw,
+    Emulated,
+}
+
+pub(super) fn dev_error(s: Status) -> Error {
+    Error::new(s.error_kind(), "rma").with_detail(format!("device status {s}"))
+}
+
+pub(super) fn rma_buf(kind: RmaKind) -> RmaBuf {
+    match kind {
+        RmaKind::Write { buf, .. } => RmaBuf::Write(buf),
+        RmaKind::Read { buf } => RmaBuf::Read(buf),
+        RmaKind::Atomic { operand, fetch, .. } => RmaBuf::Atomic { operand, fetch },
+    }
+}
+
+impl Engine {
+    /// Where `op` goes, once the peer's HANDSHAKE is known.
+    pub(super) fn rma_route(&self, pid: u64, op: &RmaOp) -> Route {
+        match &op.kind {
+            RmaKind::Write { buf, data } => {
+                if self.both_write(pid) && (data.is_none() || self.imm_ok(pid)) {
+                    Route::Device
+                } else if op.local_key.is_some()
+                    && !buf.is_empty()
+                    && buf.len() >= self.cfg.inter_min_read_write_size
+                    && self.both_read(pid)
+                {
+                    Route::LongReadRtw
+                } else {
+                    Route::Emulated
+                }
+            }
+            RmaKind::Read { .. } if self.both_read(pid) => Route::Device,
+            _ => Route::Emulated,
+        }
+    }
+
+    /// Whether this side could run `op` with the device (or LONGREAD_RTW) at all.
+    pub(super) fn rma_could_use_device(&self, op: &RmaOp) -> bool {
+        match &op.kind {
+            RmaKind::Write { buf, .. } => {
+                self.cfg.device_rdma_write
+                    || (self.cfg.device_rdma_read
+                        && op.local_key.is_some()
+                        && !buf.is_empty()
+                        && buf.len() >= self.cfg.inter_min_read_write_size)
+            }
+            RmaKind::Read { .. } => self.cfg.device_rdma_read,
+            RmaKind::Atomic { .. } => false,
+        }
+    }
+
+    pub(super) fn validate_rma(op: &RmaOp) -> Result<(), Error> {
+        match &op.kind {
+            RmaKind::Write { buf, .. } if buf.len() as u64 != op.remote.len => {
+                Err(Error::new(ErrorKind::InvalidArgument, "rma")
+                    .with_detail("the write's length differs from the remote range"))
+            }
+            RmaKind::Read { buf } if (buf.capacity() as u64) < op.remote.len => {
+                Err(Error::new(ErrorKind::InvalidArgument, "rma")
+                    .with_detail("the read buffer is smaller than the remote range"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    pub(super) fn rma_again<T>(
+        &mut self,
+        op: RmaOp,
+        why: &'static str,
+    ) -> Result<T, (Error, RmaOp)> {
+        self.stats.again += 1;
+        Err((Error::new(ErrorKind::Again, "rma").with_detail(why), op))
+    }
+
+    pub(super) fn new_op_id(&mut self) -> u32 {
+        loop {
+            let id = self.alloc_tx_id();
+            if !self.rd.ops.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// The device part of [`Engine::rma`]: starts `op` with device RDMA (or LONGREAD_RTW), or
+    /// queues it until the peer's HANDSHAKE says which, and returns `Ok(None)`; hands the
+    /// operation back (`Ok(Some)`) when it must be emulated (atomics, no RDMA on this side or
+    /// the peer's, writes with immediate data across an unsolicited write-recv mismatch).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    pub(in crate::proto::engine) fn try_device_rma(
+        &mut self,
+        now: Instant,
+        op: RmaOp,
+    ) -> Result<Option<RmaOp>, (Error, RmaOp)> {
+        if self.closed {
+            return Err((Engine::closed_error("rma"), op));
+        }
+        if !self.rma_could_use_device(&op) {
+            return Ok(Some(op));
+        }
+        if !self.backoff.is_empty() {
+            self.expire_backoffs(now);
+        }
+        let Some(pid) = self.peer_for_send(op.dest) else {
+            let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");
+            return Err((e, op));
+        };
+        let Some(p) = self.peers.get(&pid) else {
+            return Err((Error::new(ErrorKind::Io, "rma"), op));
+        };
+        let known = p.hs_received || p.addr == self.local;
+        let backoff = p.backoff_until.is_some();
+        if known && self.rma_route(pid, &op) == Route::Emulated {
+            return Ok(Some(op));
+        }
+        if let Err(e) = Self::validate_rma(&op) {
+            return Err((e, op));
+        }
+        if self.tx.len() + self.rd.ops.len() >= self.cfg.max_tx_ops {
+            return self.rma_again(op, "max_tx_ops operations in flight");
+        }
+        if backoff {
+            return self.rma_again(op, "peer in RNR backoff");
+        }
+        if !known {
+            if self.rd.waiting >= MAX_QUEUED_BEFORE_HANDSHAKE {
+                return self.rma_again(op, "too many operations waiting for handshakes");
+            }
+            let id = self.new_op_id();
+            self.rd.ops.insert(id, DevOp::Waiting { peer: pid, op });
+            self.rd.waiting += 1;
+            self.trigger_handshake(pid);
+            return Ok(None);
+        }
+        Ok(self.start_rma(pid, op))
+    }
+
+    /// Starts `op` on the route its peer allows; hands it back when that is the emulation.
+    pub(super) fn start_rma(&mut self, pid: u64, op: RmaOp) -> Option<RmaOp> {
+        match self.rma_route(pid, &op) {
+            Route::Emulated => Some(op),
+            Route::Device => self.start_device(pid, op),
+            Route::LongReadRtw => self.start_longread_rtw(pid, op),
+        }
+    }
+
+    /// Queues the work requests of a device write or read.
+    pub(super) fn start_device(&mut self, pid: u64, op: RmaOp) -> Option<RmaOp> {
+        if matches!(op.kind, RmaKind::Atomic { .. }) {
+            return Some(op);
+        }
+        let Some(dest) = self.peers.get(&pid).map(|p| p.addr) else {
+            return Some(op);
+        };
+        let id = self.new_op_id();
+        let RmaOp {
+            remote,
+            kind,
+            context,
+            ..
+        } = op;
+        let wr = |remote: RemoteIov, what: WrWhat| Wr {
+            owner: WrOwner::Op(id),
+            peer: pid,
+            dest,
+            remote,
+            what,
+            rnr: 0,
+            wr_id: 0,
+        };
+        let piece = |off: usize, n: usize| RemoteIov {
+            addr: remote.addr.wrapping_add(off as u64),
+            len: n as u64,
+            key: remote.key,
+        };
+        match kind {
+            RmaKind::Write { buf, data } => {
+                let seg = self.write_segment();
+                let len = buf.len();
+                let n = if len == 0 { 1 } else { (len - 1) / seg + 1 };
+                let mut wrs: Vec<Wr> = (0..n)
+                    .map(|i| {
+                        let off = i * seg;
+                        let end = (off + seg).min(len);
+                        let imm = if i + 1 == n { data } else { None };
+                        wr(piece(off, end - off), WrWhat::Write { off, end, imm })
+                    })
+                    .collect();
+                let held = if data.is_some() && n > 1 {
+                    wrs.pop()
+                } else {
+                    None
+                };
+                let pending = wrs.len();
+                self.rd.wrs.extend(wrs);
+                self.rd.ops.insert(
+                    id,
+                    DevOp::Write {
+                        peer: pid,
+                        context,
+                        buf,
+                        pending,
+                        held,
+                        error: None,
+                    },
+                );
+            }
+            RmaKind::Read { mut buf } => {
+                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
+                let seg = self.read_segment();
+                let lens: Vec<usize> = if len == 0 {
+                    vec![0]
+                } else {
+                    (0..len).step_by(seg).map(|o| seg.min(len - o)).collect()
+                };
+                buf.clear();
+                let (pieces, bufs) = Pieces::cut(&mut buf, 0, &lens);
+                let mut off = 0;
+                for (i, (b, &n)) in bufs.into_iter().zip(&lens).enumerate() {
+                    let what = WrWhat::Read {
+                        piece: i,
+                        buf: Some(b),
+                    };
+                    self.rd.wrs.push_back(wr(piece(off, n), what));
+                    off += n;
+                }
+                self.rd.ops.insert(
+                    id,
+                    DevOp::Read {
+                        peer: pid,
+                        context,
+                        len,
+                        pieces,
+                    },
+                );
+            }
+            RmaKind::Atomic { .. } => {}
+        }
+        None
+    }
+
+    /// Sends LONGREAD_RTW: the target reads our registered buffer (`local_key`).
+    pub(super) fn start_longread_rtw(&mut self, pid: u64, op: RmaOp) -> Option<RmaOp> {
+        let (RmaKind::Write { buf, data }, Some((key, addr))) = (&op.kind, op.local_key) else {
+            return Some(op);
+        };
+        let len = buf.len();
+        let Some(hs) = self.peers.get(&pid).map(|p| p.hs_received) else {
+            return Some(op);
+        };
+        let id = self.new_op_id();
+        let read = [RemoteIov {
+            addr,
+            len: len as u64,
+            key,
+        }];
+        let rma = [op.remote];
+        let sender = if hs {
+            Sender::Connid(self.local.qkey)
+        } else {
+            Sender::RawAddr(self.local)
+        };
+        let pkt = Packet::LongReadRtw {
+            opt: ReqOpt {
+                sender,
+                cq_data: data.map(u64::from),
+            },
+            msg_length: len as u64,
+            send_id: id,
+            rma_iov: IovList::new(&rma),
+            read_iov: IovList::new(&read),
+        };
+        let hdr = self.encode(&pkt)?;
+        self.rd
+            .ops
+            .insert(id, DevOp::LongReadRtw { peer: pid, op, len });
+        self.enqueue(Pkt::ctrl(pid, Owner::Rd(id), hdr), false, false);
+        None
+    }
+
+    /// Makes a peer that does not know us send its HANDSHAKE: a 0-byte EAGER_RTW (libfabric's
+    /// `efa_rdm_ep_trigger_handshake`), unless one of our REQs went to it already.
+    pub(super) fn trigger_handshake(&mut self, pid: u64) {
+        let Some(p) = self.peers.get_mut(&pid) else {
+            return;
+        };
+        if p.hs_received || p.hs_triggered || p.next_msg_id != 0 {
+            return;
+        }
+        p.hs_triggered = true;
+        let pkt = Packet::EagerRtw {
+            opt: ReqOpt {
+                sender: Sender::RawAddr(self.local),
+                cq_data: None,
+            },
+            dc_send_id: None,
+            rma_iov: IovList::EMPTY,
+        };
+        if let Some(hdr) = self.encode(&pkt) {
+            self.enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
+        }
+    }
+
+    /// The peer's HANDSHAKE arrived: the operations that waited for it choose their protocol,
+    /// in the order they were started.
+    pub(in crate::proto::engine) fn read_handshake_arrived(&mut self, now: Instant, pid: u64) {
+        let mut ids: Vec<u32> = self
+            .rd
+            .ops
+            .iter()
+            .filter(|(_, o)| matches!(o, DevOp::Waiting { peer, .. } if *peer == pid))
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            let Some(DevOp::Waiting { op, .. }) = self.rd.ops.remove(&id) else {
+                continue;
+            };
+            self.rd.waiting = self.rd.waiting.saturating_sub(1);
+            if let Some(op) = self.start_rma(pid, op) {
+                if let Err((e, op)) = self.rma_emulated(now, op) {
+                    self.fail_rma_op(op, e);
+                }
+            }
+        }
+    }
+
+    /// An error completion for an operation handed back by the emulation.
+    pub(super) fn fail_rma_op(&mut self, op: RmaOp, e: Error) {
+        self.rma_event(
+            op.context,
+            rma_buf(op.kind),
+            0,
+            RmaPath::Emulated,
+            Some(e),
+            None,
+        );
+    }
+
+    pub(super) fn rma_event(
+        &mut self,
+        context: u64,
+        buf: RmaBuf,
+        len: usize,
+        path: RmaPath,
+        error: Option<Error>,
+        status: Option<Status>,
+    ) {
+        match (&error, path) {
+            (Some(e), _) => {
+                self.stats.errors += 1;
+                tracing::debug!(error = %e, "RMA operation failed");
+            }
+            (None, RmaPath::Device) => self.stats.device_rma_bytes += len as u64,
+            (None, RmaPath::Emulated) => self.stats.emulated_rma_bytes += len as u64,
+        }
+        let len = if error.is_some() { 0 } else { len };
+        self.events.push_back(Event::Rma(RmaDone {
+            context,
+            buf,
+            len,
+            path,
+            error,
+            status,
+        }));
+    }
+
+    /// The completion of a finished (or failed: `forced`) operation of this module.
+    pub(super) fn finish_dev_op(&mut self, op: DevOp, forced: Option<(Error, Option<Status>)>) {
+        let outcome = |dev: Option<Status>, forced: Option<(Error, Option<Status>)>| match forced {
+            Some((e, s)) => (Some(e), s),
+            None => match dev {
+                Some(s) => (Some(dev_error(s)), Some(s)),
+                None => (None, None),
+            },
+        };
+        match op {
+            DevOp::Write {
+                context,
+                buf,
+                error,
+                ..
+            } => {
+                let (err, st) = outcome(error, forced);
+                let len = buf.len();
+                self.rma_event(context, RmaBuf::Write(buf), len, RmaPath::Device, err, st);
+            }
+            DevOp::Read {
+                context,
+                len,
+                pieces,
+                ..
+            } => {
+                let (err, st) = outcome(pieces.error, forced);
+                let mut b = pieces.join(BytesMut::new(), 0);
+                if err.is_some() {
+                    b.clear();
+                }
+                self.rma_event(context, RmaBuf::Read(b), len, RmaPath::Device, err, st);
+            }
+            DevOp::Waiting { op, .. } | DevOp::LongReadRtw { op, .. } => {
+                let (err, st) = outcome(Some(Status::LocalQpInternalError), forced);
+                self.rma_event(op.context, rma_buf(op.kind), 0, RmaPath::Emulated, err, st);
+            }
+        }
+    }
+
+    /// Ends operation `id` with an error; its queued work requests are withdrawn (their
+    /// buffers come back), those on the device complete into nothing.
+    pub(super) fn abort_op(
+        &mut self,
+        id: u32,
+        kind: ErrorKind,
+        status: Option<Status>,
+        why: &'static str,
+    ) {
+        let Some(mut op) = self.rd.ops.remove(&id) else {
+            return;
+        };
+        let mut i = 0;
+        while i < self.rd.wrs.len() {
+            if self
+                .rd
+                .wrs
+                .get(i)
+                .is_some_and(|w| w.owner == WrOwner::Op(id))
+            {
+                if let Some(w) = self.rd.wrs.remove(i) {
+                    if let (DevOp::Read { pieces, .. }, WrWhat::Read { piece, buf }) =
+                        (&mut op, w.what)
+                    {
+                        pieces.put(piece, buf, Status::Flushed);
+                    }
+                }
+            } else {
+                i += 1;
+            }
+        }
+        if matches!(op, DevOp::Waiting { .. }) {
+            self.rd.waiting = self.rd.waiting.saturating_sub(1);
+        }
+        let e = Error::new(kind, "rma").with_detail(why);
+        self.finish_dev_op(op, Some((e, status)));
+    }
+
+    pub(super) fn op_wr_done(&mut self, id: u32, w: Wr, status: Status) {
+        let Some(op) = self.rd.ops.get_mut(&id) else {
+            return;
+        };
+        match op {
+            DevOp::Write {
+                pending,
+                held,
+                error,
+                ..
+            } => {
+                *pending = pending.saturating_sub(1);
+                if !status.is_ok() && error.is_none() {
+                    *error = Some(status);
+                }
+                if *pending > 0 {
+                    return;
+                }
+                if error.is_none() {
+                    if let Some(last) = held.take() {
+                        *pending = 1;
+                        self.rd.wrs.push_back(last);
+                        return;
+                    }
+                }
+            }
+            DevOp::Read { pieces, .. } => {
+                if let WrWhat::Read { piece, buf } = w.what {
+                    pieces.put(piece, buf, status);
+                }
+                if pieces.outstanding > 0 {
+                    return;
+                }
+            }
+            DevOp::Waiting { .. } | DevOp::LongReadRtw { .. } => return,
+        }
+        if let Some(op) = self.rd.ops.remove(&id) {
+            self.finish_dev_op(op, None);
+        }
+    }
+
+    /// [`Engine::handle_remote_write`]: one event per write with immediate data. The device
+    /// names the writer by GID and QPN only: it is reported as that queue pair's newest
+    /// incarnation (QKEY 0 when unknown).
+    pub(in crate::proto::engine) fn remote_write_impl(
+        &mut self,
+        now: Instant,
+        src: Source,
+        imm: u32,
+        len: usize,
+    ) {
+        let _ = now;
+        if self.closed {
+            return;
+        }
+        let addr = self
+            .incarnations
+            .get(&(src.gid, src.qpn))
+            .and_then(|v| v.last())
+            .and_then(|id| self.peers.get(id))
+            .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr);
+        self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
+            src: addr,
+            data: imm,
+            len,
+        }));
+    }
+
+    /// A LONGREAD_RTW REQ failed on the device (not a peer failure): its operation fails.
+    pub(in crate::proto::engine) fn read_req_failed(&mut self, id: u32, s: Status) {
+        if let Some(op) = self.rd.ops.remove(&id) {
+            self.finish_dev_op(op, Some((dev_error(s), Some(s))));
+        }
+    }
+}
