@@ -172,6 +172,254 @@ impl AtomicType {
     }
 }
 
+macro_rules! int_op {
+    ($t:ty, $op:expr, $x:expr, $o:expr, $c:expr) => {{
+        let (x, o, c): ($t, $t, $t) = ($x, $o, $c);
+        match $op {
+            AtomicOp::Min => x.min(o),
+            AtomicOp::Max => x.max(o),
+            AtomicOp::Sum => x.wrapping_add(o),
+            AtomicOp::Prod => x.wrapping_mul(o),
+            AtomicOp::Lor => ((x != 0) || (o != 0)) as $t,
+            AtomicOp::Land => ((x != 0) && (o != 0)) as $t,
+            AtomicOp::Bor => x | o,
+            AtomicOp::Band => x & o,
+            AtomicOp::Lxor => ((x != 0) ^ (o != 0)) as $t,
+            AtomicOp::Bxor => x ^ o,
+            AtomicOp::Read => x,
+            AtomicOp::Write => o,
+            AtomicOp::Cswap => {
+                if c == x {
+                    o
+                } else {
+                    x
+                }
+            }
+            AtomicOp::CswapNe => {
+                if c != x {
+                    o
+                } else {
+                    x
+                }
+            }
+            AtomicOp::CswapLe => {
+                if c <= x {
+                    o
+                } else {
+                    x
+                }
+            }
+            AtomicOp::CswapLt => {
+                if c < x {
+                    o
+                } else {
+                    x
+                }
+            }
+            AtomicOp::CswapGe => {
+                if c >= x {
+                    o
+                } else {
+                    x
+                }
+            }
+            AtomicOp::CswapGt => {
+                if c > x {
+                    o
+                } else {
+                    x
+                }
+            }
+            AtomicOp::Mswap => (o & c) | (x & !c),
+        }
+    }};
+}
+
+macro_rules! float_op {
+    ($t:ty, $op:expr, $x:expr, $o:expr, $c:expr) => {{
+        let (x, o, c): ($t, $t, $t) = ($x, $o, $c);
+        let b = |v: bool| if v { 1.0 } else { 0.0 };
+        (|| -> Option<$t> {
+            Some(match $op {
+                AtomicOp::Min => {
+                    if o < x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::Max => {
+                    if o > x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::Sum => x + o,
+                AtomicOp::Prod => x * o,
+                AtomicOp::Lor => b(x != 0.0 || o != 0.0),
+                AtomicOp::Land => b(x != 0.0 && o != 0.0),
+                AtomicOp::Lxor => b((x != 0.0) ^ (o != 0.0)),
+                AtomicOp::Read => x,
+                AtomicOp::Write => o,
+                AtomicOp::Cswap => {
+                    if c == x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::CswapNe => {
+                    if c != x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::CswapLe => {
+                    if c <= x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::CswapLt => {
+                    if c < x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::CswapGe => {
+                    if c >= x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::CswapGt => {
+                    if c > x {
+                        o
+                    } else {
+                        x
+                    }
+                }
+                AtomicOp::Bor | AtomicOp::Band | AtomicOp::Bxor | AtomicOp::Mswap => return None,
+            })
+        })()
+    }};
+}
+
+/// Checks that `op` is defined on `datatype` and the operands have whole, equal numbers of
+/// elements. `InvalidArgument` otherwise.
+pub fn validate(
+    op: AtomicOp,
+    datatype: AtomicType,
+    len: usize,
+    operand: &[u8],
+    compare: Option<&[u8]>,
+) -> Result<()> {
+    let size = datatype.size();
+    let bad = |why: String| Err(Error::new(ErrorKind::InvalidArgument, "atomic").with_detail(why));
+    if len == 0 || len % size != 0 {
+        return bad(format!(
+            "{len} bytes is not a whole number of {datatype:?} elements"
+        ));
+    }
+    if op != AtomicOp::Read && operand.len() != len {
+        return bad(format!(
+            "operand of {} bytes for {len} bytes",
+            operand.len()
+        ));
+    }
+    match (op.is_compare(), compare) {
+        (true, Some(c)) if c.len() == len => {}
+        (true, _) => return bad(format!("{op:?} needs a compare operand of {len} bytes")),
+        (false, Some(_)) => return bad(format!("{op:?} takes no compare operand")),
+        (false, None) => {}
+    }
+    if datatype.is_float()
+        && matches!(
+            op,
+            AtomicOp::Bor | AtomicOp::Band | AtomicOp::Bxor | AtomicOp::Mswap
+        )
+    {
+        return bad(format!("{op:?} is not defined on {datatype:?}"));
+    }
+    Ok(())
+}
+
+/// Applies `op` element-wise to `target` (little-endian elements of `datatype`) with `operand`
+/// and, for compare operations, `compare`, as libfabric defines the operations (integers wrap).
+/// `target` is left unchanged when the arguments are invalid (see [`validate`]).
+///
+/// ```
+/// use efa::atomic::{apply, AtomicOp, AtomicType};
+/// let mut t = 5u32.to_le_bytes();
+/// apply(AtomicOp::Sum, AtomicType::U32, &mut t, &7u32.to_le_bytes(), None).unwrap();
+/// assert_eq!(u32::from_le_bytes(t), 12);
+/// apply(AtomicOp::Cswap, AtomicType::U32, &mut t, &1u32.to_le_bytes(), Some(&12u32.to_le_bytes())).unwrap();
+/// assert_eq!(u32::from_le_bytes(t), 1);
+/// ```
+pub fn apply(
+    op: AtomicOp,
+    datatype: AtomicType,
+    target: &mut [u8],
+    operand: &[u8],
+    compare: Option<&[u8]>,
+) -> Result<()> {
+    validate(op, datatype, target.len(), operand, compare)?;
+    if op == AtomicOp::Read {
+        return Ok(());
+    }
+    let size = datatype.size();
+    for i in 0..target.len() / size {
+        let r = i * size..(i + 1) * size;
+        let c = compare.map(|c| &c[r.clone()]);
+        macro_rules! int {
+            ($t:ty) => {{
+                let get = |b: &[u8]| <$t>::from_le_bytes(b.try_into().unwrap_or_default());
+                let v = int_op!(
+                    $t,
+                    op,
+                    get(&target[r.clone()]),
+                    get(&operand[r.clone()]),
+                    c.map_or(0, get)
+                );
+                target[r.clone()].copy_from_slice(&v.to_le_bytes());
+            }};
+        }
+        macro_rules! float {
+            ($t:ty) => {{
+                let get = |b: &[u8]| <$t>::from_le_bytes(b.try_into().unwrap_or_default());
+                let Some(v) = float_op!(
+                    $t,
+                    op,
+                    get(&target[r.clone()]),
+                    get(&operand[r.clone()]),
+                    c.map_or(0.0, get)
+                ) else {
+                    return Err(Error::new(ErrorKind::InvalidArgument, "atomic"));
+                };
+                target[r.clone()].copy_from_slice(&v.to_le_bytes());
+            }};
+        }
+        match datatype {
+            AtomicType::I8 => int!(i8),
+            AtomicType::U8 => int!(u8),
+            AtomicType::I16 => int!(i16),
+            AtomicType::U16 => int!(u16),
+            AtomicType::I32 => int!(i32),
+            AtomicType::U32 => int!(u32),
+            AtomicType::I64 => int!(i64),
+            AtomicType::U64 => int!(u64),
+            AtomicType::F32 => float!(f32),
+            AtomicType::F64 => float!(f64),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,5 +439,90 @@ mod tests {
             AtomicType::from_code(10).unwrap_err().kind(),
             ErrorKind::NotSupported
         );
+    }
+
+    fn one(op: AtomicOp, dt: AtomicType, x: &[u8], o: &[u8], c: Option<&[u8]>) -> Vec<u8> {
+        let mut t = x.to_vec();
+        apply(op, dt, &mut t, o, c).unwrap();
+        t
+    }
+
+    #[test]
+    fn integer_ops_follow_libfabric() {
+        let u = |v: u32| v.to_le_bytes();
+        let t = AtomicType::U32;
+        let cases = [
+            (AtomicOp::Min, 5, 3, 0, 3),
+            (AtomicOp::Max, 5, 3, 0, 5),
+            (AtomicOp::Sum, u32::MAX, 2, 0, 1),
+            (AtomicOp::Prod, 6, 7, 0, 42),
+            (AtomicOp::Lor, 0, 9, 0, 1),
+            (AtomicOp::Land, 4, 0, 0, 0),
+            (AtomicOp::Bor, 0b1010, 0b0101, 0, 0b1111),
+            (AtomicOp::Band, 0b1110, 0b0111, 0, 0b0110),
+            (AtomicOp::Lxor, 3, 3, 0, 0),
+            (AtomicOp::Bxor, 0b1100, 0b1010, 0, 0b0110),
+            (AtomicOp::Write, 1, 2, 0, 2),
+            (AtomicOp::Cswap, 5, 9, 5, 9),
+            (AtomicOp::Cswap, 5, 9, 4, 5),
+            (AtomicOp::CswapNe, 5, 9, 4, 9),
+            (AtomicOp::CswapLe, 5, 9, 5, 9),
+            (AtomicOp::CswapLt, 5, 9, 5, 5),
+            (AtomicOp::CswapGe, 5, 9, 6, 9),
+            (AtomicOp::CswapGt, 5, 9, 5, 5),
+            (AtomicOp::Mswap, 0xff00, 0x1234, 0x0ff0, 0xf230),
+        ];
+        for (op, x, o, c, want) in cases {
+            let cmp = op.is_compare().then(|| u(c));
+            let got = one(op, t, &u(x), &u(o), cmp.as_ref().map(|c| &c[..]));
+            assert_eq!(got, u(want).to_vec(), "{op:?}");
+        }
+        // Signed minimum, several elements.
+        let x: Vec<u8> = [-3i16, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let o: Vec<u8> = [2i16, -9].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let want: Vec<u8> = [-3i16, -9].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(one(AtomicOp::Min, AtomicType::I16, &x, &o, None), want);
+    }
+
+    #[test]
+    fn float_ops_and_refusals() {
+        let f = |v: f64| v.to_le_bytes();
+        let got = one(AtomicOp::Sum, AtomicType::F64, &f(1.5), &f(2.25), None);
+        assert_eq!(got, f(3.75).to_vec());
+        let got = one(AtomicOp::Min, AtomicType::F64, &f(1.5), &f(-2.0), None);
+        assert_eq!(got, f(-2.0).to_vec());
+        let mut t = 1.0f32.to_le_bytes();
+        for op in [AtomicOp::Bor, AtomicOp::Band, AtomicOp::Bxor] {
+            let e = apply(op, AtomicType::F32, &mut t, &2.0f32.to_le_bytes(), None).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        }
+        assert_eq!(t, 1.0f32.to_le_bytes());
+        // Lengths.
+        let mut t = [0u8; 6];
+        assert!(apply(AtomicOp::Sum, AtomicType::U32, &mut t, &[0; 6], None).is_err());
+        let mut t = [0u8; 4];
+        assert!(apply(AtomicOp::Cswap, AtomicType::U32, &mut t, &[0; 4], None).is_err());
+        assert!(
+            apply(
+                AtomicOp::Sum,
+                AtomicType::U32,
+                &mut t,
+                &[0; 4],
+                Some(&[0; 4])
+            )
+            .is_err()
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn sum_matches_a_reference(xs in proptest::collection::vec(proptest::num::i64::ANY, 1..8),
+                                   os in proptest::collection::vec(proptest::num::i64::ANY, 8)) {
+            let x: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let o: Vec<u8> = os[..xs.len()].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let got = one(AtomicOp::Sum, AtomicType::I64, &x, &o, None);
+            let want: Vec<u8> = xs.iter().zip(&os).flat_map(|(a, b)| a.wrapping_add(*b).to_le_bytes()).collect();
+            proptest::prop_assert_eq!(got, want);
+        }
     }
 }

@@ -147,3 +147,38 @@ impl fmt::Debug for Domain {
             .finish()
     }
 }
+
+/// Peers' emulated RMA and atomics reach the domain's registered regions through this (the RDM
+/// endpoint hands its domain to its protocol engine). Every access is checked against the key,
+/// the range and the rights, and never blocks on a region the application holds (`Again`).
+impl crate::proto::engine::RmaMemory for Domain {
+    fn write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
+        self.remote_write(key, addr, data)
+    }
+
+    fn read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
+        self.remote_read(key, addr, len)
+    }
+
+    fn atomic(
+        &self,
+        key: u64,
+        addr: u64,
+        op: crate::atomic::AtomicOp,
+        datatype: crate::atomic::AtomicType,
+        operand: &[u8],
+        compare: Option<&[u8]>,
+    ) -> Result<Bytes> {
+        let fetch = op == crate::atomic::AtomicOp::Read || op.is_compare();
+        crate::mr::remote_atomic(
+            &self.inner.mrs,
+            key,
+            addr,
+            op,
+            datatype,
+            operand,
+            compare,
+            fetch,
+        )
+    }
+}

@@ -556,6 +556,49 @@ pub(crate) fn remote_read(table: &Mutex<MrTable>, key: u64, addr: u64, len: u64)
     }
 }
 
+/// Applies an atomic to the elements at `addr` of the region `key` names, as one step under the
+/// region's write lock, and returns their previous values. The key must be live and grant
+/// `REMOTE_WRITE` (and `REMOTE_READ` for operations that return values: `fetch`), the range must
+/// lie inside the region (`RemoteAccess` otherwise, nothing changed); invalid operands are
+/// `InvalidArgument`. Never blocks: `Again` while the region's lock is taken.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn remote_atomic(
+    table: &Mutex<MrTable>,
+    key: u64,
+    addr: u64,
+    op: crate::atomic::AtomicOp,
+    datatype: crate::atomic::AtomicType,
+    operand: &[u8],
+    compare: Option<&[u8]>,
+    fetch: bool,
+) -> Result<Bytes> {
+    const OP: &str = "mr_remote_atomic";
+    let mut need = Access::REMOTE_WRITE;
+    if fetch {
+        need |= Access::REMOTE_READ;
+    }
+    let mem = table.lock().lookup(key, need, OP)?;
+    let len = if op == crate::atomic::AtomicOp::Read {
+        operand.len().max(datatype.size())
+    } else {
+        operand.len()
+    };
+    crate::atomic::validate(op, datatype, len, operand, compare)?;
+    let Some(mut data) = mem.try_write_lock(None) else {
+        return Err(busy(OP));
+    };
+    let out = match mem.range(data.len(), addr, len as u64) {
+        None => Err(mem.out_of_range(OP, addr, len as u64)),
+        Some(r) => {
+            let old = Bytes::copy_from_slice(&data[r.clone()]);
+            crate::atomic::apply(op, datatype, &mut data[r], operand, compare).map(|()| old)
+        }
+    };
+    drop(data);
+    mem.wake_waiters();
+    out
+}
+
 /// A registered memory region that owns its buffer.
 ///
 /// Move it into an operation (`Endpoint::recv`, `Endpoint::send`) and get it back from the

@@ -86,7 +86,7 @@ fn rma_role() {
                 .unwrap();
             // WRITES writes with immediate data, then the initiator's bye.
             let done = node.collect(WRITES + 1, "target");
-            let mut seen = vec![false; WRITES];
+            let mut seen = [false; WRITES];
             for c in &done {
                 if c.flags.contains(CompletionFlags::REMOTE_WRITE) {
                     let i = c.data.unwrap() as usize;

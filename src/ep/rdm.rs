@@ -137,7 +137,7 @@ impl EndpointBuilder<Rdm> {
         })?;
         let addr = qp.addr();
         let now = Instant::now();
-        let engine = Engine::new(
+        let mut engine = Engine::new(
             EngineConfig {
                 mtu: attr.mtu,
                 max_outstanding_tx: attr.max_send_wr,
@@ -160,6 +160,11 @@ impl EndpointBuilder<Rdm> {
             },
             addr,
             now,
+        );
+        // Peers' emulated RMA and atomics reach this domain's regions.
+        engine.set_memory(Arc::new(self.domain.clone()));
+        engine.set_unsolicited_write_recv(
+            attr.caps.unsolicited_write_recv && cfg.use_unsolicited_write_recv,
         );
         let rx_bufs = attr.max_recv_wr;
         let core = Arc::new(RdmCore {
@@ -666,6 +671,13 @@ impl RdmCore {
         sink: Sink,
     ) -> Result<(), PostError> {
         let PreparedSend { dest, data, region } = p;
+        // A region peers may read lets the engine use the read-based message protocols.
+        let read_key = region.as_ref().and_then(|r| {
+            r.access()
+                .contains(crate::mr::Access::REMOTE_READ)
+                .then(|| r.remote_key().ok().map(|k| (k.key, k.addr)))
+                .flatten()
+        });
         if st.closed {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
@@ -684,7 +696,7 @@ impl RdmCore {
             data: o.data,
             delivery_complete: o.delivery_complete,
             context: key as u64,
-            read_key: None,
+            read_key,
         };
         match st.engine.send(now, op) {
             Ok(()) => Ok(()),

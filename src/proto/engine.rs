@@ -34,6 +34,7 @@ use crate::stats::EndpointStats;
 mod peer;
 mod read;
 mod recv;
+mod rma;
 mod rx;
 mod tx;
 mod util;
@@ -474,6 +475,8 @@ pub struct Engine {
     pkt_scratch: Vec<Pkt>,
     /// Device RDMA and the read-based protocols (`read.rs`).
     rd: read::ReadState,
+    /// Emulated RMA and atomics (`rma.rs`).
+    ema: rma::Ema,
 }
 
 impl Engine {
@@ -519,6 +522,7 @@ impl Engine {
             hdr: HeaderArena::default(),
             pkt_scratch: Vec::new(),
             rd: read::ReadState::default(),
+            ema: rma::Ema::default(),
         }
     }
 
@@ -618,7 +622,7 @@ impl Engine {
     )]
     fn rma_emulated(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
         let _ = now;
-        Err((Error::new(ErrorKind::NotSupported, "rma"), op))
+        self.ema_start(op)
     }
 
     /// The device completed the RDMA work request `wr_id` (a [`TransmitKind::RdmaWrite`] or
@@ -690,13 +694,44 @@ impl Engine {
             } => self.handle_ctsdata(now, pid, recv_id, seg_offset, payload),
             Packet::Receipt {
                 send_id, msg_id, ..
-            } => self.handle_receipt(pid, send_id, msg_id),
-            Packet::Rta { msg_id, .. } => {
-                // Not implemented (atomics): the id still advances the window so that later
-                // messages are not held forever.
-                self.drop_pkt_type(&pkt);
-                self.skip_msg_id(now, pid, msg_id);
+            } => {
+                if !self.ema_receipt(pid, send_id) {
+                    self.handle_receipt(pid, send_id, msg_id)
+                }
             }
+            Packet::EagerRtw {
+                opt,
+                dc_send_id,
+                rma_iov,
+            } => self.ema_rtw(now, pid, rma_iov, dc_send_id, opt.cq_data, payload),
+            Packet::ShortRtr {
+                rma_iov, recv_id, ..
+            } => self.ema_rtr(now, pid, rma_iov, recv_id),
+            Packet::Rta {
+                kind,
+                msg_id,
+                atomic_datatype,
+                atomic_op,
+                rma_iov,
+                ..
+            } => self.ema_rta(
+                now,
+                pid,
+                kind,
+                msg_id,
+                atomic_op,
+                atomic_datatype,
+                rma_iov,
+                payload,
+            ),
+            Packet::ReadRsp { recv_id, .. } => self.ema_readrsp(pid, recv_id, payload),
+            Packet::AtomRsp { recv_id, .. } => self.ema_atomrsp(pid, recv_id, payload),
+            Packet::PeerError {
+                op_id,
+                ref_kind: wire::peer_error_ref::OPE_INDEX,
+                prov_errno,
+                ..
+            } => self.ema_peer_error(pid, op_id, prov_errno),
             _ => self.drop_pkt_type(&pkt),
         }
         // Every packet from a peer makes sure our HANDSHAKE goes to it (once).
@@ -722,6 +757,7 @@ impl Engine {
         if self.rd.timer.is_some_and(|t| t <= now) {
             self.read_timeout(now);
         }
+        self.ema_timeout(now);
     }
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
@@ -748,7 +784,11 @@ impl Engine {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        match (t, self.rd.timer) {
+        let t = match (t, self.rd.timer) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        match (t, self.ema_next_timeout()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -766,7 +806,7 @@ impl Engine {
     /// What the engine holds now.
     pub fn resources(&self) -> Resources {
         Resources {
-            tx_ops: self.tx.len() + self.rd_ops(),
+            tx_ops: self.tx.len() + self.rd_ops() + self.ema_ops(),
             rx_ops: self.user_rx_ops,
             unexpected_msgs: self.unexp_msgs,
             unexpected_bytes: self.unexp_bytes,
@@ -839,6 +879,11 @@ impl Engine {
             );
         }
         self.read_close();
+        self.ema_fail(
+            None,
+            &Engine::closed_error("rma").with_detail("endpoint closed"),
+            None,
+        );
         self.claimed.clear();
         self.outstanding.clear();
         for p in self.peers.values_mut() {

@@ -466,5 +466,7 @@ impl Engine {
             self.fail_tx(tid, e, status);
         }
         self.read_peer_failed(pid, kind, status, why);
+        let e = crate::error::Error::new(kind, "rma").with_detail(why);
+        self.ema_fail(Some(pid), &e, status);
     }
 }

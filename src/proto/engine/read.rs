@@ -260,7 +260,7 @@ impl Engine {
     }
 
     /// RMA operations of this module in flight (counted as operations in `Resources::tx_ops`).
-    pub(super) fn rd_ops(&self) -> usize {
+    pub(in crate::proto::engine) fn rd_ops(&self) -> usize {
         self.rd.ops.len()
     }
 

@@ -355,14 +355,21 @@ impl Engine {
 
     /// Skips `msg_id` of a REQ this engine does not implement, so the window moves on.
     pub(super) fn skip_msg_id(&mut self, now: Instant, pid: u64, msg_id: u32) {
-        let Some(p) = self.peers.get(&pid) else {
-            return;
-        };
+        if self.window_slot(now, pid, msg_id).is_some() {
+            self.drain_ready(now, pid);
+        }
+    }
+
+    /// Reserves `msg_id` of peer `pid` in its reorder window with a placeholder entry (state
+    /// `Dropped`) and returns the entry's id; the caller drains the window. `None` for an id
+    /// already seen or processed, or when too many messages are held.
+    pub(super) fn window_slot(&mut self, now: Instant, pid: u64, msg_id: u32) -> Option<u32> {
+        let p = self.peers.get(&pid)?;
         if p.inbound.contains_key(&msg_id) || (msg_id.wrapping_sub(p.robuf.expected()) as i32) < 0 {
-            return;
+            return None;
         }
         if self.buffered_msgs >= self.limits.max_buffered_msgs {
-            return;
+            return None;
         }
         let m = Rtm {
             msg_id,
@@ -378,7 +385,7 @@ impl Engine {
         if let Some(p) = self.peers.get_mut(&pid) {
             p.robuf.insert(msg_id, rid);
         }
-        self.drain_ready(now, pid);
+        Some(rid)
     }
 
     fn new_rx(&mut self, now: Instant, pid: u64, m: &Rtm, msg_len: usize, state: RxState) -> u32 {
@@ -562,8 +569,11 @@ impl Engine {
     ) {
         let Some(e) = self.rx.get(&rid) else { return };
         if matches!(e.state, RxState::Dropped) {
-            // Its later packets are stale now; nothing more to keep.
-            return self.remove_unmatched(rid);
+            // Its later packets are stale now; nothing more to keep. An emulated atomic's
+            // placeholder: its turn to be applied.
+            self.remove_unmatched(rid);
+            self.ema_rta_turn(now, rid);
+            return;
         }
         let (tagged, src, tag, msg_len) = (e.tagged, e.src, e.tag, e.msg_len);
         let posted = if unmatched {

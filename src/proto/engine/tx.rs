@@ -29,6 +29,10 @@ pub(super) enum Owner {
     Ctrl,
     /// A REQ of an RMA operation of `read.rs` (LONGREAD_RTW).
     Rd(u32),
+    /// A packet of an emulated RMA operation (`rma.rs`), payload from its buffer.
+    Ema(u32),
+    /// A response of the emulation's target side (READRSP, ATOMRSP) with its payload.
+    Resp(u32),
 }
 
 /// A packet queued for, or handed to, the device.
@@ -416,6 +420,12 @@ impl Engine {
                     None => continue,
                 },
                 Owner::Handshake | Owner::Ctrl | Owner::Rd(_) => Bytes::new(),
+                Owner::Ema(_) | Owner::Resp(_) => {
+                    match self.ema_payload(&pkt.owner, pkt.off, pkt.end) {
+                        Some(b) => b,
+                        None => continue,
+                    }
+                }
             };
             let hdr = self.hdr.copy(pkt.hdr.bytes());
             self.wr_seq = self.wr_seq.wrapping_add(1);
@@ -444,6 +454,15 @@ impl Engine {
             return;
         }
         let pkt = self.outstanding.remove(key);
+        if matches!(pkt.owner, Owner::Ema(_) | Owner::Resp(_))
+            && status != Status::RnrRetryExceeded
+            && !peer_fatal(status)
+        {
+            if status == Status::Success && pkt.rnr > 0 {
+                self.reset_backoff(pkt.peer);
+            }
+            return self.ema_pkt_done(&pkt.owner, status);
+        }
         match status {
             Status::Success => {
                 if pkt.rnr > 0 {

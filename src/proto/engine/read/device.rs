@@ -125,7 +125,7 @@ impl Engine {
         Err((Error::new(ErrorKind::Again, "rma").with_detail(why), op))
     }
 
-    pub(super) fn new_op_id(&mut self) -> u32 {
+    pub(in crate::proto::engine) fn new_op_id(&mut self) -> u32 {
         loop {
             let id = self.alloc_tx_id();
             if !self.rd.ops.contains_key(&id) {
@@ -392,7 +392,7 @@ impl Engine {
         );
     }
 
-    pub(super) fn rma_event(
+    pub(in crate::proto::engine) fn rma_event(
         &mut self,
         context: u64,
         buf: RmaBuf,

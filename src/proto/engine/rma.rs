@@ -1,0 +1,872 @@
+//! Emulated RMA and atomics: what runs when device RDMA does not (`read.rs` decides).
+//!
+//! * **Writes** go as DC_EAGER_RTW packets, one per MTU-sized chunk of the data, each naming its
+//!   own target range; the target answers every chunk with a RECEIPT once the bytes are in its
+//!   memory, or with PEER_ERROR when the key, range or right is wrong. The write completes when
+//!   every chunk is answered, so an emulated write is always delivery-complete and a refused
+//!   one fails at the initiator. With immediate data, the last chunk (the only one carrying
+//!   the CQ-data header) goes only after the others are answered: the target's single
+//!   `RemoteWrite` event then means all the data is in place. (LONGCTS_RTW is not sent; a
+//!   long write is a train of eager ones paced by RNR; `docs/protocol.md`.)
+//! * **Reads** go as SHORT_RTR packets, one per READRSP-sized chunk, each with its own
+//!   `recv_id`; the target answers each with one READRSP (or PEER_ERROR).
+//! * **Atomics** go as one RTA packet (WRITE as DC_WRITE_RTA answered by RECEIPT, FETCH and
+//!   COMPARE answered by ATOMRSP), with a `msg_id` of the peer's message sequence: the target
+//!   applies them in the reorder window's order, after the messages sent before them.
+//! * At the target, memory the application holds locked (`Again`) is retried from
+//!   [`Engine::handle_timeout`] in arrival order; nothing is dropped.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+
+use super::tx::{Owner, Pkt};
+use super::{Engine, Event, RemoteWriteDone, RmaBuf, RmaKind, RmaOp, RmaPath};
+use crate::atomic::{AtomicOp, AtomicType};
+use crate::device::{RemoteIov, Status};
+use crate::error::{Error, ErrorKind};
+use crate::proto::wire::{IovList, Packet, ReqOpt, RtaKind, Sender, peer_error_ref};
+
+/// How long target work waits before retrying a region the application holds.
+const RETRY: Duration = Duration::from_micros(50);
+
+/// The emulation's state.
+#[derive(Debug, Default)]
+pub(super) struct Ema {
+    /// Operations this side started, by id (the `send_id` / `recv_id` of their packets).
+    ops: HashMap<u32, EmaOp>,
+    /// Read chunks by their `recv_id`: (operation, offset, length).
+    chunks: HashMap<u32, (u32, usize, usize)>,
+    /// Payloads of response packets (READRSP, ATOMRSP) until the device is done with them.
+    resp: HashMap<u32, Bytes>,
+    next_resp: u32,
+    /// Target work waiting for a region the application holds, in arrival order.
+    retry: VecDeque<Work>,
+    retry_at: Option<Instant>,
+    /// Atomics waiting for their turn in the reorder window, by their rx entry id.
+    rta: HashMap<u32, Work>,
+}
+
+#[derive(Debug)]
+struct EmaOp {
+    pid: u64,
+    context: u64,
+    /// The write's data, or the atomic's operand (then compare).
+    pay: Bytes,
+    kind: OpKind,
+    len: usize,
+    /// Answers still expected.
+    waiting: usize,
+    error: Option<(Error, Option<Status>)>,
+    /// A write's last chunk, held back until the others are answered (immediate data).
+    last: Option<Pkt>,
+}
+
+#[derive(Debug)]
+enum OpKind {
+    Write,
+    Read(BytesMut),
+    Atomic {
+        operand_len: usize,
+        fetch: Option<BytesMut>,
+    },
+}
+
+/// Work for the target side.
+#[derive(Debug)]
+enum Work {
+    Write {
+        pid: u64,
+        iovs: Vec<RemoteIov>,
+        data: Bytes,
+        dc_send_id: Option<u32>,
+        cq_data: Option<u64>,
+    },
+    Read {
+        pid: u64,
+        iov: RemoteIov,
+        recv_id: u32,
+    },
+    Atomic {
+        pid: u64,
+        kind: RtaKind,
+        msg_id: u32,
+        op: u32,
+        datatype: u32,
+        iov: RemoteIov,
+        data: Bytes,
+    },
+}
+
+impl Engine {
+    fn ema_sender(&self, pid: u64) -> Sender {
+        if self.peers.get(&pid).is_some_and(|p| p.hs_received) {
+            Sender::Connid(self.local.qkey)
+        } else {
+            Sender::RawAddr(self.local)
+        }
+    }
+
+    fn ema_new_id(&mut self) -> u32 {
+        loop {
+            let id = self.new_op_id();
+            if !self.ema.ops.contains_key(&id) && !self.ema.chunks.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Operations of the emulation in flight.
+    pub(super) fn ema_ops(&self) -> usize {
+        self.ema.ops.len()
+    }
+
+    /// Starts an emulated operation.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    pub(super) fn ema_start(&mut self, op: RmaOp) -> Result<(), (Error, RmaOp)> {
+        if self.closed {
+            return Err((Engine::closed_error("rma"), op));
+        }
+        if self.tx.len() + self.rd_ops() + self.ema.ops.len() >= self.cfg.max_tx_ops {
+            return Err((
+                Error::new(ErrorKind::Again, "rma").with_detail("max_tx_ops operations in flight"),
+                op,
+            ));
+        }
+        let Some(pid) = self.peer_for_send(op.dest) else {
+            let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");
+            return Err((e, op));
+        };
+        let sender = self.ema_sender(pid);
+        let mtu = self.cfg.mtu;
+        let id = self.ema_new_id();
+        let RmaOp {
+            dest,
+            remote,
+            kind,
+            local_key,
+            delivery_complete,
+            context,
+        } = op;
+        match kind {
+            RmaKind::Write { buf, data } => {
+                let len = buf.len();
+                if remote.len != len as u64 {
+                    let e = Error::new(ErrorKind::InvalidArgument, "write")
+                        .with_detail("remote length differs from the data's");
+                    let op = RmaOp {
+                        dest,
+                        remote,
+                        kind: RmaKind::Write { buf, data },
+                        local_key,
+                        delivery_complete,
+                        context,
+                    };
+                    return Err((e, op));
+                }
+                let one = [remote];
+                let probe = Packet::EagerRtw {
+                    opt: ReqOpt {
+                        sender,
+                        cq_data: data.map(u64::from),
+                    },
+                    dc_send_id: Some(0),
+                    rma_iov: IovList::new(&one),
+                };
+                let hdr_len = self.encode(&probe).map(|h| h.bytes().len()).unwrap_or(mtu);
+                let chunk = mtu.saturating_sub(hdr_len).max(1);
+                let n = len.div_ceil(chunk).max(1);
+                let mut pkts = Vec::with_capacity(n);
+                for i in 0..n {
+                    let (a, b) = (i * chunk, ((i + 1) * chunk).min(len));
+                    let last = i + 1 == n;
+                    let iov = [RemoteIov {
+                        addr: remote.addr.wrapping_add(a as u64),
+                        len: (b - a) as u64,
+                        key: remote.key,
+                    }];
+                    let pkt = Packet::EagerRtw {
+                        opt: ReqOpt {
+                            sender,
+                            cq_data: if last { data.map(u64::from) } else { None },
+                        },
+                        dc_send_id: Some(id),
+                        rma_iov: IovList::new(&iov),
+                    };
+                    let Some(hdr) = self.encode(&pkt) else {
+                        let op = RmaOp {
+                            dest,
+                            remote,
+                            kind: RmaKind::Write { buf, data },
+                            local_key,
+                            delivery_complete,
+                            context,
+                        };
+                        return Err((Error::new(ErrorKind::Io, "write"), op));
+                    };
+                    pkts.push(Pkt::new(pid, Owner::Ema(id), hdr, a, b));
+                }
+                let last = if data.is_some() && n > 1 {
+                    pkts.pop()
+                } else {
+                    None
+                };
+                // The held-back last chunk is counted when it goes.
+                let waiting = pkts.len();
+                self.ema.ops.insert(
+                    id,
+                    EmaOp {
+                        pid,
+                        context,
+                        pay: buf,
+                        kind: OpKind::Write,
+                        len,
+                        waiting,
+                        error: None,
+                        last,
+                    },
+                );
+                for p in pkts {
+                    self.enqueue(p, false, false);
+                }
+            }
+            RmaKind::Read { mut buf } => {
+                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
+                if len > isize::MAX as usize / 2 {
+                    let e = Error::new(ErrorKind::MsgSize, "read");
+                    let op = RmaOp {
+                        dest,
+                        remote,
+                        kind: RmaKind::Read { buf },
+                        local_key,
+                        delivery_complete,
+                        context,
+                    };
+                    return Err((e, op));
+                }
+                let rsp = Packet::ReadRsp {
+                    connid: Some(self.local.qkey),
+                    recv_id: 0,
+                    send_id: 0,
+                    seg_length: 0,
+                };
+                let hdr_len = self.encode(&rsp).map(|h| h.bytes().len()).unwrap_or(mtu);
+                let chunk = mtu.saturating_sub(hdr_len).max(1);
+                let n = len.div_ceil(chunk).max(1);
+                buf.clear();
+                buf.resize(len, 0);
+                let mut pkts = Vec::with_capacity(n);
+                for i in 0..n {
+                    let (a, b) = (i * chunk, ((i + 1) * chunk).min(len));
+                    let cid = self.ema_new_id();
+                    self.ema.chunks.insert(cid, (id, a, b - a));
+                    let iov = [RemoteIov {
+                        addr: remote.addr.wrapping_add(a as u64),
+                        len: (b - a) as u64,
+                        key: remote.key,
+                    }];
+                    let pkt = Packet::ShortRtr {
+                        opt: ReqOpt {
+                            sender,
+                            cq_data: None,
+                        },
+                        msg_length: (b - a) as u64,
+                        recv_id: cid,
+                        rma_iov: IovList::new(&iov),
+                    };
+                    if let Some(hdr) = self.encode(&pkt) {
+                        pkts.push(Pkt::ctrl(pid, Owner::Ema(id), hdr));
+                    }
+                }
+                self.ema.ops.insert(
+                    id,
+                    EmaOp {
+                        pid,
+                        context,
+                        pay: Bytes::new(),
+                        kind: OpKind::Read(buf),
+                        len,
+                        waiting: pkts.len(),
+                        error: None,
+                        last: None,
+                    },
+                );
+                for p in pkts {
+                    self.enqueue(p, false, false);
+                }
+            }
+            RmaKind::Atomic {
+                op: aop,
+                datatype,
+                operand,
+                compare,
+                fetch,
+            } => {
+                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
+                let cmp = compare.as_deref();
+                let check = crate::atomic::validate(aop, datatype, len, &operand, cmp);
+                let kind = match (&fetch, aop.is_compare()) {
+                    (Some(_), true) => RtaKind::Compare { recv_id: id },
+                    (Some(_), false) => RtaKind::Fetch { recv_id: id },
+                    (None, _) => RtaKind::DcWrite { send_id: id },
+                };
+                let pay = match &compare {
+                    Some(c) => {
+                        let mut v = BytesMut::with_capacity(operand.len() + c.len());
+                        v.extend_from_slice(&operand);
+                        v.extend_from_slice(c);
+                        v.freeze()
+                    }
+                    None if aop == AtomicOp::Read => Bytes::new(),
+                    None => operand.clone(),
+                };
+                let msg_id = self.peers.get(&pid).map_or(0, |p| p.next_msg_id);
+                let one = [remote];
+                let pkt = Packet::Rta {
+                    opt: ReqOpt {
+                        sender,
+                        cq_data: None,
+                    },
+                    kind,
+                    msg_id,
+                    atomic_datatype: datatype.code(),
+                    atomic_op: aop.code(),
+                    rma_iov: IovList::new(&one),
+                };
+                let hdr = self
+                    .encode(&pkt)
+                    .filter(|h| h.bytes().len() + pay.len() <= mtu);
+                let hdr = match (check, hdr) {
+                    (Ok(()), Some(h)) => Ok(h),
+                    (Err(e), _) => Err(e),
+                    (Ok(()), None) => Err(Error::new(ErrorKind::MsgSize, "atomic")
+                        .with_detail("operands do not fit one packet")),
+                };
+                let hdr = match hdr {
+                    Ok(h) => h,
+                    Err(e) => {
+                        let op = RmaOp {
+                            dest,
+                            remote,
+                            kind: RmaKind::Atomic {
+                                op: aop,
+                                datatype,
+                                operand,
+                                compare,
+                                fetch,
+                            },
+                            local_key,
+                            delivery_complete,
+                            context,
+                        };
+                        return Err((e, op));
+                    }
+                };
+                if let Some(p) = self.peers.get_mut(&pid) {
+                    p.next_msg_id = p.next_msg_id.wrapping_add(1);
+                }
+                let n = pay.len();
+                self.ema.ops.insert(
+                    id,
+                    EmaOp {
+                        pid,
+                        context,
+                        pay: if aop == AtomicOp::Read { operand } else { pay },
+                        kind: OpKind::Atomic {
+                            operand_len: len,
+                            fetch,
+                        },
+                        len,
+                        waiting: 1,
+                        error: None,
+                        last: None,
+                    },
+                );
+                // Read atomics carry no payload: the packet's range is empty.
+                let end = if aop == AtomicOp::Read { 0 } else { n };
+                self.enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, end), false, false);
+            }
+        }
+        Ok(())
+    }
+
+    /// The payload of a packet of the emulation (`None`: its owner is gone).
+    pub(super) fn ema_payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
+        match owner {
+            Owner::Ema(id) => {
+                let op = self.ema.ops.get(id)?;
+                Some(
+                    op.pay
+                        .get(off..end)
+                        .map_or_else(Bytes::new, |_| op.pay.slice(off..end)),
+                )
+            }
+            Owner::Resp(id) => {
+                let p = self.ema.resp.get(id)?;
+                Some(
+                    p.get(off..end)
+                        .map_or_else(Bytes::new, |_| p.slice(off..end)),
+                )
+            }
+            _ => None,
+        }
+    }
+
+    /// A packet of the emulation left the device: responses free their payload; a failed
+    /// request fails its operation.
+    pub(super) fn ema_pkt_done(&mut self, owner: &Owner, status: Status) {
+        match *owner {
+            Owner::Resp(id) => {
+                self.ema.resp.remove(&id);
+            }
+            Owner::Ema(id) if !status.is_ok() => {
+                let e = Error::new(status.error_kind(), "rma")
+                    .with_detail(format!("device status {status}"));
+                if let Some(op) = self.ema.ops.get_mut(&id) {
+                    op.error.get_or_insert((e, Some(status)));
+                    op.waiting = op.waiting.saturating_sub(1);
+                    op.last = None;
+                }
+                self.ema_maybe_done(id);
+            }
+            _ => {}
+        }
+    }
+
+    fn ema_maybe_done(&mut self, id: u32) {
+        let Some(op) = self.ema.ops.get_mut(&id) else {
+            return;
+        };
+        if op.waiting > 0 {
+            return;
+        }
+        if op.error.is_none() {
+            if let Some(last) = op.last.take() {
+                op.waiting = 1;
+                self.enqueue(last, false, false);
+                return;
+            }
+        }
+        let Some(op) = self.ema.ops.remove(&id) else {
+            return;
+        };
+        self.ema.chunks.retain(|_, c| c.0 != id);
+        let (error, status) = match op.error {
+            Some((e, s)) => (Some(e), s),
+            None => (None, None),
+        };
+        let buf = match op.kind {
+            OpKind::Write => RmaBuf::Write(op.pay),
+            OpKind::Read(b) => RmaBuf::Read(b),
+            OpKind::Atomic { fetch, operand_len } => {
+                let operand = if op.pay.len() > operand_len {
+                    op.pay.slice(..operand_len)
+                } else {
+                    op.pay
+                };
+                RmaBuf::Atomic { operand, fetch }
+            }
+        };
+        self.rma_event(op.context, buf, op.len, RmaPath::Emulated, error, status);
+    }
+
+    /// Fails every operation towards `pid` (peer failure) or every one (close, `pid` `None`).
+    pub(super) fn ema_fail(&mut self, pid: Option<u64>, e: &Error, status: Option<Status>) {
+        let ids: Vec<u32> = self
+            .ema
+            .ops
+            .iter()
+            .filter(|(_, o)| pid.is_none_or(|p| o.pid == p))
+            .map(|(k, _)| *k)
+            .collect();
+        for id in ids {
+            if let Some(op) = self.ema.ops.get_mut(&id) {
+                op.error = Some((e.clone(), status));
+                op.waiting = 0;
+                op.last = None;
+            }
+            self.ema_maybe_done(id);
+        }
+        if pid.is_none() {
+            self.ema.retry.clear();
+            self.ema.rta.clear();
+            self.ema.resp.clear();
+        }
+    }
+
+    /// A RECEIPT: true when it answered an emulated write or atomic.
+    pub(super) fn ema_receipt(&mut self, pid: u64, send_id: u32) -> bool {
+        match self.ema.ops.get_mut(&send_id) {
+            Some(op) if op.pid == pid && !matches!(op.kind, OpKind::Read(_)) => {
+                op.waiting = op.waiting.saturating_sub(1);
+                self.ema_maybe_done(send_id);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A READRSP for one chunk of an emulated read.
+    pub(super) fn ema_readrsp(&mut self, pid: u64, recv_id: u32, data: &[u8]) {
+        let Some(&(id, off, len)) = self.ema.chunks.get(&recv_id) else {
+            return self.drop_pkt("READRSP for no read");
+        };
+        let Some(op) = self.ema.ops.get_mut(&id) else {
+            return self.drop_pkt("READRSP for no read");
+        };
+        if op.pid != pid || data.len() != len {
+            return self.drop_pkt("READRSP from another peer or of the wrong length");
+        }
+        self.ema.chunks.remove(&recv_id);
+        if let OpKind::Read(b) = &mut op.kind {
+            if let Some(dst) = b.get_mut(off..off + len) {
+                dst.copy_from_slice(data);
+            }
+        }
+        op.waiting = op.waiting.saturating_sub(1);
+        self.ema_maybe_done(id);
+    }
+
+    /// An ATOMRSP: the previous values of a fetch or compare atomic.
+    pub(super) fn ema_atomrsp(&mut self, pid: u64, recv_id: u32, data: &[u8]) {
+        let Some(op) = self.ema.ops.get_mut(&recv_id) else {
+            return self.drop_pkt("ATOMRSP for no atomic");
+        };
+        let OpKind::Atomic {
+            fetch: Some(f),
+            operand_len,
+        } = &mut op.kind
+        else {
+            return self.drop_pkt("ATOMRSP for no fetching atomic");
+        };
+        if op.pid != pid || data.len() != *operand_len {
+            return self.drop_pkt("ATOMRSP from another peer or of the wrong length");
+        }
+        f.clear();
+        f.extend_from_slice(data);
+        op.waiting = op.waiting.saturating_sub(1);
+        self.ema_maybe_done(recv_id);
+    }
+
+    /// A PEER_ERROR: the target refused one of our operations (or a read chunk).
+    pub(super) fn ema_peer_error(&mut self, pid: u64, op_id: u32, prov_errno: u32) {
+        let id = match self.ema.chunks.remove(&op_id) {
+            Some((id, _, _)) => id,
+            None => op_id,
+        };
+        let Some(op) = self.ema.ops.get_mut(&id) else {
+            return self.drop_pkt("PEER_ERROR for no operation");
+        };
+        if op.pid != pid {
+            return self.drop_pkt("PEER_ERROR from another peer");
+        }
+        let status = u8::try_from(prov_errno)
+            .ok()
+            .and_then(Status::from_code)
+            .unwrap_or(Status::RemoteBadAddress);
+        let e = Error::new(status.error_kind(), "rma")
+            .with_detail(format!("the target refused it: {status}"));
+        op.error.get_or_insert((e, Some(status)));
+        op.waiting = op.waiting.saturating_sub(1);
+        op.last = None;
+        self.ema_maybe_done(id);
+    }
+
+    // ---- target side ----
+
+    /// An EAGER_RTW or DC_EAGER_RTW with its data.
+    pub(super) fn ema_rtw(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        rma_iov: IovList<'_>,
+        dc_send_id: Option<u32>,
+        cq_data: Option<u64>,
+        data: &[u8],
+    ) {
+        let iovs: Vec<RemoteIov> = rma_iov.iter().collect();
+        let total: u64 = iovs.iter().map(|i| i.len).sum();
+        if total != data.len() as u64 {
+            return self.drop_pkt("RTW whose ranges and data differ in length");
+        }
+        self.ema_target(
+            now,
+            Work::Write {
+                pid,
+                iovs,
+                data: Bytes::copy_from_slice(data),
+                dc_send_id,
+                cq_data,
+            },
+        );
+    }
+
+    /// A SHORT_RTR.
+    pub(super) fn ema_rtr(&mut self, now: Instant, pid: u64, rma_iov: IovList<'_>, recv_id: u32) {
+        let mut it = rma_iov.iter();
+        let (Some(iov), None) = (it.next(), it.next()) else {
+            return self.drop_pkt("SHORT_RTR with other than one range");
+        };
+        let fits = self
+            .encode(&Packet::ReadRsp {
+                connid: Some(self.local.qkey),
+                recv_id,
+                send_id: 0,
+                seg_length: iov.len,
+            })
+            .is_some_and(|h| h.bytes().len() as u64 + iov.len <= self.cfg.mtu as u64);
+        if !fits {
+            return self.drop_pkt("SHORT_RTR larger than one READRSP");
+        }
+        self.ema_target(now, Work::Read { pid, iov, recv_id });
+    }
+
+    /// An RTA: held in the peer's reorder window until its turn.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn ema_rta(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        kind: RtaKind,
+        msg_id: u32,
+        op: u32,
+        datatype: u32,
+        rma_iov: IovList<'_>,
+        data: &[u8],
+    ) {
+        let mut it = rma_iov.iter();
+        let (Some(iov), None) = (it.next(), it.next()) else {
+            self.drop_pkt("RTA with other than one range");
+            return self.skip_msg_id(now, pid, msg_id);
+        };
+        let w = Work::Atomic {
+            pid,
+            kind,
+            msg_id,
+            op,
+            datatype,
+            iov,
+            data: Bytes::copy_from_slice(data),
+        };
+        match self.window_slot(now, pid, msg_id) {
+            Some(rid) => {
+                self.ema.rta.insert(rid, w);
+                self.drain_ready(now, pid);
+            }
+            None => self.drop_pkt("RTA outside the reorder window"),
+        }
+    }
+
+    /// An atomic's turn came (`rx.rs` processes its placeholder entry).
+    pub(super) fn ema_rta_turn(&mut self, now: Instant, rid: u32) -> bool {
+        match self.ema.rta.remove(&rid) {
+            Some(w) => {
+                self.ema_target(now, w);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Runs target work now, or after the work waiting before it.
+    fn ema_target(&mut self, now: Instant, w: Work) {
+        if !self.ema.retry.is_empty() {
+            self.ema.retry.push_back(w);
+            return;
+        }
+        if let Some(w) = self.ema_run(w) {
+            self.ema.retry.push_back(w);
+            self.ema.retry_at = Some(now + RETRY);
+        }
+    }
+
+    /// Retries target work whose region was locked.
+    pub(super) fn ema_timeout(&mut self, now: Instant) {
+        if self.ema.retry_at.is_none_or(|t| t > now) {
+            return;
+        }
+        self.ema.retry_at = None;
+        while let Some(w) = self.ema.retry.pop_front() {
+            if let Some(w) = self.ema_run(w) {
+                self.ema.retry.push_front(w);
+                self.ema.retry_at = Some(now + RETRY);
+                return;
+            }
+        }
+    }
+
+    /// When target work is to be retried.
+    pub(super) fn ema_next_timeout(&self) -> Option<Instant> {
+        self.ema.retry_at
+    }
+
+    /// Applies target work; hands it back when the region is locked (`Again`).
+    fn ema_run(&mut self, w: Work) -> Option<Work> {
+        let Some(mem) = self.memory.clone() else {
+            self.ema_refuse(&w, Status::RemoteBadAddress);
+            return None;
+        };
+        match &w {
+            Work::Write {
+                pid,
+                iovs,
+                data,
+                dc_send_id,
+                cq_data,
+            } => {
+                // The whole range is checked before the first byte is placed.
+                let mut off = 0usize;
+                let mut res = Ok(());
+                for iov in iovs {
+                    let n = iov.len as usize;
+                    res = mem.write(iov.key, iov.addr, &data[off..off + n]);
+                    if res.is_err() {
+                        break;
+                    }
+                    off += n;
+                }
+                match res {
+                    Err(e) if e.kind() == ErrorKind::Again => return Some(w),
+                    Err(_) => self.ema_refuse(&w, Status::RemoteBadAddress),
+                    Ok(()) => {
+                        let pid = *pid;
+                        if let Some(send_id) = *dc_send_id {
+                            let r = Packet::Receipt {
+                                connid: Some(self.local.qkey),
+                                send_id,
+                                msg_id: 0,
+                            };
+                            self.queue_ctrl(pid, &r);
+                        }
+                        if let (Some(d), Some(src)) =
+                            (*cq_data, self.peers.get(&pid).map(|p| p.addr))
+                        {
+                            self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
+                                src,
+                                data: d as u32,
+                                len: data.len(),
+                            }));
+                        }
+                    }
+                }
+            }
+            Work::Read { pid, iov, recv_id } => match mem.read(iov.key, iov.addr, iov.len) {
+                Err(e) if e.kind() == ErrorKind::Again => return Some(w),
+                Err(_) => self.ema_refuse(&w, Status::RemoteBadAddress),
+                Ok(bytes) => {
+                    let (pid, recv_id) = (*pid, *recv_id);
+                    let pkt = Packet::ReadRsp {
+                        connid: Some(self.local.qkey),
+                        recv_id,
+                        send_id: 0,
+                        seg_length: bytes.len() as u64,
+                    };
+                    self.ema_respond(pid, &pkt, bytes);
+                }
+            },
+            Work::Atomic {
+                pid,
+                kind,
+                msg_id,
+                op,
+                datatype,
+                iov,
+                data,
+            } => {
+                let (Ok(aop), Ok(dt)) =
+                    (AtomicOp::from_code(*op), AtomicType::from_code(*datatype))
+                else {
+                    self.ema_refuse(&w, Status::UnsupportedOp);
+                    return None;
+                };
+                let len = iov.len as usize;
+                let (operand, compare) = match kind {
+                    RtaKind::Compare { .. } if data.len() == 2 * len => {
+                        (&data[..len], Some(&data[len..]))
+                    }
+                    RtaKind::Compare { .. } => {
+                        self.ema_refuse(&w, Status::RemoteBadLength);
+                        return None;
+                    }
+                    _ if aop == AtomicOp::Read => (&[0u8; 0][..], None),
+                    _ => (&data[..], None),
+                };
+                let operand: Vec<u8> = if aop == AtomicOp::Read {
+                    vec![0; len]
+                } else {
+                    operand.to_vec()
+                };
+                match mem.atomic(iov.key, iov.addr, aop, dt, &operand, compare) {
+                    Err(e) if e.kind() == ErrorKind::Again => return Some(w),
+                    Err(e) if e.kind() == ErrorKind::RemoteAccess => {
+                        self.ema_refuse(&w, Status::RemoteBadAddress)
+                    }
+                    Err(_) => self.ema_refuse(&w, Status::RemoteBadLength),
+                    Ok(old) => {
+                        let pid = *pid;
+                        match *kind {
+                            RtaKind::Write => {}
+                            RtaKind::DcWrite { send_id } => {
+                                let r = Packet::Receipt {
+                                    connid: Some(self.local.qkey),
+                                    send_id,
+                                    msg_id: *msg_id,
+                                };
+                                self.queue_ctrl(pid, &r);
+                            }
+                            RtaKind::Fetch { recv_id } | RtaKind::Compare { recv_id } => {
+                                let pkt = Packet::AtomRsp {
+                                    connid: Some(self.local.qkey),
+                                    recv_id,
+                                    seg_length: old.len() as u64,
+                                };
+                                self.ema_respond(pid, &pkt, old);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Queues a response packet carrying `data`.
+    fn ema_respond(&mut self, pid: u64, pkt: &Packet<'_>, data: Bytes) {
+        let Some(hdr) = self.encode(pkt) else {
+            return;
+        };
+        let id = self.ema.next_resp;
+        self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
+        let n = data.len();
+        self.ema.resp.insert(id, data);
+        self.enqueue(Pkt::new(pid, Owner::Resp(id), hdr, 0, n), true, false);
+    }
+
+    /// Tells the initiator its operation was refused (PEER_ERROR naming its id); requests that
+    /// expect no answer (plain EAGER_RTW, WRITE_RTA from other implementations) are dropped and
+    /// counted.
+    fn ema_refuse(&mut self, w: &Work, status: Status) {
+        let (pid, op_id) = match w {
+            Work::Write {
+                pid,
+                dc_send_id: Some(id),
+                ..
+            } => (*pid, *id),
+            Work::Read { pid, recv_id, .. } => (*pid, *recv_id),
+            Work::Atomic { pid, kind, .. } if !matches!(kind, RtaKind::Write) => (*pid, kind.id()),
+            _ => return self.drop_pkt("emulated RMA refused by the memory (no answer expected)"),
+        };
+        tracing::debug!(%status, "emulated RMA refused");
+        let pkt = Packet::PeerError {
+            connid: Some(self.local.qkey),
+            op_id,
+            ref_kind: peer_error_ref::OPE_INDEX,
+            prov_errno: u32::from(status.code()),
+        };
+        self.queue_ctrl(pid, &pkt);
+    }
+}
