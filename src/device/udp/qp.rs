@@ -6,8 +6,8 @@ use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -24,7 +24,7 @@ use crate::device::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultInjector;
-use crate::notify::Notifier;
+use crate::notify::{Notifier, SleepHook};
 use crate::stats::{self, DeviceCounters};
 
 const SOCK: Token = Token(0);
@@ -39,6 +39,10 @@ const NIC_BUDGET: usize = 1024;
 const ACK_BATCH: usize = 32;
 /// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
 const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
+/// The application counts as busy-polling for this long after its last `poll`: meanwhile the NIC
+/// thread stands aside (parked, not waiting on the socket), and takes over when it passes or when
+/// the application goes to sleep on its notifier.
+const BUSY_WINDOW: Duration = Duration::from_micros(200);
 
 /// The socket and the fault layer every outgoing datagram goes through.
 pub(super) struct Io {
@@ -259,8 +263,10 @@ pub(super) struct State {
 }
 
 impl State {
-    /// Reads up to `budget` datagrams; true when more may be waiting.
-    fn drain(&mut self, budget: usize, now: Instant) -> bool {
+    /// Reads up to `budget` datagrams; true when more may be waiting. `nic`: called by the NIC
+    /// thread (the application is not polling), so acknowledgements go out at once instead of
+    /// waiting briefly for a data packet to ride on.
+    fn drain(&mut self, budget: usize, now: Instant, nic: bool) -> bool {
         let mut rx = std::mem::take(&mut self.rx);
         let mut n = 0;
         let mut more = false;
@@ -274,7 +280,7 @@ impl State {
                     n += 1;
                     self.handle(rx.get(..len).unwrap_or_default(), src, now);
                     if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
-                        self.srd.flush_acks(&mut self.ctx, now);
+                        self.srd.flush_acks(&mut self.ctx, now, nic);
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -288,7 +294,7 @@ impl State {
         }
         self.rx = rx;
         if self.qp_type == QpType::Srd {
-            self.srd.flush_acks(&mut self.ctx, now);
+            self.srd.flush_acks(&mut self.ctx, now, nic);
         }
         more
     }
@@ -322,6 +328,12 @@ impl State {
                 }
             }
             Packet::Data(h, payload) => self.srd.on_data(&mut self.ctx, src, &h, payload, now),
+            Packet::DataAck(h, a, bitmap, payload) => {
+                // Deliver first, so that what the acknowledgement releases carries the newest
+                // acknowledgement back.
+                self.srd.on_data(&mut self.ctx, src, &h, payload, now);
+                self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now);
+            }
             Packet::Ack(a, bitmap) => self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now),
             Packet::Nak(n) => self.srd.on_nak(&mut self.ctx, src, &n, now),
         }
@@ -412,17 +424,87 @@ pub(super) struct Shared {
     stop: AtomicBool,
     waker: Waker,
     notifier: Arc<Notifier>,
+    busy: Busy,
+}
+
+/// The busy-poll hand-off: while the application polls, it makes all progress on its own thread
+/// and the NIC thread is parked (so arriving datagrams wake nobody and nothing contends for the
+/// lock); the NIC thread takes over when the application stops polling for [`BUSY_WINDOW`] or is
+/// about to sleep on its notifier ([`SleepHook`]).
+struct Busy {
+    /// Origin of `last_poll`.
+    epoch: Instant,
+    /// Nanoseconds from `epoch` to the end of the application's last `poll`; 0 = never.
+    last_poll: AtomicU64,
+    /// A waiter on the notifier is about to sleep: the application is not polling.
+    sleeping: AtomicBool,
+    /// The NIC thread is parked (not waiting on the socket).
+    parked: AtomicBool,
+    /// The NIC thread, to unpark it.
+    nic: std::sync::OnceLock<Thread>,
+}
+
+impl Busy {
+    fn new() -> Busy {
+        Busy {
+            epoch: Instant::now(),
+            last_poll: AtomicU64::new(0),
+            sleeping: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            nic: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The application polled at `now`.
+    fn polled(&self, now: Instant) {
+        let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        self.last_poll.store(ns.max(1), Ordering::Relaxed);
+        if self.sleeping.load(Ordering::Relaxed) {
+            self.sleeping.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Until when the application counts as busy-polling, if it does at `now`.
+    fn busy_until(&self, now: Instant) -> Option<Instant> {
+        let last = self.last_poll.load(Ordering::Relaxed);
+        if last == 0 || self.sleeping.load(Ordering::SeqCst) {
+            return None;
+        }
+        let until = self.epoch + Duration::from_nanos(last) + BUSY_WINDOW;
+        (until > now).then_some(until)
+    }
+
+    fn unpark(&self) {
+        if let Some(t) = self.nic.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// Tells the NIC thread that the application goes to sleep (registered on the notifier).
+struct NicHook(std::sync::Weak<Shared>);
+
+impl SleepHook for NicHook {
+    fn before_sleep(&self) {
+        if let Some(s) = self.0.upgrade() {
+            s.busy.sleeping.store(true, Ordering::SeqCst);
+            if s.busy.parked.load(Ordering::SeqCst) {
+                s.busy.unpark();
+            }
+        }
+    }
 }
 
 impl Shared {
-    /// Reads datagrams and runs due timers; true when more datagrams may be waiting.
-    fn progress(&self, budget: usize) -> bool {
+    /// Reads datagrams and runs due timers; true when more datagrams may be waiting. `nic`: the
+    /// NIC thread calls (see [`State::drain`]).
+    fn progress(&self, budget: usize, nic: bool) -> bool {
         let mut st = self.state.lock();
         if st.closed {
             return false;
         }
         let now = Instant::now();
-        let more = st.drain(budget, now);
+        let more = st.drain(budget, now, nic);
         st.run_timers(now);
         let notify = std::mem::take(&mut st.ctx.new_comps);
         drop(st);
@@ -436,7 +518,8 @@ impl Shared {
     /// its planned wake-up, and the waiters if completions became ready.
     fn after_post(&self, mut st: parking_lot::MutexGuard<'_, State>) {
         let mut wake = false;
-        if !st.closed {
+        // A parked NIC thread leaves the timers to the polling application.
+        if !st.closed && !self.busy.parked.load(Ordering::Relaxed) {
             if let Some(next) = st.next_deadline() {
                 if st.thread_deadline.is_none_or(|d| next < d) {
                     st.thread_deadline = Some(next);
@@ -462,7 +545,17 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
-        let more = shared.progress(NIC_BUDGET);
+        let now = Instant::now();
+        if let Some(until) = shared.busy.busy_until(now) {
+            // The application polls: stand aside until it stops or goes to sleep.
+            shared.busy.parked.store(true, Ordering::SeqCst);
+            if shared.busy.busy_until(now).is_some() && !shared.stop.load(Ordering::Acquire) {
+                std::thread::park_timeout(until.saturating_duration_since(now));
+            }
+            shared.busy.parked.store(false, Ordering::SeqCst);
+            continue;
+        }
+        let more = shared.progress(NIC_BUDGET, true);
         let timeout = if more {
             Some(Duration::ZERO)
         } else {
@@ -486,6 +579,8 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
 /// A queue pair of the udp device.
 pub(crate) struct UdpQp {
     shared: Arc<Shared>,
+    /// Registered (weakly) on the notifier; lives as long as the queue pair.
+    _hook: Arc<dyn SleepHook>,
     thread: Option<JoinHandle<()>>,
     addr: RawAddr,
     qp_type: QpType,
@@ -580,15 +675,20 @@ impl UdpQp {
             stop: AtomicBool::new(false),
             waker,
             notifier: attr.notifier,
+            busy: Busy::new(),
         });
+        let hook: Arc<dyn SleepHook> = Arc::new(NicHook(Arc::downgrade(&shared)));
+        shared.notifier.add_sleep_hook(Arc::downgrade(&hook));
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("efa-udp-{}", local.port()))
             .spawn(move || nic_thread(s2, poll))
             .map_err(|e| Error::io("create_qp", e))?;
+        let _ = shared.busy.nic.set(thread.thread().clone());
         tracing::debug!(%addr, %local, qp_type = ?attr.qp_type, "udp: queue pair created");
         Ok(UdpQp {
             shared,
+            _hook: hook,
             thread: Some(thread),
             addr,
             qp_type: attr.qp_type,
@@ -599,6 +699,7 @@ impl UdpQp {
         if let Some(t) = self.thread.take() {
             self.shared.stop.store(true, Ordering::Release);
             let _ = self.shared.waker.wake();
+            t.thread().unpark();
             let _ = t.join();
         }
     }
@@ -639,7 +740,8 @@ impl QueuePair for UdpQp {
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
-        self.shared.progress(APP_BUDGET);
+        self.shared.progress(APP_BUDGET, false);
+        self.shared.busy.polled(Instant::now());
         let mut st = self.shared.state.lock();
         let mut n = 0;
         while n < max {
