@@ -190,7 +190,7 @@ fn attributes() {
     assert_eq!(a.kind, DeviceKind::Udp);
     assert_eq!(a.name, "udp-127.0.0.1");
     assert_eq!(a.gid, efa::Gid::from_ip(v4()));
-    assert_eq!(a.mtu, 8192);
+    assert_eq!(a.mtu, efa::device::udp::LOOPBACK_MTU);
     assert_eq!(a.max_sge, 2);
     assert_eq!(a.max_rdma_size, 0);
     assert!(a.caps.rnr_retry);

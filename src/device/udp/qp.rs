@@ -39,6 +39,10 @@ const NIC_BUDGET: usize = 1024;
 const ACK_BATCH: usize = 32;
 /// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
 const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
+/// After an application poll read datagrams and emptied the socket, its polls leave the socket
+/// alone this long: the application is busy with what arrived (and its reply should not wait
+/// for a few more empty reads), and the next datagram is unlikely to be there already.
+const RX_QUIET: Duration = Duration::from_micros(2);
 /// The application counts as busy-polling for this long after its last `poll`: meanwhile the NIC
 /// thread stands aside (parked, not waiting on the socket), and takes over when it passes or when
 /// the application goes to sleep on its notifier.
@@ -75,7 +79,30 @@ fn transient(e: &io::Error) -> bool {
 
 /// One `sendto`: transient failures (full socket buffer, ...) count as a loss on the wire.
 fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
-    match sock.send_to(buf, dest) {
+    raw_send_parts(sock, buf, &[], &[], dest)
+}
+
+/// One `sendto` (one `sendmsg` gathering the parts when there are several, so that user bytes
+/// are not copied into a staging buffer): transient failures (full socket buffer, ...) count as
+/// a loss on the wire.
+fn raw_send_parts(
+    sock: &UdpSocket,
+    head: &[u8],
+    hdr: &[u8],
+    payload: &[u8],
+    dest: SocketAddr,
+) -> io::Result<()> {
+    let r = if hdr.is_empty() && payload.is_empty() {
+        sock.send_to(head, dest)
+    } else {
+        let parts = [
+            io::IoSlice::new(head),
+            io::IoSlice::new(hdr),
+            io::IoSlice::new(payload),
+        ];
+        socket2::SockRef::from(sock).send_to_vectored(&parts, &dest.into())
+    };
+    match r {
         Ok(_) => Ok(()),
         Err(e) if transient(&e) => {
             tracing::trace!(%dest, error = %e, "udp: datagram lost in the local stack");
@@ -89,6 +116,19 @@ impl Io {
     /// Sends the datagram in `self.tx` to `dest` through the fault layer. An error is a permanent
     /// failure of the first copy (e.g. an address of the wrong family); transient ones are losses.
     pub fn emit(&mut self, dest: SocketAddr, now: Instant) -> io::Result<()> {
+        self.emit_parts(dest, now, &[], &[])
+    }
+
+    /// Sends the datagram `self.tx` + `hdr` + `payload` to `dest` through the fault layer, as
+    /// [`Io::emit`]; the parts are gathered by the kernel, not copied here (unless a fault holds
+    /// the datagram back).
+    pub fn emit_parts(
+        &mut self,
+        dest: SocketAddr,
+        now: Instant,
+        hdr: &[u8],
+        payload: &[u8],
+    ) -> io::Result<()> {
         let Io {
             sock,
             tx,
@@ -97,7 +137,7 @@ impl Io {
             ..
         } = self;
         let Some(f) = faults.as_mut() else {
-            return raw_send(sock, tx, dest);
+            return raw_send_parts(sock, tx, hdr, payload, dest);
         };
         let fate = f.inj.next_fate();
         if fate.drop {
@@ -110,23 +150,24 @@ impl Io {
         } else {
             1
         };
+        let whole = || [&tx[..], hdr, payload].concat();
         if fate.reorder {
             stats::inc(&counters.faults_reordered);
             for _ in 0..copies {
-                f.held.push((dest, tx.clone(), now + f.hold));
+                f.held.push((dest, whole(), now + f.hold));
             }
             return Ok(());
         }
         if !fate.delay.is_zero() {
             stats::inc(&counters.faults_reordered);
             for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, tx.clone()));
+                f.delayed.push((now + fate.delay, dest, whole()));
             }
             return Ok(());
         }
-        let r = raw_send(sock, tx, dest);
+        let r = raw_send_parts(sock, tx, hdr, payload, dest);
         if copies > 1 {
-            let _ = raw_send(sock, tx, dest);
+            let _ = raw_send_parts(sock, tx, hdr, payload, dest);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
         for (d, b, _) in f.held.drain(..) {
@@ -260,6 +301,8 @@ pub(super) struct State {
     srd: Srd,
     /// When the NIC thread will wake up by itself (`None`: only on a datagram or a wake-up).
     thread_deadline: Option<Instant>,
+    /// The application's polls do not read the socket before this (see [`RX_QUIET`]).
+    quiet_until: Option<Instant>,
 }
 
 impl State {
@@ -267,6 +310,9 @@ impl State {
     /// thread (the application is not polling), so acknowledgements go out at once instead of
     /// waiting briefly for a data packet to ride on.
     fn drain(&mut self, budget: usize, now: Instant, nic: bool) -> bool {
+        if !nic && self.quiet_until.is_some_and(|q| now < q) {
+            return false;
+        }
         let mut rx = std::mem::take(&mut self.rx);
         let mut n = 0;
         let mut more = false;
@@ -296,6 +342,7 @@ impl State {
         if self.qp_type == QpType::Srd {
             self.srd.flush_acks(&mut self.ctx, now, nic);
         }
+        self.quiet_until = (n > 0 && !more).then(|| now + RX_QUIET);
         more
     }
 
@@ -391,14 +438,8 @@ impl State {
         }
         match self.qp_type {
             QpType::Ud => {
-                wire::encode_ud(
-                    &mut self.ctx.io.tx,
-                    wr.dest.qkey,
-                    wr.imm,
-                    &wr.hdr,
-                    &wr.payload,
-                );
-                let status = match self.ctx.io.emit(dest, now) {
+                wire::encode_ud(&mut self.ctx.io.tx, wr.dest.qkey, wr.imm, &[], &[]);
+                let status = match self.ctx.io.emit_parts(dest, now, &wr.hdr, &wr.payload) {
                     Ok(()) => {
                         stats::inc(&self.ctx.counters().tx_pkts);
                         stats::add(&self.ctx.counters().tx_bytes, len as u64);
@@ -669,6 +710,7 @@ impl UdpQp {
             rx: vec![0; RX_SCRATCH],
             srd: Srd::new(Instant::now(), &cfg),
             thread_deadline: None,
+            quiet_until: None,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),

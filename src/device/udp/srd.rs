@@ -779,9 +779,7 @@ fn transmit(
         ack.as_ref().map(|a| (a, &bitmap[..])),
         len,
     );
-    cx.io.tx.extend_from_slice(&inf.op.hdr);
-    cx.io.tx.extend_from_slice(&inf.op.payload);
-    match cx.io.emit(p.addr, now) {
+    match cx.io.emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload) {
         Ok(()) => true,
         Err(e) => {
             tracing::debug!(dest = %p.addr, error = %e, "udp: send failed");
