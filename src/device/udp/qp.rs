@@ -539,12 +539,11 @@ impl SleepHook for NicHook {
 impl Shared {
     /// Reads datagrams and runs due timers; true when more datagrams may be waiting. `nic`: the
     /// NIC thread calls (see [`State::drain`]).
-    fn progress(&self, budget: usize, nic: bool) -> bool {
+    fn progress(&self, budget: usize, nic: bool, now: Instant) -> bool {
         let mut st = self.state.lock();
         if st.closed {
             return false;
         }
-        let now = Instant::now();
         let more = st.drain(budget, now, nic);
         st.run_timers(now);
         let notify = std::mem::take(&mut st.ctx.new_comps);
@@ -596,7 +595,7 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
             shared.busy.parked.store(false, Ordering::SeqCst);
             continue;
         }
-        let more = shared.progress(NIC_BUDGET, true);
+        let more = shared.progress(NIC_BUDGET, true, now);
         let timeout = if more {
             Some(Duration::ZERO)
         } else {
@@ -782,8 +781,9 @@ impl QueuePair for UdpQp {
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
-        self.shared.progress(APP_BUDGET, false);
-        self.shared.busy.polled(Instant::now());
+        let now = Instant::now();
+        self.shared.progress(APP_BUDGET, false, now);
+        self.shared.busy.polled(now);
         let mut st = self.shared.state.lock();
         let mut n = 0;
         while n < max {
