@@ -39,14 +39,24 @@ const NIC_BUDGET: usize = 1024;
 const ACK_BATCH: usize = 32;
 /// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
 const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
+/// User bytes up to this size are copied behind the device header and sent with `sendto`;
+/// larger ones are gathered by the kernel from their buffers (`sendmsg`), without a copy here.
+const GATHER_MIN: usize = 2048;
 /// After an application poll read datagrams and emptied the socket, its polls leave the socket
 /// alone this long: the application is busy with what arrived (and its reply should not wait
 /// for a few more empty reads), and the next datagram is unlikely to be there already.
-const RX_QUIET: Duration = Duration::from_micros(2);
+const RX_QUIET: Duration = Duration::from_micros(4);
 /// The application counts as busy-polling for this long after its last `poll`: meanwhile the NIC
 /// thread stands aside (parked, not waiting on the socket), and takes over when it passes or when
-/// the application goes to sleep on its notifier.
-const BUSY_WINDOW: Duration = Duration::from_micros(200);
+/// the application goes to sleep on its notifier. Every check costs the NIC thread a wake-up
+/// (which, on a small machine, preempts a busy-polling thread), so it is long; it bounds how late
+/// progress resumes when an application stops polling without waiting on its notifier (the NIC
+/// thread's timers had millisecond granularity before too).
+const BUSY_WINDOW: Duration = Duration::from_millis(1);
+/// As [`BUSY_WINDOW`] when the application's last poll left delayed acknowledgements behind:
+/// short enough that they reach the peer before its smallest retransmission timeout (300 µs by
+/// default) even if the application stopped polling right then.
+const ACK_GUARD_WINDOW: Duration = Duration::from_micros(150);
 
 /// The socket and the fault layer every outgoing datagram goes through.
 pub(super) struct Io {
@@ -79,7 +89,14 @@ fn transient(e: &io::Error) -> bool {
 
 /// One `sendto`: transient failures (full socket buffer, ...) count as a loss on the wire.
 fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
-    raw_send_parts(sock, buf, &[], &[], dest)
+    match sock.send_to(buf, dest) {
+        Ok(_) => Ok(()),
+        Err(e) if transient(&e) => {
+            tracing::trace!(%dest, error = %e, "udp: datagram lost in the local stack");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// One `sendto` (one `sendmsg` gathering the parts when there are several, so that user bytes
@@ -87,12 +104,15 @@ fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
 /// a loss on the wire.
 fn raw_send_parts(
     sock: &UdpSocket,
-    head: &[u8],
+    head: &mut Vec<u8>,
     hdr: &[u8],
     payload: &[u8],
     dest: SocketAddr,
 ) -> io::Result<()> {
-    let r = if hdr.is_empty() && payload.is_empty() {
+    let r = if hdr.len() + payload.len() <= GATHER_MIN {
+        // Small: one copy is cheaper than the kernel importing three segments.
+        head.extend_from_slice(hdr);
+        head.extend_from_slice(payload);
         sock.send_to(head, dest)
     } else {
         let parts = [
@@ -165,8 +185,10 @@ impl Io {
             }
             return Ok(());
         }
+        let head = tx.len();
         let r = raw_send_parts(sock, tx, hdr, payload, dest);
         if copies > 1 {
+            tx.truncate(head);
             let _ = raw_send_parts(sock, tx, hdr, payload, dest);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
@@ -470,13 +492,16 @@ pub(super) struct Shared {
 
 /// The busy-poll hand-off: while the application polls, it makes all progress on its own thread
 /// and the NIC thread is parked (so arriving datagrams wake nobody and nothing contends for the
-/// lock); the NIC thread takes over when the application stops polling for [`BUSY_WINDOW`] or is
+/// lock); the NIC thread takes over when the application stops polling for [`BUSY_WINDOW`]
+/// ([`ACK_GUARD_WINDOW`] if acknowledgements wait) or is
 /// about to sleep on its notifier ([`SleepHook`]).
 struct Busy {
     /// Origin of `last_poll`.
     epoch: Instant,
     /// Nanoseconds from `epoch` to the end of the application's last `poll`; 0 = never.
     last_poll: AtomicU64,
+    /// The last `poll` left delayed acknowledgements behind.
+    acks_left: AtomicBool,
     /// A waiter on the notifier is about to sleep: the application is not polling.
     sleeping: AtomicBool,
     /// The NIC thread is parked (not waiting on the socket).
@@ -490,16 +515,20 @@ impl Busy {
         Busy {
             epoch: Instant::now(),
             last_poll: AtomicU64::new(0),
+            acks_left: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             nic: std::sync::OnceLock::new(),
         }
     }
 
-    /// The application polled at `now`.
-    fn polled(&self, now: Instant) {
+    /// The application polled at `now`, leaving delayed acknowledgements behind or not.
+    fn polled(&self, now: Instant, acks_left: bool) {
         let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
         self.last_poll.store(ns.max(1), Ordering::Relaxed);
+        if self.acks_left.load(Ordering::Relaxed) != acks_left {
+            self.acks_left.store(acks_left, Ordering::Relaxed);
+        }
         if self.sleeping.load(Ordering::Relaxed) {
             self.sleeping.store(false, Ordering::Relaxed);
         }
@@ -511,7 +540,12 @@ impl Busy {
         if last == 0 || self.sleeping.load(Ordering::SeqCst) {
             return None;
         }
-        let until = self.epoch + Duration::from_nanos(last) + BUSY_WINDOW;
+        let window = if self.acks_left.load(Ordering::Relaxed) {
+            ACK_GUARD_WINDOW
+        } else {
+            BUSY_WINDOW
+        };
+        let until = self.epoch + Duration::from_nanos(last) + window;
         (until > now).then_some(until)
     }
 
@@ -539,19 +573,21 @@ impl SleepHook for NicHook {
 impl Shared {
     /// Reads datagrams and runs due timers; true when more datagrams may be waiting. `nic`: the
     /// NIC thread calls (see [`State::drain`]).
-    fn progress(&self, budget: usize, nic: bool, now: Instant) -> bool {
+    /// Also returns whether delayed acknowledgements are left.
+    fn progress(&self, budget: usize, nic: bool, now: Instant) -> (bool, bool) {
         let mut st = self.state.lock();
         if st.closed {
-            return false;
+            return (false, false);
         }
         let more = st.drain(budget, now, nic);
         st.run_timers(now);
+        let acks_left = st.srd.acks_delayed();
         let notify = std::mem::take(&mut st.ctx.new_comps);
         drop(st);
         if notify {
             self.notifier.notify();
         }
-        more
+        (more, acks_left)
     }
 
     /// After the application changed the state: wake the NIC thread if a timer now falls before
@@ -595,7 +631,7 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
             shared.busy.parked.store(false, Ordering::SeqCst);
             continue;
         }
-        let more = shared.progress(NIC_BUDGET, true, now);
+        let (more, _) = shared.progress(NIC_BUDGET, true, now);
         let timeout = if more {
             Some(Duration::ZERO)
         } else {
@@ -782,8 +818,8 @@ impl QueuePair for UdpQp {
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
         let now = Instant::now();
-        self.shared.progress(APP_BUDGET, false, now);
-        self.shared.busy.polled(now);
+        let (_, acks_left) = self.shared.progress(APP_BUDGET, false, now);
+        self.shared.busy.polled(now, acks_left);
         let mut st = self.shared.state.lock();
         let mut n = 0;
         while n < max {

@@ -491,6 +491,11 @@ impl Srd {
         }
     }
 
+    /// Acknowledgements are waiting for a data packet to ride on, or for their deadline.
+    pub fn acks_delayed(&self) -> bool {
+        self.ack_deadline.is_some()
+    }
+
     /// Handles an acknowledgement.
     pub fn on_ack(
         &mut self,
