@@ -325,6 +325,8 @@ pub(super) struct State {
     thread_deadline: Option<Instant>,
     /// The application's polls do not read the socket before this (see [`RX_QUIET`]).
     quiet_until: Option<Instant>,
+    /// The last read of the socket found it empty.
+    idle: bool,
 }
 
 impl State {
@@ -338,6 +340,11 @@ impl State {
         let mut rx = std::mem::take(&mut self.rx);
         let mut n = 0;
         let mut more = false;
+        // A datagram after an empty socket is most likely a request or a reply by itself: the
+        // application gets it at once, without another (empty) read first; a burst is read on
+        // after the quiet time. (The NIC thread always reads until the socket is empty, as its
+        // edge-triggered wait needs.)
+        let lone = !nic && self.idle;
         loop {
             if n >= budget {
                 more = true;
@@ -349,6 +356,9 @@ impl State {
                     self.handle(rx.get(..len).unwrap_or_default(), src, now);
                     if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
                         self.srd.flush_acks(&mut self.ctx, now, nic);
+                    }
+                    if lone {
+                        break;
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -364,8 +374,9 @@ impl State {
         if self.qp_type == QpType::Srd {
             self.srd.flush_acks(&mut self.ctx, now, nic);
         }
+        self.idle = n == 0;
         self.quiet_until = (n > 0 && !more).then(|| now + RX_QUIET);
-        more
+        more || (lone && n > 0)
     }
 
     /// Handles one datagram from `src`.
@@ -746,6 +757,7 @@ impl UdpQp {
             srd: Srd::new(Instant::now(), &cfg),
             thread_deadline: None,
             quiet_until: None,
+            idle: true,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
