@@ -10,7 +10,9 @@
 //!   duplicate suppression, receiver-not-ready NAKs with retries and an unresponsive-peer timeout.
 //!   Delivery is exactly once, in any order.
 //! * A background thread per queue pair (the "NIC") receives, acknowledges and retransmits even
-//!   while the application does not poll; [`QueuePair::poll`] makes progress too.
+//!   while the application does not poll; [`QueuePair::poll`] makes progress too, and while the
+//!   application busy-polls, all of it happens on the polling thread and the NIC thread stands
+//!   aside (it takes over when the application sleeps on its notifier or stops polling).
 //! * Seeded fault injection ([`UdpConfig::faults`]) drops, duplicates, reorders and delays every
 //!   datagram the device puts on the wire.
 //!
