@@ -24,7 +24,7 @@ if [ $# -gt 0 ]; then provs=("$@"); elif [ "$ep" = rdm ]; then provs=("udp;ofi_r
 if [ "$ep" = rdm ]; then sizes=(64 65536 1048576); else sizes=(64 1024); fi
 command -v fi_pingpong >/dev/null || { echo "fi_pingpong not found: apt-get install libfabric-bin" >&2; exit 1; }
 cargo build --release --quiet --example ping-pong
-pp=target/release/examples/ping-pong
+pp=${CARGO_TARGET_DIR:-target}/release/examples/ping-pong
 port=$((40000 + RANDOM % 20000))
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

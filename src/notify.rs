@@ -1,6 +1,7 @@
 //! A wake-up signal shared between a device (which knows when completions are ready) and the
 //! completion queues that wait for them, for both blocking and runtime-independent async waits.
 
+use std::sync::Weak;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Waker;
 use std::time::Instant;
@@ -15,6 +16,16 @@ pub struct Notifier {
     lock: Mutex<Vec<Waker>>,
     cond: Condvar,
     forward: Vec<std::sync::Arc<Notifier>>,
+    /// Told when a waiter is about to sleep (see [`Notifier::add_sleep_hook`]).
+    hooks: Mutex<Vec<Weak<dyn SleepHook>>>,
+}
+
+/// Something that must know when a waiter goes to sleep on a notifier: a device whose background
+/// thread stands aside while the application busy-polls, and must take over the progress as soon
+/// as the application blocks instead.
+pub trait SleepHook: Send + Sync {
+    /// A waiter is about to sleep (blocking or async); called without any notifier lock held.
+    fn before_sleep(&self);
 }
 
 impl Notifier {
@@ -53,9 +64,39 @@ impl Notifier {
         }
     }
 
+    /// Registers `hook` on this notifier and on every notifier it forwards to, so that a waiter
+    /// on any of them calls it before sleeping. Dropped hooks are forgotten.
+    pub fn add_sleep_hook(&self, hook: Weak<dyn SleepHook>) {
+        {
+            let mut h = self.hooks.lock();
+            h.retain(|w| w.strong_count() > 0);
+            h.push(hook.clone());
+        }
+        for t in &self.forward {
+            t.add_sleep_hook(hook.clone());
+        }
+    }
+
+    fn before_sleep(&self) {
+        let hooks: Vec<_> = {
+            let h = self.hooks.lock();
+            if h.is_empty() {
+                return;
+            }
+            h.iter().filter_map(Weak::upgrade).collect()
+        };
+        for h in hooks {
+            h.before_sleep();
+        }
+    }
+
     /// Blocks until the generation differs from `seen` or `deadline` passes (`None`: no deadline).
     /// Returns false on timeout.
     pub fn wait_until(&self, seen: u64, deadline: Option<Instant>) -> bool {
+        if self.generation() != seen {
+            return true;
+        }
+        self.before_sleep();
         let mut g = self.lock.lock();
         loop {
             if self.generation() != seen {
@@ -75,6 +116,10 @@ impl Notifier {
     /// Registers `waker` to be woken at the next notification unless the generation already moved
     /// past `seen`; returns true when it has (the caller should poll again instead of sleeping).
     pub fn register(&self, seen: u64, waker: &Waker) -> bool {
+        if self.generation() != seen {
+            return true;
+        }
+        self.before_sleep();
         let mut w = self.lock.lock();
         if self.generation() != seen {
             return true;

@@ -190,7 +190,7 @@ fn attributes() {
     assert_eq!(a.kind, DeviceKind::Udp);
     assert_eq!(a.name, "udp-127.0.0.1");
     assert_eq!(a.gid, efa::Gid::from_ip(v4()));
-    assert_eq!(a.mtu, 8192);
+    assert_eq!(a.mtu, efa::device::udp::LOOPBACK_MTU);
     assert_eq!(a.max_sge, 2);
     assert_eq!(a.max_rdma_size, 0);
     assert!(a.caps.rnr_retry);
@@ -925,4 +925,75 @@ fn srd_one_sender_many_receivers_under_faults() {
             n.wait_until(seen, Some(Instant::now() + Duration::from_millis(2)));
         }
     }
+}
+
+/// Polls `q` until a receive completes; counts the send completions seen meanwhile.
+fn spin_recv(q: &mut Box<dyn QueuePair>, sends: &mut u64, what: &str) -> DeviceCompletion {
+    let deadline = Instant::now() + DEADLINE;
+    let mut out = Vec::new();
+    let mut got = None;
+    while got.is_none() {
+        assert!(Instant::now() < deadline, "{what}: no receive");
+        out.clear();
+        q.poll(&mut out, 16);
+        for c in out.drain(..) {
+            assert_eq!(c.status, Status::Success, "{what}: {c:?}");
+            if c.opcode == Opcode::Send {
+                *sends += 1;
+            } else {
+                got = Some(c);
+            }
+        }
+    }
+    got.unwrap()
+}
+
+#[test]
+fn busy_polling_request_response_piggybacks_acks_and_hands_off() {
+    // Both queue pairs busy-polled from one thread: every acknowledgement can ride on the reply
+    // (or on the next request), so far fewer ack datagrams than data packets go out.
+    let dev = open(UdpConfig::default());
+    let (na, nb) = (Arc::new(Notifier::new()), Arc::new(Notifier::new()));
+    let mut a = qp(&dev, QpType::Srd, &na);
+    let mut b = qp(&dev, QpType::Srd, &nb);
+    const N: u64 = 200;
+    let (mut a_sends, mut b_sends) = (0, 0);
+    for i in 0..N {
+        a.post_recv(i, BytesMut::with_capacity(64)).unwrap();
+        b.post_recv(i, BytesMut::with_capacity(64)).unwrap();
+        a.post_send(wr(i, b.addr(), b"q", &i.to_le_bytes(), None))
+            .unwrap();
+        let c = spin_recv(&mut b, &mut b_sends, "request");
+        assert_eq!(&c.buf.unwrap()[1..], &i.to_le_bytes());
+        b.post_send(wr(i, a.addr(), b"r", &i.to_le_bytes(), Some(7)))
+            .unwrap();
+        let c = spin_recv(&mut a, &mut a_sends, "reply");
+        assert_eq!(c.imm, Some(7));
+        assert_eq!(&c.buf.unwrap()[1..], &i.to_le_bytes());
+    }
+    // The application of `a` goes to sleep on its notifier: its NIC thread takes over and sends
+    // the acknowledgement `a` still owes for the last reply, so `b`'s last send completes.
+    na.wait_until(
+        na.generation(),
+        Some(Instant::now() + Duration::from_millis(20)),
+    );
+    let deadline = Instant::now() + DEADLINE;
+    let mut out = Vec::new();
+    while b_sends < N || a_sends < N {
+        assert!(
+            Instant::now() < deadline,
+            "sends {a_sends} {b_sends} of {N}"
+        );
+        for (q, n) in [(&mut a, &mut a_sends), (&mut b, &mut b_sends)] {
+            out.clear();
+            q.poll(&mut out, 64);
+            assert!(out.iter().all(|c| c.status == Status::Success), "{out:?}");
+            *n += out.len() as u64;
+        }
+    }
+    let s = dev.stats();
+    assert_eq!(s.tx_pkts, 2 * N);
+    assert_eq!(s.rx_pkts, 2 * N);
+    // Without piggybacking every data packet would be acknowledged by a datagram of its own.
+    assert!(s.acks_sent < 2 * N, "{s:?}");
 }

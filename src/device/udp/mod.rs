@@ -10,7 +10,9 @@
 //!   duplicate suppression, receiver-not-ready NAKs with retries and an unresponsive-peer timeout.
 //!   Delivery is exactly once, in any order.
 //! * A background thread per queue pair (the "NIC") receives, acknowledges and retransmits even
-//!   while the application does not poll; [`QueuePair::poll`] makes progress too.
+//!   while the application does not poll; [`QueuePair::poll`] makes progress too, and while the
+//!   application busy-polls, all of it happens on the polling thread and the NIC thread stands
+//!   aside (it takes over when the application sleeps on its notifier or stops polling).
 //! * Seeded fault injection ([`UdpConfig::faults`]) drops, duplicates, reorders and delays every
 //!   datagram the device puts on the wire.
 //!
@@ -65,6 +67,13 @@ pub const MIN_MTU: usize = 64;
 /// Largest MTU the device accepts (a UDP datagram holds at most 65,507 bytes over IPv4, and the
 /// device adds at most 48 bytes of header).
 pub const MAX_MTU: usize = 65_000;
+/// The MTU an automatic (`0`) [`UdpConfig::mtu`] becomes on a loopback bind address: the
+/// loopback interface carries 64 KiB datagrams without fragmentation, and fewer, larger
+/// datagrams mean fewer system calls per byte (see `docs/udp-device.md`, "Fast path").
+pub const LOOPBACK_MTU: usize = MAX_MTU;
+/// The MTU an automatic (`0`) [`UdpConfig::mtu`] becomes on any other bind address (as an EFA
+/// NIC's, about 8 KiB; larger datagrams are IP-fragmented on real networks).
+pub const NETWORK_MTU: usize = 8192;
 /// Largest inline send the device reports.
 pub const INLINE_SIZE: usize = 32;
 /// Most SRD packets a sender may have outstanding towards one peer (the receiver's window).
@@ -90,7 +99,9 @@ pub struct UdpConfig {
     /// Address every queue pair's socket binds to (port 0: ephemeral). IPv4 or IPv6; an
     /// unspecified address (`0.0.0.0`, `::`) listens on every interface. Default `127.0.0.1`.
     pub bind: IpAddr,
-    /// Largest datagram (header plus payload of one send), bytes; `64..=65_000`. Default 8192.
+    /// Largest datagram (header plus payload of one send), bytes; `64..=65_000`, or `0` (the
+    /// default) for automatic: [`LOOPBACK_MTU`] (65,000) when `bind` is a loopback address,
+    /// else [`NETWORK_MTU`] (8192). [`UdpDevice::config`] shows the value in use.
     pub mtu: usize,
     /// Send queue depth of a queue pair. Default 1024.
     pub max_send_wr: usize,
@@ -126,7 +137,7 @@ impl Default for UdpConfig {
     fn default() -> Self {
         UdpConfig {
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            mtu: 8192,
+            mtu: 0,
             max_send_wr: 1024,
             max_recv_wr: 4096,
             faults: FaultConfig::default(),
@@ -151,12 +162,21 @@ impl UdpConfig {
         }
     }
 
+    /// The MTU in use: `mtu`, or for `0` the automatic choice by bind address.
+    pub fn effective_mtu(&self) -> usize {
+        match self.mtu {
+            0 if self.bind.is_loopback() => LOOPBACK_MTU,
+            0 => NETWORK_MTU,
+            m => m,
+        }
+    }
+
     /// Checks every field; errors are `ErrorKind::InvalidArgument`.
     pub fn validate(&self) -> Result<()> {
         let bad = |detail: String| {
             Err(Error::new(ErrorKind::InvalidArgument, "udp_config").with_detail(detail))
         };
-        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
+        if self.mtu != 0 && !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
             return bad(format!("mtu {} outside {MIN_MTU}..={MAX_MTU}", self.mtu));
         }
         if self.max_send_wr == 0 || self.max_recv_wr == 0 {
@@ -209,9 +229,11 @@ pub struct UdpDevice {
 }
 
 impl UdpDevice {
-    /// Validates `cfg` and opens the device (sockets are created per queue pair).
-    pub fn open(cfg: UdpConfig) -> Result<Arc<UdpDevice>> {
+    /// Validates `cfg` and opens the device (sockets are created per queue pair). An automatic
+    /// MTU is resolved here.
+    pub fn open(mut cfg: UdpConfig) -> Result<Arc<UdpDevice>> {
         cfg.validate()?;
+        cfg.mtu = cfg.effective_mtu();
         let attr = DeviceAttr::software(
             DeviceKind::Udp,
             format!("udp-{}", cfg.bind),
@@ -228,7 +250,7 @@ impl UdpDevice {
         }))
     }
 
-    /// The configuration the device was opened with.
+    /// The configuration the device was opened with (an automatic MTU resolved).
     pub fn config(&self) -> &UdpConfig {
         &self.cfg
     }
@@ -268,7 +290,23 @@ mod tests {
     #[test]
     fn config_validation() {
         assert!(UdpConfig::default().validate().is_ok());
-        for mtu in [0, 63, 65_001] {
+        assert_eq!(UdpConfig::default().effective_mtu(), LOOPBACK_MTU);
+        assert_eq!(
+            UdpConfig::new("::1".parse().unwrap()).effective_mtu(),
+            LOOPBACK_MTU
+        );
+        for bind in ["10.1.2.3", "0.0.0.0", "::"] {
+            assert_eq!(
+                UdpConfig::new(bind.parse().unwrap()).effective_mtu(),
+                NETWORK_MTU
+            );
+        }
+        let fixed = UdpConfig {
+            mtu: 1500,
+            ..Default::default()
+        };
+        assert_eq!(fixed.effective_mtu(), 1500);
+        for mtu in [1, 63, 65_001] {
             let e = UdpConfig {
                 mtu,
                 ..Default::default()

@@ -6,8 +6,8 @@ use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -24,7 +24,7 @@ use crate::device::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultInjector;
-use crate::notify::Notifier;
+use crate::notify::{Notifier, SleepHook};
 use crate::stats::{self, DeviceCounters};
 
 const SOCK: Token = Token(0);
@@ -39,6 +39,24 @@ const NIC_BUDGET: usize = 1024;
 const ACK_BATCH: usize = 32;
 /// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
 const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
+/// User bytes up to this size are copied behind the device header and sent with `sendto`;
+/// larger ones are gathered by the kernel from their buffers (`sendmsg`), without a copy here.
+const GATHER_MIN: usize = 2048;
+/// After an application poll read datagrams and emptied the socket, its polls leave the socket
+/// alone this long: the application is busy with what arrived (and its reply should not wait
+/// for a few more empty reads), and the next datagram is unlikely to be there already.
+const RX_QUIET: Duration = Duration::from_micros(4);
+/// The application counts as busy-polling for this long after its last `poll`: meanwhile the NIC
+/// thread stands aside (parked, not waiting on the socket), and takes over when it passes or when
+/// the application goes to sleep on its notifier. Every check costs the NIC thread a wake-up
+/// (which, on a small machine, preempts a busy-polling thread), so it is long; it bounds how late
+/// progress resumes when an application stops polling without waiting on its notifier (the NIC
+/// thread's timers had millisecond granularity before too).
+const BUSY_WINDOW: Duration = Duration::from_millis(1);
+/// As [`BUSY_WINDOW`] when the application's last poll left delayed acknowledgements behind:
+/// short enough that they reach the peer before its smallest retransmission timeout (300 µs by
+/// default) even if the application stopped polling right then.
+const ACK_GUARD_WINDOW: Duration = Duration::from_micros(150);
 
 /// The socket and the fault layer every outgoing datagram goes through.
 pub(super) struct Io {
@@ -81,10 +99,56 @@ fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
     }
 }
 
+/// One `sendto` (one `sendmsg` gathering the parts when there are several, so that user bytes
+/// are not copied into a staging buffer): transient failures (full socket buffer, ...) count as
+/// a loss on the wire.
+fn raw_send_parts(
+    sock: &UdpSocket,
+    head: &mut Vec<u8>,
+    hdr: &[u8],
+    payload: &[u8],
+    dest: SocketAddr,
+) -> io::Result<()> {
+    let r = if hdr.len() + payload.len() <= GATHER_MIN {
+        // Small: one copy is cheaper than the kernel importing three segments.
+        head.extend_from_slice(hdr);
+        head.extend_from_slice(payload);
+        sock.send_to(head, dest)
+    } else {
+        let parts = [
+            io::IoSlice::new(head),
+            io::IoSlice::new(hdr),
+            io::IoSlice::new(payload),
+        ];
+        socket2::SockRef::from(sock).send_to_vectored(&parts, &dest.into())
+    };
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if transient(&e) => {
+            tracing::trace!(%dest, error = %e, "udp: datagram lost in the local stack");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 impl Io {
     /// Sends the datagram in `self.tx` to `dest` through the fault layer. An error is a permanent
     /// failure of the first copy (e.g. an address of the wrong family); transient ones are losses.
     pub fn emit(&mut self, dest: SocketAddr, now: Instant) -> io::Result<()> {
+        self.emit_parts(dest, now, &[], &[])
+    }
+
+    /// Sends the datagram `self.tx` + `hdr` + `payload` to `dest` through the fault layer, as
+    /// [`Io::emit`]; the parts are gathered by the kernel, not copied here (unless a fault holds
+    /// the datagram back).
+    pub fn emit_parts(
+        &mut self,
+        dest: SocketAddr,
+        now: Instant,
+        hdr: &[u8],
+        payload: &[u8],
+    ) -> io::Result<()> {
         let Io {
             sock,
             tx,
@@ -93,7 +157,7 @@ impl Io {
             ..
         } = self;
         let Some(f) = faults.as_mut() else {
-            return raw_send(sock, tx, dest);
+            return raw_send_parts(sock, tx, hdr, payload, dest);
         };
         let fate = f.inj.next_fate();
         if fate.drop {
@@ -106,23 +170,26 @@ impl Io {
         } else {
             1
         };
+        let whole = || [&tx[..], hdr, payload].concat();
         if fate.reorder {
             stats::inc(&counters.faults_reordered);
             for _ in 0..copies {
-                f.held.push((dest, tx.clone(), now + f.hold));
+                f.held.push((dest, whole(), now + f.hold));
             }
             return Ok(());
         }
         if !fate.delay.is_zero() {
             stats::inc(&counters.faults_reordered);
             for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, tx.clone()));
+                f.delayed.push((now + fate.delay, dest, whole()));
             }
             return Ok(());
         }
-        let r = raw_send(sock, tx, dest);
+        let head = tx.len();
+        let r = raw_send_parts(sock, tx, hdr, payload, dest);
         if copies > 1 {
-            let _ = raw_send(sock, tx, dest);
+            tx.truncate(head);
+            let _ = raw_send_parts(sock, tx, hdr, payload, dest);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
         for (d, b, _) in f.held.drain(..) {
@@ -256,14 +323,28 @@ pub(super) struct State {
     srd: Srd,
     /// When the NIC thread will wake up by itself (`None`: only on a datagram or a wake-up).
     thread_deadline: Option<Instant>,
+    /// The application's polls do not read the socket before this (see [`RX_QUIET`]).
+    quiet_until: Option<Instant>,
+    /// The last read of the socket found it empty.
+    idle: bool,
 }
 
 impl State {
-    /// Reads up to `budget` datagrams; true when more may be waiting.
-    fn drain(&mut self, budget: usize, now: Instant) -> bool {
+    /// Reads up to `budget` datagrams; true when more may be waiting. `nic`: called by the NIC
+    /// thread (the application is not polling), so acknowledgements go out at once instead of
+    /// waiting briefly for a data packet to ride on.
+    fn drain(&mut self, budget: usize, now: Instant, nic: bool) -> bool {
+        if !nic && self.quiet_until.is_some_and(|q| now < q) {
+            return false;
+        }
         let mut rx = std::mem::take(&mut self.rx);
         let mut n = 0;
         let mut more = false;
+        // A datagram after an empty socket is most likely a request or a reply by itself: the
+        // application gets it at once, without another (empty) read first; a burst is read on
+        // after the quiet time. (The NIC thread always reads until the socket is empty, as its
+        // edge-triggered wait needs.)
+        let lone = !nic && self.idle;
         loop {
             if n >= budget {
                 more = true;
@@ -274,7 +355,10 @@ impl State {
                     n += 1;
                     self.handle(rx.get(..len).unwrap_or_default(), src, now);
                     if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
-                        self.srd.flush_acks(&mut self.ctx, now);
+                        self.srd.flush_acks(&mut self.ctx, now, nic);
+                    }
+                    if lone {
+                        break;
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -288,9 +372,11 @@ impl State {
         }
         self.rx = rx;
         if self.qp_type == QpType::Srd {
-            self.srd.flush_acks(&mut self.ctx, now);
+            self.srd.flush_acks(&mut self.ctx, now, nic);
         }
-        more
+        self.idle = n == 0;
+        self.quiet_until = (n > 0 && !more).then(|| now + RX_QUIET);
+        more || (lone && n > 0)
     }
 
     /// Handles one datagram from `src`.
@@ -322,6 +408,12 @@ impl State {
                 }
             }
             Packet::Data(h, payload) => self.srd.on_data(&mut self.ctx, src, &h, payload, now),
+            Packet::DataAck(h, a, bitmap, payload) => {
+                // Deliver first, so that what the acknowledgement releases carries the newest
+                // acknowledgement back.
+                self.srd.on_data(&mut self.ctx, src, &h, payload, now);
+                self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now);
+            }
             Packet::Ack(a, bitmap) => self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now),
             Packet::Nak(n) => self.srd.on_nak(&mut self.ctx, src, &n, now),
         }
@@ -379,14 +471,8 @@ impl State {
         }
         match self.qp_type {
             QpType::Ud => {
-                wire::encode_ud(
-                    &mut self.ctx.io.tx,
-                    wr.dest.qkey,
-                    wr.imm,
-                    &wr.hdr,
-                    &wr.payload,
-                );
-                let status = match self.ctx.io.emit(dest, now) {
+                wire::encode_ud(&mut self.ctx.io.tx, wr.dest.qkey, wr.imm, &[], &[]);
+                let status = match self.ctx.io.emit_parts(dest, now, &wr.hdr, &wr.payload) {
                     Ok(()) => {
                         stats::inc(&self.ctx.counters().tx_pkts);
                         stats::add(&self.ctx.counters().tx_bytes, len as u64);
@@ -412,31 +498,115 @@ pub(super) struct Shared {
     stop: AtomicBool,
     waker: Waker,
     notifier: Arc<Notifier>,
+    busy: Busy,
+}
+
+/// The busy-poll hand-off: while the application polls, it makes all progress on its own thread
+/// and the NIC thread is parked (so arriving datagrams wake nobody and nothing contends for the
+/// lock); the NIC thread takes over when the application stops polling for [`BUSY_WINDOW`]
+/// ([`ACK_GUARD_WINDOW`] if acknowledgements wait) or is
+/// about to sleep on its notifier ([`SleepHook`]).
+struct Busy {
+    /// Origin of `last_poll`.
+    epoch: Instant,
+    /// Nanoseconds from `epoch` to the end of the application's last `poll`; 0 = never.
+    last_poll: AtomicU64,
+    /// The last `poll` left delayed acknowledgements behind.
+    acks_left: AtomicBool,
+    /// A waiter on the notifier is about to sleep: the application is not polling.
+    sleeping: AtomicBool,
+    /// The NIC thread is parked (not waiting on the socket).
+    parked: AtomicBool,
+    /// The NIC thread, to unpark it.
+    nic: std::sync::OnceLock<Thread>,
+}
+
+impl Busy {
+    fn new() -> Busy {
+        Busy {
+            epoch: Instant::now(),
+            last_poll: AtomicU64::new(0),
+            acks_left: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            nic: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The application polled at `now`, leaving delayed acknowledgements behind or not.
+    fn polled(&self, now: Instant, acks_left: bool) {
+        let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        self.last_poll.store(ns.max(1), Ordering::Relaxed);
+        if self.acks_left.load(Ordering::Relaxed) != acks_left {
+            self.acks_left.store(acks_left, Ordering::Relaxed);
+        }
+        if self.sleeping.load(Ordering::Relaxed) {
+            self.sleeping.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Until when the application counts as busy-polling, if it does at `now`.
+    fn busy_until(&self, now: Instant) -> Option<Instant> {
+        let last = self.last_poll.load(Ordering::Relaxed);
+        if last == 0 || self.sleeping.load(Ordering::SeqCst) {
+            return None;
+        }
+        let window = if self.acks_left.load(Ordering::Relaxed) {
+            ACK_GUARD_WINDOW
+        } else {
+            BUSY_WINDOW
+        };
+        let until = self.epoch + Duration::from_nanos(last) + window;
+        (until > now).then_some(until)
+    }
+
+    fn unpark(&self) {
+        if let Some(t) = self.nic.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// Tells the NIC thread that the application goes to sleep (registered on the notifier).
+struct NicHook(std::sync::Weak<Shared>);
+
+impl SleepHook for NicHook {
+    fn before_sleep(&self) {
+        if let Some(s) = self.0.upgrade() {
+            s.busy.sleeping.store(true, Ordering::SeqCst);
+            if s.busy.parked.load(Ordering::SeqCst) {
+                s.busy.unpark();
+            }
+        }
+    }
 }
 
 impl Shared {
-    /// Reads datagrams and runs due timers; true when more datagrams may be waiting.
-    fn progress(&self, budget: usize) -> bool {
+    /// Reads datagrams and runs due timers; true when more datagrams may be waiting. `nic`: the
+    /// NIC thread calls (see [`State::drain`]).
+    /// Also returns whether delayed acknowledgements are left.
+    fn progress(&self, budget: usize, nic: bool, now: Instant) -> (bool, bool) {
         let mut st = self.state.lock();
         if st.closed {
-            return false;
+            return (false, false);
         }
-        let now = Instant::now();
-        let more = st.drain(budget, now);
+        let more = st.drain(budget, now, nic);
         st.run_timers(now);
+        let acks_left = st.srd.acks_delayed();
         let notify = std::mem::take(&mut st.ctx.new_comps);
         drop(st);
         if notify {
             self.notifier.notify();
         }
-        more
+        (more, acks_left)
     }
 
     /// After the application changed the state: wake the NIC thread if a timer now falls before
     /// its planned wake-up, and the waiters if completions became ready.
     fn after_post(&self, mut st: parking_lot::MutexGuard<'_, State>) {
         let mut wake = false;
-        if !st.closed {
+        // A parked NIC thread leaves the timers to the polling application.
+        if !st.closed && !self.busy.parked.load(Ordering::Relaxed) {
             if let Some(next) = st.next_deadline() {
                 if st.thread_deadline.is_none_or(|d| next < d) {
                     st.thread_deadline = Some(next);
@@ -462,7 +632,17 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
-        let more = shared.progress(NIC_BUDGET);
+        let now = Instant::now();
+        if let Some(until) = shared.busy.busy_until(now) {
+            // The application polls: stand aside until it stops or goes to sleep.
+            shared.busy.parked.store(true, Ordering::SeqCst);
+            if shared.busy.busy_until(now).is_some() && !shared.stop.load(Ordering::Acquire) {
+                std::thread::park_timeout(until.saturating_duration_since(now));
+            }
+            shared.busy.parked.store(false, Ordering::SeqCst);
+            continue;
+        }
+        let (more, _) = shared.progress(NIC_BUDGET, true, now);
         let timeout = if more {
             Some(Duration::ZERO)
         } else {
@@ -486,6 +666,8 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
 /// A queue pair of the udp device.
 pub(crate) struct UdpQp {
     shared: Arc<Shared>,
+    /// Registered (weakly) on the notifier; lives as long as the queue pair.
+    _hook: Arc<dyn SleepHook>,
     thread: Option<JoinHandle<()>>,
     addr: RawAddr,
     qp_type: QpType,
@@ -574,21 +756,28 @@ impl UdpQp {
             rx: vec![0; RX_SCRATCH],
             srd: Srd::new(Instant::now(), &cfg),
             thread_deadline: None,
+            quiet_until: None,
+            idle: true,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             stop: AtomicBool::new(false),
             waker,
             notifier: attr.notifier,
+            busy: Busy::new(),
         });
+        let hook: Arc<dyn SleepHook> = Arc::new(NicHook(Arc::downgrade(&shared)));
+        shared.notifier.add_sleep_hook(Arc::downgrade(&hook));
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("efa-udp-{}", local.port()))
             .spawn(move || nic_thread(s2, poll))
             .map_err(|e| Error::io("create_qp", e))?;
+        let _ = shared.busy.nic.set(thread.thread().clone());
         tracing::debug!(%addr, %local, qp_type = ?attr.qp_type, "udp: queue pair created");
         Ok(UdpQp {
             shared,
+            _hook: hook,
             thread: Some(thread),
             addr,
             qp_type: attr.qp_type,
@@ -599,6 +788,7 @@ impl UdpQp {
         if let Some(t) = self.thread.take() {
             self.shared.stop.store(true, Ordering::Release);
             let _ = self.shared.waker.wake();
+            t.thread().unpark();
             let _ = t.join();
         }
     }
@@ -639,7 +829,9 @@ impl QueuePair for UdpQp {
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
-        self.shared.progress(APP_BUDGET);
+        let now = Instant::now();
+        let (_, acks_left) = self.shared.progress(APP_BUDGET, false, now);
+        self.shared.busy.polled(now, acks_left);
         let mut st = self.shared.state.lock();
         let mut n = 0;
         while n < max {

@@ -23,6 +23,11 @@ const INITIAL_CWND: f64 = 32.0;
 const MAX_RX_PEERS: usize = 16_384;
 /// Smallest congestion window, packets.
 const MIN_CWND: f64 = 2.0;
+/// Longest an acknowledgement waits, while the application busy-polls, for a data packet to the
+/// same peer to ride on (a reply usually follows within microseconds).
+const ACK_DELAY: Duration = Duration::from_micros(30);
+/// Packets delivered from one sender after which it is acknowledged without delay.
+const ACK_EVERY: u32 = 16;
 
 /// A send work request waiting for its acknowledgement.
 struct SendOp {
@@ -129,7 +134,12 @@ struct RxPeer {
     /// Slots of `base..base + slots.len()`.
     slots: VecDeque<Slot>,
     conn: u32,
+    /// In `Srd::acks`: an acknowledgement is due (delayed, piggybacked or immediate).
     ack_pending: bool,
+    /// Packets delivered since the last acknowledgement.
+    unacked: u32,
+    /// Acknowledge at the next flush (duplicate, or the sender asked).
+    ack_now: bool,
     last_active: Instant,
 }
 
@@ -147,6 +157,33 @@ impl RxPeer {
         self.base = base;
         self.cum = self.cum.max(base);
         self.advance_cum();
+    }
+
+    /// Builds the acknowledgement of this peer's state into `bitmap`, and clears the pending
+    /// state.
+    fn take_ack(&mut self, src_qkey: u32, bitmap: &mut Vec<u8>) -> AckHdr {
+        self.ack_pending = false;
+        self.unacked = 0;
+        self.ack_now = false;
+        bitmap.clear();
+        // Bit i of the bitmap stands for cum + 1 + i.
+        let first = (self.cum - self.base) as usize + 1;
+        for (i, s) in self.slots.iter().skip(first).enumerate() {
+            if *s == Slot::Delivered {
+                let byte = i / 8;
+                if bitmap.len() <= byte {
+                    bitmap.resize(byte + 1, 0);
+                }
+                if let Some(b) = bitmap.get_mut(byte) {
+                    *b |= 1 << (i % 8);
+                }
+            }
+        }
+        AckHdr {
+            src_qkey,
+            conn: self.conn,
+            cum: self.cum,
+        }
     }
 
     fn advance_cum(&mut self) {
@@ -184,6 +221,8 @@ pub(super) struct Srd {
     seq_floor: u64,
     rx: HashMap<(SocketAddr, u32), RxPeer>,
     acks: Vec<(SocketAddr, u32)>,
+    /// When the delayed acknowledgements in `acks` must go out at the latest.
+    ack_deadline: Option<Instant>,
     timers: BinaryHeap<Reverse<Timer>>,
     epoch: u64,
     next_sweep: Instant,
@@ -199,6 +238,7 @@ impl Srd {
             seq_floor: 0,
             rx: HashMap::new(),
             acks: Vec::new(),
+            ack_deadline: None,
             timers: BinaryHeap::new(),
             epoch: 0,
             next_sweep: now + cfg.peer_idle_timeout / 4,
@@ -255,7 +295,12 @@ impl Srd {
     /// Puts pending sends of peer `conn` on the wire while the windows allow.
     fn pump(&mut self, cx: &mut Ctx, conn: u32, now: Instant) {
         let Srd {
-            tx, timers, epoch, ..
+            tx,
+            timers,
+            epoch,
+            rx,
+            bitmap,
+            ..
         } = self;
         let Some(p) = tx.get_mut(&conn) else {
             return;
@@ -293,7 +338,7 @@ impl Srd {
                     retransmitted: false,
                 },
             );
-            if transmit(cx, p, seq, now) {
+            if transmit(cx, p, seq, rx, bitmap, limit, now) {
                 stats::inc(&cx.counters().tx_pkts);
                 stats::add(&cx.counters().tx_bytes, len as u64);
                 timers.push(Reverse(Timer {
@@ -335,6 +380,8 @@ impl Srd {
             slots: VecDeque::new(),
             conn: h.conn,
             ack_pending: false,
+            unacked: 0,
+            ack_now: false,
             last_active: now,
         });
         rx.last_active = now;
@@ -360,13 +407,21 @@ impl Srd {
         let nak = |cx: &mut Ctx, reason: NakReason| {
             send_nak(cx, src, h, reason, now);
         };
+        let mut ack = |rx: &mut RxPeer, now_: bool| {
+            rx.ack_now |= now_ || h.ack_req;
+            if !rx.ack_pending {
+                rx.ack_pending = true;
+                self.acks.push(key);
+                if self.ack_deadline.is_none() {
+                    self.ack_deadline = Some(now + ACK_DELAY);
+                }
+            }
+        };
         match *slot {
             Slot::Delivered => {
                 stats::inc(&cx.counters().duplicates_dropped);
-                if !rx.ack_pending {
-                    rx.ack_pending = true;
-                    self.acks.push(key);
-                }
+                // The sender retransmitted: our acknowledgement may have been lost.
+                ack(rx, true);
             }
             Slot::BadLen => {
                 stats::inc(&cx.counters().duplicates_dropped);
@@ -389,42 +444,41 @@ impl Srd {
                 Delivery::Ok => {
                     *slot = Slot::Delivered;
                     rx.advance_cum();
-                    if !rx.ack_pending {
-                        rx.ack_pending = true;
-                        self.acks.push(key);
-                    }
+                    rx.unacked += 1;
+                    let full = rx.unacked >= ACK_EVERY;
+                    ack(rx, full);
                 }
             },
         }
     }
 
-    /// Sends one acknowledgement to every peer that delivered or repeated data since the last.
-    pub fn flush_acks(&mut self, cx: &mut Ctx, now: Instant) {
+    /// Sends the due acknowledgements: with `all`, one to every peer that delivered or repeated
+    /// data since its last acknowledgement; else only those that must not wait (duplicates, a
+    /// sender asking, [`ACK_EVERY`] packets) unless the delay [`ACK_DELAY`] ran out, leaving the
+    /// others to ride on a data packet to the same peer or to go out at the deadline.
+    pub fn flush_acks(&mut self, cx: &mut Ctx, now: Instant, all: bool) {
+        if self.acks.is_empty() {
+            self.ack_deadline = None;
+            return;
+        }
+        let all = all || self.ack_deadline.is_some_and(|d| d <= now);
         let mut bitmap = std::mem::take(&mut self.bitmap);
-        for key in self.acks.drain(..) {
-            let Some(rx) = self.rx.get_mut(&key) else {
+        let mut i = 0;
+        while i < self.acks.len() {
+            let Some(key) = self.acks.get(i).copied() else {
+                break;
+            };
+            let Some(rx) = self.rx.get_mut(&key).filter(|r| r.ack_pending) else {
+                // Forgotten, or acknowledged on a data packet meanwhile.
+                self.acks.swap_remove(i);
                 continue;
             };
-            rx.ack_pending = false;
-            bitmap.clear();
-            // Bit i of the bitmap stands for cum + 1 + i.
-            let first = (rx.cum - rx.base) as usize + 1;
-            for (i, s) in rx.slots.iter().skip(first).enumerate() {
-                if *s == Slot::Delivered {
-                    let byte = i / 8;
-                    if bitmap.len() <= byte {
-                        bitmap.resize(byte + 1, 0);
-                    }
-                    if let Some(b) = bitmap.get_mut(byte) {
-                        *b |= 1 << (i % 8);
-                    }
-                }
+            if !all && !rx.ack_now {
+                i += 1;
+                continue;
             }
-            let a = AckHdr {
-                src_qkey: cx.qkey,
-                conn: rx.conn,
-                cum: rx.cum,
-            };
+            self.acks.swap_remove(i);
+            let a = rx.take_ack(cx.qkey, &mut bitmap);
             wire::encode_ack(&mut cx.io.tx, key.1, &a, &bitmap);
             if let Err(e) = cx.io.emit(key.0, now) {
                 tracing::debug!(dest = %key.0, error = %e, "udp: ack not sent");
@@ -432,6 +486,14 @@ impl Srd {
             stats::inc(&cx.counters().acks_sent);
         }
         self.bitmap = bitmap;
+        if self.acks.is_empty() {
+            self.ack_deadline = None;
+        }
+    }
+
+    /// Acknowledgements are waiting for a data packet to ride on, or for their deadline.
+    pub fn acks_delayed(&self) -> bool {
+        self.ack_deadline.is_some()
     }
 
     /// Handles an acknowledgement.
@@ -541,6 +603,11 @@ impl Srd {
 
     /// The earliest live timer (dropping dead ones from the top of the heap).
     pub fn next_deadline(&mut self) -> Option<Instant> {
+        let ack = self.ack_deadline;
+        super::qp::min_opt(ack, self.next_timer())
+    }
+
+    fn next_timer(&mut self) -> Option<Instant> {
         while let Some(Reverse(t)) = self.timers.peek() {
             if self.timer_live(t) {
                 let at = t.at;
@@ -557,6 +624,9 @@ impl Srd {
 
     /// Runs every timer that is due.
     pub fn run_timers(&mut self, cx: &mut Ctx, now: Instant) {
+        if self.ack_deadline.is_some_and(|d| d <= now) {
+            self.flush_acks(cx, now, true);
+        }
         while let Some(Reverse(t)) = self.timers.peek().copied() {
             if t.at > now {
                 break;
@@ -605,7 +675,8 @@ impl Srd {
         self.epoch += 1;
         inf.epoch = self.epoch;
         let retries = inf.retries;
-        if transmit(cx, p, seq, now) {
+        let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
+        if transmit(cx, p, seq, &mut self.rx, &mut self.bitmap, limit, now) {
             let at = now + p.rto(&cx.cfg, retries);
             self.timers.push(Reverse(Timer {
                 at,
@@ -671,21 +742,49 @@ impl Srd {
     }
 }
 
-/// Encodes and sends packet `seq` of `p`; false on a permanent send failure.
-fn transmit(cx: &mut Ctx, p: &TxPeer, seq: u64, now: Instant) -> bool {
+/// Encodes and sends packet `seq` of `p`, with the acknowledgement due to the same peer riding
+/// along; false on a permanent send failure. `limit` is the sender's current window.
+fn transmit(
+    cx: &mut Ctx,
+    p: &TxPeer,
+    seq: u64,
+    rx: &mut HashMap<(SocketAddr, u32), RxPeer>,
+    bitmap: &mut Vec<u8>,
+    limit: usize,
+    now: Instant,
+) -> bool {
     let Some(inf) = p.inflight.get(&seq) else {
         return false;
     };
+    let base = p.base();
+    // Ask for an acknowledgement at once when the window is full, more waits, or this is a
+    // re-send: the sender is held up until it comes.
+    let ack_req = inf.try_ > 0
+        || p.inflight.len() >= limit
+        || !p.pending.is_empty()
+        || p.next_seq >= base + WINDOW;
     let h = DataHdr {
         src_qkey: cx.qkey,
         conn: p.conn,
         try_: inf.try_,
         seq,
-        base: p.base(),
+        base,
         imm: inf.op.imm,
+        ack_req,
     };
-    wire::encode_data(&mut cx.io.tx, p.qkey, &h, &inf.op.hdr, &inf.op.payload);
-    match cx.io.emit(p.addr, now) {
+    let ack = match rx.get_mut(&(p.addr, p.qkey)) {
+        Some(r) if r.ack_pending => Some(r.take_ack(cx.qkey, bitmap)),
+        _ => None,
+    };
+    let len = inf.op.len();
+    wire::encode_data_header(
+        &mut cx.io.tx,
+        p.qkey,
+        &h,
+        ack.as_ref().map(|a| (a, &bitmap[..])),
+        len,
+    );
+    match cx.io.emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload) {
         Ok(()) => true,
         Err(e) => {
             tracing::debug!(dest = %p.addr, error = %e, "udp: send failed");

@@ -7,7 +7,7 @@
 //! | 0 | 2 | magic `0xEF 0xA5` |
 //! | 2 | 1 | version (1) |
 //! | 3 | 1 | type: 1 UD data, 2 SRD data, 3 SRD ack, 4 SRD NAK |
-//! | 4 | 1 | flags: bit 0 = immediate data present (data types only) |
+//! | 4 | 1 | flags: bit 0 = immediate data present (data types only); SRD data only: bit 1 = an acknowledgement rides along, bit 2 = acknowledge at once |
 //! | 5 | 3 | reserved, zero |
 //! | 8 | 4 | destination QKEY (little-endian) |
 //!
@@ -22,6 +22,11 @@ pub(crate) const VERSION: u8 = 1;
 pub(crate) const COMMON_LEN: usize = 12;
 /// Flag: a 4-byte immediate value follows the type-specific header.
 pub(crate) const FLAG_IMM: u8 = 0x01;
+/// Flag (SRD data): a piggybacked acknowledgement for the reverse direction follows the data
+/// header (before the immediate).
+pub(crate) const FLAG_ACK: u8 = 0x02;
+/// Flag (SRD data): the sender is window-limited or retransmitting; acknowledge without delay.
+pub(crate) const FLAG_ACK_REQ: u8 = 0x04;
 
 /// Type byte of an unreliable datagram.
 pub(crate) const T_UD: u8 = 1;
@@ -38,6 +43,9 @@ pub(crate) const DATA_LEN: usize = 44;
 pub(crate) const ACK_LEN: usize = 32;
 /// Length of an SRD NAK.
 pub(crate) const NAK_LEN: usize = 36;
+/// Fixed part of an acknowledgement piggybacked on SRD data (before its bitmap): `conn` (4),
+/// bitmap length (2), reserved (2), `cum` (8). Its source QKEY is the data's.
+pub(crate) const PIGGY_LEN: usize = 16;
 
 /// Largest number of SRD sequence numbers a sender may have between its base and its newest
 /// packet; the receiver remembers delivery state for this many packets per sender.
@@ -45,8 +53,9 @@ pub(crate) const WINDOW: u64 = 1024;
 /// Largest selective-acknowledgement bitmap, bytes.
 pub(crate) const MAX_BITMAP: usize = (WINDOW / 8) as usize;
 
-/// Largest header this device prepends to a user datagram.
-pub(crate) const MAX_OVERHEAD: usize = DATA_LEN + 4;
+/// Largest header this device prepends to a user datagram (data header, piggybacked
+/// acknowledgement with the largest bitmap, immediate).
+pub(crate) const MAX_OVERHEAD: usize = DATA_LEN + PIGGY_LEN + MAX_BITMAP + 4;
 
 /// Why a NAK was sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +84,8 @@ pub(crate) struct DataHdr {
     pub base: u64,
     /// Immediate data.
     pub imm: Option<u32>,
+    /// The sender asks for an acknowledgement without delay (`FLAG_ACK_REQ`).
+    pub ack_req: bool,
 }
 
 /// Body of an SRD acknowledgement.
@@ -115,6 +126,8 @@ pub(crate) enum Packet<'a> {
     },
     /// SRD data.
     Data(DataHdr, &'a [u8]),
+    /// SRD data carrying an acknowledgement (with its bitmap) for the reverse direction.
+    DataAck(DataHdr, AckHdr, &'a [u8], &'a [u8]),
     /// SRD acknowledgement with its selective bitmap (bit `i` = `cum + 1 + i`).
     Ack(AckHdr, &'a [u8]),
     /// SRD negative acknowledgement.
@@ -153,6 +166,7 @@ pub(crate) fn encode_ud(
 }
 
 /// Encodes an SRD data packet into `out`.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn encode_data(
     out: &mut Vec<u8>,
     dst_qkey: u32,
@@ -160,24 +174,49 @@ pub(crate) fn encode_data(
     hdr: &[u8],
     payload: &[u8],
 ) {
-    common(
-        out,
-        T_DATA,
-        if h.imm.is_some() { FLAG_IMM } else { 0 },
-        dst_qkey,
-    );
+    encode_data_header(out, dst_qkey, h, None, hdr.len() + payload.len());
+    out.extend_from_slice(hdr);
+    out.extend_from_slice(payload);
+}
+
+/// Encodes the header of an SRD data packet carrying `len` user bytes into `out`, with an
+/// acknowledgement `(ack, bitmap)` riding along if given (its `src_qkey` must be `h.src_qkey`;
+/// the bitmap is at most [`MAX_BITMAP`] bytes). The user bytes follow.
+pub(crate) fn encode_data_header(
+    out: &mut Vec<u8>,
+    dst_qkey: u32,
+    h: &DataHdr,
+    ack: Option<(&AckHdr, &[u8])>,
+    len: usize,
+) {
+    let mut flags = 0;
+    if h.imm.is_some() {
+        flags |= FLAG_IMM;
+    }
+    if ack.is_some() {
+        flags |= FLAG_ACK;
+    }
+    if h.ack_req {
+        flags |= FLAG_ACK_REQ;
+    }
+    common(out, T_DATA, flags, dst_qkey);
     out.extend_from_slice(&h.src_qkey.to_le_bytes());
     out.extend_from_slice(&h.conn.to_le_bytes());
     out.extend_from_slice(&h.try_.to_le_bytes());
     out.extend_from_slice(&h.seq.to_le_bytes());
     out.extend_from_slice(&h.base.to_le_bytes());
-    let len = (hdr.len() + payload.len()) as u32;
-    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    if let Some((a, bitmap)) = ack {
+        let bitmap = &bitmap[..bitmap.len().min(MAX_BITMAP)];
+        out.extend_from_slice(&a.conn.to_le_bytes());
+        out.extend_from_slice(&(bitmap.len() as u16).to_le_bytes());
+        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&a.cum.to_le_bytes());
+        out.extend_from_slice(bitmap);
+    }
     if let Some(i) = h.imm {
         out.extend_from_slice(&i.to_le_bytes());
     }
-    out.extend_from_slice(hdr);
-    out.extend_from_slice(payload);
 }
 
 /// Encodes an SRD acknowledgement into `out`; `bitmap` is at most [`MAX_BITMAP`] bytes.
@@ -257,7 +296,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
             }
         }
         T_DATA => {
-            if flags & !FLAG_IMM != 0 {
+            if flags & !(FLAG_IMM | FLAG_ACK | FLAG_ACK_REQ) != 0 {
                 return Err("unknown flags");
             }
             if b.len() < DATA_LEN {
@@ -272,29 +311,55 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
             if base > seq || seq - base >= WINDOW {
                 return Err("sequence number outside the window");
             }
-            let (imm, at) = if flags & FLAG_IMM != 0 {
-                (
-                    Some(u32_at(b, DATA_LEN).ok_or("truncated immediate")?),
-                    DATA_LEN + 4,
-                )
+            let mut at = DATA_LEN;
+            let ack = if flags & FLAG_ACK != 0 {
+                let conn = u32_at(b, at).ok_or("truncated piggybacked ack")?;
+                let n = u16_at(b, at + 4).ok_or("truncated piggybacked ack")? as usize;
+                if u16_at(b, at + 6) != Some(0) {
+                    return Err("reserved bytes not zero");
+                }
+                let cum = u64_at(b, at + 8).ok_or("truncated piggybacked ack")?;
+                if n > MAX_BITMAP {
+                    return Err("ack bitmap too long");
+                }
+                at += PIGGY_LEN;
+                let bitmap = b.get(at..at + n).ok_or("truncated piggybacked ack")?;
+                at += n;
+                Some((
+                    AckHdr {
+                        src_qkey,
+                        conn,
+                        cum,
+                    },
+                    bitmap,
+                ))
             } else {
-                (None, DATA_LEN)
+                None
+            };
+            let imm = if flags & FLAG_IMM != 0 {
+                let i = u32_at(b, at).ok_or("truncated immediate")?;
+                at += 4;
+                Some(i)
+            } else {
+                None
             };
             let payload = b.get(at..).ok_or("truncated")?;
             if payload.len() != len {
                 return Err("payload length does not match the datagram");
             }
-            Packet::Data(
-                DataHdr {
-                    src_qkey,
-                    conn,
-                    try_,
-                    seq,
-                    base,
-                    imm,
-                },
-                payload,
-            )
+            let h = DataHdr {
+                src_qkey,
+                conn,
+                try_,
+                seq,
+                base,
+                imm,
+                ack_req: flags & FLAG_ACK_REQ != 0,
+            };
+            match ack {
+                Some((a, bitmap)) => Packet::DataAck(h, a, bitmap, payload),
+                None => Packet::Data(h, payload),
+            }
         }
         T_ACK => {
             if flags != 0 {
@@ -397,6 +462,7 @@ mod tests {
             seq: 1000,
             base: 990,
             imm: None,
+            ack_req: false,
         };
         encode_data(&mut b, 5, &h, b"ab", b"cd");
         assert_eq!(b.len(), DATA_LEN + 4);
@@ -407,6 +473,26 @@ mod tests {
         };
         encode_data(&mut b, 5, &h2, b"", b"x");
         assert_eq!(decode(&b).unwrap(), (5, Packet::Data(h2, b"x")));
+        let h3 = DataHdr {
+            imm: Some(7),
+            ack_req: true,
+            ..h
+        };
+        let pa = AckHdr {
+            src_qkey: 9,
+            conn: 11,
+            cum: 500,
+        };
+        encode_data_header(&mut b, 5, &h3, Some((&pa, &[0b11, 0x80])), 3);
+        assert_eq!(b.len(), DATA_LEN + PIGGY_LEN + 2 + 4);
+        b.extend_from_slice(b"xyz");
+        assert_eq!(
+            decode(&b).unwrap(),
+            (5, Packet::DataAck(h3, pa, &[0b11, 0x80][..], b"xyz"))
+        );
+        for cut in 0..b.len() {
+            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
+        }
 
         let a = AckHdr {
             src_qkey: 1,
@@ -439,6 +525,7 @@ mod tests {
             seq: 10,
             base: 10,
             imm: None,
+            ack_req: false,
         };
         encode_data(&mut b, 5, &h, b"", b"abc");
         for cut in 0..b.len() {
