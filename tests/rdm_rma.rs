@@ -403,19 +403,7 @@ fn writedata_exactly_once(setup: Setup) {
         let i = c.data.expect("immediate data") as usize;
         assert!(!seen[i], "{setup:?} seed {seed}: imm {i} twice");
         seen[i] = true;
-        // Device writes (one piece below max_rdma_size) and single-packet emulated writes
-        // report the whole length; a longer emulated write reports its last chunk's, since it
-        // travels as a train of EAGER_RTW (LONGCTS_RTW is not implemented; docs/protocol.md).
-        if p.emulated {
-            assert!(
-                c.len > 0 && c.len <= lens[i] && (c.len == lens[i] || lens[i] > 4000),
-                "{setup:?} seed {seed}: length {} of write {i} of {}",
-                c.len,
-                lens[i]
-            );
-        } else {
-            assert_eq!(c.len, lens[i], "{setup:?} seed {seed}: length of write {i}");
-        }
+        assert_eq!(c.len, lens[i], "{setup:?} seed {seed}: length of write {i}");
         assert!(c.source.is_some(), "{setup:?}: FI_SOURCE of write {i}");
     }
     // Nothing more arrives later.

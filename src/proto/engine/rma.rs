@@ -168,14 +168,15 @@ impl Engine {
                     };
                     return Err((e, op));
                 }
-                let one = [remote];
+                // A write with immediate data may end with a two-range packet (see below).
+                let probe_iovs = [remote, remote];
                 let probe = Packet::EagerRtw {
                     opt: ReqOpt {
                         sender,
                         cq_data: data.map(u64::from),
                     },
                     dc_send_id: Some(0),
-                    rma_iov: IovList::new(&one),
+                    rma_iov: IovList::new(&probe_iovs[..1 + usize::from(data.is_some())]),
                 };
                 let hdr_len = self.encode(&probe).map(|h| h.bytes().len()).unwrap_or(mtu);
                 let chunk = mtu.saturating_sub(hdr_len).max(1);
@@ -184,18 +185,32 @@ impl Engine {
                 for i in 0..n {
                     let (a, b) = (i * chunk, ((i + 1) * chunk).min(len));
                     let last = i + 1 == n;
-                    let iov = [RemoteIov {
+                    let chunk_iov = RemoteIov {
                         addr: remote.addr.wrapping_add(a as u64),
                         len: (b - a) as u64,
                         key: remote.key,
-                    }];
+                    };
+                    // The last packet of a longer write with immediate data starts with an empty
+                    // range at the write's first byte, so the target can report the whole
+                    // length with the immediate data.
+                    let start = RemoteIov {
+                        addr: remote.addr,
+                        len: 0,
+                        key: remote.key,
+                    };
+                    let two = [start, chunk_iov];
+                    let iovs = if last && data.is_some() && n > 1 {
+                        &two[..]
+                    } else {
+                        &two[1..]
+                    };
                     let pkt = Packet::EagerRtw {
                         opt: ReqOpt {
                             sender,
                             cq_data: if last { data.map(u64::from) } else { None },
                         },
                         dc_send_id: Some(id),
-                        rma_iov: IovList::new(&iov),
+                        rma_iov: IovList::new(iovs),
                     };
                     let Some(hdr) = self.encode(&pkt) else {
                         let op = RmaOp {
@@ -748,7 +763,7 @@ impl Engine {
                             self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
                                 src,
                                 data: d as u32,
-                                len: data.len(),
+                                len: written_len(iovs, data.len()),
                             }));
                         }
                     }
@@ -868,5 +883,22 @@ impl Engine {
             prov_errno: u32::from(status.code()),
         };
         self.queue_ctrl(pid, &pkt);
+    }
+}
+
+/// The length a write with immediate data reports: its data's, or, when its ranges start with
+/// an empty one at the write's first byte (the last packet of a multi-packet write), everything
+/// from there to the end of its last range.
+fn written_len(iovs: &[RemoteIov], data_len: usize) -> usize {
+    match (iovs.first(), iovs.last()) {
+        (Some(first), Some(last)) if iovs.len() >= 2 && first.len == 0 && first.key == last.key => {
+            last.addr
+                .checked_add(last.len)
+                .and_then(|end| end.checked_sub(first.addr))
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n >= data_len)
+                .unwrap_or(data_len)
+        }
+        _ => data_len,
     }
 }

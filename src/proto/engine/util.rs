@@ -257,8 +257,9 @@ impl<T> SeqMap<T> {
 pub(super) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
 /// Room for the largest header the engine sends: a DC tagged MEDIUM segment with the
-/// raw-address and CQ-data headers (88 bytes); a HANDSHAKE has 80 at most.
-pub(super) const HDR_INLINE: usize = 96;
+/// raw-address and CQ-data headers (88 bytes), a HANDSHAKE (80 at most), the last DC_EAGER_RTW
+/// of an emulated write with immediate data (two ranges, raw address, CQ data: 112).
+pub(super) const HDR_INLINE: usize = 128;
 
 /// A packet's headers, kept inline with the packet until it goes to the device (and again if
 /// an RNR sends it once more): no shared buffer whose references are counted per packet.
