@@ -3,25 +3,30 @@
 # sizes and iterations, two processes each, on the loopback interface, and prints usec/xfer
 # (one-way latency) and MB/sec side by side with the ratios.
 #
-#   scripts/compare-pingpong.sh [-e rdm|dgram] [-r ROUNDS] [-p efa-device] [PROVIDER...]
+#   scripts/compare-pingpong.sh [-e rdm|dgram] [-r ROUNDS] [-p efa-device] [-s SIZES] [-g PLOT.svg] [PROVIDER...]
 #
 # PROVIDER defaults to "udp;ofi_rxd" and "tcp;ofi_rxm" for rdm, "udp" for dgram. Each round runs
-# every configuration once, alternating; the table gives the median of the rounds.
+# every configuration once, alternating; the table gives the median of the rounds. -s takes a
+# comma-separated list of sizes in bytes; -g draws latency and bandwidth against size as an SVG
+# (scripts/plot-svg.awk), one curve per configuration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ep=rdm rounds=3 dev=udp
-while getopts "e:r:p:" o; do
+ep=rdm rounds=3 dev=udp sizelist="" plot=""
+while getopts "e:r:p:s:g:" o; do
     case $o in
     e) ep=$OPTARG ;;
     r) rounds=$OPTARG ;;
     p) dev=$OPTARG ;;
+    s) sizelist=$OPTARG ;;
+    g) plot=$OPTARG ;;
     *) exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
 if [ $# -gt 0 ]; then provs=("$@"); elif [ "$ep" = rdm ]; then provs=("udp;ofi_rxd" "tcp;ofi_rxm"); else provs=(udp); fi
-if [ "$ep" = rdm ]; then sizes=(64 65536 1048576); else sizes=(64 1024); fi
+if [ -n "$sizelist" ]; then IFS=, read -r -a sizes <<<"$sizelist"
+elif [ "$ep" = rdm ]; then sizes=(64 65536 1048576); else sizes=(64 1024); fi
 command -v fi_pingpong >/dev/null || { echo "fi_pingpong not found: apt-get install libfabric-bin" >&2; exit 1; }
 cargo build --release --quiet --example ping-pong
 pp=${CARGO_TARGET_DIR:-target}/release/examples/ping-pong
@@ -71,3 +76,13 @@ for s in "${sizes[@]}"; do
     done
 done
 echo "lat-ratio = efa usec / libfabric usec (below 1: efa faster); bw-ratio = efa MB/s / libfabric MB/s"
+if [ -n "$plot" ]; then
+    for s in "${sizes[@]}"; do
+        echo "efa-$dev-$ep $s $(cut -d' ' -f1 "$tmp/efa-$s" | median) $(cut -d' ' -f2 "$tmp/efa-$s" | median)"
+        for p in "${provs[@]}"; do
+            f="$tmp/$(echo "$p" | tr ';' _)-$s"
+            echo "$(echo "$p" | tr ';' '+') $s $(cut -d' ' -f1 "$f" | median) $(cut -d' ' -f2 "$f" | median)"
+        done
+    done | sort -s -k1,1 | awk -v title="$ep ping-pong, two processes on loopback (medians of $rounds rounds)" -f scripts/plot-svg.awk >"$plot"
+    echo "plot: $plot"
+fi
