@@ -99,14 +99,22 @@ impl RmaMemory for Mem {
 
     fn atomic(
         &self,
-        _key: u64,
-        _addr: u64,
-        _op: AtomicOp,
-        _datatype: AtomicType,
-        _operand: &[u8],
-        _compare: Option<&[u8]>,
+        key: u64,
+        addr: u64,
+        op: AtomicOp,
+        datatype: AtomicType,
+        operand: &[u8],
+        compare: Option<&[u8]>,
     ) -> efa::Result<Bytes> {
-        Err(Error::new(ErrorKind::NotSupported, "atomic"))
+        let mut g = self.regions.lock().unwrap();
+        let r = g.get_mut(&key).ok_or_else(|| refused("key"))?;
+        if !r.write {
+            return Err(refused("no write right"));
+        }
+        let (a, b) = Mem::range(r, addr, operand.len() as u64)?;
+        let old = Bytes::copy_from_slice(&r.data[a..b]);
+        efa::atomic::apply(op, datatype, &mut r.data[a..b], operand, compare)?;
+        Ok(old)
     }
 }
 
@@ -1514,4 +1522,138 @@ fn a_receive_whose_reads_are_on_the_device_does_not_stall() {
     sim.send(0, op).unwrap();
     assert!(sim.run(), "seed {seed}");
     check_msg(&mut sim, &[(1, d)], seed);
+}
+
+// ---- emulated RMA (no device RDMA on either side) ----
+
+#[test]
+fn emulated_writes_reads_and_atomics_under_faults() {
+    let base = test_seed();
+    for k in 0..4u64 {
+        let seed = base.wrapping_add(k);
+        let mut c = SimConfig::faulty(seed);
+        c.engine.max_outstanding_tx = 16;
+        let (mut sim, mems) = two(c, [(false, false); 2]);
+        connect(&mut sim, seed);
+        let a1 = sim.addr(1);
+        let mut rng = Rng::new(seed);
+        const N: u32 = 60;
+        const SLOT: usize = 32 * 1024;
+        // Up to three packets' worth (MTU 8192): eager and multi-packet trains.
+        let datas: Vec<Bytes> = (0..N)
+            .map(|i| pattern(seed ^ u64::from(i), 1 + rng.below(24_000) as usize))
+            .collect();
+        let mut next = 0u32;
+        let mut seen = HashSet::new();
+        let mut done = 0;
+        let mem1 = mems[1].clone();
+        let ok = sim.run_until(|sim| {
+            while next < N {
+                let i = next as usize;
+                let imm = (i % 2 == 0).then_some(next);
+                let op = write_op(
+                    a1,
+                    TBASE + (i * SLOT) as u64,
+                    datas[i].clone(),
+                    imm,
+                    u64::from(next),
+                );
+                match sim.rma(0, op) {
+                    Ok(()) => next += 1,
+                    Err((e, _)) => {
+                        assert_eq!(e.kind(), ErrorKind::Again, "seed {seed}");
+                        break;
+                    }
+                }
+            }
+            let m = mem1.bytes(TKEY);
+            for w in events(sim, 1).writes {
+                let i = w.data as usize;
+                assert!(seen.insert(w.data), "seed {seed}: write {i} reported twice");
+                assert_eq!(w.len, datas[i].len(), "seed {seed}: length of write {i}");
+                let a = i * SLOT;
+                assert!(
+                    m[a..a + datas[i].len()] == datas[i][..],
+                    "seed {seed}: write {i} not all in place at its event"
+                );
+            }
+            for d in events(sim, 0).rmas {
+                assert!(d.error.is_none(), "seed {seed}: {d:?}");
+                assert_eq!(d.path, RmaPath::Emulated, "seed {seed}");
+                done += 1;
+            }
+            done == N && seen.len() == N.div_ceil(2) as usize
+        });
+        assert!(ok, "seed {seed}: {done} done, {} events", seen.len());
+        assert_eq!(sim.stats.rdma_ops, 0, "seed {seed}: nothing on the device");
+        // Every write completed only once its data was in place (emulated writes are
+        // delivery-complete): read them all back.
+        for (i, d) in datas.iter().enumerate() {
+            let got = run_rma(
+                &mut sim,
+                0,
+                read_op(a1, TBASE + (i * SLOT) as u64, d.len(), 1000 + i as u64),
+                seed,
+            )
+            .unwrap();
+            assert!(got.error.is_none(), "seed {seed}: {got:?}");
+            let RmaBuf::Read(b) = got.buf else {
+                panic!("seed {seed}: read buffer")
+            };
+            assert!(b[..] == d[..], "seed {seed}: read {i}");
+        }
+        // 40 fetch-adds in a row on one counter: each sees the sum of those before it.
+        let counter = TBASE + (TLEN - 8) as u64;
+        let mut expect = 0u64;
+        for j in 1..=40u64 {
+            let op = RmaOp {
+                dest: a1,
+                remote: RemoteIov {
+                    addr: counter,
+                    len: 8,
+                    key: TKEY,
+                },
+                kind: RmaKind::Atomic {
+                    op: AtomicOp::Sum,
+                    datatype: AtomicType::U64,
+                    operand: Bytes::copy_from_slice(&j.to_le_bytes()),
+                    compare: None,
+                    fetch: Some(BytesMut::new()),
+                },
+                local_key: None,
+                delivery_complete: false,
+                context: 5000 + j,
+            };
+            let d = run_rma(&mut sim, 0, op, seed).unwrap();
+            let RmaBuf::Atomic { fetch: Some(f), .. } = d.buf else {
+                panic!("seed {seed}: fetch buffer")
+            };
+            assert_eq!(
+                u64::from_le_bytes(f[..8].try_into().unwrap()),
+                expect,
+                "seed {seed}"
+            );
+            expect += j;
+        }
+        let m = mem1.bytes(TKEY);
+        assert_eq!(
+            u64::from_le_bytes(m[TLEN - 8..].try_into().unwrap()),
+            expect
+        );
+        // A wrong key: refused, memory untouched.
+        let before = mem1.bytes(TKEY);
+        let mut bad = write_op(a1, TBASE, pattern(seed, 20_000), Some(1), 9000);
+        bad.remote.key = TKEY + 1;
+        let d = run_rma(&mut sim, 0, bad, seed).unwrap();
+        assert_eq!(
+            d.error.as_ref().map(|e| e.kind()),
+            Some(ErrorKind::RemoteAccess),
+            "seed {seed}"
+        );
+        assert_eq!(d.status, Some(Status::RemoteBadAddress), "seed {seed}");
+        assert!(mem1.bytes(TKEY) == before, "seed {seed}: memory changed");
+        assert!(events(&mut sim, 1).writes.is_empty(), "seed {seed}");
+        assert!(sim.stats.lost > 0, "seed {seed}: faults happened");
+        baseline(&mut sim, seed);
+    }
 }
