@@ -247,8 +247,9 @@ pub(super) struct ReadState {
 
 impl Engine {
     /// Tells the engine whether its queue pair lets RDMA writes with immediate data land without
-    /// a posted receive buffer ([`DeviceCaps::unsolicited_write_recv`]
-    /// (crate::device::DeviceCaps)): advertised in the HANDSHAKE (with RDMA write), and device
+    /// a posted receive buffer
+    /// ([`DeviceCaps::unsolicited_write_recv`](crate::device::DeviceCaps::unsolicited_write_recv)):
+    /// advertised in the HANDSHAKE (with RDMA write), and device
     /// writes with immediate data are used only towards peers with the same setting, as
     /// libfabric. Default false. (An addition to the declared API.)
     pub fn set_unsolicited_write_recv(&mut self, on: bool) {
