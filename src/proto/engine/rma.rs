@@ -604,8 +604,8 @@ impl Engine {
         data: &[u8],
     ) {
         let iovs: Vec<RemoteIov> = rma_iov.iter().collect();
-        let total: u64 = iovs.iter().map(|i| i.len).sum();
-        if total != data.len() as u64 {
+        let total = iovs.iter().try_fold(0u64, |t, i| t.checked_add(i.len));
+        if total != Some(data.len() as u64) {
             return self.drop_pkt("RTW whose ranges and data differ in length");
         }
         self.ema_target(
@@ -633,7 +633,11 @@ impl Engine {
                 send_id: 0,
                 seg_length: iov.len,
             })
-            .is_some_and(|h| h.bytes().len() as u64 + iov.len <= self.cfg.mtu as u64);
+            .is_some_and(|h| {
+                (h.bytes().len() as u64)
+                    .checked_add(iov.len)
+                    .is_some_and(|n| n <= self.cfg.mtu as u64)
+            });
         if !fits {
             return self.drop_pkt("SHORT_RTR larger than one READRSP");
         }
@@ -658,6 +662,11 @@ impl Engine {
             self.drop_pkt("RTA with other than one range");
             return self.skip_msg_id(now, pid, msg_id);
         };
+        // An atomic's operands fit one packet; so does what it fetches.
+        if iov.len > self.cfg.mtu as u64 || data.len() > self.cfg.mtu {
+            self.drop_pkt("RTA larger than a packet");
+            return self.skip_msg_id(now, pid, msg_id);
+        }
         let w = Work::Atomic {
             pid,
             kind,
@@ -800,7 +809,7 @@ impl Engine {
                 };
                 let len = iov.len as usize;
                 let (operand, compare) = match kind {
-                    RtaKind::Compare { .. } if data.len() == 2 * len => {
+                    RtaKind::Compare { .. } if Some(data.len()) == len.checked_mul(2) => {
                         (&data[..len], Some(&data[len..]))
                     }
                     RtaKind::Compare { .. } => {
