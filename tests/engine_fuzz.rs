@@ -231,6 +231,8 @@ fn hostile_packets_never_panic_and_a_normal_peer_still_works() {
     let base = test_seed();
     for round in 0..3u64 {
         let seed = base.wrapping_add(round);
+        // Shown with the failure, also when the engine itself panics.
+        eprintln!("seed {seed}");
         let mut rng = Rng::new(seed);
         let mut cfg = SimConfig::clean(seed);
         cfg.engine.rx_stall_timeout = Duration::from_millis(50);
@@ -315,6 +317,7 @@ fn hostile_packets_never_panic_and_a_normal_peer_still_works() {
 #[test]
 fn malformed_bytes_from_nowhere_are_counted() {
     let seed = test_seed();
+    eprintln!("seed {seed}");
     let mut rng = Rng::new(seed);
     let mut sim = Sim::new(SimConfig::clean(seed), 2);
     let stranger = Source {
