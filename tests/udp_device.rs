@@ -192,10 +192,17 @@ fn attributes() {
     assert_eq!(a.gid, efa::Gid::from_ip(v4()));
     assert_eq!(a.mtu, efa::device::udp::LOOPBACK_MTU);
     assert_eq!(a.max_sge, 2);
-    assert_eq!(a.max_rdma_size, 0);
+    assert_eq!(a.max_rdma_size, efa::device::udp::MAX_RDMA_SIZE);
     assert!(a.caps.rnr_retry);
-    assert!(!a.caps.rdma_read && !a.caps.rdma_write && !a.caps.unsolicited_write_recv);
+    assert!(a.caps.rdma_read && a.caps.rdma_write && !a.caps.unsolicited_write_recv);
     assert_eq!(a.pci_addr, None);
+    // RDMA off: no capability, no size.
+    let off = open(UdpConfig {
+        rdma: false,
+        ..UdpConfig::default()
+    });
+    assert_eq!(off.attr().max_rdma_size, 0);
+    assert!(!off.attr().caps.rdma_read && !off.attr().caps.rdma_write);
     for mtu in [10, 70_000] {
         let e = UdpDevice::open(UdpConfig {
             mtu,

@@ -59,6 +59,7 @@ use crate::fault::FaultConfig;
 use crate::stats::{DeviceCounters, DeviceStats};
 
 mod qp;
+mod rdma;
 mod srd;
 mod wire;
 
@@ -78,6 +79,9 @@ pub const NETWORK_MTU: usize = 8192;
 pub const INLINE_SIZE: usize = 32;
 /// Most SRD packets a sender may have outstanding towards one peer (the receiver's window).
 pub const MAX_INFLIGHT: usize = wire::WINDOW as usize;
+
+/// Largest single RDMA read or write the device reports (1 GiB, as EFA).
+pub const MAX_RDMA_SIZE: u64 = 1 << 30;
 
 /// Longest duration any [`UdpConfig`] field accepts (one day).
 pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
@@ -131,6 +135,13 @@ pub struct UdpConfig {
     /// Per-peer SRD state unused for this long is forgotten. Must exceed
     /// `unresponsive_timeout`. Default 60 s.
     pub peer_idle_timeout: Duration,
+    /// One-sided RDMA read, write and write with immediate data on SRD queue pairs (served by
+    /// the target's device, without its application; `docs/udp-device.md`). Off: the device
+    /// offers no RDMA and the protocol engine emulates RMA. Default on.
+    pub rdma: bool,
+    /// RDMA writes with immediate data complete at the target without consuming a posted
+    /// receive buffer (`UNSOLICITED_WR_ID`). Default off.
+    pub unsolicited_write_recv: bool,
 }
 
 impl Default for UdpConfig {
@@ -149,6 +160,8 @@ impl Default for UdpConfig {
             max_inflight: 256,
             socket_buffer: 4 << 20,
             peer_idle_timeout: Duration::from_secs(60),
+            rdma: true,
+            unsolicited_write_recv: false,
         }
     }
 }
@@ -226,6 +239,8 @@ pub struct UdpDevice {
     cfg: Arc<UdpConfig>,
     attr: DeviceAttr,
     counters: Arc<DeviceCounters>,
+    /// Registered regions (`None` without RDMA).
+    keys: Option<rdma::KeyTable>,
 }
 
 impl UdpDevice {
@@ -243,10 +258,19 @@ impl UdpDevice {
             cfg.max_recv_wr,
         );
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
+        let mut attr = attr;
+        if cfg.rdma {
+            attr.caps.rdma_read = true;
+            attr.caps.rdma_write = true;
+            attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
+            attr.max_rdma_size = MAX_RDMA_SIZE;
+        }
+        let keys = cfg.rdma.then(rdma::KeyTable::default);
         Ok(Arc::new(UdpDevice {
             cfg: Arc::new(cfg),
             attr,
             counters: Arc::new(DeviceCounters::default()),
+            keys,
         }))
     }
 
@@ -266,11 +290,26 @@ impl Device for UdpDevice {
             self.cfg.clone(),
             self.counters.clone(),
             attr,
+            self.keys.clone(),
         )?))
     }
 
     fn stats(&self) -> DeviceStats {
         self.counters.snapshot()
+    }
+
+    fn register_mem(
+        &self,
+        mem: &Arc<crate::mr::RegionMem>,
+        access: crate::mr::Access,
+    ) -> Result<Option<u64>> {
+        Ok(self.keys.as_ref().map(|k| k.lock().register(mem, access)))
+    }
+
+    fn deregister_mem(&self, key: u64) {
+        if let Some(k) = &self.keys {
+            k.lock().deregister(key);
+        }
     }
 }
 

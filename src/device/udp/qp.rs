@@ -15,6 +15,7 @@ use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
+use super::rdma::{self, KeyTable, Rdma};
 use super::srd::Srd;
 use super::wire::{self, Packet};
 use super::{UdpConfig, sockaddr_for};
@@ -244,6 +245,8 @@ pub(super) enum Delivery {
     NoBuffer,
     /// The buffer at the head was too short; it completed with `LocalBadLength`.
     BadLength,
+    /// An RDMA access refused: bad key, range or right (`rdma.rs`).
+    Denied,
 }
 
 /// The parts of a queue pair's state both modes use.
@@ -255,6 +258,8 @@ pub(super) struct Ctx {
     cq: VecDeque<DeviceCompletion>,
     new_comps: bool,
     recvs: VecDeque<(u64, BytesMut)>,
+    /// One-sided RDMA (`rdma.rs`).
+    pub rdma: Rdma,
 }
 
 impl Ctx {
@@ -270,10 +275,23 @@ impl Ctx {
 
     /// Queues a send completion.
     pub fn complete_send(&mut self, wr_id: u64, status: Status, byte_len: usize) {
+        if wr_id & rdma::INTERNAL != 0 {
+            return self.rdma_send_done(wr_id, status);
+        }
         if !status.is_ok() && status != Status::Flushed {
             stats::inc(&self.io.counters.send_errors);
         }
         self.complete(DeviceCompletion::new(wr_id, status, Opcode::Send, byte_len));
+    }
+
+    /// Takes the posted receive buffer at the head (RDMA writes with immediate data).
+    pub(super) fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
+        self.recvs.pop_front()
+    }
+
+    /// Puts back a buffer [`take_recv`](Self::take_recv) took.
+    pub(super) fn untake_recv(&mut self, r: (u64, BytesMut)) {
+        self.recvs.push_front(r);
     }
 
     /// Offers a received datagram to the head of the receive queue.
@@ -417,12 +435,50 @@ impl State {
             Packet::Ack(a, bitmap) => self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now),
             Packet::Nak(n) => self.srd.on_nak(&mut self.ctx, src, &n, now),
         }
+        self.flush_rdma(now);
+    }
+
+    /// Puts the RDMA messages the last step produced on the SRD path.
+    fn flush_rdma(&mut self, now: Instant) {
+        while !self.ctx.rdma.outbox.is_empty() {
+            let batch = std::mem::take(&mut self.ctx.rdma.outbox);
+            for (to, wr) in batch {
+                self.srd.post_flagged(&mut self.ctx, to, wr, now, true);
+            }
+        }
+    }
+
+    /// Starts an RDMA write or read (`post_write` / `post_read`).
+    fn post_rdma(
+        &mut self,
+        now: Instant,
+        start: impl FnOnce(&mut Ctx, SocketAddr, usize) -> Result<()>,
+        dest: &RawAddr,
+        op: &'static str,
+    ) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, op));
+        }
+        if self.qp_type != QpType::Srd || self.ctx.rdma.keys.is_none() {
+            return Err(Error::new(ErrorKind::NotSupported, op)
+                .with_detail("RDMA needs an SRD queue pair on a device with RDMA"));
+        }
+        if self.send_outstanding >= self.send_depth {
+            return Err(Error::new(ErrorKind::Again, op).with_detail("send queue full"));
+        }
+        let to = sockaddr_for(&dest.gid, dest.qpn, self.ctx.io.v6);
+        let chunk = self.ctx.cfg.mtu.saturating_sub(rdma::HDR).max(1);
+        start(&mut self.ctx, to, chunk)?;
+        self.send_outstanding += 1;
+        self.flush_rdma(now);
+        Ok(())
     }
 
     fn run_timers(&mut self, now: Instant) {
         self.ctx.io.run_timers(now);
         if self.qp_type == QpType::Srd {
             self.srd.run_timers(&mut self.ctx, now);
+            self.flush_rdma(now);
         }
     }
 
@@ -438,6 +494,7 @@ impl State {
             self.ctx.complete(c);
         }
         self.srd.flush(&mut self.ctx);
+        self.ctx.rdma_flush();
         if let Some(f) = self.ctx.io.faults.as_mut() {
             f.held.clear();
             f.delayed.clear();
@@ -708,6 +765,7 @@ impl UdpQp {
         cfg: Arc<UdpConfig>,
         counters: Arc<DeviceCounters>,
         attr: QpAttr,
+        keys: Option<KeyTable>,
     ) -> Result<UdpQp> {
         let std_sock = open_socket(&cfg).map_err(|e| Error::io("create_qp", e))?;
         let local = std_sock
@@ -746,6 +804,7 @@ impl UdpQp {
                 cq: VecDeque::new(),
                 new_comps: false,
                 recvs: VecDeque::new(),
+                rdma: Rdma::new(keys, cfg.unsolicited_write_recv),
             },
             qp_type: attr.qp_type,
             closed: false,
@@ -799,6 +858,45 @@ impl QueuePair for UdpQp {
         self.addr
     }
 
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: bytes::Bytes,
+        remote: crate::device::RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        let now = Instant::now();
+        st.post_rdma(
+            now,
+            |cx, to, chunk| cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk),
+            &dest,
+            "post_write",
+        )?;
+        self.shared.after_post(st);
+        Ok(())
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: BytesMut,
+        remote: crate::device::RemoteIov,
+    ) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        let now = Instant::now();
+        st.post_rdma(
+            now,
+            |cx, to, _| cx.rdma_read(wr_id, to, dest, local, remote),
+            &dest,
+            "post_read",
+        )?;
+        self.shared.after_post(st);
+        Ok(())
+    }
+
     fn qp_type(&self) -> QpType {
         self.qp_type
     }
@@ -838,10 +936,15 @@ impl QueuePair for UdpQp {
             let Some(c) = st.ctx.cq.pop_front() else {
                 break;
             };
-            if c.opcode == Opcode::Send {
-                st.send_outstanding = st.send_outstanding.saturating_sub(1);
-            } else {
-                st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
+            match c.opcode {
+                Opcode::Send | Opcode::RdmaWrite | Opcode::RdmaRead => {
+                    st.send_outstanding = st.send_outstanding.saturating_sub(1);
+                }
+                // An unsolicited write-recv consumed no receive buffer.
+                Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
+                Opcode::Recv | Opcode::RecvRdmaWithImm => {
+                    st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
+                }
             }
             out.push(c);
             n += 1;

@@ -35,6 +35,8 @@ struct SendOp {
     hdr: Bytes,
     payload: Bytes,
     imm: Option<u32>,
+    /// An RDMA message of the device (`FLAG_RDMA`).
+    rdma: bool,
 }
 
 impl SendOp {
@@ -123,6 +125,8 @@ enum Slot {
     Delivered,
     /// Delivered into a too-short buffer; duplicates get a bad-length NAK again.
     BadLen,
+    /// An RDMA access refused (bad key, range or right); duplicates get the NAK again.
+    Denied,
 }
 
 /// Receive side state for one sending queue pair (address + its QKEY).
@@ -248,6 +252,18 @@ impl Srd {
 
     /// Queues a send to `dest` and transmits what the window allows.
     pub fn post(&mut self, cx: &mut Ctx, dest: SocketAddr, wr: SendWr, now: Instant) {
+        self.post_flagged(cx, dest, wr, now, false)
+    }
+
+    /// [`post`](Self::post), for an RDMA message when `rdma` (`rdma.rs`).
+    pub fn post_flagged(
+        &mut self,
+        cx: &mut Ctx,
+        dest: SocketAddr,
+        wr: SendWr,
+        now: Instant,
+        rdma: bool,
+    ) {
         let key = (dest, wr.dest.qkey);
         let conn = match self.tx_by_addr.get(&key) {
             Some(c) => *c,
@@ -287,6 +303,7 @@ impl Srd {
                 hdr: wr.hdr,
                 payload: wr.payload,
                 imm: wr.imm,
+                rdma,
             });
         }
         self.pump(cx, conn, now);
@@ -427,11 +444,23 @@ impl Srd {
                 stats::inc(&cx.counters().duplicates_dropped);
                 nak(cx, NakReason::BadLength);
             }
+            Slot::Denied => {
+                stats::inc(&cx.counters().duplicates_dropped);
+                nak(cx, NakReason::BadAddress);
+            }
             Slot::Refused(t) if h.try_ <= t => {
                 stats::inc(&cx.counters().duplicates_dropped);
                 nak(cx, NakReason::Rnr);
             }
-            Slot::Empty | Slot::Refused(_) => match cx.deliver(src, h.imm, payload) {
+            Slot::Empty | Slot::Refused(_) => match if h.rdma {
+                cx.deliver_rdma(src, h.src_qkey, h.imm, payload)
+            } else {
+                cx.deliver(src, h.imm, payload)
+            } {
+                Delivery::Denied => {
+                    *slot = Slot::Denied;
+                    nak(cx, NakReason::BadAddress);
+                }
                 Delivery::NoBuffer => {
                     *slot = Slot::Refused(h.try_);
                     stats::inc(&cx.counters().rnr_events);
@@ -549,6 +578,11 @@ impl Srd {
             NakReason::BadLength => {
                 if let Some(inf) = p.inflight.remove(&n.seq) {
                     cx.complete_send(inf.op.wr_id, Status::RemoteBadLength, 0);
+                }
+            }
+            NakReason::BadAddress => {
+                if let Some(inf) = p.inflight.remove(&n.seq) {
+                    cx.complete_send(inf.op.wr_id, Status::RemoteBadAddress, 0);
                 }
             }
             NakReason::Rnr => {
@@ -771,6 +805,7 @@ fn transmit(
         base,
         imm: inf.op.imm,
         ack_req,
+        rdma: inf.op.rdma,
     };
     let ack = match rx.get_mut(&(p.addr, p.qkey)) {
         Some(r) if r.ack_pending => Some(r.take_ack(cx.qkey, bitmap)),

@@ -27,6 +27,9 @@ pub(crate) const FLAG_IMM: u8 = 0x01;
 pub(crate) const FLAG_ACK: u8 = 0x02;
 /// Flag (SRD data): the sender is window-limited or retransmitting; acknowledge without delay.
 pub(crate) const FLAG_ACK_REQ: u8 = 0x04;
+/// Data flag: the payload is a one-sided RDMA message for the device (`rdma.rs`), not for a
+/// receive buffer.
+pub(crate) const FLAG_RDMA: u8 = 0x08;
 
 /// Type byte of an unreliable datagram.
 pub(crate) const T_UD: u8 = 1;
@@ -64,6 +67,8 @@ pub(crate) enum NakReason {
     Rnr = 1,
     /// The posted receive buffer was shorter than the datagram.
     BadLength = 2,
+    /// An RDMA access was refused: bad key, range or right.
+    BadAddress = 3,
 }
 
 /// Why a datagram was rejected.
@@ -86,6 +91,8 @@ pub(crate) struct DataHdr {
     pub imm: Option<u32>,
     /// The sender asks for an acknowledgement without delay (`FLAG_ACK_REQ`).
     pub ack_req: bool,
+    /// The payload is an RDMA message (`FLAG_RDMA`).
+    pub rdma: bool,
 }
 
 /// Body of an SRD acknowledgement.
@@ -199,6 +206,9 @@ pub(crate) fn encode_data_header(
     if h.ack_req {
         flags |= FLAG_ACK_REQ;
     }
+    if h.rdma {
+        flags |= FLAG_RDMA;
+    }
     common(out, T_DATA, flags, dst_qkey);
     out.extend_from_slice(&h.src_qkey.to_le_bytes());
     out.extend_from_slice(&h.conn.to_le_bytes());
@@ -296,7 +306,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
             }
         }
         T_DATA => {
-            if flags & !(FLAG_IMM | FLAG_ACK | FLAG_ACK_REQ) != 0 {
+            if flags & !(FLAG_IMM | FLAG_ACK | FLAG_ACK_REQ | FLAG_RDMA) != 0 {
                 return Err("unknown flags");
             }
             if b.len() < DATA_LEN {
@@ -355,6 +365,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
                 base,
                 imm,
                 ack_req: flags & FLAG_ACK_REQ != 0,
+                rdma: flags & FLAG_RDMA != 0,
             };
             match ack {
                 Some((a, bitmap)) => Packet::DataAck(h, a, bitmap, payload),
@@ -402,6 +413,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
             let reason = match b.get(32).copied() {
                 Some(1) => NakReason::Rnr,
                 Some(2) => NakReason::BadLength,
+                Some(3) => NakReason::BadAddress,
                 _ => return Err("unknown NAK reason"),
             };
             if b.get(33..36) != Some(&[0u8, 0, 0][..]) {
@@ -463,6 +475,7 @@ mod tests {
             base: 990,
             imm: None,
             ack_req: false,
+            rdma: false,
         };
         encode_data(&mut b, 5, &h, b"ab", b"cd");
         assert_eq!(b.len(), DATA_LEN + 4);
@@ -526,6 +539,7 @@ mod tests {
             base: 10,
             imm: None,
             ack_req: false,
+            rdma: false,
         };
         encode_data(&mut b, 5, &h, b"", b"abc");
         for cut in 0..b.len() {

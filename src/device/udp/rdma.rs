@@ -1,0 +1,534 @@
+//! One-sided RDMA on the udp device: read, write and write with immediate data, served by the
+//! target's device (its NIC thread, or whichever thread polls) without the target application.
+//!
+//! RDMA messages ride on the SRD path (sequence numbers, acks, retransmission) as data packets
+//! with `FLAG_RDMA`; their payload starts with a 48-byte header:
+//!
+//! | bytes | WRITE (1) | READ_REQ (2) | READ_RESP (3) |
+//! |---|---|---|---|
+//! | 0 | op | op | op |
+//! | 1 | flags (1: last chunk, carries the immediate data) | 0 | 0 |
+//! | 8..16 | tag | tag | tag |
+//! | 16..24 | key | key | 0 |
+//! | 24..32 | first byte of the whole write | address | 0 |
+//! | 32..40 | total length | length | total length |
+//! | 40..48 | this chunk's offset | 0 | this chunk's offset |
+//!
+//! * A WRITE chunk is checked against the key, the right and the **whole** write's range before
+//!   a byte is placed: a refused write places nothing, and its chunks are answered with a NAK
+//!   (`BadAddress`) that completes the initiator's work request with `RemoteBadAddress`. The
+//!   SRD acknowledgement of a chunk means it is in the target's memory, so the initiator's write
+//!   completes when every chunk is acknowledged. With immediate data the last chunk goes only
+//!   after the others are acknowledged; it consumes a posted receive buffer (or none, with
+//!   unsolicited write-recv) and produces the target's one `RecvRdmaWithImm` completion.
+//! * A READ_REQ is checked the same way; the target answers with READ_RESP chunks.
+//! * A region the application holds locked (`Again`) is treated like a missing receive buffer:
+//!   receiver-not-ready, retried by the sender's SRD layer.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+
+use super::qp::{Ctx, Delivery};
+use crate::addr::{Gid, RawAddr};
+use crate::device::{
+    DeviceCompletion, Opcode, RemoteIov, SendWr, Source, Status, UNSOLICITED_WR_ID,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::mr::{Access, RegionMem, TryAccess};
+use crate::stats;
+
+/// Bytes of the RDMA header.
+pub(super) const HDR: usize = 48;
+const OP_WRITE: u8 = 1;
+const OP_READ_REQ: u8 = 2;
+const OP_READ_RESP: u8 = 3;
+const F_LAST_IMM: u8 = 1;
+/// `wr_id`s of the device's own sends: never reported to the application.
+pub(super) const INTERNAL: u64 = 1 << 63;
+/// ... and among them, the target's READ_RESP chunks (nobody waits for them).
+const REPLY: u64 = 1 << 62;
+const TAG_MASK: u64 = (1 << 48) - 1;
+
+/// The registered regions of one device, by key (shared by its queue pairs).
+#[derive(Debug, Default)]
+pub(crate) struct Keys {
+    next: u64,
+    live: HashMap<u64, (Arc<RegionMem>, Access)>,
+}
+
+/// A device's key table.
+pub(crate) type KeyTable = Arc<Mutex<Keys>>;
+
+impl Keys {
+    /// Registers `mem`; keys are never reused.
+    pub(crate) fn register(&mut self, mem: &Arc<RegionMem>, access: Access) -> u64 {
+        self.next += 1;
+        let key = 0x0d00_0000_0000 | self.next;
+        self.live.insert(key, (mem.clone(), access));
+        key
+    }
+
+    /// Revokes `key`.
+    pub(crate) fn deregister(&mut self, key: u64) {
+        self.live.remove(&key);
+    }
+
+    /// The region `key` names if it grants `need` and `addr..addr+len` lies inside it.
+    fn check(&self, key: u64, need: Access, addr: u64, len: u64) -> Option<Arc<RegionMem>> {
+        let (mem, access) = self.live.get(&key)?;
+        if !access.contains(need) || mem.is_closed() {
+            return None;
+        }
+        let end = addr.checked_add(len)?;
+        let rend = mem.addr().checked_add(mem.len() as u64)?;
+        (addr >= mem.addr() && end <= rend).then(|| mem.clone())
+    }
+}
+
+/// An RDMA operation this queue pair started.
+#[derive(Debug)]
+enum Op {
+    Write {
+        wr_id: u64,
+        total: usize,
+        /// Chunks not yet acknowledged.
+        remaining: usize,
+        /// The chunk with the immediate data, held back until the others are in place.
+        last: Option<(SocketAddr, SendWr)>,
+        failed: Option<Status>,
+    },
+    Read {
+        wr_id: u64,
+        buf: BytesMut,
+        total: usize,
+        got: usize,
+    },
+}
+
+/// The RDMA state of one queue pair.
+#[derive(Debug, Default)]
+pub(super) struct Rdma {
+    /// The device's regions (`None`: the device's RDMA is off).
+    pub keys: Option<KeyTable>,
+    /// Writes with immediate data consume no receive buffer.
+    pub unsolicited: bool,
+    next_tag: u64,
+    ops: HashMap<u64, Op>,
+    /// RDMA messages to put on the SRD path (the queue pair posts them after each step).
+    pub outbox: Vec<(SocketAddr, SendWr)>,
+}
+
+fn header(op: u8, flags: u8, tag: u64, key: u64, a: u64, b: u64, c: u64) -> Bytes {
+    let mut h = Vec::with_capacity(HDR);
+    h.push(op);
+    h.push(flags);
+    h.extend_from_slice(&[0; 6]);
+    for v in [tag, key, a, b, c] {
+        h.extend_from_slice(&v.to_le_bytes());
+    }
+    Bytes::from(h)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    if let Some(s) = b.get(at..at + 8) {
+        a.copy_from_slice(s);
+    }
+    u64::from_le_bytes(a)
+}
+
+impl Rdma {
+    /// The state of a queue pair of a device with `keys` (`None`: no RDMA).
+    pub(super) fn new(keys: Option<KeyTable>, unsolicited: bool) -> Rdma {
+        Rdma {
+            keys,
+            unsolicited,
+            ..Rdma::default()
+        }
+    }
+
+    fn tag(&mut self) -> u64 {
+        self.next_tag = (self.next_tag + 1) & TAG_MASK;
+        self.next_tag
+    }
+}
+
+impl Ctx {
+    /// Starts an RDMA write of `local` to `remote` at `dest` (socket `to`), in chunks of at most
+    /// `chunk` bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rdma_write(
+        &mut self,
+        wr_id: u64,
+        to: SocketAddr,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+        chunk: usize,
+    ) -> Result<()> {
+        if remote.len != local.len() as u64 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "post_write")
+                .with_detail("remote length differs from the local buffer's"));
+        }
+        let tag = self.rdma.tag();
+        let total = local.len();
+        let n = total.div_ceil(chunk).max(1);
+        let mut wrs = Vec::with_capacity(n);
+        for i in 0..n {
+            let (a, b) = (i * chunk, ((i + 1) * chunk).min(total));
+            let last = i + 1 == n;
+            let flags = if last && imm.is_some() { F_LAST_IMM } else { 0 };
+            let wr = SendWr {
+                wr_id: INTERNAL | tag,
+                dest,
+                hdr: header(
+                    OP_WRITE,
+                    flags,
+                    tag,
+                    remote.key,
+                    remote.addr,
+                    total as u64,
+                    a as u64,
+                ),
+                payload: local.slice(a..b),
+                imm: if flags != 0 { imm } else { None },
+            };
+            wrs.push((to, wr));
+        }
+        let last = if imm.is_some() && n > 1 {
+            wrs.pop()
+        } else {
+            None
+        };
+        self.rdma.ops.insert(
+            tag,
+            Op::Write {
+                wr_id,
+                total,
+                remaining: wrs.len(),
+                last,
+                failed: None,
+            },
+        );
+        self.rdma.outbox.extend(wrs);
+        Ok(())
+    }
+
+    /// Starts an RDMA read of `remote` at `dest` into `local`.
+    pub(super) fn rdma_read(
+        &mut self,
+        wr_id: u64,
+        to: SocketAddr,
+        dest: RawAddr,
+        mut local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        let total = usize::try_from(remote.len)
+            .ok()
+            .filter(|&n| n <= isize::MAX as usize / 2)
+            .ok_or_else(|| Error::new(ErrorKind::MsgSize, "post_read"))?;
+        let tag = self.rdma.tag();
+        local.clear();
+        local.resize(total, 0);
+        self.rdma.ops.insert(
+            tag,
+            Op::Read {
+                wr_id,
+                buf: local,
+                total,
+                got: 0,
+            },
+        );
+        let wr = SendWr {
+            wr_id: INTERNAL | tag,
+            dest,
+            hdr: header(OP_READ_REQ, 0, tag, remote.key, remote.addr, remote.len, 0),
+            payload: Bytes::new(),
+            imm: None,
+        };
+        self.rdma.outbox.push((to, wr));
+        Ok(())
+    }
+
+    /// The SRD layer finished one of the device's own sends.
+    pub(super) fn rdma_send_done(&mut self, wr_id: u64, status: Status) {
+        if wr_id & REPLY != 0 {
+            if !status.is_ok() {
+                tracing::debug!(%status, "udp: an RDMA read response was not delivered");
+            }
+            return;
+        }
+        let tag = wr_id & TAG_MASK;
+        let Some(op) = self.rdma.ops.get_mut(&tag) else {
+            return;
+        };
+        match op {
+            Op::Write {
+                remaining,
+                last,
+                failed,
+                ..
+            } => {
+                if !status.is_ok() {
+                    failed.get_or_insert(status);
+                    *last = None;
+                }
+                *remaining = remaining.saturating_sub(1);
+                if *remaining > 0 {
+                    return;
+                }
+                if let Some(l) = last.take() {
+                    *remaining = 1;
+                    self.rdma.outbox.push(l);
+                    return;
+                }
+            }
+            Op::Read { total, got, .. } => {
+                // The request was delivered: wait for the data (a zero-length read is done).
+                if status.is_ok() && *got < *total {
+                    return;
+                }
+                if status.is_ok() {
+                    // Zero bytes: complete below with success.
+                } else {
+                    let Some(Op::Read { wr_id, mut buf, .. }) = self.rdma.ops.remove(&tag) else {
+                        return;
+                    };
+                    buf.clear();
+                    let mut c = DeviceCompletion::new(wr_id, status, Opcode::RdmaRead, 0);
+                    c.buf = Some(buf);
+                    self.complete(c);
+                    return;
+                }
+            }
+        }
+        self.rdma_finish(tag);
+    }
+
+    fn rdma_finish(&mut self, tag: u64) {
+        match self.rdma.ops.remove(&tag) {
+            Some(Op::Write {
+                wr_id,
+                total,
+                failed,
+                ..
+            }) => {
+                let status = failed.unwrap_or(Status::Success);
+                let n = if status.is_ok() { total } else { 0 };
+                if status.is_ok() {
+                    stats::add(&self.io.counters.tx_bytes, total as u64);
+                }
+                self.complete(DeviceCompletion::new(wr_id, status, Opcode::RdmaWrite, n));
+            }
+            Some(Op::Read {
+                wr_id, buf, got, ..
+            }) => {
+                let mut c = DeviceCompletion::new(wr_id, Status::Success, Opcode::RdmaRead, got);
+                c.buf = Some(buf);
+                self.complete(c);
+            }
+            None => {}
+        }
+    }
+
+    /// Completes every RDMA operation with `Flushed` (the queue pair closes).
+    pub(super) fn rdma_flush(&mut self) {
+        let tags: Vec<u64> = self.rdma.ops.keys().copied().collect();
+        for tag in tags {
+            match self.rdma.ops.remove(&tag) {
+                Some(Op::Write { wr_id, .. }) => {
+                    self.complete(DeviceCompletion::new(
+                        wr_id,
+                        Status::Flushed,
+                        Opcode::RdmaWrite,
+                        0,
+                    ));
+                }
+                Some(Op::Read { wr_id, mut buf, .. }) => {
+                    buf.clear();
+                    let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::RdmaRead, 0);
+                    c.buf = Some(buf);
+                    self.complete(c);
+                }
+                None => {}
+            }
+        }
+        self.rdma.outbox.clear();
+    }
+
+    /// An RDMA message arrived (exactly once, from the SRD layer).
+    pub(super) fn deliver_rdma(
+        &mut self,
+        src: SocketAddr,
+        src_qkey: u32,
+        imm: Option<u32>,
+        data: &[u8],
+    ) -> Delivery {
+        if data.len() < HDR {
+            stats::inc(&self.io.counters.malformed_dropped);
+            return Delivery::Denied;
+        }
+        let (op, flags) = (data[0], data[1]);
+        let tag = u64_at(data, 8);
+        let key = u64_at(data, 16);
+        let (a, b, c) = (u64_at(data, 24), u64_at(data, 32), u64_at(data, 40));
+        let body = &data[HDR..];
+        match op {
+            OP_WRITE => self.serve_write(src, flags, key, a, b, c, imm, body),
+            OP_READ_REQ => self.serve_read(src, src_qkey, tag, key, a, b),
+            OP_READ_RESP => {
+                self.read_resp(tag, b, c, body);
+                Delivery::Ok
+            }
+            _ => {
+                stats::inc(&self.io.counters.malformed_dropped);
+                Delivery::Denied
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn serve_write(
+        &mut self,
+        src: SocketAddr,
+        flags: u8,
+        key: u64,
+        start: u64,
+        total: u64,
+        offset: u64,
+        imm: Option<u32>,
+        body: &[u8],
+    ) -> Delivery {
+        let Some(keys) = self.rdma.keys.clone() else {
+            return Delivery::Denied;
+        };
+        let in_range = offset
+            .checked_add(body.len() as u64)
+            .is_some_and(|e| e <= total);
+        let mem = keys.lock().check(key, Access::REMOTE_WRITE, start, total);
+        let (Some(mem), true) = (mem, in_range) else {
+            tracing::debug!(%src, key, "udp: RDMA write refused (key, range or right)");
+            return Delivery::Denied;
+        };
+        let with_imm = flags & F_LAST_IMM != 0;
+        let recv = if with_imm && !self.rdma.unsolicited {
+            match self.take_recv() {
+                Some(r) => Some(r),
+                None => return Delivery::NoBuffer,
+            }
+        } else {
+            None
+        };
+        let at = start.wrapping_add(offset);
+        match mem.try_write_with(at, body, None, || Some(())) {
+            TryAccess::Done(_) => {}
+            TryAccess::Busy => {
+                if let Some(r) = recv {
+                    self.untake_recv(r);
+                }
+                return Delivery::NoBuffer;
+            }
+            TryAccess::OutOfRange => {
+                if let Some(r) = recv {
+                    self.untake_recv(r);
+                }
+                return Delivery::Denied;
+            }
+        }
+        stats::inc(&self.io.counters.rx_pkts);
+        stats::add(&self.io.counters.rx_bytes, body.len() as u64);
+        if with_imm {
+            let (wr_id, buf) = match recv {
+                Some((w, mut b)) => {
+                    b.clear();
+                    (w, Some(b))
+                }
+                None => (UNSOLICITED_WR_ID, None),
+            };
+            self.complete(DeviceCompletion {
+                wr_id,
+                status: Status::Success,
+                opcode: Opcode::RecvRdmaWithImm,
+                byte_len: usize::try_from(total).unwrap_or(usize::MAX),
+                src: Some(Source {
+                    gid: Gid::from_ip(src.ip()),
+                    qpn: src.port(),
+                }),
+                imm,
+                buf,
+            });
+        }
+        Delivery::Ok
+    }
+
+    fn serve_read(
+        &mut self,
+        src: SocketAddr,
+        src_qkey: u32,
+        tag: u64,
+        key: u64,
+        addr: u64,
+        len: u64,
+    ) -> Delivery {
+        let Some(keys) = self.rdma.keys.clone() else {
+            return Delivery::Denied;
+        };
+        let Some(mem) = keys.lock().check(key, Access::REMOTE_READ, addr, len) else {
+            tracing::debug!(%src, key, "udp: RDMA read refused (key, range or right)");
+            return Delivery::Denied;
+        };
+        let mut out = BytesMut::new();
+        match mem.try_read_into(addr, len, &mut out, None) {
+            TryAccess::Done(()) => {}
+            TryAccess::Busy => return Delivery::NoBuffer,
+            TryAccess::OutOfRange => return Delivery::Denied,
+        }
+        let data = out.freeze();
+        let chunk = self.cfg.mtu.saturating_sub(HDR).max(1);
+        let total = data.len();
+        let dest = RawAddr::new(Gid::from_ip(src.ip()), src.port(), src_qkey);
+        let n = total.div_ceil(chunk).max(1);
+        for i in 0..n {
+            let (a, b) = (i * chunk, ((i + 1) * chunk).min(total));
+            let wr = SendWr {
+                wr_id: INTERNAL | REPLY | tag,
+                dest,
+                hdr: header(OP_READ_RESP, 0, tag, 0, 0, total as u64, a as u64),
+                payload: data.slice(a..b),
+                imm: None,
+            };
+            self.rdma.outbox.push((src, wr));
+        }
+        Delivery::Ok
+    }
+
+    fn read_resp(&mut self, tag: u64, total: u64, offset: u64, body: &[u8]) {
+        let Some(Op::Read {
+            buf,
+            total: want,
+            got,
+            ..
+        }) = self.rdma.ops.get_mut(&tag)
+        else {
+            stats::inc(&self.io.counters.stale_dropped);
+            return;
+        };
+        let off = usize::try_from(offset).unwrap_or(usize::MAX);
+        let fits =
+            total == *want as u64 && off.checked_add(body.len()).is_some_and(|e| e <= buf.len());
+        if !fits {
+            stats::inc(&self.io.counters.malformed_dropped);
+            return;
+        }
+        buf[off..off + body.len()].copy_from_slice(body);
+        *got += body.len();
+        if *got >= *want {
+            self.rdma_finish(tag);
+        }
+    }
+}

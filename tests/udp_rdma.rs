@@ -1,0 +1,353 @@
+//! One-sided RDMA on the udp device, at the device seam: writes and reads of every size
+//! complete while the target never polls, bad keys, ranges, rights and revoked keys are refused
+//! with `RemoteBadAddress` and change nothing, N writes with immediate data give exactly N target
+//! completions under loss, duplication and reordering, and the device option turns it all off.
+//! Randomised tests print their seed (`EFA_TEST_SEED=<seed>` replays one).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::device::{
+    Device, DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, Status,
+    UNSOLICITED_WR_ID,
+};
+use efa::fault::test_seed;
+use efa::{Access, Config, Domain, ErrorKind, FaultConfig, MemoryRegion, RemoteKey};
+
+type Qp = Box<dyn QueuePair>;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+struct Node {
+    dev: Arc<UdpDevice>,
+    domain: Domain,
+}
+
+fn node(cfg: UdpConfig) -> Node {
+    let dev = UdpDevice::open(cfg).expect("udp device");
+    let domain = Domain::with_device(dev.clone(), Config::default());
+    Node { dev, domain }
+}
+
+fn qp(n: &Node) -> Qp {
+    n.dev
+        .create_qp(QpAttr::new(QpType::Srd))
+        .expect("create_qp")
+}
+
+fn iov(rk: &RemoteKey, offset: u64, len: u64) -> RemoteIov {
+    RemoteIov {
+        addr: rk.addr.wrapping_add(offset),
+        len,
+        key: rk.key,
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Bytes {
+    let mut r = efa::fault::Rng::new(seed);
+    Bytes::from((0..len).map(|_| r.next_u64() as u8).collect::<Vec<u8>>())
+}
+
+/// Polls `q` (only `q`) until it yields `n` completions.
+fn poll_n(q: &mut Qp, n: usize, what: &str) -> Vec<DeviceCompletion> {
+    let deadline = Instant::now() + DEADLINE;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let want = n - out.len();
+        q.poll(&mut out, want);
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {} of {n} completions",
+            out.len()
+        );
+    }
+    out
+}
+
+#[test]
+fn writes_and_reads_of_every_size_complete_without_the_target_polling() {
+    let a = node(UdpConfig::default());
+    let b = node(UdpConfig::default());
+    let mut qa = qp(&a);
+    // The target's queue pair exists but is never polled: its NIC thread serves the RDMA.
+    let qb = qp(&b);
+    let mtu = a.dev.attr().mtu;
+    let sizes = [
+        1,
+        100,
+        mtu - 49,
+        mtu - 48,
+        mtu - 47,
+        mtu + 1,
+        1 << 20,
+        4 << 20,
+    ];
+    let total: usize = sizes.iter().sum();
+    let mr = b
+        .domain
+        .register(vec![0u8; total], Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    let rk = mr.remote_key().unwrap();
+    let mut off = 0u64;
+    for (i, &len) in sizes.iter().enumerate() {
+        let data = pattern(i as u64, len);
+        qa.post_write(
+            i as u64,
+            qb.addr(),
+            data.clone(),
+            iov(&rk, off, len as u64),
+            None,
+        )
+        .unwrap();
+        let c = poll_n(&mut qa, 1, "write");
+        assert_eq!(
+            (c[0].wr_id, c[0].status, c[0].opcode),
+            (i as u64, Status::Success, Opcode::RdmaWrite)
+        );
+        assert_eq!(c[0].byte_len, len);
+        assert!(
+            mr.read()[off as usize..off as usize + len] == data[..],
+            "write of {len}"
+        );
+        qa.post_read(
+            100 + i as u64,
+            qb.addr(),
+            BytesMut::new(),
+            iov(&rk, off, len as u64),
+        )
+        .unwrap();
+        let c = poll_n(&mut qa, 1, "read");
+        assert_eq!(
+            (c[0].status, c[0].opcode),
+            (Status::Success, Opcode::RdmaRead)
+        );
+        assert!(c[0].buf.as_ref().unwrap()[..] == data[..], "read of {len}");
+        off += len as u64;
+    }
+    drop(qb);
+}
+
+#[test]
+fn bad_accesses_are_refused_and_change_nothing() {
+    let a = node(UdpConfig::default());
+    let b = node(UdpConfig::default());
+    let mut qa = qp(&a);
+    let qb = qp(&b);
+    let ro = b
+        .domain
+        .register(vec![7u8; 4096], Access::REMOTE_READ)
+        .unwrap();
+    let wo = b
+        .domain
+        .register(vec![7u8; 4096], Access::REMOTE_WRITE)
+        .unwrap();
+    let (rk_ro, rk_wo) = (ro.remote_key().unwrap(), wo.remote_key().unwrap());
+    let big = Bytes::from(vec![1u8; 200_000]);
+    let cases: Vec<(Bytes, RemoteIov)> = vec![
+        (Bytes::from_static(b"x"), iov(&rk_ro, 0, 1)), // no write right
+        (Bytes::from_static(b"xy"), iov(&rk_wo, 4095, 2)), // past the end
+        (
+            Bytes::from_static(b"x"),
+            RemoteIov {
+                key: rk_wo.key ^ 0xff,
+                ..iov(&rk_wo, 0, 1)
+            },
+        ),
+        (big.clone(), iov(&rk_wo, 0, big.len() as u64)), // multi-packet, too long
+    ];
+    for (i, (d, r)) in cases.iter().enumerate() {
+        qa.post_write(i as u64, qb.addr(), d.clone(), *r, None)
+            .unwrap();
+    }
+    qa.post_read(50, qb.addr(), BytesMut::new(), iov(&rk_wo, 0, 16))
+        .unwrap(); // no read right
+    qa.post_read(51, qb.addr(), BytesMut::new(), iov(&rk_ro, 100, 4000))
+        .unwrap(); // past end
+    let got = poll_n(&mut qa, cases.len() + 2, "refusals");
+    let ids: HashSet<u64> = got.iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids.len(), cases.len() + 2, "each refused once");
+    for c in &got {
+        assert_eq!(c.status, Status::RemoteBadAddress, "{c:?}");
+    }
+    assert!(ro.read().iter().all(|&x| x == 7));
+    assert!(wo.read().iter().all(|&x| x == 7));
+    // A revoked key, and keys never come back.
+    let gone = b
+        .domain
+        .register(vec![0u8; 64], Access::REMOTE_WRITE)
+        .unwrap();
+    let rk_gone = gone.remote_key().unwrap();
+    let _ = gone.close();
+    let fresh = b
+        .domain
+        .register(vec![0u8; 64], Access::REMOTE_WRITE)
+        .unwrap();
+    assert_ne!(fresh.key(), rk_gone.key);
+    qa.post_write(
+        60,
+        qb.addr(),
+        Bytes::from_static(b"z"),
+        iov(&rk_gone, 0, 1),
+        None,
+    )
+    .unwrap();
+    let c = poll_n(&mut qa, 1, "revoked");
+    assert_eq!(c[0].status, Status::RemoteBadAddress);
+    assert!(fresh.read().iter().all(|&x| x == 0));
+}
+
+fn writes_with_imm(unsolicited: bool, seed: u64) {
+    let faults = FaultConfig::seeded(seed)
+        .drop(0.05)
+        .duplicate(0.05)
+        .reorder(0.1);
+    let cfg = UdpConfig {
+        faults,
+        unsolicited_write_recv: unsolicited,
+        ..UdpConfig::default()
+    };
+    let a = node(cfg.clone());
+    let b = node(cfg);
+    let mut qa = qp(&a);
+    let mut qb = qp(&b);
+    const N: usize = 120;
+    const SLOT: usize = 200_000;
+    let mr: MemoryRegion = b
+        .domain
+        .register(vec![0u8; N * SLOT], Access::REMOTE_WRITE)
+        .unwrap();
+    let rk = mr.remote_key().unwrap();
+    if !unsolicited {
+        for i in 0..N {
+            qb.post_recv(1000 + i as u64, BytesMut::with_capacity(16))
+                .unwrap();
+        }
+    }
+    let mut r = efa::fault::Rng::new(seed);
+    let datas: Vec<Bytes> = (0..N)
+        .map(|i| pattern(seed ^ i as u64, 1 + r.below(SLOT as u64) as usize))
+        .collect();
+    let mut posted = 0;
+    let mut done = 0;
+    let mut seen = HashSet::new();
+    let deadline = Instant::now() + DEADLINE;
+    let mut comps = Vec::new();
+    while done < N || seen.len() < N {
+        while posted < N {
+            let at = iov(&rk, (posted * SLOT) as u64, datas[posted].len() as u64);
+            match qa.post_write(
+                posted as u64,
+                qb.addr(),
+                datas[posted].clone(),
+                at,
+                Some(posted as u32),
+            ) {
+                Ok(()) => posted += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("seed {seed}: {e}"),
+            }
+        }
+        comps.clear();
+        qa.poll(&mut comps, 64);
+        for c in &comps {
+            assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+            done += 1;
+        }
+        comps.clear();
+        qb.poll(&mut comps, 64);
+        for c in &comps {
+            assert_eq!(c.opcode, Opcode::RecvRdmaWithImm, "seed {seed}");
+            let i = c.imm.expect("imm") as usize;
+            assert!(seen.insert(i), "seed {seed}: imm {i} twice");
+            assert_eq!(c.byte_len, datas[i].len(), "seed {seed}");
+            if unsolicited {
+                assert_eq!((c.wr_id, c.buf.is_none()), (UNSOLICITED_WR_ID, true));
+            } else {
+                assert!(c.wr_id >= 1000 && c.buf.is_some(), "seed {seed}");
+            }
+            // All of it is in place when its completion comes.
+            let m = mr.read();
+            assert!(
+                m[i * SLOT..i * SLOT + datas[i].len()] == datas[i][..],
+                "seed {seed}: {i}"
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {done} done, {} arrived",
+            seen.len()
+        );
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    comps.clear();
+    qb.poll(&mut comps, 64);
+    assert!(comps.is_empty(), "seed {seed}: nothing arrives twice");
+    assert!(
+        b.dev.stats().duplicates_dropped + a.dev.stats().retransmits > 0,
+        "seed {seed}: faults happened"
+    );
+}
+
+#[test]
+fn writes_with_immediate_data_complete_once_at_the_target_under_faults() {
+    let seed = test_seed();
+    eprintln!("seed {seed}");
+    writes_with_imm(false, seed);
+    writes_with_imm(true, seed.wrapping_add(1));
+}
+
+#[test]
+fn rdma_off_is_not_supported_and_registers_no_key() {
+    let a = node(UdpConfig {
+        rdma: false,
+        ..UdpConfig::default()
+    });
+    let mut qa = qp(&a);
+    let e = qa
+        .post_write(
+            1,
+            qa.addr(),
+            Bytes::from_static(b"x"),
+            RemoteIov {
+                addr: 0,
+                len: 1,
+                key: 1,
+            },
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotSupported);
+    let e = qa
+        .post_read(
+            2,
+            qa.addr(),
+            BytesMut::new(),
+            RemoteIov {
+                addr: 0,
+                len: 1,
+                key: 1,
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotSupported);
+    // UD queue pairs have no RDMA either.
+    let on = node(UdpConfig::default());
+    let mut ud = on.dev.create_qp(QpAttr::new(QpType::Ud)).unwrap();
+    let e = ud
+        .post_write(
+            3,
+            ud.addr(),
+            Bytes::from_static(b"x"),
+            RemoteIov {
+                addr: 0,
+                len: 1,
+                key: 1,
+            },
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotSupported);
+}
