@@ -493,6 +493,11 @@ impl State {
             c.buf = Some(buf);
             self.ctx.complete(c);
         }
+        // Acknowledgements still held back (delayed, to ride on data) go now: a peer whose
+        // last packet we received must not wait for an ack that never comes.
+        if self.qp_type == QpType::Srd {
+            self.srd.flush_acks(&mut self.ctx, Instant::now(), true);
+        }
         self.srd.flush(&mut self.ctx);
         self.ctx.rdma_flush();
         if let Some(f) = self.ctx.io.faults.as_mut() {
@@ -969,6 +974,14 @@ impl QueuePair for UdpQp {
 
 impl Drop for UdpQp {
     fn drop(&mut self) {
+        // As `close`: held-back acknowledgements go out before the socket does.
+        let mut st = self.shared.state.lock();
+        if !st.closed && st.qp_type == QpType::Srd {
+            let now = Instant::now();
+            let st = &mut *st;
+            st.srd.flush_acks(&mut st.ctx, now, true);
+        }
+        drop(st);
         self.stop_thread();
     }
 }
