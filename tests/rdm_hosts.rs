@@ -73,6 +73,10 @@ fn host_role() {
         other => panic!("unknown role {other}"),
     }
     println!("\nOK {role}");
+    // Keep the endpoint (and its device, which acknowledges) until the parent says the other
+    // end is done too: the last acknowledgement may be lost and its packet sent again.
+    line.clear();
+    let _ = std::io::stdin().read_line(&mut line);
 }
 
 struct Proc {
@@ -134,6 +138,9 @@ fn run_pair(prefix_send: &[&str], send_ip: &str, prefix_recv: &[&str], recv_ip: 
     let start = Instant::now();
     assert_eq!(read_tagged(&mut r, "OK "), "recv", "seed {seed}: receiver");
     assert_eq!(read_tagged(&mut s, "OK "), "send", "seed {seed}: sender");
+    // Both are done: let them go.
+    writeln!(r.stdin, "exit").unwrap();
+    writeln!(s.stdin, "exit").unwrap();
     assert!(
         r.child.wait().unwrap().success(),
         "seed {seed}: receiver failed"

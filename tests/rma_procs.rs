@@ -169,6 +169,9 @@ fn rma_role() {
         other => panic!("unknown role {other}"),
     }
     println!("\nOK {role}");
+    // Keep the device (which acknowledges) until the parent says the other end is done too.
+    line.clear();
+    let _ = stdin.read_line(&mut line);
 }
 
 struct Proc {
@@ -227,6 +230,8 @@ fn run(dev: &str) {
     writeln!(i.stdin, "{key}").unwrap();
     assert_eq!(read_tagged(&mut i, "OK "), "initiator", "{dev} seed {seed}");
     assert_eq!(read_tagged(&mut t, "OK "), "target", "{dev} seed {seed}");
+    writeln!(i.stdin, "exit").unwrap();
+    writeln!(t.stdin, "exit").unwrap();
     assert!(i.child.wait().unwrap().success(), "{dev} seed {seed}");
     assert!(t.child.wait().unwrap().success(), "{dev} seed {seed}");
 }
