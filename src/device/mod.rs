@@ -35,6 +35,8 @@ use crate::stats::DeviceStats;
 pub mod efa;
 pub mod loopback;
 #[cfg(target_os = "linux")]
+pub(crate) mod soft_rdma;
+#[cfg(target_os = "linux")]
 pub mod route;
 #[cfg(target_os = "linux")]
 pub mod shm;

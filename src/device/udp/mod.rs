@@ -59,7 +59,6 @@ use crate::fault::FaultConfig;
 use crate::stats::{DeviceCounters, DeviceStats};
 
 mod qp;
-mod rdma;
 mod srd;
 mod wire;
 
@@ -240,7 +239,7 @@ pub struct UdpDevice {
     attr: DeviceAttr,
     counters: Arc<DeviceCounters>,
     /// Registered regions (`None` without RDMA).
-    keys: Option<rdma::KeyTable>,
+    keys: Option<crate::device::soft_rdma::KeyTable>,
 }
 
 impl UdpDevice {
@@ -265,7 +264,7 @@ impl UdpDevice {
             attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
             attr.max_rdma_size = MAX_RDMA_SIZE;
         }
-        let keys = cfg.rdma.then(rdma::KeyTable::default);
+        let keys = cfg.rdma.then(crate::device::soft_rdma::KeyTable::default);
         Ok(Arc::new(UdpDevice {
             cfg: Arc::new(cfg),
             attr,

@@ -15,7 +15,7 @@ use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
-use super::rdma::{self, KeyTable, Rdma};
+use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, Served, Src};
 use super::srd::Srd;
 use super::wire::{self, Packet};
 use super::{UdpConfig, sockaddr_for};
@@ -262,6 +262,27 @@ pub(super) struct Ctx {
     pub rdma: Rdma,
 }
 
+impl RdmaHost for Ctx {
+    fn rdma(&mut self) -> &mut Rdma {
+        &mut self.rdma
+    }
+    fn complete(&mut self, c: DeviceCompletion) {
+        Ctx::complete(self, c)
+    }
+    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
+        self.recvs.pop_front()
+    }
+    fn untake_recv(&mut self, r: (u64, BytesMut)) {
+        self.recvs.push_front(r);
+    }
+    fn counters(&self) -> &DeviceCounters {
+        &self.io.counters
+    }
+    fn mtu(&self) -> usize {
+        self.cfg.mtu
+    }
+}
+
 impl Ctx {
     pub fn counters(&self) -> &DeviceCounters {
         &self.io.counters
@@ -284,14 +305,19 @@ impl Ctx {
         self.complete(DeviceCompletion::new(wr_id, status, Opcode::Send, byte_len));
     }
 
-    /// Takes the posted receive buffer at the head (RDMA writes with immediate data).
-    pub(super) fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
-        self.recvs.pop_front()
-    }
-
-    /// Puts back a buffer [`take_recv`](Self::take_recv) took.
-    pub(super) fn untake_recv(&mut self, r: (u64, BytesMut)) {
-        self.recvs.push_front(r);
+    /// An RDMA message from the SRD path (`soft_rdma`).
+    pub fn deliver_rdma_udp(
+        &mut self,
+        src: SocketAddr,
+        src_qkey: u32,
+        imm: Option<u32>,
+        data: &[u8],
+    ) -> Delivery {
+        match self.deliver_rdma(Src::udp(src), src_qkey, imm, data) {
+            Served::Ok => Delivery::Ok,
+            Served::NotReady => Delivery::NoBuffer,
+            Served::Denied => Delivery::Denied,
+        }
     }
 
     /// Offers a received datagram to the head of the receive queue.
@@ -443,6 +469,7 @@ impl State {
         while !self.ctx.rdma.outbox.is_empty() {
             let batch = std::mem::take(&mut self.ctx.rdma.outbox);
             for (to, wr) in batch {
+                let to = to.unwrap_or_else(|| sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6));
                 self.srd.post_flagged(&mut self.ctx, to, wr, now, true);
             }
         }
@@ -452,7 +479,7 @@ impl State {
     fn post_rdma(
         &mut self,
         now: Instant,
-        start: impl FnOnce(&mut Ctx, SocketAddr, usize) -> Result<()>,
+        start: impl FnOnce(&mut Ctx, Option<SocketAddr>, usize) -> Result<()>,
         dest: &RawAddr,
         op: &'static str,
     ) -> Result<()> {
@@ -468,7 +495,7 @@ impl State {
         }
         let to = sockaddr_for(&dest.gid, dest.qpn, self.ctx.io.v6);
         let chunk = self.ctx.cfg.mtu.saturating_sub(rdma::HDR).max(1);
-        start(&mut self.ctx, to, chunk)?;
+        start(&mut self.ctx, Some(to), chunk)?;
         self.send_outstanding += 1;
         self.flush_rdma(now);
         Ok(())

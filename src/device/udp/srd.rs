@@ -453,7 +453,7 @@ impl Srd {
                 nak(cx, NakReason::Rnr);
             }
             Slot::Empty | Slot::Refused(_) => match if h.rdma {
-                cx.deliver_rdma(src, h.src_qkey, h.imm, payload)
+                cx.deliver_rdma_udp(src, h.src_qkey, h.imm, payload)
             } else {
                 cx.deliver(src, h.imm, payload)
             } {

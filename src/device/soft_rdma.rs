@@ -1,8 +1,10 @@
-//! One-sided RDMA on the udp device: read, write and write with immediate data, served by the
-//! target's device (its NIC thread, or whichever thread polls) without the target application.
+//! One-sided RDMA for the software devices (`udp`, `shm`): read, write and write with immediate
+//! data, served by the target's device (its NIC thread, or whichever thread polls) without the
+//! target application.
 //!
-//! RDMA messages ride on the SRD path (sequence numbers, acks, retransmission) as data packets
-//! with `FLAG_RDMA`; their payload starts with a 48-byte header:
+//! RDMA messages ride on the device's reliable SRD path (the udp device's sequence numbers and
+//! acks, the shm device's ring and acknowledgement words) as datagrams flagged as RDMA (udp
+//! `FLAG_RDMA`, shm `F_RDMA`); their payload starts with a 48-byte header:
 //!
 //! | bytes | WRITE (1) | READ_REQ (2) | READ_RESP (3) |
 //! |---|---|---|---|
@@ -16,7 +18,8 @@
 //!
 //! * A WRITE chunk is checked against the key, the right and the **whole** write's range before
 //!   a byte is placed: a refused write places nothing, and its chunks are answered with a NAK
-//!   (`BadAddress`) that completes the initiator's work request with `RemoteBadAddress`. The
+//!   (udp: a `BadAddress` NAK; shm: the acknowledgement's status) that completes the initiator's
+//!   work request with `RemoteBadAddress`. The
 //!   SRD acknowledgement of a chunk means it is in the target's memory, so the initiator's write
 //!   completes when every chunk is acknowledged. With immediate data the last chunk goes only
 //!   after the others are acknowledged; it consumes a posted receive buffer (or none, with
@@ -32,26 +35,75 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 
-use super::qp::{Ctx, Delivery};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{
     DeviceCompletion, Opcode, RemoteIov, SendWr, Source, Status, UNSOLICITED_WR_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::mr::{Access, RegionMem, TryAccess};
-use crate::stats;
+use crate::stats::{self, DeviceCounters};
+
+/// What a device does with an RDMA message it received.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Served {
+    /// Done (placed, answered, or consumed).
+    Ok,
+    /// Not now: no receive buffer for the immediate data, or the region is locked by the
+    /// application. The device treats it as receiver-not-ready.
+    NotReady,
+    /// Refused: bad key, range or right (or malformed): `RemoteBadAddress` to the sender.
+    Denied,
+}
+
+/// The device around the RDMA logic: its completion queue, receive queue and counters.
+pub(crate) trait RdmaHost {
+    /// The queue pair's RDMA state.
+    fn rdma(&mut self) -> &mut Rdma;
+    /// Queues a completion for the application.
+    fn complete(&mut self, c: DeviceCompletion);
+    /// Takes the posted receive buffer at the head.
+    fn take_recv(&mut self) -> Option<(u64, BytesMut)>;
+    /// Puts it back.
+    fn untake_recv(&mut self, r: (u64, BytesMut));
+    /// The device's counters.
+    fn counters(&self) -> &DeviceCounters;
+    /// Largest datagram (header + payload).
+    fn mtu(&self) -> usize;
+}
 
 /// Bytes of the RDMA header.
-pub(super) const HDR: usize = 48;
+pub(crate) const HDR: usize = 48;
 const OP_WRITE: u8 = 1;
 const OP_READ_REQ: u8 = 2;
 const OP_READ_RESP: u8 = 3;
 const F_LAST_IMM: u8 = 1;
 /// `wr_id`s of the device's own sends: never reported to the application.
-pub(super) const INTERNAL: u64 = 1 << 63;
+pub(crate) const INTERNAL: u64 = 1 << 63;
 /// ... and among them, the target's READ_RESP chunks (nobody waits for them).
 const REPLY: u64 = 1 << 62;
 const TAG_MASK: u64 = (1 << 48) - 1;
+
+/// Where an RDMA message came from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Src {
+    /// The sender's queue pair.
+    pub(crate) source: Source,
+    /// Its udp socket address (`None` on shm).
+    pub(crate) sock: Option<SocketAddr>,
+}
+
+impl Src {
+    /// The source of a udp datagram.
+    pub(crate) fn udp(a: SocketAddr) -> Src {
+        Src {
+            source: Source {
+                gid: Gid::from_ip(a.ip()),
+                qpn: a.port(),
+            },
+            sock: Some(a),
+        }
+    }
+}
 
 /// The registered regions of one device, by key (shared by its queue pairs).
 #[derive(Debug, Default)]
@@ -98,7 +150,7 @@ enum Op {
         /// Chunks not yet acknowledged.
         remaining: usize,
         /// The chunk with the immediate data, held back until the others are in place.
-        last: Option<(SocketAddr, SendWr)>,
+        last: Option<(Option<SocketAddr>, SendWr)>,
         failed: Option<Status>,
     },
     Read {
@@ -111,15 +163,16 @@ enum Op {
 
 /// The RDMA state of one queue pair.
 #[derive(Debug, Default)]
-pub(super) struct Rdma {
+pub(crate) struct Rdma {
     /// The device's regions (`None`: the device's RDMA is off).
-    pub keys: Option<KeyTable>,
+    pub(crate) keys: Option<KeyTable>,
     /// Writes with immediate data consume no receive buffer.
-    pub unsolicited: bool,
+    pub(crate) unsolicited: bool,
     next_tag: u64,
     ops: HashMap<u64, Op>,
-    /// RDMA messages to put on the SRD path (the queue pair posts them after each step).
-    pub outbox: Vec<(SocketAddr, SendWr)>,
+    /// RDMA messages to put on the SRD path (the queue pair posts them after each step), with
+    /// the udp socket address they go to (unused by shm).
+    pub(crate) outbox: Vec<(Option<SocketAddr>, SendWr)>,
 }
 
 fn header(op: u8, flags: u8, tag: u64, key: u64, a: u64, b: u64, c: u64) -> Bytes {
@@ -143,7 +196,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 impl Rdma {
     /// The state of a queue pair of a device with `keys` (`None`: no RDMA).
-    pub(super) fn new(keys: Option<KeyTable>, unsolicited: bool) -> Rdma {
+    pub(crate) fn new(keys: Option<KeyTable>, unsolicited: bool) -> Rdma {
         Rdma {
             keys,
             unsolicited,
@@ -157,14 +210,15 @@ impl Rdma {
     }
 }
 
-impl Ctx {
+/// The RDMA logic, for any [`RdmaHost`].
+pub(crate) trait RdmaOps: RdmaHost {
     /// Starts an RDMA write of `local` to `remote` at `dest` (socket `to`), in chunks of at most
     /// `chunk` bytes.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn rdma_write(
+    fn rdma_write(
         &mut self,
         wr_id: u64,
-        to: SocketAddr,
+        to: Option<SocketAddr>,
         dest: RawAddr,
         local: Bytes,
         remote: RemoteIov,
@@ -175,7 +229,7 @@ impl Ctx {
             return Err(Error::new(ErrorKind::InvalidArgument, "post_write")
                 .with_detail("remote length differs from the local buffer's"));
         }
-        let tag = self.rdma.tag();
+        let tag = self.rdma().tag();
         let total = local.len();
         let n = total.div_ceil(chunk).max(1);
         let mut wrs = Vec::with_capacity(n);
@@ -205,7 +259,7 @@ impl Ctx {
         } else {
             None
         };
-        self.rdma.ops.insert(
+        self.rdma().ops.insert(
             tag,
             Op::Write {
                 wr_id,
@@ -215,15 +269,15 @@ impl Ctx {
                 failed: None,
             },
         );
-        self.rdma.outbox.extend(wrs);
+        self.rdma().outbox.extend(wrs);
         Ok(())
     }
 
     /// Starts an RDMA read of `remote` at `dest` into `local`.
-    pub(super) fn rdma_read(
+    fn rdma_read(
         &mut self,
         wr_id: u64,
-        to: SocketAddr,
+        to: Option<SocketAddr>,
         dest: RawAddr,
         mut local: BytesMut,
         remote: RemoteIov,
@@ -232,10 +286,10 @@ impl Ctx {
             .ok()
             .filter(|&n| n <= isize::MAX as usize / 2)
             .ok_or_else(|| Error::new(ErrorKind::MsgSize, "post_read"))?;
-        let tag = self.rdma.tag();
+        let tag = self.rdma().tag();
         local.clear();
         local.resize(total, 0);
-        self.rdma.ops.insert(
+        self.rdma().ops.insert(
             tag,
             Op::Read {
                 wr_id,
@@ -251,12 +305,12 @@ impl Ctx {
             payload: Bytes::new(),
             imm: None,
         };
-        self.rdma.outbox.push((to, wr));
+        self.rdma().outbox.push((to, wr));
         Ok(())
     }
 
     /// The SRD layer finished one of the device's own sends.
-    pub(super) fn rdma_send_done(&mut self, wr_id: u64, status: Status) {
+    fn rdma_send_done(&mut self, wr_id: u64, status: Status) {
         if wr_id & REPLY != 0 {
             if !status.is_ok() {
                 tracing::debug!(%status, "udp: an RDMA read response was not delivered");
@@ -264,7 +318,7 @@ impl Ctx {
             return;
         }
         let tag = wr_id & TAG_MASK;
-        let Some(op) = self.rdma.ops.get_mut(&tag) else {
+        let Some(op) = self.rdma().ops.get_mut(&tag) else {
             return;
         };
         match op {
@@ -284,7 +338,7 @@ impl Ctx {
                 }
                 if let Some(l) = last.take() {
                     *remaining = 1;
-                    self.rdma.outbox.push(l);
+                    self.rdma().outbox.push(l);
                     return;
                 }
             }
@@ -296,7 +350,7 @@ impl Ctx {
                 if status.is_ok() {
                     // Zero bytes: complete below with success.
                 } else {
-                    let Some(Op::Read { wr_id, mut buf, .. }) = self.rdma.ops.remove(&tag) else {
+                    let Some(Op::Read { wr_id, mut buf, .. }) = self.rdma().ops.remove(&tag) else {
                         return;
                     };
                     buf.clear();
@@ -311,7 +365,7 @@ impl Ctx {
     }
 
     fn rdma_finish(&mut self, tag: u64) {
-        match self.rdma.ops.remove(&tag) {
+        match self.rdma().ops.remove(&tag) {
             Some(Op::Write {
                 wr_id,
                 total,
@@ -321,7 +375,7 @@ impl Ctx {
                 let status = failed.unwrap_or(Status::Success);
                 let n = if status.is_ok() { total } else { 0 };
                 if status.is_ok() {
-                    stats::add(&self.io.counters.tx_bytes, total as u64);
+                    stats::add(&self.counters().tx_bytes, total as u64);
                 }
                 self.complete(DeviceCompletion::new(wr_id, status, Opcode::RdmaWrite, n));
             }
@@ -337,10 +391,10 @@ impl Ctx {
     }
 
     /// Completes every RDMA operation with `Flushed` (the queue pair closes).
-    pub(super) fn rdma_flush(&mut self) {
-        let tags: Vec<u64> = self.rdma.ops.keys().copied().collect();
+    fn rdma_flush(&mut self) {
+        let tags: Vec<u64> = self.rdma().ops.keys().copied().collect();
         for tag in tags {
-            match self.rdma.ops.remove(&tag) {
+            match self.rdma().ops.remove(&tag) {
                 Some(Op::Write { wr_id, .. }) => {
                     self.complete(DeviceCompletion::new(
                         wr_id,
@@ -358,20 +412,20 @@ impl Ctx {
                 None => {}
             }
         }
-        self.rdma.outbox.clear();
+        self.rdma().outbox.clear();
     }
 
     /// An RDMA message arrived (exactly once, from the SRD layer).
-    pub(super) fn deliver_rdma(
+    fn deliver_rdma(
         &mut self,
-        src: SocketAddr,
+        src: Src,
         src_qkey: u32,
         imm: Option<u32>,
         data: &[u8],
-    ) -> Delivery {
+    ) -> Served {
         if data.len() < HDR {
-            stats::inc(&self.io.counters.malformed_dropped);
-            return Delivery::Denied;
+            stats::inc(&self.counters().malformed_dropped);
+            return Served::Denied;
         }
         let (op, flags) = (data[0], data[1]);
         let tag = u64_at(data, 8);
@@ -383,11 +437,11 @@ impl Ctx {
             OP_READ_REQ => self.serve_read(src, src_qkey, tag, key, a, b),
             OP_READ_RESP => {
                 self.read_resp(tag, b, c, body);
-                Delivery::Ok
+                Served::Ok
             }
             _ => {
-                stats::inc(&self.io.counters.malformed_dropped);
-                Delivery::Denied
+                stats::inc(&self.counters().malformed_dropped);
+                Served::Denied
             }
         }
     }
@@ -395,7 +449,7 @@ impl Ctx {
     #[allow(clippy::too_many_arguments)]
     fn serve_write(
         &mut self,
-        src: SocketAddr,
+        src: Src,
         flags: u8,
         key: u64,
         start: u64,
@@ -403,23 +457,23 @@ impl Ctx {
         offset: u64,
         imm: Option<u32>,
         body: &[u8],
-    ) -> Delivery {
-        let Some(keys) = self.rdma.keys.clone() else {
-            return Delivery::Denied;
+    ) -> Served {
+        let Some(keys) = self.rdma().keys.clone() else {
+            return Served::Denied;
         };
         let in_range = offset
             .checked_add(body.len() as u64)
             .is_some_and(|e| e <= total);
         let mem = keys.lock().check(key, Access::REMOTE_WRITE, start, total);
         let (Some(mem), true) = (mem, in_range) else {
-            tracing::debug!(%src, key, "udp: RDMA write refused (key, range or right)");
-            return Delivery::Denied;
+            tracing::debug!(src = ?src.source, key, "udp: RDMA write refused (key, range or right)");
+            return Served::Denied;
         };
         let with_imm = flags & F_LAST_IMM != 0;
-        let recv = if with_imm && !self.rdma.unsolicited {
+        let recv = if with_imm && !self.rdma().unsolicited {
             match self.take_recv() {
                 Some(r) => Some(r),
-                None => return Delivery::NoBuffer,
+                None => return Served::NotReady,
             }
         } else {
             None
@@ -431,17 +485,17 @@ impl Ctx {
                 if let Some(r) = recv {
                     self.untake_recv(r);
                 }
-                return Delivery::NoBuffer;
+                return Served::NotReady;
             }
             TryAccess::OutOfRange => {
                 if let Some(r) = recv {
                     self.untake_recv(r);
                 }
-                return Delivery::Denied;
+                return Served::Denied;
             }
         }
-        stats::inc(&self.io.counters.rx_pkts);
-        stats::add(&self.io.counters.rx_bytes, body.len() as u64);
+        stats::inc(&self.counters().rx_pkts);
+        stats::add(&self.counters().rx_bytes, body.len() as u64);
         if with_imm {
             let (wr_id, buf) = match recv {
                 Some((w, mut b)) => {
@@ -455,43 +509,40 @@ impl Ctx {
                 status: Status::Success,
                 opcode: Opcode::RecvRdmaWithImm,
                 byte_len: usize::try_from(total).unwrap_or(usize::MAX),
-                src: Some(Source {
-                    gid: Gid::from_ip(src.ip()),
-                    qpn: src.port(),
-                }),
+                src: Some(src.source),
                 imm,
                 buf,
             });
         }
-        Delivery::Ok
+        Served::Ok
     }
 
     fn serve_read(
         &mut self,
-        src: SocketAddr,
+        src: Src,
         src_qkey: u32,
         tag: u64,
         key: u64,
         addr: u64,
         len: u64,
-    ) -> Delivery {
-        let Some(keys) = self.rdma.keys.clone() else {
-            return Delivery::Denied;
+    ) -> Served {
+        let Some(keys) = self.rdma().keys.clone() else {
+            return Served::Denied;
         };
         let Some(mem) = keys.lock().check(key, Access::REMOTE_READ, addr, len) else {
-            tracing::debug!(%src, key, "udp: RDMA read refused (key, range or right)");
-            return Delivery::Denied;
+            tracing::debug!(src = ?src.source, key, "udp: RDMA read refused (key, range or right)");
+            return Served::Denied;
         };
         let mut out = BytesMut::new();
         match mem.try_read_into(addr, len, &mut out, None) {
             TryAccess::Done(()) => {}
-            TryAccess::Busy => return Delivery::NoBuffer,
-            TryAccess::OutOfRange => return Delivery::Denied,
+            TryAccess::Busy => return Served::NotReady,
+            TryAccess::OutOfRange => return Served::Denied,
         }
         let data = out.freeze();
-        let chunk = self.cfg.mtu.saturating_sub(HDR).max(1);
+        let chunk = self.mtu().saturating_sub(HDR).max(1);
         let total = data.len();
-        let dest = RawAddr::new(Gid::from_ip(src.ip()), src.port(), src_qkey);
+        let dest = RawAddr::new(src.source.gid, src.source.qpn, src_qkey);
         let n = total.div_ceil(chunk).max(1);
         for i in 0..n {
             let (a, b) = (i * chunk, ((i + 1) * chunk).min(total));
@@ -502,9 +553,9 @@ impl Ctx {
                 payload: data.slice(a..b),
                 imm: None,
             };
-            self.rdma.outbox.push((src, wr));
+            self.rdma().outbox.push((src.sock, wr));
         }
-        Delivery::Ok
+        Served::Ok
     }
 
     fn read_resp(&mut self, tag: u64, total: u64, offset: u64, body: &[u8]) {
@@ -513,16 +564,16 @@ impl Ctx {
             total: want,
             got,
             ..
-        }) = self.rdma.ops.get_mut(&tag)
+        }) = self.rdma().ops.get_mut(&tag)
         else {
-            stats::inc(&self.io.counters.stale_dropped);
+            stats::inc(&self.counters().stale_dropped);
             return;
         };
         let off = usize::try_from(offset).unwrap_or(usize::MAX);
         let fits =
             total == *want as u64 && off.checked_add(body.len()).is_some_and(|e| e <= buf.len());
         if !fits {
-            stats::inc(&self.io.counters.malformed_dropped);
+            stats::inc(&self.counters().malformed_dropped);
             return;
         }
         buf[off..off + body.len()].copy_from_slice(body);
@@ -532,3 +583,5 @@ impl Ctx {
         }
     }
 }
+
+impl<T: RdmaHost + ?Sized> RdmaOps for T {}
