@@ -35,11 +35,11 @@ use crate::stats::DeviceStats;
 pub mod efa;
 pub mod loopback;
 #[cfg(target_os = "linux")]
-pub(crate) mod soft_rdma;
-#[cfg(target_os = "linux")]
 pub mod route;
 #[cfg(target_os = "linux")]
 pub mod shm;
+#[cfg(target_os = "linux")]
+pub(crate) mod soft_rdma;
 pub mod udp;
 
 /// The `wr_id` of an unsolicited write-recv completion: the target side of an RDMA write with

@@ -416,13 +416,7 @@ pub(crate) trait RdmaOps: RdmaHost {
     }
 
     /// An RDMA message arrived (exactly once, from the SRD layer).
-    fn deliver_rdma(
-        &mut self,
-        src: Src,
-        src_qkey: u32,
-        imm: Option<u32>,
-        data: &[u8],
-    ) -> Served {
+    fn deliver_rdma(&mut self, src: Src, src_qkey: u32, imm: Option<u32>, data: &[u8]) -> Served {
         if data.len() < HDR {
             stats::inc(&self.counters().malformed_dropped);
             return Served::Denied;

@@ -122,6 +122,12 @@ pub struct ShmConfig {
     /// Directory of the segment files (a tmpfs, so they live in memory). Default `/dev/shm`.
     /// Only devices with the same directory reach each other.
     pub dir: PathBuf,
+    /// One-sided RDMA read, write and write with immediate data on SRD queue pairs, served by
+    /// the target's device without its application (`docs/shm-device.md`). Off: no RDMA, the
+    /// protocol engine emulates RMA. Default on.
+    pub rdma: bool,
+    /// RDMA writes with immediate data consume no receive buffer. Default off.
+    pub unsolicited_write_recv: bool,
 }
 
 impl Default for ShmConfig {
@@ -134,6 +140,8 @@ impl Default for ShmConfig {
             rnr_retry_interval: Duration::from_micros(100),
             unresponsive_timeout: Duration::from_secs(5),
             dir: PathBuf::from("/dev/shm"),
+            rdma: true,
+            unsolicited_write_recv: false,
         }
     }
 }
@@ -244,6 +252,8 @@ pub(crate) struct DevShared {
     pub uid: u32,
     pub gid: Gid,
     pub counters: DeviceCounters,
+    /// Registered regions (`None` without RDMA).
+    pub keys: Option<crate::device::soft_rdma::KeyTable>,
 }
 
 /// The shared-memory software device. Open it with [`ShmDevice::open`].
@@ -279,6 +289,14 @@ impl ShmDevice {
             cfg.max_recv_wr,
         );
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
+        let mut attr = attr;
+        if cfg.rdma {
+            attr.caps.rdma_read = true;
+            attr.caps.rdma_write = true;
+            attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
+            attr.max_rdma_size = 1 << 30;
+        }
+        let keys = cfg.rdma.then(crate::device::soft_rdma::KeyTable::default);
         tracing::debug!(%gid, dir = %dir.display(), "shm device opened");
         Ok(Arc::new(ShmDevice {
             attr,
@@ -288,6 +306,7 @@ impl ShmDevice {
                 uid,
                 gid,
                 counters: DeviceCounters::default(),
+                keys,
             }),
         }))
     }
@@ -337,6 +356,24 @@ impl Device for ShmDevice {
 
     fn stats(&self) -> DeviceStats {
         self.shared.counters.snapshot()
+    }
+
+    fn register_mem(
+        &self,
+        mem: &Arc<crate::mr::RegionMem>,
+        access: crate::mr::Access,
+    ) -> Result<Option<u64>> {
+        Ok(self
+            .shared
+            .keys
+            .as_ref()
+            .map(|k| k.lock().register(mem, access)))
+    }
+
+    fn deregister_mem(&self, key: u64) {
+        if let Some(k) = &self.shared.keys {
+            k.lock().deregister(key);
+        }
     }
 }
 

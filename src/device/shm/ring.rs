@@ -34,6 +34,8 @@ const S_TOKEN: usize = 40; // u64: acknowledgement entry | generation << 32
 pub(crate) const F_IMM: u32 = 1;
 /// Slot flag: written by an SRD queue pair.
 pub(crate) const F_SRD: u32 = 2;
+/// Slot flag: a one-sided RDMA message for the device (`device::soft_rdma`).
+pub(crate) const F_RDMA: u32 = 4;
 
 /// Slot states (low byte of the state word).
 pub(crate) const ST_FREE: u8 = 0;

@@ -15,11 +15,11 @@ use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
-use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, Served, Src};
 use super::srd::Srd;
 use super::wire::{self, Packet};
 use super::{UdpConfig, sockaddr_for};
 use crate::addr::{Gid, RawAddr};
+use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, Served, Src};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status, random_qkey,
 };
@@ -469,7 +469,8 @@ impl State {
         while !self.ctx.rdma.outbox.is_empty() {
             let batch = std::mem::take(&mut self.ctx.rdma.outbox);
             for (to, wr) in batch {
-                let to = to.unwrap_or_else(|| sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6));
+                let to =
+                    to.unwrap_or_else(|| sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6));
                 self.srd.post_flagged(&mut self.ctx, to, wr, now, true);
             }
         }

@@ -20,6 +20,7 @@ use super::map::{self, Mapping};
 use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
 use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
+use crate::device::soft_rdma::{self as rdma, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
 };
@@ -128,6 +129,8 @@ pub(super) struct State {
     /// Earliest timer (RNR retry, liveness check, deadline, backlog retry, header check).
     next_timer: Option<Instant>,
     next_header_check: Instant,
+    /// One-sided RDMA (`device::soft_rdma`).
+    rdma: Rdma,
 }
 
 fn min_opt(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
@@ -149,6 +152,9 @@ impl State {
     }
 
     fn complete_send(&mut self, wr_id: u64, status: Status, n: usize) {
+        if wr_id & rdma::INTERNAL != 0 {
+            return self.rdma_send_done(wr_id, status);
+        }
         if !status.is_ok() {
             stats::inc(&self.counters().send_errors);
         }
@@ -169,6 +175,7 @@ impl State {
             self.next_timer = None;
         }
         let more = self.drain(now, budget);
+        self.flush_rdma(now);
         let bell = Ring::new(&self.own.map, &self.own.geo)
             .bell()
             .map_or(0, |(b, _)| b.load(Ordering::SeqCst));
@@ -236,6 +243,68 @@ impl State {
             c.buf = Some(buf);
             self.complete(c);
         }
+        self.rdma_flush();
+    }
+
+    /// Puts the RDMA messages the last step produced into their rings.
+    fn flush_rdma(&mut self, now: Instant) {
+        while !self.rdma.outbox.is_empty() {
+            let batch = std::mem::take(&mut self.rdma.outbox);
+            for (_, wr) in batch {
+                match self.try_send(&wr, now) {
+                    Sent::Done(s, n) => self.complete_send(wr.wr_id, s, n),
+                    Sent::Inflight => {}
+                    Sent::Full => {
+                        self.backlog.push_back(Pending { wr, since: now });
+                        self.next_timer = min_opt(self.next_timer, Some(now + BACKLOG_RETRY));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts an RDMA write or read (`post_write` / `post_read`).
+    fn post_rdma(
+        &mut self,
+        start: impl FnOnce(&mut State, usize) -> Result<()>,
+        op: &'static str,
+    ) -> Result<()> {
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, op));
+        }
+        if self.qp_type != QpType::Srd || self.rdma.keys.is_none() {
+            return Err(Error::new(ErrorKind::NotSupported, op)
+                .with_detail("RDMA needs an SRD queue pair on a device with RDMA"));
+        }
+        if self.send_outstanding >= self.send_depth {
+            return Err(Error::new(ErrorKind::Again, op).with_detail("send queue full"));
+        }
+        let chunk = self.dev.cfg.mtu.saturating_sub(rdma::HDR).max(1);
+        start(self, chunk)?;
+        self.send_outstanding += 1;
+        self.flush_rdma(Instant::now());
+        Ok(())
+    }
+}
+
+impl RdmaHost for State {
+    fn rdma(&mut self) -> &mut Rdma {
+        &mut self.rdma
+    }
+    fn complete(&mut self, c: DeviceCompletion) {
+        State::complete(self, c)
+    }
+    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
+        self.recvs.pop_front()
+    }
+    fn untake_recv(&mut self, r: (u64, BytesMut)) {
+        self.recvs.push_front(r);
+    }
+    fn counters(&self) -> &DeviceCounters {
+        &self.dev.counters
+    }
+    fn mtu(&self) -> usize {
+        self.dev.cfg.mtu
     }
 }
 
@@ -399,6 +468,7 @@ impl ShmQp {
             last_bell: 0,
             next_timer: None,
             next_header_check: now + HEADER_CHECK,
+            rdma: Rdma::new(dev.keys.clone(), dev.cfg.unsolicited_write_recv),
             own,
         };
         let shared = Arc::new(Shared {
@@ -478,15 +548,49 @@ impl QueuePair for ShmQp {
             let Some(c) = st.cq.pop_front() else {
                 break;
             };
-            if c.opcode == Opcode::Send {
-                st.send_outstanding = st.send_outstanding.saturating_sub(1);
-            } else {
-                st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
+            match c.opcode {
+                Opcode::Send | Opcode::RdmaWrite | Opcode::RdmaRead => {
+                    st.send_outstanding = st.send_outstanding.saturating_sub(1);
+                }
+                // An unsolicited write-recv consumed no receive buffer.
+                Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
+                Opcode::Recv | Opcode::RecvRdmaWithImm => {
+                    st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
+                }
             }
             out.push(c);
             n += 1;
         }
         n
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: bytes::Bytes,
+        remote: crate::device::RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.post_rdma(
+            |s, chunk| s.rdma_write(wr_id, None, dest, local, remote, imm, chunk),
+            "post_write",
+        )
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: BytesMut,
+        remote: crate::device::RemoteIov,
+    ) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.post_rdma(
+            |s, _| s.rdma_read(wr_id, None, dest, local, remote),
+            "post_read",
+        )
     }
 
     fn close(&mut self) {

@@ -5,12 +5,14 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::super::ring::{
-    self, F_IMM, F_SRD, Meta, Peek, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR, ST_TAKEN,
+    self, F_IMM, F_RDMA, F_SRD, Meta, Peek, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR, ST_TAKEN,
 };
 use super::super::segment::{self, Liveness, OpenError};
 use super::{Consumed, STUCK_CHECK, State, min_opt};
+use crate::device::soft_rdma::{RdmaOps, Served, Src};
 use crate::device::{DeviceCompletion, Opcode, QpType, Source, Status};
 use crate::stats;
+use bytes::BytesMut;
 
 impl State {
     // ---- receiving --------------------------------------------------------------------------
@@ -137,6 +139,9 @@ impl State {
             tracing::trace!(qkey = meta.qkey, "shm: datagram with a stale QKEY dropped");
             return Consumed::Advance;
         }
+        if srd && meta.flags & F_RDMA != 0 {
+            return self.consume_rdma(r, st, meta);
+        }
         if self.recvs.is_empty() {
             if !srd {
                 stats::inc(&self.counters().rnr_events);
@@ -221,5 +226,43 @@ impl State {
             p += 1;
         }
         self.rnr_marked = p;
+    }
+
+    /// An RDMA message at the head (`device::soft_rdma`): placed, answered or refused now, or
+    /// receiver-not-ready (no buffer for its immediate data, or the region is locked).
+    fn consume_rdma(&mut self, r: &Ring<'_>, st: u8, meta: &Meta) -> Consumed {
+        let head = self.head;
+        let mut data = BytesMut::with_capacity(meta.len as usize);
+        if !r.read_data(head, meta.len as usize, &mut data) {
+            stats::inc(&self.counters().malformed_dropped);
+            return Consumed::Advance;
+        }
+        let src = Src {
+            source: Source {
+                gid: self.dev.gid,
+                qpn: meta.writer as u16,
+            },
+            sock: None,
+        };
+        let imm = (meta.flags & F_IMM != 0).then_some(meta.imm);
+        let code = match self.deliver_rdma(src, meta.src_qkey, imm, &data) {
+            Served::NotReady => {
+                if st == ST_PUBLISHED {
+                    if !r.transition(head, ST_PUBLISHED, ST_RNR) {
+                        return Consumed::Again;
+                    }
+                    stats::inc(&self.counters().rnr_events);
+                    self.ring_peer(meta.writer as u16);
+                }
+                return Consumed::Blocked;
+            }
+            Served::Ok => Status::Success,
+            Served::Denied => Status::RemoteBadAddress,
+        };
+        // The sender may have cancelled it meanwhile (its deadline): nothing to acknowledge.
+        if r.transition(head, st, ST_TAKEN) {
+            self.ack_sender(meta.writer, meta.src_qkey, meta.token, code.code());
+        }
+        Consumed::Advance
     }
 }

@@ -149,6 +149,9 @@ impl State {
         let ring = Ring::new(&m, &g);
         let imm = wr.imm.unwrap_or(0);
         let mut flags = if wr.imm.is_some() { F_IMM } else { 0 };
+        if wr.wr_id & crate::device::soft_rdma::INTERNAL != 0 {
+            flags |= super::super::ring::F_RDMA;
+        }
         let mut meta = Meta {
             writer: u32::from(self.addr.qpn),
             len: len as u32,
