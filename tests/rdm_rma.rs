@@ -37,6 +37,10 @@ enum Setup {
     Udp,
     /// udp device with faults, `FI_EFA_USE_DEVICE_RDMA=0`.
     UdpRdmaOff,
+    /// shm device (its own directory), device RDMA.
+    Shm,
+    /// shm device without RDMA.
+    ShmNoRdma,
 }
 
 struct Pair {
@@ -46,6 +50,8 @@ struct Pair {
     peer_b: PeerId,
     /// Keeps the in-process network alive.
     _net: Option<LoopbackNetwork>,
+    /// Keeps the shm directory alive.
+    _dir: Option<tempfile::TempDir>,
     emulated: bool,
 }
 
@@ -65,7 +71,21 @@ fn config(setup: Setup) -> Config {
 
 fn pair(setup: Setup, seed: u64) -> Pair {
     let cfg = config(setup);
+    let mut dir = None;
     let (da, db, net): (Arc<dyn Device>, Arc<dyn Device>, _) = match setup {
+        Setup::Shm | Setup::ShmNoRdma => {
+            let d = tempfile::tempdir().unwrap();
+            let dev = || -> Arc<dyn Device> {
+                efa::device::shm::ShmDevice::open(efa::device::shm::ShmConfig {
+                    rdma: setup == Setup::Shm,
+                    ..efa::device::shm::ShmConfig::in_dir(d.path())
+                })
+                .expect("shm device")
+            };
+            let pair = (dev(), dev(), None);
+            dir = Some(d);
+            pair
+        }
         Setup::Udp | Setup::UdpRdmaOff => {
             let faults = FaultConfig::seeded(seed)
                 .drop(0.05)
@@ -108,11 +128,12 @@ fn pair(setup: Setup, seed: u64) -> Pair {
         b,
         peer_b,
         _net: net,
+        _dir: dir,
         emulated,
     }
 }
 
-const ALL: [Setup; 7] = [
+const ALL: [Setup; 9] = [
     Setup::Loopback,
     Setup::LoopbackNoRdma,
     Setup::LoopbackRdmaOff,
@@ -120,6 +141,8 @@ const ALL: [Setup; 7] = [
     Setup::LoopbackLongCts,
     Setup::Udp,
     Setup::UdpRdmaOff,
+    Setup::Shm,
+    Setup::ShmNoRdma,
 ];
 
 /// Drives both endpoints until `node` has `n` completions (or error completions) whose flags
@@ -650,7 +673,7 @@ fn atomics_apply_in_order_and_fetch_previous_values() {
 
 #[test]
 fn device_rdma_completes_while_the_target_never_polls() {
-    for setup in [Setup::Loopback, Setup::Udp] {
+    for setup in [Setup::Loopback, Setup::Udp, Setup::Shm] {
         let seed = test_seed();
         let p = pair(setup, seed);
         if p.emulated {

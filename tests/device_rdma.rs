@@ -1,14 +1,15 @@
-//! One-sided RDMA on the udp device, at the device seam: writes and reads of every size
-//! complete while the target never polls, bad keys, ranges, rights and revoked keys are refused
-//! with `RemoteBadAddress` and change nothing, N writes with immediate data give exactly N target
-//! completions under loss, duplication and reordering, and the device option turns it all off.
-//! Randomised tests print their seed (`EFA_TEST_SEED=<seed>` replays one).
+//! One-sided RDMA on the `udp` and `shm` devices, at the device seam: writes and reads of every
+//! size complete while the target never polls, bad keys, ranges, rights and revoked keys are
+//! refused with `RemoteBadAddress` and change nothing, N writes with immediate data give exactly
+//! N target completions (udp: under loss, duplication and reordering), and the device option
+//! turns it all off. Randomised tests print their seed (`EFA_TEST_SEED=<seed>` replays one).
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use efa::device::shm::{ShmConfig, ShmDevice};
 use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::device::{
     Device, DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, Status,
@@ -22,14 +23,35 @@ type Qp = Box<dyn QueuePair>;
 const DEADLINE: Duration = Duration::from_secs(60);
 
 struct Node {
-    dev: Arc<UdpDevice>,
+    dev: Arc<dyn Device>,
     domain: Domain,
 }
 
 fn node(cfg: UdpConfig) -> Node {
-    let dev = UdpDevice::open(cfg).expect("udp device");
+    let dev: Arc<dyn Device> = UdpDevice::open(cfg).expect("udp device");
     let domain = Domain::with_device(dev.clone(), Config::default());
     Node { dev, domain }
+}
+
+/// Two nodes on one device kind: udp with `cfg`, or shm in a fresh directory (kept alive by the
+/// returned guard) with RDMA and unsolicited write-recv as `cfg` says.
+fn pair(shm: bool, cfg: UdpConfig) -> (Node, Node, Option<tempfile::TempDir>) {
+    if !shm {
+        return (node(cfg.clone()), node(cfg), None);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || {
+        let dev: Arc<dyn Device> = ShmDevice::open(ShmConfig {
+            rdma: cfg.rdma,
+            unsolicited_write_recv: cfg.unsolicited_write_recv,
+            ..ShmConfig::in_dir(dir.path())
+        })
+        .expect("shm device");
+        let domain = Domain::with_device(dev.clone(), Config::default());
+        Node { dev, domain }
+    };
+    let (a, b) = (mk(), mk());
+    (a, b, Some(dir))
 }
 
 fn qp(n: &Node) -> Qp {
@@ -69,8 +91,13 @@ fn poll_n(q: &mut Qp, n: usize, what: &str) -> Vec<DeviceCompletion> {
 
 #[test]
 fn writes_and_reads_of_every_size_complete_without_the_target_polling() {
-    let a = node(UdpConfig::default());
-    let b = node(UdpConfig::default());
+    for shm in [false, true] {
+        every_size(shm);
+    }
+}
+
+fn every_size(shm: bool) {
+    let (a, b, _dir) = pair(shm, UdpConfig::default());
     let mut qa = qp(&a);
     // The target's queue pair exists but is never polled: its NIC thread serves the RDMA.
     let qb = qp(&b);
@@ -132,8 +159,13 @@ fn writes_and_reads_of_every_size_complete_without_the_target_polling() {
 
 #[test]
 fn bad_accesses_are_refused_and_change_nothing() {
-    let a = node(UdpConfig::default());
-    let b = node(UdpConfig::default());
+    for shm in [false, true] {
+        bad_accesses(shm);
+    }
+}
+
+fn bad_accesses(shm: bool) {
+    let (a, b, _dir) = pair(shm, UdpConfig::default());
     let mut qa = qp(&a);
     let qb = qp(&b);
     let ro = b
@@ -199,7 +231,7 @@ fn bad_accesses_are_refused_and_change_nothing() {
     assert!(fresh.read().iter().all(|&x| x == 0));
 }
 
-fn writes_with_imm(unsolicited: bool, seed: u64) {
+fn writes_with_imm(shm: bool, unsolicited: bool, seed: u64) {
     let faults = FaultConfig::seeded(seed)
         .drop(0.05)
         .duplicate(0.05)
@@ -209,8 +241,7 @@ fn writes_with_imm(unsolicited: bool, seed: u64) {
         unsolicited_write_recv: unsolicited,
         ..UdpConfig::default()
     };
-    let a = node(cfg.clone());
-    let b = node(cfg);
+    let (a, b, _dir) = pair(shm, cfg);
     let mut qa = qp(&a);
     let mut qb = qp(&b);
     const N: usize = 120;
@@ -285,26 +316,43 @@ fn writes_with_imm(unsolicited: bool, seed: u64) {
     comps.clear();
     qb.poll(&mut comps, 64);
     assert!(comps.is_empty(), "seed {seed}: nothing arrives twice");
-    assert!(
-        b.dev.stats().duplicates_dropped + a.dev.stats().retransmits > 0,
-        "seed {seed}: faults happened"
-    );
+    if !shm {
+        let faults = b.dev.stats().duplicates_dropped + a.dev.stats().retransmits;
+        assert!(faults > 0, "seed {seed}: faults happened");
+    }
 }
 
 #[test]
 fn writes_with_immediate_data_complete_once_at_the_target_under_faults() {
     let seed = test_seed();
     eprintln!("seed {seed}");
-    writes_with_imm(false, seed);
-    writes_with_imm(true, seed.wrapping_add(1));
+    for shm in [false, true] {
+        writes_with_imm(shm, false, seed);
+        writes_with_imm(shm, true, seed.wrapping_add(1));
+    }
 }
 
 #[test]
 fn rdma_off_is_not_supported_and_registers_no_key() {
-    let a = node(UdpConfig {
+    for shm in [false, true] {
+        rdma_off(shm);
+    }
+}
+
+fn rdma_off(shm: bool) {
+    let off = UdpConfig {
         rdma: false,
         ..UdpConfig::default()
-    });
+    };
+    let (a, _b, _dir) = pair(shm, off);
+    assert!(!a.dev.attr().caps.rdma_read && !a.dev.attr().caps.rdma_write);
+    assert_eq!(
+        a.domain
+            .register(vec![0u8; 8], Access::REMOTE_WRITE)
+            .map(|_| ())
+            .ok(),
+        Some(())
+    );
     let mut qa = qp(&a);
     let e = qa
         .post_write(
@@ -334,7 +382,7 @@ fn rdma_off_is_not_supported_and_registers_no_key() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotSupported);
     // UD queue pairs have no RDMA either.
-    let on = node(UdpConfig::default());
+    let (on, _b2, _dir2) = pair(shm, UdpConfig::default());
     let mut ud = on.dev.create_qp(QpAttr::new(QpType::Ud)).unwrap();
     let e = ud
         .post_write(
