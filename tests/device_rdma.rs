@@ -55,9 +55,11 @@ fn pair(shm: bool, cfg: UdpConfig) -> (Node, Node, Option<tempfile::TempDir>) {
 }
 
 fn qp(n: &Node) -> Qp {
-    n.dev
-        .create_qp(QpAttr::new(QpType::Srd))
-        .expect("create_qp")
+    // Retry receiver-not-ready forever (7, as EFA): the tests read the target region under its
+    // lock while writes arrive, and a write that finds it locked is not ready.
+    let mut attr = QpAttr::new(QpType::Srd);
+    attr.rnr_retry = 7;
+    n.dev.create_qp(attr).expect("create_qp")
 }
 
 fn iov(rk: &RemoteKey, offset: u64, len: u64) -> RemoteIov {
