@@ -32,7 +32,7 @@ function panel(ox, which, label, ymin, ymax,    i, k, c, x, y, px, py, pts, d, t
     lx0 = lg(xmin); lx1 = lg(xmax); if (lx1 == lx0) lx1 = lx0 + 1
     ly0 = int(lg(ymin)); if (lg(ymin) < ly0) ly0--
     ly1 = int(lg(ymax)) + 1
-    printf "<g transform=\"translate(%d,40)\">\n", ox
+    printf "<g transform=\"translate(%d,56)\">\n", ox
     printf "<rect x=\"0\" y=\"0\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"#999\"/>\n", pw, ph
     for (d = ly0; d <= ly1; d++) {
         py = ph - (d - ly0) / (ly1 - ly0) * ph
@@ -67,7 +67,7 @@ END {
     for (k = 1; k <= nc; k++) for (i = 1; i <= n[order[k]]; i++) allsz[xs[order[k], i]] = 1
     nsz = 0; for (s in allsz) sz[++nsz] = s + 0
     for (i = 2; i <= nsz; i++) { v = sz[i]; j = i - 1; while (j > 0 && sz[j] > v) { sz[j + 1] = sz[j]; j-- } sz[j + 1] = v }
-    W = 1000; H = 440
+    W = 1000; H = 456
     printf "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" font-family=\"sans-serif\">\n", W, H
     printf "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
     printf "<text x=\"%d\" y=\"18\" font-size=\"14\" text-anchor=\"middle\">%s</text>\n", W / 2, esc(title)
