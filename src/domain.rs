@@ -160,6 +160,10 @@ impl crate::proto::engine::RmaMemory for Domain {
         self.remote_read(key, addr, len)
     }
 
+    fn check(&self, key: u64, addr: u64, len: u64, write: bool) -> Result<()> {
+        crate::mr::remote_check(&self.inner.mrs, key, addr, len, write)
+    }
+
     fn atomic(
         &self,
         key: u64,

@@ -537,6 +537,28 @@ pub(crate) fn remote_write(table: &Mutex<MrTable>, key: u64, addr: u64, src: &[u
     }
 }
 
+/// Whether the key is live and grants `REMOTE_WRITE` (`write`) or `REMOTE_READ`, and `len` bytes
+/// at `addr` lie inside its region (`RemoteAccess` otherwise). Touches no data.
+pub(crate) fn remote_check(
+    table: &Mutex<MrTable>,
+    key: u64,
+    addr: u64,
+    len: u64,
+    write: bool,
+) -> Result<()> {
+    const OP: &str = "mr_remote_check";
+    let access = if write {
+        Access::REMOTE_WRITE
+    } else {
+        Access::REMOTE_READ
+    };
+    let mem = table.lock().lookup(key, access, OP)?;
+    match mem.range(mem.len, addr, len) {
+        Some(_) => Ok(()),
+        None => Err(mem.out_of_range(OP, addr, len)),
+    }
+}
+
 /// The `len` bytes at `addr` of the region `key` names, if the key is live and grants
 /// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise). Never blocks:
 /// `Again` while a write guard on the region is alive.

@@ -4,9 +4,10 @@
 //! chosen by thresholds, READ_NACK fallbacks, LONGREAD_RTW, close and peer failure. Seeds come
 //! from `EFA_TEST_SEED` (printed in every assertion message).
 //!
-//! Emulated RMA (RTW / RTR) belongs to another part of the engine: where an operation must be
-//! emulated these tests only check that it did not go to the device and completed once (or was
-//! refused at once), whatever the emulation answered.
+//! Where an operation must be emulated these tests mostly check that it did not go to the
+//! device and completed once (or was refused at once); the emulation's long-CTS protocols have
+//! their own tests (`engine_read/longcts.rs`), the eager ones are in
+//! `emulated_writes_reads_and_atomics_under_faults`.
 
 use bytes::{Bytes, BytesMut};
 use efa::device::{RemoteIov, Source, Status};
@@ -22,6 +23,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+#[path = "engine_read/longcts.rs"]
+mod longcts;
 
 // ---- a registered memory for the simulated nodes ----
 
@@ -54,6 +58,10 @@ impl Mem {
             write,
         };
         self.regions.lock().unwrap().insert(key, r);
+    }
+
+    fn remove(&self, key: u64) {
+        self.regions.lock().unwrap().remove(&key);
     }
 
     fn bytes(&self, key: u64) -> Vec<u8> {
@@ -95,6 +103,15 @@ impl RmaMemory for Mem {
         }
         let (a, b) = Mem::range(r, addr, len)?;
         Ok(Bytes::copy_from_slice(&r.data[a..b]))
+    }
+
+    fn check(&self, key: u64, addr: u64, len: u64, write: bool) -> efa::Result<()> {
+        let g = self.regions.lock().unwrap();
+        let r = g.get(&key).ok_or_else(|| refused("key"))?;
+        if !(if write { r.write } else { r.read }) {
+            return Err(refused("right not granted"));
+        }
+        Mem::range(r, addr, len).map(|_| ())
     }
 
     fn atomic(

@@ -278,6 +278,11 @@ pub trait RmaMemory: Send + Sync + std::fmt::Debug {
     fn write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()>;
     /// The `len` bytes at `addr` of the region `key` names; errors as for `write`.
     fn read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes>;
+    /// Checks, without touching the memory, that the key is live and grants the right
+    /// (`REMOTE_WRITE` when `write`, else `REMOTE_READ`) and that `len` bytes at `addr` lie in
+    /// its region: a long-CTS write or read is checked whole before its first byte moves.
+    /// `RemoteAccess` otherwise.
+    fn check(&self, key: u64, addr: u64, len: u64, write: bool) -> Result<()>;
     /// Applies an atomic to the elements at `addr` as one step and returns their previous
     /// values; errors as for `write`, `InvalidArgument` for a bad operand length or an operation
     /// the datatype does not support.
@@ -384,6 +389,10 @@ pub struct Resources {
     pub outstanding_pkts: usize,
     /// Known peers.
     pub peers: usize,
+    /// Peers' RMA work this side serves: emulated long-CTS writes and reads, LONGREAD_RTW
+    /// targets, atomics waiting for their turn, work waiting for a locked region, responses
+    /// on the device.
+    pub target_ops: usize,
 }
 
 /// Bounds on what peers can make the engine hold (an addition to the declared API; see
@@ -684,14 +693,52 @@ impl Engine {
                 send_id,
                 recv_id,
                 recv_length,
-                read_req,
+                read_req: true,
                 ..
-            } => self.handle_cts(pid, send_id, recv_id, recv_length, read_req),
+            } => self.ema_cts_read(now, pid, send_id, recv_id, recv_length),
+            Packet::Cts {
+                send_id,
+                recv_id,
+                recv_length,
+                ..
+            } => {
+                if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
+                    self.handle_cts(pid, send_id, recv_id, recv_length, false)
+                }
+            }
             Packet::CtsData {
                 recv_id,
                 seg_offset,
                 ..
-            } => self.handle_ctsdata(now, pid, recv_id, seg_offset, payload),
+            } => {
+                if !self.ema_ctsdata(now, pid, recv_id, seg_offset, payload) {
+                    self.handle_ctsdata(now, pid, recv_id, seg_offset, payload)
+                }
+            }
+            Packet::LongCtsRtw {
+                opt,
+                msg_length,
+                send_id,
+                dc,
+                rma_iov,
+                ..
+            } => self.ema_longcts_rtw(
+                now,
+                pid,
+                rma_iov,
+                msg_length,
+                send_id,
+                dc,
+                opt.cq_data,
+                payload,
+            ),
+            Packet::LongCtsRtr {
+                msg_length,
+                recv_id,
+                recv_length,
+                rma_iov,
+                ..
+            } => self.ema_longcts_rtr(now, pid, rma_iov, msg_length, recv_id, recv_length),
             Packet::Receipt {
                 send_id, msg_id, ..
             } => {
@@ -724,7 +771,9 @@ impl Engine {
                 rma_iov,
                 payload,
             ),
-            Packet::ReadRsp { recv_id, .. } => self.ema_readrsp(pid, recv_id, payload),
+            Packet::ReadRsp {
+                recv_id, send_id, ..
+            } => self.ema_readrsp(now, pid, recv_id, send_id, payload),
             Packet::AtomRsp { recv_id, .. } => self.ema_atomrsp(pid, recv_id, payload),
             Packet::PeerError {
                 op_id,
@@ -816,6 +865,7 @@ impl Engine {
             queued_pkts: self.queued_pkts + self.rd_queued_wrs(),
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
+            target_ops: self.ema_target_ops() + self.rd_targets(),
         }
     }
 

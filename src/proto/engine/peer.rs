@@ -328,6 +328,7 @@ impl Engine {
         for id in blocked {
             self.schedule_ctsdata(id);
         }
+        self.ema_handshake(now, pid);
         if first {
             self.read_handshake_arrived(now, pid);
         }

@@ -57,6 +57,7 @@ use device::DevOp;
 pub(super) use msg::RxRead;
 use msg::TxRead;
 use rtw::RtwTarget;
+pub(super) use rtw::write_range;
 
 const NO_IOV: RemoteIov = RemoteIov {
     addr: 0,
@@ -84,11 +85,11 @@ impl ReadIovs {
         r
     }
 
-    fn as_slice(&self) -> &[RemoteIov] {
+    pub(super) fn as_slice(&self) -> &[RemoteIov] {
         self.v.get(..self.n).unwrap_or(&[])
     }
 
-    fn total(&self) -> Option<u64> {
+    pub(super) fn total(&self) -> Option<u64> {
         self.as_slice()
             .iter()
             .try_fold(0u64, |a, i| a.checked_add(i.len))
@@ -97,7 +98,12 @@ impl ReadIovs {
 
 /// The remote ranges that hold bytes `from..to` of the concatenation of `iovs`, each at most
 /// `seg` long and within one iov; `None` when the iovs end before `to`.
-fn carve(iovs: &[RemoteIov], from: usize, to: usize, seg: usize) -> Option<Vec<RemoteIov>> {
+pub(super) fn carve(
+    iovs: &[RemoteIov],
+    from: usize,
+    to: usize,
+    seg: usize,
+) -> Option<Vec<RemoteIov>> {
     let (mut pos, to, seg) = (from as u64, to as u64, seg.max(1) as u64);
     let mut out = Vec::new();
     let mut base = 0u64;
@@ -263,6 +269,11 @@ impl Engine {
     /// RMA operations of this module in flight (counted as operations in `Resources::tx_ops`).
     pub(in crate::proto::engine) fn rd_ops(&self) -> usize {
         self.rd.ops.len()
+    }
+
+    /// LONGREAD_RTW writes of peers this side reads and places.
+    pub(super) fn rd_targets(&self) -> usize {
+        self.rd.rtw.len()
     }
 
     /// RDMA work requests waiting for room on the device.

@@ -1,15 +1,12 @@
 //! Emulated RMA and atomics: what runs when device RDMA does not (`read.rs` decides).
 //!
-//! * **Writes** go as DC_EAGER_RTW packets, one per MTU-sized chunk of the data, each naming its
-//!   own target range; the target answers every chunk with a RECEIPT once the bytes are in its
-//!   memory, or with PEER_ERROR when the key, range or right is wrong. The write completes when
-//!   every chunk is answered, so an emulated write is always delivery-complete and a refused
-//!   one fails at the initiator. With immediate data, the last chunk (the only one carrying
-//!   the CQ-data header) goes only after the others are answered: the target's single
-//!   `RemoteWrite` event then means all the data is in place. (LONGCTS_RTW is not sent; a
-//!   long write is a train of eager ones paced by RNR; `docs/protocol.md`.)
-//! * **Reads** go as SHORT_RTR packets, one per READRSP-sized chunk, each with its own
-//!   `recv_id`; the target answers each with one READRSP (or PEER_ERROR).
+//! * **Writes** that fit one packet go as DC_EAGER_RTW; the target answers with a RECEIPT once
+//!   the bytes are in its memory, or with PEER_ERROR when the key, range or right is wrong, so
+//!   a refused write fails at the initiator. Longer writes go as DC_LONGCTS_RTW with CTS flow
+//!   control ([`cts`]): an emulated write is always delivery complete. (The target serves
+//!   plain LONGCTS_RTW and EAGER_RTW from other implementations too.)
+//! * **Reads** that fit one READRSP go as SHORT_RTR, answered by one READRSP (or PEER_ERROR);
+//!   longer ones as LONGCTS_RTR ([`cts`]).
 //! * **Atomics** go as one RTA packet (WRITE as DC_WRITE_RTA answered by RECEIPT, FETCH and
 //!   COMPARE answered by ATOMRSP), with a `msg_id` of the peer's message sequence: the target
 //!   applies them in the reorder window's order, after the messages sent before them.
@@ -28,6 +25,10 @@ use crate::device::{RemoteIov, Status};
 use crate::error::{Error, ErrorKind};
 use crate::proto::wire::{IovList, Packet, ReqOpt, RtaKind, Sender, peer_error_ref};
 
+mod cts;
+
+use cts::{CtsOp, Side, Tgt};
+
 /// How long target work waits before retrying a region the application holds.
 const RETRY: Duration = Duration::from_micros(50);
 
@@ -38,14 +39,19 @@ pub(super) struct Ema {
     ops: HashMap<u32, EmaOp>,
     /// Read chunks by their `recv_id`: (operation, offset, length).
     chunks: HashMap<u32, (u32, usize, usize)>,
-    /// Payloads of response packets (READRSP, ATOMRSP) until the device is done with them.
-    resp: HashMap<u32, Bytes>,
+    /// Payloads of response packets (READRSP, CTSDATA of a read, ATOMRSP) until the device is
+    /// done with them: the bytes and the packets still using them.
+    resp: HashMap<u32, (Bytes, usize)>,
     next_resp: u32,
     /// Target work waiting for a region the application holds, in arrival order.
     retry: VecDeque<Work>,
     retry_at: Option<Instant>,
     /// Atomics waiting for their turn in the reorder window, by their rx entry id.
     rta: HashMap<u32, Work>,
+    /// Long-CTS writes and reads of peers this side serves, by the id it gave them.
+    tgt: HashMap<u32, Tgt>,
+    /// Long-CTS windows waiting for the peer's HANDSHAKE.
+    blocked: Vec<(u64, Side)>,
 }
 
 #[derive(Debug)]
@@ -59,8 +65,8 @@ struct EmaOp {
     /// Answers still expected.
     waiting: usize,
     error: Option<(Error, Option<Status>)>,
-    /// A write's last chunk, held back until the others are answered (immediate data).
-    last: Option<Pkt>,
+    /// Long-CTS writes and reads.
+    cts: Option<Box<CtsOp>>,
 }
 
 #[derive(Debug)]
@@ -97,6 +103,10 @@ enum Work {
         iov: RemoteIov,
         data: Bytes,
     },
+    /// Bytes `off..` of a long-CTS write this side serves.
+    Place { tid: u32, off: usize, data: Bytes },
+    /// The window granted to a long-CTS read this side serves.
+    Respond { tid: u32 },
 }
 
 impl Engine {
@@ -115,6 +125,11 @@ impl Engine {
                 return id;
             }
         }
+    }
+
+    /// Peers' operations the emulation serves (see [`super::Resources::target_ops`]).
+    pub(super) fn ema_target_ops(&self) -> usize {
+        self.ema.tgt.len() + self.ema.retry.len() + self.ema.rta.len() + self.ema.resp.len()
     }
 
     /// Operations of the emulation in flight.
@@ -154,10 +169,7 @@ impl Engine {
         } = op;
         match kind {
             RmaKind::Write { buf, data } => {
-                let len = buf.len();
-                if remote.len != len as u64 {
-                    let e = Error::new(ErrorKind::InvalidArgument, "write")
-                        .with_detail("remote length differs from the data's");
+                let back = move |e: Error, buf: Bytes| {
                     let op = RmaOp {
                         dest,
                         remote,
@@ -166,72 +178,36 @@ impl Engine {
                         delivery_complete,
                         context,
                     };
-                    return Err((e, op));
-                }
-                // A write with immediate data may end with a two-range packet (see below).
-                let probe_iovs = [remote, remote];
-                let probe = Packet::EagerRtw {
-                    opt: ReqOpt {
-                        sender,
-                        cq_data: data.map(u64::from),
-                    },
-                    dc_send_id: Some(0),
-                    rma_iov: IovList::new(&probe_iovs[..1 + usize::from(data.is_some())]),
+                    Err((e, op))
                 };
-                let hdr_len = self.encode(&probe).map(|h| h.bytes().len()).unwrap_or(mtu);
-                let chunk = mtu.saturating_sub(hdr_len).max(1);
-                let n = len.div_ceil(chunk).max(1);
-                let mut pkts = Vec::with_capacity(n);
-                for i in 0..n {
-                    let (a, b) = (i * chunk, ((i + 1) * chunk).min(len));
-                    let last = i + 1 == n;
-                    let chunk_iov = RemoteIov {
-                        addr: remote.addr.wrapping_add(a as u64),
-                        len: (b - a) as u64,
-                        key: remote.key,
-                    };
-                    // The last packet of a longer write with immediate data starts with an empty
-                    // range at the write's first byte, so the target can report the whole
-                    // length with the immediate data.
-                    let start = RemoteIov {
-                        addr: remote.addr,
-                        len: 0,
-                        key: remote.key,
-                    };
-                    let two = [start, chunk_iov];
-                    let iovs = if last && data.is_some() && n > 1 {
-                        &two[..]
-                    } else {
-                        &two[1..]
-                    };
-                    let pkt = Packet::EagerRtw {
-                        opt: ReqOpt {
-                            sender,
-                            cq_data: if last { data.map(u64::from) } else { None },
-                        },
-                        dc_send_id: Some(id),
-                        rma_iov: IovList::new(iovs),
-                    };
-                    let Some(hdr) = self.encode(&pkt) else {
-                        let op = RmaOp {
-                            dest,
-                            remote,
-                            kind: RmaKind::Write { buf, data },
-                            local_key,
-                            delivery_complete,
-                            context,
-                        };
-                        return Err((Error::new(ErrorKind::Io, "write"), op));
-                    };
-                    pkts.push(Pkt::new(pid, Owner::Ema(id), hdr, a, b));
+                let len = buf.len();
+                if remote.len != len as u64 {
+                    let e = Error::new(ErrorKind::InvalidArgument, "write")
+                        .with_detail("remote length differs from the data's");
+                    return back(e, buf);
                 }
-                let last = if data.is_some() && n > 1 {
-                    pkts.pop()
-                } else {
-                    None
+                let opt = ReqOpt {
+                    sender,
+                    cq_data: data.map(u64::from),
                 };
-                // The held-back last chunk is counted when it goes.
-                let waiting = pkts.len();
+                let one = [remote];
+                let pkt = Packet::EagerRtw {
+                    opt,
+                    dc_send_id: Some(id),
+                    rma_iov: IovList::new(&one),
+                };
+                let hdr = self
+                    .encode(&pkt)
+                    .filter(|h| h.bytes().len().saturating_add(len) <= mtu);
+                let Some(hdr) = hdr else {
+                    // Longer than one packet: long-CTS, delivery complete like the eager write
+                    // (so a write that completed is in the target's memory, and one refused
+                    // midway fails here).
+                    return match self.cts_write_start(pid, id, opt, remote, buf, true, context) {
+                        Ok(()) => Ok(()),
+                        Err((e, buf)) => back(e, buf),
+                    };
+                };
                 self.ema.ops.insert(
                     id,
                     EmaOp {
@@ -240,19 +216,15 @@ impl Engine {
                         pay: buf,
                         kind: OpKind::Write,
                         len,
-                        waiting,
+                        waiting: 1,
                         error: None,
-                        last,
+                        cts: None,
                     },
                 );
-                for p in pkts {
-                    self.enqueue(p, false, false);
-                }
+                self.enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, len), false, false);
             }
             RmaKind::Read { mut buf } => {
-                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
-                if len > isize::MAX as usize / 2 {
-                    let e = Error::new(ErrorKind::MsgSize, "read");
+                let back = move |e: Error, buf: BytesMut| {
                     let op = RmaOp {
                         dest,
                         remote,
@@ -261,42 +233,37 @@ impl Engine {
                         delivery_complete,
                         context,
                     };
-                    return Err((e, op));
-                }
-                let rsp = Packet::ReadRsp {
-                    connid: Some(self.local.qkey),
-                    recv_id: 0,
-                    send_id: 0,
-                    seg_length: 0,
+                    Err((e, op))
                 };
-                let hdr_len = self.encode(&rsp).map(|h| h.bytes().len()).unwrap_or(mtu);
-                let chunk = mtu.saturating_sub(hdr_len).max(1);
-                let n = len.div_ceil(chunk).max(1);
+                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
+                if len > isize::MAX as usize / 2 {
+                    return back(Error::new(ErrorKind::MsgSize, "read"), buf);
+                }
                 buf.clear();
                 buf.resize(len, 0);
-                let mut pkts = Vec::with_capacity(n);
-                for i in 0..n {
-                    let (a, b) = (i * chunk, ((i + 1) * chunk).min(len));
-                    let cid = self.ema_new_id();
-                    self.ema.chunks.insert(cid, (id, a, b - a));
-                    let iov = [RemoteIov {
-                        addr: remote.addr.wrapping_add(a as u64),
-                        len: (b - a) as u64,
-                        key: remote.key,
-                    }];
-                    let pkt = Packet::ShortRtr {
-                        opt: ReqOpt {
-                            sender,
-                            cq_data: None,
-                        },
-                        msg_length: (b - a) as u64,
-                        recv_id: cid,
-                        rma_iov: IovList::new(&iov),
+                let opt = ReqOpt {
+                    sender,
+                    cq_data: None,
+                };
+                if len > self.readrsp_room() {
+                    return match self.cts_read_start(pid, opt, remote, buf, context) {
+                        Ok(()) => Ok(()),
+                        Err((e, buf)) => back(e, buf),
                     };
-                    if let Some(hdr) = self.encode(&pkt) {
-                        pkts.push(Pkt::ctrl(pid, Owner::Ema(id), hdr));
-                    }
                 }
+                let cid = self.ema_new_id();
+                self.ema.chunks.insert(cid, (id, 0, len));
+                let one = [remote];
+                let pkt = Packet::ShortRtr {
+                    opt,
+                    msg_length: len as u64,
+                    recv_id: cid,
+                    rma_iov: IovList::new(&one),
+                };
+                let Some(hdr) = self.encode(&pkt) else {
+                    self.ema.chunks.remove(&cid);
+                    return back(Error::new(ErrorKind::Io, "read"), buf);
+                };
                 self.ema.ops.insert(
                     id,
                     EmaOp {
@@ -305,14 +272,12 @@ impl Engine {
                         pay: Bytes::new(),
                         kind: OpKind::Read(buf),
                         len,
-                        waiting: pkts.len(),
+                        waiting: 1,
                         error: None,
-                        last: None,
+                        cts: None,
                     },
                 );
-                for p in pkts {
-                    self.enqueue(p, false, false);
-                }
+                self.enqueue(Pkt::ctrl(pid, Owner::Ema(id), hdr), false, false);
             }
             RmaKind::Atomic {
                 op: aop,
@@ -398,7 +363,7 @@ impl Engine {
                         len,
                         waiting: 1,
                         error: None,
-                        last: None,
+                        cts: None,
                     },
                 );
                 // Read atomics carry no payload: the packet's range is empty.
@@ -421,7 +386,7 @@ impl Engine {
                 )
             }
             Owner::Resp(id) => {
-                let p = self.ema.resp.get(id)?;
+                let (p, _) = self.ema.resp.get(id)?;
                 Some(
                     p.get(off..end)
                         .map_or_else(Bytes::new, |_| p.slice(off..end)),
@@ -436,15 +401,20 @@ impl Engine {
     pub(super) fn ema_pkt_done(&mut self, owner: &Owner, status: Status) {
         match *owner {
             Owner::Resp(id) => {
-                self.ema.resp.remove(&id);
+                if let Some((_, n)) = self.ema.resp.get_mut(&id) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.ema.resp.remove(&id);
+                    }
+                }
             }
-            Owner::Ema(id) if !status.is_ok() => {
+            Owner::Ema(id) if status.is_ok() => self.cts_pkt_sent(id),
+            Owner::Ema(id) => {
                 let e = Error::new(status.error_kind(), "rma")
                     .with_detail(format!("device status {status}"));
                 if let Some(op) = self.ema.ops.get_mut(&id) {
                     op.error.get_or_insert((e, Some(status)));
                     op.waiting = op.waiting.saturating_sub(1);
-                    op.last = None;
                 }
                 self.ema_maybe_done(id);
             }
@@ -456,20 +426,23 @@ impl Engine {
         let Some(op) = self.ema.ops.get_mut(&id) else {
             return;
         };
-        if op.waiting > 0 {
+        // A long-CTS operation ends at its first error (its packets still queued are skipped).
+        let busy = match &op.cts {
+            Some(c) => op.error.is_none() && (op.waiting > 0 || c.pkts > 0 || c.done < op.len),
+            None => op.waiting > 0,
+        };
+        if busy {
             return;
-        }
-        if op.error.is_none() {
-            if let Some(last) = op.last.take() {
-                op.waiting = 1;
-                self.enqueue(last, false, false);
-                return;
-            }
         }
         let Some(op) = self.ema.ops.remove(&id) else {
             return;
         };
-        self.ema.chunks.retain(|_, c| c.0 != id);
+        if !self.ema.chunks.is_empty() {
+            self.ema.chunks.retain(|_, c| c.0 != id);
+        }
+        if op.cts.is_some() && !self.ema.blocked.is_empty() {
+            self.ema.blocked.retain(|&(_, s)| s != Side::Op(id));
+        }
         let (error, status) = match op.error {
             Some((e, s)) => (Some(e), s),
             None => (None, None),
@@ -502,10 +475,10 @@ impl Engine {
             if let Some(op) = self.ema.ops.get_mut(&id) {
                 op.error = Some((e.clone(), status));
                 op.waiting = 0;
-                op.last = None;
             }
             self.ema_maybe_done(id);
         }
+        self.cts_forget(pid);
         if pid.is_none() {
             self.ema.retry.clear();
             self.ema.rta.clear();
@@ -525,10 +498,17 @@ impl Engine {
         }
     }
 
-    /// A READRSP for one chunk of an emulated read.
-    pub(super) fn ema_readrsp(&mut self, pid: u64, recv_id: u32, data: &[u8]) {
+    /// A READRSP: the answer to a SHORT_RTR, or the start of a LONGCTS_RTR's data.
+    pub(super) fn ema_readrsp(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        recv_id: u32,
+        send_id: u32,
+        data: &[u8],
+    ) {
         let Some(&(id, off, len)) = self.ema.chunks.get(&recv_id) else {
-            return self.drop_pkt("READRSP for no read");
+            return self.cts_readrsp(now, pid, recv_id, send_id, data);
         };
         let Some(op) = self.ema.ops.get_mut(&id) else {
             return self.drop_pkt("READRSP for no read");
@@ -587,7 +567,6 @@ impl Engine {
             .with_detail(format!("the target refused it: {status}"));
         op.error.get_or_insert((e, Some(status)));
         op.waiting = op.waiting.saturating_sub(1);
-        op.last = None;
         self.ema_maybe_done(id);
     }
 
@@ -772,10 +751,20 @@ impl Engine {
                             self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
                                 src,
                                 data: d as u32,
-                                len: written_len(iovs, data.len()),
+                                len: data.len(),
                             }));
                         }
                     }
+                }
+            }
+            Work::Place { tid, off, data } => {
+                if self.cts_place(&*mem, *tid, *off, data).is_err() {
+                    return Some(w);
+                }
+            }
+            Work::Respond { tid } => {
+                if self.cts_respond(&*mem, *tid).is_err() {
+                    return Some(w);
                 }
             }
             Work::Read { pid, iov, recv_id } => match mem.read(iov.key, iov.addr, iov.len) {
@@ -866,7 +855,7 @@ impl Engine {
         let id = self.ema.next_resp;
         self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
         let n = data.len();
-        self.ema.resp.insert(id, data);
+        self.ema.resp.insert(id, (data, 1));
         self.enqueue(Pkt::new(pid, Owner::Resp(id), hdr, 0, n), true, false);
     }
 
@@ -882,6 +871,13 @@ impl Engine {
             } => (*pid, *id),
             Work::Read { pid, recv_id, .. } => (*pid, *recv_id),
             Work::Atomic { pid, kind, .. } if !matches!(kind, RtaKind::Write) => (*pid, kind.id()),
+            Work::Place { tid, .. } | Work::Respond { tid } => match self.cts_work_ids(*tid) {
+                Some(ids) => {
+                    self.ema.tgt.remove(tid);
+                    ids
+                }
+                None => return,
+            },
             _ => return self.drop_pkt("emulated RMA refused by the memory (no answer expected)"),
         };
         tracing::debug!(%status, "emulated RMA refused");
@@ -892,22 +888,5 @@ impl Engine {
             prov_errno: u32::from(status.code()),
         };
         self.queue_ctrl(pid, &pkt);
-    }
-}
-
-/// The length a write with immediate data reports: its data's, or, when its ranges start with
-/// an empty one at the write's first byte (the last packet of a multi-packet write), everything
-/// from there to the end of its last range.
-fn written_len(iovs: &[RemoteIov], data_len: usize) -> usize {
-    match (iovs.first(), iovs.last()) {
-        (Some(first), Some(last)) if iovs.len() >= 2 && first.len == 0 && first.key == last.key => {
-            last.addr
-                .checked_add(last.len)
-                .and_then(|end| end.checked_sub(first.addr))
-                .and_then(|n| usize::try_from(n).ok())
-                .filter(|&n| n >= data_len)
-                .unwrap_or(data_len)
-        }
-        _ => data_len,
     }
 }

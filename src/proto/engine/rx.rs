@@ -255,7 +255,8 @@ impl Engine {
         loop {
             let id = self.next_rx_id;
             self.next_rx_id = self.next_rx_id.wrapping_add(1);
-            if !self.rx.contains_key(&id) {
+            // Unique among the ids peers echo in CTSDATA (the emulation's long-CTS ones too).
+            if !self.rx.contains_key(&id) && !self.ema_owns_recv_id(id) {
                 return id;
             }
         }

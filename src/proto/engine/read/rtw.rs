@@ -21,7 +21,7 @@ pub(super) struct RtwTarget {
 }
 
 /// Writes `data`, bytes `off..` of a write, into the ranges `rma` of `mem`.
-pub(super) fn write_range(
+pub(in crate::proto::engine) fn write_range(
     mem: &dyn RmaMemory,
     rma: &ReadIovs,
     off: usize,

@@ -1,0 +1,777 @@
+//! The long-CTS protocols of the emulation: LONGCTS_RTW (and DC_LONGCTS_RTW) for writes and
+//! LONGCTS_RTR for reads longer than one packet. They use the message protocol's flow control:
+//! the side that receives the data grants windows of `tx_min_credits` packets with CTS, the
+//! other side sends the window as CTSDATA.
+//!
+//! * **Write**: the initiator's LONGCTS_RTW names the target ranges and carries the first bytes.
+//!   The target checks every range (key, bounds, `REMOTE_WRITE`) before it places anything, then
+//!   answers with CTS windows (or PEER_ERROR). It reports a write with immediate data once every
+//!   byte is in place, and answers DC_LONGCTS_RTW with a RECEIPT then. The initiator completes a
+//!   plain write when the device has completed all its packets (transmit complete), a
+//!   delivery-complete one at the RECEIPT.
+//! * **Read**: the requester's LONGCTS_RTR grants the first window. The responder checks the
+//!   ranges (`REMOTE_READ`), answers with one READRSP (the first bytes and its own id) and
+//!   CTSDATA for the rest of the window; the requester grants further windows with CTS carrying
+//!   the READ_REQ flag, and completes when every byte is in its buffer.
+//!
+//! Memory the application holds locked is retried like the rest of the target work (`Again`).
+
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::super::read::{ReadIovs, carve, write_range};
+use super::super::tx::{Owner, Pkt};
+use super::super::util::{Hdr, RangeSet};
+use super::super::{Engine, Event, RemoteWriteDone, RmaMemory};
+use super::{EmaOp, OpKind, Work};
+use crate::device::{RemoteIov, Status};
+use crate::error::{Error, ErrorKind};
+use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, IovList, Packet, ReqOpt};
+
+/// The long-CTS state of an operation this side started.
+#[derive(Debug, Default)]
+pub(super) struct CtsOp {
+    /// Write: bytes put into packets. Read: bytes received.
+    pub(super) done: usize,
+    /// End of the windows granted so far.
+    pub(super) window_end: usize,
+    /// The peer's id of the operation: the target's `recv_id` from its CTS (write), the
+    /// responder's `send_id` from its READRSP (read).
+    pub(super) peer_id: Option<u32>,
+    /// Packets of the operation (its REQ and CTSDATA) not yet completed by the device.
+    pub(super) pkts: usize,
+    /// Read: the ranges received (an overlap is a duplicate and dropped).
+    pub(super) got: RangeSet,
+}
+
+/// A long-CTS operation of a peer that this side serves.
+#[derive(Debug)]
+pub(super) struct Tgt {
+    pid: u64,
+    rma: ReadIovs,
+    total: usize,
+    /// Write: bytes placed in memory. Read: bytes put into packets.
+    done: usize,
+    /// End of the windows granted so far.
+    window_end: usize,
+    /// Write: the ranges received (placement may lag behind while a region is locked).
+    got: RangeSet,
+    kind: TgtKind,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum TgtKind {
+    Write {
+        send_id: u32,
+        dc: bool,
+        cq_data: Option<u64>,
+    },
+    Read {
+        recv_id: u32,
+    },
+}
+
+impl Engine {
+    /// Bytes of one CTS window (libfabric: `tx_min_credits × max_data_payload_size`).
+    pub(super) fn cts_credit(&self) -> usize {
+        let per_pkt = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
+        self.cfg.tx_min_credits.max(1).saturating_mul(per_pkt)
+    }
+
+    /// Bytes of a READRSP's payload at most.
+    pub(super) fn readrsp_room(&self) -> usize {
+        let rsp = Packet::ReadRsp {
+            connid: Some(self.local.qkey),
+            recv_id: 0,
+            send_id: 0,
+            seg_length: 0,
+        };
+        let hdr = self.encode(&rsp).map_or(self.cfg.mtu, |h| h.bytes().len());
+        self.cfg.mtu.saturating_sub(hdr)
+    }
+
+    /// An id for state that a peer names in `recv_id` (CTSDATA, READRSP): unique among the
+    /// receive entries and the emulation's operations, so CTSDATA finds its owner.
+    pub(super) fn ema_recv_id(&mut self) -> u32 {
+        loop {
+            let id = self.alloc_rx_id();
+            if !self.ema.chunks.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// True when `id` is an id [`Engine::ema_recv_id`] handed out and still in use.
+    pub(in crate::proto::engine) fn ema_owns_recv_id(&self, id: u32) -> bool {
+        (!self.ema.tgt.is_empty() && self.ema.tgt.contains_key(&id))
+            || (!self.ema.ops.is_empty()
+                && self
+                    .ema
+                    .ops
+                    .get(&id)
+                    .is_some_and(|o| o.cts.is_some() && matches!(o.kind, OpKind::Read(_))))
+    }
+
+    // ---- initiator ----
+
+    /// Starts a LONGCTS_RTW (DC_LONGCTS_RTW when `dc`): the REQ with the first bytes; the rest
+    /// follows the target's CTS windows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn cts_write_start(
+        &mut self,
+        pid: u64,
+        id: u32,
+        opt: ReqOpt,
+        remote: RemoteIov,
+        buf: Bytes,
+        dc: bool,
+        context: u64,
+    ) -> Result<(), (Error, Bytes)> {
+        let len = buf.len();
+        let one = [remote];
+        let req = Packet::LongCtsRtw {
+            opt,
+            msg_length: len as u64,
+            send_id: id,
+            credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
+            dc,
+            read_nack: false,
+            rma_iov: IovList::new(&one),
+        };
+        let Some(hdr) = self.encode(&req) else {
+            return Err((Error::new(ErrorKind::Io, "write"), buf));
+        };
+        let room = self.cfg.mtu.saturating_sub(hdr.bytes().len());
+        if self.cfg.mtu <= CTSDATA_MAX_HEADER_LEN {
+            let e = Error::new(ErrorKind::InvalidArgument, "write").with_detail("MTU too small");
+            return Err((e, buf));
+        }
+        let n = room.min(len);
+        self.ema.ops.insert(
+            id,
+            EmaOp {
+                pid,
+                context,
+                pay: buf,
+                kind: OpKind::Write,
+                len,
+                // A delivery-complete write waits for its RECEIPT.
+                waiting: usize::from(dc),
+                error: None,
+                cts: Some(Box::new(CtsOp {
+                    done: n,
+                    window_end: n,
+                    peer_id: None,
+                    pkts: 1,
+                    got: RangeSet::default(),
+                })),
+            },
+        );
+        self.enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, n), false, false);
+        Ok(())
+    }
+
+    /// Starts a LONGCTS_RTR granting the first window; `buf` is `len` bytes long.
+    pub(super) fn cts_read_start(
+        &mut self,
+        pid: u64,
+        opt: ReqOpt,
+        remote: RemoteIov,
+        buf: BytesMut,
+        context: u64,
+    ) -> Result<(), (Error, BytesMut)> {
+        let len = buf.len();
+        let id = self.ema_recv_id();
+        let window = len.min(self.cts_credit());
+        let one = [remote];
+        let req = Packet::LongCtsRtr {
+            opt,
+            msg_length: len as u64,
+            recv_id: id,
+            recv_length: u32::try_from(window).unwrap_or(u32::MAX),
+            rma_iov: IovList::new(&one),
+        };
+        let Some(hdr) = self.encode(&req) else {
+            return Err((Error::new(ErrorKind::Io, "read"), buf));
+        };
+        let window = window.min(u32::MAX as usize);
+        self.ema.ops.insert(
+            id,
+            EmaOp {
+                pid,
+                context,
+                pay: Bytes::new(),
+                kind: OpKind::Read(buf),
+                len,
+                waiting: 1,
+                error: None,
+                cts: Some(Box::new(CtsOp {
+                    done: 0,
+                    window_end: window,
+                    peer_id: None,
+                    pkts: 1,
+                    got: RangeSet::default(),
+                })),
+            },
+        );
+        self.enqueue(Pkt::ctrl(pid, Owner::Ema(id), hdr), false, false);
+        Ok(())
+    }
+
+    /// A CTS without READ_REQ: true when it granted a window of one of our long-CTS writes.
+    pub(in crate::proto::engine) fn ema_cts_write(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        send_id: u32,
+        recv_id: u32,
+        recv_length: u64,
+    ) -> bool {
+        let Some(op) = self.ema.ops.get_mut(&send_id) else {
+            return false;
+        };
+        let (Some(c), OpKind::Write) = (op.cts.as_deref_mut(), &op.kind) else {
+            return false;
+        };
+        if op.pid != pid {
+            return false;
+        }
+        if op.error.is_some() {
+            self.drop_pkt("CTS for a failed write");
+            return true;
+        }
+        let end = usize::try_from(recv_length)
+            .ok()
+            .and_then(|n| c.done.checked_add(n));
+        match end {
+            Some(e) if recv_length > 0 && c.done == c.window_end && e <= op.len => {
+                c.window_end = e;
+                c.peer_id = Some(recv_id);
+            }
+            _ => {
+                self.drop_pkt("CTS outside the write, or while a window is being sent");
+                return true;
+            }
+        }
+        self.cts_send_window(now, pid, Side::Op(send_id));
+        true
+    }
+
+    /// A READRSP for a LONGCTS_RTR: the responder's id and the first bytes.
+    pub(super) fn cts_readrsp(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        recv_id: u32,
+        send_id: u32,
+        data: &[u8],
+    ) {
+        let Some(op) = self.ema.ops.get_mut(&recv_id) else {
+            return self.drop_pkt("READRSP for no read");
+        };
+        match op.cts.as_deref_mut() {
+            Some(c) if op.pid == pid && c.peer_id.is_none() => c.peer_id = Some(send_id),
+            _ => return self.drop_pkt("READRSP that does not start a long-CTS read"),
+        }
+        self.cts_read_data(now, pid, recv_id, 0, data);
+    }
+
+    /// Data of one of our long-CTS reads (READRSP or CTSDATA), at `off`.
+    pub(super) fn cts_read_data(
+        &mut self,
+        _now: Instant,
+        pid: u64,
+        id: u32,
+        off: u64,
+        data: &[u8],
+    ) {
+        let credit = self.cts_credit();
+        let qkey = self.local.qkey;
+        let Some(op) = self.ema.ops.get_mut(&id) else {
+            return self.drop_pkt("CTSDATA for no read");
+        };
+        let (Some(c), OpKind::Read(buf)) = (op.cts.as_deref_mut(), &mut op.kind) else {
+            return self.drop_pkt("CTSDATA for an operation that is not a long-CTS read");
+        };
+        if op.pid != pid || op.error.is_some() {
+            return self.drop_pkt("CTSDATA from another peer or for a failed read");
+        }
+        let n = data.len() as u64;
+        let end = off
+            .checked_add(n)
+            .filter(|&e| n > 0 && e <= c.window_end as u64);
+        let Some(end) = end else {
+            return self.drop_pkt("read data outside the window granted");
+        };
+        if !c.got.insert(off, end) {
+            return self.drop_pkt("duplicate read data");
+        }
+        if let Some(dst) = buf.get_mut(off as usize..end as usize) {
+            dst.copy_from_slice(data);
+        }
+        c.done += data.len();
+        let (done, window_end, len) = (c.done, c.window_end, op.len);
+        if done == len {
+            op.waiting = 0;
+            return self.ema_maybe_done(id);
+        }
+        if done == window_end {
+            let Some(responder) = c.peer_id else {
+                return;
+            };
+            let grant = (len - done).min(credit);
+            c.window_end += grant;
+            let cts = Packet::Cts {
+                connid: Some(qkey),
+                send_id: responder,
+                recv_id: id,
+                recv_length: grant as u64,
+                read_req: true,
+            };
+            self.queue_ctrl(pid, &cts);
+        }
+    }
+
+    /// A device completion of one of our long-CTS operations' packets (success).
+    pub(super) fn cts_pkt_sent(&mut self, id: u32) {
+        let Some(c) = self.ema.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
+            return;
+        };
+        c.pkts = c.pkts.saturating_sub(1);
+        self.ema_maybe_done(id);
+    }
+
+    /// Queues the CTSDATA (and for a read's first window the READRSP) of the window granted.
+    /// Waits for the peer's HANDSHAKE: CTSDATA carries our connid after its header.
+    fn cts_send_window(&mut self, now: Instant, pid: u64, side: Side) {
+        if !self.peers.get(&pid).is_some_and(|p| p.hs_received) {
+            if !self.ema.blocked.contains(&(pid, side)) {
+                self.ema.blocked.push((pid, side));
+            }
+            return;
+        }
+        match side {
+            Side::Op(id) => self.cts_send_write_window(pid, id),
+            Side::Tgt(tid) => self.ema_target(now, Work::Respond { tid }),
+        }
+    }
+
+    /// The peer's HANDSHAKE arrived: windows that waited for it go.
+    pub(in crate::proto::engine) fn ema_handshake(&mut self, now: Instant, pid: u64) {
+        if self.ema.blocked.is_empty() {
+            return;
+        }
+        let (ready, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.ema.blocked)
+            .into_iter()
+            .partition(|&(p, _)| p == pid);
+        self.ema.blocked = later;
+        for (p, side) in ready {
+            self.cts_send_window(now, p, side);
+        }
+    }
+
+    fn cts_send_write_window(&mut self, pid: u64, id: u32) {
+        let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
+        let qkey = self.local.qkey;
+        let Some(op) = self.ema.ops.get_mut(&id) else {
+            return;
+        };
+        let Some(c) = op.cts.as_deref_mut() else {
+            return;
+        };
+        let Some(recv_id) = c.peer_id else {
+            return;
+        };
+        let (mut off, end) = (c.done, c.window_end);
+        let mut pkts = Vec::with_capacity((end - off).div_ceil(max));
+        while off < end {
+            let n = max.min(end - off);
+            let h = Packet::CtsData {
+                connid: Some(qkey),
+                recv_id,
+                seg_length: n as u64,
+                seg_offset: off as u64,
+            };
+            match Hdr::encode(&h) {
+                Ok(hdr) => pkts.push(Pkt::new(pid, Owner::Ema(id), hdr, off, off + n)),
+                Err(_) => break,
+            }
+            off += n;
+        }
+        c.done = off;
+        c.pkts += pkts.len();
+        for p in pkts {
+            self.enqueue(p, false, false);
+        }
+    }
+
+    // ---- target ----
+
+    /// A LONGCTS_RTW or DC_LONGCTS_RTW: checks every range, places the first bytes, then CTS.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::proto::engine) fn ema_longcts_rtw(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        rma_iov: IovList<'_>,
+        msg_length: u64,
+        send_id: u32,
+        dc: bool,
+        cq_data: Option<u64>,
+        data: &[u8],
+    ) {
+        let rma = ReadIovs::of(&rma_iov);
+        let total = rma.total();
+        if rma_iov.len() != rma.as_slice().len() || total != Some(msg_length) {
+            return self.drop_pkt("LONGCTS_RTW whose ranges and length differ");
+        }
+        let Ok(total) = usize::try_from(msg_length) else {
+            return self.drop_pkt("LONGCTS_RTW longer than memory");
+        };
+        if data.len() > total {
+            return self.drop_pkt("LONGCTS_RTW carrying more than its length");
+        }
+        if let Err(status) = self.cts_check(&rma, true) {
+            return self.cts_refuse(pid, send_id, status);
+        }
+        if self.ema.tgt.len() >= self.cfg.max_rx_ops {
+            tracing::debug!("LONGCTS_RTW: max_rx_ops peer operations served already");
+            return self.cts_refuse(pid, send_id, Status::RemoteAbort);
+        }
+        let tid = self.ema_recv_id();
+        let mut got = RangeSet::default();
+        if !data.is_empty() {
+            got.insert(0, data.len() as u64);
+        }
+        self.ema.tgt.insert(
+            tid,
+            Tgt {
+                pid,
+                rma,
+                total,
+                done: 0,
+                window_end: data.len(),
+                got,
+                kind: TgtKind::Write {
+                    send_id,
+                    dc,
+                    cq_data,
+                },
+            },
+        );
+        let data = Bytes::copy_from_slice(data);
+        self.ema_target(now, Work::Place { tid, off: 0, data });
+    }
+
+    /// A LONGCTS_RTR: checks every range, then READRSP and CTSDATA for the first window.
+    pub(in crate::proto::engine) fn ema_longcts_rtr(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        rma_iov: IovList<'_>,
+        msg_length: u64,
+        recv_id: u32,
+        recv_length: u32,
+    ) {
+        let rma = ReadIovs::of(&rma_iov);
+        if rma_iov.len() != rma.as_slice().len() || rma.total() != Some(msg_length) {
+            return self.drop_pkt("LONGCTS_RTR whose ranges and length differ");
+        }
+        let Ok(total) = usize::try_from(msg_length) else {
+            return self.drop_pkt("LONGCTS_RTR longer than memory");
+        };
+        if recv_length == 0 || total == 0 {
+            return self.drop_pkt("LONGCTS_RTR with an empty window or range");
+        }
+        if let Err(status) = self.cts_check(&rma, false) {
+            return self.cts_refuse(pid, recv_id, status);
+        }
+        if self.ema.tgt.len() >= self.cfg.max_rx_ops {
+            tracing::debug!("LONGCTS_RTR: max_rx_ops peer operations served already");
+            return self.cts_refuse(pid, recv_id, Status::RemoteAbort);
+        }
+        let tid = self.ema_recv_id();
+        self.ema.tgt.insert(
+            tid,
+            Tgt {
+                pid,
+                rma,
+                total,
+                done: 0,
+                window_end: total.min(recv_length as usize),
+                got: RangeSet::default(),
+                kind: TgtKind::Read { recv_id },
+            },
+        );
+        self.cts_send_window(now, pid, Side::Tgt(tid));
+    }
+
+    /// A CTS with READ_REQ: the requester grants the next window of a read we serve.
+    pub(in crate::proto::engine) fn ema_cts_read(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        send_id: u32,
+        recv_id: u32,
+        recv_length: u64,
+    ) {
+        let Some(t) = self.ema.tgt.get_mut(&send_id) else {
+            return self.drop_pkt("CTS (read) for an unknown send_id");
+        };
+        let ok = t.pid == pid
+            && matches!(t.kind, TgtKind::Read { recv_id: r } if r == recv_id)
+            && t.done == t.window_end
+            && recv_length > 0
+            && usize::try_from(recv_length)
+                .ok()
+                .and_then(|n| t.done.checked_add(n))
+                .is_some_and(|e| e <= t.total);
+        if !ok {
+            return self.drop_pkt("CTS (read) that does not match its read");
+        }
+        t.window_end += recv_length as usize;
+        self.cts_send_window(now, pid, Side::Tgt(send_id));
+    }
+
+    /// CTSDATA of a long-CTS write we serve: true when `recv_id` names one.
+    pub(in crate::proto::engine) fn ema_ctsdata(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        recv_id: u32,
+        off: u64,
+        data: &[u8],
+    ) -> bool {
+        if let Some(t) = self.ema.tgt.get_mut(&recv_id) {
+            if t.pid != pid || !matches!(t.kind, TgtKind::Write { .. }) {
+                self.drop_pkt("CTSDATA from another peer or for a read");
+                return true;
+            }
+            let n = data.len() as u64;
+            let end = off
+                .checked_add(n)
+                .filter(|&e| n > 0 && e <= t.window_end as u64);
+            let Some(end) = end else {
+                self.drop_pkt("CTSDATA outside the window granted");
+                return true;
+            };
+            if !t.got.insert(off, end) {
+                self.drop_pkt("duplicate CTSDATA");
+                return true;
+            }
+            let w = Work::Place {
+                tid: recv_id,
+                off: off as usize,
+                data: Bytes::copy_from_slice(data),
+            };
+            self.ema_target(now, w);
+            return true;
+        }
+        if self.ema_owns_recv_id(recv_id) {
+            self.cts_read_data(now, pid, recv_id, off, data);
+            return true;
+        }
+        false
+    }
+
+    /// Checks the ranges of a request against the memory.
+    fn cts_check(&self, rma: &ReadIovs, write: bool) -> Result<(), Status> {
+        let Some(mem) = self.memory.as_deref() else {
+            return Err(Status::RemoteBadAddress);
+        };
+        for iov in rma.as_slice() {
+            mem.check(iov.key, iov.addr, iov.len, write)
+                .map_err(|_| Status::RemoteBadAddress)?;
+        }
+        Ok(())
+    }
+
+    /// PEER_ERROR naming the initiator's operation `op_id`.
+    fn cts_refuse(&mut self, pid: u64, op_id: u32, status: Status) {
+        tracing::debug!(%status, "long-CTS RMA refused");
+        let pkt = Packet::PeerError {
+            connid: Some(self.local.qkey),
+            op_id,
+            ref_kind: crate::proto::wire::peer_error_ref::OPE_INDEX,
+            prov_errno: u32::from(status.code()),
+        };
+        self.queue_ctrl(pid, &pkt);
+    }
+
+    /// Target work: places bytes `off..` of write `tid`. `Err(())`: the region is locked.
+    pub(super) fn cts_place(
+        &mut self,
+        mem: &dyn RmaMemory,
+        tid: u32,
+        off: usize,
+        data: &[u8],
+    ) -> Result<(), ()> {
+        let Some(t) = self.ema.tgt.get(&tid) else {
+            return Ok(());
+        };
+        let TgtKind::Write {
+            send_id,
+            dc,
+            cq_data,
+        } = t.kind
+        else {
+            return Ok(());
+        };
+        let pid = t.pid;
+        match write_range(mem, &t.rma, off, data) {
+            Err(e) if e.kind() == ErrorKind::Again => return Err(()),
+            Err(_) => {
+                // The region went away (or changed) since the request was checked.
+                self.ema.tgt.remove(&tid);
+                self.cts_refuse(pid, send_id, Status::RemoteBadAddress);
+                return Ok(());
+            }
+            Ok(()) => {}
+        }
+        let credit = self.cts_credit();
+        let qkey = self.local.qkey;
+        let Some(t) = self.ema.tgt.get_mut(&tid) else {
+            return Ok(());
+        };
+        t.done += data.len();
+        if t.done == t.total {
+            let total = t.total;
+            self.ema.tgt.remove(&tid);
+            if dc {
+                let r = Packet::Receipt {
+                    connid: Some(qkey),
+                    send_id,
+                    msg_id: 0,
+                };
+                self.queue_ctrl(pid, &r);
+            }
+            if let (Some(d), Some(src)) = (cq_data, self.peers.get(&pid).map(|p| p.addr)) {
+                self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
+                    src,
+                    data: d as u32,
+                    len: total,
+                }));
+            }
+        } else if t.done == t.window_end {
+            let grant = (t.total - t.done).min(credit);
+            t.window_end += grant;
+            let cts = Packet::Cts {
+                connid: Some(qkey),
+                send_id,
+                recv_id: tid,
+                recv_length: grant as u64,
+                read_req: false,
+            };
+            self.queue_ctrl(pid, &cts);
+        }
+        Ok(())
+    }
+
+    /// Target work: reads the window granted to read `tid` and queues it as READRSP (first) and
+    /// CTSDATA. `Err(())`: the region is locked.
+    pub(super) fn cts_respond(&mut self, mem: &dyn RmaMemory, tid: u32) -> Result<(), ()> {
+        let Some(t) = self.ema.tgt.get(&tid) else {
+            return Ok(());
+        };
+        let TgtKind::Read { recv_id } = t.kind else {
+            return Ok(());
+        };
+        let (pid, from, to) = (t.pid, t.done, t.window_end);
+        if from >= to {
+            return Ok(());
+        }
+        let data = match read_range(mem, &t.rma, from, to) {
+            Err(e) if e.kind() == ErrorKind::Again => return Err(()),
+            Err(_) => {
+                self.ema.tgt.remove(&tid);
+                self.cts_refuse(pid, recv_id, Status::RemoteBadAddress);
+                return Ok(());
+            }
+            Ok(d) => d,
+        };
+        let qkey = self.local.qkey;
+        let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
+        let first = self.readrsp_room().max(1);
+        let mut pkts = Vec::new();
+        let mut off = from;
+        while off < to {
+            let (pkt, n) = if off == 0 {
+                let n = first.min(to);
+                let p = Packet::ReadRsp {
+                    connid: Some(qkey),
+                    recv_id,
+                    send_id: tid,
+                    seg_length: n as u64,
+                };
+                (p, n)
+            } else {
+                let n = max.min(to - off);
+                let p = Packet::CtsData {
+                    connid: Some(qkey),
+                    recv_id,
+                    seg_length: n as u64,
+                    seg_offset: off as u64,
+                };
+                (p, n)
+            };
+            match Hdr::encode(&pkt) {
+                Ok(hdr) => pkts.push((hdr, off - from, off - from + n)),
+                Err(_) => break,
+            }
+            off += n;
+        }
+        let rid = self.ema.next_resp;
+        self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
+        self.ema.resp.insert(rid, (data, pkts.len()));
+        for (hdr, a, b) in pkts {
+            self.enqueue(Pkt::new(pid, Owner::Resp(rid), hdr, a, b), false, false);
+        }
+        if let Some(t) = self.ema.tgt.get_mut(&tid) {
+            t.done = to;
+            if t.done == t.total {
+                self.ema.tgt.remove(&tid);
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the long-CTS work of `pid` (every peer's when `None`) it serves.
+    pub(super) fn cts_forget(&mut self, pid: Option<u64>) {
+        self.ema.tgt.retain(|_, t| pid.is_some_and(|p| t.pid != p));
+        self.ema
+            .blocked
+            .retain(|(p, _)| pid.is_some_and(|x| *p != x));
+    }
+
+    /// The target id a work item belongs to, and the initiator's id to refuse.
+    pub(super) fn cts_work_ids(&self, tid: u32) -> Option<(u64, u32)> {
+        self.ema.tgt.get(&tid).map(|t| match t.kind {
+            TgtKind::Write { send_id, .. } => (t.pid, send_id),
+            TgtKind::Read { recv_id } => (t.pid, recv_id),
+        })
+    }
+}
+
+/// Which side of a long-CTS operation a window belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Side {
+    /// One of our writes (its op id).
+    Op(u32),
+    /// A read we serve (its target id).
+    Tgt(u32),
+}
+
+/// Bytes `from..to` of the ranges `rma`, read from `mem`.
+fn read_range(mem: &dyn RmaMemory, rma: &ReadIovs, from: usize, to: usize) -> crate::Result<Bytes> {
+    let ranges = carve(rma.as_slice(), from, to, usize::MAX)
+        .ok_or_else(|| Error::new(ErrorKind::RemoteAccess, "rma").with_detail("beyond rma_iov"))?;
+    if let [one] = ranges.as_slice() {
+        return mem.read(one.key, one.addr, one.len);
+    }
+    let mut out = BytesMut::with_capacity(to - from);
+    for r in ranges {
+        out.extend_from_slice(&mem.read(r.key, r.addr, r.len)?);
+    }
+    Ok(out.freeze())
+}
