@@ -120,18 +120,40 @@ pub fn print_row(size: usize, iters: usize, xfers_per_iter: usize, elapsed: Dura
 
 /// A deterministic pattern for data verification (`-c`): byte `i` of message `seq`.
 pub fn fill_pattern(buf: &mut [u8], seq: u64) {
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = (seq.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
+    let period = pattern_period(seq);
+    for chunk in buf.chunks_mut(PERIOD) {
+        chunk.copy_from_slice(&period[..chunk.len()]);
     }
 }
 
-/// Checks a buffer against [`fill_pattern`].
+/// The pattern repeats every 251 bytes (`7 i mod 251` has period 251).
+const PERIOD: usize = 251;
+
+/// One period of [`fill_pattern`]'s bytes for message `seq`: byte `i` of a message is
+/// `(31 seq + 7 i) mod 251`.
+fn pattern_period(seq: u64) -> [u8; PERIOD] {
+    let mut p = [0u8; PERIOD];
+    for (i, b) in p.iter_mut().enumerate() {
+        *b = (seq.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
+    }
+    p
+}
+
+/// Checks a buffer against [`fill_pattern`] (at memory speed: one period compared at a time).
 pub fn check_pattern(buf: &[u8], seq: u64) -> Result<(), String> {
-    for (i, &b) in buf.iter().enumerate() {
-        let want = (seq.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
-        if b != want {
+    let period = pattern_period(seq);
+    for (k, chunk) in buf.chunks(PERIOD).enumerate() {
+        if chunk != &period[..chunk.len()] {
+            let j = chunk
+                .iter()
+                .zip(period.iter())
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
             return Err(format!(
-                "data mismatch in message {seq} at byte {i}: got {b:#04x}, want {want:#04x}"
+                "data mismatch in message {seq} at byte {}: got {:#04x}, want {:#04x}",
+                k * PERIOD + j,
+                chunk[j],
+                period[j]
             ));
         }
     }
