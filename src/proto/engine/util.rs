@@ -257,16 +257,30 @@ impl<T> SeqMap<T> {
 pub(super) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
 /// Room for the largest header the engine sends: a DC tagged MEDIUM segment with the
-/// raw-address and CQ-data headers (88 bytes), a HANDSHAKE (80 at most), the last DC_EAGER_RTW
-/// of an emulated write with immediate data (two ranges, raw address, CQ data: 112).
+/// raw-address and CQ-data headers (88 bytes), a HANDSHAKE (80 at most), a DC_LONGCTS_RTW with
+/// its range, the raw address and CQ data (96).
 pub(super) const HDR_INLINE: usize = 128;
 
-/// A packet's headers, kept inline with the packet until it goes to the device (and again if
-/// an RNR sends it once more): no shared buffer whose references are counted per packet.
-#[derive(Clone, Copy)]
+/// Headers up to this long are kept inside the packet: every header of a message packet after
+/// the HANDSHAKE (eager, medium, long-CTS with tag, delivery complete, CQ data and connid; CTS,
+/// CTSDATA, RECEIPT) fits, so steady-state messages never allocate for a header. Longer ones
+/// (raw-address REQs before the HANDSHAKE, RMA requests with their ranges, the HANDSHAKE) take
+/// a heap box of [`HDR_INLINE`] bytes.
+pub(super) const HDR_SMALL: usize = 54;
+
+/// A packet's headers, kept with the packet until it goes to the device (and again if an RNR
+/// sends it once more): no shared buffer whose references are counted per packet. Small
+/// (64 bytes with its length) so that queues move packets cheaply.
+#[derive(Clone)]
 pub(super) struct Hdr {
-    b: [u8; HDR_INLINE],
     n: u8,
+    repr: HdrRepr,
+}
+
+#[derive(Clone)]
+enum HdrRepr {
+    Small([u8; HDR_SMALL]),
+    Big(Box<[u8; HDR_INLINE]>),
 }
 
 impl std::fmt::Debug for Hdr {
@@ -279,31 +293,52 @@ impl Hdr {
     /// Empty, to be filled with [`Hdr::put`].
     pub(super) fn empty() -> Hdr {
         Hdr {
-            b: [0; HDR_INLINE],
             n: 0,
+            repr: HdrRepr::Small([0; HDR_SMALL]),
         }
     }
 
-    /// Appends `bytes` (nothing if they do not fit; the header sizes the engine sends do).
+    /// Appends `bytes` (nothing if they do not fit [`HDR_INLINE`]; the header sizes the engine
+    /// sends do).
     pub(super) fn put(&mut self, bytes: &[u8]) {
         let n = usize::from(self.n);
-        if let Some(d) = self.b.get_mut(n..n + bytes.len()) {
+        let end = n + bytes.len();
+        if end > HDR_INLINE {
+            return;
+        }
+        if let HdrRepr::Small(s) = &self.repr {
+            if end > HDR_SMALL {
+                let mut big = Box::new([0u8; HDR_INLINE]);
+                big[..n].copy_from_slice(&s[..n]);
+                self.repr = HdrRepr::Big(big);
+            }
+        }
+        let dst = match &mut self.repr {
+            HdrRepr::Small(s) => s.get_mut(n..end),
+            HdrRepr::Big(b) => b.get_mut(n..end),
+        };
+        if let Some(d) = dst {
             d.copy_from_slice(bytes);
-            self.n += bytes.len() as u8;
+            self.n = end as u8;
         }
     }
 
     /// `pkt`'s headers, encoded by the codec.
     pub(super) fn encode(pkt: &Packet<'_>) -> Result<Hdr, WireError> {
-        let mut h = Hdr::empty();
-        let mut out: &mut [u8] = &mut h.b[..];
+        let mut buf = [0u8; HDR_INLINE];
+        let mut out: &mut [u8] = &mut buf[..];
         let n = pkt.encode_header(&mut out)?;
-        h.n = n as u8;
+        let mut h = Hdr::empty();
+        h.put(&buf[..n]);
         Ok(h)
     }
 
     pub(super) fn bytes(&self) -> &[u8] {
-        self.b.get(..usize::from(self.n)).unwrap_or(&[])
+        let n = usize::from(self.n);
+        match &self.repr {
+            HdrRepr::Small(s) => s.get(..n).unwrap_or(&[]),
+            HdrRepr::Big(b) => b.get(..n).unwrap_or(&[]),
+        }
     }
 }
 
@@ -519,6 +554,64 @@ mod tests {
             p.encode_header(&mut want).unwrap();
             assert_eq!(h.bytes(), &want[..], "{p:?}");
         }
+    }
+
+    #[test]
+    fn message_headers_after_the_handshake_stay_inline() {
+        use crate::proto::wire::{ReqOpt, Sender};
+        let opt = ReqOpt {
+            sender: Sender::Connid(u32::MAX),
+            cq_data: Some(u64::MAX),
+        };
+        let pkts = [
+            Packet::EagerRtm {
+                opt,
+                msg_id: 1,
+                tag: Some(2),
+                dc_send_id: Some(3),
+            },
+            Packet::MediumRtm {
+                opt,
+                msg_id: 1,
+                msg_length: 2,
+                seg_offset: 3,
+                tag: Some(4),
+                dc_send_id: Some(5),
+            },
+            Packet::LongCtsRtm {
+                opt,
+                msg_id: 1,
+                msg_length: 2,
+                send_id: 3,
+                credit_request: 4,
+                tag: Some(5),
+                dc: true,
+                read_nack: false,
+            },
+            Packet::CtsData {
+                connid: Some(1),
+                recv_id: 2,
+                seg_length: 3,
+                seg_offset: 4,
+            },
+            Packet::Receipt {
+                connid: Some(1),
+                send_id: 2,
+                msg_id: 3,
+            },
+        ];
+        for p in pkts {
+            let h = Hdr::encode(&p).unwrap();
+            assert!(matches!(h.repr, HdrRepr::Small(_)), "{p:?}: {h:?}");
+            assert_eq!(h.bytes().len(), p.header_len(), "{p:?}");
+        }
+        // A longer one spills to the heap, intact.
+        let mut h = Hdr::empty();
+        let long: Vec<u8> = (0..100u8).collect();
+        h.put(&long[..50]);
+        h.put(&long[50..]);
+        assert!(matches!(h.repr, HdrRepr::Big(_)));
+        assert_eq!(h.bytes(), &long[..]);
     }
 
     #[test]
