@@ -8,7 +8,9 @@
 # PROVIDER defaults to "udp;ofi_rxd" and "tcp;ofi_rxm" for rdm, "udp" for dgram. Each round runs
 # every configuration once, alternating; the table gives the median of the rounds. -s takes a
 # comma-separated list of sizes in bytes; -g draws latency and bandwidth against size as an SVG
-# (scripts/plot-svg.awk), one curve per configuration.
+# (scripts/plot-svg.awk), one curve per configuration. The PROVIDER "floor" is no libfabric
+# provider: it runs examples/udp-floor, plain UDP datagrams between busy-polling sockets (sizes
+# up to 65000 bytes), the floor under every udp figure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,8 +30,9 @@ if [ $# -gt 0 ]; then provs=("$@"); elif [ "$ep" = rdm ]; then provs=("udp;ofi_r
 if [ -n "$sizelist" ]; then IFS=, read -r -a sizes <<<"$sizelist"
 elif [ "$ep" = rdm ]; then sizes=(64 65536 1048576); else sizes=(64 1024); fi
 command -v fi_pingpong >/dev/null || { echo "fi_pingpong not found: apt-get install libfabric-bin" >&2; exit 1; }
-cargo build --release --quiet --example ping-pong
+cargo build --release --quiet --example ping-pong --example udp-floor
 pp=${CARGO_TARGET_DIR:-target}/release/examples/ping-pong
+floor=${CARGO_TARGET_DIR:-target}/release/examples/udp-floor
 port=$((40000 + RANDOM % 20000))
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -48,6 +51,15 @@ run_ours() {
 }
 run_fi() {
     local prov=$1 s=$2 i; i=$(iters "$s"); port=$((port + 1))
+    if [ "$prov" = floor ]; then
+        if [ "$s" -gt 65000 ]; then echo "nan nan"; return; fi
+        "$floor" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+        local fsrv=$!
+        sleep 0.3
+        timeout 120 "$floor" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $6, $5}'
+        wait $fsrv || true
+        return
+    fi
     fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
