@@ -52,6 +52,9 @@ struct Args {
     /// Verify the data (written: checked in the server's region; read: in every read buffer).
     #[arg(short = 'c')]
     verify: bool,
+    /// Print the endpoint's and the device's counters at the end (retransmissions, RNR, ...).
+    #[arg(short = 'v')]
+    verbose: bool,
     #[command(flatten)]
     conn: Conn,
 }
@@ -195,6 +198,9 @@ fn session(args: &Args, side: Side) -> Res<()> {
             if print {
                 print_paths(&ep, "server");
             }
+            if args.verbose {
+                print_counters(&ep, &domain, "server");
+            }
         }
         Role::Client => {
             let line = oob.recv_line().map_err(|e| format!("remote key: {e}"))?;
@@ -275,9 +281,17 @@ fn session(args: &Args, side: Side) -> Res<()> {
             if print {
                 print_paths(&ep, "client");
             }
+            if args.verbose {
+                print_counters(&ep, &domain, "client");
+            }
         }
     }
     Ok(())
+}
+
+fn print_counters(ep: &Endpoint<Rdm>, domain: &efa::Domain, who: &str) {
+    println!("# {who} endpoint: {:?}", ep.stats());
+    println!("# {who} device: {:?}", domain.device().stats());
 }
 
 fn print_paths(ep: &Endpoint<Rdm>, who: &str) {
