@@ -515,3 +515,50 @@ fn crafted_long_cts_packets_never_harm() {
     assert!(d.unwrap().error.is_none(), "seed {seed}");
     assert_eq!(&mems[1].bytes(TKEY)[..data.len()], &data[..], "seed {seed}");
 }
+
+/// Work waiting for a region the application holds is bounded: beyond `max_buffered_bytes`
+/// further requests are refused (the initiator's operation fails with `RemoteAbort`), the
+/// accepted ones complete once the region is free, and nothing is left behind.
+#[test]
+fn work_waiting_for_a_locked_region_is_bounded() {
+    let seed = test_seed();
+    let (mut sim, mems) = emulated(SimConfig::clean(seed), 2);
+    connect(&mut sim, seed);
+    sim.engine(1).set_limits(efa::proto::engine::EngineLimits {
+        max_buffered_bytes: 10_000,
+        ..Default::default()
+    });
+    let a1 = sim.addr(1);
+    // Locked "for ever" (until released below).
+    mems[1].busy.store(u32::MAX, Ordering::Relaxed);
+    let n = 8u64;
+    for k in 0..n {
+        let data = pattern(seed ^ k, 3000);
+        let addr = TBASE + k * 4096;
+        sim.rma(0, write_op(a1, addr, data, None, k))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    sim.run_for(Duration::from_millis(5));
+    let refused: Vec<RmaDone> = events(&mut sim, 0).rmas;
+    assert!(!refused.is_empty(), "seed {seed}: some refused");
+    for d in &refused {
+        assert_eq!(d.status, Some(Status::RemoteAbort), "seed {seed}: {d:?}");
+    }
+    mems[1].busy.store(0, Ordering::Relaxed);
+    assert!(sim.run(), "seed {seed}");
+    let done = events(&mut sim, 0).rmas;
+    assert_eq!(
+        done.len() + refused.len(),
+        n as usize,
+        "seed {seed}: each once"
+    );
+    let m = mems[1].bytes(TKEY);
+    for d in &done {
+        assert!(d.error.is_none(), "seed {seed}: {d:?}");
+        let k = d.context;
+        let a = (k * 4096) as usize;
+        assert_eq!(&m[a..a + 3000], &pattern(seed ^ k, 3000)[..], "seed {seed}");
+    }
+    baseline(&mut sim, seed);
+}

@@ -45,6 +45,8 @@ pub(super) struct Ema {
     next_resp: u32,
     /// Target work waiting for a region the application holds, in arrival order.
     retry: VecDeque<Work>,
+    /// Bytes the waiting work holds (bounded by `EngineLimits::max_buffered_bytes`).
+    retry_bytes: usize,
     retry_at: Option<Instant>,
     /// Atomics waiting for their turn in the reorder window, by their rx entry id.
     rta: HashMap<u32, Work>,
@@ -107,6 +109,18 @@ enum Work {
     Place { tid: u32, off: usize, data: Bytes },
     /// The window granted to a long-CTS read this side serves.
     Respond { tid: u32 },
+}
+
+impl Work {
+    /// Bytes of data the work holds.
+    fn held_bytes(&self) -> usize {
+        match self {
+            Work::Write { data, .. } | Work::Atomic { data, .. } | Work::Place { data, .. } => {
+                data.len()
+            }
+            Work::Read { .. } | Work::Respond { .. } => 0,
+        }
+    }
 }
 
 impl Engine {
@@ -481,6 +495,7 @@ impl Engine {
         self.cts_forget(pid);
         if pid.is_none() {
             self.ema.retry.clear();
+            self.ema.retry_bytes = 0;
             self.ema.rta.clear();
             self.ema.resp.clear();
         }
@@ -675,16 +690,28 @@ impl Engine {
         }
     }
 
-    /// Runs target work now, or after the work waiting before it.
+    /// Runs target work now, or after the work waiting before it. The waiting work is bounded:
+    /// beyond `max_buffered_bytes` of held data a request is refused (PEER_ERROR, `RemoteAbort`)
+    /// instead of growing memory while the application holds a region.
     fn ema_target(&mut self, now: Instant, w: Work) {
-        if !self.ema.retry.is_empty() {
-            self.ema.retry.push_back(w);
-            return;
+        let w = if self.ema.retry.is_empty() {
+            match self.ema_run(w) {
+                None => return,
+                Some(w) => {
+                    self.ema.retry_at = Some(now + RETRY);
+                    w
+                }
+            }
+        } else {
+            w
+        };
+        let n = w.held_bytes();
+        if self.ema.retry_bytes.saturating_add(n) > self.limits.max_buffered_bytes {
+            tracing::debug!("emulated RMA: too much work waits for locked regions; refused");
+            return self.ema_refuse(&w, Status::RemoteAbort);
         }
-        if let Some(w) = self.ema_run(w) {
-            self.ema.retry.push_back(w);
-            self.ema.retry_at = Some(now + RETRY);
-        }
+        self.ema.retry_bytes += n;
+        self.ema.retry.push_back(w);
     }
 
     /// Retries target work whose region was locked.
@@ -694,10 +721,14 @@ impl Engine {
         }
         self.ema.retry_at = None;
         while let Some(w) = self.ema.retry.pop_front() {
-            if let Some(w) = self.ema_run(w) {
-                self.ema.retry.push_front(w);
-                self.ema.retry_at = Some(now + RETRY);
-                return;
+            let n = w.held_bytes();
+            match self.ema_run(w) {
+                Some(w) => {
+                    self.ema.retry.push_front(w);
+                    self.ema.retry_at = Some(now + RETRY);
+                    return;
+                }
+                None => self.ema.retry_bytes = self.ema.retry_bytes.saturating_sub(n),
             }
         }
     }
