@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,16 @@ const BACKLOG_RETRY: Duration = Duration::from_micros(200);
 const MAX_IDLE_PEERS: usize = 256;
 /// RNR retry count that means "retry forever".
 const RNR_INFINITE: u8 = 7;
+/// The NIC thread judges over windows of this length whether the application busy-polls.
+const SPIN_WINDOW: Duration = Duration::from_millis(1);
+/// Application polls per [`SPIN_WINDOW`] from which it counts as busy-polling: its polls then
+/// make all the progress, and the NIC thread leaves the doorbell (peers ring it without a
+/// system call) until the rate drops. A thread that polls once and then sleeps on its
+/// notifier polls a few times per completion, far below this.
+const SPIN_POLLS: u64 = 256;
+/// Every this many application polls one takes the full pass (with the clock, for timers)
+/// even when [`Shared::idle`] says there is nothing to do.
+const TIMER_POLLS: u64 = 16;
 
 /// A peer's mapped segment.
 struct Peer {
@@ -123,6 +133,11 @@ pub(super) struct State {
     gens: Vec<u32>,
     free_acks: Vec<u32>,
     n_inflight: usize,
+    /// Every acknowledgement entry in use is below this (entries are reused lowest first, so
+    /// the scans of the in-flight sends stay as short as the sends outstanding).
+    inflight_hi: usize,
+    /// Senders acknowledged by the current drain whose doorbell is still to ring (once each).
+    to_ring: Vec<u16>,
     backlog: VecDeque<Pending>,
     /// The doorbell value of the last scan of the in-flight sends.
     last_bell: u32,
@@ -216,7 +231,7 @@ impl State {
         let own_map = self.own.map.clone();
         let own_geo = self.own.geo;
         let own = Ring::new(&own_map, &own_geo);
-        for i in 0..self.inflight.len() {
+        for i in 0..self.inflight_hi.min(self.inflight.len()) {
             let Some(inf) = self.inflight[i].as_ref() else {
                 continue;
             };
@@ -316,6 +331,13 @@ pub(super) struct Shared {
     geo: Geometry,
     stop: AtomicBool,
     notifier: Arc<Notifier>,
+    /// Application `poll` calls so far (written by the polling thread, read by the NIC thread).
+    app_polls: AtomicU64,
+    /// Copies of what the lock guards, for [`Shared::idle`]: completions ready, the ring head,
+    /// the doorbell value the last pass saw. Stored by every lock holder before it unlocks.
+    cq_len: AtomicUsize,
+    head: AtomicU64,
+    seen_bell: AtomicU32,
 }
 
 impl Shared {
@@ -327,15 +349,12 @@ impl Shared {
         }
         let more = st.progress(Instant::now(), budget);
         let timer = st.next_timer;
-        let notify = std::mem::take(&mut st.new_comps);
-        drop(st);
-        if notify {
-            self.notifier.notify();
-        }
+        self.after(st);
         (more, timer)
     }
 
     fn after(&self, mut st: parking_lot::MutexGuard<'_, State>) {
+        self.mirror(&st);
         let notify = std::mem::take(&mut st.new_comps);
         drop(st);
         if notify {
@@ -343,13 +362,61 @@ impl Shared {
         }
     }
 
-    fn wake_thread(&self) {
-        Ring::new(&self.map, &self.geo).ring_bell();
+    /// Updates the lock-free copies (call with the lock held, after changing the state).
+    fn mirror(&self, st: &State) {
+        self.cq_len.store(st.cq.len(), Ordering::Relaxed);
+        self.head.store(st.head, Ordering::Relaxed);
+        self.seen_bell.store(st.last_bell, Ordering::Relaxed);
     }
+
+    /// True when a poll has certainly nothing to do, found without the lock: no completion
+    /// ready, the ring tail at the head (nothing reserved or published), the doorbell unmoved
+    /// since the last pass (no acknowledgement, refusal or room to look at). Timers need the
+    /// clock, so every [`TIMER_POLLS`]th poll takes the full pass anyway. A stale answer only
+    /// delays the work to the next poll; the NIC thread never relies on it.
+    fn idle(&self, polls: u64) -> bool {
+        if polls % TIMER_POLLS == 0 || self.cq_len.load(Ordering::Relaxed) != 0 {
+            return false;
+        }
+        let ring = Ring::new(&self.map, &self.geo);
+        let tail = ring.tail().map_or(0, |t| t.load(Ordering::Acquire));
+        let bell = ring.bell().map_or(0, |(b, _)| b.load(Ordering::Acquire));
+        tail == self.head.load(Ordering::Relaxed) && bell == self.seen_bell.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the NIC thread whether it sleeps on the doorbell or out of it (busy application).
+    fn wake_thread(&self) {
+        let ring = Ring::new(&self.map, &self.geo);
+        ring.ring_bell();
+        if let Some((bell, _)) = ring.bell() {
+            map::futex_wake(bell);
+        }
+    }
+
+    /// Counts one application poll (one polling thread at a time: the handle is `&mut`);
+    /// returns the count.
+    fn count_poll(&self) -> u64 {
+        let n = self.app_polls.load(Ordering::Relaxed).wrapping_add(1);
+        self.app_polls.store(n, Ordering::Relaxed);
+        n
+    }
+}
+
+/// Whether the application busy-polls: at least [`SPIN_POLLS`] polls per [`SPIN_WINDOW`]
+/// between two marks.
+fn busy_polling(polls: u64, elapsed: Duration) -> bool {
+    let windows = elapsed.as_nanos() / SPIN_WINDOW.as_nanos();
+    u128::from(polls) >= u128::from(SPIN_POLLS) * windows.max(1)
 }
 
 /// The background "NIC": drains the ring into posted buffers, completes acknowledged sends and
 /// runs the timers; sleeps on the own doorbell (a futex) in between.
+///
+/// While the application busy-polls (see [`SPIN_POLLS`]) its polls do all of this in its own
+/// thread, so the NIC thread stays out of the way: it neither takes the lock nor counts as a
+/// sleeper on the doorbell (so senders and acknowledgers skip `FUTEX_WAKE`), and only looks
+/// once per [`SPIN_WINDOW`] whether the application still polls. When it stopped, the thread
+/// takes over (a datagram that arrived in between waited at most one window).
 fn nic_thread(shared: Arc<Shared>) {
     let map = shared.map.clone();
     let geo = shared.geo;
@@ -357,14 +424,38 @@ fn nic_thread(shared: Arc<Shared>) {
     let Some((bell, sleepers)) = ring.bell() else {
         return;
     };
+    let mut mark = (shared.app_polls.load(Ordering::Relaxed), Instant::now());
+    let mut spinning = false;
     loop {
         if shared.stop.load(Ordering::Acquire) {
             break;
+        }
+        if spinning {
+            let left = (mark.1 + SPIN_WINDOW).saturating_duration_since(Instant::now());
+            if !left.is_zero() {
+                map::futex_wait(bell, bell.load(Ordering::SeqCst), left);
+                continue;
+            }
+            let polls = shared.app_polls.load(Ordering::Relaxed);
+            spinning = busy_polling(polls.wrapping_sub(mark.0), mark.1.elapsed());
+            mark = (polls, Instant::now());
+            if spinning {
+                continue;
+            }
         }
         let b0 = bell.load(Ordering::SeqCst);
         let (more, timer) = shared.progress(NIC_BUDGET);
         if more {
             continue;
+        }
+        let since = mark.1.elapsed();
+        if since >= SPIN_WINDOW {
+            let polls = shared.app_polls.load(Ordering::Relaxed);
+            spinning = busy_polling(polls.wrapping_sub(mark.0), since);
+            mark = (polls, Instant::now());
+            if spinning {
+                continue;
+            }
         }
         sleepers.fetch_add(1, Ordering::SeqCst);
         let b = bell.load(Ordering::SeqCst);
@@ -464,6 +555,8 @@ impl ShmQp {
             gens: vec![0; acks],
             free_acks: (0..acks as u32).rev().collect(),
             n_inflight: 0,
+            inflight_hi: 0,
+            to_ring: Vec::new(),
             backlog: VecDeque::new(),
             last_bell: 0,
             next_timer: None,
@@ -477,6 +570,10 @@ impl ShmQp {
             geo,
             stop: AtomicBool::new(false),
             notifier: attr.notifier,
+            app_polls: AtomicU64::new(0),
+            cq_len: AtomicUsize::new(0),
+            head: AtomicU64::new(0),
+            seen_bell: AtomicU32::new(0),
         });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
@@ -541,8 +638,14 @@ impl QueuePair for ShmQp {
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
-        self.shared.progress(APP_BUDGET);
+        let polls = self.shared.count_poll();
+        if self.shared.idle(polls) {
+            return 0;
+        }
         let mut st = self.shared.state.lock();
+        if !st.closed {
+            st.progress(Instant::now(), APP_BUDGET);
+        }
         let mut n = 0;
         while n < max {
             let Some(c) = st.cq.pop_front() else {
@@ -561,6 +664,7 @@ impl QueuePair for ShmQp {
             out.push(c);
             n += 1;
         }
+        self.shared.after(st);
         n
     }
 
@@ -605,6 +709,7 @@ impl QueuePair for ShmQp {
                 tracing::debug!(addr = %self.addr, "shm: queue pair closed");
             }
             st.new_comps = false;
+            self.shared.mirror(&st);
         }
         self.stop_thread();
         self.shared.notifier.notify();

@@ -30,6 +30,7 @@ impl State {
                 let _ = t.compare_exchange(tail, self.head, Ordering::AcqRel, Ordering::Relaxed);
             }
         }
+        let head0 = self.head;
         let mut n = 0;
         let mut more = false;
         let mut again = 0;
@@ -67,9 +68,13 @@ impl State {
                 more = true;
             }
         }
-        if let Some(w) = m.u64(segment::H_HEAD) {
-            w.store(self.head, Ordering::Relaxed);
+        // Only when it moved: the word shares a cache line with the tail producers reserve on.
+        if self.head != head0 {
+            if let Some(w) = m.u64(segment::H_HEAD) {
+                w.store(self.head, Ordering::Relaxed);
+            }
         }
+        self.ring_acked();
         more
     }
 
