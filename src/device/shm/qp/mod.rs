@@ -20,7 +20,7 @@ use super::map::{self, Mapping};
 use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
 use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
-use crate::device::soft_rdma::{self as rdma, Rdma, RdmaHost, RdmaOps};
+use crate::device::soft_rdma::{self as rdma, CmaCopy, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
 };
@@ -65,6 +65,8 @@ struct Peer {
     outstanding: usize,
     /// Next liveness check (while sends are outstanding).
     next_check: Instant,
+    /// Whether its process may be read directly (CMA); `None` until first asked.
+    cma: Option<bool>,
 }
 
 /// An SRD send published in a peer's ring, waiting for its acknowledgement.
@@ -321,6 +323,50 @@ impl RdmaHost for State {
     fn mtu(&self) -> usize {
         self.dev.cfg.mtu
     }
+    fn cma_pid(&mut self, dest: &RawAddr) -> Option<u32> {
+        if !self.dev.cfg.cma || dest.gid != self.dev.gid {
+            return None;
+        }
+        let p = self.peer(dest.qpn, false).ok()?;
+        let pid = p.seg.id.pid;
+        let ok = *p.cma.get_or_insert_with(|| super::cma::probe(pid).is_ok());
+        ok.then_some(pid)
+    }
+    fn cma_failed(&mut self, dest: &RawAddr) {
+        if let Some(p) = self.peers.get_mut(&dest.qpn) {
+            p.cma = Some(false);
+        }
+    }
+    fn cma_copy(
+        &mut self,
+        pid: u32,
+        cookie: (u64, u64),
+        addr: u64,
+        len: usize,
+        buf: &mut BytesMut,
+    ) -> CmaCopy {
+        let mut seen = [0u8; 8];
+        let same = super::cma::read_remote(pid, cookie.0, &mut seen).is_ok_and(|n| n == 8)
+            && u64::from_le_bytes(seen) == cookie.1;
+        if !same {
+            return CmaCopy::WrongProcess;
+        }
+        buf.clear();
+        while buf.len() < len {
+            let at = addr.wrapping_add(buf.len() as u64);
+            match super::cma::read_remote_into(pid, at, len - buf.len(), buf) {
+                Ok(n) if n > 0 => {}
+                _ => return CmaCopy::Failed,
+            }
+        }
+        CmaCopy::Copied
+    }
+    fn cma_cookie(&self) -> Option<(u64, u64)> {
+        let c: &u64 = &self.dev.cookie;
+        let at = std::ptr::from_ref(c) as usize as u64;
+        self.dev.cfg.cma.then_some((at, *c))
+    }
+
 }
 
 /// What the application handle and the NIC thread share.

@@ -42,6 +42,7 @@ impl State {
                     seg,
                     outstanding: 0,
                     next_check: Instant::now(),
+                    cma: None,
                 },
             );
         }
