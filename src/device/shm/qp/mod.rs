@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -57,6 +58,25 @@ const SPIN_POLLS: u64 = 256;
 /// Every this many application polls one takes the full pass (with the clock, for timers)
 /// even when [`Shared::idle`] says there is nothing to do.
 const TIMER_POLLS: u64 = 16;
+
+/// Hashes the peer table's keys, QPNs, by one multiplication: they are small integers, and a
+/// SipHash per datagram (every acknowledgement looks its sender up) cost more than the lookup.
+#[derive(Default)]
+pub(super) struct QpnHasher(u64);
+
+impl Hasher for QpnHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u16(&mut self, n: u16) {
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
 
 /// A peer's mapped segment.
 struct Peer {
@@ -128,7 +148,7 @@ pub(super) struct State {
     rnr_marked: u64,
     /// A reserved, unpublished head slot and since when.
     stuck: Option<(u64, Instant)>,
-    peers: HashMap<u16, Peer>,
+    peers: HashMap<u16, Peer, BuildHasherDefault<QpnHasher>>,
     /// SRD sends in flight, indexed by acknowledgement entry.
     inflight: Vec<Option<Inflight>>,
     /// Generation of each acknowledgement entry.
@@ -366,7 +386,6 @@ impl RdmaHost for State {
         let at = std::ptr::from_ref(c) as usize as u64;
         self.dev.cfg.cma.then_some((at, *c))
     }
-
 }
 
 /// What the application handle and the NIC thread share.
@@ -504,8 +523,12 @@ fn nic_thread(shared: Arc<Shared>) {
             }
         }
         sleepers.fetch_add(1, Ordering::SeqCst);
+        // Senders ring only a sleeping owner (`Ring::ring_bell_if_asleep`): look at the head slot
+        // once more after counting as a sleeper, so a datagram published in between is seen.
+        std::sync::atomic::fence(Ordering::SeqCst);
         let b = bell.load(Ordering::SeqCst);
-        if b == b0 && !shared.stop.load(Ordering::Acquire) {
+        let arrived = ring.is_published(shared.head.load(Ordering::Relaxed));
+        if b == b0 && !arrived && !shared.stop.load(Ordering::Acquire) {
             let wait = timer
                 .map_or(IDLE_WAIT, |t| t.saturating_duration_since(Instant::now()))
                 .min(IDLE_WAIT);
@@ -596,7 +619,7 @@ impl ShmQp {
             head: 0,
             rnr_marked: 0,
             stuck: None,
-            peers: HashMap::new(),
+            peers: HashMap::default(),
             inflight: (0..acks).map(|_| None).collect(),
             gens: vec![0; acks],
             free_acks: (0..acks as u32).rev().collect(),
@@ -709,6 +732,10 @@ impl QueuePair for ShmQp {
             }
             out.push(c);
             n += 1;
+        }
+        if st.cq.is_empty() {
+            // The caller holds every completion this pass produced: nobody to wake for them.
+            st.new_comps = false;
         }
         self.shared.after(st);
         n

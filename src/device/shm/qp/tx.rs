@@ -179,7 +179,7 @@ impl State {
                 return Sent::Done(Status::Success, len);
             };
             ring.publish(pos, &meta, &wr.hdr, &wr.payload);
-            ring.ring_bell();
+            ring.ring_bell_if_asleep();
             stats::inc(&self.counters().tx_pkts);
             stats::add(&self.counters().tx_bytes, len as u64);
             return Sent::Done(Status::Success, len);
@@ -202,7 +202,7 @@ impl State {
         meta.flags = flags;
         meta.token = u64::from(idx) | (u64::from(gen_) << 32);
         ring.publish(pos, &meta, &wr.hdr, &wr.payload);
-        ring.ring_bell();
+        ring.ring_bell_if_asleep();
         stats::inc(&self.counters().tx_pkts);
         stats::add(&self.counters().tx_bytes, len as u64);
         self.inflight[i] = Some(Inflight {
