@@ -17,6 +17,8 @@
 //! default). The default, `auto`, is 64 KiB on `-p shm`, whose RDMA reads copy once (CMA), and
 //! `never` elsewhere (the udp device's RDMA reads are slower than its long-CTS messages).
 //!
+//! `PP_STATS=1` prints the RDM endpoint's and the device's counters after each size.
+//!
 //! `FI_EFA_*` variables apply. RDM endpoints on `-p udp` reach a peer on the same host over
 //! shared memory (`FI_EFA_ENABLE_SHM_TRANSFER`, on by default as in libfabric); set
 //! `FI_EFA_ENABLE_SHM_TRANSFER=0` on both sides to measure the udp path.
@@ -158,6 +160,9 @@ trait PingEp {
     fn addr(&self) -> RawAddr;
     /// The domain to register send regions with (`None`: this kind sends `Bytes` only).
     fn region_domain(&self) -> Option<&Domain>;
+    fn stats_line(&self) -> String {
+        String::new()
+    }
     fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError>;
     fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError>;
 }
@@ -186,6 +191,13 @@ impl PingEp for Endpoint<Rdm> {
     }
     fn region_domain(&self) -> Option<&Domain> {
         Some(self.domain())
+    }
+    fn stats_line(&self) -> String {
+        format!(
+            "ep {:?}\ndev {:?}",
+            self.stats(),
+            self.domain().device().stats()
+        )
     }
     fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError> {
         if tagged {
@@ -350,6 +362,9 @@ fn pingpong<E: PingEp>(
         }
         let elapsed = start.elapsed();
         pp.drain_sends()?;
+        if std::env::var_os("PP_STATS").is_some() {
+            eprintln!("{}", ep.stats_line());
+        }
         oob.sync().map_err(|e| e.to_string())?;
         if print {
             print_row(size, iters, 2, elapsed);
@@ -382,7 +397,7 @@ impl<E: PingEp> PingPong<'_, E> {
 
     fn send(&mut self, msg: &Bytes) -> Res<()> {
         let from_region = self.use_regions;
-        let deadline = Instant::now() + self.timeout;
+        let mut deadline = None;
         loop {
             let buf = if from_region {
                 match self.regions.pop() {
@@ -390,7 +405,8 @@ impl<E: PingEp> PingPong<'_, E> {
                     None => {
                         // Every region is still in a send: wait for one to come back.
                         self.poll_once()?;
-                        if Instant::now() > deadline {
+                        let d = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+                        if Instant::now() > d {
                             return Err("no send completion hands a region back".into());
                         }
                         continue;
@@ -436,7 +452,8 @@ impl<E: PingEp> PingPong<'_, E> {
 
     /// Spins until the receive completes, reposting its buffer at once when asked.
     fn wait_recv(&mut self, size: usize, verify: bool, repost: bool) -> Res<()> {
-        let deadline = Instant::now() + self.timeout;
+        // Set at the first clock read (after 1024 polls): a quick reply needs none.
+        let mut deadline = None;
         let mut spins = 0u32;
         loop {
             self.poll_once()?;
@@ -461,7 +478,9 @@ impl<E: PingEp> PingPong<'_, E> {
             }
             // The clock only every 1024 polls: a clock read costs as much as an idle poll.
             spins += 1;
-            if spins % 1024 == 0 && Instant::now() > deadline {
+            if spins % 1024 == 0
+                && Instant::now() > *deadline.get_or_insert_with(|| Instant::now() + self.timeout)
+            {
                 return Err(format!(
                     "no reply within {:?} (datagram lost?)",
                     self.timeout

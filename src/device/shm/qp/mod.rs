@@ -166,6 +166,10 @@ pub(super) struct State {
     /// Earliest timer (RNR retry, liveness check, deadline, backlog retry, header check).
     next_timer: Option<Instant>,
     next_header_check: Instant,
+    /// The time of the last progress pass: what `post_send` and `post_recv` use instead of
+    /// reading the clock. It is at most one pass old (the NIC thread sleeps at most
+    /// [`IDLE_WAIT`]), which only makes deadlines and checks set from it come that much early.
+    clock: Instant,
     /// One-sided RDMA (`device::soft_rdma`).
     rdma: Rdma,
 }
@@ -206,6 +210,7 @@ impl State {
         if self.closed {
             return false;
         }
+        self.clock = now;
         // Timers are recomputed by the pass (the drain may set one for a stuck slot).
         let due = self.next_timer.is_some_and(|t| now >= t);
         if due {
@@ -630,6 +635,7 @@ impl ShmQp {
             last_bell: 0,
             next_timer: None,
             next_header_check: now + HEADER_CHECK,
+            clock: now,
             rdma: Rdma::new(dev.keys.clone(), dev.cfg.unsolicited_write_recv),
             own,
         };
@@ -678,7 +684,8 @@ impl QueuePair for ShmQp {
 
     fn post_send(&mut self, wr: SendWr) -> Result<()> {
         let mut st = self.shared.state.lock();
-        st.post_send(wr, Instant::now())?;
+        let now = st.clock;
+        st.post_send(wr, now)?;
         self.shared.after(st);
         Ok(())
     }
@@ -700,7 +707,8 @@ impl QueuePair for ShmQp {
         st.recvs.push_back((wr_id, buf));
         if st.recvs.len() == 1 {
             // A datagram may be waiting for a buffer (RNR): take it now.
-            st.drain(Instant::now(), APP_BUDGET);
+            let now = st.clock;
+            st.drain(now, APP_BUDGET);
         }
         self.shared.after(st);
         Ok(())
