@@ -449,9 +449,15 @@ impl Shared {
             return false;
         }
         let ring = Ring::new(&self.map, &self.geo);
+        let head = self.head.load(Ordering::Relaxed);
+        // A published head slot first: the drain reads that line anyway, and the tail's line
+        // (written by every producer) is left alone while datagrams flow.
+        if ring.is_published(head) {
+            return false;
+        }
         let tail = ring.tail().map_or(0, |t| t.load(Ordering::Acquire));
         let bell = ring.bell().map_or(0, |(b, _)| b.load(Ordering::Acquire));
-        tail == self.head.load(Ordering::Relaxed) && bell == self.seen_bell.load(Ordering::Relaxed)
+        tail == head && bell == self.seen_bell.load(Ordering::Relaxed)
     }
 
     /// Wakes the NIC thread whether it sleeps on the doorbell or out of it (busy application).
