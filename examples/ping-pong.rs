@@ -14,8 +14,9 @@
 //! With `--mr-min SIZE`, RDM messages of at least SIZE bytes are sent from registered memory
 //! regions that peers may read (as fabtests register their buffers), so the protocol engine may
 //! use its read-based protocols for them (`FI_EFA_INTER_MIN_READ_MESSAGE_SIZE`, 1 MiB by
-//! default). The default, `auto`, is 64 KiB on `-p shm`, whose RDMA reads copy once (CMA), and
-//! `never` elsewhere (the udp device's RDMA reads are slower than its long-CTS messages).
+//! default). The default, `auto`, is that threshold on `-p shm`, whose RDMA reads copy once
+//! (CMA), and `never` elsewhere (the udp device's RDMA reads are slower than its long-CTS
+//! messages).
 //!
 //! `PP_STATS=1` prints the RDM endpoint's and the device's counters after each size.
 //!
@@ -67,8 +68,9 @@ struct Args {
     /// Give up when a reply takes longer than this many milliseconds (datagrams can be lost).
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
-    /// RDM messages of at least this size (`never`; `auto`: 64k on shm, else never) go from
-    /// registered regions peers may read, which lets the engine pick its read-based protocols.
+    /// RDM messages of at least this size go from registered regions peers may read, which
+    /// lets the engine pick its read-based protocols (`never`; `auto`: the long-read threshold
+    /// on shm, never elsewhere).
     #[arg(long, default_value = "auto")]
     mr_min: String,
     #[command(flatten)]
@@ -309,7 +311,11 @@ fn pingpong<E: PingEp>(
     let tagged = args.mode == "tagged";
     let timeout = Duration::from_millis(args.timeout_ms);
     let mr_min = match args.mr_min.as_str() {
-        "auto" if args.conn.provider == "shm" => 64 << 10,
+        // From the engine's long-read threshold: below it a region only costs the copy the
+        // endpoint makes of it (the message goes in packets either way).
+        "auto" if args.conn.provider == "shm" => efa::Config::from_env()
+            .map(|c| c.inter_min_read_message_size)
+            .map_err(|e| e.to_string())?,
         "never" | "auto" => usize::MAX,
         s => parse_size(s)?,
     };
