@@ -92,10 +92,11 @@ pub(crate) trait RdmaHost {
     fn counters(&self) -> &DeviceCounters;
     /// Largest datagram (header + payload).
     fn mtu(&self) -> usize;
-    /// The pid of the process behind `dest` when this device may copy from it directly
-    /// (cross-memory attach); `None` (the default) when reads go through the device's datagrams.
-    fn cma_pid(&mut self, dest: &RawAddr) -> Option<u32> {
-        let _ = dest;
+    /// The pid of the process behind `dest` when this device copies a read of `len` bytes from
+    /// it directly (cross-memory attach); `None` (the default) when reads go through the
+    /// device's datagrams.
+    fn cma_pid(&mut self, dest: &RawAddr, len: usize) -> Option<u32> {
+        let _ = (dest, len);
         None
     }
     /// A direct copy from `dest` reached the wrong process or was refused: stop trying it.
@@ -351,7 +352,11 @@ pub(crate) trait RdmaOps: RdmaHost {
             .filter(|&n| n <= isize::MAX as usize / 2)
             .ok_or_else(|| Error::new(ErrorKind::MsgSize, "post_read"))?;
         let tag = self.rdma().tag();
-        let cma = if total > 0 { self.cma_pid(&dest) } else { None };
+        let cma = if total > 0 {
+            self.cma_pid(&dest, total)
+        } else {
+            None
+        };
         local.clear();
         if cma.is_none() {
             local.resize(total, 0);
@@ -787,3 +792,6 @@ fn read_req(tag: u64, dest: RawAddr, remote: &RemoteIov, flags: u8) -> SendWr {
 }
 
 impl<T: RdmaHost + ?Sized> RdmaOps for T {}
+
+#[cfg(test)]
+mod tests;
