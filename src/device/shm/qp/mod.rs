@@ -241,6 +241,9 @@ impl State {
         if now >= self.next_header_check {
             self.next_header_check = now + HEADER_CHECK;
             let m = &self.own.map;
+            if let Some(w) = m.u64(segment::H_HEAD) {
+                w.store(self.head, Ordering::Relaxed);
+            }
             let intact = segment::header_intact(m, &self.own.geo, &self.own.id)
                 && !Ring::new(m, &self.own.geo).closed();
             if !intact {

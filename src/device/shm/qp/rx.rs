@@ -22,7 +22,6 @@ impl State {
         let m = self.own.map.clone();
         let g = self.own.geo;
         let r = Ring::new(&m, &g);
-        let head0 = self.head;
         let mut n = 0;
         let mut more = false;
         let mut again = 0;
@@ -62,12 +61,8 @@ impl State {
                 more = true;
             }
         }
-        // Only when it moved: the word shares a cache line with the tail producers reserve on.
-        if self.head != head0 {
-            if let Some(w) = m.u64(segment::H_HEAD) {
-                w.store(self.head, Ordering::Relaxed);
-            }
-        }
+        // The header's head word (informational) is written by the header check, not here: it
+        // shares a cache line with the tail every producer reserves on.
         self.ring_acked();
         more
     }
