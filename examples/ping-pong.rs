@@ -11,6 +11,15 @@
 //! Run with neither `-l` nor a server address, both ends run in this process and every message
 //! is verified (as with `-c`).
 //!
+//! With `--mr-min SIZE`, RDM messages of at least SIZE bytes are sent from registered memory
+//! regions that peers may read (as fabtests register their buffers), so the protocol engine may
+//! use its read-based protocols for them (`FI_EFA_INTER_MIN_READ_MESSAGE_SIZE`, 1 MiB by
+//! default). The default, `auto`, is that threshold on `-p shm`, whose RDMA reads copy once
+//! (CMA), and `never` elsewhere (the udp device's RDMA reads are slower than its long-CTS
+//! messages).
+//!
+//! `PP_STATS=1` prints the RDM endpoint's and the device's counters after each size.
+//!
 //! `FI_EFA_*` variables apply. RDM endpoints on `-p udp` reach a peer on the same host over
 //! shared memory (`FI_EFA_ENABLE_SHM_TRANSFER`, on by default as in libfabric); set
 //! `FI_EFA_ENABLE_SHM_TRANSFER=0` on both sides to measure the udp path.
@@ -31,8 +40,8 @@ use common::{
     poll_cq, print_header, print_row,
 };
 use efa::{
-    AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Endpoint, EpType,
-    ErrorKind, PeerId, PostError, RawAddr, Rdm,
+    Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Dgram, Domain, Endpoint,
+    EpType, ErrorKind, MemoryRegion, PeerId, PostError, RawAddr, Rdm, SendBuf,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -59,6 +68,11 @@ struct Args {
     /// Give up when a reply takes longer than this many milliseconds (datagrams can be lost).
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// RDM messages of at least this size go from registered regions peers may read, which
+    /// lets the engine pick its read-based protocols (`never`; `auto`: the long-read threshold
+    /// on shm, never elsewhere).
+    #[arg(long, default_value = "auto")]
+    mr_min: String,
     #[command(flatten)]
     conn: Conn,
 }
@@ -146,7 +160,12 @@ fn run(args: Args) -> Res<()> {
 /// What the ping-pong loop needs from an endpoint (both kinds have it).
 trait PingEp {
     fn addr(&self) -> RawAddr;
-    fn post_send(&self, peer: PeerId, msg: Bytes, tagged: bool) -> Result<(), PostError>;
+    /// The domain to register send regions with (`None`: this kind sends `Bytes` only).
+    fn region_domain(&self) -> Option<&Domain>;
+    fn stats_line(&self) -> String {
+        String::new()
+    }
+    fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError>;
     fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError>;
 }
 
@@ -157,7 +176,10 @@ impl PingEp for Endpoint<Dgram> {
     fn addr(&self) -> RawAddr {
         Endpoint::<Dgram>::addr(self)
     }
-    fn post_send(&self, peer: PeerId, msg: Bytes, _tagged: bool) -> Result<(), PostError> {
+    fn region_domain(&self) -> Option<&Domain> {
+        None
+    }
+    fn post_send(&self, peer: PeerId, msg: SendBuf, _tagged: bool) -> Result<(), PostError> {
         self.send(peer, msg, 2)
     }
     fn post_recv(&self, buf: BytesMut, _tagged: bool) -> Result<(), PostError> {
@@ -169,7 +191,17 @@ impl PingEp for Endpoint<Rdm> {
     fn addr(&self) -> RawAddr {
         Endpoint::<Rdm>::addr(self)
     }
-    fn post_send(&self, peer: PeerId, msg: Bytes, tagged: bool) -> Result<(), PostError> {
+    fn region_domain(&self) -> Option<&Domain> {
+        Some(self.domain())
+    }
+    fn stats_line(&self) -> String {
+        format!(
+            "ep {:?}\ndev {:?}",
+            self.stats(),
+            self.domain().device().stats()
+        )
+    }
+    fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError> {
         if tagged {
             self.tsend(peer, msg, TAG, 2)
         } else {
@@ -278,6 +310,15 @@ fn pingpong<E: PingEp>(
     }
     let tagged = args.mode == "tagged";
     let timeout = Duration::from_millis(args.timeout_ms);
+    let mr_min = match args.mr_min.as_str() {
+        // From the engine's long-read threshold: below it a region only costs the copy the
+        // endpoint makes of it (the message goes in packets either way).
+        "auto" if args.conn.provider == "shm" => efa::Config::from_env()
+            .map(|c| c.inter_min_read_message_size)
+            .map_err(|e| e.to_string())?,
+        "never" | "auto" => usize::MAX,
+        s => parse_size(s)?,
+    };
     let mut pp = PingPong {
         ep,
         cq,
@@ -287,10 +328,24 @@ fn pingpong<E: PingEp>(
         done: Vec::with_capacity(16),
         sends_posted: 0,
         sends_done: 0,
+        use_regions: false,
+        regions: Vec::new(),
     };
     for &size in &params.sizes {
         let mut msg = vec![0u8; size];
         fill_pattern(&mut msg, size as u64);
+        pp.regions.clear();
+        pp.use_regions = false;
+        if let Some(domain) = ep.region_domain().filter(|_| size >= mr_min && size > 0) {
+            // A few, as a send hands its region back only when it completes.
+            for _ in 0..4 {
+                let r = domain
+                    .register(msg.clone(), Access::SEND | Access::REMOTE_READ)
+                    .map_err(|e| format!("register: {e}"))?;
+                pp.regions.push(r);
+            }
+            pp.use_regions = true;
+        }
         let msg = Bytes::from(msg);
         pp.post_recv(BytesMut::with_capacity(size.max(1)))?;
         oob.sync().map_err(|e| e.to_string())?;
@@ -313,6 +368,9 @@ fn pingpong<E: PingEp>(
         }
         let elapsed = start.elapsed();
         pp.drain_sends()?;
+        if std::env::var_os("PP_STATS").is_some() {
+            eprintln!("{}", ep.stats_line());
+        }
         oob.sync().map_err(|e| e.to_string())?;
         if print {
             print_row(size, iters, 2, elapsed);
@@ -330,6 +388,10 @@ struct PingPong<'a, E: PingEp> {
     done: Vec<Completion>,
     sends_posted: u64,
     sends_done: u64,
+    /// This size is sent from registered regions.
+    use_regions: bool,
+    /// Registered copies of the message not in use by a send.
+    regions: Vec<MemoryRegion>,
 }
 
 impl<E: PingEp> PingPong<'_, E> {
@@ -340,19 +402,41 @@ impl<E: PingEp> PingPong<'_, E> {
     }
 
     fn send(&mut self, msg: &Bytes) -> Res<()> {
+        let from_region = self.use_regions;
+        let mut deadline = None;
         loop {
-            match self.ep.post_send(self.peer, msg.clone(), self.tagged) {
+            let buf = if from_region {
+                match self.regions.pop() {
+                    Some(r) => SendBuf::from(r),
+                    None => {
+                        // Every region is still in a send: wait for one to come back.
+                        self.poll_once()?;
+                        let d = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+                        if Instant::now() > d {
+                            return Err("no send completion hands a region back".into());
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                SendBuf::from(msg.clone())
+            };
+            match self.ep.post_send(self.peer, buf, self.tagged) {
                 Ok(()) => {
                     self.sends_posted += 1;
                     return Ok(());
                 }
                 Err(e) if e.kind() == ErrorKind::Again => {
+                    if let Some(r) = e.buf.into_region() {
+                        self.regions.push(r);
+                    }
                     self.poll_once()?;
                 }
                 Err(e) => return Err(format!("send: {e}")),
             }
         }
     }
+
     fn poll_once(&mut self) -> Res<usize> {
         let before = self.done.len();
         let n = poll_cq(self.cq, &mut self.done, 16)?;
@@ -360,7 +444,10 @@ impl<E: PingEp> PingPong<'_, E> {
         let mut k = before;
         while k < self.done.len() {
             if self.done[k].flags.contains(CompletionFlags::SEND) {
-                self.done.swap_remove(k);
+                let c = self.done.swap_remove(k);
+                if let Some(r) = c.buf.into_region() {
+                    self.regions.push(r);
+                }
                 self.sends_done += 1;
             } else {
                 k += 1;
@@ -371,7 +458,9 @@ impl<E: PingEp> PingPong<'_, E> {
 
     /// Spins until the receive completes, reposting its buffer at once when asked.
     fn wait_recv(&mut self, size: usize, verify: bool, repost: bool) -> Res<()> {
-        let deadline = Instant::now() + self.timeout;
+        // Set at the first clock read (after 1024 polls): a quick reply needs none.
+        let mut deadline = None;
+        let mut spins = 0u32;
         loop {
             self.poll_once()?;
             let mut got = None;
@@ -393,7 +482,11 @@ impl<E: PingEp> PingPong<'_, E> {
                 }
                 return if repost { self.post_recv(buf) } else { Ok(()) };
             }
-            if Instant::now() > deadline {
+            // The clock only every 1024 polls: a clock read costs as much as an idle poll.
+            spins += 1;
+            if spins % 1024 == 0
+                && Instant::now() > *deadline.get_or_insert_with(|| Instant::now() + self.timeout)
+            {
                 return Err(format!(
                     "no reply within {:?} (datagram lost?)",
                     self.timeout

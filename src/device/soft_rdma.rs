@@ -25,6 +25,18 @@
 //!   after the others are acknowledged; it consumes a posted receive buffer (or none, with
 //!   unsolicited write-recv) and produces the target's one `RecvRdmaWithImm` completion.
 //! * A READ_REQ is checked the same way; the target answers with READ_RESP chunks.
+//! * **Single-copy reads (shm, cross-memory attach).** When the initiator's device can copy
+//!   from the target's process itself (`process_vm_readv`), its READ_REQ carries flag 2
+//!   (`F_CMA`). A target whose device grants such reads checks key, right, range and lock as
+//!   above and answers with one header-only READ_RESP flagged `F_CMA` (a *grant*; its key field
+//!   holds an identity cookie and its address field where the cookie lives in the target).
+//!   The initiator reads the cookie from the process it believes is the target: on a match it
+//!   copies the whole range straight into the read's buffer, then sends READ_DONE (4; tag, key,
+//!   address, length). The target checks the key once more: the read completes with the status
+//!   of READ_DONE's acknowledgement, `Success` when the region was registered before and after
+//!   the copy (keys are never reused, so it was registered throughout), else
+//!   `RemoteBadAddress`. On a cookie mismatch or a failed copy the initiator asks again without
+//!   `F_CMA` (chunks through the device). Targets that do not know `F_CMA` ignore it.
 //! * A region the application holds locked (`Again`) is treated like a missing receive buffer:
 //!   receiver-not-ready, retried by the sender's SRD layer.
 
@@ -55,6 +67,17 @@ pub(crate) enum Served {
     Denied,
 }
 
+/// The outcome of [`RdmaHost::cma_copy`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CmaCopy {
+    /// All bytes copied.
+    Copied,
+    /// Not the process that granted (cookie mismatch), or no permission: stop trying it.
+    WrongProcess,
+    /// The copy failed part-way (the range is no longer mapped).
+    Failed,
+}
+
 /// The device around the RDMA logic: its completion queue, receive queue and counters.
 pub(crate) trait RdmaHost {
     /// The queue pair's RDMA state.
@@ -69,6 +92,35 @@ pub(crate) trait RdmaHost {
     fn counters(&self) -> &DeviceCounters;
     /// Largest datagram (header + payload).
     fn mtu(&self) -> usize;
+    /// The pid of the process behind `dest` when this device copies a read of `len` bytes from
+    /// it directly (cross-memory attach); `None` (the default) when reads go through the
+    /// device's datagrams.
+    fn cma_pid(&mut self, dest: &RawAddr, len: usize) -> Option<u32> {
+        let _ = (dest, len);
+        None
+    }
+    /// A direct copy from `dest` reached the wrong process or was refused: stop trying it.
+    fn cma_failed(&mut self, dest: &RawAddr) {
+        let _ = dest;
+    }
+    /// Copies `len` bytes at `addr` of process `pid` into `buf` (replacing its contents), after
+    /// checking that the process holds the identity cookie `(address, value)`.
+    fn cma_copy(
+        &mut self,
+        pid: u32,
+        cookie: (u64, u64),
+        addr: u64,
+        len: usize,
+        buf: &mut BytesMut,
+    ) -> CmaCopy {
+        let _ = (pid, cookie, addr, len, buf);
+        CmaCopy::WrongProcess
+    }
+    /// Where this process keeps its identity cookie and its value, when this device lets
+    /// peers copy from its registered regions directly; `None` (the default) otherwise.
+    fn cma_cookie(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// Bytes of the RDMA header.
@@ -76,11 +128,16 @@ pub(crate) const HDR: usize = 48;
 const OP_WRITE: u8 = 1;
 const OP_READ_REQ: u8 = 2;
 const OP_READ_RESP: u8 = 3;
+const OP_READ_DONE: u8 = 4;
 const F_LAST_IMM: u8 = 1;
+/// READ_REQ: the initiator can read the target with CMA; READ_RESP: a grant to do so.
+const F_CMA: u8 = 2;
 /// `wr_id`s of the device's own sends: never reported to the application.
 pub(crate) const INTERNAL: u64 = 1 << 63;
 /// ... and among them, the target's READ_RESP chunks (nobody waits for them).
 const REPLY: u64 = 1 << 62;
+/// ... and among them, an initiator's READ_DONE (its acknowledgement completes the read).
+const DONE: u64 = 1 << 61;
 const TAG_MASK: u64 = (1 << 48) - 1;
 
 /// Where an RDMA message came from.
@@ -158,6 +215,14 @@ enum Op {
         buf: BytesMut,
         total: usize,
         got: usize,
+        /// Where the read goes (to ask again without CMA).
+        dest: RawAddr,
+        to: Option<SocketAddr>,
+        remote: RemoteIov,
+        /// The target's pid while a direct (CMA) copy is asked for.
+        cma: Option<u32>,
+        /// The data is in `buf` (copied directly); READ_DONE's acknowledgement completes it.
+        verifying: bool,
     },
 }
 
@@ -287,8 +352,15 @@ pub(crate) trait RdmaOps: RdmaHost {
             .filter(|&n| n <= isize::MAX as usize / 2)
             .ok_or_else(|| Error::new(ErrorKind::MsgSize, "post_read"))?;
         let tag = self.rdma().tag();
+        let cma = if total > 0 {
+            self.cma_pid(&dest, total)
+        } else {
+            None
+        };
         local.clear();
-        local.resize(total, 0);
+        if cma.is_none() {
+            local.resize(total, 0);
+        }
         self.rdma().ops.insert(
             tag,
             Op::Read {
@@ -296,16 +368,17 @@ pub(crate) trait RdmaOps: RdmaHost {
                 buf: local,
                 total,
                 got: 0,
+                dest,
+                to,
+                remote,
+                cma,
+                verifying: false,
             },
         );
-        let wr = SendWr {
-            wr_id: INTERNAL | tag,
-            dest,
-            hdr: header(OP_READ_REQ, 0, tag, remote.key, remote.addr, remote.len, 0),
-            payload: Bytes::new(),
-            imm: None,
-        };
-        self.rdma().outbox.push((to, wr));
+        let flags = if cma.is_some() { F_CMA } else { 0 };
+        self.rdma()
+            .outbox
+            .push((to, read_req(tag, dest, &remote, flags)));
         Ok(())
     }
 
@@ -342,9 +415,19 @@ pub(crate) trait RdmaOps: RdmaHost {
                     return;
                 }
             }
-            Op::Read { total, got, .. } => {
-                // The request was delivered: wait for the data (a zero-length read is done).
-                if status.is_ok() && *got < *total {
+            Op::Read {
+                total,
+                got,
+                verifying,
+                ..
+            } => {
+                let done_ack = wr_id & DONE != 0;
+                if !done_ack && status.is_ok() && (*got < *total || *verifying) {
+                    // The request was delivered: wait for the data (or, copied directly, for
+                    // READ_DONE's verdict). A zero-length read is done.
+                    return;
+                }
+                if done_ack && !*verifying {
                     return;
                 }
                 if status.is_ok() {
@@ -428,10 +511,21 @@ pub(crate) trait RdmaOps: RdmaHost {
         let body = &data[HDR..];
         match op {
             OP_WRITE => self.serve_write(src, flags, key, a, b, c, imm, body),
-            OP_READ_REQ => self.serve_read(src, src_qkey, tag, key, a, b),
+            OP_READ_REQ => self.serve_read(src, src_qkey, flags, tag, key, a, b),
+            OP_READ_RESP if flags & F_CMA != 0 => {
+                self.read_grant(tag, b, key, a);
+                Served::Ok
+            }
             OP_READ_RESP => {
                 self.read_resp(tag, b, c, body);
                 Served::Ok
+            }
+            OP_READ_DONE => {
+                let Some(keys) = self.rdma().keys.clone() else {
+                    return Served::Denied;
+                };
+                let live = keys.lock().check(key, Access::REMOTE_READ, a, b).is_some();
+                if live { Served::Ok } else { Served::Denied }
             }
             _ => {
                 stats::inc(&self.counters().malformed_dropped);
@@ -511,10 +605,12 @@ pub(crate) trait RdmaOps: RdmaHost {
         Served::Ok
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn serve_read(
         &mut self,
         src: Src,
         src_qkey: u32,
+        flags: u8,
         tag: u64,
         key: u64,
         addr: u64,
@@ -527,16 +623,31 @@ pub(crate) trait RdmaOps: RdmaHost {
             tracing::debug!(src = ?src.source, key, "udp: RDMA read refused (key, range or right)");
             return Served::Denied;
         };
+        let dest = RawAddr::new(src.source.gid, src.source.qpn, src_qkey);
+        let cookie = self.cma_cookie().filter(|_| flags & F_CMA != 0 && len > 0);
         let mut out = BytesMut::new();
-        match mem.try_read_into(addr, len, &mut out, None) {
+        // A grant copies nothing here: the lock is only tried (a region the application holds
+        // locked is not granted, as it is not read).
+        let want = if cookie.is_some() { 0 } else { len };
+        match mem.try_read_into(addr, want, &mut out, None) {
             TryAccess::Done(()) => {}
             TryAccess::Busy => return Served::NotReady,
             TryAccess::OutOfRange => return Served::Denied,
         }
+        if let Some((at, value)) = cookie {
+            let wr = SendWr {
+                wr_id: INTERNAL | REPLY | tag,
+                dest,
+                hdr: header(OP_READ_RESP, F_CMA, tag, value, at, len, 0),
+                payload: Bytes::new(),
+                imm: None,
+            };
+            self.rdma().outbox.push((src.sock, wr));
+            return Served::Ok;
+        }
         let data = out.freeze();
         let chunk = self.mtu().saturating_sub(HDR).max(1);
         let total = data.len();
-        let dest = RawAddr::new(src.source.gid, src.source.qpn, src_qkey);
         let n = total.div_ceil(chunk).max(1);
         for i in 0..n {
             let (a, b) = (i * chunk, ((i + 1) * chunk).min(total));
@@ -557,12 +668,23 @@ pub(crate) trait RdmaOps: RdmaHost {
             buf,
             total: want,
             got,
+            verifying,
             ..
         }) = self.rdma().ops.get_mut(&tag)
         else {
             stats::inc(&self.counters().stale_dropped);
             return;
         };
+        if *verifying {
+            // Copied directly already: a late chunk of an earlier request.
+            stats::inc(&self.counters().stale_dropped);
+            return;
+        }
+        if buf.len() < *want {
+            // A direct copy was asked for, but the target sends the data.
+            buf.clear();
+            buf.resize(*want, 0);
+        }
         let off = usize::try_from(offset).unwrap_or(usize::MAX);
         let fits =
             total == *want as u64 && off.checked_add(body.len()).is_some_and(|e| e <= buf.len());
@@ -576,6 +698,100 @@ pub(crate) trait RdmaOps: RdmaHost {
             self.rdma_finish(tag);
         }
     }
+
+    /// The target granted a direct copy (`F_CMA` READ_RESP): check the cookie, copy, then ask
+    /// the target to confirm the region is still registered (READ_DONE). Any failure asks again
+    /// without CMA.
+    fn read_grant(&mut self, tag: u64, total: u64, cookie: u64, cookie_at: u64) {
+        let Some(Op::Read {
+            buf,
+            total: want,
+            dest,
+            to,
+            remote,
+            cma,
+            verifying,
+            ..
+        }) = self.rdma().ops.get_mut(&tag)
+        else {
+            stats::inc(&self.counters().stale_dropped);
+            return;
+        };
+        let Some(pid) = *cma else {
+            // Not asked for (or already given up): the data comes in chunks.
+            stats::inc(&self.counters().malformed_dropped);
+            return;
+        };
+        if total != *want as u64 || *verifying {
+            stats::inc(&self.counters().malformed_dropped);
+            return;
+        }
+        let (dest, to, remote, want) = (*dest, *to, *remote, *want);
+        let mut data = std::mem::take(buf);
+        let outcome = self.cma_copy(pid, (cookie_at, cookie), remote.addr, want, &mut data);
+        let Some(Op::Read {
+            buf,
+            got,
+            cma,
+            verifying,
+            ..
+        }) = self.rdma().ops.get_mut(&tag)
+        else {
+            return;
+        };
+        *buf = data;
+        if outcome == CmaCopy::Copied {
+            *got = want;
+            *verifying = true;
+            stats::inc(&self.counters().rx_pkts);
+            stats::add(&self.counters().rx_bytes, want as u64);
+            let wr = SendWr {
+                wr_id: INTERNAL | DONE | tag,
+                dest,
+                hdr: header(OP_READ_DONE, 0, tag, remote.key, remote.addr, remote.len, 0),
+                payload: Bytes::new(),
+                imm: None,
+            };
+            self.rdma().outbox.push((to, wr));
+            return;
+        }
+        tracing::debug!(
+            pid,
+            ?outcome,
+            "soft RDMA: direct read failed; asking for the data instead"
+        );
+        *cma = None;
+        buf.clear();
+        buf.resize(want, 0);
+        if outcome == CmaCopy::WrongProcess {
+            self.cma_failed(&dest);
+        }
+        self.rdma()
+            .outbox
+            .push((to, read_req(tag, dest, &remote, 0)));
+    }
+}
+
+/// A READ_REQ work request.
+fn read_req(tag: u64, dest: RawAddr, remote: &RemoteIov, flags: u8) -> SendWr {
+    SendWr {
+        wr_id: INTERNAL | tag,
+        dest,
+        hdr: header(
+            OP_READ_REQ,
+            flags,
+            tag,
+            remote.key,
+            remote.addr,
+            remote.len,
+            0,
+        ),
+        payload: Bytes::new(),
+        imm: None,
+    }
 }
 
 impl<T: RdmaHost + ?Sized> RdmaOps for T {}
+
+#[cfg(test)]
+mod tests;

@@ -117,6 +117,106 @@ pub fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+/// Appends up to `len` bytes from address `addr` of process `pid` to `buf` (reserving room
+/// first), returning how many were appended: fewer when the remote range ends in an unmapped
+/// page. Unlike [`read_remote`] it needs no initialised destination, so a large read does not
+/// pay for zeroing the buffer first.
+///
+/// Safe for the same reason: the kernel writes only into the reserved spare capacity of `buf`,
+/// and `buf`'s length grows only by the count the kernel reports.
+pub fn read_remote_into(
+    pid: u32,
+    addr: u64,
+    len: usize,
+    buf: &mut bytes::BytesMut,
+) -> io::Result<usize> {
+    let p = libc::pid_t::try_from(pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
+    if len == 0 {
+        return Ok(0);
+    }
+    buf.reserve(len);
+    let spare = buf.spare_capacity_mut();
+    let local = libc::iovec {
+        iov_base: spare.as_mut_ptr().cast(),
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: len,
+    };
+    // SAFETY: `local` describes the first `len` bytes of `buf`'s spare capacity (at least
+    // `len` after `reserve`), memory `buf` owns exclusively for the duration of the call; the
+    // kernel writes at most `len` bytes there. The remote iovec is only interpreted in the
+    // other process's address space (checked by the kernel).
+    let n = unsafe { libc::process_vm_readv(p, &local, 1, &remote, 1, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = (n as usize).min(len);
+    // SAFETY: the kernel initialised the first `n` bytes of the spare capacity.
+    unsafe { buf.set_len(buf.len() + n) };
+    Ok(n)
+}
+
+/// Reads the 8-byte word at `word_at` and then up to `len` bytes at `addr` of process `pid`,
+/// in one `process_vm_readv`: the word is returned (`None` when the kernel stopped before it
+/// was whole), the bytes are appended to `buf` (fewer when the range ends in an unmapped page).
+/// Safe for the same reasons as [`read_remote_into`].
+pub fn read_remote_checked(
+    pid: u32,
+    word_at: u64,
+    addr: u64,
+    len: usize,
+    buf: &mut bytes::BytesMut,
+) -> io::Result<Option<u64>> {
+    let p = libc::pid_t::try_from(pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
+    let mut word = [0u8; 8];
+    buf.reserve(len);
+    let spare = buf.spare_capacity_mut();
+    let local = [
+        libc::iovec {
+            iov_base: word.as_mut_ptr().cast(),
+            iov_len: 8,
+        },
+        libc::iovec {
+            iov_base: spare.as_mut_ptr().cast(),
+            iov_len: len,
+        },
+    ];
+    let remote = [
+        libc::iovec {
+            iov_base: word_at as usize as *mut libc::c_void,
+            iov_len: 8,
+        },
+        libc::iovec {
+            iov_base: addr as usize as *mut libc::c_void,
+            iov_len: len,
+        },
+    ];
+    // SAFETY: the local iovecs describe `word` (8 bytes on this stack frame) and the first
+    // `len` bytes of `buf`'s spare capacity (at least `len` after `reserve`), both exclusively
+    // ours for the duration of the call; the kernel writes at most their lengths, in order.
+    // The remote iovecs are only interpreted in the other process's address space.
+    let n = unsafe { libc::process_vm_readv(p, local.as_ptr(), 2, remote.as_ptr(), 2, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = n as usize;
+    if n < 8 {
+        return Ok(None);
+    }
+    let got = (n - 8).min(len);
+    // SAFETY: the kernel initialised the first `got` bytes of the spare capacity.
+    unsafe { buf.set_len(buf.len() + got) };
+    Ok(Some(u64::from_le_bytes(word)))
+}
+
 /// Lets process `pid` (or any process, with `None`) ptrace this one, and so use CMA towards it,
 /// under Yama scope 1 (`prctl(PR_SET_PTRACER)`). Without Yama this is a harmless error.
 pub fn allow_ptracer(pid: Option<u32>) -> Result<()> {

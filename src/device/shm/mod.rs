@@ -128,6 +128,11 @@ pub struct ShmConfig {
     pub rdma: bool,
     /// RDMA writes with immediate data consume no receive buffer. Default off.
     pub unsolicited_write_recv: bool,
+    /// Serve RDMA reads between processes with cross-memory attach where the kernel permits it
+    /// (the initiator copies the target's bytes with one `process_vm_readv`; see
+    /// `docs/shm-device.md`, "RDMA"); else, and when off, reads come back in chunks through
+    /// the rings. Default on.
+    pub cma: bool,
 }
 
 impl Default for ShmConfig {
@@ -142,6 +147,7 @@ impl Default for ShmConfig {
             dir: PathBuf::from("/dev/shm"),
             rdma: true,
             unsolicited_write_recv: false,
+            cma: true,
         }
     }
 }
@@ -254,6 +260,9 @@ pub(crate) struct DevShared {
     pub counters: DeviceCounters,
     /// Registered regions (`None` without RDMA).
     pub keys: Option<crate::device::soft_rdma::KeyTable>,
+    /// A random value at a fixed address of this process: a peer granted a direct (CMA) read
+    /// reads it first to make sure the pid it has is this process (pid namespaces, reuse).
+    pub cookie: Box<u64>,
 }
 
 /// The shared-memory software device. Open it with [`ShmDevice::open`].
@@ -307,6 +316,11 @@ impl ShmDevice {
                 gid,
                 counters: DeviceCounters::default(),
                 keys,
+                cookie: Box::new(
+                    u64::from(crate::device::random_qkey()) << 32
+                        | u64::from(crate::device::random_qkey())
+                        | 1,
+                ),
             }),
         }))
     }

@@ -156,6 +156,21 @@ impl<'a> Ring<'a> {
         }
     }
 
+    /// After publishing a datagram: wakes the owner's thread only if it sleeps (or is about to).
+    /// The owner's polls and its thread's last look before sleeping find datagrams through the
+    /// ring tail, so a busy receiver is not made to re-scan anything by a bell that moved.
+    pub(crate) fn ring_bell_if_asleep(&self) {
+        if let Some((bell, sleepers)) = self.bell() {
+            // Pairs with the fence in the owner's thread between counting itself a sleeper and
+            // its last look at the tail: either it sees this datagram, or this sees it asleep.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if sleepers.load(Ordering::SeqCst) != 0 {
+                bell.fetch_add(1, Ordering::SeqCst);
+                map::futex_wake(bell);
+            }
+        }
+    }
+
     // ---- producer side ------------------------------------------------------------------
 
     /// Reserves a slot for `writer`; `None` when the ring is full (or unusable).

@@ -3,9 +3,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,7 @@ use super::map::{self, Mapping};
 use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
 use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
-use crate::device::soft_rdma::{self as rdma, Rdma, RdmaHost, RdmaOps};
+use crate::device::soft_rdma::{self as rdma, CmaCopy, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
 };
@@ -45,8 +46,41 @@ const BACKLOG_RETRY: Duration = Duration::from_micros(200);
 /// Peer segments kept mapped (each holds a file descriptor); past this, the idle ones (no sends
 /// outstanding) are dropped.
 const MAX_IDLE_PEERS: usize = 256;
+/// RDMA reads from this size on copy directly (CMA) when they can: below it, the grant, the
+/// READ_DONE round trip and the system call cost more than copying through the rings (measured
+/// with `examples/rma-bw -o read`: 8 KiB reads were faster through the rings, 16 KiB with CMA).
+const CMA_MIN_READ: usize = 16 << 10;
 /// RNR retry count that means "retry forever".
 const RNR_INFINITE: u8 = 7;
+/// The NIC thread judges over windows of this length whether the application busy-polls.
+const SPIN_WINDOW: Duration = Duration::from_millis(1);
+/// Application polls per [`SPIN_WINDOW`] from which it counts as busy-polling: its polls then
+/// make all the progress, and the NIC thread leaves the doorbell (peers ring it without a
+/// system call) until the rate drops. A thread that polls once and then sleeps on its
+/// notifier polls a few times per completion, far below this.
+const SPIN_POLLS: u64 = 256;
+/// Every this many application polls one takes the full pass (with the clock, for timers)
+/// even when [`Shared::idle`] says there is nothing to do.
+const TIMER_POLLS: u64 = 16;
+
+/// Hashes the peer table's keys, QPNs, by one multiplication: they are small integers, and a
+/// SipHash per datagram (every acknowledgement looks its sender up) cost more than the lookup.
+#[derive(Default)]
+pub(super) struct QpnHasher(u64);
+
+impl Hasher for QpnHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u16(&mut self, n: u16) {
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
 
 /// A peer's mapped segment.
 struct Peer {
@@ -55,6 +89,8 @@ struct Peer {
     outstanding: usize,
     /// Next liveness check (while sends are outstanding).
     next_check: Instant,
+    /// Whether its process may be read directly (CMA); `None` until first asked.
+    cma: Option<bool>,
 }
 
 /// An SRD send published in a peer's ring, waiting for its acknowledgement.
@@ -116,19 +152,28 @@ pub(super) struct State {
     rnr_marked: u64,
     /// A reserved, unpublished head slot and since when.
     stuck: Option<(u64, Instant)>,
-    peers: HashMap<u16, Peer>,
+    peers: HashMap<u16, Peer, BuildHasherDefault<QpnHasher>>,
     /// SRD sends in flight, indexed by acknowledgement entry.
     inflight: Vec<Option<Inflight>>,
     /// Generation of each acknowledgement entry.
     gens: Vec<u32>,
     free_acks: Vec<u32>,
     n_inflight: usize,
+    /// Every acknowledgement entry in use is below this (entries are reused lowest first, so
+    /// the scans of the in-flight sends stay as short as the sends outstanding).
+    inflight_hi: usize,
+    /// Senders acknowledged by the current drain whose doorbell is still to ring (once each).
+    to_ring: Vec<u16>,
     backlog: VecDeque<Pending>,
     /// The doorbell value of the last scan of the in-flight sends.
     last_bell: u32,
     /// Earliest timer (RNR retry, liveness check, deadline, backlog retry, header check).
     next_timer: Option<Instant>,
     next_header_check: Instant,
+    /// The time of the last progress pass: what `post_send` and `post_recv` use instead of
+    /// reading the clock. It is at most one pass old (the NIC thread sleeps at most
+    /// [`IDLE_WAIT`]), which only makes deadlines and checks set from it come that much early.
+    clock: Instant,
     /// One-sided RDMA (`device::soft_rdma`).
     rdma: Rdma,
 }
@@ -169,6 +214,7 @@ impl State {
         if self.closed {
             return false;
         }
+        self.clock = now;
         // Timers are recomputed by the pass (the drain may set one for a stuck slot).
         let due = self.next_timer.is_some_and(|t| now >= t);
         if due {
@@ -195,6 +241,9 @@ impl State {
         if now >= self.next_header_check {
             self.next_header_check = now + HEADER_CHECK;
             let m = &self.own.map;
+            if let Some(w) = m.u64(segment::H_HEAD) {
+                w.store(self.head, Ordering::Relaxed);
+            }
             let intact = segment::header_intact(m, &self.own.geo, &self.own.id)
                 && !Ring::new(m, &self.own.geo).closed();
             if !intact {
@@ -216,7 +265,7 @@ impl State {
         let own_map = self.own.map.clone();
         let own_geo = self.own.geo;
         let own = Ring::new(&own_map, &own_geo);
-        for i in 0..self.inflight.len() {
+        for i in 0..self.inflight_hi.min(self.inflight.len()) {
             let Some(inf) = self.inflight[i].as_ref() else {
                 continue;
             };
@@ -306,6 +355,55 @@ impl RdmaHost for State {
     fn mtu(&self) -> usize {
         self.dev.cfg.mtu
     }
+    fn cma_pid(&mut self, dest: &RawAddr, len: usize) -> Option<u32> {
+        if !self.dev.cfg.cma || len < CMA_MIN_READ || dest.gid != self.dev.gid {
+            return None;
+        }
+        let p = self.peer(dest.qpn, false).ok()?;
+        let pid = p.seg.id.pid;
+        let ok = *p.cma.get_or_insert_with(|| super::cma::probe(pid).is_ok());
+        ok.then_some(pid)
+    }
+    fn cma_failed(&mut self, dest: &RawAddr) {
+        if let Some(p) = self.peers.get_mut(&dest.qpn) {
+            p.cma = Some(false);
+        }
+    }
+    fn cma_copy(
+        &mut self,
+        pid: u32,
+        cookie: (u64, u64),
+        addr: u64,
+        len: usize,
+        buf: &mut BytesMut,
+    ) -> CmaCopy {
+        buf.clear();
+        // The cookie and the data in one system call (the cookie first: a wrong process is
+        // noticed before its bytes are used).
+        let seen = match super::cma::read_remote_checked(pid, cookie.0, addr, len, buf) {
+            Ok(seen) => seen,
+            // Nothing read: not permitted, no such process, or (EFAULT) no cookie at that
+            // address, so not the process that granted. Only a lack of memory may pass.
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => return CmaCopy::Failed,
+            Err(_) => return CmaCopy::WrongProcess,
+        };
+        if seen != Some(cookie.1) {
+            return CmaCopy::WrongProcess;
+        }
+        while buf.len() < len {
+            let at = addr.wrapping_add(buf.len() as u64);
+            match super::cma::read_remote_into(pid, at, len - buf.len(), buf) {
+                Ok(n) if n > 0 => {}
+                _ => return CmaCopy::Failed,
+            }
+        }
+        CmaCopy::Copied
+    }
+    fn cma_cookie(&self) -> Option<(u64, u64)> {
+        let c: &u64 = &self.dev.cookie;
+        let at = std::ptr::from_ref(c) as usize as u64;
+        self.dev.cfg.cma.then_some((at, *c))
+    }
 }
 
 /// What the application handle and the NIC thread share.
@@ -316,6 +414,13 @@ pub(super) struct Shared {
     geo: Geometry,
     stop: AtomicBool,
     notifier: Arc<Notifier>,
+    /// Application `poll` calls so far (written by the polling thread, read by the NIC thread).
+    app_polls: AtomicU64,
+    /// Copies of what the lock guards, for [`Shared::idle`]: completions ready, the ring head,
+    /// the doorbell value the last pass saw. Stored by every lock holder before it unlocks.
+    cq_len: AtomicUsize,
+    head: AtomicU64,
+    seen_bell: AtomicU32,
 }
 
 impl Shared {
@@ -327,15 +432,12 @@ impl Shared {
         }
         let more = st.progress(Instant::now(), budget);
         let timer = st.next_timer;
-        let notify = std::mem::take(&mut st.new_comps);
-        drop(st);
-        if notify {
-            self.notifier.notify();
-        }
+        self.after(st);
         (more, timer)
     }
 
     fn after(&self, mut st: parking_lot::MutexGuard<'_, State>) {
+        self.mirror(&st);
         let notify = std::mem::take(&mut st.new_comps);
         drop(st);
         if notify {
@@ -343,13 +445,67 @@ impl Shared {
         }
     }
 
-    fn wake_thread(&self) {
-        Ring::new(&self.map, &self.geo).ring_bell();
+    /// Updates the lock-free copies (call with the lock held, after changing the state).
+    fn mirror(&self, st: &State) {
+        self.cq_len.store(st.cq.len(), Ordering::Relaxed);
+        self.head.store(st.head, Ordering::Relaxed);
+        self.seen_bell.store(st.last_bell, Ordering::Relaxed);
     }
+
+    /// True when a poll has certainly nothing to do, found without the lock: no completion
+    /// ready, the ring tail at the head (nothing reserved or published), the doorbell unmoved
+    /// since the last pass (no acknowledgement, refusal or room to look at). Timers need the
+    /// clock, so every [`TIMER_POLLS`]th poll takes the full pass anyway. A stale answer only
+    /// delays the work to the next poll; the NIC thread never relies on it.
+    fn idle(&self, polls: u64) -> bool {
+        if polls % TIMER_POLLS == 0 || self.cq_len.load(Ordering::Relaxed) != 0 {
+            return false;
+        }
+        let ring = Ring::new(&self.map, &self.geo);
+        let head = self.head.load(Ordering::Relaxed);
+        // A published head slot first: the drain reads that line anyway, and the tail's line
+        // (written by every producer) is left alone while datagrams flow.
+        if ring.is_published(head) {
+            return false;
+        }
+        let tail = ring.tail().map_or(0, |t| t.load(Ordering::Acquire));
+        let bell = ring.bell().map_or(0, |(b, _)| b.load(Ordering::Acquire));
+        tail == head && bell == self.seen_bell.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the NIC thread whether it sleeps on the doorbell or out of it (busy application).
+    fn wake_thread(&self) {
+        let ring = Ring::new(&self.map, &self.geo);
+        ring.ring_bell();
+        if let Some((bell, _)) = ring.bell() {
+            map::futex_wake(bell);
+        }
+    }
+
+    /// Counts one application poll (one polling thread at a time: the handle is `&mut`);
+    /// returns the count.
+    fn count_poll(&self) -> u64 {
+        let n = self.app_polls.load(Ordering::Relaxed).wrapping_add(1);
+        self.app_polls.store(n, Ordering::Relaxed);
+        n
+    }
+}
+
+/// Whether the application busy-polls: at least [`SPIN_POLLS`] polls per [`SPIN_WINDOW`]
+/// between two marks.
+fn busy_polling(polls: u64, elapsed: Duration) -> bool {
+    let windows = elapsed.as_nanos() / SPIN_WINDOW.as_nanos();
+    u128::from(polls) >= u128::from(SPIN_POLLS) * windows.max(1)
 }
 
 /// The background "NIC": drains the ring into posted buffers, completes acknowledged sends and
 /// runs the timers; sleeps on the own doorbell (a futex) in between.
+///
+/// While the application busy-polls (see [`SPIN_POLLS`]) its polls do all of this in its own
+/// thread, so the NIC thread stays out of the way: it neither takes the lock nor counts as a
+/// sleeper on the doorbell (so senders and acknowledgers skip `FUTEX_WAKE`), and only looks
+/// once per [`SPIN_WINDOW`] whether the application still polls. When it stopped, the thread
+/// takes over (a datagram that arrived in between waited at most one window).
 fn nic_thread(shared: Arc<Shared>) {
     let map = shared.map.clone();
     let geo = shared.geo;
@@ -357,18 +513,46 @@ fn nic_thread(shared: Arc<Shared>) {
     let Some((bell, sleepers)) = ring.bell() else {
         return;
     };
+    let mut mark = (shared.app_polls.load(Ordering::Relaxed), Instant::now());
+    let mut spinning = false;
     loop {
         if shared.stop.load(Ordering::Acquire) {
             break;
+        }
+        if spinning {
+            let left = (mark.1 + SPIN_WINDOW).saturating_duration_since(Instant::now());
+            if !left.is_zero() {
+                map::futex_wait(bell, bell.load(Ordering::SeqCst), left);
+                continue;
+            }
+            let polls = shared.app_polls.load(Ordering::Relaxed);
+            spinning = busy_polling(polls.wrapping_sub(mark.0), mark.1.elapsed());
+            mark = (polls, Instant::now());
+            if spinning {
+                continue;
+            }
         }
         let b0 = bell.load(Ordering::SeqCst);
         let (more, timer) = shared.progress(NIC_BUDGET);
         if more {
             continue;
         }
+        let since = mark.1.elapsed();
+        if since >= SPIN_WINDOW {
+            let polls = shared.app_polls.load(Ordering::Relaxed);
+            spinning = busy_polling(polls.wrapping_sub(mark.0), since);
+            mark = (polls, Instant::now());
+            if spinning {
+                continue;
+            }
+        }
         sleepers.fetch_add(1, Ordering::SeqCst);
+        // Senders ring only a sleeping owner (`Ring::ring_bell_if_asleep`): look at the head slot
+        // once more after counting as a sleeper, so a datagram published in between is seen.
+        std::sync::atomic::fence(Ordering::SeqCst);
         let b = bell.load(Ordering::SeqCst);
-        if b == b0 && !shared.stop.load(Ordering::Acquire) {
+        let arrived = ring.is_published(shared.head.load(Ordering::Relaxed));
+        if b == b0 && !arrived && !shared.stop.load(Ordering::Acquire) {
             let wait = timer
                 .map_or(IDLE_WAIT, |t| t.saturating_duration_since(Instant::now()))
                 .min(IDLE_WAIT);
@@ -459,15 +643,18 @@ impl ShmQp {
             head: 0,
             rnr_marked: 0,
             stuck: None,
-            peers: HashMap::new(),
+            peers: HashMap::default(),
             inflight: (0..acks).map(|_| None).collect(),
             gens: vec![0; acks],
             free_acks: (0..acks as u32).rev().collect(),
             n_inflight: 0,
+            inflight_hi: 0,
+            to_ring: Vec::new(),
             backlog: VecDeque::new(),
             last_bell: 0,
             next_timer: None,
             next_header_check: now + HEADER_CHECK,
+            clock: now,
             rdma: Rdma::new(dev.keys.clone(), dev.cfg.unsolicited_write_recv),
             own,
         };
@@ -477,6 +664,10 @@ impl ShmQp {
             geo,
             stop: AtomicBool::new(false),
             notifier: attr.notifier,
+            app_polls: AtomicU64::new(0),
+            cq_len: AtomicUsize::new(0),
+            head: AtomicU64::new(0),
+            seen_bell: AtomicU32::new(0),
         });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
@@ -512,7 +703,8 @@ impl QueuePair for ShmQp {
 
     fn post_send(&mut self, wr: SendWr) -> Result<()> {
         let mut st = self.shared.state.lock();
-        st.post_send(wr, Instant::now())?;
+        let now = st.clock;
+        st.post_send(wr, now)?;
         self.shared.after(st);
         Ok(())
     }
@@ -534,15 +726,22 @@ impl QueuePair for ShmQp {
         st.recvs.push_back((wr_id, buf));
         if st.recvs.len() == 1 {
             // A datagram may be waiting for a buffer (RNR): take it now.
-            st.drain(Instant::now(), APP_BUDGET);
+            let now = st.clock;
+            st.drain(now, APP_BUDGET);
         }
         self.shared.after(st);
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
-        self.shared.progress(APP_BUDGET);
+        let polls = self.shared.count_poll();
+        if self.shared.idle(polls) {
+            return 0;
+        }
         let mut st = self.shared.state.lock();
+        if !st.closed {
+            st.progress(Instant::now(), APP_BUDGET);
+        }
         let mut n = 0;
         while n < max {
             let Some(c) = st.cq.pop_front() else {
@@ -561,6 +760,11 @@ impl QueuePair for ShmQp {
             out.push(c);
             n += 1;
         }
+        if st.cq.is_empty() {
+            // The caller holds every completion this pass produced: nobody to wake for them.
+            st.new_comps = false;
+        }
+        self.shared.after(st);
         n
     }
 
@@ -605,6 +809,7 @@ impl QueuePair for ShmQp {
                 tracing::debug!(addr = %self.addr, "shm: queue pair closed");
             }
             st.new_comps = false;
+            self.shared.mirror(&st);
         }
         self.stop_thread();
         self.shared.notifier.notify();

@@ -22,14 +22,6 @@ impl State {
         let m = self.own.map.clone();
         let g = self.own.geo;
         let r = Ring::new(&m, &g);
-        if let Some(t) = r.tail() {
-            let tail = t.load(Ordering::Acquire);
-            if tail.wrapping_sub(self.head) > u64::from(g.slots) {
-                stats::inc(&self.counters().malformed_dropped);
-                tracing::debug!(tail, head = self.head, "shm: ring tail out of range; reset");
-                let _ = t.compare_exchange(tail, self.head, Ordering::AcqRel, Ordering::Relaxed);
-            }
-        }
         let mut n = 0;
         let mut more = false;
         let mut again = 0;
@@ -37,9 +29,11 @@ impl State {
             match r.peek(self.head) {
                 Peek::Empty => {
                     self.stuck = None;
+                    self.check_tail(&r);
                     break;
                 }
                 Peek::Reserved => {
+                    self.check_tail(&r);
                     self.check_stuck(&r, now);
                     break;
                 }
@@ -67,10 +61,25 @@ impl State {
                 more = true;
             }
         }
-        if let Some(w) = m.u64(segment::H_HEAD) {
-            w.store(self.head, Ordering::Relaxed);
-        }
+        // The header's head word (informational) is written by the header check, not here: it
+        // shares a cache line with the tail every producer reserves on.
+        self.ring_acked();
         more
+    }
+
+    /// Resets a tail more than a ring ahead of the head (garbage, or a producer's wild CAS), so
+    /// that producers are not stuck seeing a full ring. Only looked at when the head slot is not
+    /// ready: while datagrams flow, the tail's cache line (which every producer writes) is not
+    /// read by the consumer at all.
+    fn check_tail(&mut self, r: &Ring<'_>) {
+        if let Some(t) = r.tail() {
+            let tail = t.load(Ordering::Acquire);
+            if tail.wrapping_sub(self.head) > u64::from(r.g.slots) {
+                stats::inc(&self.counters().malformed_dropped);
+                tracing::debug!(tail, head = self.head, "shm: ring tail out of range; reset");
+                let _ = t.compare_exchange(tail, self.head, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
     }
 
     pub(super) fn advance(&mut self, r: &Ring<'_>) {

@@ -42,6 +42,7 @@ impl State {
                     seg,
                     outstanding: 0,
                     next_check: Instant::now(),
+                    cma: None,
                 },
             );
         }
@@ -112,8 +113,18 @@ impl State {
             }
             let r = Ring::new(&p.seg.map, &p.seg.geo);
             r.complete_ack(token as u32, (token >> 32) as u32, code);
-            r.ring_bell();
+            // One doorbell per sender and drain (`ring_acked`), not one per datagram.
+            if !self.to_ring.contains(&qpn) {
+                self.to_ring.push(qpn);
+            }
             return;
+        }
+    }
+
+    /// Rings the doorbells of the senders the last drain acknowledged.
+    pub(super) fn ring_acked(&mut self) {
+        while let Some(qpn) = self.to_ring.pop() {
+            self.ring_peer(qpn);
         }
     }
 
@@ -168,7 +179,7 @@ impl State {
                 return Sent::Done(Status::Success, len);
             };
             ring.publish(pos, &meta, &wr.hdr, &wr.payload);
-            ring.ring_bell();
+            ring.ring_bell_if_asleep();
             stats::inc(&self.counters().tx_pkts);
             stats::add(&self.counters().tx_bytes, len as u64);
             return Sent::Done(Status::Success, len);
@@ -191,7 +202,7 @@ impl State {
         meta.flags = flags;
         meta.token = u64::from(idx) | (u64::from(gen_) << 32);
         ring.publish(pos, &meta, &wr.hdr, &wr.payload);
-        ring.ring_bell();
+        ring.ring_bell_if_asleep();
         stats::inc(&self.counters().tx_pkts);
         stats::add(&self.counters().tx_bytes, len as u64);
         self.inflight[i] = Some(Inflight {
@@ -205,6 +216,7 @@ impl State {
             deadline: now + self.dev.cfg.unresponsive_timeout,
         });
         self.n_inflight += 1;
+        self.inflight_hi = self.inflight_hi.max(i + 1);
         if let Some(p) = self.peers.get_mut(&wr.dest.qpn) {
             if p.outstanding == 0 {
                 p.next_check = now + LIVENESS_INTERVAL;
@@ -299,7 +311,8 @@ impl State {
         let interval = self.dev.cfg.rnr_retry_interval;
         let unresponsive = self.dev.cfg.unresponsive_timeout;
         let mut timer = None;
-        for i in 0..self.inflight.len() {
+        let mut hi = 0;
+        for i in 0..self.inflight_hi.min(self.inflight.len()) {
             let Some(inf) = self.inflight[i].as_ref() else {
                 continue;
             };
@@ -362,8 +375,10 @@ impl State {
             }
             if let Some(inf) = self.inflight[i].as_ref() {
                 timer = min_opt(timer, Some(inf.deadline));
+                hi = i + 1;
             }
         }
+        self.inflight_hi = hi;
         self.next_timer = min_opt(self.next_timer, timer);
     }
 
@@ -388,7 +403,7 @@ impl State {
         }
         self.next_timer = min_opt(self.next_timer, timer);
         for qpn in gone {
-            for i in 0..self.inflight.len() {
+            for i in 0..self.inflight_hi.min(self.inflight.len()) {
                 if self.inflight[i].as_ref().is_some_and(|f| f.qpn == qpn) {
                     self.finish(i, Status::UnresponsiveRemote);
                 }

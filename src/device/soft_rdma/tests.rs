@@ -1,0 +1,230 @@
+//! The direct-read (CMA) exchange of `soft_rdma` between two hosts driven by hand, so that a
+//! region can be revoked between the copy and READ_DONE, and the copy can fail, at exactly the
+//! step the test chooses.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+
+use super::*;
+use crate::addr::Gid;
+use crate::device::RemoteIov;
+
+struct Host {
+    rdma: Rdma,
+    comps: Vec<DeviceCompletion>,
+    counters: DeviceCounters,
+    /// What `cma_pid` answers.
+    pid: Option<u32>,
+    /// What `cma_copy` does (copies from `memory` when `Copied`).
+    copy: CmaCopy,
+    memory: Vec<u8>,
+    base: u64,
+    failed: bool,
+    cookie: Option<(u64, u64)>,
+}
+
+impl Host {
+    fn new(keys: Option<KeyTable>) -> Host {
+        Host {
+            rdma: Rdma::new(keys, false),
+            comps: Vec::new(),
+            counters: DeviceCounters::default(),
+            pid: None,
+            copy: CmaCopy::Copied,
+            memory: Vec::new(),
+            base: 0,
+            failed: false,
+            cookie: None,
+        }
+    }
+
+    /// Takes the queued messages as (wr_id, bytes).
+    fn sent(&mut self) -> Vec<(u64, Vec<u8>)> {
+        std::mem::take(&mut self.rdma.outbox)
+            .into_iter()
+            .map(|(_, wr)| {
+                let mut b = wr.hdr.to_vec();
+                b.extend_from_slice(&wr.payload);
+                (wr.wr_id, b)
+            })
+            .collect()
+    }
+}
+
+impl RdmaHost for Host {
+    fn rdma(&mut self) -> &mut Rdma {
+        &mut self.rdma
+    }
+    fn complete(&mut self, c: DeviceCompletion) {
+        self.comps.push(c);
+    }
+    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
+        None
+    }
+    fn untake_recv(&mut self, _r: (u64, BytesMut)) {}
+    fn counters(&self) -> &DeviceCounters {
+        &self.counters
+    }
+    fn mtu(&self) -> usize {
+        4096
+    }
+    fn cma_pid(&mut self, _dest: &RawAddr, _len: usize) -> Option<u32> {
+        self.pid
+    }
+    fn cma_failed(&mut self, _dest: &RawAddr) {
+        self.failed = true;
+    }
+    fn cma_copy(
+        &mut self,
+        _pid: u32,
+        _cookie: (u64, u64),
+        addr: u64,
+        len: usize,
+        buf: &mut BytesMut,
+    ) -> CmaCopy {
+        if self.copy == CmaCopy::Copied {
+            let at = (addr - self.base) as usize;
+            buf.clear();
+            buf.extend_from_slice(&self.memory[at..at + len]);
+        }
+        self.copy
+    }
+    fn cma_cookie(&self) -> Option<(u64, u64)> {
+        self.cookie
+    }
+}
+
+fn src(qpn: u16) -> Src {
+    Src {
+        source: Source {
+            gid: Gid([0; 16]),
+            qpn,
+        },
+        sock: None,
+    }
+}
+
+/// An initiator that copies directly, a target with one readable region of `len` bytes.
+fn setup(len: usize) -> (Host, Host, Arc<RegionMem>, u64, RemoteIov) {
+    let keys = KeyTable::default();
+    let data: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+    let mem = RegionMem::new(BytesMut::from(&data[..]));
+    let key = keys.lock().register(&mem, Access::REMOTE_READ);
+    let remote = RemoteIov {
+        addr: mem.addr(),
+        len: len as u64,
+        key,
+    };
+    let mut a = Host::new(Some(KeyTable::default()));
+    a.pid = Some(4242);
+    a.memory = data;
+    a.base = mem.addr();
+    let mut b = Host::new(Some(keys));
+    b.cookie = Some((0x1000, 0xfeed));
+    (a, b, mem, key, remote)
+}
+
+/// Runs the exchange up to the READ_DONE the initiator sends; returns its bytes and wr_id.
+fn until_done(a: &mut Host, b: &mut Host, remote: RemoteIov) -> (u64, Vec<u8>) {
+    let dest = RawAddr::new(Gid([0; 16]), 2, 7);
+    a.rdma_read(9, None, dest, BytesMut::new(), remote).unwrap();
+    let req = a.sent();
+    assert_eq!(req.len(), 1);
+    assert_eq!(req[0].1[1], F_CMA, "the request asks for a direct copy");
+    assert_eq!(b.deliver_rdma(src(1), 7, None, &req[0].1), Served::Ok);
+    let grant = b.sent();
+    assert_eq!(grant.len(), 1);
+    assert_eq!(grant[0].1.len(), HDR, "a grant carries no data");
+    // The request's acknowledgement arrives: the read waits for the data.
+    a.rdma_send_done(req[0].0, Status::Success);
+    assert!(a.comps.is_empty());
+    assert_eq!(a.deliver_rdma(src(2), 7, None, &grant[0].1), Served::Ok);
+    let done = a.sent();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].1[0], OP_READ_DONE);
+    assert!(a.comps.is_empty(), "complete only once the target confirms");
+    done.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_direct_read_completes_when_the_target_confirms_the_key() {
+    let (mut a, mut b, _mem, _key, remote) = setup(10_000);
+    let (wr_id, done) = until_done(&mut a, &mut b, remote);
+    assert_eq!(b.deliver_rdma(src(1), 7, None, &done), Served::Ok);
+    a.rdma_send_done(wr_id, Status::Success);
+    assert_eq!(a.comps.len(), 1);
+    let c = &a.comps[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.byte_len),
+        (9, Status::Success, 10_000)
+    );
+    assert!(c.buf.as_deref() == Some(&a.memory[..]));
+}
+
+#[test]
+fn a_region_revoked_during_the_copy_fails_the_read() {
+    let (mut a, mut b, _mem, key, remote) = setup(10_000);
+    let (wr_id, done) = until_done(&mut a, &mut b, remote);
+    b.rdma.keys.as_ref().unwrap().lock().deregister(key);
+    assert_eq!(b.deliver_rdma(src(1), 7, None, &done), Served::Denied);
+    a.rdma_send_done(wr_id, Status::RemoteBadAddress);
+    assert_eq!(a.comps.len(), 1);
+    let c = &a.comps[0];
+    assert_eq!((c.status, c.byte_len), (Status::RemoteBadAddress, 0));
+    assert!(
+        c.buf.as_ref().is_some_and(|b| b.is_empty()),
+        "no bytes handed out"
+    );
+}
+
+#[test]
+fn a_failed_or_misdirected_copy_asks_again_for_the_data() {
+    for outcome in [CmaCopy::WrongProcess, CmaCopy::Failed] {
+        let (mut a, mut b, _mem, _key, remote) = setup(10_000);
+        a.copy = outcome;
+        let dest = RawAddr::new(Gid([0; 16]), 2, 7);
+        a.rdma_read(9, None, dest, BytesMut::new(), remote).unwrap();
+        let req = a.sent();
+        assert_eq!(b.deliver_rdma(src(1), 7, None, &req[0].1), Served::Ok);
+        let grant = b.sent();
+        a.deliver_rdma(src(2), 7, None, &grant[0].1);
+        assert_eq!(a.failed, outcome == CmaCopy::WrongProcess);
+        let again = a.sent();
+        assert_eq!(again.len(), 1);
+        assert_eq!(
+            (again[0].1[0], again[0].1[1]),
+            (OP_READ_REQ, 0),
+            "plain request"
+        );
+        // The target answers it with chunks; the read completes with the data.
+        assert_eq!(b.deliver_rdma(src(1), 7, None, &again[0].1), Served::Ok);
+        for (_, chunk) in b.sent() {
+            a.deliver_rdma(src(2), 7, None, &chunk);
+        }
+        a.rdma_send_done(req[0].0, Status::Success);
+        a.rdma_send_done(again[0].0, Status::Success);
+        assert_eq!(a.comps.len(), 1, "{outcome:?}");
+        let c = &a.comps[0];
+        assert_eq!(c.status, Status::Success);
+        assert!(c.buf.as_deref() == Some(&a.memory[..]));
+    }
+}
+
+#[test]
+fn a_target_without_cma_answers_a_direct_request_with_chunks() {
+    let (mut a, mut b, _mem, _key, remote) = setup(10_000);
+    b.cookie = None;
+    let dest = RawAddr::new(Gid([0; 16]), 2, 7);
+    a.rdma_read(9, None, dest, BytesMut::new(), remote).unwrap();
+    let req = a.sent();
+    assert_eq!(b.deliver_rdma(src(1), 7, None, &req[0].1), Served::Ok);
+    let chunks = b.sent();
+    assert!(chunks.len() >= 3, "10000 bytes in 4048-byte chunks");
+    for (_, chunk) in chunks {
+        a.deliver_rdma(src(2), 7, None, &chunk);
+    }
+    a.rdma_send_done(req[0].0, Status::Success);
+    assert_eq!(a.comps.len(), 1);
+    assert!(a.comps[0].buf.as_deref() == Some(&a.memory[..]));
+}
