@@ -95,6 +95,6 @@ if [ -n "$plot" ]; then
             f="$tmp/$(echo "$p" | tr ';' _)-$s"
             echo "$(echo "$p" | tr ';' '+') $s $(cut -d' ' -f1 "$f" | median) $(cut -d' ' -f2 "$f" | median)"
         done
-    done | sort -s -k1,1 | awk -v title="$ep ping-pong, two processes on loopback (medians of $rounds rounds)" -f scripts/plot-svg.awk >"$plot"
+    done | awk '$3 != "nan" && $4 != "nan"' | sort -s -k1,1 | awk -v title="$ep ping-pong, two processes on loopback (medians of $rounds rounds)" -f scripts/plot-svg.awk >"$plot"
     echo "plot: $plot"
 fi
