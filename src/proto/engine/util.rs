@@ -487,15 +487,9 @@ mod tests {
     use super::*;
     use crate::fault::{Rng, test_seed};
 
-    #[test]
-    fn every_header_the_engine_sends_fits_inline() {
-        use crate::addr::{Gid, RawAddr};
-        use crate::proto::wire::{ExtraInfo, Handshake, ReqOpt, Sender};
-        let opt = ReqOpt {
-            sender: Sender::RawAddr(RawAddr::new(Gid([0xff; 16]), u16::MAX, u32::MAX)),
-            cq_data: Some(u64::MAX),
-        };
-        let big = [
+    /// The largest header of each message packet (tag, delivery complete, CQ data) with `opt`.
+    fn message_packets(opt: crate::proto::wire::ReqOpt) -> [Packet<'static>; 6] {
+        [
             Packet::EagerRtm {
                 opt,
                 msg_id: 1,
@@ -538,16 +532,26 @@ mod tests {
                 send_id: 2,
                 msg_id: 3,
             },
-            Packet::Handshake(Handshake {
-                extra_info: ExtraInfo::from_words(&[u64::MAX; 8]),
-                connid: Some(1),
-                host_id: Some(2),
-                device_version: Some(3),
-                user_recv_qp: Some((4, 5)),
-                p2p: Some(true),
-            }),
-        ];
-        for p in big {
+        ]
+    }
+
+    #[test]
+    fn every_header_the_engine_sends_fits_inline() {
+        use crate::addr::{Gid, RawAddr};
+        use crate::proto::wire::{ExtraInfo, Handshake, ReqOpt, Sender};
+        let opt = ReqOpt {
+            sender: Sender::RawAddr(RawAddr::new(Gid([0xff; 16]), u16::MAX, u32::MAX)),
+            cq_data: Some(u64::MAX),
+        };
+        let handshake = Packet::Handshake(Handshake {
+            extra_info: ExtraInfo::from_words(&[u64::MAX; 8]),
+            connid: Some(1),
+            host_id: Some(2),
+            device_version: Some(3),
+            user_recv_qp: Some((4, 5)),
+            p2p: Some(true),
+        });
+        for p in message_packets(opt).into_iter().chain([handshake]) {
             let h = Hdr::encode(&p).unwrap_or_else(|e| panic!("{p:?}: {e}"));
             assert_eq!(h.bytes().len(), p.header_len(), "{p:?}");
             let mut want = Vec::new();
@@ -563,44 +567,7 @@ mod tests {
             sender: Sender::Connid(u32::MAX),
             cq_data: Some(u64::MAX),
         };
-        let pkts = [
-            Packet::EagerRtm {
-                opt,
-                msg_id: 1,
-                tag: Some(2),
-                dc_send_id: Some(3),
-            },
-            Packet::MediumRtm {
-                opt,
-                msg_id: 1,
-                msg_length: 2,
-                seg_offset: 3,
-                tag: Some(4),
-                dc_send_id: Some(5),
-            },
-            Packet::LongCtsRtm {
-                opt,
-                msg_id: 1,
-                msg_length: 2,
-                send_id: 3,
-                credit_request: 4,
-                tag: Some(5),
-                dc: true,
-                read_nack: false,
-            },
-            Packet::CtsData {
-                connid: Some(1),
-                recv_id: 2,
-                seg_length: 3,
-                seg_offset: 4,
-            },
-            Packet::Receipt {
-                connid: Some(1),
-                send_id: 2,
-                msg_id: 3,
-            },
-        ];
-        for p in pkts {
+        for p in message_packets(opt) {
             let h = Hdr::encode(&p).unwrap();
             assert!(matches!(h.repr, HdrRepr::Small(_)), "{p:?}: {h:?}");
             assert_eq!(h.bytes().len(), p.header_len(), "{p:?}");
