@@ -703,7 +703,7 @@ impl Engine {
                 ..
             } => {
                 if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
-                    self.handle_cts(pid, send_id, recv_id, recv_length, false)
+                    self.handle_cts(pid, send_id, recv_id, recv_length)
                 }
             }
             Packet::CtsData {
@@ -773,7 +773,7 @@ impl Engine {
             ),
             Packet::ReadRsp {
                 recv_id, send_id, ..
-            } => self.ema_readrsp(now, pid, recv_id, send_id, payload),
+            } => self.ema_readrsp(pid, recv_id, send_id, payload),
             Packet::AtomRsp { recv_id, .. } => self.ema_atomrsp(pid, recv_id, payload),
             Packet::PeerError {
                 op_id,

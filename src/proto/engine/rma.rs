@@ -514,16 +514,9 @@ impl Engine {
     }
 
     /// A READRSP: the answer to a SHORT_RTR, or the start of a LONGCTS_RTR's data.
-    pub(super) fn ema_readrsp(
-        &mut self,
-        now: Instant,
-        pid: u64,
-        recv_id: u32,
-        send_id: u32,
-        data: &[u8],
-    ) {
+    pub(super) fn ema_readrsp(&mut self, pid: u64, recv_id: u32, send_id: u32, data: &[u8]) {
         let Some(&(id, off, len)) = self.ema.chunks.get(&recv_id) else {
-            return self.cts_readrsp(now, pid, recv_id, send_id, data);
+            return self.cts_readrsp(pid, recv_id, send_id, data);
         };
         let Some(op) = self.ema.ops.get_mut(&id) else {
             return self.drop_pkt("READRSP for no read");
@@ -911,6 +904,11 @@ impl Engine {
             },
             _ => return self.drop_pkt("emulated RMA refused by the memory (no answer expected)"),
         };
+        self.refuse_op(pid, op_id, status);
+    }
+
+    /// PEER_ERROR (OPE_INDEX) naming the initiator's operation `op_id`, with the EFA status.
+    fn refuse_op(&mut self, pid: u64, op_id: u32, status: Status) {
         tracing::debug!(%status, "emulated RMA refused");
         let pkt = Packet::PeerError {
             connid: Some(self.local.qkey),

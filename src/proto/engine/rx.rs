@@ -11,7 +11,7 @@ use super::{Engine, Error, ErrorKind, Event, RecvDone};
 use crate::addr::RawAddr;
 use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
-use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, Packet};
+use crate::proto::wire::Packet;
 
 /// Which protocol an inbound message uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -666,8 +666,7 @@ impl Engine {
 
     /// Grants the sender of long-CTS message `rid` its next window.
     pub(super) fn send_cts(&mut self, rid: u32) {
-        let per_pkt = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
-        let credit = self.cfg.tx_min_credits.max(1).saturating_mul(per_pkt);
+        let credit = self.cts_credit();
         let qkey = self.local.qkey;
         let Some(e) = self.rx.get_mut(&rid) else {
             return;

@@ -566,18 +566,9 @@ impl Engine {
         }));
     }
 
-    /// A CTS: the receiver grants `recv_length` more bytes of a long-CTS send.
-    pub(super) fn handle_cts(
-        &mut self,
-        pid: u64,
-        send_id: u32,
-        recv_id: u32,
-        recv_length: u64,
-        read_req: bool,
-    ) {
-        if read_req {
-            return self.drop_pkt("CTS for an emulated read (not implemented)");
-        }
+    /// A CTS: the receiver grants `recv_length` more bytes of a long-CTS send (a CTS with
+    /// READ_REQ goes to the emulation, `rma/cts.rs`).
+    pub(super) fn handle_cts(&mut self, pid: u64, send_id: u32, recv_id: u32, recv_length: u64) {
         let Some(t) = self.tx.get_mut(&send_id) else {
             return self.drop_pkt("CTS for an unknown send_id");
         };
@@ -605,29 +596,62 @@ impl Engine {
         }
     }
 
-    /// Queues the CTSDATA packets of the window granted to send `id`.
-    pub(super) fn schedule_ctsdata(&mut self, id: u32) {
-        let Some(t) = self.tx.get(&id) else { return };
-        let (pid, recv_id, mut off, end) = (t.peer, t.recv_id, t.scheduled, t.window_end);
-        let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
-        let qkey = self.local.qkey;
-        let mut pkts = std::mem::take(&mut self.pkt_scratch);
-        while off < end {
-            let n = max.min(end - off);
+    /// Payload bytes of one CTSDATA packet (libfabric's `max_data_payload_size`).
+    pub(super) fn ctsdata_room(&self) -> usize {
+        self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1)
+    }
+
+    /// Bytes of one CTS window: `tx_min_credits` CTSDATA packets' worth.
+    pub(super) fn cts_credit(&self) -> usize {
+        self.cfg
+            .tx_min_credits
+            .max(1)
+            .saturating_mul(self.ctsdata_room())
+    }
+
+    /// Appends to `pkts` the CTSDATA packets to `pid` carrying bytes `from..to` of a long-CTS
+    /// transfer the peer knows as `recv_id`; a packet's payload is bytes `off - base ..` of its
+    /// owner's buffer. Returns where the packets end (`to`, unless a header failed to encode).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_ctsdata(
+        &self,
+        pkts: &mut Vec<Pkt>,
+        pid: u64,
+        owner: Owner,
+        recv_id: u32,
+        from: usize,
+        to: usize,
+        base: usize,
+    ) -> usize {
+        let max = self.ctsdata_room();
+        let mut off = from;
+        while off < to {
+            let n = max.min(to - off);
             let h = Packet::CtsData {
-                connid: Some(qkey),
+                connid: Some(self.local.qkey),
                 recv_id,
                 seg_length: n as u64,
                 seg_offset: off as u64,
             };
             let Some(hdr) = self.encode(&h) else {
-                pkts.clear();
-                self.pkt_scratch = pkts;
-                let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
-                return self.fail_tx(id, e, None);
+                break;
             };
-            pkts.push(Pkt::new(pid, Owner::Tx(id), hdr, off, off + n));
+            pkts.push(Pkt::new(pid, owner, hdr, off - base, off - base + n));
             off += n;
+        }
+        off
+    }
+
+    /// Queues the CTSDATA packets of the window granted to send `id`.
+    pub(super) fn schedule_ctsdata(&mut self, id: u32) {
+        let Some(t) = self.tx.get(&id) else { return };
+        let (pid, recv_id, off, end) = (t.peer, t.recv_id, t.scheduled, t.window_end);
+        let mut pkts = std::mem::take(&mut self.pkt_scratch);
+        if self.push_ctsdata(&mut pkts, pid, Owner::Tx(id), recv_id, off, end, 0) != end {
+            pkts.clear();
+            self.pkt_scratch = pkts;
+            let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
+            return self.fail_tx(id, e, None);
         }
         if let Some(t) = self.tx.get_mut(&id) {
             t.scheduled = end;

@@ -22,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::super::read::{ReadIovs, carve, write_range};
 use super::super::tx::{Owner, Pkt};
-use super::super::util::{Hdr, RangeSet};
+use super::super::util::RangeSet;
 use super::super::{Engine, Event, RemoteWriteDone, RmaMemory};
 use super::{EmaOp, OpKind, Work};
 use crate::device::{RemoteIov, Status};
@@ -73,12 +73,6 @@ enum TgtKind {
 }
 
 impl Engine {
-    /// Bytes of one CTS window (libfabric: `tx_min_credits × max_data_payload_size`).
-    pub(super) fn cts_credit(&self) -> usize {
-        let per_pkt = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
-        self.cfg.tx_min_credits.max(1).saturating_mul(per_pkt)
-    }
-
     /// Bytes of a READRSP's payload at most.
     pub(super) fn readrsp_room(&self) -> usize {
         let rsp = Packet::ReadRsp {
@@ -259,14 +253,7 @@ impl Engine {
     }
 
     /// A READRSP for a LONGCTS_RTR: the responder's id and the first bytes.
-    pub(super) fn cts_readrsp(
-        &mut self,
-        now: Instant,
-        pid: u64,
-        recv_id: u32,
-        send_id: u32,
-        data: &[u8],
-    ) {
+    pub(super) fn cts_readrsp(&mut self, pid: u64, recv_id: u32, send_id: u32, data: &[u8]) {
         let Some(op) = self.ema.ops.get_mut(&recv_id) else {
             return self.drop_pkt("READRSP for no read");
         };
@@ -274,18 +261,11 @@ impl Engine {
             Some(c) if op.pid == pid && c.peer_id.is_none() => c.peer_id = Some(send_id),
             _ => return self.drop_pkt("READRSP that does not start a long-CTS read"),
         }
-        self.cts_read_data(now, pid, recv_id, 0, data);
+        self.cts_read_data(pid, recv_id, 0, data);
     }
 
     /// Data of one of our long-CTS reads (READRSP or CTSDATA), at `off`.
-    pub(super) fn cts_read_data(
-        &mut self,
-        _now: Instant,
-        pid: u64,
-        id: u32,
-        off: u64,
-        data: &[u8],
-    ) {
+    pub(super) fn cts_read_data(&mut self, pid: u64, id: u32, off: u64, data: &[u8]) {
         let credit = self.cts_credit();
         let qkey = self.local.qkey;
         let Some(op) = self.ema.ops.get_mut(&id) else {
@@ -372,34 +352,19 @@ impl Engine {
     }
 
     fn cts_send_write_window(&mut self, pid: u64, id: u32) {
-        let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
-        let qkey = self.local.qkey;
-        let Some(op) = self.ema.ops.get_mut(&id) else {
-            return;
-        };
-        let Some(c) = op.cts.as_deref_mut() else {
+        let Some(c) = self.ema.ops.get(&id).and_then(|o| o.cts.as_deref()) else {
             return;
         };
         let Some(recv_id) = c.peer_id else {
             return;
         };
-        let (mut off, end) = (c.done, c.window_end);
-        let mut pkts = Vec::with_capacity((end - off).div_ceil(max));
-        while off < end {
-            let n = max.min(end - off);
-            let h = Packet::CtsData {
-                connid: Some(qkey),
-                recv_id,
-                seg_length: n as u64,
-                seg_offset: off as u64,
-            };
-            match Hdr::encode(&h) {
-                Ok(hdr) => pkts.push(Pkt::new(pid, Owner::Ema(id), hdr, off, off + n)),
-                Err(_) => break,
-            }
-            off += n;
-        }
-        c.done = off;
+        let (from, to) = (c.done, c.window_end);
+        let mut pkts = Vec::new();
+        let end = self.push_ctsdata(&mut pkts, pid, Owner::Ema(id), recv_id, from, to, 0);
+        let Some(c) = self.ema.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
+            return;
+        };
+        c.done = end;
         c.pkts += pkts.len();
         for p in pkts {
             self.enqueue(p, false, false);
@@ -433,11 +398,11 @@ impl Engine {
             return self.drop_pkt("LONGCTS_RTW carrying more than its length");
         }
         if let Err(status) = self.cts_check(&rma, true) {
-            return self.cts_refuse(pid, send_id, status);
+            return self.refuse_op(pid, send_id, status);
         }
         if self.ema.tgt.len() >= self.cfg.max_rx_ops {
             tracing::debug!("LONGCTS_RTW: max_rx_ops peer operations served already");
-            return self.cts_refuse(pid, send_id, Status::RemoteAbort);
+            return self.refuse_op(pid, send_id, Status::RemoteAbort);
         }
         let tid = self.ema_recv_id();
         let mut got = RangeSet::default();
@@ -485,11 +450,11 @@ impl Engine {
             return self.drop_pkt("LONGCTS_RTR with an empty window or range");
         }
         if let Err(status) = self.cts_check(&rma, false) {
-            return self.cts_refuse(pid, recv_id, status);
+            return self.refuse_op(pid, recv_id, status);
         }
         if self.ema.tgt.len() >= self.cfg.max_rx_ops {
             tracing::debug!("LONGCTS_RTR: max_rx_ops peer operations served already");
-            return self.cts_refuse(pid, recv_id, Status::RemoteAbort);
+            return self.refuse_op(pid, recv_id, Status::RemoteAbort);
         }
         let tid = self.ema_recv_id();
         self.ema.tgt.insert(
@@ -569,7 +534,7 @@ impl Engine {
             return true;
         }
         if self.ema_owns_recv_id(recv_id) {
-            self.cts_read_data(now, pid, recv_id, off, data);
+            self.cts_read_data(pid, recv_id, off, data);
             return true;
         }
         false
@@ -585,18 +550,6 @@ impl Engine {
                 .map_err(|_| Status::RemoteBadAddress)?;
         }
         Ok(())
-    }
-
-    /// PEER_ERROR naming the initiator's operation `op_id`.
-    fn cts_refuse(&mut self, pid: u64, op_id: u32, status: Status) {
-        tracing::debug!(%status, "long-CTS RMA refused");
-        let pkt = Packet::PeerError {
-            connid: Some(self.local.qkey),
-            op_id,
-            ref_kind: crate::proto::wire::peer_error_ref::OPE_INDEX,
-            prov_errno: u32::from(status.code()),
-        };
-        self.queue_ctrl(pid, &pkt);
     }
 
     /// Target work: places bytes `off..` of write `tid`. `Err(())`: the region is locked.
@@ -624,7 +577,7 @@ impl Engine {
             Err(_) => {
                 // The region went away (or changed) since the request was checked.
                 self.ema.tgt.remove(&tid);
-                self.cts_refuse(pid, send_id, Status::RemoteBadAddress);
+                self.refuse_op(pid, send_id, Status::RemoteBadAddress);
                 return Ok(());
             }
             Ok(()) => {}
@@ -685,47 +638,34 @@ impl Engine {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
                 self.ema.tgt.remove(&tid);
-                self.cts_refuse(pid, recv_id, Status::RemoteBadAddress);
+                self.refuse_op(pid, recv_id, Status::RemoteBadAddress);
                 return Ok(());
             }
             Ok(d) => d,
         };
-        let qkey = self.local.qkey;
-        let max = self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1);
-        let first = self.readrsp_room().max(1);
-        let mut pkts = Vec::new();
-        let mut off = from;
-        while off < to {
-            let (pkt, n) = if off == 0 {
-                let n = first.min(to);
-                let p = Packet::ReadRsp {
-                    connid: Some(qkey),
-                    recv_id,
-                    send_id: tid,
-                    seg_length: n as u64,
-                };
-                (p, n)
-            } else {
-                let n = max.min(to - off);
-                let p = Packet::CtsData {
-                    connid: Some(qkey),
-                    recv_id,
-                    seg_length: n as u64,
-                    seg_offset: off as u64,
-                };
-                (p, n)
-            };
-            match Hdr::encode(&pkt) {
-                Ok(hdr) => pkts.push((hdr, off - from, off - from + n)),
-                Err(_) => break,
-            }
-            off += n;
-        }
         let rid = self.ema.next_resp;
         self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
+        let owner = Owner::Resp(rid);
+        let mut pkts = Vec::new();
+        // The first window starts with one READRSP (the responder's id, the first bytes).
+        let mut off = from;
+        if from == 0 {
+            let n = self.readrsp_room().max(1).min(to);
+            let rsp = Packet::ReadRsp {
+                connid: Some(self.local.qkey),
+                recv_id,
+                send_id: tid,
+                seg_length: n as u64,
+            };
+            if let Some(hdr) = self.encode(&rsp) {
+                pkts.push(Pkt::new(pid, owner, hdr, 0, n));
+                off = n;
+            }
+        }
+        self.push_ctsdata(&mut pkts, pid, owner, recv_id, off, to, from);
         self.ema.resp.insert(rid, (data, pkts.len()));
-        for (hdr, a, b) in pkts {
-            self.enqueue(Pkt::new(pid, Owner::Resp(rid), hdr, a, b), false, false);
+        for p in pkts {
+            self.enqueue(p, false, false);
         }
         if let Some(t) = self.ema.tgt.get_mut(&tid) {
             t.done = to;
