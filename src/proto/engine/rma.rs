@@ -37,8 +37,6 @@ const RETRY: Duration = Duration::from_micros(50);
 pub(super) struct Ema {
     /// Operations this side started, by id (the `send_id` / `recv_id` of their packets).
     ops: HashMap<u32, EmaOp>,
-    /// Read chunks by their `recv_id`: (operation, offset, length).
-    chunks: HashMap<u32, (u32, usize, usize)>,
     /// Payloads of response packets (READRSP, CTSDATA of a read, ATOMRSP) until the device is
     /// done with them: the bytes and the packets still using them.
     resp: HashMap<u32, (Bytes, usize)>,
@@ -135,7 +133,7 @@ impl Engine {
     fn ema_new_id(&mut self) -> u32 {
         loop {
             let id = self.new_op_id();
-            if !self.ema.ops.contains_key(&id) && !self.ema.chunks.contains_key(&id) {
+            if !self.ema.ops.contains_key(&id) {
                 return id;
             }
         }
@@ -265,17 +263,14 @@ impl Engine {
                         Err((e, buf)) => back(e, buf),
                     };
                 }
-                let cid = self.ema_new_id();
-                self.ema.chunks.insert(cid, (id, 0, len));
                 let one = [remote];
                 let pkt = Packet::ShortRtr {
                     opt,
                     msg_length: len as u64,
-                    recv_id: cid,
+                    recv_id: id,
                     rma_iov: IovList::new(&one),
                 };
                 let Some(hdr) = self.encode(&pkt) else {
-                    self.ema.chunks.remove(&cid);
                     return back(Error::new(ErrorKind::Io, "read"), buf);
                 };
                 self.ema.ops.insert(
@@ -451,9 +446,6 @@ impl Engine {
         let Some(op) = self.ema.ops.remove(&id) else {
             return;
         };
-        if !self.ema.chunks.is_empty() {
-            self.ema.chunks.retain(|_, c| c.0 != id);
-        }
         if op.cts.is_some() && !self.ema.blocked.is_empty() {
             self.ema.blocked.retain(|&(_, s)| s != Side::Op(id));
         }
@@ -515,23 +507,23 @@ impl Engine {
 
     /// A READRSP: the answer to a SHORT_RTR, or the start of a LONGCTS_RTR's data.
     pub(super) fn ema_readrsp(&mut self, pid: u64, recv_id: u32, send_id: u32, data: &[u8]) {
-        let Some(&(id, off, len)) = self.ema.chunks.get(&recv_id) else {
-            return self.cts_readrsp(pid, recv_id, send_id, data);
-        };
-        let Some(op) = self.ema.ops.get_mut(&id) else {
+        let Some(op) = self.ema.ops.get_mut(&recv_id) else {
             return self.drop_pkt("READRSP for no read");
         };
-        if op.pid != pid || data.len() != len {
-            return self.drop_pkt("READRSP from another peer or of the wrong length");
+        if op.cts.is_some() {
+            return self.cts_readrsp(pid, recv_id, send_id, data);
         }
-        self.ema.chunks.remove(&recv_id);
-        if let OpKind::Read(b) = &mut op.kind {
-            if let Some(dst) = b.get_mut(off..off + len) {
-                dst.copy_from_slice(data);
-            }
+        let OpKind::Read(b) = &mut op.kind else {
+            return self.drop_pkt("READRSP for an operation that is not a read");
+        };
+        if op.pid != pid || data.len() != op.len || op.waiting == 0 {
+            return self.drop_pkt("READRSP from another peer, of the wrong length or repeated");
         }
-        op.waiting = op.waiting.saturating_sub(1);
-        self.ema_maybe_done(id);
+        if let Some(dst) = b.get_mut(..data.len()) {
+            dst.copy_from_slice(data);
+        }
+        op.waiting = 0;
+        self.ema_maybe_done(recv_id);
     }
 
     /// An ATOMRSP: the previous values of a fetch or compare atomic.
@@ -555,13 +547,9 @@ impl Engine {
         self.ema_maybe_done(recv_id);
     }
 
-    /// A PEER_ERROR: the target refused one of our operations (or a read chunk).
+    /// A PEER_ERROR: the target refused one of our operations.
     pub(super) fn ema_peer_error(&mut self, pid: u64, op_id: u32, prov_errno: u32) {
-        let id = match self.ema.chunks.remove(&op_id) {
-            Some((id, _, _)) => id,
-            None => op_id,
-        };
-        let Some(op) = self.ema.ops.get_mut(&id) else {
+        let Some(op) = self.ema.ops.get_mut(&op_id) else {
             return self.drop_pkt("PEER_ERROR for no operation");
         };
         if op.pid != pid {
@@ -575,7 +563,7 @@ impl Engine {
             .with_detail(format!("the target refused it: {status}"));
         op.error.get_or_insert((e, Some(status)));
         op.waiting = op.waiting.saturating_sub(1);
-        self.ema_maybe_done(id);
+        self.ema_maybe_done(op_id);
     }
 
     // ---- target side ----

@@ -86,11 +86,12 @@ impl Engine {
     }
 
     /// An id for state that a peer names in `recv_id` (CTSDATA, READRSP): unique among the
-    /// receive entries and the emulation's operations, so CTSDATA finds its owner.
+    /// receive entries (`alloc_rx_id`) and the emulation's operations and targets (whose other
+    /// ids come from the send ids), so CTSDATA finds its owner.
     pub(super) fn ema_recv_id(&mut self) -> u32 {
         loop {
             let id = self.alloc_rx_id();
-            if !self.ema.chunks.contains_key(&id) {
+            if !self.ema.ops.contains_key(&id) && !self.ema.tgt.contains_key(&id) {
                 return id;
             }
         }
