@@ -387,24 +387,12 @@ impl Engine {
         cq_data: Option<u64>,
         data: &[u8],
     ) {
-        let rma = ReadIovs::of(&rma_iov);
-        let total = rma.total();
-        if rma_iov.len() != rma.as_slice().len() || total != Some(msg_length) {
-            return self.drop_pkt("LONGCTS_RTW whose ranges and length differ");
-        }
-        let Ok(total) = usize::try_from(msg_length) else {
-            return self.drop_pkt("LONGCTS_RTW longer than memory");
-        };
-        if data.len() > total {
+        if data.len() as u64 > msg_length {
             return self.drop_pkt("LONGCTS_RTW carrying more than its length");
         }
-        if let Err(status) = self.cts_check(&rma, true) {
-            return self.refuse_op(pid, send_id, status);
-        }
-        if self.ema.tgt.len() >= self.cfg.max_rx_ops {
-            tracing::debug!("LONGCTS_RTW: max_rx_ops peer operations served already");
-            return self.refuse_op(pid, send_id, Status::RemoteAbort);
-        }
+        let Some((rma, total)) = self.cts_accept(pid, rma_iov, msg_length, send_id, true) else {
+            return;
+        };
         let tid = self.ema_recv_id();
         let mut got = RangeSet::default();
         if !data.is_empty() {
@@ -440,23 +428,12 @@ impl Engine {
         recv_id: u32,
         recv_length: u32,
     ) {
-        let rma = ReadIovs::of(&rma_iov);
-        if rma_iov.len() != rma.as_slice().len() || rma.total() != Some(msg_length) {
-            return self.drop_pkt("LONGCTS_RTR whose ranges and length differ");
-        }
-        let Ok(total) = usize::try_from(msg_length) else {
-            return self.drop_pkt("LONGCTS_RTR longer than memory");
-        };
-        if recv_length == 0 || total == 0 {
+        if recv_length == 0 || msg_length == 0 {
             return self.drop_pkt("LONGCTS_RTR with an empty window or range");
         }
-        if let Err(status) = self.cts_check(&rma, false) {
-            return self.refuse_op(pid, recv_id, status);
-        }
-        if self.ema.tgt.len() >= self.cfg.max_rx_ops {
-            tracing::debug!("LONGCTS_RTR: max_rx_ops peer operations served already");
-            return self.refuse_op(pid, recv_id, Status::RemoteAbort);
-        }
+        let Some((rma, total)) = self.cts_accept(pid, rma_iov, msg_length, recv_id, false) else {
+            return;
+        };
         let tid = self.ema_recv_id();
         self.ema.tgt.insert(
             tid,
@@ -541,16 +518,42 @@ impl Engine {
         false
     }
 
-    /// Checks the ranges of a request against the memory.
-    fn cts_check(&self, rma: &ReadIovs, write: bool) -> Result<(), Status> {
-        let Some(mem) = self.memory.as_deref() else {
-            return Err(Status::RemoteBadAddress);
-        };
-        for iov in rma.as_slice() {
-            mem.check(iov.key, iov.addr, iov.len, write)
-                .map_err(|_| Status::RemoteBadAddress)?;
+    /// Whether this side serves a long-CTS request: its ranges must add up to `msg_length` (else
+    /// it is dropped), all of them must be in the memory with the right (`REMOTE_WRITE` when
+    /// `write`), and fewer than `max_rx_ops` such requests may be served at once (else
+    /// PEER_ERROR to `op_id`). The ranges and the length when it is served.
+    fn cts_accept(
+        &mut self,
+        pid: u64,
+        rma_iov: IovList<'_>,
+        msg_length: u64,
+        op_id: u32,
+        write: bool,
+    ) -> Option<(ReadIovs, usize)> {
+        let rma = ReadIovs::of(&rma_iov);
+        if rma_iov.len() != rma.as_slice().len() || rma.total() != Some(msg_length) {
+            self.drop_pkt("long-CTS request whose ranges and length differ");
+            return None;
         }
-        Ok(())
+        let Ok(total) = usize::try_from(msg_length) else {
+            self.drop_pkt("long-CTS request longer than memory");
+            return None;
+        };
+        let in_memory = self.memory.as_deref().is_some_and(|mem| {
+            rma.as_slice()
+                .iter()
+                .all(|iov| mem.check(iov.key, iov.addr, iov.len, write).is_ok())
+        });
+        if !in_memory {
+            self.refuse_op(pid, op_id, Status::RemoteBadAddress);
+            return None;
+        }
+        if self.ema.tgt.len() >= self.cfg.max_rx_ops {
+            tracing::debug!("long-CTS request: max_rx_ops peer operations served already");
+            self.refuse_op(pid, op_id, Status::RemoteAbort);
+            return None;
+        }
+        Some((rma, total))
     }
 
     /// Target work: places bytes `off..` of write `tid`. `Err(())`: the region is locked.
