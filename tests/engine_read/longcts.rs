@@ -13,9 +13,10 @@ fn emulated(c: SimConfig, credits: usize) -> (Sim, [Arc<Mem>; 2]) {
     two(c, [(false, false); 2])
 }
 
-/// The largest write that goes as one DC_EAGER_RTW to `dest` (after the HANDSHAKE): found by
-/// asking the engine, through the packets it sends.
-fn eager_room(seed: u64) -> usize {
+/// The largest write (with immediate data when `imm`, which takes a CQ-data header) that goes as
+/// one DC_EAGER_RTW to `dest` (after the HANDSHAKE): found by asking the engine, through the
+/// packets it sends.
+fn eager_room(seed: u64, imm: bool) -> usize {
     let (mut sim, _) = emulated(SimConfig::clean(seed), 4);
     connect(&mut sim, seed);
     let a1 = sim.addr(1);
@@ -26,7 +27,7 @@ fn eager_room(seed: u64) -> usize {
         run_rma(
             &mut sim,
             0,
-            write_op(a1, TBASE, pattern(seed, mid), None, 1),
+            write_op(a1, TBASE, pattern(seed, mid), imm.then_some(7), 1),
             seed,
         )
         .unwrap();
@@ -43,7 +44,9 @@ fn eager_room(seed: u64) -> usize {
 #[test]
 fn long_writes_and_reads_go_long_cts_in_windows_under_faults() {
     let base = test_seed();
-    let room = eager_room(base);
+    let room = eager_room(base, false);
+    let room_imm = eager_room(base, true);
+    assert!(room_imm < room, "the CQ-data header takes room");
     for k in 0..4u64 {
         let seed = base.wrapping_add(k);
         let mut c = SimConfig::faulty(seed);
@@ -108,7 +111,10 @@ fn long_writes_and_reads_go_long_cts_in_windows_under_faults() {
         });
         assert!(ok, "seed {seed}: {done} done, {} events", seen.len());
         let t = packet_types(&mut sim);
-        let long = sizes.iter().filter(|&&s| s > room).count();
+        // Writes with immediate data (every index not divisible by 3) have less room.
+        let long = (0..n)
+            .filter(|&i| sizes[i] > if i % 3 != 0 { room_imm } else { room })
+            .count();
         assert!(
             count(&t, PacketType::DcLongCtsRtw) >= long,
             "seed {seed}: {t:?}"
