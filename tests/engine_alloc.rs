@@ -179,6 +179,7 @@ impl Pair {
                     delivery_complete: kind.dc,
                     context: ctx,
                     read_key: None,
+                    region_len: None,
                 };
                 if self.e[0].send(self.now, s).is_err() {
                     panic!("send refused");

@@ -20,12 +20,14 @@ use efa::proto::sim::{Sim, SimConfig, pattern, recv_op, send_op};
 use efa::proto::wire::{self, ExtraFeature, ExtraInfo, Handshake, Packet, PacketType};
 use efa::{AtomicOp, AtomicType, Error, ErrorKind, RawAddr};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[path = "engine_read/longcts.rs"]
 mod longcts;
+#[path = "engine_read/region_send.rs"]
+mod region_send;
 
 // ---- a registered memory for the simulated nodes ----
 
@@ -43,6 +45,8 @@ struct Mem {
     regions: Mutex<HashMap<u64, Region>>,
     /// The next this many non-empty writes find the region locked by the application (`Again`).
     busy: AtomicU32,
+    /// Bytes read so far (by the device's RDMA reads and the engine's).
+    read_bytes: AtomicU64,
 }
 
 fn refused(why: &'static str) -> Error {
@@ -102,6 +106,7 @@ impl RmaMemory for Mem {
             return Err(refused("no read right"));
         }
         let (a, b) = Mem::range(r, addr, len)?;
+        self.read_bytes.fetch_add(len, Ordering::Relaxed);
         Ok(Bytes::copy_from_slice(&r.data[a..b]))
     }
 

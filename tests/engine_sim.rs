@@ -238,6 +238,7 @@ fn run_mix(
                     delivery_complete: m.dc,
                     context: k as u64,
                     read_key: None,
+                    region_len: None,
                 };
                 match sim.send(i, op) {
                     Ok(()) => {

@@ -88,6 +88,10 @@ struct PreparedSend {
     dest: RawAddr,
     data: Bytes,
     region: Option<crate::mr::MemoryRegion>,
+    /// `(key, address)` of a region peers may read.
+    read_key: Option<(u64, u64)>,
+    /// The region's bytes were not copied into `data` (`SendOp::region_len`).
+    region_len: Option<usize>,
 }
 
 impl EndpointBuilder<Rdm> {
@@ -173,6 +177,11 @@ impl EndpointBuilder<Rdm> {
             tx_cq: tx_cq.clone(),
             rx_cq: rx_cq.clone(),
             addr,
+            region_send_min: if use_rdma && attr.caps.rdma_read {
+                cfg.inter_min_read_message_size.max(1)
+            } else {
+                usize::MAX
+            },
             notifier: own,
             state: Mutex::new(State {
                 engine,
@@ -294,6 +303,10 @@ pub struct RdmCore {
     tx_cq: CompletionQueue,
     rx_cq: CompletionQueue,
     addr: RawAddr,
+    /// Region sends of at least this many bytes (that peers may read) are not copied: the
+    /// engine reads the bytes it must send from the region (`SendOp::region_len`). The
+    /// read-message threshold when the device reads, else never.
+    region_send_min: usize,
     notifier: Arc<Notifier>,
     pub(super) state: Mutex<State>,
     stop: Arc<AtomicBool>,
@@ -650,7 +663,26 @@ impl RdmCore {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
-        let data = match send_bytes(&buf, &self.domain, "send") {
+        // A region peers may read lets the engine use the read-based message protocols.
+        let read_key = match &buf {
+            SendBuf::Region(r) if r.access().contains(crate::mr::Access::REMOTE_READ) => {
+                r.remote_key().ok().map(|k| (k.key, k.addr))
+            }
+            _ => None,
+        };
+        let lazy = match &buf {
+            SendBuf::Region(r) if read_key.is_some() && r.len() >= self.region_send_min => {
+                Some(r.len())
+            }
+            _ => None,
+        };
+        let data = match &buf {
+            SendBuf::Region(r) if lazy.is_some() => r
+                .check_local(&self.domain, crate::mr::Access::SEND, "send")
+                .map(|()| Bytes::new()),
+            _ => send_bytes(&buf, &self.domain, "send"),
+        };
+        let data = match data {
             Ok(d) => d,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
@@ -658,7 +690,13 @@ impl RdmCore {
             SendBuf::Region(r) => Some(r),
             SendBuf::Bytes(_) => None,
         };
-        Ok(PreparedSend { dest, data, region })
+        Ok(PreparedSend {
+            dest,
+            data,
+            region,
+            read_key,
+            region_len: lazy,
+        })
     }
 
     /// Hands a prepared send to the engine (the caller pumps).
@@ -670,14 +708,13 @@ impl RdmCore {
         o: SendOptions,
         sink: Sink,
     ) -> Result<(), PostError> {
-        let PreparedSend { dest, data, region } = p;
-        // A region peers may read lets the engine use the read-based message protocols.
-        let read_key = region.as_ref().and_then(|r| {
-            r.access()
-                .contains(crate::mr::Access::REMOTE_READ)
-                .then(|| r.remote_key().ok().map(|k| (k.key, k.addr)))
-                .flatten()
-        });
+        let PreparedSend {
+            dest,
+            data,
+            region,
+            read_key,
+            region_len,
+        } = p;
         if st.closed {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
@@ -697,6 +734,7 @@ impl RdmCore {
             delivery_complete: o.delivery_complete,
             context: key as u64,
             read_key,
+            region_len,
         };
         match st.engine.send(now, op) {
             Ok(()) => Ok(()),

@@ -109,6 +109,24 @@ pub struct SendOp {
     /// The send buffer is a registered region peers can RDMA-read: `(key, address of its first
     /// byte)`. Makes the long-read and runting-read protocols possible for large messages.
     pub read_key: Option<(u64, u64)>,
+    /// `Some(len)`: the message is the `len` bytes at `read_key` (which must be set) and `buf`
+    /// is left empty. The engine reads, through its memory ([`Engine::set_memory`]), only the
+    /// bytes that must go in packets: none for a long-read message, the runt of a runting read,
+    /// all of them when no read protocol applies or after a READ_NACK. This spares copying a
+    /// large registered buffer that the receiver reads itself.
+    pub region_len: Option<usize>,
+}
+
+impl SendOp {
+    /// Length of the message.
+    pub fn len(&self) -> usize {
+        self.region_len.unwrap_or(self.buf.len())
+    }
+
+    /// Whether the message is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// One receive operation.

@@ -28,7 +28,7 @@
 //! sim.post_recv(1, RecvOp { buf: BytesMut::with_capacity(64), tag: None, src: None, multi_recv: None, context: 7 })
 //!     .unwrap();
 //! sim.send(0, SendOp { dest, buf: Bytes::from_static(b"hello"), tag: None, data: None,
-//!     delivery_complete: false, context: 1, read_key: None }).unwrap();
+//!     delivery_complete: false, context: 1, read_key: None, region_len: None }).unwrap();
 //! assert!(sim.run());
 //! let Some(Event::Recv(r)) = sim.take_events(1).pop() else { panic!() };
 //! assert_eq!(&r.buf[..], b"hello");
@@ -74,6 +74,7 @@ pub fn send_op(dest: RawAddr, buf: Bytes, context: u64) -> SendOp {
         delivery_complete: false,
         context,
         read_key: None,
+        region_len: None,
     }
 }
 

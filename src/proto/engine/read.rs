@@ -54,8 +54,8 @@ mod msg;
 mod rtw;
 
 use device::DevOp;
-pub(super) use msg::RxRead;
 use msg::TxRead;
+pub(super) use msg::{ReadProto, RxRead};
 use rtw::RtwTarget;
 pub(super) use rtw::write_range;
 

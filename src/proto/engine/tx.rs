@@ -7,6 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::peer::peer_fatal;
+use super::read::ReadProto;
 use super::util::Hdr;
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
@@ -90,7 +91,13 @@ pub(super) enum Proto {
 pub(super) struct TxEntry {
     pub(super) peer: u64,
     pub(super) context: u64,
+    /// The bytes that go in packets: the whole message, or (a region send, `SendOp::region_len`)
+    /// only those read so far.
     pub(super) buf: Bytes,
+    /// Length of the message.
+    pub(super) len: usize,
+    /// A region send whose bytes the engine reads when it needs them: `(key, address)`.
+    pub(super) region: Option<(u64, u64)>,
     pub(super) tag: Option<u64>,
     pub(super) dc: bool,
     pub(super) msg_id: u32,
@@ -274,10 +281,36 @@ impl Engine {
             tag,
             dc,
         };
+        let len = op.len();
+        let rp = self.read_protocol(pid, &op);
+        let region = match (op.region_len, op.read_key) {
+            (Some(_), Some(k)) => Some(k),
+            (Some(_), None) => {
+                let e = Error::new(ErrorKind::InvalidArgument, "send")
+                    .with_detail("region_len without read_key");
+                return Err((e, op));
+            }
+            (None, _) => None,
+        };
+        let mut op = op;
+        if let Some((key, addr)) = region {
+            // Only the bytes that go in packets now are read: the runt, or everything.
+            let need = match rp {
+                Some(ReadProto::Long(_)) => 0,
+                Some(ReadProto::Runt(_, runt)) => runt,
+                None => len,
+            };
+            if need > 0 {
+                match self.region_bytes(key, addr, need) {
+                    Ok(b) => op.buf = b,
+                    Err(e) => return Err((e, op)),
+                }
+            }
+        }
         let mut pkts = std::mem::take(&mut self.pkt_scratch);
-        let packed = match self.read_protocol(pid, &op) {
-            Some(rp) => self.packetize_read(&mut pkts, &m, op.buf.len(), rp),
-            None => self.packetize(&mut pkts, &m, op.buf.len()),
+        let packed = match rp {
+            Some(rp) => self.packetize_read(&mut pkts, &m, len, rp),
+            None => self.packetize(&mut pkts, &m, len),
         };
         let (proto, scheduled) = match packed {
             Ok(x) => x,
@@ -296,6 +329,8 @@ impl Engine {
                 peer: pid,
                 context: op.context,
                 buf: op.buf,
+                len,
+                region,
                 tag,
                 dc,
                 msg_id,
@@ -523,7 +558,7 @@ impl Engine {
         // Read-based messages are delivery complete by nature (EOR), without RECEIPT.
         let done = self.tx.get(&id).is_some_and(|t| {
             t.pending == 0
-                && t.scheduled == t.buf.len()
+                && t.scheduled == t.len
                 && (!t.dc || t.receipt || matches!(t.proto, Proto::LongRead | Proto::RuntRead))
         });
         if !done {
@@ -531,7 +566,7 @@ impl Engine {
         }
         let Some(t) = self.tx.remove(&id) else { return };
         self.read_tx_gone(id, t.peer);
-        let len = t.buf.len();
+        let len = t.len;
         self.stats.tx_msgs += 1;
         self.stats.tx_bytes += len as u64;
         self.events.push_back(Event::Send(SendDone {
@@ -582,7 +617,7 @@ impl Engine {
             .ok()
             .and_then(|n| t.scheduled.checked_add(n));
         let end = match end {
-            Some(e) if recv_length > 0 && e <= t.buf.len() => e,
+            Some(e) if recv_length > 0 && e <= t.len => e,
             _ => return self.drop_pkt("CTS with a zero window or beyond the message"),
         };
         t.window_end = end;

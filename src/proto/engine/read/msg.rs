@@ -82,7 +82,7 @@ impl Engine {
         op: &SendOp,
     ) -> Option<ReadProto> {
         let (key, addr) = op.read_key?;
-        let len = op.buf.len();
+        let len = op.len();
         if len == 0 || len < self.cfg.inter_min_read_message_size || !self.both_read(pid) {
             return None;
         }
@@ -98,6 +98,21 @@ impl Engine {
         } else {
             Some(ReadProto::Long(iov))
         }
+    }
+
+    /// `len` bytes of a region send, read through the engine's memory (the application must
+    /// not hold the region's lock while it sends from it: `Again` then).
+    pub(in crate::proto::engine) fn region_bytes(
+        &self,
+        key: u64,
+        addr: u64,
+        len: usize,
+    ) -> Result<Bytes, Error> {
+        let Some(mem) = self.memory.as_ref() else {
+            return Err(Error::new(ErrorKind::InvalidArgument, "send")
+                .with_detail("a region send needs the engine's memory (Engine::set_memory)"));
+        };
+        mem.read(key, addr, len as u64)
     }
 
     /// The packets of a read-based message: one LONGREAD_RTM, or the RUNTREAD_RTMs carrying
@@ -213,10 +228,10 @@ impl Engine {
     pub(super) fn handle_eor(&mut self, pid: u64, send_id: u32) {
         if let Some(t) = self.tx.get_mut(&send_id) {
             let reading = matches!(t.proto, Proto::LongRead | Proto::RuntRead);
-            if t.peer != pid || !reading || t.scheduled >= t.buf.len() {
+            if t.peer != pid || !reading || t.scheduled >= t.len {
                 return self.drop_pkt("EOR that does not match its send");
             }
-            t.scheduled = t.buf.len();
+            t.scheduled = t.len;
             t.window_end = t.scheduled;
             self.read_msg_answered(send_id);
             return self.maybe_complete_tx(send_id);
@@ -244,9 +259,24 @@ impl Engine {
     pub(super) fn handle_read_nack(&mut self, now: Instant, pid: u64, send_id: u32, recv_id: u32) {
         if let Some(t) = self.tx.get(&send_id) {
             let reading = matches!(t.proto, Proto::LongRead | Proto::RuntRead);
-            if t.peer != pid || !reading || t.scheduled >= t.buf.len() {
+            if t.peer != pid || !reading || t.scheduled >= t.len {
                 return self.drop_pkt("READ_NACK that does not match its send");
             }
+            // A region send holds only its runt: the rest now goes in packets too.
+            if let (Some((key, addr)), true) = (t.region, t.buf.len() < t.len) {
+                let len = t.len;
+                match self.region_bytes(key, addr, len) {
+                    Ok(b) => {
+                        if let Some(t) = self.tx.get_mut(&send_id) {
+                            t.buf = b;
+                        }
+                    }
+                    Err(e) => return self.fail_tx(send_id, e, None),
+                }
+            }
+            let Some(t) = self.tx.get(&send_id) else {
+                return;
+            };
             let hs = self.peers.get(&pid).is_some_and(|p| p.hs_received);
             let sender = if hs {
                 Sender::Connid(self.local.qkey)
@@ -259,7 +289,7 @@ impl Engine {
                     cq_data: None,
                 },
                 msg_id: t.msg_id,
-                msg_length: t.buf.len() as u64,
+                msg_length: t.len as u64,
                 send_id,
                 credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
                 tag: t.tag,
