@@ -485,14 +485,25 @@ impl CompletionQueue {
     }
 
     fn progress(&self) {
-        let sources: Vec<Arc<dyn ProgressSource>> = self
+        // The sources are taken under the lock and driven outside it (driving one may bind or
+        // unbind). The first few stay on the stack: a busy poll allocates nothing.
+        const INLINE: usize = 4;
+        let mut first: [Option<Arc<dyn ProgressSource>>; INLINE] = Default::default();
+        let mut rest = Vec::new();
+        for (i, s) in self
             .inner
             .sources
             .lock()
             .iter()
             .filter_map(Weak::upgrade)
-            .collect();
-        for s in sources {
+            .enumerate()
+        {
+            match first.get_mut(i) {
+                Some(slot) => *slot = Some(s),
+                None => rest.push(s),
+            }
+        }
+        for s in first.iter().flatten().chain(&rest) {
             s.progress();
         }
     }

@@ -1,12 +1,14 @@
 //! The engine's steady state allocates nothing per message: eager messages (untagged, tagged,
 //! with CQ data, delivery complete; receives posted first) go send → packet → receive →
 //! completion between two engines joined by a minimal in-test loop, under a counting global
-//! allocator.
+//! allocator. Busy-polling the completion queues of idle endpoints allocates nothing either.
 //!
 //! Only allocations made by the test's own thread while its counting window is open are counted
 //! (a thread-local switch), so the other tests of this binary, running in parallel, cannot
 //! perturb the figures. The loop itself recycles its receive buffers and sends a static payload,
 //! so every allocation counted is the engine's.
+
+mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -270,4 +272,29 @@ fn eager_messages_allocate_nothing_in_steady_state() {
         failed.len(),
         report.len()
     );
+}
+
+/// Busy-polling a completion queue (as a ping-pong waiting for its next message does) allocates
+/// nothing: the queue drives its endpoints without collecting them into a new vector.
+#[test]
+fn busy_polling_a_completion_queue_allocates_nothing() {
+    let net = efa::device::loopback::LoopbackNetwork::new(efa::fault::FaultConfig::default());
+    let a = common::Node::new(&common::loopback_domain(&net));
+    let b = common::Node::new(&common::loopback_domain(&net));
+    let peer = a.insert(b.ep.addr());
+    b.insert(a.ep.addr());
+    // A first exchange: the peers know each other, the queues have their steady size.
+    b.ep.recv(BytesMut::with_capacity(64), 1).unwrap();
+    a.ep.send(peer, Bytes::from_static(b"warm"), 2).unwrap();
+    b.collect(1, "receive");
+    a.collect(1, "send");
+    let mut out = Vec::with_capacity(64);
+    let n = allocations(|| {
+        for _ in 0..10_000 {
+            a.cq.poll(&mut out, 64).unwrap();
+            b.cq.poll(&mut out, 64).unwrap();
+        }
+    });
+    assert!(out.is_empty(), "nothing was pending: {out:?}");
+    assert_eq!(n, 0, "allocations in 20 000 polls of idle queues");
 }
