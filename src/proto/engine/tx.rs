@@ -96,8 +96,6 @@ pub(super) struct TxEntry {
     pub(super) buf: Bytes,
     /// Length of the message.
     pub(super) len: usize,
-    /// A region send whose bytes the engine reads when it needs them: `(key, address)`.
-    pub(super) region: Option<(u64, u64)>,
     pub(super) tag: Option<u64>,
     pub(super) dc: bool,
     pub(super) msg_id: u32,
@@ -240,7 +238,11 @@ impl Engine {
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
     )]
-    pub(super) fn send_impl(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
+    pub(super) fn send_impl(
+        &mut self,
+        now: Instant,
+        mut op: SendOp,
+    ) -> Result<(), (Error, SendOp)> {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
         }
@@ -283,28 +285,9 @@ impl Engine {
         };
         let len = op.len();
         let rp = self.read_protocol(pid, &op);
-        let region = match (op.region_len, op.read_key) {
-            (Some(_), Some(k)) => Some(k),
-            (Some(_), None) => {
-                let e = Error::new(ErrorKind::InvalidArgument, "send")
-                    .with_detail("region_len without read_key");
+        if op.region_len.is_some() {
+            if let Err(e) = self.region_packet_bytes(&mut op, rp) {
                 return Err((e, op));
-            }
-            (None, _) => None,
-        };
-        let mut op = op;
-        if let Some((key, addr)) = region {
-            // Only the bytes that go in packets now are read: the runt, or everything.
-            let need = match rp {
-                Some(ReadProto::Long(_)) => 0,
-                Some(ReadProto::Runt(_, runt)) => runt,
-                None => len,
-            };
-            if need > 0 {
-                match self.region_bytes(key, addr, need) {
-                    Ok(b) => op.buf = b,
-                    Err(e) => return Err((e, op)),
-                }
             }
         }
         let mut pkts = std::mem::take(&mut self.pkt_scratch);
@@ -330,7 +313,6 @@ impl Engine {
                 context: op.context,
                 buf: op.buf,
                 len,
-                region,
                 tag,
                 dc,
                 msg_id,
@@ -346,6 +328,24 @@ impl Engine {
             self.enqueue(p, false, false);
         }
         self.pkt_scratch = pkts;
+        Ok(())
+    }
+
+    /// A region send (`SendOp::region_len`): reads into `op.buf` the bytes that go in packets
+    /// now, none for a long read, the runt of a runting read, all of them otherwise.
+    fn region_packet_bytes(&self, op: &mut SendOp, rp: Option<ReadProto>) -> Result<(), Error> {
+        let Some((key, addr)) = op.read_key else {
+            return Err(Error::new(ErrorKind::InvalidArgument, "send")
+                .with_detail("region_len without read_key"));
+        };
+        let need = match rp {
+            Some(ReadProto::Long(_)) => 0,
+            Some(ReadProto::Runt(_, runt)) => runt,
+            None => op.len(),
+        };
+        if need > 0 {
+            op.buf = self.region_bytes(key, addr, need)?;
+        }
         Ok(())
     }
 

@@ -61,6 +61,9 @@ pub(super) struct TxRead {
     pub(super) runt_left: usize,
     /// Counted in `ReadState::read_msgs` (EOR or READ_NACK still to come).
     pub(super) reading: bool,
+    /// The region peers read: `(key, address)`; a region send (`SendOp::region_len`) reads
+    /// the rest of its bytes from it after a READ_NACK.
+    pub(super) region: (u64, u64),
 }
 
 /// The read-based protocol a message uses.
@@ -140,6 +143,7 @@ impl Engine {
                 let tr = TxRead {
                     runt_left: 0,
                     reading: true,
+                    region: (iov.key, iov.addr),
                 };
                 self.rd.tx_read.insert(m.send_id, tr);
                 Ok((Proto::LongRead, 0))
@@ -174,6 +178,7 @@ impl Engine {
                 let tr = TxRead {
                     runt_left: runt,
                     reading,
+                    region: (iov.key, iov.addr),
                 };
                 self.rd.tx_read.insert(m.send_id, tr);
                 if let Some(p) = self.peers.get_mut(&m.pid) {
@@ -263,7 +268,8 @@ impl Engine {
                 return self.drop_pkt("READ_NACK that does not match its send");
             }
             // A region send holds only its runt: the rest now goes in packets too.
-            if let (Some((key, addr)), true) = (t.region, t.buf.len() < t.len) {
+            let region = self.rd.tx_read.get(&send_id).map(|r| r.region);
+            if let (Some((key, addr)), true) = (region, t.buf.len() < t.len) {
                 let len = t.len;
                 match self.region_bytes(key, addr, len) {
                     Ok(b) => {
