@@ -1191,24 +1191,7 @@ fn read_nack_falls_back_to_long_cts() {
     }
 
     // The receiver has no RDMA read but the sender was told otherwise: NACK at once.
-    let mut c = SimConfig::clean(seed);
-    c.engine.inter_min_read_message_size = 100_000;
-    c.engine.runt_size = 0;
-    let (mut sim, mems) = two(c, [(true, false), (false, false)]);
-    connect(&mut sim, seed);
-    let a1 = sim.addr(1);
-    let hs = Packet::Handshake(Handshake {
-        extra_info: ExtraInfo::with_features(&[ExtraFeature::RdmaRead]),
-        connid: Some(a1.qkey),
-        host_id: None,
-        device_version: None,
-        user_recv_qp: None,
-        p2p: Some(true),
-    })
-    .to_vec(&[])
-    .unwrap();
-    let src1: Source = sim.source(1);
-    sim.inject(0, src1, &hs);
+    let (mut sim, mems) = region_send::nack_sim(seed, 0);
     let (op, d) = reg_send(&sim, &mems[0], 2, 180_000, seed);
     sim.post_recv(1, recv_op(180_000, 2)).unwrap();
     let before = sim.stats.rdma_ops;

@@ -104,7 +104,7 @@ fn region_sends_read_only_what_goes_in_packets() {
 }
 
 /// Node 0 believes node 1 can RDMA-read, but node 1 cannot: every read message is NACKed.
-fn nack_sim(seed: u64, runt: usize) -> (Sim, [Arc<Mem>; 2]) {
+pub(super) fn nack_sim(seed: u64, runt: usize) -> (Sim, [Arc<Mem>; 2]) {
     let mut c = SimConfig::clean(seed);
     c.engine.inter_min_read_message_size = 100_000;
     c.engine.runt_size = runt;
