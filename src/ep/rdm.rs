@@ -663,24 +663,25 @@ impl RdmCore {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
-        // A region peers may read lets the engine use the read-based message protocols.
-        let read_key = match &buf {
-            SendBuf::Region(r) if r.access().contains(crate::mr::Access::REMOTE_READ) => {
-                r.remote_key().ok().map(|k| (k.key, k.addr))
+        // A region peers may read lets the engine use the read-based message protocols; at
+        // the read-message threshold its bytes are not copied (the engine reads what it sends).
+        let (data, read_key, region_len) = match &buf {
+            SendBuf::Region(r) => {
+                let read_key = r
+                    .access()
+                    .contains(crate::mr::Access::REMOTE_READ)
+                    .then(|| r.remote_key().ok().map(|k| (k.key, k.addr)))
+                    .flatten();
+                if read_key.is_some() && r.len() >= self.region_send_min {
+                    let data = r
+                        .check_local(&self.domain, crate::mr::Access::SEND, "send")
+                        .map(|()| Bytes::new());
+                    (data, read_key, Some(r.len()))
+                } else {
+                    (send_bytes(&buf, &self.domain, "send"), read_key, None)
+                }
             }
-            _ => None,
-        };
-        let lazy = match &buf {
-            SendBuf::Region(r) if read_key.is_some() && r.len() >= self.region_send_min => {
-                Some(r.len())
-            }
-            _ => None,
-        };
-        let data = match &buf {
-            SendBuf::Region(r) if lazy.is_some() => r
-                .check_local(&self.domain, crate::mr::Access::SEND, "send")
-                .map(|()| Bytes::new()),
-            _ => send_bytes(&buf, &self.domain, "send"),
+            SendBuf::Bytes(_) => (send_bytes(&buf, &self.domain, "send"), None, None),
         };
         let data = match data {
             Ok(d) => d,
@@ -695,7 +696,7 @@ impl RdmCore {
             data,
             region,
             read_key,
-            region_len: lazy,
+            region_len,
         })
     }
 

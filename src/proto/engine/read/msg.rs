@@ -269,9 +269,8 @@ impl Engine {
             }
             // A region send holds only its runt: the rest now goes in packets too.
             let region = self.rd.tx_read.get(&send_id).map(|r| r.region);
-            if let (Some((key, addr)), true) = (region, t.buf.len() < t.len) {
-                let len = t.len;
-                match self.region_bytes(key, addr, len) {
+            if let Some((key, addr)) = region.filter(|_| t.buf.len() < t.len) {
+                match self.region_bytes(key, addr, t.len) {
                     Ok(b) => {
                         if let Some(t) = self.tx.get_mut(&send_id) {
                             t.buf = b;
