@@ -63,6 +63,20 @@ fn main() -> ExitCode {
     }
 }
 
+/// The device's system-call economy during one mode: datagrams, acknowledgements, and the
+/// `sendmmsg` / `recvmmsg` calls that moved several at once.
+fn print_device(domain: &efa::Domain, before: &efa::DeviceStats, who: &str) {
+    let now = domain.device_stats();
+    println!(
+        "# {who} device: {} datagrams sent, {} received, {} acks sent, {} sendmmsg, {} recvmmsg",
+        now.tx_pkts - before.tx_pkts,
+        now.rx_pkts - before.rx_pkts,
+        now.acks_sent - before.acks_sent,
+        now.tx_batches - before.tx_batches,
+        now.rx_batches - before.rx_batches,
+    );
+}
+
 fn session(args: &Args, side: Side) -> Res<()> {
     let size = parse_size(&args.size)?;
     if args.window == 0 || args.batch == 0 {
@@ -94,6 +108,7 @@ fn session(args: &Args, side: Side) -> Res<()> {
     let mut rates = Vec::new();
     for batched in [false, true] {
         oob.sync().map_err(|e| e.to_string())?;
+        let dev_before = domain.device_stats();
         match role {
             Role::Client => {
                 let start = Instant::now();
@@ -116,12 +131,14 @@ fn session(args: &Args, side: Side) -> Res<()> {
                 rates.push(args.iters as f64 / elapsed.as_secs_f64());
                 if args.verbose {
                     println!("# client {:?}", ep.stats());
+                    print_device(&domain, &dev_before, "client");
                 }
             }
             Role::Server => {
                 recv_all(&ep, &cq, size, args)?;
                 if args.verbose {
                     println!("# server {:?}", ep.stats());
+                    print_device(&domain, &dev_before, "server");
                 }
                 oob.send_line("done").map_err(|e| e.to_string())?;
             }

@@ -92,6 +92,11 @@ counters!(
         shm_route_rx_pkts,
         /// Bytes of those datagrams (without the routing header).
         shm_route_rx_bytes,
+        /// System calls that sent several datagrams at once (`sendmmsg`: post lists, bursts of
+        /// acknowledgements; udp device).
+        tx_batches,
+        /// System calls that read several datagrams at once (`recvmmsg`; udp device).
+        rx_batches,
     }
 );
 

@@ -231,17 +231,39 @@ fn datagram(seed: u64, s: u64, i: u64, mtu: usize) -> (Vec<u8>, Vec<u8>) {
     (hdr, payload)
 }
 
-/// `senders` queue pairs each send `count` datagrams to one receiver under drop, duplicate and
-/// reorder faults; every datagram must arrive exactly once, intact, and every send must succeed.
-fn srd_exactly_once(senders: usize, count: u64, delay: bool) {
+/// How [`srd_exactly_once`] posts and what it injects.
+#[derive(Clone, Copy)]
+struct Run {
+    senders: usize,
+    count: u64,
+    /// Drop, duplicate and reorder faults.
+    faults: bool,
+    /// Delays too.
+    delay: bool,
+    /// Post with `post_send_list`, in lists of random length, instead of one `post_send` each.
+    lists: bool,
+}
+
+/// `senders` queue pairs each send `count` datagrams to one receiver, under drop, duplicate and
+/// reorder faults if asked; every datagram must arrive exactly once, intact, and every send must
+/// succeed.
+fn srd_exactly_once(run: Run) {
+    let Run {
+        senders,
+        count,
+        delay,
+        ..
+    } = run;
     let seed = test_seed();
-    let mut faults = FaultConfig::seeded(seed)
-        .drop(0.1)
-        .duplicate(0.1)
-        .reorder(0.1);
+    let mut faults = FaultConfig::seeded(seed);
+    if run.faults {
+        faults = faults.drop(0.1).duplicate(0.1).reorder(0.1);
+    }
     if delay {
         faults = faults.delay(0.1, Duration::from_millis(3));
     }
+    let mut list_rng = Rng::new(seed ^ 0x11575);
+    let mut list = std::collections::VecDeque::new();
     let dev = open(UdpConfig {
         faults,
         ..UdpConfig::default()
@@ -287,6 +309,26 @@ fn srd_exactly_once(senders: usize, count: u64, delay: bool) {
         let seen = n.generation();
         let mut progress = 0;
         for (s, tx) in txs.iter_mut().enumerate() {
+            while run.lists && next[s] < count {
+                let len = 1 + list_rng.below(80);
+                list.clear();
+                for i in next[s]..(next[s] + len).min(count) {
+                    let (hdr, payload) = datagram(seed, s as u64, i, mtu);
+                    let imm = (i % 3 == 0).then_some(i as u32);
+                    list.push_back(wr(i, dest, &hdr, &payload, imm));
+                }
+                let want = next[s] + list.len() as u64;
+                match tx.post_send_list(&mut list) {
+                    Ok(()) => next[s] = want,
+                    Err((id, e)) if e.kind() == ErrorKind::Again => {
+                        // Not posted: that one and the ones behind it go again later.
+                        assert_eq!(id + list.len() as u64 + 1, want, "seed {seed}");
+                        next[s] = id;
+                        break;
+                    }
+                    Err((_, e)) => panic!("seed {seed}: post_send_list: {e}"),
+                }
+            }
             while next[s] < count {
                 let (hdr, payload) = datagram(seed, s as u64, next[s], mtu);
                 let imm = (next[s] % 3 == 0).then_some(next[s] as u32);
@@ -351,30 +393,173 @@ fn srd_exactly_once(senders: usize, count: u64, delay: bool) {
     assert!(late.is_empty(), "seed {seed}: late completions {late:?}");
     let s = dev.stats();
     eprintln!("seed {seed}: {senders} sender(s) x {count}: {s:?}");
-    assert!(s.retransmits > 0, "seed {seed}: {s:?}");
-    assert!(s.duplicates_dropped > 0, "seed {seed}: {s:?}");
-    assert!(
-        s.faults_dropped > 0 && s.faults_duplicated > 0 && s.faults_reordered > 0,
-        "seed {seed}: {s:?}"
-    );
+    if run.faults {
+        assert!(s.retransmits > 0, "seed {seed}: {s:?}");
+        assert!(s.duplicates_dropped > 0, "seed {seed}: {s:?}");
+        assert!(
+            s.faults_dropped > 0 && s.faults_duplicated > 0 && s.faults_reordered > 0,
+            "seed {seed}: {s:?}"
+        );
+    }
+    if run.lists {
+        // Lists of several sends went out with `sendmmsg`.
+        assert!(s.tx_batches > 0, "seed {seed}: {s:?}");
+    }
     assert_eq!(s.rx_pkts, total, "seed {seed}: {s:?}");
     assert_eq!(s.tx_pkts, total, "seed {seed}: {s:?}");
     assert_eq!(s.send_errors, 0, "seed {seed}: {s:?}");
 }
 
+/// One sender at a time, drop, duplicate and reorder faults, one `post_send` per datagram.
+fn faulty(senders: usize, count: u64) -> Run {
+    Run {
+        senders,
+        count,
+        faults: true,
+        delay: false,
+        lists: false,
+    }
+}
+
 #[test]
 fn srd_exactly_once_under_faults() {
-    srd_exactly_once(1, 2000, false);
+    srd_exactly_once(faulty(1, 2000));
 }
 
 #[test]
 fn srd_exactly_once_two_senders_under_faults() {
-    srd_exactly_once(2, 1000, false);
+    srd_exactly_once(faulty(2, 1000));
 }
 
 #[test]
 fn srd_exactly_once_with_delays() {
-    srd_exactly_once(1, 1000, true);
+    srd_exactly_once(Run {
+        delay: true,
+        ..faulty(1, 1000)
+    });
+}
+
+#[test]
+fn srd_post_lists_deliver_exactly_once() {
+    srd_exactly_once(Run {
+        faults: false,
+        lists: true,
+        ..faulty(2, 2000)
+    });
+}
+
+#[test]
+fn srd_post_lists_deliver_exactly_once_under_faults() {
+    srd_exactly_once(Run {
+        lists: true,
+        ..faulty(2, 1000)
+    });
+}
+
+/// A list stops at the first work request the queue pair refuses: the ones before it are posted
+/// and complete, it comes back with its error, the ones behind it stay in the list.
+#[test]
+fn post_list_stops_at_a_refused_request() {
+    for ty in [QpType::Ud, QpType::Srd] {
+        let dev = open(UdpConfig::default());
+        let mtu = dev.attr().mtu;
+        let n = Arc::new(Notifier::new());
+        let mut a = qp(&dev, ty, &n);
+        let mut b = qp(&dev, ty, &n);
+        for i in 0..4 {
+            b.post_recv(100 + i, BytesMut::with_capacity(mtu)).unwrap();
+        }
+        let big = vec![1u8; mtu + 1];
+        let mut list: std::collections::VecDeque<SendWr> = [
+            wr(1, b.addr(), b"a", b"first", None),
+            wr(2, b.addr(), b"b", b"second", Some(2)),
+            wr(3, b.addr(), b"", &big, None),
+            wr(4, b.addr(), b"d", b"fourth", None),
+        ]
+        .into_iter()
+        .collect();
+        let (id, e) = a.post_send_list(&mut list).unwrap_err();
+        assert_eq!((id, e.kind()), (3, ErrorKind::MsgSize), "{ty:?}");
+        assert_eq!(list.len(), 1, "{ty:?}");
+        assert_eq!(list[0].wr_id, 4, "{ty:?}");
+        let got = poll_until(&mut [&mut a, &mut b], &n, "the two posted sends", |c| {
+            c.len() >= 4
+        });
+        let mut sends: Vec<u64> = got
+            .iter()
+            .filter(|(q, _)| *q == 0)
+            .map(|(_, c)| {
+                assert_eq!(c.status, Status::Success, "{ty:?}: {c:?}");
+                c.wr_id
+            })
+            .collect();
+        sends.sort_unstable();
+        assert_eq!(sends, [1, 2], "{ty:?}");
+        let mut data: Vec<Vec<u8>> = got
+            .iter()
+            .filter(|(q, _)| *q == 1)
+            .map(|(_, c)| c.buf.as_ref().unwrap()[..c.byte_len].to_vec())
+            .collect();
+        data.sort();
+        assert_eq!(data, [b"afirst".to_vec(), b"bsecond".to_vec()], "{ty:?}");
+        let late = poll_for(&mut [&mut a, &mut b], Duration::from_millis(100));
+        assert!(late.is_empty(), "{ty:?}: {late:?}");
+    }
+}
+
+/// A datagram the kernel refuses for good (here: to the broadcast address, without
+/// `SO_BROADCAST`) fails its own send with `UnreachableRemote` when it went out in a list (one
+/// `sendmmsg`); the others of the list arrive.
+#[test]
+fn a_refused_datagram_in_a_list_fails_only_its_send() {
+    for ty in [QpType::Ud, QpType::Srd] {
+        let dev = open(UdpConfig::default());
+        let n = Arc::new(Notifier::new());
+        let mut a = qp(&dev, ty, &n);
+        let mut b = qp(&dev, ty, &n);
+        for i in 0..8 {
+            b.post_recv(100 + i, BytesMut::with_capacity(256)).unwrap();
+        }
+        let mut bcast = b.addr();
+        bcast.gid = efa::Gid::from_ip("255.255.255.255".parse().unwrap());
+        let mut list: std::collections::VecDeque<SendWr> = (0..6u64)
+            .map(|i| {
+                let dest = if i == 2 || i == 3 { bcast } else { b.addr() };
+                wr(i, dest, b"h", &[i as u8; 20], None)
+            })
+            .collect();
+        a.post_send_list(&mut list).unwrap();
+        let got = poll_until(&mut [&mut a, &mut b], &n, "the list's completions", |c| {
+            c.len() >= 10
+        });
+        let mut sends: Vec<(u64, Status)> = got
+            .iter()
+            .filter(|(q, _)| *q == 0)
+            .map(|(_, c)| (c.wr_id, c.status))
+            .collect();
+        sends.sort_unstable_by_key(|x| x.0);
+        let want: Vec<(u64, Status)> = (0..6u64)
+            .map(|i| {
+                let st = if i == 2 || i == 3 {
+                    Status::UnreachableRemote
+                } else {
+                    Status::Success
+                };
+                (i, st)
+            })
+            .collect();
+        assert_eq!(sends, want, "{ty:?}");
+        let mut data: Vec<u8> = got
+            .iter()
+            .filter(|(q, _)| *q == 1)
+            .map(|(_, c)| c.buf.as_ref().unwrap()[1])
+            .collect();
+        data.sort_unstable();
+        assert_eq!(data, [0, 1, 4, 5], "{ty:?}");
+        assert_eq!(dev.stats().send_errors, 2, "{ty:?}");
+        let late = poll_for(&mut [&mut a, &mut b], Duration::from_millis(100));
+        assert!(late.is_empty(), "{ty:?}: {late:?}");
+    }
 }
 
 #[test]

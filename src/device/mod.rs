@@ -20,13 +20,14 @@
 //! Buffers are owned: a send keeps a reference-counted [`Bytes`] until its completion, a receive
 //! buffer ([`BytesMut`]) is handed back inside its completion. Nothing here borrows.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
 use crate::addr::{Gid, RawAddr};
-use crate::error::{ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::mr::{Access, RegionMem};
 use crate::notify::Notifier;
 use crate::stats::DeviceStats;
@@ -452,6 +453,58 @@ pub trait QueuePair: Send + fmt::Debug {
     fn qp_type(&self) -> QpType;
     /// Posts one datagram.
     fn post_send(&mut self, wr: SendWr) -> Result<()>;
+    /// Posts the datagrams of `wrs` in order, as one list: like a chained `ibv_post_send` or
+    /// sends under libfabric's `FI_MORE`, the device may ring its doorbell once for all of them
+    /// (the udp device sends them with one `sendmmsg` system call per 64 datagrams). Posting
+    /// takes work requests from the front of `wrs`. At the first one the device refuses (for
+    /// the reasons [`post_send`](QueuePair::post_send) would), posting stops: that work request is
+    /// dropped without a completion and its `wr_id` comes back with the error; the ones behind it
+    /// stay in `wrs`, not posted. The default posts them one by one.
+    ///
+    /// ```
+    /// use std::collections::VecDeque;
+    /// use bytes::{Bytes, BytesMut};
+    /// use efa::device::{Device, QpAttr, QpType, SendWr};
+    /// use efa::device::udp::{UdpConfig, UdpDevice};
+    ///
+    /// # fn main() -> efa::Result<()> {
+    /// let dev = UdpDevice::open(UdpConfig::default())?;
+    /// let mut a = dev.create_qp(QpAttr::new(QpType::Srd))?;
+    /// let mut b = dev.create_qp(QpAttr::new(QpType::Srd))?;
+    /// for i in 0..8 {
+    ///     b.post_recv(i, BytesMut::with_capacity(64))?;
+    /// }
+    /// let mut wrs: VecDeque<SendWr> = (0..8)
+    ///     .map(|i| SendWr {
+    ///         wr_id: 100 + i,
+    ///         dest: b.addr(),
+    ///         hdr: Bytes::new(),
+    ///         payload: Bytes::from(vec![i as u8; 16]),
+    ///         imm: None,
+    ///     })
+    ///     .collect();
+    /// a.post_send_list(&mut wrs).map_err(|(_, e)| e)?;
+    /// assert!(wrs.is_empty());
+    /// let mut got = Vec::new();
+    /// let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    /// while got.len() < 16 && std::time::Instant::now() < deadline {
+    ///     a.poll(&mut got, 16);
+    ///     b.poll(&mut got, 16);
+    /// }
+    /// assert_eq!(got.len(), 16);
+    /// assert!(got.iter().all(|c| c.status.is_ok()));
+    /// # Ok(()) }
+    /// ```
+    fn post_send_list(
+        &mut self,
+        wrs: &mut VecDeque<SendWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = wr.wr_id;
+            self.post_send(wr).map_err(|e| (wr_id, e))?;
+        }
+        Ok(())
+    }
     /// Posts a receive buffer; its `capacity()` is the room offered.
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()>;
     /// Appends up to `max` completions to `out`, returning how many. Also makes progress.
@@ -471,7 +524,7 @@ pub trait QueuePair: Send + fmt::Debug {
         _local: BytesMut,
         _remote: RemoteIov,
     ) -> Result<()> {
-        Err(crate::Error::new(ErrorKind::NotSupported, "post_read"))
+        Err(Error::new(ErrorKind::NotSupported, "post_read"))
     }
     /// Posts a one-sided RDMA write of `local` to `remote` (on the queue pair `dest`;
     /// `remote.len` must equal `local.len()`), with optional immediate data. The initiator's
@@ -489,7 +542,7 @@ pub trait QueuePair: Send + fmt::Debug {
         _remote: RemoteIov,
         _imm: Option<u32>,
     ) -> Result<()> {
-        Err(crate::Error::new(ErrorKind::NotSupported, "post_write"))
+        Err(Error::new(ErrorKind::NotSupported, "post_write"))
     }
 }
 

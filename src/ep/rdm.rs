@@ -188,6 +188,7 @@ impl EndpointBuilder<Rdm> {
                 qp,
                 ops: Slab::new(),
                 scratch: Vec::new(),
+                sends: VecDeque::new(),
                 pending: Default::default(),
                 closed: false,
                 rx_free: Vec::new(),
@@ -285,6 +286,8 @@ pub(super) struct State {
     qp: Box<dyn QueuePair>,
     pub(super) ops: Slab<OpState>,
     scratch: Vec<DeviceCompletion>,
+    /// The sends of one pump pass, posted as one list (kept for its capacity).
+    sends: VecDeque<SendWr>,
     /// Claimed unexpected messages (`FI_CLAIM`) by token.
     pending: HashSet<u64>,
     pub(super) closed: bool,
@@ -944,38 +947,39 @@ impl RdmCore {
             if st.engine.poll_timeout().is_some_and(|t| t <= now) {
                 st.engine.handle_timeout(now);
             }
+            // Sends leave as one post list (one doorbell; one system call on the udp device).
+            let mut sends = std::mem::take(&mut st.sends);
             while let Some(t) = st.engine.poll_transmit(now) {
                 busy = true;
-                let (wr_id, rdma) = (t.wr_id, !matches!(t.kind, TransmitKind::Send));
-                let posted = match t.kind {
-                    TransmitKind::Send => st.qp.post_send(SendWr {
-                        wr_id,
-                        dest: t.dest,
-                        hdr: t.hdr,
-                        payload: t.payload,
-                        imm: None,
-                    }),
+                let (wr_id, posted) = match t.kind {
+                    TransmitKind::Send => {
+                        sends.push_back(SendWr {
+                            wr_id: t.wr_id,
+                            dest: t.dest,
+                            hdr: t.hdr,
+                            payload: t.payload,
+                            imm: None,
+                        });
+                        continue;
+                    }
                     TransmitKind::RdmaWrite { remote, imm } => {
-                        st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
+                        Self::post_sends(st, now, &mut sends);
+                        let r = st.qp.post_write(t.wr_id, t.dest, t.payload, remote, imm);
+                        (t.wr_id, r)
                     }
                     TransmitKind::RdmaRead { remote, buf } => {
-                        st.qp.post_read(wr_id, t.dest, buf, remote)
+                        Self::post_sends(st, now, &mut sends);
+                        (t.wr_id, st.qp.post_read(t.wr_id, t.dest, buf, remote))
                     }
                 };
                 if let Err(e) = posted {
                     tracing::warn!(error = %e, "device refused a work request");
-                    let status = if e.kind() == ErrorKind::Closed {
-                        Status::Flushed
-                    } else {
-                        Status::LocalQpInternalError
-                    };
-                    if rdma {
-                        st.engine.handle_rdma_completion(now, wr_id, status, None);
-                    } else {
-                        st.engine.handle_send_completion(now, wr_id, status);
-                    }
+                    st.engine
+                        .handle_rdma_completion(now, wr_id, refused_status(&e), None);
                 }
             }
+            Self::post_sends(st, now, &mut sends);
+            st.sends = sends;
             let mut delivered = false;
             while self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
                 let Some(ev) = st.engine.poll_event() else {
@@ -992,6 +996,17 @@ impl RdmCore {
             }
             if !busy {
                 break;
+            }
+        }
+    }
+
+    /// Posts `sends` as one list; a send the device refuses fails in the engine.
+    fn post_sends(st: &mut State, now: Instant, sends: &mut VecDeque<SendWr>) {
+        while !sends.is_empty() {
+            if let Err((wr_id, e)) = st.qp.post_send_list(sends) {
+                tracing::warn!(error = %e, "device refused a work request");
+                st.engine
+                    .handle_send_completion(now, wr_id, refused_status(&e));
             }
         }
     }
@@ -1280,5 +1295,14 @@ impl Drop for RdmCore {
         self.tx_cq.signal();
         self.rx_cq.signal();
         tracing::debug!(addr = %self.addr, "rdm_ep_close");
+    }
+}
+
+/// The completion status of a work request the device refused to post.
+fn refused_status(e: &Error) -> Status {
+    if e.kind() == ErrorKind::Closed {
+        Status::Flushed
+    } else {
+        Status::LocalQpInternalError
     }
 }

@@ -58,6 +58,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
 use crate::stats::{DeviceCounters, DeviceStats};
 
+mod mmsg;
 mod qp;
 mod srd;
 mod wire;

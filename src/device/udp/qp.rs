@@ -10,11 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
+use super::mmsg;
 use super::srd::Srd;
 use super::wire::{self, Packet};
 use super::{UdpConfig, sockaddr_for};
@@ -32,6 +33,8 @@ const SOCK: Token = Token(0);
 const WAKE: Token = Token(1);
 /// Receive scratch buffer: large enough for any UDP datagram.
 const RX_SCRATCH: usize = 65_536;
+/// Datagrams one `recvmmsg` reads at most (each in a buffer of [`RX_SCRATCH`] bytes).
+const RX_BATCH: usize = 8;
 /// Datagrams one application `poll` reads at most.
 const APP_BUDGET: usize = 64;
 /// Datagrams the NIC thread reads before it looks at its timers again.
@@ -68,6 +71,40 @@ pub(super) struct Io {
     pub tx: Vec<u8>,
     pub faults: Option<Faults>,
     pub counters: Arc<DeviceCounters>,
+    /// Datagrams held for one `sendmmsg` while a batch is open ([`Io::begin_batch`]).
+    out: TxBatch,
+}
+
+/// Whom a datagram sent in a batch belongs to, so that a permanent failure the kernel reports
+/// only when the batch goes out reaches the right work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tag {
+    /// Acknowledgements, NAKs and other datagrams no work request waits for.
+    None,
+    /// The UD send with this work request id.
+    Ud(u64),
+    /// The SRD packet `seq` towards connection `conn`.
+    Srd { conn: u32, seq: u64 },
+}
+
+/// One datagram waiting in a batch: its device header (and, when small, everything) in the
+/// batch's arena, and the user's segments, sent from where they are.
+struct Queued {
+    dest: socket2::SockAddr,
+    head: std::ops::Range<usize>,
+    hdr: Bytes,
+    payload: Bytes,
+    tag: Tag,
+}
+
+/// The datagrams of an open batch.
+#[derive(Default)]
+struct TxBatch {
+    open: bool,
+    arena: Vec<u8>,
+    queued: Vec<Queued>,
+    /// Datagrams of flushed batches the kernel refused for good (not a transient loss).
+    failed: Vec<Tag>,
 }
 
 /// Fault-injection state: the seeded injector and the datagrams it holds back.
@@ -88,9 +125,9 @@ fn transient(e: &io::Error) -> bool {
     ) || e.raw_os_error() == Some(105) // ENOBUFS
 }
 
-/// One `sendto`: transient failures (full socket buffer, ...) count as a loss on the wire.
-fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
-    match sock.send_to(buf, dest) {
+/// A transient send failure (full socket buffer, ...) counts as a loss on the wire.
+fn lost_if_transient(r: io::Result<usize>, dest: SocketAddr) -> io::Result<()> {
+    match r {
         Ok(_) => Ok(()),
         Err(e) if transient(&e) => {
             tracing::trace!(%dest, error = %e, "udp: datagram lost in the local stack");
@@ -100,9 +137,13 @@ fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
     }
 }
 
+/// One `sendto`: transient failures count as a loss on the wire.
+fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
+    lost_if_transient(sock.send_to(buf, dest), dest)
+}
+
 /// One `sendto` (one `sendmsg` gathering the parts when there are several, so that user bytes
-/// are not copied into a staging buffer): transient failures (full socket buffer, ...) count as
-/// a loss on the wire.
+/// are not copied into a staging buffer): transient failures count as a loss on the wire.
 fn raw_send_parts(
     sock: &UdpSocket,
     head: &mut Vec<u8>,
@@ -123,80 +164,182 @@ fn raw_send_parts(
         ];
         socket2::SockRef::from(sock).send_to_vectored(&parts, &dest.into())
     };
-    match r {
-        Ok(_) => Ok(()),
-        Err(e) if transient(&e) => {
-            tracing::trace!(%dest, error = %e, "udp: datagram lost in the local stack");
-            Ok(())
-        }
-        Err(e) => Err(e),
-    }
+    lost_if_transient(r, dest)
 }
 
 impl Io {
     /// Sends the datagram in `self.tx` to `dest` through the fault layer. An error is a permanent
     /// failure of the first copy (e.g. an address of the wrong family); transient ones are losses.
     pub fn emit(&mut self, dest: SocketAddr, now: Instant) -> io::Result<()> {
-        self.emit_parts(dest, now, &[], &[])
+        self.emit_parts(dest, now, &Bytes::new(), &Bytes::new(), Tag::None)
     }
 
     /// Sends the datagram `self.tx` + `hdr` + `payload` to `dest` through the fault layer, as
     /// [`Io::emit`]; the parts are gathered by the kernel, not copied here (unless a fault holds
-    /// the datagram back).
+    /// the datagram back). While a batch is open the datagram waits for
+    /// [`Io::end_batch`], and a permanent failure is reported then, with `tag`.
     pub fn emit_parts(
         &mut self,
         dest: SocketAddr,
         now: Instant,
-        hdr: &[u8],
-        payload: &[u8],
+        hdr: &Bytes,
+        payload: &Bytes,
+        tag: Tag,
     ) -> io::Result<()> {
-        let Io {
-            sock,
-            tx,
-            faults,
-            counters,
-            ..
-        } = self;
-        let Some(f) = faults.as_mut() else {
-            return raw_send_parts(sock, tx, hdr, payload, dest);
+        if self.faults.is_none() {
+            return self.out(dest, hdr, payload, tag);
+        }
+        let Some(f) = self.faults.as_mut() else {
+            return Ok(());
         };
         let fate = f.inj.next_fate();
         if fate.drop {
-            stats::inc(&counters.faults_dropped);
+            stats::inc(&self.counters.faults_dropped);
             return Ok(());
         }
         let copies = if fate.duplicate {
-            stats::inc(&counters.faults_duplicated);
+            stats::inc(&self.counters.faults_duplicated);
             2
         } else {
             1
         };
-        let whole = || [&tx[..], hdr, payload].concat();
+        let whole = [&self.tx[..], hdr, payload].concat();
         if fate.reorder {
-            stats::inc(&counters.faults_reordered);
+            stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.held.push((dest, whole(), now + f.hold));
+                f.held.push((dest, whole.clone(), now + f.hold));
             }
             return Ok(());
         }
         if !fate.delay.is_zero() {
-            stats::inc(&counters.faults_reordered);
+            stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, whole()));
+                f.delayed.push((now + fate.delay, dest, whole.clone()));
             }
             return Ok(());
         }
-        let head = tx.len();
-        let r = raw_send_parts(sock, tx, hdr, payload, dest);
+        let held = std::mem::take(&mut f.held);
+        let r = self.out_owned(dest, &whole, tag);
         if copies > 1 {
-            tx.truncate(head);
-            let _ = raw_send_parts(sock, tx, hdr, payload, dest);
+            let _ = self.out_owned(dest, &whole, Tag::None);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
-        for (d, b, _) in f.held.drain(..) {
-            let _ = raw_send(sock, &b, d);
+        for (d, b, _) in held {
+            let _ = self.out_owned(d, &b, Tag::None);
         }
         r
+    }
+
+    /// Sends (or, in a batch, queues) the datagram `self.tx` + `hdr` + `payload`.
+    fn out(&mut self, dest: SocketAddr, hdr: &Bytes, payload: &Bytes, tag: Tag) -> io::Result<()> {
+        if !self.out.open {
+            return raw_send_parts(&self.sock, &mut self.tx, hdr, payload, dest);
+        }
+        let b = &mut self.out;
+        let start = b.arena.len();
+        b.arena.extend_from_slice(&self.tx);
+        let (hdr, payload) = if hdr.len() + payload.len() <= GATHER_MIN {
+            b.arena.extend_from_slice(hdr);
+            b.arena.extend_from_slice(payload);
+            (Bytes::new(), Bytes::new())
+        } else {
+            (hdr.clone(), payload.clone())
+        };
+        b.queued.push(Queued {
+            dest: dest.into(),
+            head: start..b.arena.len(),
+            hdr,
+            payload,
+            tag,
+        });
+        if b.queued.len() >= mmsg::MAX_BATCH {
+            self.send_queued();
+        }
+        Ok(())
+    }
+
+    /// [`Io::out`] for a datagram the fault layer built in one piece.
+    fn out_owned(&mut self, dest: SocketAddr, whole: &[u8], tag: Tag) -> io::Result<()> {
+        if !self.out.open {
+            return raw_send(&self.sock, whole, dest);
+        }
+        let tx = std::mem::take(&mut self.tx);
+        self.tx.extend_from_slice(whole);
+        let r = self.out(dest, &Bytes::new(), &Bytes::new(), tag);
+        self.tx = tx;
+        r
+    }
+
+    /// From now on datagrams wait, to leave together at [`Io::end_batch`] (`sendmmsg`).
+    pub fn begin_batch(&mut self) {
+        self.out.open = true;
+    }
+
+    /// Sends the datagrams of the open batch and closes it. Returns the datagrams the kernel
+    /// refused for good, for their owners to fail (transient refusals are losses on the wire).
+    pub fn end_batch(&mut self) -> Vec<Tag> {
+        self.send_queued();
+        self.out.open = false;
+        std::mem::take(&mut self.out.failed)
+    }
+
+    /// Sends what the batch holds: one `sendmmsg` per [`mmsg::MAX_BATCH`] datagrams (a plain
+    /// `sendto` for a lone one).
+    fn send_queued(&mut self) {
+        let TxBatch {
+            arena,
+            queued,
+            failed,
+            ..
+        } = &mut self.out;
+        if let [one] = &queued[..] {
+            let head = arena.get(one.head.clone()).unwrap_or_default();
+            let parts = [
+                io::IoSlice::new(head),
+                io::IoSlice::new(&one.hdr),
+                io::IoSlice::new(&one.payload),
+            ];
+            let r = socket2::SockRef::from(&self.sock).send_to_vectored(&parts, &one.dest);
+            if let Some(dest) = one.dest.as_socket() {
+                if let Err(e) = lost_if_transient(r, dest) {
+                    tracing::debug!(%dest, error = %e, "udp: send failed");
+                    failed.push(one.tag);
+                }
+            }
+        } else if !queued.is_empty() {
+            let mut i = 0;
+            while let Some(rest) = queued.get(i..).filter(|r| !r.is_empty()) {
+                let msgs = rest.iter().map(|q| mmsg::OutMsg {
+                    dest: &q.dest,
+                    parts: [
+                        io::IoSlice::new(arena.get(q.head.clone()).unwrap_or_default()),
+                        io::IoSlice::new(&q.hdr),
+                        io::IoSlice::new(&q.payload),
+                    ],
+                });
+                match mmsg::send_batch(&self.sock, msgs) {
+                    Ok(k) => i += k.max(1),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        // The socket buffer is full: what is left is lost on the wire.
+                        tracing::trace!(left = rest.len(), "udp: batch lost in the local stack");
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        if transient(&e) {
+                            tracing::trace!(error = %e, "udp: datagram lost in the local stack");
+                        } else {
+                            tracing::debug!(error = %e, "udp: send failed");
+                            failed.extend(rest.first().map(|q| q.tag));
+                        }
+                        i += 1;
+                    }
+                }
+            }
+            stats::inc(&self.counters.tx_batches);
+        }
+        queued.clear();
+        arena.clear();
     }
 
     /// Sends held-back and delayed datagrams whose time has come.
@@ -204,19 +347,21 @@ impl Io {
         let Some(f) = self.faults.as_mut() else {
             return;
         };
+        let mut due = Vec::new();
         if f.held.iter().any(|h| h.2 <= now) {
-            for (d, b, _) in f.held.drain(..) {
-                let _ = raw_send(&self.sock, &b, d);
-            }
+            due.extend(f.held.drain(..).map(|(d, b, _)| (d, b)));
         }
         let mut i = 0;
         while i < f.delayed.len() {
             if f.delayed.get(i).is_some_and(|d| d.0 <= now) {
                 let (_, d, b) = f.delayed.swap_remove(i);
-                let _ = raw_send(&self.sock, &b, d);
+                due.push((d, b));
             } else {
                 i += 1;
             }
+        }
+        for (d, b) in due {
+            let _ = self.out_owned(d, &b, Tag::None);
         }
     }
 
@@ -305,6 +450,22 @@ impl Ctx {
         self.complete(DeviceCompletion::new(wr_id, status, Opcode::Send, byte_len));
     }
 
+    /// A UD send completed `Success` when it was queued in a batch, and the kernel refused it
+    /// for good when the batch went out: its completion (still queued, as the lock was held
+    /// throughout) becomes `UnreachableRemote`.
+    fn fail_batched_ud(&mut self, wr_id: u64) {
+        let c = self
+            .cq
+            .iter_mut()
+            .rev()
+            .find(|c| c.wr_id == wr_id && c.opcode == Opcode::Send && c.status.is_ok());
+        if let Some(c) = c {
+            c.status = Status::UnreachableRemote;
+            c.byte_len = 0;
+            stats::inc(&self.io.counters.send_errors);
+        }
+    }
+
     /// An RDMA message from the SRD path (`soft_rdma`).
     pub fn deliver_rdma_udp(
         &mut self,
@@ -364,6 +525,9 @@ pub(super) struct State {
     /// Receive work requests posted and not yet reaped by `poll`.
     recv_outstanding: usize,
     rx: Vec<u8>,
+    /// Receive buffers for `recvmmsg`, allocated when the first burst arrives (a queue pair
+    /// that only ever sees one datagram at a time does not pay for them).
+    rx_batch: Option<mmsg::RxBatch>,
     srd: Srd,
     /// When the NIC thread will wake up by itself (`None`: only on a datagram or a wake-up).
     thread_deadline: Option<Instant>,
@@ -382,6 +546,7 @@ impl State {
             return false;
         }
         let mut rx = std::mem::take(&mut self.rx);
+        let mut batch = self.rx_batch.take();
         let mut n = 0;
         let mut more = false;
         // A datagram after an empty socket is most likely a request or a reply by itself: the
@@ -394,6 +559,46 @@ impl State {
                 more = true;
                 break;
             }
+            if let Some(b) = batch.as_mut().filter(|_| !lone) {
+                // A burst: one `recvmmsg` reads what waits.
+                let want = (budget - n).min(b.slots());
+                match mmsg::recv_batch(&self.ctx.io.sock, b, want) {
+                    Ok(k) => {
+                        if k > 1 {
+                            stats::inc(&self.ctx.counters().rx_batches);
+                        }
+                        for i in 0..k {
+                            n += 1;
+                            let m = b.got.get(i).copied();
+                            match m {
+                                Some(m) if !m.truncated => match m.src {
+                                    Some(src) => self.handle(b.data(i), src, now),
+                                    None => tracing::debug!("udp: datagram from a non-IP source"),
+                                },
+                                _ => {
+                                    stats::inc(&self.ctx.counters().malformed_dropped);
+                                    tracing::debug!("udp: dropped a datagram longer than any");
+                                }
+                            }
+                            if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
+                                self.srd.flush_acks(&mut self.ctx, now, nic);
+                            }
+                        }
+                        if k < want {
+                            // The kernel had no more: the socket is empty.
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        // E.g. a queued ICMP error; it is consumed by reading it.
+                        n += 1;
+                        tracing::debug!(error = %e, "udp: receive error");
+                    }
+                }
+                continue;
+            }
             match self.ctx.io.sock.recv_from(&mut rx) {
                 Ok((len, src)) => {
                     n += 1;
@@ -403,6 +608,10 @@ impl State {
                     }
                     if lone {
                         break;
+                    }
+                    if n >= 2 && batch.is_none() {
+                        // Bursts come to this queue pair: read them in batches from now on.
+                        batch = Some(mmsg::RxBatch::new(RX_SCRATCH, RX_BATCH));
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -415,6 +624,7 @@ impl State {
             }
         }
         self.rx = rx;
+        self.rx_batch = batch;
         if self.qp_type == QpType::Srd {
             self.srd.flush_acks(&mut self.ctx, now, nic);
         }
@@ -502,6 +712,22 @@ impl State {
         Ok(())
     }
 
+    /// Opens a batch: datagrams wait to leave together ([`State::end_batch`]).
+    fn begin_batch(&mut self) {
+        self.ctx.io.begin_batch();
+    }
+
+    /// Sends the open batch and fails the work requests whose datagrams the kernel refused.
+    fn end_batch(&mut self) {
+        for tag in self.ctx.io.end_batch() {
+            match tag {
+                Tag::None => {}
+                Tag::Ud(wr_id) => self.ctx.fail_batched_ud(wr_id),
+                Tag::Srd { conn, seq } => self.srd.send_failed(&mut self.ctx, conn, seq),
+            }
+        }
+    }
+
     fn run_timers(&mut self, now: Instant) {
         self.ctx.io.run_timers(now);
         if self.qp_type == QpType::Srd {
@@ -562,7 +788,8 @@ impl State {
         match self.qp_type {
             QpType::Ud => {
                 wire::encode_ud(&mut self.ctx.io.tx, wr.dest.qkey, wr.imm, &[], &[]);
-                let status = match self.ctx.io.emit_parts(dest, now, &wr.hdr, &wr.payload) {
+                let tag = Tag::Ud(wr.wr_id);
+                let status = match self.ctx.io.emit_parts(dest, now, &wr.hdr, &wr.payload, tag) {
                     Ok(()) => {
                         stats::inc(&self.ctx.counters().tx_pkts);
                         stats::add(&self.ctx.counters().tx_bytes, len as u64);
@@ -680,8 +907,12 @@ impl Shared {
         if st.closed {
             return (false, false);
         }
+        // What this pass sends (acknowledgements, packets an acknowledgement let go,
+        // retransmissions) leaves together.
+        st.begin_batch();
         let more = st.drain(budget, now, nic);
         st.run_timers(now);
+        st.end_batch();
         let acks_left = st.srd.acks_delayed();
         let notify = std::mem::take(&mut st.ctx.new_comps);
         drop(st);
@@ -830,6 +1061,7 @@ impl UdpQp {
                     tx: Vec::with_capacity(cfg.mtu + wire::MAX_OVERHEAD),
                     faults,
                     counters,
+                    out: TxBatch::default(),
                 },
                 cfg: cfg.clone(),
                 qkey,
@@ -846,6 +1078,7 @@ impl UdpQp {
             send_outstanding: 0,
             recv_outstanding: 0,
             rx: vec![0; RX_SCRATCH],
+            rx_batch: None,
             srd: Srd::new(Instant::now(), &cfg),
             thread_deadline: None,
             quiet_until: None,
@@ -939,6 +1172,33 @@ impl QueuePair for UdpQp {
         st.post_send(wr, Instant::now())?;
         self.shared.after_post(st);
         Ok(())
+    }
+
+    fn post_send_list(
+        &mut self,
+        wrs: &mut VecDeque<SendWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        if wrs.len() <= 1 {
+            let Some(wr) = wrs.pop_front() else {
+                return Ok(());
+            };
+            let wr_id = wr.wr_id;
+            return self.post_send(wr).map_err(|e| (wr_id, e));
+        }
+        let mut st = self.shared.state.lock();
+        let now = Instant::now();
+        st.begin_batch();
+        let mut r = Ok(());
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = wr.wr_id;
+            if let Err(e) = st.post_send(wr, now) {
+                r = Err((wr_id, e));
+                break;
+            }
+        }
+        st.end_batch();
+        self.shared.after_post(st);
+        r
     }
 
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::UdpConfig;
-use super::qp::{Ctx, Delivery};
+use super::qp::{Ctx, Delivery, Tag};
 use super::wire::{self, AckHdr, DataHdr, NakHdr, NakReason, WINDOW};
 use crate::device::{SendWr, Status};
 use crate::stats;
@@ -725,6 +725,15 @@ impl Srd {
         }
     }
 
+    /// Packet `seq` of connection `conn` went out in a batch the kernel refused for good (not a
+    /// transient loss): its send completes `UnreachableRemote`, as an unbatched one does at once.
+    pub fn send_failed(&mut self, cx: &mut Ctx, conn: u32, seq: u64) {
+        let inf = self.tx.get_mut(&conn).and_then(|p| p.inflight.remove(&seq));
+        if let Some(inf) = inf {
+            cx.complete_send(inf.op.wr_id, Status::UnreachableRemote, 0);
+        }
+    }
+
     fn check_unresponsive(&mut self, cx: &mut Ctx, conn: u32, now: Instant) {
         let Some(p) = self.tx.get_mut(&conn) else {
             return;
@@ -819,7 +828,11 @@ fn transmit(
         ack.as_ref().map(|a| (a, &bitmap[..])),
         len,
     );
-    match cx.io.emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload) {
+    let tag = Tag::Srd { conn: p.conn, seq };
+    match cx
+        .io
+        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag)
+    {
         Ok(()) => true,
         Err(e) => {
             tracing::debug!(dest = %p.addr, error = %e, "udp: send failed");
