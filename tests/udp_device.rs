@@ -221,9 +221,20 @@ fn attributes() {
 
 /// The bytes of datagram `i` of sender `s`: a 12-byte header naming it and a payload derived from
 /// the seed, of a random total length in `0..=mtu` (at least the header).
-fn datagram(seed: u64, s: u64, i: u64, mtu: usize) -> (Vec<u8>, Vec<u8>) {
+/// Datagram `i` of sender `s`: 12 bytes naming it, then seeded bytes. Its size is random up to
+/// `mtu`, or with `runs`, 700 bytes but every eighth shorter, so that lists hold runs of equal
+/// datagrams (GSO messages).
+fn datagram(seed: u64, s: u64, i: u64, mtu: usize, runs: bool) -> (Vec<u8>, Vec<u8>) {
     let mut rng = Rng::new(seed ^ (s << 32) ^ i.wrapping_mul(0x9E37_79B9));
-    let total = 12 + rng.below((mtu - 12) as u64 + 1) as usize;
+    let total = if runs {
+        if i % 8 == 7 {
+            12 + rng.below(688) as usize
+        } else {
+            700
+        }
+    } else {
+        12 + rng.below((mtu - 12) as u64 + 1) as usize
+    };
     let mut hdr = Vec::with_capacity(12);
     hdr.extend_from_slice(&(s as u32).to_le_bytes());
     hdr.extend_from_slice(&i.to_le_bytes());
@@ -242,6 +253,8 @@ struct Run {
     delay: bool,
     /// Post with `post_send_list`, in lists of random length, instead of one `post_send` each.
     lists: bool,
+    /// `UdpConfig::gso`: lists leave as GSO messages, reads take coalesced datagrams.
+    gso: bool,
 }
 
 /// `senders` queue pairs each send `count` datagrams to one receiver, under drop, duplicate and
@@ -266,6 +279,7 @@ fn srd_exactly_once(run: Run) {
     let mut list = std::collections::VecDeque::new();
     let dev = open(UdpConfig {
         faults,
+        gso: run.gso,
         ..UdpConfig::default()
     });
     let mtu = dev.attr().mtu;
@@ -313,7 +327,7 @@ fn srd_exactly_once(run: Run) {
                 let len = 1 + list_rng.below(80);
                 list.clear();
                 for i in next[s]..(next[s] + len).min(count) {
-                    let (hdr, payload) = datagram(seed, s as u64, i, mtu);
+                    let (hdr, payload) = datagram(seed, s as u64, i, mtu, run.gso);
                     let imm = (i % 3 == 0).then_some(i as u32);
                     list.push_back(wr(i, dest, &hdr, &payload, imm));
                 }
@@ -330,7 +344,7 @@ fn srd_exactly_once(run: Run) {
                 }
             }
             while next[s] < count {
-                let (hdr, payload) = datagram(seed, s as u64, next[s], mtu);
+                let (hdr, payload) = datagram(seed, s as u64, next[s], mtu, run.gso);
                 let imm = (next[s] % 3 == 0).then_some(next[s] as u32);
                 match tx.post_send(wr(next[s], dest, &hdr, &payload, imm)) {
                     Ok(()) => next[s] += 1,
@@ -359,7 +373,7 @@ fn srd_exactly_once(run: Run) {
             assert!(b.len() >= 12, "seed {seed}: short datagram {}", b.len());
             let s = u32::from_le_bytes(b[..4].try_into().unwrap()) as u64;
             let i = u64::from_le_bytes(b[4..12].try_into().unwrap());
-            let (hdr, payload) = datagram(seed, s, i, mtu);
+            let (hdr, payload) = datagram(seed, s, i, mtu, run.gso);
             assert_eq!(&b[..12], &hdr[..], "seed {seed}: header of {s}/{i}");
             assert!(
                 b[12..] == payload[..],
@@ -405,6 +419,11 @@ fn srd_exactly_once(run: Run) {
         // Lists of several sends went out with `sendmmsg`.
         assert!(s.tx_batches > 0, "seed {seed}: {s:?}");
     }
+    if run.gso {
+        // Coalesced reads came (GSO messages through loopback to a `UDP_GRO` socket), or the
+        // kernel offers neither and every datagram came alone: either way all arrived above.
+        eprintln!("seed {seed}: {} multi-datagram reads", s.rx_batches);
+    }
     assert_eq!(s.rx_pkts, total, "seed {seed}: {s:?}");
     assert_eq!(s.tx_pkts, total, "seed {seed}: {s:?}");
     assert_eq!(s.send_errors, 0, "seed {seed}: {s:?}");
@@ -418,6 +437,7 @@ fn faulty(senders: usize, count: u64) -> Run {
         faults: true,
         delay: false,
         lists: false,
+        gso: false,
     }
 }
 
@@ -444,6 +464,16 @@ fn srd_post_lists_deliver_exactly_once() {
     srd_exactly_once(Run {
         faults: false,
         lists: true,
+        ..faulty(2, 2000)
+    });
+}
+
+#[test]
+fn srd_post_lists_as_gso_messages_deliver_exactly_once() {
+    srd_exactly_once(Run {
+        faults: false,
+        lists: true,
+        gso: true,
         ..faulty(2, 2000)
     });
 }

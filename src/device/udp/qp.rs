@@ -98,13 +98,32 @@ struct Queued {
 }
 
 /// The datagrams of an open batch.
-#[derive(Default)]
 struct TxBatch {
     open: bool,
     arena: Vec<u8>,
     queued: Vec<Queued>,
     /// Datagrams of flushed batches the kernel refused for good (not a transient loss).
     failed: Vec<Tag>,
+    /// The messages of a flush: ranges of `queued` (several datagrams: one GSO message).
+    groups: Vec<std::ops::Range<usize>>,
+    scratch: mmsg::SendScratch,
+    /// Largest datagram sent in GSO messages (`UDP_SEGMENT`); 0: GSO off. Lowered when the
+    /// kernel refuses a GSO message.
+    gso_limit: usize,
+}
+
+impl TxBatch {
+    fn new(gso: bool) -> TxBatch {
+        TxBatch {
+            open: false,
+            arena: Vec::new(),
+            queued: Vec::new(),
+            failed: Vec::new(),
+            groups: Vec::new(),
+            scratch: mmsg::SendScratch::default(),
+            gso_limit: if gso { mmsg::GSO_MAX_BYTES } else { 0 },
+        }
+    }
 }
 
 /// Fault-injection state: the seeded injector and the datagrams it holds back.
@@ -165,6 +184,21 @@ fn raw_send_parts(
         socket2::SockRef::from(sock).send_to_vectored(&parts, &dest.into())
     };
     lost_if_transient(r, dest)
+}
+
+/// Sends one queued datagram by itself (`sendmsg` gathering its parts); transient failures are
+/// losses, an error is permanent.
+fn send_one(sock: &UdpSocket, head: &[u8], q: &Queued) -> io::Result<()> {
+    let parts = [
+        io::IoSlice::new(head),
+        io::IoSlice::new(&q.hdr),
+        io::IoSlice::new(&q.payload),
+    ];
+    let r = socket2::SockRef::from(sock).send_to_vectored(&parts, &q.dest);
+    match q.dest.as_socket() {
+        Some(dest) => lost_if_transient(r, dest),
+        None => r.map(|_| ()),
+    }
 }
 
 impl Io {
@@ -290,53 +324,91 @@ impl Io {
             arena,
             queued,
             failed,
+            groups,
+            scratch,
+            gso_limit,
             ..
         } = &mut self.out;
-        if let [one] = &queued[..] {
-            let head = arena.get(one.head.clone()).unwrap_or_default();
-            let parts = [
-                io::IoSlice::new(head),
-                io::IoSlice::new(&one.hdr),
-                io::IoSlice::new(&one.payload),
-            ];
-            let r = socket2::SockRef::from(&self.sock).send_to_vectored(&parts, &one.dest);
-            if let Some(dest) = one.dest.as_socket() {
-                if let Err(e) = lost_if_transient(r, dest) {
-                    tracing::debug!(%dest, error = %e, "udp: send failed");
-                    failed.push(one.tag);
-                }
-            }
-        } else if !queued.is_empty() {
-            let mut i = 0;
-            while let Some(rest) = queued.get(i..).filter(|r| !r.is_empty()) {
-                let msgs = rest.iter().map(|q| mmsg::OutMsg {
-                    dest: &q.dest,
-                    parts: [
-                        io::IoSlice::new(arena.get(q.head.clone()).unwrap_or_default()),
-                        io::IoSlice::new(&q.hdr),
-                        io::IoSlice::new(&q.payload),
-                    ],
-                });
-                match mmsg::send_batch(&self.sock, msgs) {
-                    Ok(k) => i += k.max(1),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        // The socket buffer is full: what is left is lost on the wire.
-                        tracing::trace!(left = rest.len(), "udp: batch lost in the local stack");
+        let len_of = |q: &Queued| q.head.len() + q.hdr.len() + q.payload.len();
+        // Messages: runs of datagrams to one address, all of one size but the last (which
+        // may be shorter), become one GSO message the kernel cuts; the others go alone.
+        groups.clear();
+        let mut i = 0;
+        while i < queued.len() {
+            let first = &queued[i];
+            let seg = len_of(first);
+            let mut end = i + 1;
+            let mut total = seg;
+            if seg <= *gso_limit {
+                while let Some(q) = queued.get(end) {
+                    let len = len_of(q);
+                    let prev_full = queued.get(end - 1).is_some_and(|p| len_of(p) == seg);
+                    if q.dest != first.dest
+                        || !prev_full
+                        || len > seg
+                        || end - i >= mmsg::GSO_MAX_SEGS
+                        || total + len > mmsg::GSO_MAX_BYTES
+                    {
                         break;
                     }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        if transient(&e) {
-                            tracing::trace!(error = %e, "udp: datagram lost in the local stack");
-                        } else {
-                            tracing::debug!(error = %e, "udp: send failed");
-                            failed.extend(rest.first().map(|q| q.tag));
-                        }
-                        i += 1;
-                    }
+                    total += len;
+                    end += 1;
                 }
             }
-            stats::inc(&self.counters.tx_batches);
+            groups.push(i..end);
+            i = end;
+        }
+        let mut batch = scratch.batch();
+        for g in groups.iter() {
+            let Some(first) = queued.get(g.start) else {
+                continue;
+            };
+            let seg = (g.len() > 1).then(|| len_of(first) as u16);
+            batch.message(&first.dest, seg);
+            for q in queued.get(g.clone()).unwrap_or_default() {
+                batch.part(arena.get(q.head.clone()).unwrap_or_default());
+                batch.part(&q.hdr);
+                batch.part(&q.payload);
+            }
+        }
+        let mut m = 0;
+        let mut calls = 0;
+        while m < batch.len() {
+            calls += 1;
+            match batch.send(&self.sock, m) {
+                Ok(k) => m += k.max(1),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // The socket buffer is full: what is left is lost on the wire.
+                    tracing::trace!(left = batch.len() - m, "udp: batch lost in the local stack");
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let g = groups.get(m).cloned().unwrap_or_default();
+                    if transient(&e) {
+                        tracing::trace!(error = %e, "udp: datagram lost in the local stack");
+                    } else if g.len() > 1 {
+                        // The kernel (or the route's MTU) refuses GSO messages this large: no
+                        // more of them, and these datagrams go one by one.
+                        let seg = queued.get(g.start).map_or(0, len_of);
+                        tracing::debug!(error = %e, seg, "udp: GSO refused, sending one by one");
+                        *gso_limit = (*gso_limit).min(seg.saturating_sub(1));
+                        for q in queued.get(g).unwrap_or_default() {
+                            let head = arena.get(q.head.clone()).unwrap_or_default();
+                            if send_one(&self.sock, head, q).is_err() {
+                                failed.push(q.tag);
+                            }
+                        }
+                    } else {
+                        tracing::debug!(error = %e, "udp: send failed");
+                        failed.extend(queued.get(g.start).map(|q| q.tag));
+                    }
+                    m += 1;
+                }
+            }
+        }
+        if queued.len() > 1 {
+            stats::add(&self.counters.tx_batches, calls);
         }
         queued.clear();
         arena.clear();
@@ -524,7 +596,8 @@ pub(super) struct State {
     send_outstanding: usize,
     /// Receive work requests posted and not yet reaped by `poll`.
     recv_outstanding: usize,
-    rx: Vec<u8>,
+    /// The receive buffer of single reads (taken out while a drain runs).
+    rx: Option<mmsg::RxBatch>,
     /// Receive buffers for `recvmmsg`, allocated when the first burst arrives (a queue pair
     /// that only ever sees one datagram at a time does not pay for them).
     rx_batch: Option<mmsg::RxBatch>,
@@ -545,8 +618,8 @@ impl State {
         if !nic && self.quiet_until.is_some_and(|q| now < q) {
             return false;
         }
-        let mut rx = std::mem::take(&mut self.rx);
-        let mut batch = self.rx_batch.take();
+        let mut one = self.rx.take();
+        let mut burst = self.rx_batch.take();
         let mut n = 0;
         let mut more = false;
         // A datagram after an empty socket is most likely a request or a reply by itself: the
@@ -554,64 +627,57 @@ impl State {
         // after the quiet time. (The NIC thread always reads until the socket is empty, as its
         // edge-triggered wait needs.)
         let lone = !nic && self.idle;
+        let mut reads = 0;
         loop {
             if n >= budget {
                 more = true;
                 break;
             }
-            if let Some(b) = batch.as_mut().filter(|_| !lone) {
-                // A burst: one `recvmmsg` reads what waits.
-                let want = (budget - n).min(b.slots());
-                match mmsg::recv_batch(&self.ctx.io.sock, b, want) {
-                    Ok(k) => {
-                        if k > 1 {
+            // Bursts are read with one `recvmmsg` per `RX_BATCH` datagrams, once one came;
+            // single datagrams into the one buffer.
+            let b = if !lone && burst.is_some() {
+                burst.as_mut()
+            } else {
+                one.as_mut()
+            };
+            let Some(b) = b else {
+                break;
+            };
+            let want = (budget - n).min(b.slots());
+            match mmsg::recv_batch(&self.ctx.io.sock, b, want) {
+                Ok(k) => {
+                    reads += k;
+                    if k > 1 {
+                        stats::inc(&self.ctx.counters().rx_batches);
+                    }
+                    for i in 0..k {
+                        let Some(m) = b.got.get(i).copied() else {
+                            break;
+                        };
+                        let Some(src) = m.src.filter(|_| !m.truncated) else {
+                            n += 1;
+                            stats::inc(&self.ctx.counters().malformed_dropped);
+                            tracing::debug!(?m, "udp: dropped a cut-off or non-IP datagram");
+                            continue;
+                        };
+                        if m.seg != 0 {
                             stats::inc(&self.ctx.counters().rx_batches);
                         }
-                        for i in 0..k {
+                        for d in b.datagrams(i) {
                             n += 1;
-                            let m = b.got.get(i).copied();
-                            match m {
-                                Some(m) if !m.truncated => match m.src {
-                                    Some(src) => self.handle(b.data(i), src, now),
-                                    None => tracing::debug!("udp: datagram from a non-IP source"),
-                                },
-                                _ => {
-                                    stats::inc(&self.ctx.counters().malformed_dropped);
-                                    tracing::debug!("udp: dropped a datagram longer than any");
-                                }
-                            }
+                            self.handle(d, src, now);
                             if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
                                 self.srd.flush_acks(&mut self.ctx, now, nic);
                             }
                         }
-                        if k < want {
-                            // The kernel had no more: the socket is empty.
-                            break;
-                        }
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        // E.g. a queued ICMP error; it is consumed by reading it.
-                        n += 1;
-                        tracing::debug!(error = %e, "udp: receive error");
-                    }
-                }
-                continue;
-            }
-            match self.ctx.io.sock.recv_from(&mut rx) {
-                Ok((len, src)) => {
-                    n += 1;
-                    self.handle(rx.get(..len).unwrap_or_default(), src, now);
-                    if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
-                        self.srd.flush_acks(&mut self.ctx, now, nic);
-                    }
-                    if lone {
+                    if lone || k < want {
+                        // One read for a lone datagram; fewer than asked: the socket is empty.
                         break;
                     }
-                    if n >= 2 && batch.is_none() {
+                    if reads >= 2 && burst.is_none() {
                         // Bursts come to this queue pair: read them in batches from now on.
-                        batch = Some(mmsg::RxBatch::new(RX_SCRATCH, RX_BATCH));
+                        burst = Some(mmsg::RxBatch::new(RX_SCRATCH, RX_BATCH));
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -623,8 +689,8 @@ impl State {
                 }
             }
         }
-        self.rx = rx;
-        self.rx_batch = batch;
+        self.rx = one;
+        self.rx_batch = burst;
         if self.qp_type == QpType::Srd {
             self.srd.flush_acks(&mut self.ctx, now, nic);
         }
@@ -1020,6 +1086,9 @@ fn open_socket(cfg: &UdpConfig) -> io::Result<std::net::UdpSocket> {
         }
     }
     sock.set_nonblocking(true)?;
+    if cfg.gso && !mmsg::enable_gro(&sock) {
+        tracing::debug!("udp: the kernel offers no UDP_GRO; datagrams are read one by one");
+    }
     sock.bind(&bind.into())?;
     Ok(sock.into())
 }
@@ -1061,7 +1130,7 @@ impl UdpQp {
                     tx: Vec::with_capacity(cfg.mtu + wire::MAX_OVERHEAD),
                     faults,
                     counters,
-                    out: TxBatch::default(),
+                    out: TxBatch::new(cfg.gso),
                 },
                 cfg: cfg.clone(),
                 qkey,
@@ -1077,7 +1146,7 @@ impl UdpQp {
             recv_depth: attr.recv_depth.clamp(1, cfg.max_recv_wr),
             send_outstanding: 0,
             recv_outstanding: 0,
-            rx: vec![0; RX_SCRATCH],
+            rx: Some(mmsg::RxBatch::new(RX_SCRATCH, 1)),
             rx_batch: None,
             srd: Srd::new(Instant::now(), &cfg),
             thread_deadline: None,
