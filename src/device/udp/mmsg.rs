@@ -221,6 +221,22 @@ impl RxBatch {
         d.chunks(if seg == 0 { d.len().max(1) } else { seg })
     }
 
+    /// Reads one datagram into the first buffer with a plain `recvfrom`, as [`recv_batch`]
+    /// with one slot does, for a socket without `UDP_GRO` (whose reads carry no control message).
+    pub fn recv_plain(&mut self, sock: &mio::net::UdpSocket) -> io::Result<usize> {
+        self.got.clear();
+        let slot = self.buf.get_mut(..self.slot).unwrap_or_default();
+        let (len, src) = sock.recv_from(slot)?;
+        self.got.push(InMsg {
+            len: len.min(self.slot),
+            src: Some(src),
+            // A buffer of 64 KiB holds any UDP datagram.
+            truncated: self.slot < 65_536 && len >= self.slot,
+            seg: 0,
+        });
+        Ok(1)
+    }
+
     /// How many reads one call makes at most.
     pub fn slots(&self) -> usize {
         self.slots

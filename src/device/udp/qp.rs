@@ -596,6 +596,8 @@ pub(super) struct State {
     send_outstanding: usize,
     /// Receive work requests posted and not yet reaped by `poll`.
     recv_outstanding: usize,
+    /// The socket takes coalesced datagrams (`UDP_GRO`): every read needs its control message.
+    gro: bool,
     /// The receive buffer of single reads (taken out while a drain runs).
     rx: Option<mmsg::RxBatch>,
     /// Receive buffers for `recvmmsg`, allocated when the first burst arrives (a queue pair
@@ -635,7 +637,8 @@ impl State {
             }
             // Bursts are read with one `recvmmsg` per `RX_BATCH` datagrams, once one came;
             // single datagrams into the one buffer.
-            let b = if !lone && burst.is_some() {
+            let use_burst = !lone && burst.is_some();
+            let b = if use_burst {
                 burst.as_mut()
             } else {
                 one.as_mut()
@@ -644,7 +647,14 @@ impl State {
                 break;
             };
             let want = (budget - n).min(b.slots());
-            match mmsg::recv_batch(&self.ctx.io.sock, b, want) {
+            // Without `UDP_GRO` a single read is a plain `recvfrom` (cheaper than a
+            // `recvmmsg` of one, which the latency of a lone datagram feels).
+            let r = if use_burst || self.gro {
+                mmsg::recv_batch(&self.ctx.io.sock, b, want)
+            } else {
+                b.recv_plain(&self.ctx.io.sock)
+            };
+            match r {
                 Ok(k) => {
                     reads += k;
                     if k > 1 {
@@ -1069,7 +1079,8 @@ impl fmt::Debug for UdpQp {
     }
 }
 
-fn open_socket(cfg: &UdpConfig) -> io::Result<std::net::UdpSocket> {
+/// The queue pair's socket, and whether it takes coalesced datagrams (`UDP_GRO`).
+fn open_socket(cfg: &UdpConfig) -> io::Result<(std::net::UdpSocket, bool)> {
     use socket2::{Domain, Protocol, Socket, Type};
     let bind = SocketAddr::new(cfg.bind, 0);
     let sock = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP))?;
@@ -1086,11 +1097,12 @@ fn open_socket(cfg: &UdpConfig) -> io::Result<std::net::UdpSocket> {
         }
     }
     sock.set_nonblocking(true)?;
-    if cfg.gso && !mmsg::enable_gro(&sock) {
+    let gro = cfg.gso && mmsg::enable_gro(&sock);
+    if cfg.gso && !gro {
         tracing::debug!("udp: the kernel offers no UDP_GRO; datagrams are read one by one");
     }
     sock.bind(&bind.into())?;
-    Ok(sock.into())
+    Ok((sock.into(), gro))
 }
 
 impl UdpQp {
@@ -1100,7 +1112,7 @@ impl UdpQp {
         attr: QpAttr,
         keys: Option<KeyTable>,
     ) -> Result<UdpQp> {
-        let std_sock = open_socket(&cfg).map_err(|e| Error::io("create_qp", e))?;
+        let (std_sock, gro) = open_socket(&cfg).map_err(|e| Error::io("create_qp", e))?;
         let local = std_sock
             .local_addr()
             .map_err(|e| Error::io("create_qp", e))?;
@@ -1146,6 +1158,7 @@ impl UdpQp {
             recv_depth: attr.recv_depth.clamp(1, cfg.max_recv_wr),
             send_outstanding: 0,
             recv_outstanding: 0,
+            gro,
             rx: Some(mmsg::RxBatch::new(RX_SCRATCH, 1)),
             rx_batch: None,
             srd: Srd::new(Instant::now(), &cfg),
