@@ -951,10 +951,11 @@ impl RdmCore {
             let mut sends = std::mem::take(&mut st.sends);
             while let Some(t) = st.engine.poll_transmit(now) {
                 busy = true;
-                let (wr_id, posted) = match t.kind {
+                let wr_id = t.wr_id;
+                let posted = match t.kind {
                     TransmitKind::Send => {
                         sends.push_back(SendWr {
-                            wr_id: t.wr_id,
+                            wr_id,
                             dest: t.dest,
                             hdr: t.hdr,
                             payload: t.payload,
@@ -964,12 +965,11 @@ impl RdmCore {
                     }
                     TransmitKind::RdmaWrite { remote, imm } => {
                         Self::post_sends(st, now, &mut sends);
-                        let r = st.qp.post_write(t.wr_id, t.dest, t.payload, remote, imm);
-                        (t.wr_id, r)
+                        st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
                     }
                     TransmitKind::RdmaRead { remote, buf } => {
                         Self::post_sends(st, now, &mut sends);
-                        (t.wr_id, st.qp.post_read(t.wr_id, t.dest, buf, remote))
+                        st.qp.post_read(wr_id, t.dest, buf, remote)
                     }
                 };
                 if let Err(e) = posted {

@@ -220,11 +220,8 @@ impl Io {
         payload: &Bytes,
         tag: Tag,
     ) -> io::Result<()> {
-        if self.faults.is_none() {
-            return self.out(dest, hdr, payload, tag);
-        }
         let Some(f) = self.faults.as_mut() else {
-            return Ok(());
+            return self.out(dest, hdr, payload, tag);
         };
         let fate = f.inj.next_fate();
         if fate.drop {
@@ -237,25 +234,27 @@ impl Io {
         } else {
             1
         };
-        let whole = [&self.tx[..], hdr, payload].concat();
+        let whole = || [&self.tx[..], hdr, payload].concat();
         if fate.reorder {
             stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.held.push((dest, whole.clone(), now + f.hold));
+                f.held.push((dest, whole(), now + f.hold));
             }
             return Ok(());
         }
         if !fate.delay.is_zero() {
             stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, whole.clone()));
+                f.delayed.push((now + fate.delay, dest, whole()));
             }
             return Ok(());
         }
         let held = std::mem::take(&mut f.held);
-        let r = self.out_owned(dest, &whole, tag);
+        let head = self.tx.len();
+        let r = self.out(dest, hdr, payload, tag);
         if copies > 1 {
-            let _ = self.out_owned(dest, &whole, Tag::None);
+            self.tx.truncate(head);
+            let _ = self.out(dest, hdr, payload, Tag::None);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
         for (d, b, _) in held {
@@ -317,8 +316,8 @@ impl Io {
         std::mem::take(&mut self.out.failed)
     }
 
-    /// Sends what the batch holds: one `sendmmsg` per [`mmsg::MAX_BATCH`] datagrams (a plain
-    /// `sendto` for a lone one).
+    /// Sends what the batch holds: one `sendmmsg` per [`mmsg::MAX_BATCH`] messages (a plain
+    /// `sendmsg` for a lone datagram).
     fn send_queued(&mut self) {
         let TxBatch {
             arena,
@@ -329,6 +328,16 @@ impl Io {
             gso_limit,
             ..
         } = &mut self.out;
+        if let [q] = &queued[..] {
+            let head = arena.get(q.head.clone()).unwrap_or_default();
+            if let Err(e) = send_one(&self.sock, head, q) {
+                tracing::debug!(error = %e, "udp: send failed");
+                failed.push(q.tag);
+            }
+            queued.clear();
+            arena.clear();
+            return;
+        }
         let len_of = |q: &Queued| q.head.len() + q.hdr.len() + q.payload.len();
         // Messages: runs of datagrams to one address, all of one size but the last (which
         // may be shorter), become one GSO message the kernel cuts; the others go alone.
@@ -1260,12 +1269,8 @@ impl QueuePair for UdpQp {
         &mut self,
         wrs: &mut VecDeque<SendWr>,
     ) -> std::result::Result<(), (u64, Error)> {
-        if wrs.len() <= 1 {
-            let Some(wr) = wrs.pop_front() else {
-                return Ok(());
-            };
-            let wr_id = wr.wr_id;
-            return self.post_send(wr).map_err(|e| (wr_id, e));
+        if wrs.is_empty() {
+            return Ok(());
         }
         let mut st = self.shared.state.lock();
         let now = Instant::now();
