@@ -133,5 +133,9 @@ counters!(
         device_rma_bytes,
         /// Bytes moved by emulated RMA protocols.
         emulated_rma_bytes,
+        /// Messages sent to peers on this host through the local fast path (also in `tx_msgs`).
+        local_tx_msgs,
+        /// Messages received through the local fast path (also in `rx_msgs`).
+        local_rx_msgs,
     }
 );

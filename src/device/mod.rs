@@ -439,6 +439,13 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// accesses with it fail with [`Status::RemoteBadAddress`]. Called when the region is closed
     /// or dropped, before its memory is handed back. The default does nothing.
     fn deregister_mem(&self, _key: u64) {}
+    /// The shared-memory directory through which RDM endpoints on this device reach peers on
+    /// this host directly, bypassing the packet protocol (their local fast path, like
+    /// libfabric's shm provider under the EFA provider): the `shm` device's directory, or a
+    /// routing device's. `None` (the default): no local path.
+    fn local_dir(&self) -> Option<&std::path::Path> {
+        None
+    }
 }
 
 /// A queue pair: a send queue and a receive queue sharing one completion queue.

@@ -15,6 +15,7 @@ use crate::notify::Notifier;
 
 mod buf;
 mod dgram;
+mod local;
 mod pin;
 mod rdm;
 mod rma;
@@ -96,6 +97,7 @@ impl<K: EndpointKind> Endpoint<K> {
             rx_size: None,
             msg_prefix: domain.msg_prefix(),
             progress_thread: false,
+            local_path: true,
             progress_cpu: ProgressCpu::Unpinned,
             caps: Caps::empty(),
             _kind: PhantomData,
@@ -121,6 +123,8 @@ pub struct EndpointBuilder<K: EndpointKind> {
     pub(crate) rx_size: Option<usize>,
     pub(crate) msg_prefix: bool,
     pub(crate) progress_thread: bool,
+    /// RDM: the local fast path to peers on this host (`local.rs`).
+    pub(crate) local_path: bool,
     pub(crate) progress_cpu: ProgressCpu,
     pub(crate) caps: Caps,
     _kind: PhantomData<K>,

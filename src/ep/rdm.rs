@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use super::buf::{RecvTarget, send_bytes};
+use super::local::LocalPath;
 use super::pin::ProgressCpu;
 use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
@@ -114,6 +115,16 @@ impl EndpointBuilder<Rdm> {
         self
     }
 
+    /// Whether messages to peers on this host bypass the protocol engine through shared-memory
+    /// channels (default on; it takes effect on devices with a shm directory: `shm`, and `udp`
+    /// or `efa` routed over shm). Off, such peers are reached through the device as any other.
+    /// Matching, ordering and completions are the same either way; see `docs/rdm.md`, "Local
+    /// fast path".
+    pub fn local_path(mut self, on: bool) -> Self {
+        self.local_path = on;
+        self
+    }
+
     /// Creates the endpoint, its SRD queue pair and its protocol engine.
     pub fn build(self) -> Result<Endpoint<Rdm>> {
         let (tx_cq, rx_cq, av) = self.parts()?;
@@ -131,15 +142,20 @@ impl EndpointBuilder<Rdm> {
         let rx_ops = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;
         let own = Arc::new(Notifier::new());
         let use_rdma = cfg.device_rdma(&attr.caps)?;
+        let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
             send_depth: attr.max_send_wr,
             recv_depth: attr.max_recv_wr,
             rnr_retry: 3,
             qkey: None,
-            notifier: Self::qp_notifier(&tx_cq, &rx_cq, Some(&own)),
+            notifier,
         })?;
         let addr = qp.addr();
+        let local = match self.domain.device().local_dir() {
+            Some(dir) if self.local_path => LocalPath::open(dir, &addr, tx_ops),
+            _ => None,
+        };
         let now = Instant::now();
         let mut engine = Engine::new(
             EngineConfig {
@@ -194,6 +210,7 @@ impl EndpointBuilder<Rdm> {
                 rx_free: Vec::new(),
                 rx_posted: 0,
                 rx_buf_size: attr.mtu,
+                local,
             }),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
@@ -211,6 +228,9 @@ impl EndpointBuilder<Rdm> {
             }
         }
         let weak: Weak<dyn ProgressSource> = Arc::downgrade(&core) as _;
+        if let Some(l) = core.state.lock().local.as_ref() {
+            l.set_source(weak.clone());
+        }
         tx_cq.bind(weak.clone());
         if !rx_cq.same(&tx_cq) {
             rx_cq.bind(weak);
@@ -297,6 +317,8 @@ pub(super) struct State {
     rx_posted: usize,
     /// Their size (the device MTU).
     rx_buf_size: usize,
+    /// The fast path to peers on this host (`local.rs`).
+    local: Option<LocalPath>,
 }
 
 /// Shared state of an RDM endpoint.
@@ -723,6 +745,26 @@ impl RdmCore {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
         }
+        if let Some(l) = st.local.as_mut() {
+            if let Some(peer) = l.route(&mut st.engine, &dest) {
+                if !l.has_room() {
+                    let b = region.map_or(Buffer::Send(data), Buffer::Region);
+                    let e = Error::new(ErrorKind::Again, "send")
+                        .with_detail("tx_size local sends in flight");
+                    return Err(refuse(e, b));
+                }
+                let len = region_len.unwrap_or(data.len());
+                let key = st.ops.insert(OpState {
+                    sink,
+                    target: None,
+                    region,
+                    multi: false,
+                    rma: None,
+                });
+                l.send(&mut st.engine, &st.ops, now, key, peer, &o, data, len);
+                return Ok(());
+            }
+        }
         let key = st.ops.insert(OpState {
             sink,
             target: None,
@@ -926,9 +968,12 @@ impl RdmCore {
         let now = Instant::now();
         let mut st = self.state.lock();
         self.pump(&mut st, now);
-        st.engine
-            .poll_timeout()
-            .map(|t| t.saturating_duration_since(now))
+        let local = st.local.as_ref().and_then(LocalPath::next_timer);
+        let next = match (st.engine.poll_timeout(), local) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        next.map(|t| t.saturating_duration_since(now))
     }
 
     /// Moves everything that is ready: device completions into the engine, the engine's packets
@@ -936,6 +981,9 @@ impl RdmCore {
     pub(super) fn pump(&self, st: &mut State, now: Instant) {
         loop {
             let mut busy = false;
+            if let Some(l) = st.local.as_mut() {
+                busy |= l.progress(&mut st.engine, &st.ops, now);
+            }
             let mut batch = std::mem::take(&mut st.scratch);
             let n = st.qp.poll(&mut batch, POLL_BATCH);
             busy |= n > 0;
@@ -987,6 +1035,15 @@ impl RdmCore {
                 };
                 busy = true;
                 delivered |= self.deliver(&mut st.ops, ev);
+            }
+            if let Some(l) = st.local.as_mut() {
+                while self.tx_cq.room() > 0 {
+                    let Some(ev) = l.events.pop_front() else {
+                        break;
+                    };
+                    busy = true;
+                    delivered |= self.deliver(&mut st.ops, ev);
+                }
             }
             if delivered {
                 self.tx_cq.signal();
@@ -1277,6 +1334,11 @@ impl Drop for RdmCore {
         st.closed = true;
         st.engine.close();
         st.qp.close();
+        let mut local_events = Vec::new();
+        if let Some(l) = st.local.as_mut() {
+            l.close(&mut st.engine);
+            local_events.extend(l.events.drain(..));
+        }
         let mut batch = Vec::new();
         while st.qp.poll(&mut batch, usize::MAX) > 0 {}
         for c in batch {
@@ -1284,7 +1346,7 @@ impl Drop for RdmCore {
                 st.engine.handle_send_completion(now, c.wr_id, c.status);
             }
         }
-        let mut events = Vec::new();
+        let mut events = local_events;
         while let Some(ev) = st.engine.poll_event() {
             events.push(ev);
         }

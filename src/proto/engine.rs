@@ -31,6 +31,7 @@ use crate::proto::matching::Matcher;
 use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
+mod local;
 mod peer;
 mod read;
 mod recv;
@@ -39,8 +40,10 @@ mod rx;
 mod tx;
 mod util;
 
+pub use local::{CopyFn, LocalMsg};
 use peer::{AddrCache, Peer};
 use recv::{MultiRecv, PostedItem};
+use rx::Done;
 use rx::RxEntry;
 use tx::{Pkt, TxEntry};
 use util::{GenSlab, Hdr, HeaderArena, IdMap, SeqMap};
@@ -504,6 +507,8 @@ pub struct Engine {
     rd: read::ReadState,
     /// Emulated RMA and atomics (`rma.rs`).
     ema: rma::Ema,
+    /// Delivery-complete acknowledgements the local path owes (`local.rs`).
+    local_receipts: VecDeque<(RawAddr, u32)>,
 }
 
 impl Engine {
@@ -550,6 +555,7 @@ impl Engine {
             pkt_scratch: Vec::new(),
             rd: read::ReadState::default(),
             ema: rma::Ema::default(),
+            local_receipts: VecDeque::new(),
         }
     }
 

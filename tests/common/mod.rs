@@ -46,9 +46,24 @@ pub struct Node {
 
 impl Node {
     pub fn new(d: &Domain) -> Node {
+        Node::with_local_path(d, true)
+    }
+
+    /// An endpoint whose same-host peers go through the device (`local_path(false)`), so that
+    /// routing and device paths are what a test sees.
+    pub fn device_path(d: &Domain) -> Node {
+        Node::with_local_path(d, false)
+    }
+
+    pub fn with_local_path(d: &Domain, on: bool) -> Node {
         let cq = CompletionQueue::new(d, 4096).unwrap();
         let av = AddressVector::new(d);
-        let ep = Endpoint::<Rdm>::builder(d).cq(&cq).av(&av).build().unwrap();
+        let ep = Endpoint::<Rdm>::builder(d)
+            .cq(&cq)
+            .av(&av)
+            .local_path(on)
+            .build()
+            .unwrap();
         Node { cq, av, ep }
     }
 

@@ -226,6 +226,10 @@ impl Device for RoutedDevice {
     fn deregister_mem(&self, key: u64) {
         self.primary.deregister_mem(key)
     }
+
+    fn local_dir(&self) -> Option<&std::path::Path> {
+        Some(self.shm.dir())
+    }
 }
 
 /// The device a domain opened from an RDM [`Info`](crate::Info) uses: a [`RoutedDevice`] over

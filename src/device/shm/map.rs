@@ -106,6 +106,20 @@ impl Mapping {
         true
     }
 
+    /// Copies `dst.len()` bytes from `off` into `dst`; false (nothing copied) when the range
+    /// leaves the mapping.
+    pub(crate) fn read_to(&self, off: usize, dst: &mut [u8]) -> bool {
+        let Some(off) = self.range(off, dst.len()) else {
+            return false;
+        };
+        // SAFETY: the source range lies inside the mapping (checked); the destination is a
+        // private slice of exactly that length, which cannot overlap the mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len());
+        }
+        true
+    }
+
     /// Appends `n` bytes from `off` to `buf`, within its spare capacity; false (nothing copied)
     /// when the range leaves the mapping or `buf` lacks the room.
     pub(crate) fn read_into(&self, off: usize, n: usize, buf: &mut BytesMut) -> bool {

@@ -58,6 +58,7 @@
 //! # Ok(()) }
 //! ```
 
+pub(crate) mod chan;
 pub mod cma;
 // Visible to the routing device (`device::route`), which uses its `flock` and uid helpers.
 pub(crate) mod map;
@@ -67,6 +68,13 @@ mod segment;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+
+/// Removes every stale file of user `uid` in the shm directory `dir`: segments, local-path
+/// channels and routing entries whose owners died (after a peer was found dead, so that what it
+/// left goes at once, not at the next device open). Returns how many.
+pub(crate) fn sweep_dir(dir: &Path, uid: u32) -> usize {
+    segment::sweep(dir, uid) + chan::sweep(dir, uid) + crate::device::route::dir::sweep(dir, uid)
+}
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -370,6 +378,10 @@ impl Device for ShmDevice {
 
     fn stats(&self) -> DeviceStats {
         self.shared.counters.snapshot()
+    }
+
+    fn local_dir(&self) -> Option<&Path> {
+        Some(&self.shared.dir)
     }
 
     fn register_mem(

@@ -97,15 +97,15 @@ impl RxEntry {
 }
 
 /// What the completion of a received message reports.
-struct Done {
-    peer: u64,
-    src: RawAddr,
-    msg_id: u32,
-    msg_len: usize,
-    tagged: bool,
-    tag: u64,
-    data: Option<u32>,
-    dc_send_id: Option<u32>,
+pub(super) struct Done {
+    pub(super) peer: u64,
+    pub(super) src: RawAddr,
+    pub(super) msg_id: u32,
+    pub(super) msg_len: usize,
+    pub(super) tagged: bool,
+    pub(super) tag: u64,
+    pub(super) data: Option<u32>,
+    pub(super) dc_send_id: Option<u32>,
 }
 
 /// The fields of an RTM packet the receive side uses.
@@ -811,14 +811,18 @@ impl Engine {
     }
 
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
-    fn finish_rx(&mut self, sink: Sink, msg: &Done) {
+    pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done) {
         if let Some(send_id) = msg.dc_send_id {
-            let r = Packet::Receipt {
-                connid: Some(self.local.qkey),
-                send_id,
-                msg_id: msg.msg_id,
-            };
-            self.queue_ctrl(msg.peer, &r);
+            if msg.peer == super::local::LOCAL_PEER {
+                self.local_receipts.push_back((msg.src, send_id));
+            } else {
+                let r = Packet::Receipt {
+                    connid: Some(self.local.qkey),
+                    send_id,
+                    msg_id: msg.msg_id,
+                };
+                self.queue_ctrl(msg.peer, &r);
+            }
         }
         let Some(context) = sink.context else { return };
         let olen = msg.msg_len - sink.place;

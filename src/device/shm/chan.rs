@@ -1,0 +1,777 @@
+//! Message channels: the shared-memory rings of the RDM endpoint's local fast path
+//! (`ep::local`), the counterpart of libfabric's shm provider under the EFA provider.
+//!
+//! Every RDM endpoint that can reach peers on this host owns one channel: a file
+//! `efa-chan-<uid>-<gid hex>-<qpn>-<qkey hex>` in the shm directory, named after the endpoint's
+//! raw address, so a sender finds it from the address alone. It holds a header and a ring of
+//! fixed slots (multi-producer, single consumer: Dmitry Vyukov's bounded queue, as the shm
+//! device's rings). A slot carries one chunk of a message (or a control record) with a 64-byte
+//! header; the consumer copies the chunk straight into the receive buffer the endpoint's
+//! matching picks and frees the slot. There are no acknowledgements: the ring is in order and
+//! loses nothing, so a message is delivered once its chunks are in the ring.
+//!
+//! Like every shm structure, the channel trusts nothing it reads: all accesses are bounds
+//! checked through [`Mapping`], lengths are checked against the owner's own geometry, and a
+//! malformed slot is dropped and counted. Liveness is the shm device's: the owner holds a
+//! shared `flock` on the file for the channel's life.
+//!
+//! Layout (little-endian words, each read and written atomically):
+//!
+//! | offset | field |
+//! |---|---|
+//! | 0 | magic `"EFA-CHN\0"` (written last, `Release`) |
+//! | 8 | version (1), 12 header size (256) |
+//! | 16 | total size |
+//! | 24 | owner pid, 28 owner uid |
+//! | 32 | slots (power of two), 36 slot stride (`64 + chunk`) |
+//! | 40 | network namespace hash (FNV-1a of `/proc/self/ns/net`) |
+//! | 48 | the owner's raw address: qkey (4), qpn (4), GID (16) |
+//! | 128 | closed flag, 132 sleepers, 136 doorbell (futex word) |
+//! | 192 | ring tail (its own cache line) |
+//! | 256 | slots |
+//!
+//! Slot header: 0 sequence (u64), 8 kind (low byte) and flags (second byte), 12 chunk length,
+//! 16 tag, 24 message length (first chunk) or offset (further chunks), 32 CQ data, 36
+//! delivery-complete token, 40 the sender's raw address (24 bytes, as above); data at 64.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::time::Duration;
+
+use bytes::BytesMut;
+
+use super::map::{self, Mapping};
+use crate::addr::{Gid, RawAddr};
+
+/// Name prefix of channel files.
+pub(crate) const PREFIX: &str = "efa-chan-";
+const MAGIC: u64 = u64::from_le_bytes(*b"EFA-CHN\0");
+const VERSION: u32 = 1;
+const HDR: usize = 256;
+const SLOT_HDR: usize = 64;
+/// Largest ring a peer's header may declare.
+const MAX_SLOTS: u32 = 1 << 16;
+/// Largest chunk a peer's header may declare.
+const MAX_CHUNK: u32 = 1 << 20;
+/// Attempts at reserving a slot before the ring counts as full (other producers, garbage).
+const RESERVE_TRIES: usize = 64;
+
+const H_MAGIC: usize = 0;
+const H_VERSION: usize = 8;
+const H_HDR_SIZE: usize = 12;
+const H_TOTAL: usize = 16;
+const H_PID: usize = 24;
+const H_UID: usize = 28;
+const H_SLOTS: usize = 32;
+const H_STRIDE: usize = 36;
+const H_NETNS: usize = 40;
+const H_ADDR: usize = 48;
+const H_CLOSED: usize = 128;
+const H_SLEEPERS: usize = 132;
+const H_BELL: usize = 136;
+const H_TAIL: usize = 192;
+
+const S_SEQ: usize = 0;
+const S_KIND: usize = 8;
+const S_LEN: usize = 12;
+const S_TAG: usize = 16;
+const S_WORD: usize = 24;
+const S_DATA: usize = 32;
+const S_TOKEN: usize = 36;
+const S_SRC: usize = 40;
+
+/// Bytes of an encoded raw address (qkey, qpn, GID).
+const ADDR_LEN: usize = 24;
+
+/// Slot kinds.
+pub(crate) const K_MSG: u8 = 1;
+pub(crate) const K_NEXT: u8 = 2;
+pub(crate) const K_DC_ACK: u8 = 3;
+
+/// Slot flags.
+pub(crate) const F_TAGGED: u8 = 1;
+pub(crate) const F_DATA: u8 = 2;
+pub(crate) const F_DC: u8 = 4;
+
+/// A raw address as channel headers carry it.
+pub(crate) fn encode_addr(a: &RawAddr) -> [u8; ADDR_LEN] {
+    let mut b = [0u8; ADDR_LEN];
+    b[..4].copy_from_slice(&a.qkey.to_le_bytes());
+    b[4..8].copy_from_slice(&u32::from(a.qpn).to_le_bytes());
+    b[8..].copy_from_slice(&a.gid.0);
+    b
+}
+
+fn decode_addr(b: &[u8; ADDR_LEN]) -> Option<RawAddr> {
+    let qkey = u32::from_le_bytes(b[..4].try_into().ok()?);
+    let qpn = u16::try_from(u32::from_le_bytes(b[4..8].try_into().ok()?)).ok()?;
+    let gid = Gid(b[8..].try_into().ok()?);
+    Some(RawAddr { gid, qpn, qkey })
+}
+
+/// FNV-1a of a string (the network namespace's identity).
+pub(crate) fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// The file name of the channel of the endpoint at `a`.
+pub(crate) fn chan_name(uid: u32, a: &RawAddr) -> String {
+    let gid: String = a.gid.0.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{PREFIX}{uid}-{gid}-{}-{:08x}", a.qpn, a.qkey)
+}
+
+/// Ring shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub slots: u32,
+    pub stride: u32,
+    pub total: usize,
+}
+
+impl Geometry {
+    /// `slots` (a power of two) slots of `chunk` bytes (a multiple of 64).
+    pub(crate) fn new(slots: u32, chunk: u32) -> Option<Geometry> {
+        if !slots.is_power_of_two() || slots > MAX_SLOTS || chunk > MAX_CHUNK || chunk % 64 != 0 {
+            return None;
+        }
+        let stride = chunk + SLOT_HDR as u32;
+        let total = HDR.checked_add((slots as usize).checked_mul(stride as usize)?)?;
+        Some(Geometry {
+            slots,
+            stride,
+            total,
+        })
+    }
+
+    /// Largest chunk a slot holds.
+    pub(crate) fn chunk(&self) -> usize {
+        self.stride as usize - SLOT_HDR
+    }
+
+    fn slot(&self, pos: u64) -> usize {
+        HDR + (pos & u64::from(self.slots - 1)) as usize * self.stride as usize
+    }
+}
+
+/// What a slot says besides its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SlotHdr {
+    pub kind: u8,
+    pub flags: u8,
+    /// Bytes of data in this slot.
+    pub len: u32,
+    pub tag: u64,
+    /// Message length (first chunk) or offset (further chunks).
+    pub word: u64,
+    pub data: u32,
+    pub token: u32,
+}
+
+/// A published slot at the head of the owner's ring.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Head {
+    pub hdr: SlotHdr,
+    /// The sender (`None`: unreadable, the slot is malformed).
+    pub src: Option<RawAddr>,
+    /// Where the data starts in the mapping.
+    data_off: usize,
+}
+
+/// The state of the owner's ring the endpoint and its waiter thread share.
+pub(crate) struct OwnRing {
+    map: Mapping,
+    geo: Geometry,
+    /// The next position to consume (written by the consumer only).
+    head: AtomicU64,
+}
+
+impl OwnRing {
+    fn word(&self, off: usize) -> Option<&AtomicU64> {
+        self.map.u64(off)
+    }
+
+    /// True when the head slot is published (the waiter thread's check; no side effects).
+    pub(crate) fn ready(&self) -> bool {
+        let head = self.head.load(Ordering::Relaxed);
+        self.word(self.geo.slot(head) + S_SEQ)
+            .is_some_and(|w| w.load(Ordering::Acquire) == head.wrapping_add(1))
+    }
+
+    /// The doorbell word and its current value.
+    pub(crate) fn bell(&self) -> Option<&AtomicU32> {
+        self.map.u32(H_BELL)
+    }
+
+    /// The sleepers word: non-zero while the owner's waiter thread sleeps on the doorbell.
+    pub(crate) fn sleepers(&self) -> Option<&AtomicU32> {
+        self.map.u32(H_SLEEPERS)
+    }
+}
+
+/// The owner's side of a channel.
+pub(crate) struct OwnChan {
+    ring: Arc<OwnRing>,
+    /// Holds the shared lock (the mark of life); `None` once closed.
+    file: Option<File>,
+    path: PathBuf,
+    ino: u64,
+}
+
+impl OwnChan {
+    /// Creates the channel of the endpoint at `addr` in `dir`: under a temporary name it is
+    /// sized, allocated, locked and initialised, then hard-linked to its name. `Ok(None)` when a
+    /// live owner holds the name already (the same address in another network namespace): the
+    /// endpoint then runs without a local path.
+    pub(crate) fn create(
+        dir: &Path,
+        uid: u32,
+        netns: u64,
+        addr: &RawAddr,
+        geo: Geometry,
+    ) -> io::Result<Option<OwnChan>> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let pid = std::process::id();
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!("{PREFIX}{uid}-tmp-{pid}-{n}"));
+        let res = Self::create_at(dir, &tmp, uid, netns, addr, geo);
+        let _ = std::fs::remove_file(&tmp);
+        res
+    }
+
+    fn create_at(
+        dir: &Path,
+        tmp: &Path,
+        uid: u32,
+        netns: u64,
+        addr: &RawAddr,
+        geo: Geometry,
+    ) -> io::Result<Option<OwnChan>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(tmp)?;
+        map::lock_shared(&file)?;
+        file.set_len(geo.total as u64)?;
+        map::allocate(&file, geo.total)?;
+        let ino = file.metadata()?.ino();
+        let m = Mapping::map(&file, geo.total)?;
+        for i in 0..u64::from(geo.slots) {
+            store64(&m, geo.slot(i) + S_SEQ, i);
+        }
+        store32(&m, H_VERSION, VERSION);
+        store32(&m, H_HDR_SIZE, HDR as u32);
+        store64(&m, H_TOTAL, geo.total as u64);
+        store32(&m, H_PID, std::process::id());
+        store32(&m, H_UID, uid);
+        store32(&m, H_SLOTS, geo.slots);
+        store32(&m, H_STRIDE, geo.stride);
+        store64(&m, H_NETNS, netns);
+        m.write(H_ADDR, &encode_addr(addr));
+        if let Some(w) = m.u64(H_MAGIC) {
+            w.store(MAGIC, Ordering::Release);
+        }
+        let path = dir.join(chan_name(uid, addr));
+        for attempt in 0..2 {
+            match std::fs::hard_link(tmp, &path) {
+                Ok(()) => {
+                    return Ok(Some(OwnChan {
+                        ring: Arc::new(OwnRing {
+                            map: m,
+                            geo,
+                            head: AtomicU64::new(0),
+                        }),
+                        file: Some(file),
+                        path,
+                        ino,
+                    }));
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt == 0 => {
+                    // A dead owner's file is removed; a live one keeps its name.
+                    if !remove_if_stale(&path) {
+                        return Ok(None);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// The ring, shared with the endpoint's waiter thread.
+    pub(crate) fn ring(&self) -> &Arc<OwnRing> {
+        &self.ring
+    }
+
+    /// The published slot at the head, if any. Its fields are read once here; a slot whose
+    /// length exceeds this ring's chunk size is reported with `src: None` (malformed).
+    pub(crate) fn peek(&self) -> Option<Head> {
+        let r = &*self.ring;
+        let head = r.head.load(Ordering::Relaxed);
+        let off = r.geo.slot(head);
+        let seq = r.word(off + S_SEQ)?.load(Ordering::Acquire);
+        if seq != head.wrapping_add(1) {
+            return None;
+        }
+        let m = &r.map;
+        let kf = load32(m, off + S_KIND);
+        let hdr = SlotHdr {
+            kind: kf as u8,
+            flags: (kf >> 8) as u8,
+            len: load32(m, off + S_LEN),
+            tag: load64(m, off + S_TAG),
+            word: load64(m, off + S_WORD),
+            data: load32(m, off + S_DATA),
+            token: load32(m, off + S_TOKEN),
+        };
+        let mut a = [0u8; ADDR_LEN];
+        let src = if hdr.len as usize <= r.geo.chunk() && m.read_to(off + S_SRC, &mut a) {
+            decode_addr(&a)
+        } else {
+            None
+        };
+        Some(Head {
+            hdr,
+            src,
+            data_off: off + SLOT_HDR,
+        })
+    }
+
+    /// Appends `n` bytes of the head slot's data to `buf` (which has the room).
+    pub(crate) fn copy(&self, h: &Head, n: usize, buf: &mut BytesMut) -> bool {
+        n <= h.hdr.len as usize && self.ring.map.read_into(h.data_off, n, buf)
+    }
+
+    /// Frees the head slot for the producers of the next lap.
+    pub(crate) fn pop(&self) {
+        let r = &*self.ring;
+        let head = r.head.load(Ordering::Relaxed);
+        if let Some(w) = r.word(r.geo.slot(head) + S_SEQ) {
+            w.store(head.wrapping_add(u64::from(r.geo.slots)), Ordering::Release);
+        }
+        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// Marks the channel closed and removes its name and lock: peers see it gone. The mapping
+    /// lives on while the ring is shared.
+    pub(crate) fn close(&mut self) {
+        if let Some(w) = self.ring.map.u32(H_CLOSED) {
+            w.store(1, Ordering::Release);
+        }
+        if self.file.take().is_some() {
+            remove_if_same(&self.path, self.ino);
+        }
+    }
+}
+
+impl Drop for OwnChan {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Is a peer's channel still served?
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Liveness {
+    Alive,
+    /// Its owner closed the endpoint.
+    Closed,
+    /// Its owner is gone without closing; the name has been removed.
+    Dead,
+}
+
+/// A peer's channel, mapped for sending.
+pub(crate) struct PeerChan {
+    map: Mapping,
+    geo: Geometry,
+    file: File,
+    path: PathBuf,
+    ino: u64,
+    /// The owner's pid.
+    pub pid: u32,
+}
+
+/// Why a peer's channel could not be used.
+#[derive(Debug)]
+pub(crate) enum OpenError {
+    /// No channel of that name (a remote peer, or one without a local path).
+    Absent,
+    /// A file that is not a channel of a live owner in this namespace for this address.
+    Unusable(&'static str),
+}
+
+impl PeerChan {
+    /// Opens the channel of the endpoint at `dest` in `dir`: a regular file of user `uid`, whose
+    /// owner is alive (holds the lock), whose header is well formed, sized as the file is, and
+    /// names `dest` and network namespace `netns`.
+    pub(crate) fn open(
+        dir: &Path,
+        uid: u32,
+        netns: u64,
+        dest: &RawAddr,
+    ) -> Result<PeerChan, OpenError> {
+        let path = dir.join(chan_name(uid, dest));
+        let file = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(OpenError::Absent),
+            Err(_) => return Err(OpenError::Unusable("cannot open")),
+        };
+        let meta = file
+            .metadata()
+            .map_err(|_| OpenError::Unusable("no metadata"))?;
+        if !meta.is_file() || meta.uid() != uid {
+            return Err(OpenError::Unusable("not a regular file of this user"));
+        }
+        let size = usize::try_from(meta.len()).unwrap_or(usize::MAX);
+        if size < HDR {
+            return Err(OpenError::Unusable("shorter than a header"));
+        }
+        if matches!(map::try_lock_exclusive(&file), Ok(true)) {
+            remove_if_same(&path, meta.ino());
+            return Err(OpenError::Unusable("owner gone"));
+        }
+        let head = Mapping::map(&file, HDR).map_err(|_| OpenError::Unusable("cannot map"))?;
+        let geo = read_header(&head, size, netns, dest)?;
+        drop(head);
+        let m = Mapping::map(&file, geo.total).map_err(|_| OpenError::Unusable("cannot map"))?;
+        if read_header(&m, geo.total, netns, dest)? != geo {
+            return Err(OpenError::Unusable("header changed while opening"));
+        }
+        let pid = load32(&m, H_PID);
+        Ok(PeerChan {
+            map: m,
+            geo,
+            file,
+            path,
+            ino: meta.ino(),
+            pid,
+        })
+    }
+
+    /// Largest chunk one slot of this peer holds.
+    pub(crate) fn chunk(&self) -> usize {
+        self.geo.chunk()
+    }
+
+    /// Reserves, writes and publishes one slot: `hdr`, the sender's encoded address `src` and
+    /// `data` (at most [`Self::chunk`] bytes). Returns the slot's ring position; `None` when the
+    /// ring is full (nothing written).
+    pub(crate) fn push(&self, hdr: &SlotHdr, src: &[u8; ADDR_LEN], data: &[u8]) -> Option<u64> {
+        if data.len() > self.geo.chunk() {
+            return None;
+        }
+        let tail = self.map.u64(H_TAIL)?;
+        let mut pos = tail.load(Ordering::Relaxed);
+        let mut off = 0;
+        let mut won = false;
+        for _ in 0..RESERVE_TRIES {
+            off = self.geo.slot(pos);
+            let seq = self.map.u64(off + S_SEQ)?.load(Ordering::Acquire);
+            let diff = seq.wrapping_sub(pos) as i64;
+            if diff == 0 {
+                match tail.compare_exchange_weak(
+                    pos,
+                    pos.wrapping_add(1),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        won = true;
+                        break;
+                    }
+                    Err(p) => pos = p,
+                }
+            } else if diff < 0 {
+                return None; // full
+            } else {
+                pos = tail.load(Ordering::Relaxed);
+            }
+        }
+        if !won {
+            return None;
+        }
+        let m = &self.map;
+        store32(
+            m,
+            off + S_KIND,
+            u32::from(hdr.kind) | u32::from(hdr.flags) << 8,
+        );
+        store32(m, off + S_LEN, data.len() as u32);
+        store64(m, off + S_TAG, hdr.tag);
+        store64(m, off + S_WORD, hdr.word);
+        store32(m, off + S_DATA, hdr.data);
+        store32(m, off + S_TOKEN, hdr.token);
+        m.write(off + S_SRC, src);
+        m.write(off + SLOT_HDR, data);
+        if let Some(w) = m.u64(off + S_SEQ) {
+            w.store(pos.wrapping_add(1), Ordering::Release);
+        }
+        Some(pos)
+    }
+
+    /// True once the owner consumed the slot this side published at `pos` (its sequence moved
+    /// past "published"). Garbage in the word can only make this early or late, never unsafe.
+    pub(crate) fn consumed(&self, pos: u64) -> bool {
+        let off = self.geo.slot(pos) + S_SEQ;
+        self.map
+            .u64(off)
+            .is_none_or(|w| w.load(Ordering::Acquire).wrapping_sub(pos.wrapping_add(1)) as i64 > 0)
+    }
+
+    /// Wakes the owner's waiter thread if it sleeps (after one or more [`Self::push`]es).
+    pub(crate) fn ring_bell_if_asleep(&self) {
+        fence(Ordering::SeqCst);
+        if self
+            .map
+            .u32(H_SLEEPERS)
+            .is_some_and(|w| w.load(Ordering::Relaxed) != 0)
+        {
+            if let Some(b) = self.map.u32(H_BELL) {
+                b.fetch_add(1, Ordering::Release);
+                map::futex_wake(b);
+            }
+        }
+    }
+
+    /// The closed flag, then the owner's lock.
+    pub(crate) fn liveness(&self) -> Liveness {
+        if self
+            .map
+            .u32(H_CLOSED)
+            .is_none_or(|w| w.load(Ordering::Acquire) != 0)
+        {
+            return Liveness::Closed;
+        }
+        match map::try_lock_exclusive(&self.file) {
+            Ok(true) => {
+                remove_if_same(&self.path, self.ino);
+                Liveness::Dead
+            }
+            _ => Liveness::Alive,
+        }
+    }
+}
+
+fn read_header(
+    m: &Mapping,
+    size: usize,
+    netns: u64,
+    dest: &RawAddr,
+) -> Result<Geometry, OpenError> {
+    if m.u64(H_MAGIC).map(|w| w.load(Ordering::Acquire)) != Some(MAGIC) {
+        return Err(OpenError::Unusable("bad magic"));
+    }
+    if load32(m, H_VERSION) != VERSION || load32(m, H_HDR_SIZE) != HDR as u32 {
+        return Err(OpenError::Unusable("unknown version"));
+    }
+    if load64(m, H_NETNS) != netns {
+        return Err(OpenError::Unusable("another network namespace"));
+    }
+    let mut a = [0u8; ADDR_LEN];
+    if !m.read_to(H_ADDR, &mut a) || decode_addr(&a) != Some(*dest) {
+        return Err(OpenError::Unusable("another address"));
+    }
+    let slots = load32(m, H_SLOTS);
+    let stride = load32(m, H_STRIDE);
+    let geo = stride
+        .checked_sub(SLOT_HDR as u32)
+        .and_then(|chunk| Geometry::new(slots, chunk))
+        .ok_or(OpenError::Unusable("bad geometry"))?;
+    if geo.stride != stride || load64(m, H_TOTAL) != geo.total as u64 || geo.total > size {
+        return Err(OpenError::Unusable("size does not match the geometry"));
+    }
+    Ok(geo)
+}
+
+/// Removes `path` if it still names inode `ino`.
+fn remove_if_same(path: &Path, ino: u64) -> bool {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.ino() == ino => std::fs::remove_file(path).is_ok(),
+        _ => false,
+    }
+}
+
+/// Removes the channel at `path` if its owner is gone; true when the name is free now.
+fn remove_if_stale(path: &Path) -> bool {
+    let Ok(f) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+    else {
+        return !path.exists();
+    };
+    let Ok(m) = f.metadata() else {
+        return false;
+    };
+    if matches!(map::try_lock_exclusive(&f), Ok(true)) {
+        remove_if_same(path, m.ino());
+        return !path.exists();
+    }
+    false
+}
+
+/// Removes this user's stale channel files from `dir`: channels whose lock is free (owner
+/// gone) and temporary files of processes that no longer exist. Returns how many.
+pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
+    let mine = format!("{PREFIX}{uid}-");
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut n = 0;
+    for ent in rd.flatten() {
+        let name = ent.file_name();
+        let Some(rest) = name.to_str().and_then(|s| s.strip_prefix(&mine)) else {
+            continue;
+        };
+        let path = ent.path();
+        if let Some(tmp) = rest.strip_prefix("tmp-") {
+            let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|p| !map::pid_exists(p)) && std::fs::remove_file(&path).is_ok() {
+                n += 1;
+            }
+            continue;
+        }
+        if remove_if_stale(&path) {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Sleeps while the doorbell `bell` holds `seen`, at most `timeout`.
+pub(crate) fn wait_bell(bell: &AtomicU32, seen: u32, timeout: Duration) {
+    map::futex_wait(bell, seen, timeout);
+}
+
+fn load32(m: &Mapping, off: usize) -> u32 {
+    m.u32(off).map_or(0, |w| w.load(Ordering::Relaxed))
+}
+
+fn load64(m: &Mapping, off: usize) -> u64 {
+    m.u64(off).map_or(0, |w| w.load(Ordering::Relaxed))
+}
+
+fn store32(m: &Mapping, off: usize, v: u32) {
+    if let Some(w) = m.u32(off) {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+fn store64(m: &Mapping, off: usize, v: u64) {
+    if let Some(w) = m.u64(off) {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(qpn: u16) -> RawAddr {
+        RawAddr {
+            gid: Gid([7; 16]),
+            qpn,
+            qkey: 0x1234_5678,
+        }
+    }
+
+    #[test]
+    fn messages_pass_in_order_and_a_full_ring_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let geo = Geometry::new(4, 64).unwrap();
+        let me = addr(9);
+        let own = OwnChan::create(dir.path(), map::uid(), 5, &me, geo)
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            PeerChan::open(dir.path(), map::uid(), 6, &me),
+            Err(OpenError::Unusable(_))
+        ));
+        assert!(matches!(
+            PeerChan::open(dir.path(), map::uid(), 5, &addr(10)),
+            Err(OpenError::Absent)
+        ));
+        let peer = PeerChan::open(dir.path(), map::uid(), 5, &me).unwrap();
+        assert_eq!(peer.liveness(), Liveness::Alive);
+        let src = encode_addr(&addr(3));
+        let h = |i: u64| SlotHdr {
+            kind: K_MSG,
+            flags: F_TAGGED,
+            len: 0,
+            tag: i,
+            word: 5,
+            data: 0,
+            token: 0,
+        };
+        for i in 0..4 {
+            assert_eq!(peer.push(&h(i), &src, &[i as u8; 5]), Some(i));
+        }
+        assert!(!peer.consumed(0));
+        assert_eq!(peer.push(&h(4), &src, b"full"), None, "a full ring refuses");
+        assert_eq!(
+            peer.push(&h(4), &src, &[0; 65]),
+            None,
+            "a chunk beyond the slot"
+        );
+        for i in 0..6u64 {
+            if i == 4 {
+                assert!(peer.consumed(0) && peer.consumed(3));
+                assert_eq!(peer.push(&h(4), &src, b"late!"), Some(4));
+                assert_eq!(peer.push(&h(5), &src, b"later"), Some(5));
+                assert!(!peer.consumed(4));
+            }
+            let head = own.peek().unwrap();
+            assert_eq!(
+                (head.hdr.tag, head.hdr.len, head.src),
+                (i, 5, Some(addr(3)))
+            );
+            let mut b = BytesMut::with_capacity(8);
+            assert!(own.copy(&head, 5, &mut b));
+            if i < 4 {
+                assert_eq!(&b[..], &[i as u8; 5]);
+            }
+            own.pop();
+        }
+        assert!(own.peek().is_none());
+    }
+
+    #[test]
+    fn a_closed_or_dead_channel_is_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        let geo = Geometry::new(2, 64).unwrap();
+        let mut own = OwnChan::create(dir.path(), map::uid(), 1, &addr(1), geo)
+            .unwrap()
+            .unwrap();
+        let peer = PeerChan::open(dir.path(), map::uid(), 1, &addr(1)).unwrap();
+        own.close();
+        assert_eq!(peer.liveness(), Liveness::Closed);
+        assert!(matches!(
+            PeerChan::open(dir.path(), map::uid(), 1, &addr(1)),
+            Err(OpenError::Absent)
+        ));
+        // A name whose owner holds no lock is stale: opening removes it, a sweep too.
+        let stale = dir.path().join(chan_name(map::uid(), &addr(2)));
+        std::fs::write(&stale, [0u8; 300]).unwrap();
+        assert!(matches!(
+            PeerChan::open(dir.path(), map::uid(), 1, &addr(2)),
+            Err(OpenError::Unusable(_))
+        ));
+        assert!(!stale.exists());
+        std::fs::write(&stale, [0u8; 300]).unwrap();
+        assert_eq!(sweep(dir.path(), map::uid()), 1);
+    }
+}

@@ -1,0 +1,287 @@
+//! Messages from peers on this host that bypass the packet protocol (the endpoint's local fast
+//! path, `ep/local`): they arrive whole and in order through a shared-memory ring, in chunks,
+//! and meet the same matching as packet-borne messages: the same posted receives (untagged,
+//! tagged, directed, multi-receive), the same unexpected queue (peek, claim, discard), the same
+//! completions and memory bounds. Only the transport differs, so a receive posted once is
+//! matched by whichever path brings the next message.
+//!
+//! The data is never handed over as a slice: it sits in memory other processes write, so the
+//! caller passes a `copy` function that appends `n` bytes of the current chunk to a buffer.
+
+use std::time::Instant;
+
+use bytes::BytesMut;
+
+use super::rx::{Kind, RxEntry, RxState, Sink};
+use super::util::RangeSet;
+use super::{Done, Engine};
+use crate::addr::RawAddr;
+use crate::proto::matching::Unexpected;
+
+/// The peer id of entries of the local path (no engine peer: no reorder window, no handshake).
+pub(super) const LOCAL_PEER: u64 = u64::MAX;
+
+/// Appends `n` bytes of the chunk being delivered to the buffer (which has the room).
+pub type CopyFn<'a> = &'a mut dyn FnMut(&mut BytesMut, usize);
+
+/// The first chunk's description of a local message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalMsg {
+    /// Tag of a tagged message.
+    pub tag: Option<u64>,
+    /// Remote CQ data.
+    pub data: Option<u32>,
+    /// Delivery complete: the token to acknowledge once the message is in its buffer
+    /// (see [`Engine::take_local_receipt`]).
+    pub dc_token: Option<u32>,
+    /// Length of the whole message.
+    pub msg_len: usize,
+}
+
+/// Appends `n` bytes at message offset `off` to a sink, as far as they fit; the rest of the
+/// chunk is skipped (truncation). Local chunks come in order, so `off` is the buffer's end.
+fn place_local(sink: &mut Sink, off: usize, n: usize, copy: CopyFn<'_>) {
+    if off >= sink.place || off != sink.buf.len() {
+        return;
+    }
+    let k = n.min(sink.place - off);
+    if k > 0 {
+        sink.buf.reserve(k);
+        copy(&mut sink.buf, k);
+    }
+}
+
+impl Engine {
+    /// The first chunk (`n` bytes) of a message from `src` on the local path. Returns the id to
+    /// pass with the message's further chunks, `None` when this chunk was all of it (or the
+    /// message was dropped for the memory bounds: its further chunks are then refused too).
+    pub fn local_first(
+        &mut self,
+        now: Instant,
+        src: RawAddr,
+        m: &LocalMsg,
+        n: usize,
+        copy: CopyFn<'_>,
+    ) -> Option<u32> {
+        if self.closed || n > m.msg_len {
+            self.drop_pkt("local message: endpoint closed or chunk beyond its length");
+            return None;
+        }
+        let tagged = m.tag.is_some();
+        let tag = m.tag.unwrap_or(0);
+        let done = Done {
+            peer: LOCAL_PEER,
+            src,
+            msg_id: 0,
+            msg_len: m.msg_len,
+            tagged,
+            tag,
+            data: m.data,
+            dc_send_id: m.dc_token,
+        };
+        self.stats.local_rx_msgs += 1;
+        let posted = self.matcher.find_posted(tagged, src, tag);
+        if n == m.msg_len {
+            // The common case: the whole message in one chunk, a receive waiting for it.
+            if let Some(mut sink) = posted.and_then(|i| self.take_posted(tagged, i, n)) {
+                sink.buf.clear();
+                place_local(&mut sink, 0, n, copy);
+                self.finish_rx(sink, &done);
+                return None;
+            }
+        }
+        if posted.is_none() && self.buffered_msgs >= self.limits.max_buffered_msgs {
+            self.stats.dropped_pkts += 1;
+            tracing::debug!("too many messages held (max_buffered_msgs): local message dropped");
+            return None;
+        }
+        let rid = self.alloc_rx_id();
+        self.rx.insert(
+            rid,
+            RxEntry {
+                peer: LOCAL_PEER,
+                src,
+                msg_id: 0,
+                kind: Kind::Medium,
+                tagged,
+                tag,
+                data: m.data,
+                dc_send_id: m.dc_token,
+                msg_len: m.msg_len,
+                received: 0,
+                ranges: RangeSet::default(),
+                held: Vec::new(),
+                held_bytes: 0,
+                window_start: 0,
+                window_end: 0,
+                last: now,
+                in_progress: false,
+                state: RxState::Waiting,
+                read: None,
+            },
+        );
+        self.buffered_msgs += 1;
+        match posted.and_then(|i| self.take_posted(tagged, i, m.msg_len)) {
+            Some(sink) => self.start_matched(now, rid, sink, None),
+            None => {
+                self.stats.unexpected_msgs += 1;
+                if let Some(e) = self.rx.get_mut(&rid) {
+                    e.state = RxState::Unexpected;
+                }
+                self.unexp_msgs += 1;
+                self.matcher.push_unexpected(
+                    tagged,
+                    Unexpected {
+                        src,
+                        tag,
+                        item: rid,
+                    },
+                );
+            }
+        }
+        self.local_data(now, rid, 0, n, copy);
+        self.rx.contains_key(&rid).then_some(rid)
+    }
+
+    /// A further chunk (`n` bytes at message offset `off`) of local message `rid` from `src`.
+    /// False when no such message is in progress (dropped, aborted, or a chunk out of place):
+    /// the chunk is then thrown away.
+    pub fn local_next(
+        &mut self,
+        now: Instant,
+        rid: u32,
+        src: RawAddr,
+        off: usize,
+        n: usize,
+        copy: CopyFn<'_>,
+    ) -> bool {
+        let ok = self.rx.get(&rid).is_some_and(|e| {
+            e.peer == LOCAL_PEER
+                && e.src == src
+                && e.received == off
+                && off.checked_add(n).is_some_and(|end| end <= e.msg_len)
+        });
+        if !ok {
+            self.drop_pkt("local chunk of no message in progress");
+            return false;
+        }
+        self.local_data(now, rid, off, n, copy);
+        true
+    }
+
+    /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.
+    fn local_data(&mut self, now: Instant, rid: u32, off: usize, n: usize, copy: CopyFn<'_>) {
+        let fits = self.fits(n);
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return;
+        };
+        e.received += n;
+        e.last = now;
+        if n > 0 {
+            e.ranges.insert(off as u64, (off + n) as u64);
+        }
+        let complete = e.received == e.msg_len;
+        match &mut e.state {
+            RxState::Matched(sink) => {
+                place_local(sink, off, n, copy);
+                if complete {
+                    self.complete_rx(rid);
+                }
+            }
+            RxState::Dropped => {}
+            RxState::Waiting | RxState::Unexpected | RxState::Claimed => {
+                if n == 0 {
+                    return;
+                }
+                if !fits {
+                    self.stats.dropped_pkts += 1;
+                    tracing::debug!(
+                        "too many bytes held (max_buffered_bytes): local message dropped"
+                    );
+                    return self.drop_unmatched(rid);
+                }
+                let mut b = BytesMut::with_capacity(n);
+                copy(&mut b, n);
+                let unexp = !matches!(e.state, RxState::Waiting);
+                e.held.push((off, b.freeze()));
+                e.held_bytes += n;
+                self.buffered_bytes += n;
+                if unexp {
+                    self.unexp_bytes += n;
+                }
+            }
+        }
+    }
+
+    /// True when a chunk of `n` bytes cannot be taken now: it would be held (no receive takes
+    /// it) beyond the memory bounds (`EngineLimits`). The caller leaves it where it is and
+    /// offers it again later: back-pressure, as receiver-not-ready is on the packet path.
+    /// `first`: the chunk starts message `first`; else it continues message `rid`.
+    pub fn local_must_wait(
+        &self,
+        src: RawAddr,
+        first: Option<&LocalMsg>,
+        rid: Option<u32>,
+        n: usize,
+    ) -> bool {
+        let room_msgs = first.is_none() || self.buffered_msgs < self.limits.max_buffered_msgs;
+        if room_msgs && self.fits(n) {
+            return false;
+        }
+        match (first, rid) {
+            (Some(m), _) => self
+                .matcher
+                .find_posted(m.tag.is_some(), src, m.tag.unwrap_or(0))
+                .is_none(),
+            (None, Some(rid)) => self.rx.get(&rid).is_some_and(|e| !e.matched()),
+            (None, None) => false,
+        }
+    }
+
+    /// Counts a message the local path sent.
+    pub fn local_sent(&mut self, len: usize) {
+        self.stats.local_tx_msgs += 1;
+        self.stats.tx_msgs += 1;
+        self.stats.tx_bytes += len as u64;
+    }
+
+    /// A peer first met on the local path: the engine makes sure it has the peer and sends it
+    /// its HANDSHAKE through the device, so one-sided operations (which stay on the device)
+    /// know the peer's features as if messages had gone that way too.
+    pub fn local_contact(&mut self, addr: RawAddr) {
+        if self.closed {
+            return;
+        }
+        if let Some(pid) = self.peer_for_send(addr) {
+            self.queue_handshake(pid);
+        }
+    }
+
+    /// Counts a local send that failed.
+    pub fn local_failed(&mut self) {
+        self.stats.errors += 1;
+    }
+
+    /// Counts a malformed slot of the local path (dropped).
+    pub fn local_malformed(&mut self, why: &'static str) {
+        self.drop_pkt(why);
+    }
+
+    /// Ends local message `rid` without the rest of its chunks: a matched receive fails with
+    /// `ConnectionAborted`, an unmatched message is forgotten.
+    pub fn local_abort(&mut self, rid: u32) {
+        if self.rx.get(&rid).is_some_and(|e| e.peer == LOCAL_PEER) {
+            self.abort_rx(
+                rid,
+                crate::error::ErrorKind::ConnectionAborted,
+                "the sender's message was cut short",
+            );
+        }
+    }
+
+    /// The next delivery-complete acknowledgement the local path owes: `(sender, token)` of a
+    /// local message flagged delivery complete that is now in its buffer.
+    pub fn take_local_receipt(&mut self) -> Option<(RawAddr, u32)> {
+        self.local_receipts.pop_front()
+    }
+}
