@@ -1,12 +1,14 @@
 //! Criterion benches of `Endpoint<Rdm>` on the loopback device (no system calls): small-message
-//! rate through the whole stack (endpoint, engine, device), and ping-pong latency on loopback and
-//! udp.
+//! rate through the whole stack (endpoint, engine, device), and ping-pong latency on loopback,
+//! udp and shm (the local fast path, in one thread: the software cost of a message, without the
+//! cache-line transfers between two cores).
 
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+use efa::device::shm::{ShmConfig, ShmDevice};
 use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::fault::FaultConfig;
 use efa::{
@@ -38,6 +40,14 @@ fn loopback() -> Domain {
     let net = LoopbackNetwork::new(FaultConfig::default());
     Domain::with_device(
         LoopbackDevice::open(&net, LoopbackConfig::default()).unwrap(),
+        Config::default(),
+    )
+}
+
+/// An shm domain in `dir`: RDM endpoints on it reach each other through their local fast path.
+fn shm(dir: &std::path::Path) -> Domain {
+    Domain::with_device(
+        ShmDevice::open(ShmConfig::in_dir(dir)).unwrap(),
         Config::default(),
     )
 }
@@ -135,7 +145,12 @@ fn benches(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_millis(500));
-    for (name, d) in [("loopback", loopback()), ("udp", udp())] {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, d) in [
+        ("loopback", loopback()),
+        ("udp", udp()),
+        ("shm-local", shm(dir.path())),
+    ] {
         let p = pair(&d);
         for size in [64usize, 64 << 10] {
             g.bench_function(format!("{name}/{size}B"), |bch| {

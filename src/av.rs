@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 
@@ -93,6 +94,8 @@ pub struct AddressVector {
 struct AvInner {
     domain: Domain,
     table: RwLock<Table>,
+    /// Bumped by every change of the table (caches of lookups compare it).
+    generation: AtomicU64,
 }
 
 impl AddressVector {
@@ -102,6 +105,7 @@ impl AddressVector {
             inner: Arc::new(AvInner {
                 domain: domain.clone(),
                 table: RwLock::new(Table::default()),
+                generation: AtomicU64::new(0),
             }),
         }
     }
@@ -122,6 +126,7 @@ impl AddressVector {
                 .with_detail(format!("{addr}: QPN 0")));
         }
         let mut t = self.inner.table.write();
+        self.inner.generation.fetch_add(1, Ordering::AcqRel);
         if let Some(&id) = t.by_addr.get(&addr) {
             return Ok(id);
         }
@@ -161,6 +166,7 @@ impl AddressVector {
     /// Removes a peer. `UnknownPeer` if it is not (or no longer) present.
     pub fn remove(&self, peer: PeerId) -> Result<()> {
         let mut t = self.inner.table.write();
+        self.inner.generation.fetch_add(1, Ordering::AcqRel);
         let addr = Self::get(&t, peer, "av_remove")?;
         let slot = &mut t.slots[peer.index() as usize];
         slot.1 = None;
@@ -191,6 +197,12 @@ impl AddressVector {
     /// The peer with exactly this raw address (QKEY included), if present.
     pub fn find(&self, addr: &RawAddr) -> Option<PeerId> {
         self.inner.table.read().by_addr.get(addr).copied()
+    }
+
+    /// A number that changes whenever an address is inserted or removed: a cache of
+    /// [`Self::find`] results taken at one generation stays valid while it is unchanged.
+    pub fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::Acquire)
     }
 
     /// Number of peers.

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use slab::Slab;
 
-use super::rdm::{OpState, SendOptions};
+use super::rdm::{Clock, OpState, SendOptions};
 use crate::addr::RawAddr;
 use crate::cq::ProgressSource;
 use crate::device::Status;
@@ -53,6 +53,11 @@ const CHUNK: u32 = 16 << 10;
 const DRAIN_BATCH: usize = 64;
 /// How often peers with waiting sends are checked for life.
 const CHECK_EVERY: Duration = Duration::from_millis(10);
+/// Progress passes without any send completing or moving, while sends wait, between two looks
+/// at the clock (for the liveness checks).
+const STUCK_PASSES: u32 = 64;
+/// A busy-polling endpoint looks whether its sends were consumed every this many passes.
+const REAP_EVERY: u64 = 32;
 /// Polls per millisecond from which the application counts as busy-polling.
 const BUSY_POLLS: u64 = 256;
 
@@ -63,6 +68,8 @@ struct Shared {
     polls: AtomicU64,
     /// Sends wait for room or for the peer (the waiter progresses the endpoint now and then).
     waiting: AtomicBool,
+    /// The application busy-polls (the waiter's finding).
+    app_polls: AtomicBool,
     stop: AtomicBool,
     /// The endpoint, which the waiter drives while the application does not poll.
     source: OnceLock<Weak<dyn ProgressSource>>,
@@ -157,6 +164,8 @@ pub(super) struct LocalPath {
     next_check: Option<Instant>,
     /// Chunks left in the ring for lack of memory (back-pressure), counted once per stall.
     blocked: bool,
+    /// Passes in a row in which waiting sends did not move.
+    stuck: u32,
 }
 
 impl LocalPath {
@@ -188,6 +197,7 @@ impl LocalPath {
             ring: own.ring().clone(),
             polls: AtomicU64::new(0),
             waiting: AtomicBool::new(false),
+            app_polls: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             source: OnceLock::new(),
         });
@@ -223,6 +233,7 @@ impl LocalPath {
             events: VecDeque::new(),
             next_check: None,
             blocked: false,
+            stuck: 0,
         })
     }
 
@@ -279,7 +290,6 @@ impl LocalPath {
         &mut self,
         engine: &mut Engine,
         ops: &Slab<OpState>,
-        now: Instant,
         key: usize,
         peer: usize,
         o: &SendOptions,
@@ -312,15 +322,15 @@ impl LocalPath {
         }
         p.queue.push_back(Out::Msg(m));
         self.queued += 1;
-        self.flush_peer(ops, now, peer);
+        self.flush_peer(ops, peer);
     }
 
     /// Pushes what waits for `peer` into its ring, as far as there is room.
-    fn flush_peer(&mut self, ops: &Slab<OpState>, now: Instant, peer: usize) {
+    fn flush_peer(&mut self, ops: &Slab<OpState>, peer: usize) -> bool {
         let mut pushed = false;
         loop {
             let Some(p) = self.peers.get_mut(peer) else {
-                return;
+                return pushed;
             };
             let Some(front) = p.queue.front_mut() else {
                 break;
@@ -441,17 +451,13 @@ impl LocalPath {
                 }
             }
         }
-        let Some(p) = self.peers.get(peer) else {
-            return;
-        };
         if pushed {
-            p.chan.ring_bell_if_asleep();
-        }
-        if !p.queue.is_empty() || p.dc_waiting > 0 || !p.unconsumed.is_empty() {
-            // Check on the peer while we wait for it.
-            self.next_check.get_or_insert(now + CHECK_EVERY);
+            if let Some(p) = self.peers.get(peer) {
+                p.chan.ring_bell_if_asleep();
+            }
         }
         self.publish_waiting();
+        pushed
     }
 
     /// Tells the waiter whether sends wait (for room, consumption or acknowledgement).
@@ -513,13 +519,13 @@ impl LocalPath {
         &mut self,
         engine: &mut Engine,
         ops: &Slab<OpState>,
-        now: Instant,
+        clock: &mut Clock,
     ) -> bool {
         let polls = self.shared.polls.load(Ordering::Relaxed);
         self.shared
             .polls
             .store(polls.wrapping_add(1), Ordering::Relaxed);
-        let mut busy = self.drain(engine, now);
+        let mut busy = self.drain(engine, clock);
         while let Some((src, token)) = engine.take_local_receipt() {
             busy = true;
             match self.route(engine, &src) {
@@ -527,7 +533,7 @@ impl LocalPath {
                     if let Some(peer) = self.peers.get_mut(p) {
                         peer.queue.push_back(Out::DcAck(token));
                         self.queued += 1;
-                        self.flush_peer(ops, now, p);
+                        self.flush_peer(ops, p);
                     }
                 }
                 None => {
@@ -535,18 +541,36 @@ impl LocalPath {
                 }
             }
         }
+        let mut moved = false;
         if self.queued > 0 {
             for p in 0..self.peers.len() {
                 if self.peers.get(p).is_some_and(|x| !x.queue.is_empty()) {
-                    self.flush_peer(ops, now, p);
+                    moved |= self.flush_peer(ops, p);
                 }
             }
         }
-        if !self.consuming.is_empty() {
-            busy |= self.reap(engine);
+        // Whether the peer consumed a slot is read from the peer's ring, whose cache line the
+        // peer is working on: a busy-polling application looks only every few passes.
+        let look = polls % REAP_EVERY == 0 || !self.shared.app_polls.load(Ordering::Relaxed);
+        if look && !self.consuming.is_empty() {
+            moved |= self.reap(engine);
         }
-        if self.next_check.is_some_and(|t| t <= now) {
-            self.check(engine, now);
+        busy |= moved;
+        if moved || !self.shared.waiting.load(Ordering::Relaxed) {
+            self.stuck = 0;
+        } else {
+            // Sends wait and nothing moved: now and then, look at the clock and check on the
+            // peers (a dead one fails them).
+            self.stuck += 1;
+            if self.stuck >= STUCK_PASSES {
+                self.stuck = 0;
+                let now = clock.now();
+                match self.next_check {
+                    None => self.next_check = Some(now + CHECK_EVERY),
+                    Some(t) if t <= now => self.check(engine, now),
+                    Some(_) => {}
+                }
+            }
         }
         self.publish_waiting();
         busy
@@ -578,7 +602,7 @@ impl LocalPath {
     }
 
     /// Reads up to a batch of slots of the own ring.
-    fn drain(&mut self, engine: &mut Engine, now: Instant) -> bool {
+    fn drain(&mut self, engine: &mut Engine, clock: &mut Clock) -> bool {
         let mut n = 0;
         let mut senders: [Option<usize>; 2] = [None; 2];
         let mut more_senders = false;
@@ -619,7 +643,12 @@ impl LocalPath {
                         self.stall();
                         break;
                     }
-                    if let Some(old) = self.inbound.remove(&src) {
+                    let old = if self.inbound.is_empty() {
+                        None
+                    } else {
+                        self.inbound.remove(&src)
+                    };
+                    if let Some(old) = old {
                         // The sender started another message before finishing this one: it
                         // cannot (it writes chunks in order), so its state was garbage.
                         engine.local_malformed("local message cut short by the next");
@@ -627,7 +656,7 @@ impl LocalPath {
                             engine.local_abort(rid);
                         }
                     }
-                    let rid = engine.local_first(now, src, &m, len, &mut copy);
+                    let rid = engine.local_first(clock.cached(), src, &m, len, &mut copy);
                     if len < m.msg_len {
                         self.inbound.insert(
                             src,
@@ -662,7 +691,7 @@ impl LocalPath {
                             self.stall();
                             break;
                         }
-                        engine.local_next(now, rid, src, off, len, &mut copy);
+                        engine.local_next(clock.now(), rid, src, off, len, &mut copy);
                     }
                     inb.next += len;
                     if inb.next == inb.len {
@@ -845,7 +874,11 @@ fn waiter(s: Arc<Shared>) {
         let seen = bell.load(Ordering::Acquire);
         chan::wait_bell(bell, seen, Duration::from_millis(1));
         let polls = s.polls.load(Ordering::Relaxed).wrapping_sub(before);
-        if polls >= BUSY_POLLS || s.stop.load(Ordering::Acquire) {
+        let busy = polls >= BUSY_POLLS;
+        if s.app_polls.load(Ordering::Relaxed) != busy {
+            s.app_polls.store(busy, Ordering::Relaxed);
+        }
+        if busy || s.stop.load(Ordering::Acquire) {
             continue;
         }
         sleepers.store(1, Ordering::Relaxed);

@@ -36,6 +36,28 @@ use crate::stats::EndpointStats;
 /// Device completions taken per progress pass.
 const POLL_BATCH: usize = 64;
 
+/// The time of one progress pass, read from the system clock only if something needs it (an
+/// idle busy poll then reads no clock at all).
+#[derive(Default)]
+pub(super) struct Clock(Option<Instant>);
+
+impl Clock {
+    /// A clock already read.
+    pub(super) fn at(now: Instant) -> Clock {
+        Clock(Some(now))
+    }
+
+    /// The time if it was read already.
+    pub(super) fn cached(&self) -> Option<Instant> {
+        self.0
+    }
+
+    /// The pass's time (read once, at the first call).
+    pub(super) fn now(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
+    }
+}
+
 /// Options of one send (`fi_sendmsg` flags): tag, remote CQ data, delivery completion.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SendOptions {
@@ -211,6 +233,8 @@ impl EndpointBuilder<Rdm> {
                 rx_posted: 0,
                 rx_buf_size: attr.mtu,
                 local,
+                src_cache: SrcCache::default(),
+                created: now,
             }),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
@@ -319,7 +343,15 @@ pub(super) struct State {
     rx_buf_size: usize,
     /// The fast path to peers on this host (`local.rs`).
     local: Option<LocalPath>,
+    /// The last source address looked up in the address vector (`FI_SOURCE`).
+    src_cache: SrcCache,
+    /// When the endpoint was created (a time for calls that do not use it).
+    created: Instant,
 }
+
+/// One address-vector lookup, valid while the vector's generation is unchanged.
+#[derive(Default)]
+pub(super) struct SrcCache(Option<(RawAddr, Option<PeerId>, u64)>);
 
 /// Shared state of an RDM endpoint.
 pub struct RdmCore {
@@ -675,10 +707,14 @@ impl RdmCore {
         sink: Sink,
     ) -> Result<(), PostError> {
         let prepared = self.prepare_send(peer, buf)?;
-        let now = Instant::now();
+        let mut clock = Clock::default();
         let mut st = self.state.lock();
-        self.enqueue_send(&mut st, now, prepared, o, sink)?;
-        self.pump(&mut st, now);
+        self.enqueue_send(&mut st, &mut clock, prepared, o, sink)?;
+        // A send on the local path is in the peer's ring (or queued for it) already; only the
+        // engine's sends need a pass to reach the device.
+        if st.engine.transmit_pending() || st.engine.has_events() {
+            self.pump_with(&mut st, &mut clock);
+        }
         Ok(())
     }
 
@@ -729,7 +765,7 @@ impl RdmCore {
     fn enqueue_send(
         &self,
         st: &mut State,
-        now: Instant,
+        clock: &mut Clock,
         p: PreparedSend,
         o: SendOptions,
         sink: Sink,
@@ -761,7 +797,7 @@ impl RdmCore {
                     multi: false,
                     rma: None,
                 });
-                l.send(&mut st.engine, &st.ops, now, key, peer, &o, data, len);
+                l.send(&mut st.engine, &st.ops, key, peer, &o, data, len);
                 return Ok(());
             }
         }
@@ -782,7 +818,7 @@ impl RdmCore {
             read_key,
             region_len,
         };
-        match st.engine.send(now, op) {
+        match st.engine.send(clock.now(), op) {
             Ok(()) => Ok(()),
             Err((e, op)) => {
                 let s = st.ops.remove(key);
@@ -799,7 +835,7 @@ impl RdmCore {
         &self,
         reqs: &mut VecDeque<SendRequest>,
     ) -> Result<usize, BatchError> {
-        let now = Instant::now();
+        let mut clock = Clock::default();
         let mut st = self.state.lock();
         let mut posted = 0;
         let mut failure = None;
@@ -811,7 +847,13 @@ impl RdmCore {
                     break;
                 }
             };
-            match self.enqueue_send(&mut st, now, prepared, r.options, Sink::Cq(r.context)) {
+            match self.enqueue_send(
+                &mut st,
+                &mut clock,
+                prepared,
+                r.options,
+                Sink::Cq(r.context),
+            ) {
                 Ok(()) => posted += 1,
                 Err(e) if e.kind() == ErrorKind::Again => {
                     // Full: leave it (and the rest) for the caller to post later.
@@ -834,7 +876,7 @@ impl RdmCore {
             }
         }
         if posted > 0 {
-            self.pump(&mut st, now);
+            self.pump_with(&mut st, &mut clock);
         }
         match failure {
             None => Ok(posted),
@@ -867,7 +909,7 @@ impl RdmCore {
             }
         }
         let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv")?;
-        let now = Instant::now();
+        let mut clock = Clock::default();
         let mut st = self.state.lock();
         if st.closed {
             return Err(refuse(
@@ -889,9 +931,18 @@ impl RdmCore {
             multi_recv: o.multi_recv,
             context: key as u64,
         };
+        // The engine needs the time only to match an unexpected message; otherwise no clock.
+        let now = if st.engine.has_unexpected() {
+            clock.now()
+        } else {
+            clock.cached().unwrap_or(st.created)
+        };
         match st.engine.post_recv(now, op) {
             Ok(()) => {
-                self.pump(&mut st, now);
+                // Only a receive that matched an unexpected message has something to move.
+                if st.engine.transmit_pending() || st.engine.has_events() {
+                    self.pump_with(&mut st, &mut clock);
+                }
                 Ok(())
             }
             Err((e, op)) => {
@@ -979,70 +1030,97 @@ impl RdmCore {
     /// Moves everything that is ready: device completions into the engine, the engine's packets
     /// onto the device, the engine's completions into queues and futures.
     pub(super) fn pump(&self, st: &mut State, now: Instant) {
+        self.pump_with(st, &mut Clock::at(now))
+    }
+
+    /// A progress pass for a caller that polls: no clock read unless something needs it.
+    fn progress_quick(&self) {
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        self.pump_with(&mut st, &mut clock);
+    }
+
+    /// [`Self::pump`] with a clock read only when needed.
+    pub(super) fn pump_with(&self, st: &mut State, clock: &mut Clock) {
         loop {
             let mut busy = false;
             if let Some(l) = st.local.as_mut() {
-                busy |= l.progress(&mut st.engine, &st.ops, now);
+                busy |= l.progress(&mut st.engine, &st.ops, clock);
             }
             let mut batch = std::mem::take(&mut st.scratch);
             let n = st.qp.poll(&mut batch, POLL_BATCH);
-            busy |= n > 0;
-            for c in batch.drain(..) {
-                self.device_completion(st, now, c);
+            if n > 0 {
+                busy = true;
+                let now = clock.now();
+                for c in batch.drain(..) {
+                    self.device_completion(st, now, c);
+                }
             }
             st.scratch = batch;
             Self::repost_rx(st);
-            if st.engine.poll_timeout().is_some_and(|t| t <= now) {
-                st.engine.handle_timeout(now);
-            }
-            // Sends leave as one post list (one doorbell; one system call on the udp device).
-            let mut sends = std::mem::take(&mut st.sends);
-            while let Some(t) = st.engine.poll_transmit(now) {
-                busy = true;
-                let wr_id = t.wr_id;
-                let posted = match t.kind {
-                    TransmitKind::Send => {
-                        sends.push_back(SendWr {
-                            wr_id,
-                            dest: t.dest,
-                            hdr: t.hdr,
-                            payload: t.payload,
-                            imm: None,
-                        });
-                        continue;
-                    }
-                    TransmitKind::RdmaWrite { remote, imm } => {
-                        Self::post_sends(st, now, &mut sends);
-                        st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
-                    }
-                    TransmitKind::RdmaRead { remote, buf } => {
-                        Self::post_sends(st, now, &mut sends);
-                        st.qp.post_read(wr_id, t.dest, buf, remote)
-                    }
-                };
-                if let Err(e) = posted {
-                    tracing::warn!(error = %e, "device refused a work request");
-                    st.engine
-                        .handle_rdma_completion(now, wr_id, refused_status(&e), None);
+            if let Some(t) = st.engine.poll_timeout() {
+                let now = clock.now();
+                if t <= now {
+                    st.engine.handle_timeout(now);
                 }
             }
-            Self::post_sends(st, now, &mut sends);
-            st.sends = sends;
+            if !st.engine.transmit_pending() && !st.engine.has_events() {
+                let idle = st.local.as_ref().is_none_or(|l| l.events.is_empty());
+                if idle && !busy {
+                    break;
+                }
+            }
+            if st.engine.transmit_pending() {
+                let now = clock.now();
+                // Sends leave as one post list (one doorbell; one system call on the udp device).
+                let mut sends = std::mem::take(&mut st.sends);
+                while let Some(t) = st.engine.poll_transmit(now) {
+                    busy = true;
+                    let wr_id = t.wr_id;
+                    let posted = match t.kind {
+                        TransmitKind::Send => {
+                            sends.push_back(SendWr {
+                                wr_id,
+                                dest: t.dest,
+                                hdr: t.hdr,
+                                payload: t.payload,
+                                imm: None,
+                            });
+                            continue;
+                        }
+                        TransmitKind::RdmaWrite { remote, imm } => {
+                            Self::post_sends(st, now, &mut sends);
+                            st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
+                        }
+                        TransmitKind::RdmaRead { remote, buf } => {
+                            Self::post_sends(st, now, &mut sends);
+                            st.qp.post_read(wr_id, t.dest, buf, remote)
+                        }
+                    };
+                    if let Err(e) = posted {
+                        tracing::warn!(error = %e, "device refused a work request");
+                        st.engine
+                            .handle_rdma_completion(now, wr_id, refused_status(&e), None);
+                    }
+                }
+                Self::post_sends(st, now, &mut sends);
+                st.sends = sends;
+            }
             let mut delivered = false;
-            while self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
+            while st.engine.has_events() && self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
                 let Some(ev) = st.engine.poll_event() else {
                     break;
                 };
                 busy = true;
-                delivered |= self.deliver(&mut st.ops, ev);
+                delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev);
             }
             if let Some(l) = st.local.as_mut() {
-                while self.tx_cq.room() > 0 {
+                while !l.events.is_empty() && self.tx_cq.room() > 0 {
                     let Some(ev) = l.events.pop_front() else {
                         break;
                     };
                     busy = true;
-                    delivered |= self.deliver(&mut st.ops, ev);
+                    delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev);
                 }
             }
             if delivered {
@@ -1121,10 +1199,9 @@ impl RdmCore {
             return;
         }
         let lim = st.engine.limits();
-        let r = st.engine.resources();
-        let by_msgs = lim.max_buffered_msgs.saturating_sub(r.buffered_msgs);
-        let by_bytes =
-            lim.max_buffered_bytes.saturating_sub(r.buffered_bytes) / st.rx_buf_size.max(1);
+        let (msgs, bytes) = st.engine.buffered();
+        let by_msgs = lim.max_buffered_msgs.saturating_sub(msgs);
+        let by_bytes = lim.max_buffered_bytes.saturating_sub(bytes) / st.rx_buf_size.max(1);
         let allowed = by_msgs.min(by_bytes).saturating_sub(st.rx_posted);
         for _ in 0..allowed.min(st.rx_free.len()) {
             let Some((wr_id, buf)) = st.rx_free.pop() else {
@@ -1141,7 +1218,7 @@ impl RdmCore {
     }
 
     /// Routes one engine event; returns true when it went to a completion queue.
-    fn deliver(&self, ops: &mut Slab<OpState>, ev: Event) -> bool {
+    fn deliver(&self, ops: &mut Slab<OpState>, cache: &mut SrcCache, ev: Event) -> bool {
         let (key, is_send) = match &ev {
             Event::Send(s) => (s.context as usize, true),
             Event::Recv(r) => (r.context as usize, false),
@@ -1161,7 +1238,7 @@ impl RdmCore {
                 };
                 let ctx = *ctx;
                 let Event::Recv(r) = ev else { return false };
-                match self.recv_completion(r, ctx, None) {
+                match self.recv_completion(r, ctx, None, cache) {
                     Ok(c) => self.rx_cq.push(c),
                     Err(e) => self.rx_cq.push_err(e),
                 }
@@ -1178,7 +1255,7 @@ impl RdmCore {
         };
         let (sink, result) = match ev {
             Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.region)),
-            Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target)),
+            Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target, cache)),
             Event::Rma(r) => {
                 let OpState {
                     sink,
@@ -1263,6 +1340,7 @@ impl RdmCore {
         r: RecvDone,
         context: u64,
         target: Option<RecvTarget>,
+        cache: &mut SrcCache,
     ) -> std::result::Result<Completion, CompletionError> {
         let mut flags = CompletionFlags::RECV;
         flags |= if r.tag.is_some() {
@@ -1277,9 +1355,18 @@ impl RdmCore {
             flags |= CompletionFlags::MULTI_RECV;
         }
         let source = r.src.and_then(|a| {
-            self.av
-                .find(&a)
-                .or_else(|| self.av.reverse_lookup(a.gid, a.qpn))
+            let generation = self.av.generation();
+            match cache.0 {
+                Some((addr, peer, g)) if addr == a && g == generation => peer,
+                _ => {
+                    let peer = self
+                        .av
+                        .find(&a)
+                        .or_else(|| self.av.reverse_lookup(a.gid, a.qpn));
+                    cache.0 = Some((a, peer, generation));
+                    peer
+                }
+            }
         });
         let filled = r.error.is_none()
             || r.error
@@ -1316,7 +1403,7 @@ impl RdmCore {
 
 impl ProgressSource for RdmCore {
     fn progress(&self) {
-        self.progress_once();
+        self.progress_quick();
     }
 }
 
@@ -1351,8 +1438,9 @@ impl Drop for RdmCore {
             events.push(ev);
         }
         let mut ops = std::mem::take(&mut st.ops);
+        let mut cache = SrcCache::default();
         for ev in events {
-            self.deliver(&mut ops, ev);
+            self.deliver(&mut ops, &mut cache, ev);
         }
         self.tx_cq.signal();
         self.rx_cq.signal();

@@ -838,6 +838,28 @@ impl Engine {
         self.poll_transmit_any(now)
     }
 
+    /// True when [`Engine::poll_transmit`] may have something (packets queued, peers in
+    /// backoff, RDMA work requests waiting); false means it certainly has nothing.
+    pub fn transmit_pending(&self) -> bool {
+        !self.ready.is_empty() || !self.backoff.is_empty() || self.rd.has_wrs()
+    }
+
+    /// Messages and bytes held without a receive now (what [`Engine::resources`] reports as
+    /// `buffered_msgs` and `buffered_bytes`, without its walk over the peers).
+    pub fn buffered(&self) -> (usize, usize) {
+        (self.buffered_msgs, self.buffered_bytes)
+    }
+
+    /// True when messages wait without a receive (unexpected or claimed).
+    pub fn has_unexpected(&self) -> bool {
+        self.unexp_msgs > 0
+    }
+
+    /// True when [`Engine::poll_event`] has a completion.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     /// The next completion.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()

@@ -55,9 +55,12 @@ impl Engine {
     /// The first chunk (`n` bytes) of a message from `src` on the local path. Returns the id to
     /// pass with the message's further chunks, `None` when this chunk was all of it (or the
     /// message was dropped for the memory bounds: its further chunks are then refused too).
+    ///
+    /// `now`: the time if the caller read it; the engine reads the clock only when it must
+    /// (a message that is not taken whole by a waiting receive).
     pub fn local_first(
         &mut self,
-        now: Instant,
+        now: Option<Instant>,
         src: RawAddr,
         m: &LocalMsg,
         n: usize,
@@ -90,6 +93,7 @@ impl Engine {
                 return None;
             }
         }
+        let now = now.unwrap_or_else(Instant::now);
         if posted.is_none() && self.buffered_msgs >= self.limits.max_buffered_msgs {
             self.stats.dropped_pkts += 1;
             tracing::debug!("too many messages held (max_buffered_msgs): local message dropped");

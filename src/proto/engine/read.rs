@@ -251,6 +251,13 @@ pub(super) struct ReadState {
     pub(super) timer: Option<Instant>,
 }
 
+impl ReadState {
+    /// Work requests wait for room on the device.
+    pub(super) fn has_wrs(&self) -> bool {
+        !self.wrs.is_empty()
+    }
+}
+
 impl Engine {
     /// Tells the engine whether its queue pair lets RDMA writes with immediate data land without
     /// a posted receive buffer
