@@ -2,7 +2,7 @@
 //! completion queues that wait for them, for both blocking and runtime-independent async waits.
 
 use std::sync::Weak;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Waker;
 use std::time::Instant;
 
@@ -13,6 +13,9 @@ use parking_lot::{Condvar, Mutex};
 #[derive(Debug, Default)]
 pub struct Notifier {
     generation: AtomicU64,
+    /// Threads inside [`Notifier::wait_until`] plus registered wakers: a notification with
+    /// nobody waiting takes no lock.
+    waiting: AtomicUsize,
     lock: Mutex<Vec<Waker>>,
     cond: Condvar,
     forward: Vec<std::sync::Arc<Notifier>>,
@@ -45,19 +48,26 @@ impl Notifier {
 
     /// The current generation; pass it to [`Notifier::wait_until`] after polling found nothing.
     pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// Signals every waiter (blocking and async).
     pub fn notify(&self) {
-        self.generation.fetch_add(1, Ordering::AcqRel);
-        let wakers = {
-            let mut w = self.lock.lock();
-            self.cond.notify_all();
-            std::mem::take(&mut *w)
-        };
-        for w in wakers {
-            w.wake();
+        // Paired with the waiters' increment of `waiting` before they look at the generation
+        // (both sequentially consistent): either the waiter sees the new generation, or this
+        // sees the waiter.
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) != 0 {
+            let wakers = {
+                let mut w = self.lock.lock();
+                self.cond.notify_all();
+                let taken = std::mem::take(&mut *w);
+                self.waiting.fetch_sub(taken.len(), Ordering::SeqCst);
+                taken
+            };
+            for w in wakers {
+                w.wake();
+            }
         }
         for t in &self.forward {
             t.notify();
@@ -98,19 +108,22 @@ impl Notifier {
         }
         self.before_sleep();
         let mut g = self.lock.lock();
-        loop {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let moved = loop {
             if self.generation() != seen {
-                return true;
+                break true;
             }
             match deadline {
                 Some(d) => {
                     if self.cond.wait_until(&mut g, d).timed_out() {
-                        return self.generation() != seen;
+                        break self.generation() != seen;
                     }
                 }
                 None => self.cond.wait(&mut g),
             }
-        }
+        };
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        moved
     }
 
     /// Registers `waker` to be woken at the next notification unless the generation already moved
@@ -121,12 +134,15 @@ impl Notifier {
         }
         self.before_sleep();
         let mut w = self.lock.lock();
+        if w.iter().any(|x| x.will_wake(waker)) {
+            return self.generation() != seen;
+        }
+        self.waiting.fetch_add(1, Ordering::SeqCst);
         if self.generation() != seen {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
             return true;
         }
-        if !w.iter().any(|x| x.will_wake(waker)) {
-            w.push(waker.clone());
-        }
+        w.push(waker.clone());
         false
     }
 }

@@ -166,6 +166,8 @@ pub(super) struct LocalPath {
     blocked: bool,
     /// Passes in a row in which waiting sends did not move.
     stuck: u32,
+    /// The last drain stopped at its batch limit: more may be in the ring.
+    pub(super) more: bool,
 }
 
 impl LocalPath {
@@ -234,6 +236,7 @@ impl LocalPath {
             next_check: None,
             blocked: false,
             stuck: 0,
+            more: false,
         })
     }
 
@@ -717,6 +720,7 @@ impl LocalPath {
                 }
             }
         }
+        self.more = n >= DRAIN_BATCH;
         n > 0
     }
 

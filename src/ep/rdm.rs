@@ -1129,7 +1129,10 @@ impl RdmCore {
                     self.rx_cq.signal();
                 }
             }
-            if !busy {
+            // One pass moves what is ready; another only when a batch limit left more behind
+            // (what this pass set off, such as send completions, shows at the next poll).
+            let more = n >= POLL_BATCH || st.local.as_ref().is_some_and(|l| l.more);
+            if !busy || !more {
                 break;
             }
         }
