@@ -161,5 +161,30 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(rdm, benches);
+/// One poll of a completion queue whose endpoint has nothing to do: what a busy-polling
+/// application pays per spin, and half of it on average before it sees a message.
+fn idle_poll(c: &mut Criterion) {
+    let mut out = Vec::with_capacity(16);
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = c.benchmark_group("rdm_idle_poll");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(300));
+    for (name, d) in [("loopback", loopback()), ("shm-local", shm(dir.path()))] {
+        let p = pair(&d);
+        // One message each way first, so that the peers know each other.
+        p.b.2.recv(BytesMut::with_capacity(8), 0).unwrap();
+        p.a.2.send(p.pb, Bytes::from_static(b"hi"), 0).unwrap();
+        wait_recv(&p.b.0, &mut out);
+        g.bench_function(name, |bch| {
+            bch.iter(|| {
+                out.clear();
+                p.a.0.poll(&mut out, 16).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(rdm, benches, idle_poll);
 criterion_main!(rdm);

@@ -43,12 +43,15 @@ use crate::device::shm::chan::{
 };
 use crate::device::shm::map;
 use crate::error::Error;
+use crate::notify::{Notifier, SleepHook};
 use crate::proto::engine::{Engine, Event, LocalMsg, SendDone};
 
 /// Slots of a channel's ring.
 const SLOTS: u32 = 256;
-/// Bytes of data per slot.
-const CHUNK: u32 = 16 << 10;
+/// Bytes of data per slot: with the 64-byte header a slot is 16 KiB, a multiple of 128, so a
+/// slot's header and its first 64 bytes of data share an aligned pair of cache lines (which the
+/// CPU fetches together).
+const CHUNK: u32 = (16 << 10) - 64;
 /// Slots read per progress pass at most.
 const DRAIN_BATCH: usize = 64;
 /// How often peers with waiting sends are checked for life.
@@ -56,6 +59,9 @@ const CHECK_EVERY: Duration = Duration::from_millis(10);
 /// Progress passes without any send completing or moving, while sends wait, between two looks
 /// at the clock (for the liveness checks).
 const STUCK_PASSES: u32 = 64;
+/// How long the waiter stays aside while the application busy-polls before it looks again
+/// (the application going to sleep on a completion queue wakes it at once, `WaiterHook`).
+const BUSY_WINDOW: Duration = Duration::from_millis(20);
 /// A busy-polling endpoint looks whether its sends were consumed every this many passes.
 const REAP_EVERY: u64 = 32;
 /// Polls per millisecond from which the application counts as busy-polling.
@@ -70,6 +76,8 @@ struct Shared {
     waiting: AtomicBool,
     /// The application busy-polls (the waiter's finding).
     app_polls: AtomicBool,
+    /// A thread is about to sleep on the endpoint's completion queues (the sleep hook).
+    sleeping: AtomicBool,
     stop: AtomicBool,
     /// The endpoint, which the waiter drives while the application does not poll.
     source: OnceLock<Weak<dyn ProgressSource>>,
@@ -140,6 +148,8 @@ struct DcWait {
 /// The local fast path of one RDM endpoint.
 pub(super) struct LocalPath {
     own: OwnChan,
+    /// Registered on the endpoint's notifier (kept alive here).
+    _hook: Arc<dyn SleepHook>,
     shared: Arc<Shared>,
     waiter: Option<JoinHandle<()>>,
     me: [u8; 24],
@@ -173,7 +183,12 @@ pub(super) struct LocalPath {
 impl LocalPath {
     /// Opens the local path of the endpoint at `addr` in the shm directory `dir`. `None` (after
     /// a log line) when it cannot: the endpoint then uses the engine for every peer.
-    pub(super) fn open(dir: &Path, addr: &RawAddr, max_inflight: usize) -> Option<LocalPath> {
+    pub(super) fn open(
+        dir: &Path,
+        addr: &RawAddr,
+        max_inflight: usize,
+        notifier: &Notifier,
+    ) -> Option<LocalPath> {
         static SWEPT: AtomicBool = AtomicBool::new(false);
         let uid = map::uid();
         if !SWEPT.swap(true, Ordering::Relaxed) {
@@ -200,6 +215,7 @@ impl LocalPath {
             polls: AtomicU64::new(0),
             waiting: AtomicBool::new(false),
             app_polls: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             source: OnceLock::new(),
         });
@@ -214,8 +230,11 @@ impl LocalPath {
                 return None;
             }
         };
+        let hook: Arc<dyn SleepHook> = Arc::new(WaiterHook(Arc::downgrade(&shared)));
+        notifier.add_sleep_hook(Arc::downgrade(&hook));
         Some(LocalPath {
             own,
+            _hook: hook,
             shared,
             waiter: Some(waiter),
             me: chan::encode_addr(addr),
@@ -457,6 +476,9 @@ impl LocalPath {
         if pushed {
             if let Some(p) = self.peers.get(peer) {
                 p.chan.ring_bell_if_asleep();
+                if let Some(u) = p.unconsumed.back() {
+                    p.chan.warm_next(u.pos);
+                }
             }
         }
         self.publish_waiting();
@@ -708,15 +730,17 @@ impl LocalPath {
             self.blocked = false;
             n += 1;
         }
+        // A sender that sleeps learns that its slots were consumed (its sends complete). No
+        // fence: it naps at most a millisecond while sends wait, and a fence here would wait for
+        // the slot frees above to leave the store buffer, on the way to this side's completion.
         if more_senders {
-            // Many senders in one pass: wake whichever of them sleeps.
             for p in &self.peers {
-                p.chan.ring_bell_if_asleep();
+                p.chan.ring_bell_if_seen_asleep();
             }
         } else {
             for p in senders.into_iter().flatten() {
                 if let Some(p) = self.peers.get(p) {
-                    p.chan.ring_bell_if_asleep();
+                    p.chan.ring_bell_if_seen_asleep();
                 }
             }
         }
@@ -864,6 +888,24 @@ impl Drop for LocalPath {
     }
 }
 
+/// Tells the waiter that the application is about to sleep on a completion queue: it takes
+/// over at once instead of at the end of its busy window.
+struct WaiterHook(Weak<Shared>);
+
+impl SleepHook for WaiterHook {
+    fn before_sleep(&self) {
+        if let Some(s) = self.0.upgrade() {
+            if s.app_polls.load(Ordering::Relaxed) {
+                s.sleeping.store(true, Ordering::SeqCst);
+                if let Some(b) = s.ring.bell() {
+                    b.fetch_add(1, Ordering::Release);
+                    map::futex_wake(b);
+                }
+            }
+        }
+    }
+}
+
 /// The waiter thread: stands aside while the application polls; otherwise sleeps on the
 /// channel's doorbell (as a sleeper, so peers ring it when they write to the ring or consume
 /// what this endpoint sent) and drives the endpoint when there is something to do, as the shm
@@ -876,9 +918,14 @@ fn waiter(s: Arc<Shared>) {
     while !s.stop.load(Ordering::Acquire) {
         let before = s.polls.load(Ordering::Relaxed);
         let seen = bell.load(Ordering::Acquire);
-        chan::wait_bell(bell, seen, Duration::from_millis(1));
+        let window = if s.app_polls.load(Ordering::Relaxed) {
+            BUSY_WINDOW
+        } else {
+            Duration::from_millis(1)
+        };
+        chan::wait_bell(bell, seen, window);
         let polls = s.polls.load(Ordering::Relaxed).wrapping_sub(before);
-        let busy = polls >= BUSY_POLLS;
+        let busy = polls >= BUSY_POLLS && !s.sleeping.swap(false, Ordering::SeqCst);
         if s.app_polls.load(Ordering::Relaxed) != busy {
             s.app_polls.store(busy, Ordering::Relaxed);
         }

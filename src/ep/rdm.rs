@@ -115,6 +115,9 @@ struct PreparedSend {
     read_key: Option<(u64, u64)>,
     /// The region's bytes were not copied into `data` (`SendOp::region_len`).
     region_len: Option<usize>,
+    /// The region's bytes are to be copied into `data` if the send goes to the engine (the
+    /// local path reads them from the region itself).
+    copy_region: bool,
 }
 
 impl EndpointBuilder<Rdm> {
@@ -171,11 +174,11 @@ impl EndpointBuilder<Rdm> {
             recv_depth: attr.max_recv_wr,
             rnr_retry: 3,
             qkey: None,
-            notifier,
+            notifier: notifier.clone(),
         })?;
         let addr = qp.addr();
         let local = match self.domain.device().local_dir() {
-            Some(dir) if self.local_path => LocalPath::open(dir, &addr, tx_ops),
+            Some(dir) if self.local_path => LocalPath::open(dir, &addr, tx_ops, &notifier),
             _ => None,
         };
         let now = Instant::now();
@@ -739,11 +742,15 @@ impl RdmCore {
                         .map(|()| Bytes::new());
                     (data, read_key, Some(r.len()))
                 } else {
-                    (send_bytes(&buf, &self.domain, "send"), read_key, None)
+                    let data = r
+                        .check_local(&self.domain, crate::mr::Access::SEND, "send")
+                        .map(|()| Bytes::new());
+                    (data, read_key, None)
                 }
             }
             SendBuf::Bytes(_) => (send_bytes(&buf, &self.domain, "send"), None, None),
         };
+        let copy_region = matches!(buf, SendBuf::Region(_)) && region_len.is_none();
         let data = match data {
             Ok(d) => d,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
@@ -758,6 +765,7 @@ impl RdmCore {
             region,
             read_key,
             region_len,
+            copy_region,
         })
     }
 
@@ -772,10 +780,11 @@ impl RdmCore {
     ) -> Result<(), PostError> {
         let PreparedSend {
             dest,
-            data,
+            mut data,
             region,
             read_key,
             region_len,
+            copy_region,
         } = p;
         if st.closed {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
@@ -789,7 +798,10 @@ impl RdmCore {
                         .with_detail("tx_size local sends in flight");
                     return Err(refuse(e, b));
                 }
-                let len = region_len.unwrap_or(data.len());
+                let len = match &region {
+                    Some(r) if copy_region || region_len.is_some() => r.len(),
+                    _ => data.len(),
+                };
                 let key = st.ops.insert(OpState {
                     sink,
                     target: None,
@@ -799,6 +811,11 @@ impl RdmCore {
                 });
                 l.send(&mut st.engine, &st.ops, key, peer, &o, data, len);
                 return Ok(());
+            }
+        }
+        if copy_region {
+            if let Some(r) = &region {
+                data = Bytes::copy_from_slice(&r.read());
             }
         }
         let key = st.ops.insert(OpState {

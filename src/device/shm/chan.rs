@@ -532,18 +532,37 @@ impl PeerChan {
             .is_none_or(|w| w.load(Ordering::Acquire).wrapping_sub(pos.wrapping_add(1)) as i64 > 0)
     }
 
-    /// Wakes the owner's waiter thread if it sleeps (after one or more [`Self::push`]es).
+    /// Wakes the owner's waiter thread if it sleeps (after one or more [`Self::push`]es). The
+    /// fence orders the pushes before the look at the sleepers word, against the owner's
+    /// sleepers store before its last look at the ring: either it sees the slot or this sees it
+    /// asleep.
     pub(crate) fn ring_bell_if_asleep(&self) {
         fence(Ordering::SeqCst);
-        if self
+        self.ring_bell_if_seen_asleep();
+    }
+
+    /// Wakes the owner's waiter thread if it is seen asleep, without a fence: for news the
+    /// owner also finds by itself within a millisecond (its waiter naps that long while it waits
+    /// for its sends to be consumed), so a missed wake-up costs at most that.
+    pub(crate) fn ring_bell_if_seen_asleep(&self) {
+        let asleep = self
             .map
             .u32(H_SLEEPERS)
-            .is_some_and(|w| w.load(Ordering::Relaxed) != 0)
-        {
+            .is_some_and(|w| w.load(Ordering::Relaxed) != 0);
+        if asleep {
             if let Some(b) = self.map.u32(H_BELL) {
                 b.fetch_add(1, Ordering::Release);
                 map::futex_wake(b);
             }
+        }
+    }
+
+    /// Touches the sequence word of the slot after `pos`, so that the next push finds its line
+    /// in the cache (it was last written by the owner, a lap ago).
+    pub(crate) fn warm_next(&self, pos: u64) {
+        let off = self.geo.slot(pos.wrapping_add(1)) + S_SEQ;
+        if let Some(w) = self.map.u64(off) {
+            std::hint::black_box(w.load(Ordering::Relaxed));
         }
     }
 
