@@ -145,6 +145,29 @@ struct DcWait {
     len: usize,
 }
 
+/// The header of a message's first chunk.
+fn first_hdr(tag: Option<u64>, data: Option<u32>, dc: Option<u32>, len: usize) -> SlotHdr {
+    let mut flags = 0;
+    if tag.is_some() {
+        flags |= F_TAGGED;
+    }
+    if data.is_some() {
+        flags |= F_DATA;
+    }
+    if dc.is_some() {
+        flags |= F_DC;
+    }
+    SlotHdr {
+        kind: K_MSG,
+        flags,
+        len: 0,
+        tag: tag.unwrap_or(0),
+        word: len as u64,
+        data: data.unwrap_or(0),
+        token: dc.unwrap_or(0),
+    }
+}
+
 /// The local fast path of one RDM endpoint.
 pub(super) struct LocalPath {
     own: OwnChan,
@@ -319,6 +342,40 @@ impl LocalPath {
         len: usize,
     ) {
         self.inflight += 1;
+        // The usual case first: one chunk to a peer with nothing queued goes straight into its
+        // ring.
+        if !o.delivery_complete {
+            if let Some(p) = self.peers.get_mut(peer) {
+                if p.gone.is_none() && p.queue.is_empty() && len <= p.chan.chunk() {
+                    let region = ops.get(key).and_then(|x| x.region.as_ref());
+                    let guard;
+                    let data: &[u8] = match region {
+                        Some(r) if buf.len() != len => {
+                            guard = r.read();
+                            guard.get(..len).unwrap_or_default()
+                        }
+                        _ => &buf[..],
+                    };
+                    let h = first_hdr(o.tag, o.data, None, len);
+                    if let Some(pos) = p.chan.push(&h, &self.me, data) {
+                        p.chan.ring_bell_if_asleep();
+                        p.chan.warm_next(pos);
+                        if p.unconsumed.is_empty() {
+                            self.consuming.push(peer);
+                        }
+                        p.unconsumed.push_back(Unconsumed {
+                            key,
+                            pos,
+                            tag: o.tag,
+                            buf,
+                            len,
+                        });
+                        self.shared.waiting.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        }
         let dc = o.delivery_complete.then(|| {
             let t = self.next_token;
             self.next_token = self.next_token.wrapping_add(1).max(1);
@@ -404,25 +461,7 @@ impl LocalPath {
                                 token: 0,
                             }
                         } else {
-                            let mut flags = 0;
-                            if m.tag.is_some() {
-                                flags |= F_TAGGED;
-                            }
-                            if m.data.is_some() {
-                                flags |= F_DATA;
-                            }
-                            if m.dc.is_some() {
-                                flags |= F_DC;
-                            }
-                            SlotHdr {
-                                kind: K_MSG,
-                                flags,
-                                len: 0,
-                                tag: m.tag.unwrap_or(0),
-                                word: m.len as u64,
-                                data: m.data.unwrap_or(0),
-                                token: m.dc.unwrap_or(0),
-                            }
+                            first_hdr(m.tag, m.data, m.dc, m.len)
                         };
                         let Some(pos) = p.chan.push(&h, &self.me, data) else {
                             full = true;
