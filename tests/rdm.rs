@@ -46,22 +46,6 @@ fn run_mix(a: &Node, b: &Node, seed: u64, n: usize, max: usize) {
     assert_eq!(b.ep.resources().unexpected_msgs, 0, "seed {seed}");
 }
 
-trait CollectSome {
-    fn collect_some(&self) -> Vec<efa::Completion>;
-}
-
-impl CollectSome for Node {
-    fn collect_some(&self) -> Vec<efa::Completion> {
-        let mut out = Vec::new();
-        match self.cq.wait(&mut out, 256, Some(Duration::from_millis(5))) {
-            Ok(_) => {}
-            Err(e) if e.kind() == ErrorKind::TimedOut => {}
-            Err(e) => panic!("{e}: {:?}", self.cq.read_err()),
-        }
-        out
-    }
-}
-
 #[test]
 fn message_mix_over_loopback_with_faults() {
     let seed = test_seed();

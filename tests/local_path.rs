@@ -1,0 +1,478 @@
+//! The RDM endpoint's local fast path: messages to peers on this host go through shared-memory
+//! message channels instead of the protocol engine's packets, with the same matching, ordering
+//! and completions. Every test uses its own temporary shm directory.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use common::*;
+use efa::device::Device;
+use efa::device::route::RoutedDevice;
+use efa::device::shm::{ShmConfig, ShmDevice};
+use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::fault::test_seed;
+use efa::{CompletionFlags, Config, Domain, ErrorKind, RawAddr, RecvOptions, SendOptions};
+
+fn test_dir() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    }
+}
+
+fn shm_domain(dir: &Path) -> (Domain, Arc<ShmDevice>) {
+    let dev = ShmDevice::open(ShmConfig::in_dir(dir)).unwrap();
+    (Domain::with_device(dev.clone(), Config::default()), dev)
+}
+
+fn routed_domain(dir: &Path) -> (Domain, Arc<RoutedDevice>) {
+    let udp = UdpDevice::open(UdpConfig {
+        bind: LOCAL4,
+        ..UdpConfig::default()
+    })
+    .unwrap();
+    let dev = RoutedDevice::open(udp, ShmConfig::in_dir(dir)).unwrap();
+    (Domain::with_device(dev.clone(), Config::default()), dev)
+}
+
+/// Every size from empty to several chunks (a chunk is just under 16 KiB) and beyond the engine's
+/// eager and medium sizes, untagged and tagged, with CQ data and delivery complete mixed in.
+fn msgs() -> Vec<Msg> {
+    let sizes = [
+        0usize,
+        1,
+        64,
+        4095,
+        16_319,
+        16_320,
+        16_321,
+        65_536,
+        100_000,
+        1 << 20,
+        (3 << 20) + 5,
+    ];
+    sizes
+        .iter()
+        .chain(sizes.iter())
+        .enumerate()
+        .map(|(i, &len)| Msg {
+            len,
+            tag: (i % 2 == 1).then_some(i as u64),
+            data: (i % 3 == 0).then_some(i as u32),
+            dc: i % 4 == 0,
+        })
+        .collect()
+}
+
+/// Sends `m` from `a` to `b` (receives posted first, in order, with exact sizes: any reordering
+/// fails a length) and checks every message arrived once and intact.
+fn exchange(a: &Node, b: &Node, m: &[Msg], seed: u64) {
+    let pa = b.insert(a.ep.addr());
+    let pb = a.insert(b.ep.addr());
+    post_mix(b, Some(pa), seed, m, 0);
+    send_mix(a, pb, seed, m);
+    let deadline = Instant::now() + DEADLINE;
+    let (mut sent, mut got) = (Vec::new(), Vec::new());
+    while sent.len() < m.len() || got.len() < m.len() {
+        for (n, out) in [(a, &mut sent), (b, &mut got)] {
+            if let Err(e) = n.cq.poll(out, 64) {
+                panic!("seed {seed}: {e}: {:?}", n.cq.read_err());
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {} sends, {} receives",
+            sent.len(),
+            got.len()
+        );
+    }
+    check_mix(&got, seed, m, 0, Some(pa));
+    assert!(sent.iter().all(|c| c.flags.contains(CompletionFlags::SEND)));
+    let mut ctx: Vec<u64> = sent.iter().map(|c| c.context).collect();
+    ctx.sort_unstable();
+    ctx.dedup();
+    assert_eq!(ctx.len(), m.len(), "seed {seed}: every send completes once");
+}
+
+#[test]
+fn every_size_arrives_once_in_order_on_the_shm_device() {
+    let seed = test_seed();
+    let dir = test_dir();
+    let (da, dev_a) = shm_domain(dir.path());
+    let (db, _) = shm_domain(dir.path());
+    let (a, b) = (Node::new(&da), Node::new(&db));
+    let m = msgs();
+    exchange(&a, &b, &m, seed);
+    exchange(&b, &a, &m, seed ^ 1);
+    let (sa, sb) = (a.ep.stats(), b.ep.stats());
+    assert_eq!(sa.local_tx_msgs, m.len() as u64, "{sa:?}");
+    assert_eq!(sb.local_rx_msgs, m.len() as u64, "{sb:?}");
+    assert_eq!(sa.local_rx_msgs, m.len() as u64, "{sa:?}");
+    assert_eq!((sa.errors, sb.errors, sb.dropped_pkts), (0, 0, 0));
+    // The device carried the engines' handshakes only, not the 8 MiB of messages.
+    let d = dev_a.stats();
+    assert!(d.tx_bytes < 4096, "{d:?}");
+}
+
+#[test]
+fn routed_udp_domains_take_the_local_path() {
+    let seed = test_seed();
+    let dir = test_dir();
+    let (da, dev) = routed_domain(dir.path());
+    let (db, _) = routed_domain(dir.path());
+    let (a, b) = (Node::new(&da), Node::new(&db));
+    assert_eq!(
+        a.ep.addr().gid,
+        dev.attr().gid,
+        "the address is the udp one"
+    );
+    let m = msgs();
+    exchange(&a, &b, &m, seed);
+    assert_eq!(a.ep.stats().local_tx_msgs, m.len() as u64);
+    assert_eq!(b.ep.stats().local_rx_msgs, m.len() as u64);
+    assert_eq!(dev.primary().stats().tx_pkts, 0, "nothing over udp");
+    // Turned off, the same exchange goes through the routing device (and still over shm).
+    let (c, d) = (Node::device_path(&da), Node::device_path(&db));
+    exchange(&c, &d, &m, seed ^ 2);
+    assert_eq!(c.ep.stats().local_tx_msgs, 0);
+    assert!(dev.stats().shm_route_tx_bytes > 8 << 20);
+}
+
+/// A receive posted once is matched by whichever path brings the next message: a local-path
+/// sender and a device-path sender share the receiver's posted receives and unexpected queue,
+/// and each keeps its own order.
+#[test]
+fn both_paths_share_the_receives_and_keep_each_senders_order() {
+    let seed = test_seed();
+    let dir = test_dir();
+    let (d, _) = shm_domain(dir.path());
+    let b = Node::new(&d);
+    let fast = Node::new(&d);
+    let slow = Node::device_path(&d);
+    let (pf, ps) = (b.insert(fast.ep.addr()), b.insert(slow.ep.addr()));
+    let n = 200usize;
+    // Half of the receives before anything is sent, the other half after (those messages wait
+    // as unexpected, from both paths).
+    for i in 0..n {
+        b.ep.trecv(BytesMut::with_capacity(2000), 5, 0, i as u64)
+            .unwrap();
+    }
+    for (k, s) in [&fast, &slow].into_iter().enumerate() {
+        let pb = s.insert(b.ep.addr());
+        for i in 0..n {
+            let data = payload(seed ^ k as u64, i, (i * 7) % 2000);
+            loop {
+                match s.ep.tsend(pb, data.clone(), 5, i as u64) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == ErrorKind::Again => s.ep.progress(),
+                    Err(e) => panic!("seed {seed}: {e}"),
+                }
+            }
+        }
+    }
+    let mut got = Vec::new();
+    let deadline = Instant::now() + DEADLINE;
+    while got.len() < n {
+        fast.ep.progress();
+        slow.ep.progress();
+        got.extend(b.collect_some());
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {} of {n}",
+            got.len()
+        );
+    }
+    for i in n..2 * n {
+        b.ep.trecv(BytesMut::with_capacity(2000), 5, 0, i as u64)
+            .unwrap();
+    }
+    while got.len() < 2 * n {
+        fast.ep.progress();
+        slow.ep.progress();
+        got.extend(b.collect_some());
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {} of {}",
+            got.len(),
+            2 * n
+        );
+    }
+    let mut next = [0usize; 2];
+    for c in &got {
+        let k = if c.source == Some(pf) {
+            0
+        } else {
+            assert_eq!(c.source, Some(ps));
+            1
+        };
+        let i = next[k];
+        assert_eq!(
+            c.buf.as_recv().unwrap(),
+            &payload(seed ^ k as u64, i, (i * 7) % 2000)[..],
+            "seed {seed}: sender {k} message {i} out of order or altered"
+        );
+        next[k] += 1;
+    }
+    assert_eq!(next, [n, n]);
+    assert_eq!(b.ep.stats().local_rx_msgs, n as u64);
+}
+
+/// Unexpected local messages meet peek, claim, discard; a multi-receive buffer takes several;
+/// a short buffer truncates; cancel hands a receive back.
+#[test]
+fn unexpected_claim_discard_multi_recv_truncation_and_cancel() {
+    let dir = test_dir();
+    let (d, _) = shm_domain(dir.path());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    let pa = b.insert(a.ep.addr());
+    for (i, tag) in [(0u8, 1u64), (1, 2), (2, 3)] {
+        a.ep.tsend(pb, Bytes::from(vec![i; 100]), tag, 10).unwrap();
+    }
+    a.collect(3, "sends");
+    // The receiver's own waiter took them in: they are unexpected now.
+    let deadline = Instant::now() + DEADLINE;
+    while b.ep.resources().unexpected_msgs < 3 {
+        b.ep.progress();
+        assert!(Instant::now() < deadline);
+    }
+    let p = b.ep.peek(2, 0, Some(pa), true).unwrap();
+    assert_eq!((p.tag, p.len), (2, 100));
+    assert_eq!(b.ep.discard(3, 0, None).unwrap().tag, 3);
+    b.ep.recv_claimed(p.claim.unwrap(), BytesMut::with_capacity(100), 20)
+        .unwrap();
+    b.ep.trecv(BytesMut::with_capacity(50), 1, 0, 21).unwrap();
+    let mut done = Vec::new();
+    let mut errs = Vec::new();
+    while done.len() + errs.len() < 2 {
+        match b.cq.poll(&mut done, 8) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::ErrorAvailable => errs.push(b.cq.read_err().unwrap()),
+            Err(e) => panic!("{e}"),
+        }
+        assert!(Instant::now() < deadline);
+    }
+    assert_eq!(done[0].context, 20);
+    assert_eq!(done[0].buf.as_recv().unwrap(), &[1u8; 100][..]);
+    assert_eq!(errs[0].context, 21);
+    assert_eq!(errs[0].error.kind(), ErrorKind::Truncated);
+    assert_eq!((errs[0].len, errs[0].olen), (50, 50));
+    // A multi-receive buffer of 1000 bytes takes messages until less than 200 are free.
+    b.ep.recv_with(
+        BytesMut::with_capacity(1000),
+        RecvOptions {
+            multi_recv: Some(200),
+            ..Default::default()
+        },
+        30,
+    )
+    .unwrap();
+    for i in 0..4u8 {
+        let o = SendOptions {
+            data: Some(u32::from(i)),
+            ..Default::default()
+        };
+        a.ep.send_with(pb, Bytes::from(vec![i; 250]), o, 40)
+            .unwrap();
+    }
+    let got = b.collect(5, "multi-receive");
+    let pieces: Vec<_> = got.iter().filter(|c| c.len > 0).collect();
+    assert_eq!(pieces.len(), 4);
+    for (i, c) in pieces.iter().enumerate() {
+        assert_eq!(c.data, Some(i as u32));
+        assert_eq!(c.buf.as_recv().unwrap(), &vec![i as u8; 250][..]);
+    }
+    assert!(
+        got.iter()
+            .any(|c| c.flags.contains(CompletionFlags::MULTI_RECV))
+    );
+    b.ep.recv(BytesMut::with_capacity(8), 50).unwrap();
+    b.ep.cancel(50).unwrap();
+    let mut out = Vec::new();
+    while !matches!(b.cq.poll(&mut out, 1), Err(ref e) if e.kind() == ErrorKind::ErrorAvailable) {
+        assert!(Instant::now() < deadline);
+    }
+    assert_eq!(b.cq.read_err().unwrap().error.kind(), ErrorKind::Canceled);
+    assert_eq!(b.ep.stats().local_rx_msgs, 7);
+}
+
+/// A sender far ahead of its receiver (more unexpected data than the engine may hold) is held
+/// back: chunks wait in the ring, sends wait in the sender (`Again` at its queue size), nothing
+/// is dropped.
+#[test]
+fn flooding_sender_waits_in_the_ring_and_nothing_is_dropped() {
+    let dir = test_dir();
+    let (d, _) = shm_domain(dir.path());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    let (n, size) = (1200usize, 64 << 10); // 75 MiB, above the engine's 64 MiB cap
+    let deadline = Instant::now() + DEADLINE;
+    let mut sent = 0;
+    let mut out = Vec::new();
+    let phase = Instant::now() + Duration::from_secs(2);
+    while sent < n && Instant::now() < phase {
+        match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
+            Ok(()) => sent += 1,
+            Err(e) if e.kind() == ErrorKind::Again => {}
+            Err(e) => panic!("send {sent}: {e}"),
+        }
+        b.ep.progress();
+        out.clear();
+        a.cq.poll(&mut out, 256).unwrap();
+    }
+    let held = b.ep.resources();
+    assert!(held.buffered_bytes <= 64 << 20, "{held:?}");
+    assert!(
+        held.buffered_bytes >= 48 << 20,
+        "the receiver held what it may: {held:?}"
+    );
+    for i in 0..n {
+        b.ep.trecv(BytesMut::with_capacity(size), 77, 0, i as u64)
+            .unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < n {
+        while sent < n {
+            match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
+                Ok(()) => sent += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("send {sent}: {e}"),
+            }
+        }
+        out.clear();
+        let _ = a.cq.poll(&mut out, 256);
+        got.extend(b.collect_some());
+        assert!(Instant::now() < deadline, "{} of {n} arrived", got.len());
+    }
+    assert_eq!(b.ep.stats().dropped_pkts, 0);
+    for c in &got {
+        let i = c.context as usize;
+        assert!(
+            c.buf.as_recv().unwrap()[..] == payload(9, i, size)[..],
+            "message {i}"
+        );
+    }
+    assert_eq!(b.ep.resources().buffered_bytes, 0);
+}
+
+/// A peer that closed its endpoint: sends to it complete with an error (not never), and the
+/// sender notices within a few checks.
+#[test]
+fn sends_to_a_closed_peer_fail() {
+    let dir = test_dir();
+    let (d, _) = shm_domain(dir.path());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    b.ep.recv(BytesMut::with_capacity(8), 1).unwrap();
+    a.ep.send(pb, Bytes::from_static(b"hello"), 1).unwrap();
+    a.collect(1, "first send");
+    b.collect(1, "first receive");
+    drop(b);
+    for (i, len) in [5usize, 40_000].into_iter().enumerate() {
+        a.ep.send(pb, payload(1, i, len), 10 + i as u64).unwrap();
+        let deadline = Instant::now() + DEADLINE;
+        let mut out = Vec::new();
+        let err = loop {
+            match a.cq.poll(&mut out, 1) {
+                Ok(0) => {}
+                Ok(_) => panic!("a send of {len} bytes to a closed peer succeeded"),
+                Err(e) if e.kind() == ErrorKind::ErrorAvailable => break a.cq.read_err().unwrap(),
+                Err(e) => panic!("{e}"),
+            }
+            assert!(Instant::now() < deadline, "no error for the send of {len}");
+        };
+        assert_eq!(err.context, 10 + i as u64);
+        assert_eq!(
+            err.error.kind(),
+            ErrorKind::ConnectionAborted,
+            "{}",
+            err.error
+        );
+    }
+}
+
+/// The other end of `two_processes_exchange_every_size`: receives the mix, then sends it back.
+#[test]
+#[ignore = "run in a child process by two_processes_exchange_every_size"]
+fn child_echo() {
+    let (Some(dir), Ok(seed)) = (std::env::var_os("EFA_LOCAL_DIR"), std::env::var("EFA_SEED"))
+    else {
+        return;
+    };
+    let seed: u64 = seed.parse().unwrap();
+    let (d, _) = shm_domain(Path::new(&dir));
+    let node = Node::new(&d);
+    println!("\nADDR {}", node.ep.addr());
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let peer = node.insert(line.trim().parse::<RawAddr>().unwrap());
+    let m = msgs();
+    post_mix(&node, Some(peer), seed, &m, 0);
+    let got = node.collect(m.len(), "child receives");
+    check_mix(&got, seed, &m, 0, Some(peer));
+    send_mix(&node, peer, seed ^ 1, &m);
+    node.collect(m.len(), "child sends");
+    println!("\nLOCAL {}", node.ep.stats().local_rx_msgs);
+    // Wait for the parent's word before closing (its last receives may still be in our ring).
+    line.clear();
+    std::io::stdin().read_line(&mut line).unwrap();
+}
+
+#[test]
+fn two_processes_exchange_every_size() {
+    let seed = test_seed();
+    let dir = test_dir();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_echo",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("EFA_LOCAL_DIR", dir.path())
+        .env("EFA_SEED", seed.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut tagged = |tag: &str| -> String {
+        for l in lines.by_ref() {
+            if let Some(rest) = l.unwrap().strip_prefix(tag) {
+                return rest.trim().to_string();
+            }
+        }
+        panic!("seed {seed}: the child exited before printing {tag}");
+    };
+    let (d, _) = shm_domain(dir.path());
+    let node = Node::new(&d);
+    let peer = node.insert(tagged("ADDR ").parse().unwrap());
+    writeln!(stdin, "{}", node.ep.addr()).unwrap();
+    let m = msgs();
+    post_mix(&node, Some(peer), seed ^ 1, &m, 0);
+    send_mix(&node, peer, seed, &m);
+    let done = node.collect(2 * m.len(), "parent");
+    let got: Vec<_> = done
+        .into_iter()
+        .filter(|c| c.flags.contains(CompletionFlags::RECV))
+        .collect();
+    check_mix(&got, seed ^ 1, &m, 0, Some(peer));
+    assert_eq!(
+        tagged("LOCAL "),
+        m.len().to_string(),
+        "seed {seed}: the child received locally"
+    );
+    writeln!(stdin, "bye").unwrap();
+    assert!(child.wait().unwrap().success(), "seed {seed}: child failed");
+    assert_eq!(node.ep.stats().local_rx_msgs, m.len() as u64);
+}
