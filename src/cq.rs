@@ -486,8 +486,23 @@ impl CompletionQueue {
 
     fn progress(&self) {
         // The sources are taken under the lock and driven outside it (driving one may bind or
-        // unbind). The first few stay on the stack: a busy poll allocates nothing.
+        // unbind). A queue with one source (the usual case) takes it alone; more stay on the
+        // stack up to a few: a busy poll allocates nothing.
         const INLINE: usize = 4;
+        let single = {
+            let s = self.inner.sources.lock();
+            match s.as_slice() {
+                [] => return,
+                [one] => Some(one.upgrade()),
+                _ => None,
+            }
+        };
+        if let Some(one) = single {
+            if let Some(src) = one {
+                src.progress();
+            }
+            return;
+        }
         let mut first: [Option<Arc<dyn ProgressSource>>; INLINE] = Default::default();
         let mut rest = Vec::new();
         for (i, s) in self

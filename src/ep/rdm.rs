@@ -1269,6 +1269,24 @@ impl RdmCore {
             tracing::warn!(key, "engine completion for an unknown operation");
             return false;
         };
+        // The usual cases, straight into the queue.
+        let ev = match (ev, &op.sink) {
+            (Event::Send(s), &Sink::Cq(ctx)) => {
+                match self.send_completion(s, ctx, op.region) {
+                    Ok(c) => self.tx_cq.push(c),
+                    Err(e) => self.tx_cq.push_err(e),
+                }
+                return true;
+            }
+            (Event::Recv(r), &Sink::Cq(ctx)) => {
+                match self.recv_completion(r, ctx, op.target, cache) {
+                    Ok(c) => self.rx_cq.push(c),
+                    Err(e) => self.rx_cq.push_err(e),
+                }
+                return true;
+            }
+            (ev, _) => ev,
+        };
         let user_ctx = match &op.sink {
             Sink::Cq(c) => *c,
             Sink::Future(_) => 0,

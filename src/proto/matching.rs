@@ -109,7 +109,11 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
         tag: u64,
         ignore: u64,
     ) -> Option<usize> {
-        self.unexpected[usize::from(tagged)].iter().position(|u| {
+        let q = &self.unexpected[usize::from(tagged)];
+        if q.is_empty() {
+            return None;
+        }
+        q.iter().position(|u| {
             src.is_none_or(|s| s == u.src) && (!tagged || tag_matches(tag, ignore, u.tag))
         })
     }

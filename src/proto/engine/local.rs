@@ -72,16 +72,6 @@ impl Engine {
         }
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        let done = Done {
-            peer: LOCAL_PEER,
-            src,
-            msg_id: 0,
-            msg_len: m.msg_len,
-            tagged,
-            tag,
-            data: m.data,
-            dc_send_id: m.dc_token,
-        };
         self.stats.local_rx_msgs += 1;
         let posted = self.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
@@ -89,6 +79,16 @@ impl Engine {
             if let Some(mut sink) = posted.and_then(|i| self.take_posted(tagged, i, n)) {
                 sink.buf.clear();
                 place_local(&mut sink, 0, n, copy);
+                let done = Done {
+                    peer: LOCAL_PEER,
+                    src,
+                    msg_id: 0,
+                    msg_len: m.msg_len,
+                    tagged,
+                    tag,
+                    data: m.data,
+                    dc_send_id: m.dc_token,
+                };
                 self.finish_rx(sink, &done);
                 return None;
             }
