@@ -10,6 +10,7 @@ use std::fmt;
 use std::future::Future;
 use std::ops::{BitOr, BitOrAssign};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -324,6 +325,9 @@ pub(crate) struct CqInner {
     domain: Domain,
     capacity: usize,
     state: Mutex<CqState>,
+    /// Entries held (`ok` plus `err`), written under the `state` lock: an empty queue is polled
+    /// and an endpoint checks for room without taking the lock.
+    count: AtomicUsize,
     notifier: Arc<Notifier>,
     sources: Mutex<Vec<Weak<dyn ProgressSource>>>,
 }
@@ -351,6 +355,7 @@ impl CompletionQueue {
                     ok: VecDeque::new(),
                     err: VecDeque::new(),
                 }),
+                count: AtomicUsize::new(0),
                 notifier: Arc::new(Notifier::new()),
                 sources: Mutex::new(Vec::new()),
             }),
@@ -369,8 +374,7 @@ impl CompletionQueue {
 
     /// Entries waiting to be read (successes and errors).
     pub fn len(&self) -> usize {
-        let s = self.inner.state.lock();
-        s.ok.len() + s.err.len()
+        self.inner.count.load(Ordering::Acquire)
     }
 
     /// True when nothing is waiting.
@@ -384,9 +388,13 @@ impl CompletionQueue {
     /// returns `Err` of kind [`ErrorKind::ErrorAvailable`]: read it with [`Self::read_err`].
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         self.progress();
+        if self.inner.count.load(Ordering::Acquire) == 0 {
+            return Ok(0);
+        }
         let mut s = self.inner.state.lock();
         let n = max.min(s.ok.len());
         out.extend(s.ok.drain(..n));
+        self.inner.count.fetch_sub(n, Ordering::Release);
         if n == 0 && !s.err.is_empty() {
             return Err(Error::new(ErrorKind::ErrorAvailable, "cq_read"));
         }
@@ -396,7 +404,12 @@ impl CompletionQueue {
     /// Takes the oldest error completion (`fi_cq_readerr`).
     pub fn read_err(&self) -> Option<CompletionError> {
         self.progress();
-        self.inner.state.lock().err.pop_front()
+        let mut s = self.inner.state.lock();
+        let e = s.err.pop_front();
+        if e.is_some() {
+            self.inner.count.fetch_sub(1, Ordering::Release);
+        }
+        e
     }
 
     /// Like [`Self::poll`], but sleeps until at least one completion (or an error) is ready or
@@ -462,16 +475,21 @@ impl CompletionQueue {
 
     /// Room left before the queue is full.
     pub(crate) fn room(&self) -> usize {
-        let s = self.inner.state.lock();
-        self.inner.capacity.saturating_sub(s.ok.len() + s.err.len())
+        self.inner
+            .capacity
+            .saturating_sub(self.inner.count.load(Ordering::Acquire))
     }
 
     pub(crate) fn push(&self, c: Completion) {
-        self.inner.state.lock().ok.push_back(c);
+        let mut s = self.inner.state.lock();
+        s.ok.push_back(c);
+        self.inner.count.fetch_add(1, Ordering::Release);
     }
 
     pub(crate) fn push_err(&self, e: CompletionError) {
-        self.inner.state.lock().err.push_back(e);
+        let mut s = self.inner.state.lock();
+        s.err.push_back(e);
+        self.inner.count.fetch_add(1, Ordering::Release);
     }
 
     /// Wakes waiters after pushing from outside a device notification.
@@ -525,8 +543,7 @@ impl CompletionQueue {
 
     fn has_entries(&self) -> bool {
         self.progress();
-        let s = self.inner.state.lock();
-        !s.ok.is_empty() || !s.err.is_empty()
+        self.inner.count.load(Ordering::Acquire) != 0
     }
 }
 

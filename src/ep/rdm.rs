@@ -14,7 +14,7 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use slab::Slab;
 
-use super::buf::{RecvTarget, send_bytes};
+use super::buf::RecvTarget;
 use super::local::LocalPath;
 use super::pin::ProgressCpu;
 use super::{Endpoint, EndpointBuilder, Rdm};
@@ -237,6 +237,7 @@ impl EndpointBuilder<Rdm> {
                 rx_buf_size: attr.mtu,
                 local,
                 src_cache: SrcCache::default(),
+                dest_cache: DestCache::default(),
                 created: now,
             }),
             stop: Arc::new(AtomicBool::new(false)),
@@ -348,9 +349,15 @@ pub(super) struct State {
     local: Option<LocalPath>,
     /// The last source address looked up in the address vector (`FI_SOURCE`).
     src_cache: SrcCache,
+    /// The last destination looked up.
+    dest_cache: DestCache,
     /// When the endpoint was created (a time for calls that do not use it).
     created: Instant,
 }
+
+/// The last destination looked up, valid while the address vector's generation is unchanged.
+#[derive(Default)]
+pub(super) struct DestCache(Option<(PeerId, u64, RawAddr)>);
 
 /// One address-vector lookup, valid while the vector's generation is unchanged.
 #[derive(Default)]
@@ -709,9 +716,9 @@ impl RdmCore {
         o: SendOptions,
         sink: Sink,
     ) -> Result<(), PostError> {
-        let prepared = self.prepare_send(peer, buf)?;
         let mut clock = Clock::default();
         let mut st = self.state.lock();
+        let prepared = self.prepare_send(&mut st.dest_cache, peer, buf)?;
         self.enqueue_send(&mut st, &mut clock, prepared, o, sink)?;
         // A send on the local path is in the peer's ring (or queued for it) already; only the
         // engine's sends need a pass to reach the device.
@@ -721,11 +728,23 @@ impl RdmCore {
         Ok(())
     }
 
-    /// The checks and copies of a send that need no lock: destination and bytes.
-    fn prepare_send(&self, peer: PeerId, buf: SendBuf) -> Result<PreparedSend, PostError> {
-        let dest = match self.av.lookup(peer) {
-            Ok(a) => a,
-            Err(e) => return Err(refuse(e, buf.into_buffer())),
+    /// The checks of a send: destination and bytes.
+    fn prepare_send(
+        &self,
+        cache: &mut DestCache,
+        peer: PeerId,
+        buf: SendBuf,
+    ) -> Result<PreparedSend, PostError> {
+        let generation = self.av.generation();
+        let dest = match cache.0 {
+            Some((p, g, a)) if p == peer && g == generation => a,
+            _ => match self.av.lookup(peer) {
+                Ok(a) => {
+                    cache.0 = Some((peer, generation, a));
+                    a
+                }
+                Err(e) => return Err(refuse(e, buf.into_buffer())),
+            },
         };
         // A region peers may read lets the engine use the read-based message protocols; at
         // the read-message threshold its bytes are not copied (the engine reads what it sends).
@@ -748,16 +767,16 @@ impl RdmCore {
                     (data, read_key, None)
                 }
             }
-            SendBuf::Bytes(_) => (send_bytes(&buf, &self.domain, "send"), None, None),
+            SendBuf::Bytes(_) => (Ok(Bytes::new()), None, None),
         };
         let copy_region = matches!(buf, SendBuf::Region(_)) && region_len.is_none();
         let data = match data {
             Ok(d) => d,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
-        let region = match buf {
-            SendBuf::Region(r) => Some(r),
-            SendBuf::Bytes(_) => None,
+        let (data, region) = match buf {
+            SendBuf::Region(r) => (data, Some(r)),
+            SendBuf::Bytes(b) => (b, None),
         };
         Ok(PreparedSend {
             dest,
@@ -857,7 +876,7 @@ impl RdmCore {
         let mut posted = 0;
         let mut failure = None;
         while let Some(r) = reqs.pop_front() {
-            let prepared = match self.prepare_send(r.peer, r.buf) {
+            let prepared = match self.prepare_send(&mut st.dest_cache, r.peer, r.buf) {
                 Ok(p) => p,
                 Err(e) => {
                     failure = Some(e);
