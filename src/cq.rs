@@ -332,6 +332,15 @@ pub(crate) struct CqInner {
     sources: Mutex<Vec<Weak<dyn ProgressSource>>>,
 }
 
+impl CqInner {
+    /// Publishes the number of entries held; called with the `state` lock held (the only writer),
+    /// so a plain store does.
+    fn set_count(&self, s: &CqState) {
+        self.count
+            .store(s.ok.len() + s.err.len(), Ordering::Release);
+    }
+}
+
 /// A completion queue. Cheap to clone; holds its domain.
 #[derive(Clone)]
 pub struct CompletionQueue {
@@ -394,7 +403,7 @@ impl CompletionQueue {
         let mut s = self.inner.state.lock();
         let n = max.min(s.ok.len());
         out.extend(s.ok.drain(..n));
-        self.inner.count.fetch_sub(n, Ordering::Release);
+        self.inner.set_count(&s);
         if n == 0 && !s.err.is_empty() {
             return Err(Error::new(ErrorKind::ErrorAvailable, "cq_read"));
         }
@@ -406,9 +415,7 @@ impl CompletionQueue {
         self.progress();
         let mut s = self.inner.state.lock();
         let e = s.err.pop_front();
-        if e.is_some() {
-            self.inner.count.fetch_sub(1, Ordering::Release);
-        }
+        self.inner.set_count(&s);
         e
     }
 
@@ -483,13 +490,13 @@ impl CompletionQueue {
     pub(crate) fn push(&self, c: Completion) {
         let mut s = self.inner.state.lock();
         s.ok.push_back(c);
-        self.inner.count.fetch_add(1, Ordering::Release);
+        self.inner.set_count(&s);
     }
 
     pub(crate) fn push_err(&self, e: CompletionError) {
         let mut s = self.inner.state.lock();
         s.err.push_back(e);
-        self.inner.count.fetch_add(1, Ordering::Release);
+        self.inner.set_count(&s);
     }
 
     /// Wakes waiters after pushing from outside a device notification.

@@ -1289,23 +1289,20 @@ impl RdmCore {
             return false;
         };
         // The usual cases, straight into the queue.
-        let ev = match (ev, &op.sink) {
-            (Event::Send(s), &Sink::Cq(ctx)) => {
-                match self.send_completion(s, ctx, op.region) {
+        if let (&Sink::Cq(ctx), true) = (&op.sink, matches!(ev, Event::Send(_) | Event::Recv(_))) {
+            match ev {
+                Event::Send(s) => match self.send_completion(s, ctx, op.region) {
                     Ok(c) => self.tx_cq.push(c),
                     Err(e) => self.tx_cq.push_err(e),
-                }
-                return true;
-            }
-            (Event::Recv(r), &Sink::Cq(ctx)) => {
-                match self.recv_completion(r, ctx, op.target, cache) {
+                },
+                Event::Recv(r) => match self.recv_completion(r, ctx, op.target, cache) {
                     Ok(c) => self.rx_cq.push(c),
                     Err(e) => self.rx_cq.push_err(e),
-                }
-                return true;
+                },
+                _ => return false,
             }
-            (ev, _) => ev,
-        };
+            return true;
+        }
         let user_ctx = match &op.sink {
             Sink::Cq(c) => *c,
             Sink::Future(_) => 0,
