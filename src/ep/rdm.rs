@@ -35,6 +35,8 @@ use crate::stats::EndpointStats;
 
 /// Device completions taken per progress pass.
 const POLL_BATCH: usize = 64;
+/// Passes in a row that may leave the device alone because local messages came.
+const MAX_DEVICE_SKIPS: u32 = 4;
 
 /// The time of one progress pass, read from the system clock only if something needs it (an
 /// idle busy poll then reads no clock at all).
@@ -238,6 +240,7 @@ impl EndpointBuilder<Rdm> {
                 local,
                 src_cache: SrcCache::default(),
                 dest_cache: DestCache::default(),
+                device_skips: 0,
                 created: now,
             }),
             stop: Arc::new(AtomicBool::new(false)),
@@ -351,6 +354,8 @@ pub(super) struct State {
     src_cache: SrcCache,
     /// The last destination looked up.
     dest_cache: DestCache,
+    /// Passes in a row that left the device alone (`MAX_DEVICE_SKIPS`).
+    device_skips: u32,
     /// When the endpoint was created (a time for calls that do not use it).
     created: Instant,
 }
@@ -1083,16 +1088,16 @@ impl RdmCore {
             if let Some(l) = st.local.as_mut() {
                 busy |= l.progress(&mut st.engine, &st.ops, clock);
             }
-            let mut batch = std::mem::take(&mut st.scratch);
-            let n = st.qp.poll(&mut batch, POLL_BATCH);
-            if n > 0 {
-                busy = true;
-                let now = clock.now();
-                for c in batch.drain(..) {
-                    self.device_completion(st, now, c);
-                }
-            }
-            st.scratch = batch;
+            // A pass that took local messages delivers them first and leaves the device to the
+            // next pass (at most a few passes in a row).
+            let n = if busy && st.device_skips < MAX_DEVICE_SKIPS {
+                st.device_skips += 1;
+                0
+            } else {
+                st.device_skips = 0;
+                self.poll_device(st, clock)
+            };
+            busy |= n > 0;
             Self::repost_rx(st);
             if let Some(t) = st.engine.poll_timeout() {
                 let now = clock.now();
@@ -1172,6 +1177,20 @@ impl RdmCore {
                 break;
             }
         }
+    }
+
+    /// Takes the device's completions into the engine; returns how many.
+    fn poll_device(&self, st: &mut State, clock: &mut Clock) -> usize {
+        let mut batch = std::mem::take(&mut st.scratch);
+        let n = st.qp.poll(&mut batch, POLL_BATCH);
+        if n > 0 {
+            let now = clock.now();
+            for c in batch.drain(..) {
+                self.device_completion(st, now, c);
+            }
+        }
+        st.scratch = batch;
+        n
     }
 
     /// Posts `sends` as one list; a send the device refuses fails in the engine.
