@@ -61,7 +61,7 @@ const SPIN_WINDOW: Duration = Duration::from_millis(1);
 const SPIN_POLLS: u64 = 256;
 /// Every this many application polls one takes the full pass (with the clock, for timers)
 /// even when [`Shared::idle`] says there is nothing to do.
-const TIMER_POLLS: u64 = 16;
+const TIMER_POLLS: u64 = 64;
 
 /// Hashes the peer table's keys, QPNs, by one multiplication: they are small integers, and a
 /// SipHash per datagram (every acknowledgement looks its sender up) cost more than the lookup.
