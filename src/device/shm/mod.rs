@@ -292,7 +292,7 @@ impl ShmDevice {
                 .with_detail(format!("{} is not a directory", dir.display())));
         }
         let uid = map::uid();
-        let swept = segment::sweep(&dir, uid);
+        let swept = segment::sweep(&dir, uid) + chan::sweep(&dir, uid);
         if swept > 0 {
             tracing::info!(dir = %dir.display(), swept, "shm: removed stale segments of dead processes");
         }
@@ -350,11 +350,13 @@ impl ShmDevice {
             .join(segment::seg_name(self.shared.uid, qpn))
     }
 
-    /// Removes this user's stale files from the directory: segments no live process holds (its
-    /// owner died without closing) and half-created files of processes that no longer exist.
-    /// Returns how many it removed. [`ShmDevice::open`] does this once.
+    /// Removes this user's stale files from the directory: segments and RDM endpoints' message
+    /// channels no live process holds (its owner died without closing) and half-created files of
+    /// processes that no longer exist. Returns how many it removed. [`ShmDevice::open`] does
+    /// this once.
     pub fn sweep(&self) -> usize {
         segment::sweep(&self.shared.dir, self.shared.uid)
+            + chan::sweep(&self.shared.dir, self.shared.uid)
     }
 }
 
