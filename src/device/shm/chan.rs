@@ -263,7 +263,7 @@ impl OwnChan {
         file.set_len(geo.total as u64)?;
         map::allocate(&file, geo.total)?;
         let ino = file.metadata()?.ino();
-        let m = Mapping::map(&file, geo.total)?;
+        let m = Mapping::map_populated(&file, geo.total)?;
         for i in 0..u64::from(geo.slots) {
             store64(&m, geo.slot(i) + S_SEQ, i);
         }
@@ -452,7 +452,8 @@ impl PeerChan {
         let head = Mapping::map(&file, HDR).map_err(|_| OpenError::Unusable("cannot map"))?;
         let geo = read_header(&head, size, netns, dest)?;
         drop(head);
-        let m = Mapping::map(&file, geo.total).map_err(|_| OpenError::Unusable("cannot map"))?;
+        let m = Mapping::map_populated(&file, geo.total)
+            .map_err(|_| OpenError::Unusable("cannot map"))?;
         if read_header(&m, geo.total, netns, dest)? != geo {
             return Err(OpenError::Unusable("header changed while opening"));
         }

@@ -35,6 +35,16 @@ impl Mapping {
     /// Maps the first `len` bytes of `file` (which must be at least that long; the caller checks
     /// the file size first so no access can fall beyond the end of the file).
     pub(crate) fn map(file: &File, len: usize) -> io::Result<Mapping> {
+        Self::map_flags(file, len, libc::MAP_SHARED)
+    }
+
+    /// [`Mapping::map`] with every page mapped now (`MAP_POPULATE`): the first touches of a ring
+    /// (a page fault each, on both sides) then happen at setup, not on a message's path.
+    pub(crate) fn map_populated(file: &File, len: usize) -> io::Result<Mapping> {
+        Self::map_flags(file, len, libc::MAP_SHARED | libc::MAP_POPULATE)
+    }
+
+    fn map_flags(file: &File, len: usize, flags: libc::c_int) -> io::Result<Mapping> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
         }
@@ -45,7 +55,7 @@ impl Mapping {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                flags,
                 file.as_raw_fd(),
                 0,
             )
