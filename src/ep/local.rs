@@ -54,6 +54,11 @@ const SLOTS: u32 = 256;
 const CHUNK: u32 = (16 << 10) - 64;
 /// Slots read per progress pass at most.
 const DRAIN_BATCH: usize = 64;
+/// A slot reserved and not published for this long is given up (its producer died between the
+/// two steps).
+const STUCK_SLOT: Duration = Duration::from_secs(5);
+/// Idle busy polls between two looks for such a slot.
+const STUCK_CHECK_POLLS: u64 = 4096;
 /// How often peers with waiting sends are checked for life.
 const CHECK_EVERY: Duration = Duration::from_millis(10);
 /// Progress passes without any send completing or moving, while sends wait, between two looks
@@ -201,6 +206,8 @@ pub(super) struct LocalPath {
     stuck: u32,
     /// The last drain stopped at its batch limit: more may be in the ring.
     pub(super) more: bool,
+    /// A reserved, unpublished head slot and since when (see `STUCK_SLOT`).
+    stuck_head: Option<(u64, Instant)>,
 }
 
 impl LocalPath {
@@ -279,6 +286,7 @@ impl LocalPath {
             blocked: false,
             stuck: 0,
             more: false,
+            stuck_head: None,
         })
     }
 
@@ -590,6 +598,11 @@ impl LocalPath {
             .polls
             .store(polls.wrapping_add(1), Ordering::Relaxed);
         let mut busy = self.drain(engine, clock);
+        if busy {
+            self.stuck_head = None;
+        } else if polls % STUCK_CHECK_POLLS == 0 || !self.shared.app_polls.load(Ordering::Relaxed) {
+            self.check_stuck(engine, clock);
+        }
         while let Some((src, token)) = engine.take_local_receipt() {
             busy = true;
             match self.route(engine, &src) {
@@ -785,6 +798,29 @@ impl LocalPath {
         }
         self.more = n >= DRAIN_BATCH;
         n > 0
+    }
+
+    /// Gives up on a head slot a producer reserved and has not published for `STUCK_SLOT`.
+    fn check_stuck(&mut self, engine: &mut Engine, clock: &mut Clock) {
+        let Some(head) = self.own.reserved_head() else {
+            self.stuck_head = None;
+            return;
+        };
+        let now = clock.now();
+        match self.stuck_head {
+            Some((h, since)) if h == head => {
+                if now.saturating_duration_since(since) >= STUCK_SLOT {
+                    tracing::warn!(
+                        pos = head,
+                        "local path: a slot reserved and never published (its sender died?) is skipped"
+                    );
+                    engine.local_malformed("local slot reserved and never published");
+                    self.own.skip_head();
+                    self.stuck_head = None;
+                }
+            }
+            _ => self.stuck_head = Some((head, now)),
+        }
     }
 
     fn stall(&mut self) {
@@ -989,6 +1025,7 @@ fn waiter(s: Arc<Shared>) {
         if s.ring.ready()
             || s.waiting.load(Ordering::Relaxed)
             || bell.load(Ordering::Acquire) != seen
+            || s.ring.stuck()
         {
             if let Some(src) = s.source.get().and_then(Weak::upgrade) {
                 src.progress();

@@ -203,6 +203,17 @@ impl OwnRing {
             .is_some_and(|w| w.load(Ordering::Acquire) == head.wrapping_add(1))
     }
 
+    /// True when a producer reserved the head slot and has not published it (the waiter's
+    /// occasional check; reads the producers' tail line).
+    pub(crate) fn stuck(&self) -> bool {
+        let head = self.head.load(Ordering::Relaxed);
+        let tail = self
+            .map
+            .u64(H_TAIL)
+            .map_or(head, |w| w.load(Ordering::Acquire));
+        tail.wrapping_sub(head) as i64 > 0 && !self.ready()
+    }
+
     /// The doorbell word and its current value.
     pub(crate) fn bell(&self) -> Option<&AtomicU32> {
         self.map.u32(H_BELL)
@@ -364,6 +375,28 @@ impl OwnChan {
             w.store(head.wrapping_add(u64::from(r.geo.slots)), Ordering::Release);
         }
         r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// The head position when a producer has reserved it (the tail is past it) but not
+    /// published it yet; `None` when the head is published or the ring is empty. Reads the
+    /// tail's cache line, which the producers write: for the occasional check of a stuck ring.
+    pub(crate) fn reserved_head(&self) -> Option<u64> {
+        let r = &*self.ring;
+        let head = r.head.load(Ordering::Relaxed);
+        let tail = r.map.u64(H_TAIL)?.load(Ordering::Acquire);
+        let reserved = tail.wrapping_sub(head) as i64 > 0;
+        let published = r
+            .word(r.geo.slot(head) + S_SEQ)
+            .is_some_and(|w| w.load(Ordering::Acquire) == head.wrapping_add(1));
+        (reserved && !published).then_some(head)
+    }
+
+    /// Gives up on the reserved, never published head slot (its producer died between reserving
+    /// and publishing) and moves on: the slot is freed for the next lap as if consumed. A
+    /// producer that was only stopped and publishes later writes into a slot of the next lap,
+    /// whose consumer sees a sequence of the wrong lap and waits: it is skipped in turn.
+    pub(crate) fn skip_head(&self) {
+        self.pop();
     }
 
     /// Marks the channel closed and removes its name and lock: peers see it gone. The mapping
@@ -572,6 +605,16 @@ impl PeerChan {
         }
     }
 
+    /// Reserves a slot and never publishes it (what a producer that dies at the wrong moment
+    /// leaves behind).
+    #[cfg(test)]
+    fn reserve_only(&self) -> Option<u64> {
+        let tail = self.map.u64(H_TAIL)?;
+        let pos = tail.load(Ordering::Relaxed);
+        tail.compare_exchange(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
+            .ok()
+    }
+
     /// The closed flag, then the owner's lock.
     pub(crate) fn liveness(&self) -> Liveness {
         if self
@@ -772,6 +815,44 @@ mod tests {
             own.pop();
         }
         assert!(own.peek().is_none());
+    }
+
+    #[test]
+    fn a_slot_reserved_and_never_published_can_be_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let geo = Geometry::new(4, 64).unwrap();
+        let own = OwnChan::create(dir.path(), map::uid(), 1, &addr(1), geo)
+            .unwrap()
+            .unwrap();
+        let peer = PeerChan::open(dir.path(), map::uid(), 1, &addr(1)).unwrap();
+        assert_eq!(own.reserved_head(), None, "empty ring");
+        let h = SlotHdr {
+            kind: K_MSG,
+            flags: 0,
+            len: 0,
+            tag: 0,
+            word: 3,
+            data: 0,
+            token: 0,
+        };
+        let src = encode_addr(&addr(2));
+        assert_eq!(peer.reserve_only(), Some(0));
+        assert_eq!(peer.push(&h, &src, b"abc"), Some(1));
+        assert!(
+            own.peek().is_none(),
+            "the message waits behind the reserved slot"
+        );
+        assert_eq!(own.reserved_head(), Some(0));
+        own.skip_head();
+        assert_eq!(own.reserved_head(), None);
+        let head = own.peek().expect("the message behind it");
+        assert_eq!(head.hdr.word, 3);
+        own.pop();
+        // The skipped slot is free for the next lap.
+        for _ in 0..4 {
+            assert!(peer.push(&h, &src, b"abc").is_some());
+            own.pop();
+        }
     }
 
     #[test]
