@@ -489,7 +489,7 @@ impl LocalPath {
             let Some(out) = p.queue.pop_front() else {
                 break;
             };
-            self.queued -= 1;
+            self.queued = self.queued.saturating_sub(1);
             if let Out::Msg(m) = out {
                 match m.dc {
                     Some(token) => {
@@ -867,7 +867,7 @@ impl LocalPath {
             p.gone = Some(l);
             let q = std::mem::take(&mut p.queue);
             p.dc_waiting = 0;
-            self.queued -= q.len();
+            self.queued = self.queued.saturating_sub(q.len());
             let unconsumed = std::mem::take(&mut p.unconsumed);
             for out in q {
                 self.fail(engine, out, i, l);
