@@ -476,3 +476,40 @@ fn two_processes_exchange_every_size() {
     assert!(child.wait().unwrap().success(), "seed {seed}: child failed");
     assert_eq!(node.ep.stats().local_rx_msgs, m.len() as u64);
 }
+
+/// Neither side polls: each thread sleeps in `wait` until its completion arrives, so the
+/// endpoints' waiter threads must move the message, complete the receive and tell the sender
+/// that its message was consumed (a bounded wait that times out fails the test).
+#[test]
+fn waiters_move_messages_while_both_sides_sleep_in_wait() {
+    let dir = test_dir();
+    let (d, _) = shm_domain(dir.path());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    let pa = b.insert(a.ep.addr());
+    let limit = Some(Duration::from_secs(30));
+    for round in 0..20u64 {
+        b.ep.recv(BytesMut::with_capacity(4096), round).unwrap();
+        // Let both waiters see idle applications before the message comes.
+        std::thread::sleep(Duration::from_millis(3));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut out = Vec::new();
+                let n =
+                    b.cq.wait(&mut out, 1, limit)
+                        .expect("receive within the limit");
+                assert_eq!(n, 1);
+                assert_eq!(out[0].context, round);
+                assert_eq!(out[0].source, Some(pa));
+                assert_eq!(out[0].buf.as_recv().unwrap(), &payload(round, 0, 3000)[..]);
+            });
+            a.ep.send(pb, payload(round, 0, 3000), 100 + round).unwrap();
+            let mut out = Vec::new();
+            let n =
+                a.cq.wait(&mut out, 1, limit)
+                    .expect("send completion within the limit");
+            assert_eq!((n, out[0].context), (1, 100 + round));
+        });
+    }
+    assert_eq!(b.ep.stats().local_rx_msgs, 20);
+}
