@@ -44,7 +44,7 @@ use crate::device::shm::chan::{
 use crate::device::shm::map;
 use crate::error::Error;
 use crate::notify::{Notifier, SleepHook};
-use crate::proto::engine::{Engine, Event, LocalFirst, LocalMsg, RecvDone, SendDone};
+use crate::proto::engine::{Engine, Event, LocalMsg, SendDone};
 
 /// Slots of a channel's ring.
 const SLOTS: u32 = 256;
@@ -587,29 +587,22 @@ impl LocalPath {
 
     /// One progress step: reads the own ring into the engine, answers delivery-complete
     /// messages, retries waiting sends and checks on peers. True when anything moved.
-    ///
-    /// The messages that arrive whole into a waiting receive are handed to `on_recv` as they
-    /// are read (at most `room` of them: the completion queue's room); the rest of the engine's
-    /// completions come out of `poll_event` as usual.
     pub(super) fn progress(
         &mut self,
         engine: &mut Engine,
-        ops: &mut Slab<OpState>,
+        ops: &Slab<OpState>,
         clock: &mut Clock,
-        room: usize,
-        on_recv: &mut dyn FnMut(&mut Slab<OpState>, RecvDone),
     ) -> bool {
         let polls = self.shared.polls.load(Ordering::Relaxed);
         self.shared
             .polls
             .store(polls.wrapping_add(1), Ordering::Relaxed);
-        let mut busy = self.drain(engine, clock, room, &mut |r| on_recv(ops, r));
+        let mut busy = self.drain(engine, clock);
         if busy {
             self.stuck_head = None;
         } else if polls % STUCK_CHECK_POLLS == 0 || !self.shared.app_polls.load(Ordering::Relaxed) {
             self.check_stuck(engine, clock);
         }
-        let ops: &Slab<OpState> = ops;
         while let Some((src, token)) = engine.take_local_receipt() {
             busy = true;
             match self.route(engine, &src) {
@@ -686,17 +679,11 @@ impl LocalPath {
     }
 
     /// Reads up to a batch of slots of the own ring.
-    fn drain(
-        &mut self,
-        engine: &mut Engine,
-        clock: &mut Clock,
-        mut room: usize,
-        on_recv: &mut dyn FnMut(RecvDone),
-    ) -> bool {
+    fn drain(&mut self, engine: &mut Engine, clock: &mut Clock) -> bool {
         let mut n = 0;
         let mut senders: [Option<usize>; 2] = [None; 2];
         let mut more_senders = false;
-        while n < DRAIN_BATCH && room > 0 {
+        while n < DRAIN_BATCH {
             let Some(h) = self.own.peek() else { break };
             let Some(src) = h.src else {
                 engine.local_malformed("local slot with a bad length or sender");
@@ -746,16 +733,7 @@ impl LocalPath {
                             engine.local_abort(rid);
                         }
                     }
-                    let (rid, whole) =
-                        match engine.local_first(clock.cached(), src, &m, len, &mut copy) {
-                            LocalFirst::Received(r) => (None, Some(r)),
-                            LocalFirst::More(rid) => (Some(rid), None),
-                            LocalFirst::Taken => (None, None),
-                        };
-                    if let Some(r) = whole {
-                        room -= 1;
-                        on_recv(r);
-                    }
+                    let rid = engine.local_first(clock.cached(), src, &m, len, &mut copy);
                     if len < m.msg_len {
                         self.inbound.insert(
                             src,

@@ -1085,23 +1085,8 @@ impl RdmCore {
     pub(super) fn pump_with(&self, st: &mut State, clock: &mut Clock) {
         loop {
             let mut busy = false;
-            let mut delivered = false;
-            {
-                let State {
-                    local,
-                    engine,
-                    ops,
-                    src_cache,
-                    ..
-                } = &mut *st;
-                if let Some(l) = local.as_mut() {
-                    // Messages taken whole go straight to the completion queue.
-                    let room = self.rx_cq.room();
-                    let mut deliver = |ops: &mut Slab<OpState>, r: RecvDone| {
-                        delivered |= self.deliver(ops, src_cache, Event::Recv(r));
-                    };
-                    busy |= l.progress(engine, ops, clock, room, &mut deliver);
-                }
+            if let Some(l) = st.local.as_mut() {
+                busy |= l.progress(&mut st.engine, &st.ops, clock);
             }
             // A pass that took local messages delivers them first and leaves the device to the
             // next pass (at most a few passes in a row).
@@ -1162,6 +1147,7 @@ impl RdmCore {
                 Self::post_sends(st, now, &mut sends);
                 st.sends = sends;
             }
+            let mut delivered = false;
             while st.engine.has_events() && self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
                 let Some(ev) = st.engine.poll_event() else {
                     break;

@@ -40,7 +40,7 @@ mod rx;
 mod tx;
 mod util;
 
-pub use local::{CopyFn, LocalFirst, LocalMsg};
+pub use local::{CopyFn, LocalMsg};
 use peer::{AddrCache, Peer};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;

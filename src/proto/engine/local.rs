@@ -14,7 +14,7 @@ use bytes::BytesMut;
 
 use super::rx::{Kind, RxEntry, RxState, Sink};
 use super::util::RangeSet;
-use super::{Done, Engine, RecvDone};
+use super::{Done, Engine};
 use crate::addr::RawAddr;
 use crate::proto::matching::Unexpected;
 
@@ -23,18 +23,6 @@ pub(super) const LOCAL_PEER: u64 = u64::MAX;
 
 /// Appends `n` bytes of the chunk being delivered to the buffer (which has the room).
 pub type CopyFn<'a> = &'a mut dyn FnMut(&mut BytesMut, usize);
-
-/// What became of a local message's first chunk ([`Engine::local_first`]).
-#[derive(Debug)]
-pub enum LocalFirst {
-    /// The whole message is in the receive buffer that was waiting for it: its completion, for
-    /// the caller to deliver (it does not go through [`Engine::poll_event`]).
-    Received(RecvDone),
-    /// More chunks follow: pass them to [`Engine::local_next`] with this id.
-    More(u32),
-    /// Taken otherwise: held as unexpected, dropped, or completed through `poll_event`.
-    Taken,
-}
 
 /// The first chunk's description of a local message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,9 +52,9 @@ fn place_local(sink: &mut Sink, off: usize, n: usize, copy: CopyFn<'_>) {
 }
 
 impl Engine {
-    /// The first chunk (`n` bytes) of a message from `src` on the local path: see
-    /// [`LocalFirst`]. A message dropped for the memory bounds is `Taken` (its further chunks
-    /// are then refused too).
+    /// The first chunk (`n` bytes) of a message from `src` on the local path. Returns the id to
+    /// pass with the message's further chunks, `None` when this chunk was all of it (or the
+    /// message was dropped for the memory bounds: its further chunks are then refused too).
     ///
     /// `now`: the time if the caller read it; the engine reads the clock only when it must
     /// (a message that is not taken whole by a waiting receive).
@@ -77,10 +65,10 @@ impl Engine {
         m: &LocalMsg,
         n: usize,
         copy: CopyFn<'_>,
-    ) -> LocalFirst {
+    ) -> Option<u32> {
         if self.closed || n > m.msg_len {
             self.drop_pkt("local message: endpoint closed or chunk beyond its length");
-            return LocalFirst::Taken;
+            return None;
         }
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
@@ -101,26 +89,15 @@ impl Engine {
                     data: m.data,
                     dc_send_id: m.dc_token,
                 };
-                if sink.multi.is_some() {
-                    // A piece of a multi-receive buffer may retire it: its completions keep
-                    // their order through the event queue.
-                    self.finish_rx(sink, &done);
-                    return LocalFirst::Taken;
-                }
-                return match self.recv_done(sink, &done) {
-                    Some(r) => {
-                        self.piece_done(None);
-                        LocalFirst::Received(r)
-                    }
-                    None => LocalFirst::Taken,
-                };
+                self.finish_rx(sink, &done);
+                return None;
             }
         }
         let now = now.unwrap_or_else(Instant::now);
         if posted.is_none() && self.buffered_msgs >= self.limits.max_buffered_msgs {
             self.stats.dropped_pkts += 1;
             tracing::debug!("too many messages held (max_buffered_msgs): local message dropped");
-            return LocalFirst::Taken;
+            return None;
         }
         let rid = self.alloc_rx_id();
         self.rx.insert(
@@ -167,11 +144,7 @@ impl Engine {
             }
         }
         self.local_data(now, rid, 0, n, copy);
-        if self.rx.contains_key(&rid) {
-            LocalFirst::More(rid)
-        } else {
-            LocalFirst::Taken
-        }
+        self.rx.contains_key(&rid).then_some(rid)
     }
 
     /// A further chunk (`n` bytes at message offset `off`) of local message `rid` from `src`.

@@ -812,17 +812,6 @@ impl Engine {
 
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
     pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done) {
-        let multi = sink.multi;
-        if let Some(r) = self.recv_done(sink, msg) {
-            self.events.push_back(Event::Recv(r));
-            self.piece_done(multi);
-        }
-    }
-
-    /// The completion of a message in its buffer (RECEIPT for delivery complete queued, counters
-    /// counted); `None` for a discarded message. The caller pushes it, then calls `piece_done`
-    /// (for a message that had a receive).
-    pub(super) fn recv_done(&mut self, sink: Sink, msg: &Done) -> Option<RecvDone> {
         if let Some(send_id) = msg.dc_send_id {
             if msg.peer == super::local::LOCAL_PEER {
                 self.local_receipts.push_back((msg.src, send_id));
@@ -835,7 +824,7 @@ impl Engine {
                 self.queue_ctrl(msg.peer, &r);
             }
         }
-        let context = sink.context?;
+        let Some(context) = sink.context else { return };
         let olen = msg.msg_len - sink.place;
         let error = if olen > 0 {
             self.stats.errors += 1;
@@ -851,7 +840,7 @@ impl Engine {
             self.stats.rx_bytes += sink.place as u64;
             None
         };
-        Some(RecvDone {
+        self.events.push_back(Event::Recv(RecvDone {
             context,
             buf: sink.buf,
             len: sink.place,
@@ -861,7 +850,8 @@ impl Engine {
             src: Some(msg.src),
             multi_recv_done: false,
             error,
-        })
+        }));
+        self.piece_done(sink.multi);
     }
 
     /// A receive ends without its message (peer failure, stall, close): an error completion
