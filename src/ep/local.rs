@@ -367,7 +367,6 @@ impl LocalPath {
                     let h = first_hdr(o.tag, o.data, None, len);
                     if let Some(pos) = p.chan.push(&h, &self.me, data) {
                         p.chan.ring_bell_if_asleep();
-                        p.chan.warm_next(pos);
                         if p.unconsumed.is_empty() {
                             self.consuming.push(peer);
                         }
@@ -523,9 +522,6 @@ impl LocalPath {
         if pushed {
             if let Some(p) = self.peers.get(peer) {
                 p.chan.ring_bell_if_asleep();
-                if let Some(u) = p.unconsumed.back() {
-                    p.chan.warm_next(u.pos);
-                }
             }
         }
         self.publish_waiting();

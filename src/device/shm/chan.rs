@@ -596,15 +596,6 @@ impl PeerChan {
         }
     }
 
-    /// Touches the sequence word of the slot after `pos`, so that the next push finds its line
-    /// in the cache (it was last written by the owner, a lap ago).
-    pub(crate) fn warm_next(&self, pos: u64) {
-        let off = self.geo.slot(pos.wrapping_add(1)) + S_SEQ;
-        if let Some(w) = self.map.u64(off) {
-            std::hint::black_box(w.load(Ordering::Relaxed));
-        }
-    }
-
     /// Reserves a slot and never publishes it (what a producer that dies at the wrong moment
     /// leaves behind).
     #[cfg(test)]
