@@ -513,3 +513,40 @@ fn waiters_move_messages_while_both_sides_sleep_in_wait() {
     }
     assert_eq!(b.ep.stats().local_rx_msgs, 20);
 }
+
+/// Dropping an endpoint closes it there and then: its channel file is gone when `drop` returns,
+/// even while its waiter thread is driving it (the waiter never ends up with the last reference,
+/// which would close the endpoint later on its own thread).
+#[test]
+fn dropping_an_endpoint_removes_its_channel_at_once() {
+    let dir = test_dir();
+    let (d, _) = shm_domain(dir.path());
+    let a = Node::new(&d);
+    let chans = || {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("efa-chan-")
+            })
+            .count()
+    };
+    for i in 0..100u64 {
+        let b = Node::new(&d);
+        assert_eq!(chans(), 2);
+        let pb = a.insert(b.ep.addr());
+        b.ep.recv(BytesMut::with_capacity(8), 1).unwrap();
+        // b never polls: its waiter takes the message in while b is dropped.
+        a.ep.send(pb, Bytes::from_static(b"x"), i).unwrap();
+        std::thread::sleep(Duration::from_micros(50 * (i % 7)));
+        drop(b);
+        assert_eq!(
+            chans(),
+            1,
+            "round {i}: the dropped endpoint's channel is still there"
+        );
+    }
+}

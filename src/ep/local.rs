@@ -86,6 +86,44 @@ struct Shared {
     stop: AtomicBool,
     /// The endpoint, which the waiter drives while the application does not poll.
     source: OnceLock<Weak<dyn ProgressSource>>,
+    /// The waiter holds the endpoint (a strong reference) for a progress pass.
+    driving: AtomicBool,
+    /// The application's handle is being dropped: the waiter takes no strong reference.
+    paused: AtomicBool,
+}
+
+impl Shared {
+    /// One progress pass of the endpoint from the waiter, unless the handle is being dropped.
+    /// (Otherwise the waiter could end up with the last reference, and the endpoint would be
+    /// closed on its thread, after the application's thread went on — maybe out of `main`,
+    /// with the channel file still there.)
+    fn drive(&self) {
+        self.driving.store(true, Ordering::SeqCst);
+        if !self.paused.load(Ordering::SeqCst) {
+            if let Some(src) = self.source.get().and_then(Weak::upgrade) {
+                src.progress();
+            }
+        }
+        self.driving.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Lets the application's handle keep the waiter from holding the endpoint while it drops it.
+pub(super) struct WaiterGate(Arc<Shared>);
+
+impl WaiterGate {
+    /// Stops the waiter from taking the endpoint and waits for a pass it is in to end.
+    pub(super) fn pause(&self) {
+        self.0.paused.store(true, Ordering::SeqCst);
+        while self.0.driving.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Lets the waiter drive the endpoint again.
+    pub(super) fn resume(&self) {
+        self.0.paused.store(false, Ordering::SeqCst);
+    }
 }
 
 /// A send (or acknowledgement) waiting for room in a peer's ring.
@@ -248,6 +286,8 @@ impl LocalPath {
             sleeping: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             source: OnceLock::new(),
+            driving: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
         });
         let s = shared.clone();
         let waiter = std::thread::Builder::new()
@@ -534,6 +574,11 @@ impl LocalPath {
         self.shared.waiting.store(w, Ordering::Relaxed);
     }
 
+    /// The handle that keeps the waiter from the endpoint while the application drops it.
+    pub(super) fn gate(&self) -> WaiterGate {
+        WaiterGate(self.shared.clone())
+    }
+
     /// The endpoint the waiter thread drives while the application does not poll.
     pub(super) fn set_source(&self, source: Weak<dyn ProgressSource>) {
         let _ = self.shared.source.set(source);
@@ -593,6 +638,10 @@ impl LocalPath {
         self.shared
             .polls
             .store(polls.wrapping_add(1), Ordering::Relaxed);
+        // Slots the last pass consumed are freed now, after the replies they led to.
+        if self.own.unreleased() {
+            self.own.release();
+        }
         let mut busy = self.drain(engine, clock);
         if busy {
             self.stuck_head = None;
@@ -646,6 +695,10 @@ impl LocalPath {
             }
         }
         self.publish_waiting();
+        if self.own.unreleased() && !self.shared.app_polls.load(Ordering::Relaxed) {
+            // Nobody may poll again soon: free what was consumed now.
+            self.own.release();
+        }
         busy
     }
 
@@ -683,7 +736,7 @@ impl LocalPath {
             let Some(h) = self.own.peek() else { break };
             let Some(src) = h.src else {
                 engine.local_malformed("local slot with a bad length or sender");
-                self.own.pop();
+                self.own.consume();
                 n += 1;
                 continue;
             };
@@ -745,7 +798,7 @@ impl LocalPath {
                     let off = usize::try_from(h.hdr.word).unwrap_or(usize::MAX);
                     let Some(inb) = self.inbound.get_mut(&src) else {
                         engine.local_malformed("local chunk of no message");
-                        self.own.pop();
+                        self.own.consume();
                         n += 1;
                         continue;
                     };
@@ -755,7 +808,7 @@ impl LocalPath {
                             engine.local_abort(rid);
                         }
                         self.inbound.remove(&src);
-                        self.own.pop();
+                        self.own.consume();
                         n += 1;
                         continue;
                     }
@@ -774,7 +827,7 @@ impl LocalPath {
                 K_DC_ACK => self.dc_acked(engine, h.hdr.token),
                 _ => engine.local_malformed("local slot of an unknown kind"),
             }
-            self.own.pop();
+            self.own.consume();
             self.blocked = false;
             n += 1;
         }
@@ -1022,10 +1075,9 @@ fn waiter(s: Arc<Shared>) {
             || s.waiting.load(Ordering::Relaxed)
             || bell.load(Ordering::Acquire) != seen
             || s.ring.stuck()
+            || s.ring.unreleased()
         {
-            if let Some(src) = s.source.get().and_then(Weak::upgrade) {
-                src.progress();
-            }
+            s.drive();
         }
     }
 }

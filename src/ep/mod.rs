@@ -39,6 +39,9 @@ pub trait EndpointKind: sealed::Sealed + Sized + 'static {
     /// Marker deciding `Sync`: `Endpoint<Dgram>` is `Send` but not `Sync` (like `FI_THREAD_DOMAIN`).
     #[doc(hidden)]
     type Marker: Send;
+    /// Called when the application's handle is dropped, before its reference to the core goes.
+    #[doc(hidden)]
+    fn handle_dropped(_core: &std::sync::Arc<Self::Core>) {}
 }
 
 /// Datagram endpoints: unreliable, unordered messages of at most one MTU, straight on the
@@ -60,6 +63,9 @@ impl EndpointKind for Rdm {
     const EP_TYPE: EpType = EpType::Rdm;
     type Core = RdmCore;
     type Marker = ();
+    fn handle_dropped(core: &std::sync::Arc<RdmCore>) {
+        RdmCore::handle_dropped(core);
+    }
 }
 
 impl EndpointKind for Dgram {
@@ -74,6 +80,12 @@ impl EndpointKind for Dgram {
 pub struct Endpoint<K: EndpointKind> {
     pub(crate) core: std::sync::Arc<K::Core>,
     _marker: PhantomData<K::Marker>,
+}
+
+impl<K: EndpointKind> Drop for Endpoint<K> {
+    fn drop(&mut self) {
+        K::handle_dropped(&self.core);
+    }
 }
 
 impl<K: EndpointKind> fmt::Debug for Endpoint<K> {

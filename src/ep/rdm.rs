@@ -1474,6 +1474,23 @@ impl RdmCore {
     }
 }
 
+impl RdmCore {
+    /// The application's handle goes: unless operations in flight (futures) keep the endpoint,
+    /// its thread is to drop the last reference, so the endpoint closes there and then (its
+    /// local channel file removed before the application goes on), not later on the local
+    /// waiter's thread.
+    pub(super) fn handle_dropped(core: &Arc<RdmCore>) {
+        let gate = core.state.lock().local.as_ref().map(LocalPath::gate);
+        if let Some(g) = gate {
+            g.pause();
+            if Arc::strong_count(core) > 1 {
+                // Futures still hold the endpoint: the waiter goes on driving it for them.
+                g.resume();
+            }
+        }
+    }
+}
+
 impl ProgressSource for RdmCore {
     fn progress(&self) {
         self.progress_quick();
