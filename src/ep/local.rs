@@ -638,10 +638,6 @@ impl LocalPath {
         self.shared
             .polls
             .store(polls.wrapping_add(1), Ordering::Relaxed);
-        // Slots the last pass consumed are freed now, after the replies they led to.
-        if self.own.unreleased() {
-            self.own.release();
-        }
         let mut busy = self.drain(engine, clock);
         if busy {
             self.stuck_head = None;
@@ -695,10 +691,6 @@ impl LocalPath {
             }
         }
         self.publish_waiting();
-        if self.own.unreleased() && !self.shared.app_polls.load(Ordering::Relaxed) {
-            // Nobody may poll again soon: free what was consumed now.
-            self.own.release();
-        }
         busy
     }
 
@@ -736,7 +728,7 @@ impl LocalPath {
             let Some(h) = self.own.peek() else { break };
             let Some(src) = h.src else {
                 engine.local_malformed("local slot with a bad length or sender");
-                self.own.consume();
+                self.own.pop();
                 n += 1;
                 continue;
             };
@@ -798,7 +790,7 @@ impl LocalPath {
                     let off = usize::try_from(h.hdr.word).unwrap_or(usize::MAX);
                     let Some(inb) = self.inbound.get_mut(&src) else {
                         engine.local_malformed("local chunk of no message");
-                        self.own.consume();
+                        self.own.pop();
                         n += 1;
                         continue;
                     };
@@ -808,7 +800,7 @@ impl LocalPath {
                             engine.local_abort(rid);
                         }
                         self.inbound.remove(&src);
-                        self.own.consume();
+                        self.own.pop();
                         n += 1;
                         continue;
                     }
@@ -827,7 +819,7 @@ impl LocalPath {
                 K_DC_ACK => self.dc_acked(engine, h.hdr.token),
                 _ => engine.local_malformed("local slot of an unknown kind"),
             }
-            self.own.consume();
+            self.own.pop();
             self.blocked = false;
             n += 1;
         }
@@ -1075,7 +1067,6 @@ fn waiter(s: Arc<Shared>) {
             || s.waiting.load(Ordering::Relaxed)
             || bell.load(Ordering::Acquire) != seen
             || s.ring.stuck()
-            || s.ring.unreleased()
         {
             s.drive();
         }

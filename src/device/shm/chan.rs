@@ -189,9 +189,6 @@ pub(crate) struct OwnRing {
     geo: Geometry,
     /// The next position to consume (written by the consumer only).
     head: AtomicU64,
-    /// Positions below this one are freed for the producers; `released..head` are consumed
-    /// but not freed yet ([`OwnChan::release`]).
-    released: AtomicU64,
 }
 
 impl OwnRing {
@@ -204,11 +201,6 @@ impl OwnRing {
         let head = self.head.load(Ordering::Relaxed);
         self.word(self.geo.slot(head) + S_SEQ)
             .is_some_and(|w| w.load(Ordering::Acquire) == head.wrapping_add(1))
-    }
-
-    /// True when consumed slots wait to be freed ([`OwnChan::release`]).
-    pub(crate) fn unreleased(&self) -> bool {
-        self.released.load(Ordering::Relaxed) != self.head.load(Ordering::Relaxed)
     }
 
     /// True when a producer reserved the head slot and has not published it (the waiter's
@@ -307,7 +299,6 @@ impl OwnChan {
                             map: m,
                             geo,
                             head: AtomicU64::new(0),
-                            released: AtomicU64::new(0),
                         }),
                         file: Some(file),
                         path,
@@ -376,39 +367,14 @@ impl OwnChan {
         n <= h.hdr.len as usize && self.ring.map.read_into(h.data_off, n, buf)
     }
 
-    /// Frees the head slot for the producers of the next lap (consumes it and releases every
-    /// slot consumed so far).
+    /// Frees the head slot for the producers of the next lap.
     pub(crate) fn pop(&self) {
-        self.consume();
-        self.release();
-    }
-
-    /// Moves past the head slot without freeing it yet: the store that frees a slot needs its
-    /// cache line back from the producer's core, and the next atomic instruction of this thread
-    /// would wait for it. [`Self::release`] frees consumed slots later, off the path of a reply.
-    pub(crate) fn consume(&self) {
         let r = &*self.ring;
         let head = r.head.load(Ordering::Relaxed);
-        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
-    }
-
-    /// Frees the slots consumed and not yet freed.
-    pub(crate) fn release(&self) {
-        let r = &*self.ring;
-        let head = r.head.load(Ordering::Relaxed);
-        let mut pos = r.released.load(Ordering::Relaxed);
-        while pos != head {
-            if let Some(w) = r.word(r.geo.slot(pos) + S_SEQ) {
-                w.store(pos.wrapping_add(u64::from(r.geo.slots)), Ordering::Release);
-            }
-            pos = pos.wrapping_add(1);
+        if let Some(w) = r.word(r.geo.slot(head) + S_SEQ) {
+            w.store(head.wrapping_add(u64::from(r.geo.slots)), Ordering::Release);
         }
-        r.released.store(head, Ordering::Relaxed);
-    }
-
-    /// True when consumed slots wait to be freed.
-    pub(crate) fn unreleased(&self) -> bool {
-        self.ring.unreleased()
+        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// The head position when a producer has reserved it (the tail is past it) but not
