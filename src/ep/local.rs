@@ -745,8 +745,15 @@ impl LocalPath {
             }
             let own = &self.own;
             let len = h.hdr.len as usize;
+            // The slot is freed as soon as its data is copied: the free moves the slot's cache
+            // line to this core, and that transfer then overlaps the matching's remaining work.
+            let popped = std::cell::Cell::new(false);
             let mut copy = |b: &mut BytesMut, k: usize| {
                 own.copy(&h, k, b);
+                if !popped.get() {
+                    popped.set(true);
+                    own.pop();
+                }
             };
             match h.hdr.kind {
                 K_MSG => {
@@ -819,7 +826,9 @@ impl LocalPath {
                 K_DC_ACK => self.dc_acked(engine, h.hdr.token),
                 _ => engine.local_malformed("local slot of an unknown kind"),
             }
-            self.own.pop();
+            if !popped.get() {
+                self.own.pop();
+            }
             self.blocked = false;
             n += 1;
         }
