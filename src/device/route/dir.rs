@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use crate::addr::{Gid, RawAddr};
-use crate::device::shm::map;
+use crate::device::shm::map::{self, lock_free, open_existing, remove_if_same, remove_if_stale};
 
 /// Name prefix of every file of the routing directory.
 pub const PREFIX: &str = "efa-route-";
@@ -121,28 +121,6 @@ impl Drop for Entry {
     }
 }
 
-/// Removes `path` if it still names inode `ino`.
-fn remove_if_same(path: &Path, ino: u64) -> bool {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.ino() == ino => std::fs::remove_file(path).is_ok(),
-        _ => false,
-    }
-}
-
-/// Opens an existing file for probing or reading: no symlinks followed, never created.
-fn open_existing(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-}
-
-/// True when nobody holds the lock of `f` (its owner is gone). Errors count as "held".
-/// (Taking it exclusively is the probe; it is released when `f` is closed.)
-fn lock_free(f: &File) -> bool {
-    map::try_lock_exclusive(f).unwrap_or(false)
-}
-
 /// Publishes the entry `info` in `dir` (user `uid`). `Ok(None)` when a live owner already holds
 /// the name (the same primary address published by another process, e.g. in another network
 /// namespace): the queue pair then runs without a local path for receiving.
@@ -158,24 +136,11 @@ pub fn publish(dir: &Path, uid: u32, info: &EntryInfo) -> io::Result<Option<Entr
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&tmp)?;
-    let result = (|| {
+    let result = (|| -> io::Result<Option<u64>> {
         map::lock_shared(&file)?;
         file.write_all(info.render().as_bytes())?;
         let ino = file.metadata()?.ino();
-        for attempt in 0..2 {
-            match std::fs::hard_link(&tmp, &path) {
-                Ok(()) => return Ok(Some(ino)),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt == 0 => {
-                    // A stale entry of a dead owner is removed; a live one is left alone.
-                    if !remove_if_stale(&path) {
-                        return Ok(None);
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(None)
+        Ok(map::link_claim(&tmp, &path)?.then_some(ino))
     })();
     let _ = std::fs::remove_file(&tmp);
     match result? {
@@ -186,21 +151,6 @@ pub fn publish(dir: &Path, uid: u32, info: &EntryInfo) -> io::Result<Option<Entr
         })),
         None => Ok(None),
     }
-}
-
-/// Removes the entry at `path` if its owner is gone; true when the name is free now.
-fn remove_if_stale(path: &Path) -> bool {
-    let Ok(f) = open_existing(path) else {
-        return !path.exists();
-    };
-    let Ok(m) = f.metadata() else {
-        return false;
-    };
-    if lock_free(&f) {
-        remove_if_same(path, m.ino());
-        return !path.exists();
-    }
-    false
 }
 
 /// What a lookup found.

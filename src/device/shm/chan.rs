@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 
-use super::map::{self, Mapping};
+use super::map::{self, Mapping, remove_if_same, remove_if_stale};
 use crate::addr::{Gid, RawAddr};
 
 /// Name prefix of channel files.
@@ -291,31 +291,19 @@ impl OwnChan {
             w.store(MAGIC, Ordering::Release);
         }
         let path = dir.join(chan_name(uid, addr));
-        for attempt in 0..2 {
-            match std::fs::hard_link(tmp, &path) {
-                Ok(()) => {
-                    return Ok(Some(OwnChan {
-                        ring: Arc::new(OwnRing {
-                            map: m,
-                            geo,
-                            head: AtomicU64::new(0),
-                        }),
-                        file: Some(file),
-                        path,
-                        ino,
-                    }));
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt == 0 => {
-                    // A dead owner's file is removed; a live one keeps its name.
-                    if !remove_if_stale(&path) {
-                        return Ok(None);
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
-                Err(e) => return Err(e),
-            }
+        if !map::link_claim(tmp, &path)? {
+            return Ok(None);
         }
-        Ok(None)
+        Ok(Some(OwnChan {
+            ring: Arc::new(OwnRing {
+                map: m,
+                geo,
+                head: AtomicU64::new(0),
+            }),
+            file: Some(file),
+            path,
+            ino,
+        }))
     }
 
     /// The ring, shared with the endpoint's waiter thread.
@@ -654,33 +642,6 @@ fn read_header(
         return Err(OpenError::Unusable("size does not match the geometry"));
     }
     Ok(geo)
-}
-
-/// Removes `path` if it still names inode `ino`.
-fn remove_if_same(path: &Path, ino: u64) -> bool {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.ino() == ino => std::fs::remove_file(path).is_ok(),
-        _ => false,
-    }
-}
-
-/// Removes the channel at `path` if its owner is gone; true when the name is free now.
-fn remove_if_stale(path: &Path) -> bool {
-    let Ok(f) = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-    else {
-        return !path.exists();
-    };
-    let Ok(m) = f.metadata() else {
-        return false;
-    };
-    if matches!(map::try_lock_exclusive(&f), Ok(true)) {
-        remove_if_same(path, m.ino());
-        return !path.exists();
-    }
-    false
 }
 
 /// Removes this user's stale channel files from `dir`: channels whose lock is free (owner

@@ -9,9 +9,11 @@
 
 #![allow(unsafe_code)]
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
@@ -264,4 +266,65 @@ pub(crate) fn pid_exists(pid: u32) -> bool {
 pub(crate) fn uid() -> u32 {
     // SAFETY: `getuid` cannot fail and touches no memory.
     unsafe { libc::getuid() }
+}
+
+// ---- Named files whose owner holds a lock (the routing directory's entries, the RDM endpoints'
+// message channels): safe helpers, no `unsafe` below.
+
+/// Removes `path` if it still names inode `ino` (a new owner may have taken the name).
+pub(crate) fn remove_if_same(path: &Path, ino: u64) -> bool {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.ino() == ino => std::fs::remove_file(path).is_ok(),
+        _ => false,
+    }
+}
+
+/// Opens an existing file for probing or reading: no symlinks followed, never created.
+pub(crate) fn open_existing(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// True when nobody holds the lock of `f` (its owner is gone). Errors count as "held".
+/// (Taking it exclusively is the probe; it is released when `f` is closed.)
+pub(crate) fn lock_free(f: &File) -> bool {
+    try_lock_exclusive(f).unwrap_or(false)
+}
+
+/// Removes the file at `path` if its owner is gone (its lock is free); true when the name is
+/// free now.
+pub(crate) fn remove_if_stale(path: &Path) -> bool {
+    let Ok(f) = open_existing(path) else {
+        return !path.exists();
+    };
+    let Ok(m) = f.metadata() else {
+        return false;
+    };
+    if lock_free(&f) {
+        remove_if_same(path, m.ino());
+        return !path.exists();
+    }
+    false
+}
+
+/// Gives the prepared (locked, written) file `tmp` its name `path` with `link`, which fails on
+/// an existing name: a name whose owner is gone is taken over once. `Ok(false)` when a live
+/// owner holds the name.
+pub(crate) fn link_claim(tmp: &Path, path: &Path) -> io::Result<bool> {
+    for attempt in 0..2 {
+        match std::fs::hard_link(tmp, path) {
+            Ok(()) => return Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt == 0 => {
+                // A stale file of a dead owner is removed; a live one is left alone.
+                if !remove_if_stale(path) {
+                    return Ok(false);
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
 }
