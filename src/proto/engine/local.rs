@@ -12,8 +12,7 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 
-use super::rx::{Kind, RxEntry, RxState, Sink};
-use super::util::RangeSet;
+use super::rx::{Kind, Rtm, RxState, Sink};
 use super::{Done, Engine};
 use crate::addr::RawAddr;
 use crate::proto::matching::Unexpected;
@@ -99,32 +98,17 @@ impl Engine {
             tracing::debug!("too many messages held (max_buffered_msgs): local message dropped");
             return None;
         }
-        let rid = self.alloc_rx_id();
-        self.rx.insert(
-            rid,
-            RxEntry {
-                peer: LOCAL_PEER,
-                src,
-                msg_id: 0,
-                kind: Kind::Medium,
-                tagged,
-                tag,
-                data: m.data,
-                dc_send_id: m.dc_token,
-                msg_len: m.msg_len,
-                received: 0,
-                ranges: RangeSet::default(),
-                held: Vec::new(),
-                held_bytes: 0,
-                window_start: 0,
-                window_end: 0,
-                last: now,
-                in_progress: false,
-                state: RxState::Waiting,
-                read: None,
-            },
-        );
-        self.buffered_msgs += 1;
+        let rtm = Rtm {
+            msg_id: 0,
+            kind: Kind::Medium,
+            tag: m.tag,
+            data: m.data,
+            dc_send_id: m.dc_token,
+            msg_length: Some(m.msg_len as u64),
+            seg_offset: 0,
+            read: None,
+        };
+        let rid = self.new_rx_from(now, LOCAL_PEER, src, &rtm, m.msg_len, RxState::Waiting);
         match posted.and_then(|i| self.take_posted(tagged, i, m.msg_len)) {
             Some(sink) => self.start_matched(now, rid, sink, None),
             None => {

@@ -109,17 +109,17 @@ pub(super) struct Done {
 }
 
 /// The fields of an RTM packet the receive side uses.
-struct Rtm {
-    msg_id: u32,
-    kind: Kind,
-    tag: Option<u64>,
-    data: Option<u32>,
-    dc_send_id: Option<u32>,
+pub(super) struct Rtm {
+    pub(super) msg_id: u32,
+    pub(super) kind: Kind,
+    pub(super) tag: Option<u64>,
+    pub(super) data: Option<u32>,
+    pub(super) dc_send_id: Option<u32>,
     /// Total length (`None` for eager: the data length).
-    msg_length: Option<u64>,
-    seg_offset: u64,
+    pub(super) msg_length: Option<u64>,
+    pub(super) seg_offset: u64,
     /// The sender's buffers (long-read and runting-read messages).
-    read: Option<super::read::ReadIovs>,
+    pub(super) read: Option<super::read::ReadIovs>,
 }
 
 impl Rtm {
@@ -390,8 +390,22 @@ impl Engine {
     }
 
     fn new_rx(&mut self, now: Instant, pid: u64, m: &Rtm, msg_len: usize, state: RxState) -> u32 {
-        let rid = self.alloc_rx_id();
         let src = self.peers.get(&pid).map(|p| p.addr).unwrap_or_default();
+        self.new_rx_from(now, pid, src, m, msg_len, state)
+    }
+
+    /// A new inbound message entry of peer `pid` (the local path's `LOCAL_PEER` too) from `src`,
+    /// counted as held.
+    pub(super) fn new_rx_from(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        src: RawAddr,
+        m: &Rtm,
+        msg_len: usize,
+        state: RxState,
+    ) -> u32 {
+        let rid = self.alloc_rx_id();
         self.rx.insert(
             rid,
             RxEntry {
