@@ -814,34 +814,29 @@ impl RdmCore {
             let b = region.map_or(Buffer::Send(data), Buffer::Region);
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
         }
-        if let Some(l) = st.local.as_mut() {
-            if let Some(peer) = l.route(&mut st.engine, &dest) {
-                if !l.has_room() {
-                    let b = region.map_or(Buffer::Send(data), Buffer::Region);
-                    let e = Error::new(ErrorKind::Again, "send")
-                        .with_detail("tx_size local sends in flight");
-                    return Err(refuse(e, b));
-                }
-                let len = match &region {
-                    Some(r) if copy_region || region_len.is_some() => r.len(),
-                    _ => data.len(),
-                };
-                let key = st.ops.insert(OpState {
-                    sink,
-                    target: None,
-                    region,
-                    multi: false,
-                    rma: None,
-                });
-                l.send(&mut st.engine, &st.ops, key, peer, &o, data, len);
-                return Ok(());
-            }
+        // A peer on this host goes through the local path (which reads a region's bytes from
+        // the region itself); anyone else through the engine.
+        let local = match st.local.as_mut() {
+            Some(l) => l
+                .route(&mut st.engine, &dest)
+                .map(|peer| (peer, l.has_room())),
+            None => None,
+        };
+        if let Some((_, false)) = local {
+            let b = region.map_or(Buffer::Send(data), Buffer::Region);
+            let e =
+                Error::new(ErrorKind::Again, "send").with_detail("tx_size local sends in flight");
+            return Err(refuse(e, b));
         }
-        if copy_region {
+        if local.is_none() && copy_region {
             if let Some(r) = &region {
                 data = Bytes::copy_from_slice(&r.read());
             }
         }
+        let len = match &region {
+            Some(r) if copy_region || region_len.is_some() => r.len(),
+            _ => data.len(),
+        };
         let key = st.ops.insert(OpState {
             sink,
             target: None,
@@ -849,6 +844,10 @@ impl RdmCore {
             multi: false,
             rma: None,
         });
+        if let (Some((peer, _)), Some(l)) = (local, st.local.as_mut()) {
+            l.send(&mut st.engine, &st.ops, key, peer, &o, data, len);
+            return Ok(());
+        }
         let op = SendOp {
             dest,
             buf: data,
