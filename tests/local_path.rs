@@ -4,9 +4,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -312,55 +311,11 @@ fn flooding_sender_waits_in_the_ring_and_nothing_is_dropped() {
     let dir = test_dir();
     let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
-    let pb = a.insert(b.ep.addr());
-    let (n, size) = (1200usize, 64 << 10); // 75 MiB, above the engine's 64 MiB cap
-    let deadline = Instant::now() + DEADLINE;
-    let mut sent = 0;
-    let mut out = Vec::new();
-    let phase = Instant::now() + Duration::from_secs(2);
-    while sent < n && Instant::now() < phase {
-        match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
-            Ok(()) => sent += 1,
-            Err(e) if e.kind() == ErrorKind::Again => {}
-            Err(e) => panic!("send {sent}: {e}"),
-        }
-        b.ep.progress();
-        out.clear();
-        a.cq.poll(&mut out, 256).unwrap();
-    }
-    let held = b.ep.resources();
-    assert!(held.buffered_bytes <= 64 << 20, "{held:?}");
+    let held = flood_then_receive(&a, &b);
     assert!(
         held.buffered_bytes >= 48 << 20,
         "the receiver held what it may: {held:?}"
     );
-    for i in 0..n {
-        b.ep.trecv(BytesMut::with_capacity(size), 77, 0, i as u64)
-            .unwrap();
-    }
-    let mut got = Vec::new();
-    while got.len() < n {
-        while sent < n {
-            match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
-                Ok(()) => sent += 1,
-                Err(e) if e.kind() == ErrorKind::Again => break,
-                Err(e) => panic!("send {sent}: {e}"),
-            }
-        }
-        out.clear();
-        let _ = a.cq.poll(&mut out, 256);
-        got.extend(b.collect_some());
-        assert!(Instant::now() < deadline, "{} of {n} arrived", got.len());
-    }
-    assert_eq!(b.ep.stats().dropped_pkts, 0);
-    for c in &got {
-        let i = c.context as usize;
-        assert!(
-            c.buf.as_recv().unwrap()[..] == payload(9, i, size)[..],
-            "message {i}"
-        );
-    }
-    assert_eq!(b.ep.resources().buffered_bytes, 0);
 }
 
 /// A peer that closed its endpoint: sends to it complete with an error (not never), and the
@@ -429,35 +384,20 @@ fn child_echo() {
 #[test]
 fn two_processes_exchange_every_size() {
     let seed = test_seed();
+    eprintln!("seed {seed}");
     let dir = test_dir();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_echo",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EFA_LOCAL_DIR", dir.path())
-        .env("EFA_SEED", seed.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn child");
-    let mut stdin = child.stdin.take().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut tagged = |tag: &str| -> String {
-        for l in lines.by_ref() {
-            if let Some(rest) = l.unwrap().strip_prefix(tag) {
-                return rest.trim().to_string();
-            }
-        }
-        panic!("seed {seed}: the child exited before printing {tag}");
-    };
+    let seed_s = seed.to_string();
+    let mut child = spawn_test(
+        "child_echo",
+        &[
+            ("EFA_LOCAL_DIR", dir.path().as_os_str()),
+            ("EFA_SEED", seed_s.as_ref()),
+        ],
+    );
     let (d, _) = shm_domain(dir.path());
     let node = Node::new(&d);
-    let peer = node.insert(tagged("ADDR ").parse().unwrap());
-    writeln!(stdin, "{}", node.ep.addr()).unwrap();
+    let peer = node.insert(read_tagged(&mut child, "ADDR ").parse().unwrap());
+    writeln!(child.stdin, "{}", node.ep.addr()).unwrap();
     let m = msgs();
     post_mix(&node, Some(peer), seed ^ 1, &m, 0);
     send_mix(&node, peer, seed, &m);
@@ -468,12 +408,15 @@ fn two_processes_exchange_every_size() {
         .collect();
     check_mix(&got, seed ^ 1, &m, 0, Some(peer));
     assert_eq!(
-        tagged("LOCAL "),
+        read_tagged(&mut child, "LOCAL "),
         m.len().to_string(),
         "seed {seed}: the child received locally"
     );
-    writeln!(stdin, "bye").unwrap();
-    assert!(child.wait().unwrap().success(), "seed {seed}: child failed");
+    writeln!(child.stdin, "bye").unwrap();
+    assert!(
+        child.child.wait().unwrap().success(),
+        "seed {seed}: child failed"
+    );
     assert_eq!(node.ep.stats().local_rx_msgs, m.len() as u64);
 }
 

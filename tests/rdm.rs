@@ -493,62 +493,7 @@ fn flooding_sender_is_throttled_not_dropped() {
     let net = efa::device::loopback::LoopbackNetwork::new(FaultConfig::default());
     let d = loopback_domain(&net);
     let (a, b) = (Node::new(&d), Node::new(&d));
-    let pb = a.insert(b.ep.addr());
-    let (n, size) = (1200usize, 64 << 10); // 75 MiB, above the engine's 64 MiB default cap
-    let deadline = Instant::now() + DEADLINE;
-    let mut sent = 0;
-    let mut out = Vec::new();
-    // Send before any receive is posted, the receiver only making progress, for two seconds or
-    // until everything is sent: past the engine's cap the sender is held back (receiver not
-    // ready, `Again`), so this phase usually ends with messages still to send.
-    let phase = Instant::now() + Duration::from_secs(2);
-    while sent < n && Instant::now() < phase {
-        match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
-            Ok(()) => sent += 1,
-            Err(e) if e.kind() == ErrorKind::Again => {}
-            Err(e) => panic!("send {sent}: {e}"),
-        }
-        b.ep.progress();
-        out.clear();
-        a.cq.poll(&mut out, 256).unwrap();
-    }
-    let held = b.ep.resources();
-    assert!(held.buffered_bytes <= 64 << 20, "{held:?}");
-    for i in 0..n {
-        b.ep.trecv(BytesMut::with_capacity(size), 77, 0, i as u64)
-            .unwrap();
-    }
-    let mut got = Vec::new();
-    while got.len() < n {
-        while sent < n {
-            match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
-                Ok(()) => sent += 1,
-                Err(e) if e.kind() == ErrorKind::Again => break,
-                Err(e) => panic!("send {sent}: {e}"),
-            }
-        }
-        a.ep.progress();
-        got.extend(b.collect_some());
-        assert!(
-            Instant::now() < deadline,
-            "{} of {n} arrived; {:?}",
-            got.len(),
-            b.ep.stats()
-        );
-    }
-    assert_eq!(
-        b.ep.stats().dropped_pkts,
-        0,
-        "nothing dropped for lack of memory"
-    );
-    for c in &got {
-        let i = c.context as usize;
-        assert!(
-            c.buf.as_recv().unwrap()[..] == payload(9, i, size)[..],
-            "message {i}"
-        );
-    }
-    assert!(b.ep.resources().buffered_bytes == 0);
+    flood_then_receive(&a, &b);
 }
 
 #[test]

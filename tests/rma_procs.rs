@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, Write};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
@@ -174,46 +173,17 @@ fn rma_role() {
     let _ = stdin.read_line(&mut line);
 }
 
-struct Proc {
-    child: Child,
-    stdin: ChildStdin,
-    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
-}
-
 fn spawn(role: &str, dev: &str, seed: u64, shm_dir: &str) -> Proc {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "rma_role",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EFA_ROLE", role)
-        .env("EFA_DEV", dev)
-        .env("EFA_SEED", seed.to_string())
-        .env("EFA_SHM_DIR", shm_dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn child");
-    let stdin = child.stdin.take().unwrap();
-    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    Proc {
-        child,
-        stdin,
-        lines,
-    }
-}
-
-fn read_tagged(p: &mut Proc, tag: &str) -> String {
-    for l in p.lines.by_ref() {
-        let l = l.unwrap();
-        if let Some(rest) = l.strip_prefix(tag) {
-            return rest.trim().to_string();
-        }
-    }
-    panic!("child exited before printing {tag}");
+    let seed = seed.to_string();
+    spawn_test(
+        "rma_role",
+        &[
+            ("EFA_ROLE", role.as_ref()),
+            ("EFA_DEV", dev.as_ref()),
+            ("EFA_SEED", seed.as_ref()),
+            ("EFA_SHM_DIR", shm_dir.as_ref()),
+        ],
+    )
 }
 
 fn run(dev: &str) {

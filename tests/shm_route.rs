@@ -11,9 +11,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -484,43 +483,8 @@ fn spare_receive_buffers_go_to_the_busy_path_and_flush_on_close() {
 
 // ---- two processes ---------------------------------------------------------------------------
 
-struct Proc {
-    child: Child,
-    stdin: ChildStdin,
-    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
-}
-
 fn spawn(test: &str, dir: &Path) -> Proc {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            test,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("EFA_ROUTE_DIR", dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn child");
-    let stdin = child.stdin.take().unwrap();
-    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    Proc {
-        child,
-        stdin,
-        lines,
-    }
-}
-
-fn read_tagged(p: &mut Proc, tag: &str) -> String {
-    for l in p.lines.by_ref() {
-        let l = l.unwrap();
-        if let Some(rest) = l.strip_prefix(tag) {
-            return rest.trim().to_string();
-        }
-    }
-    panic!("child exited before printing {tag}");
+    spawn_test(test, &[("EFA_ROUTE_DIR", dir.as_os_str())])
 }
 
 fn child_dir() -> Option<PathBuf> {

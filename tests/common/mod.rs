@@ -249,3 +249,110 @@ pub fn faulty_net(seed: u64) -> LoopbackNetwork {
 
 /// Keeps `Arc` in scope for callers that share nodes between threads.
 pub type Shared<T> = Arc<T>;
+
+/// Floods `b` from `a` with 1200 tagged 64 KiB messages (75 MiB, above the engine's 64 MiB
+/// default cap) before any receive is posted, the receiver only making progress, for two
+/// seconds or until everything is sent: past the cap the sender must be held back (`Again`),
+/// never served by dropping. Then posts the receives and checks that every message arrives
+/// intact, nothing was dropped and nothing stays held. Returns what `b` held after the flood.
+pub fn flood_then_receive(a: &Node, b: &Node) -> efa::proto::engine::Resources {
+    let pb = a.insert(b.ep.addr());
+    let (n, size) = (1200usize, 64 << 10);
+    let deadline = Instant::now() + DEADLINE;
+    let mut sent = 0;
+    let mut out = Vec::new();
+    let phase = Instant::now() + Duration::from_secs(2);
+    while sent < n && Instant::now() < phase {
+        match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
+            Ok(()) => sent += 1,
+            Err(e) if e.kind() == ErrorKind::Again => {}
+            Err(e) => panic!("send {sent}: {e}"),
+        }
+        b.ep.progress();
+        out.clear();
+        a.cq.poll(&mut out, 256).unwrap();
+    }
+    let held = b.ep.resources();
+    assert!(held.buffered_bytes <= 64 << 20, "{held:?}");
+    for i in 0..n {
+        b.ep.trecv(BytesMut::with_capacity(size), 77, 0, i as u64)
+            .unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < n {
+        while sent < n {
+            match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
+                Ok(()) => sent += 1,
+                Err(e) if e.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("send {sent}: {e}"),
+            }
+        }
+        out.clear();
+        let _ = a.cq.poll(&mut out, 256);
+        got.extend(b.collect_some());
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} arrived; {:?}",
+            got.len(),
+            b.ep.stats()
+        );
+    }
+    assert_eq!(
+        b.ep.stats().dropped_pkts,
+        0,
+        "nothing dropped for lack of memory"
+    );
+    for c in &got {
+        let i = c.context as usize;
+        assert!(
+            c.buf.as_recv().unwrap()[..] == payload(9, i, size)[..],
+            "message {i}"
+        );
+    }
+    assert_eq!(b.ep.resources().buffered_bytes, 0);
+    held
+}
+
+/// A child process running one ignored test of this test binary, its stdin and stdout piped.
+pub struct Proc {
+    pub child: std::process::Child,
+    pub stdin: std::process::ChildStdin,
+    pub lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+/// Runs the ignored test `test` of this test binary in a child process with `env` set.
+pub fn spawn_test(test: &str, env: &[(&str, &std::ffi::OsStr)]) -> Proc {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            test,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    let stdin = child.stdin.take().unwrap();
+    let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    Proc {
+        child,
+        stdin,
+        lines,
+    }
+}
+
+/// The rest of the first line the child prints that starts with `tag`.
+pub fn read_tagged(p: &mut Proc, tag: &str) -> String {
+    for l in p.lines.by_ref() {
+        let l = l.unwrap();
+        if let Some(rest) = l.strip_prefix(tag) {
+            return rest.trim().to_string();
+        }
+    }
+    panic!("child exited before printing {tag}");
+}
