@@ -58,17 +58,7 @@ fn msgs() -> Vec<Msg> {
         1 << 20,
         (3 << 20) + 5,
     ];
-    sizes
-        .iter()
-        .chain(sizes.iter())
-        .enumerate()
-        .map(|(i, &len)| Msg {
-            len,
-            tag: (i % 2 == 1).then_some(i as u64),
-            data: (i % 3 == 0).then_some(i as u32),
-            dc: i % 4 == 0,
-        })
-        .collect()
+    each_size_twice(&sizes, 4)
 }
 
 /// Sends `m` from `a` to `b` (receives posted first, in order, with exact sizes: any reordering

@@ -87,17 +87,7 @@ fn files(dir: &Path) -> Vec<String> {
 /// The message list of the in-process exchanges: every size, untagged and tagged, some with CQ
 /// data, some delivery-complete.
 fn msgs() -> Vec<Msg> {
-    SIZES
-        .iter()
-        .chain(SIZES.iter())
-        .enumerate()
-        .map(|(i, &len)| Msg {
-            len,
-            tag: (i % 2 == 1).then_some(i as u64),
-            data: (i % 3 == 0).then_some(i as u32),
-            dc: i % 5 == 0,
-        })
-        .collect()
+    each_size_twice(SIZES, 5)
 }
 
 /// Sends the message list from `a` to `b` and checks it arrived intact, exactly once, in

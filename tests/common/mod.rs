@@ -356,3 +356,19 @@ pub fn read_tagged(p: &mut Proc, tag: &str) -> String {
     }
     panic!("child exited before printing {tag}");
 }
+
+/// Every size of `sizes` twice (untagged, then tagged on every other message), with CQ data on
+/// every third message and delivery complete on every `dc_every`-th.
+pub fn each_size_twice(sizes: &[usize], dc_every: usize) -> Vec<Msg> {
+    sizes
+        .iter()
+        .chain(sizes.iter())
+        .enumerate()
+        .map(|(i, &len)| Msg {
+            len,
+            tag: (i % 2 == 1).then_some(i as u64),
+            data: (i % 3 == 0).then_some(i as u32),
+            dc: i % dc_every == 0,
+        })
+        .collect()
+}
