@@ -444,7 +444,7 @@ impl LocalPath {
         };
         if let Some(l) = p.gone {
             let m = Out::Msg(m);
-            return self.fail(engine, m, peer, l);
+            return self.fail(engine, m, l);
         }
         p.queue.push_back(Out::Msg(m));
         self.queued += 1;
@@ -612,7 +612,7 @@ impl LocalPath {
     }
 
     /// Fails a queued item to a closed or dead peer.
-    fn fail(&mut self, engine: &mut Engine, out: Out, _peer: usize, why: Liveness) {
+    fn fail(&mut self, engine: &mut Engine, out: Out, why: Liveness) {
         if let Out::Msg(m) = out {
             tracing::debug!(?why, "local path: send to a peer that is gone");
             self.complete(
@@ -920,7 +920,7 @@ impl LocalPath {
             self.queued = self.queued.saturating_sub(q.len());
             let unconsumed = std::mem::take(&mut p.unconsumed);
             for out in q {
-                self.fail(engine, out, i, l);
+                self.fail(engine, out, l);
             }
             for u in unconsumed {
                 self.complete(
@@ -1048,7 +1048,7 @@ fn waiter(s: Arc<Shared>) {
         } else {
             Duration::from_millis(1)
         };
-        chan::wait_bell(bell, seen, window);
+        map::futex_wait(bell, seen, window);
         let polls = s.polls.load(Ordering::Relaxed).wrapping_sub(before);
         let busy = polls >= BUSY_POLLS && !s.sleeping.swap(false, Ordering::SeqCst);
         if s.app_polls.load(Ordering::Relaxed) != busy {
@@ -1066,7 +1066,7 @@ fn waiter(s: Arc<Shared>) {
             } else {
                 20
             };
-            chan::wait_bell(bell, seen, Duration::from_millis(nap));
+            map::futex_wait(bell, seen, Duration::from_millis(nap));
         }
         sleepers.store(0, Ordering::Relaxed);
         if s.stop.load(Ordering::Acquire) {

@@ -40,7 +40,6 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
-use std::time::Duration;
 
 use bytes::BytesMut;
 
@@ -670,11 +669,6 @@ pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
         }
     }
     n
-}
-
-/// Sleeps while the doorbell `bell` holds `seen`, at most `timeout`.
-pub(crate) fn wait_bell(bell: &AtomicU32, seen: u32, timeout: Duration) {
-    map::futex_wait(bell, seen, timeout);
 }
 
 fn load32(m: &Mapping, off: usize) -> u32 {
