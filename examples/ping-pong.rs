@@ -73,6 +73,10 @@ struct Args {
     /// on shm, never elsewhere).
     #[arg(long, default_value = "auto")]
     mr_min: String,
+    /// Send messages shorter than the endpoint's inject size with `inject` (no send
+    /// completion), as fi_pingpong does with `fi_inject`; `--no-inject` always uses `send`.
+    #[arg(long)]
+    no_inject: bool,
     #[command(flatten)]
     conn: Conn,
 }
@@ -167,6 +171,13 @@ trait PingEp {
     }
     fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError>;
     fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError>;
+    /// Messages shorter than this go with [`PingEp::inject`] (0: this kind has no inject).
+    fn inject_size(&self) -> usize {
+        0
+    }
+    fn inject(&self, _peer: PeerId, _msg: &[u8], _tagged: bool) -> efa::Result<()> {
+        Err(efa::Error::new(ErrorKind::NotSupported, "inject"))
+    }
 }
 
 /// The tag ping-pong messages carry with `-m tagged`.
@@ -213,6 +224,16 @@ impl PingEp for Endpoint<Rdm> {
             self.trecv(buf, TAG, 0, 1)
         } else {
             self.recv(buf, 1)
+        }
+    }
+    fn inject_size(&self) -> usize {
+        Endpoint::<Rdm>::inject_size(self)
+    }
+    fn inject(&self, peer: PeerId, msg: &[u8], tagged: bool) -> efa::Result<()> {
+        if tagged {
+            self.tinject(peer, msg, TAG)
+        } else {
+            Endpoint::<Rdm>::inject(self, peer, msg)
         }
     }
 }
@@ -330,6 +351,7 @@ fn pingpong<E: PingEp>(
         sends_done: 0,
         use_regions: false,
         regions: Vec::new(),
+        inject: false,
     };
     for &size in &params.sizes {
         let mut msg = vec![0u8; size];
@@ -347,6 +369,8 @@ fn pingpong<E: PingEp>(
             pp.use_regions = true;
         }
         let msg = Bytes::from(msg);
+        // As fi_pingpong: below the inject size, no send completions.
+        pp.inject = !args.no_inject && size < ep.inject_size();
         pp.post_recv(BytesMut::with_capacity(size.max(1)))?;
         oob.sync().map_err(|e| e.to_string())?;
         let iters = params.iters_for(size);
@@ -392,6 +416,8 @@ struct PingPong<'a, E: PingEp> {
     use_regions: bool,
     /// Registered copies of the message not in use by a send.
     regions: Vec<MemoryRegion>,
+    /// This size is sent with `inject`.
+    inject: bool,
 }
 
 impl<E: PingEp> PingPong<'_, E> {
@@ -402,6 +428,9 @@ impl<E: PingEp> PingPong<'_, E> {
     }
 
     fn send(&mut self, msg: &Bytes) -> Res<()> {
+        if self.inject {
+            return self.inject(msg);
+        }
         let from_region = self.use_regions;
         let mut deadline = None;
         loop {
@@ -433,6 +462,24 @@ impl<E: PingEp> PingPong<'_, E> {
                     self.poll_once()?;
                 }
                 Err(e) => return Err(format!("send: {e}")),
+            }
+        }
+    }
+
+    /// Injects `msg` (no completion to count), polling while the endpoint says `Again`.
+    fn inject(&mut self, msg: &[u8]) -> Res<()> {
+        let mut deadline = None;
+        loop {
+            match self.ep.inject(self.peer, msg, self.tagged) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    self.poll_once()?;
+                    let d = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+                    if Instant::now() > d {
+                        return Err("inject: the endpoint stays full".into());
+                    }
+                }
+                Err(e) => return Err(format!("inject: {e}")),
             }
         }
     }

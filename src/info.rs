@@ -809,13 +809,7 @@ impl Info {
                     | MsgOrder::ATOMIC_RAW
                     | MsgOrder::ATOMIC_WAR
                     | MsgOrder::ATOMIC_WAW;
-                let payload = device.mtu.saturating_sub(RDM_MAX_HDR_SIZE);
-                let inject = if config.enable_shm_transfer {
-                    payload.min(SHM_MAX_INJECT_SIZE)
-                } else {
-                    payload
-                };
-                let inject = if inject < RDM_MAX_HDR_SIZE { 0 } else { inject };
+                let inject = rdm_inject_size(device, &config);
                 let pick = |env: usize, dev: usize| if env > 0 { env } else { dev };
                 tx_attr = TxAttr {
                     caps: tx_caps
@@ -1043,6 +1037,19 @@ impl fmt::Display for Verbose<'_> {
         writeln!(f, "        fi_link_attr:")?;
         write!(f, "            mtu: {}", d.mtu)
     }
+}
+
+/// The largest RDM inject (`tx_attr.inject_size`): what fits one packet after the largest
+/// header, at most the shm provider's inject size when shm transfer is on (as libfabric's EFA
+/// provider reports it), and 0 when a packet holds less than a header's worth.
+pub(crate) fn rdm_inject_size(device: &DeviceAttr, config: &Config) -> usize {
+    let payload = device.mtu.saturating_sub(RDM_MAX_HDR_SIZE);
+    let inject = if config.enable_shm_transfer {
+        payload.min(SHM_MAX_INJECT_SIZE)
+    } else {
+        payload
+    };
+    if inject < RDM_MAX_HDR_SIZE { 0 } else { inject }
 }
 
 fn domain_suffix(ep_type: EpType) -> &'static str {

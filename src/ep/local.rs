@@ -451,6 +451,34 @@ impl LocalPath {
         self.flush_peer(ops, peer);
     }
 
+    /// An inject of one chunk straight into `peer`'s ring, when nothing waits before it and the
+    /// ring has room: nothing to track, as an inject completes when its bytes are copied.
+    /// `false`: the caller sends a copy the usual way.
+    pub(super) fn inject(
+        &mut self,
+        engine: &mut Engine,
+        peer: usize,
+        o: &SendOptions,
+        data: &[u8],
+    ) -> bool {
+        let Some(p) = self.peers.get_mut(peer) else {
+            return false;
+        };
+        // A peer that closed its endpoint gets the copy, so the failure is reported; one that
+        // died without closing loses the inject (as a datagram would be lost).
+        if p.gone.is_some() || !p.queue.is_empty() || data.len() > p.chan.chunk() || p.chan.closed()
+        {
+            return false;
+        }
+        let h = first_hdr(o.tag, o.data, None, data.len());
+        if p.chan.push(&h, &self.me, data).is_none() {
+            return false;
+        }
+        p.chan.ring_bell_if_asleep();
+        engine.local_sent(data.len());
+        true
+    }
+
     /// Pushes what waits for `peer` into its ring, as far as there is room.
     fn flush_peer(&mut self, ops: &Slab<OpState>, peer: usize) -> bool {
         let mut pushed = false;

@@ -225,6 +225,7 @@ impl EndpointBuilder<Rdm> {
             } else {
                 usize::MAX
             },
+            inject_size: crate::info::rdm_inject_size(&attr, &cfg),
             notifier: own,
             state: Mutex::new(State {
                 engine,
@@ -319,6 +320,9 @@ pub(super) enum Sink {
     Cq(u64),
     /// An awaiting future.
     Future(Arc<Slot>),
+    /// An inject (`fi_inject`): no completion when it succeeds, an error completion with
+    /// context 0 when it fails.
+    Inject,
 }
 
 /// An operation the endpoint tracks: its sink and what to restore in its buffer.
@@ -379,6 +383,8 @@ pub struct RdmCore {
     /// engine reads the bytes it must send from the region (`SendOp::region_len`). The
     /// read-message threshold when the device reads, else never.
     region_send_min: usize,
+    /// Largest inject (`tx_attr.inject_size`).
+    inject_size: usize,
     notifier: Arc<Notifier>,
     pub(super) state: Mutex<State>,
     stop: Arc<AtomicBool>,
@@ -462,6 +468,64 @@ impl Endpoint<Rdm> {
     ) -> Result<(), PostError> {
         self.core
             .post_send(peer, buf.into(), options, Sink::Cq(context))
+    }
+
+    /// Sends a small message and forgets it (`fi_inject`): the bytes are copied before this
+    /// returns, and a send that succeeds writes no completion. A send that fails later writes an
+    /// error completion with context 0 to the transmit queue.
+    ///
+    /// `data` may be at most `tx_attr.inject_size` bytes ([`Self::inject_size`]); longer is
+    /// `InvalidArgument`. `Again` when `tx_size` sends are in flight.
+    ///
+    /// ```
+    /// # fn main() -> efa::Result<()> {
+    /// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, CompletionQueue, AddressVector};
+    /// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+    /// # let domain = Domain::open(&info)?;
+    /// # let cq = CompletionQueue::new(&domain, 64)?;
+    /// # let av = AddressVector::new(&domain);
+    /// # let ep = Endpoint::<efa::Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// let me = av.insert(ep.addr())?;
+    /// ep.recv(bytes::BytesMut::with_capacity(64), 1).map_err(efa::Error::from)?;
+    /// ep.inject(me, b"hello")?; // the slice is free again at once
+    /// let mut out = Vec::new();
+    /// while out.is_empty() {
+    ///     cq.poll(&mut out, 8)?;
+    /// }
+    /// assert_eq!(out[0].buf.as_recv(), Some(&b"hello"[..]));
+    /// # Ok(()) }
+    /// ```
+    pub fn inject(&self, peer: PeerId, data: &[u8]) -> Result<()> {
+        self.core.post_inject(peer, data, SendOptions::default())
+    }
+
+    /// A tagged [`inject`](Self::inject) (`fi_tinject`).
+    pub fn tinject(&self, peer: PeerId, data: &[u8], tag: u64) -> Result<()> {
+        let o = SendOptions {
+            tag: Some(tag),
+            ..Default::default()
+        };
+        self.core.post_inject(peer, data, o)
+    }
+
+    /// An [`inject`](Self::inject) with 4 bytes of remote CQ data (`fi_injectdata`).
+    pub fn inject_data(&self, peer: PeerId, data: &[u8], imm: u32) -> Result<()> {
+        let o = SendOptions {
+            data: Some(imm),
+            ..Default::default()
+        };
+        self.core.post_inject(peer, data, o)
+    }
+
+    /// An [`inject`](Self::inject) with a tag and/or remote CQ data (`fi_tinjectdata`).
+    /// `delivery_complete` is `InvalidArgument`: an inject reports no completion to wait for.
+    pub fn inject_with(&self, peer: PeerId, data: &[u8], options: SendOptions) -> Result<()> {
+        self.core.post_inject(peer, data, options)
+    }
+
+    /// The largest message [`inject`](Self::inject) takes (`tx_attr.inject_size`).
+    pub fn inject_size(&self) -> usize {
+        self.core.inject_size
     }
 
     /// Posts the sends at the front of `reqs` together, like a chain of `fi_sendmsg` calls with
@@ -733,6 +797,65 @@ impl RdmCore {
         Ok(())
     }
 
+    /// An inject: straight into a local peer's ring when it has room, else a copy of the bytes
+    /// sent like any message, whose completion only reports a failure.
+    fn post_inject(&self, peer: PeerId, data: &[u8], o: SendOptions) -> Result<()> {
+        if o.delivery_complete {
+            return Err(Error::new(ErrorKind::InvalidArgument, "inject")
+                .with_detail("an inject has no completion to deliver: use send_with"));
+        }
+        if data.len() > self.inject_size {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "inject").with_detail(format!(
+                    "{} bytes is more than inject_size {}",
+                    data.len(),
+                    self.inject_size
+                )),
+            );
+        }
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        if st.closed {
+            return Err(Error::new(ErrorKind::Closed, "inject"));
+        }
+        let dest = self.dest(&mut st.dest_cache, peer)?;
+        let st = &mut *st;
+        if let Some(l) = st.local.as_mut() {
+            if let Some(p) = l.route(&mut st.engine, &dest) {
+                if l.inject(&mut st.engine, p, &o, data) {
+                    return Ok(());
+                }
+            }
+        }
+        let prepared = PreparedSend {
+            dest,
+            data: Bytes::copy_from_slice(data),
+            region: None,
+            read_key: None,
+            region_len: None,
+            copy_region: false,
+        };
+        self.enqueue_send(st, &mut clock, prepared, o, Sink::Inject)
+            .map_err(|e| e.error)?;
+        if st.engine.transmit_pending() || st.engine.has_events() {
+            self.pump_with(st, &mut clock);
+        }
+        Ok(())
+    }
+
+    /// A peer's address, through the one-entry cache of the last destination.
+    fn dest(&self, cache: &mut DestCache, peer: PeerId) -> Result<RawAddr> {
+        let generation = self.av.generation();
+        match cache.0 {
+            Some((p, g, a)) if p == peer && g == generation => Ok(a),
+            _ => {
+                let a = self.av.lookup(peer)?;
+                cache.0 = Some((peer, generation, a));
+                Ok(a)
+            }
+        }
+    }
+
     /// The checks of a send: destination and bytes.
     fn prepare_send(
         &self,
@@ -740,16 +863,9 @@ impl RdmCore {
         peer: PeerId,
         buf: SendBuf,
     ) -> Result<PreparedSend, PostError> {
-        let generation = self.av.generation();
-        let dest = match cache.0 {
-            Some((p, g, a)) if p == peer && g == generation => a,
-            _ => match self.av.lookup(peer) {
-                Ok(a) => {
-                    cache.0 = Some((peer, generation, a));
-                    a
-                }
-                Err(e) => return Err(refuse(e, buf.into_buffer())),
-            },
+        let dest = match self.dest(cache, peer) {
+            Ok(a) => a,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
         // A region peers may read lets the engine use the read-based message protocols; at
         // the read-message threshold its bytes are not copied (the engine reads what it sends).
@@ -1323,7 +1439,7 @@ impl RdmCore {
         }
         let user_ctx = match &op.sink {
             Sink::Cq(c) => *c,
-            Sink::Future(_) => 0,
+            Sink::Future(_) | Sink::Inject => 0,
         };
         let (sink, result) = match ev {
             Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.region)),
@@ -1356,6 +1472,13 @@ impl RdmCore {
                 }
                 true
             }
+            Sink::Inject => match result {
+                Ok(_) => false,
+                Err(e) => {
+                    self.tx_cq.push_err(e);
+                    true
+                }
+            },
             Sink::Future(slot) => {
                 let waker = {
                     let mut d = slot.done.lock();

@@ -593,13 +593,16 @@ impl PeerChan {
             .ok()
     }
 
-    /// The closed flag, then the owner's lock.
-    pub(crate) fn liveness(&self) -> Liveness {
-        if self
-            .map
+    /// True when the owner closed its endpoint (a plain load: no system call).
+    pub(crate) fn closed(&self) -> bool {
+        self.map
             .u32(H_CLOSED)
             .is_none_or(|w| w.load(Ordering::Acquire) != 0)
-        {
+    }
+
+    /// The closed flag, then the owner's lock.
+    pub(crate) fn liveness(&self) -> Liveness {
+        if self.closed() {
             return Liveness::Closed;
         }
         match map::try_lock_exclusive(&self.file) {
