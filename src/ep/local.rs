@@ -71,6 +71,11 @@ const BUSY_WINDOW: Duration = Duration::from_millis(20);
 const REAP_EVERY: u64 = 32;
 /// Polls per millisecond from which the application counts as busy-polling.
 const BUSY_POLLS: u64 = 256;
+/// The application finds by itself that it busy-polls when this many of its passes take less
+/// than `APP_SAMPLE_SPAN` (the rate of `BUSY_POLLS`): the waiter then stands aside at once,
+/// instead of after its next look, and peers stop ringing its doorbell.
+const APP_SAMPLE: u64 = 64;
+const APP_SAMPLE_SPAN: Duration = Duration::from_micros(1000 * APP_SAMPLE / BUSY_POLLS);
 
 /// What the endpoint and its waiter thread share.
 struct Shared {
@@ -246,6 +251,8 @@ pub(super) struct LocalPath {
     pub(super) more: bool,
     /// A reserved, unpublished head slot and since when (see `STUCK_SLOT`).
     stuck_head: Option<(u64, Instant)>,
+    /// When the application's last `APP_SAMPLE` passes began (its own busy-poll detector).
+    app_mark: Option<Instant>,
 }
 
 impl LocalPath {
@@ -327,6 +334,7 @@ impl LocalPath {
             stuck: 0,
             more: false,
             stuck_head: None,
+            app_mark: None,
         })
     }
 
@@ -666,6 +674,9 @@ impl LocalPath {
         self.shared
             .polls
             .store(polls.wrapping_add(1), Ordering::Relaxed);
+        if polls % APP_SAMPLE == 0 && !self.shared.app_polls.load(Ordering::Relaxed) {
+            self.sample_app_polls(clock);
+        }
         let mut busy = self.drain(engine, clock);
         if busy {
             self.stuck_head = None;
@@ -720,6 +731,26 @@ impl LocalPath {
         }
         self.publish_waiting();
         busy
+    }
+
+    /// On the application's passes while it does not count as busy-polling: when its last
+    /// `APP_SAMPLE` passes came at the busy-poll rate, it does, and the waiter's doorbell goes
+    /// quiet (the waiter, if napping, finds that out when it wakes).
+    fn sample_app_polls(&mut self, clock: &mut Clock) {
+        if self.shared.driving.load(Ordering::Relaxed) {
+            return;
+        }
+        let now = clock.now();
+        if self
+            .app_mark
+            .is_some_and(|t| now.saturating_duration_since(t) < APP_SAMPLE_SPAN)
+        {
+            self.shared.app_polls.store(true, Ordering::Relaxed);
+            if let Some(w) = self.shared.ring.sleepers() {
+                w.store(0, Ordering::Relaxed);
+            }
+        }
+        self.app_mark = Some(now);
     }
 
     /// Completes the sends whose last chunk the peer consumed.
