@@ -105,6 +105,41 @@ fn pingpong(p: &Pair, iters: u64, size: usize, out: &mut Vec<Completion>) -> Dur
     t
 }
 
+/// [`pingpong`] with `inject` (no send completions), as `fi_pingpong` sends small messages.
+fn pingpong_inject(p: &Pair, iters: u64, size: usize, out: &mut Vec<Completion>) -> Duration {
+    let msg = vec![1u8; size];
+    let (mut ba, mut bb) = (
+        BytesMut::with_capacity(size.max(1)),
+        BytesMut::with_capacity(size.max(1)),
+    );
+    let start = Instant::now();
+    for _ in 0..iters {
+        p.b.2.recv(bb, 0).unwrap();
+        p.a.2.recv(ba, 0).unwrap();
+        p.a.2.inject(p.pb, &msg).unwrap();
+        bb = wait_recv_buf(&p.b.0, out);
+        p.b.2.inject(p.pa, &msg).unwrap();
+        ba = wait_recv_buf(&p.a.0, out);
+    }
+    start.elapsed()
+}
+
+/// Waits for a receive completion and hands its buffer back, emptied for the next receive.
+fn wait_recv_buf(cq: &CompletionQueue, out: &mut Vec<Completion>) -> BytesMut {
+    loop {
+        out.clear();
+        cq.poll(out, 16).unwrap();
+        if let Some(c) = out
+            .drain(..)
+            .find(|c| c.flags.contains(CompletionFlags::RECV))
+        {
+            let mut b = c.buf.into_recv().unwrap();
+            b.clear();
+            return b;
+        }
+    }
+}
+
 fn wait_recv(cq: &CompletionQueue, out: &mut Vec<Completion>) {
     loop {
         out.clear();
@@ -157,6 +192,9 @@ fn benches(c: &mut Criterion) {
                 bch.iter_custom(|iters| pingpong(&p, iters, size, &mut out) / 2)
             });
         }
+        g.bench_function(format!("{name}/inject/64B"), |bch| {
+            bch.iter_custom(|iters| pingpong_inject(&p, iters, 64, &mut out) / 2)
+        });
     }
     g.finish();
 }
