@@ -4,45 +4,13 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Instant;
 
 use bytes::BytesMut;
 use common::*;
 use efa::device::loopback::LoopbackNetwork;
-use efa::device::route::RoutedDevice;
-use efa::device::shm::{ShmConfig, ShmDevice};
-use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::fault::{FaultConfig, Rng, test_seed};
-use efa::{Config, Domain, ErrorKind, PeerId, SendOptions};
-
-fn test_dir() -> tempfile::TempDir {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
-        tempfile::tempdir_in(shm).unwrap()
-    } else {
-        tempfile::tempdir().unwrap()
-    }
-}
-
-fn shm_domain(dir: &Path) -> Domain {
-    Domain::with_device(
-        ShmDevice::open(ShmConfig::in_dir(dir)).unwrap(),
-        Config::default(),
-    )
-}
-
-fn routed_domain(dir: &Path) -> Domain {
-    let udp = UdpDevice::open(UdpConfig {
-        bind: LOCAL4,
-        ..UdpConfig::default()
-    })
-    .unwrap();
-    Domain::with_device(
-        RoutedDevice::open(udp, ShmConfig::in_dir(dir)).unwrap(),
-        Config::default(),
-    )
-}
+use efa::{ErrorKind, PeerId, SendOptions};
 
 /// `n` messages of up to `max` bytes, untagged, tagged and with CQ data (no delivery complete:
 /// an inject has no completion to wait for).
@@ -145,8 +113,8 @@ fn inject_and_check(a: &Node, b: &Node, n: usize, seed: u64) {
 #[test]
 fn injects_on_the_local_path_arrive_once_in_order_without_completions() {
     let seed = test_seed();
-    let dir = test_dir();
-    let d = shm_domain(dir.path());
+    let dir = shm_test_dir("efa-inject-test-");
+    let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
     // More than the ring's 256 slots: the rest wait in the sender as copies.
     inject_and_check(&a, &b, 700, seed);
@@ -157,8 +125,8 @@ fn injects_on_the_local_path_arrive_once_in_order_without_completions() {
 #[test]
 fn injects_through_the_engine_arrive_once_in_order_without_completions() {
     let seed = test_seed();
-    let dir = test_dir();
-    let d = routed_domain(dir.path());
+    let dir = shm_test_dir("efa-inject-test-");
+    let (d, _) = routed_domain(dir.path());
     let (a, b) = (Node::device_path(&d), Node::device_path(&d));
     inject_and_check(&a, &b, 300, seed);
     assert_eq!(a.ep.stats().local_tx_msgs, 0);
@@ -203,8 +171,8 @@ fn oversized_and_delivery_complete_injects_are_refused() {
 /// as a send would with its own context.
 #[test]
 fn an_inject_to_a_closed_peer_reports_an_error_completion() {
-    let dir = test_dir();
-    let d = shm_domain(dir.path());
+    let dir = shm_test_dir("efa-inject-test-");
+    let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
     let pb = a.insert(b.ep.addr());
     b.ep.recv(BytesMut::with_capacity(8), 1).unwrap();

@@ -6,41 +6,13 @@ mod common;
 
 use std::io::Write;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use common::*;
 use efa::device::Device;
-use efa::device::route::RoutedDevice;
-use efa::device::shm::{ShmConfig, ShmDevice};
-use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::fault::test_seed;
-use efa::{CompletionFlags, Config, Domain, ErrorKind, RawAddr, RecvOptions, SendOptions};
-
-fn test_dir() -> tempfile::TempDir {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
-        tempfile::tempdir_in(shm).unwrap()
-    } else {
-        tempfile::tempdir().unwrap()
-    }
-}
-
-fn shm_domain(dir: &Path) -> (Domain, Arc<ShmDevice>) {
-    let dev = ShmDevice::open(ShmConfig::in_dir(dir)).unwrap();
-    (Domain::with_device(dev.clone(), Config::default()), dev)
-}
-
-fn routed_domain(dir: &Path) -> (Domain, Arc<RoutedDevice>) {
-    let udp = UdpDevice::open(UdpConfig {
-        bind: LOCAL4,
-        ..UdpConfig::default()
-    })
-    .unwrap();
-    let dev = RoutedDevice::open(udp, ShmConfig::in_dir(dir)).unwrap();
-    (Domain::with_device(dev.clone(), Config::default()), dev)
-}
+use efa::{CompletionFlags, ErrorKind, RawAddr, RecvOptions, SendOptions};
 
 /// Every size from empty to several chunks (a chunk is just under 16 KiB) and beyond the engine's
 /// eager and medium sizes, untagged and tagged, with CQ data and delivery complete mixed in.
@@ -94,7 +66,7 @@ fn exchange(a: &Node, b: &Node, m: &[Msg], seed: u64) {
 #[test]
 fn every_size_arrives_once_in_order_on_the_shm_device() {
     let seed = test_seed();
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (da, dev_a) = shm_domain(dir.path());
     let (db, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&da), Node::new(&db));
@@ -114,7 +86,7 @@ fn every_size_arrives_once_in_order_on_the_shm_device() {
 #[test]
 fn routed_udp_domains_take_the_local_path() {
     let seed = test_seed();
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (da, dev) = routed_domain(dir.path());
     let (db, _) = routed_domain(dir.path());
     let (a, b) = (Node::new(&da), Node::new(&db));
@@ -141,7 +113,7 @@ fn routed_udp_domains_take_the_local_path() {
 #[test]
 fn both_paths_share_the_receives_and_keep_each_senders_order() {
     let seed = test_seed();
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let b = Node::new(&d);
     let fast = Node::new(&d);
@@ -218,7 +190,7 @@ fn both_paths_share_the_receives_and_keep_each_senders_order() {
 /// a short buffer truncates; cancel hands a receive back.
 #[test]
 fn unexpected_claim_discard_multi_recv_truncation_and_cancel() {
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
     let pb = a.insert(b.ep.addr());
@@ -298,7 +270,7 @@ fn unexpected_claim_discard_multi_recv_truncation_and_cancel() {
 /// is dropped.
 #[test]
 fn flooding_sender_waits_in_the_ring_and_nothing_is_dropped() {
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
     let held = flood_then_receive(&a, &b);
@@ -312,7 +284,7 @@ fn flooding_sender_waits_in_the_ring_and_nothing_is_dropped() {
 /// sender notices within a few checks.
 #[test]
 fn sends_to_a_closed_peer_fail() {
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
     let pb = a.insert(b.ep.addr());
@@ -375,7 +347,7 @@ fn child_echo() {
 fn two_processes_exchange_every_size() {
     let seed = test_seed();
     eprintln!("seed {seed}");
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let seed_s = seed.to_string();
     let mut child = spawn_test(
         "child_echo",
@@ -415,7 +387,7 @@ fn two_processes_exchange_every_size() {
 /// that its message was consumed (a bounded wait that times out fails the test).
 #[test]
 fn waiters_move_messages_while_both_sides_sleep_in_wait() {
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
     let pb = a.insert(b.ep.addr());
@@ -452,7 +424,7 @@ fn waiters_move_messages_while_both_sides_sleep_in_wait() {
 /// which would close the endpoint later on its own thread).
 #[test]
 fn dropping_an_endpoint_removes_its_channel_at_once() {
-    let dir = test_dir();
+    let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let a = Node::new(&d);
     let chans = || {

@@ -19,8 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use common::*;
 use efa::device::route::RoutedDevice;
-use efa::device::shm::ShmConfig;
-use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::device::udp::UdpConfig;
 use efa::device::{Device, DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
 use efa::fault::FaultConfig;
 use efa::notify::Notifier;
@@ -46,32 +45,13 @@ const SIZES: &[usize] = &[
     (3 << 20) + 5,
 ];
 
-/// A private directory for one test's entries and segments.
 fn test_dir() -> tempfile::TempDir {
-    let base = Path::new("/dev/shm");
-    tempfile::Builder::new()
-        .prefix("efa-route-test-")
-        .tempdir_in(if base.is_dir() {
-            base.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        })
-        .expect("create a temporary directory")
+    shm_test_dir("efa-route-test-")
 }
 
 /// A udp device on 127.0.0.1 routed over shm in `dir`.
 fn routed(dir: &Path) -> Arc<RoutedDevice> {
     routed_with(dir, UdpConfig::default())
-}
-
-fn routed_with(dir: &Path, udp: UdpConfig) -> Arc<RoutedDevice> {
-    let udp = UdpDevice::open(udp).expect("udp device");
-    RoutedDevice::open(udp, ShmConfig::in_dir(dir)).expect("routed device")
-}
-
-fn routed_domain(dir: &Path) -> (Domain, Arc<RoutedDevice>) {
-    let dev = routed(dir);
-    (Domain::with_device(dev.clone(), Config::default()), dev)
 }
 
 /// The files left in `dir`.

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
+use efa::device::route::RoutedDevice;
+use efa::device::shm::{ShmConfig, ShmDevice};
 use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::fault::{FaultConfig, Rng};
 use efa::{
@@ -27,6 +29,37 @@ pub fn udp_domain(ip: IpAddr, faults: FaultConfig) -> Domain {
     })
     .expect("udp device");
     Domain::with_device(dev, Config::default())
+}
+
+/// A private directory for one test's shm files, in `/dev/shm` when there is one.
+pub fn shm_test_dir(prefix: &str) -> tempfile::TempDir {
+    let base = std::path::Path::new("/dev/shm");
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(if base.is_dir() {
+            base.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        })
+        .expect("create a temporary directory")
+}
+
+/// A domain on an shm device in `dir`, and the device.
+pub fn shm_domain(dir: &std::path::Path) -> (Domain, Arc<ShmDevice>) {
+    let dev = ShmDevice::open(ShmConfig::in_dir(dir)).expect("shm device");
+    (Domain::with_device(dev.clone(), Config::default()), dev)
+}
+
+/// A udp device on `udp.bind` routed over shm in `dir`.
+pub fn routed_with(dir: &std::path::Path, udp: UdpConfig) -> Arc<RoutedDevice> {
+    let udp = UdpDevice::open(udp).expect("udp device");
+    RoutedDevice::open(udp, ShmConfig::in_dir(dir)).expect("routed device")
+}
+
+/// A domain on a udp device on 127.0.0.1 routed over shm in `dir`, and the device.
+pub fn routed_domain(dir: &std::path::Path) -> (Domain, Arc<RoutedDevice>) {
+    let dev = routed_with(dir, UdpConfig::default());
+    (Domain::with_device(dev.clone(), Config::default()), dev)
 }
 
 /// A domain on a loopback device on `net`.
