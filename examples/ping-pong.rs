@@ -196,6 +196,12 @@ impl PingEp for Endpoint<Dgram> {
     fn post_recv(&self, buf: BytesMut, _tagged: bool) -> Result<(), PostError> {
         self.recv(buf, 1)
     }
+    fn inject_size(&self) -> usize {
+        Endpoint::<Dgram>::inject_size(self)
+    }
+    fn inject(&self, peer: PeerId, msg: &[u8], _tagged: bool) -> efa::Result<()> {
+        Endpoint::<Dgram>::inject(self, peer, msg)
+    }
 }
 
 impl PingEp for Endpoint<Rdm> {

@@ -563,3 +563,60 @@ fn two_processes_exchange_datagrams_over_udp() {
     assert_eq!(got, expected);
     assert!(child.wait().unwrap().success(), "child failed");
 }
+
+/// `inject`: the bytes are copied before the call returns (the buffer is overwritten at once),
+/// every datagram arrives intact with its immediate data, and no send completion is written.
+#[test]
+fn injected_datagrams_arrive_without_send_completions() {
+    for (p, addr) in providers() {
+        let d = domain(p, addr);
+        let t = pair(&d);
+        let pb = t.av.insert(t.b.addr()).unwrap();
+        let max = t.a.inject_size();
+        assert!(max > 0, "{p}: inject_size");
+        let n = 48usize;
+        for i in 0..n {
+            t.b.recv(BytesMut::with_capacity(max), i as u64).unwrap();
+        }
+        let mut buf = Vec::new();
+        for i in 0..n {
+            buf.clear();
+            buf.extend((0..i % (max + 1)).map(|j| (i * 7 + j) as u8));
+            t.a.inject_data(pb, &buf, i as u32).unwrap();
+            buf.iter_mut().for_each(|x| *x = !*x);
+        }
+        let done = collect(&t.cq, n);
+        let mut seen = HashSet::new();
+        for c in &done {
+            assert!(
+                c.flags.contains(CompletionFlags::RECV),
+                "{p}: a send completed"
+            );
+            let i = c.data.unwrap() as usize;
+            let data = c.buf.as_recv().unwrap();
+            assert_eq!(data.len(), i % (max + 1), "{p}: length of {i}");
+            assert!(
+                data.iter()
+                    .enumerate()
+                    .all(|(j, &b)| b == (i * 7 + j) as u8),
+                "{p}: payload of {i}"
+            );
+            assert!(seen.insert(i), "{p}: datagram {i} twice");
+        }
+        // Nothing more comes: no send completions.
+        let mut out = Vec::new();
+        let until = Instant::now() + Duration::from_millis(20);
+        while Instant::now() < until {
+            t.cq.poll(&mut out, 16).unwrap();
+        }
+        assert!(out.is_empty(), "{p}: injects completed: {}", out.len());
+        assert_eq!(t.a.stats().tx_msgs, n as u64, "{p}");
+        // Refusals: too long, unknown peer.
+        let e = t.a.inject(pb, &vec![0u8; max + 1]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{p}: {e}");
+        let gone = t.av.insert(t.a.addr()).unwrap();
+        t.av.remove(gone).unwrap();
+        let e = t.a.inject(gone, b"x").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnknownPeer, "{p}: {e}");
+    }
+}

@@ -64,6 +64,7 @@ impl EndpointBuilder<Dgram> {
             rx_cq: rx_cq.clone(),
             addr,
             mtu: attr.mtu,
+            inject_size: attr.inline_size,
             prefix: self.msg_prefix,
             stats: EndpointCounters::default(),
             state: Mutex::new(State {
@@ -86,8 +87,9 @@ impl EndpointBuilder<Dgram> {
 }
 
 enum Op {
+    /// `context: None`: an inject (no completion unless it fails).
     Send {
-        context: u64,
+        context: Option<u64>,
         buf: Buffer,
         len: usize,
     },
@@ -115,6 +117,8 @@ pub struct DgramCore {
     rx_cq: CompletionQueue,
     addr: RawAddr,
     mtu: usize,
+    /// Largest inject (`tx_attr.inject_size`: the device's inline size).
+    inject_size: usize,
     prefix: bool,
     stats: EndpointCounters,
     state: Mutex<State>,
@@ -174,6 +178,26 @@ impl Endpoint<Dgram> {
         self.core.post_send(peer, buf.into(), Some(data), context)
     }
 
+    /// Sends one small datagram and forgets it (`fi_inject`): the bytes are copied before this
+    /// returns, and a send that succeeds writes no completion; one that fails writes an error
+    /// completion with context 0. At most [`Self::inject_size`] bytes (`InvalidArgument`
+    /// beyond; in prefix mode, not counting the prefix `data` starts with).
+    ///
+    /// Errors: as [`Self::send`].
+    pub fn inject(&self, peer: PeerId, data: &[u8]) -> Result<()> {
+        self.core.post_inject(peer, data, None)
+    }
+
+    /// An [`inject`](Self::inject) with 4 bytes of immediate data (`fi_injectdata`).
+    pub fn inject_data(&self, peer: PeerId, data: &[u8], imm: u32) -> Result<()> {
+        self.core.post_inject(peer, data, Some(imm))
+    }
+
+    /// The largest datagram [`inject`](Self::inject) takes (`tx_attr.inject_size`).
+    pub fn inject_size(&self) -> usize {
+        self.core.inject_size
+    }
+
     /// Posts a receive buffer. It is moved in and handed back in the completion.
     ///
     /// The buffer cannot be touched while the receive is in flight — it has been moved:
@@ -217,40 +241,75 @@ impl DgramCore {
         imm: Option<u32>,
         context: u64,
     ) -> Result<(), PostError> {
-        let dest = match self.av.lookup(peer) {
-            Ok(a) => a,
-            Err(e) => return Err(refuse(e, buf.into_buffer())),
-        };
         let data = match super::buf::send_bytes(&buf, &self.domain, "send") {
             Ok(d) => d,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
+        self.post_datagram(peer, data, imm, Some(context), buf.into_buffer(), "send")
+            .map_err(|(e, b)| refuse(e, b))
+    }
+
+    fn post_inject(&self, peer: PeerId, data: &[u8], imm: Option<u32>) -> Result<()> {
+        let payload = if self.prefix {
+            data.get(crate::ep::MSG_PREFIX_SIZE..).unwrap_or_default()
+        } else {
+            data
+        };
+        if payload.len() > self.inject_size {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "inject").with_detail(format!(
+                    "{} bytes is more than inject_size {}",
+                    payload.len(),
+                    self.inject_size
+                )),
+            );
+        }
+        let data = Bytes::copy_from_slice(data);
+        self.post_datagram(peer, data, imm, None, Buffer::None, "inject")
+            .map_err(|(e, _)| e)
+    }
+
+    /// Checks `data` (the whole buffer, prefix included in prefix mode) and posts it as one
+    /// datagram; `context: None` is an inject. Refusals hand `buf` back.
+    fn post_datagram(
+        &self,
+        peer: PeerId,
+        data: Bytes,
+        imm: Option<u32>,
+        context: Option<u64>,
+        buf: Buffer,
+        op: &'static str,
+    ) -> Result<(), (Error, Buffer)> {
+        let dest = match self.av.lookup(peer) {
+            Ok(a) => a,
+            Err(e) => return Err((e, buf)),
+        };
         let payload = if self.prefix {
             if data.len() < crate::ep::MSG_PREFIX_SIZE {
-                let e = Error::new(ErrorKind::InvalidArgument, "send").with_detail(format!(
+                let e = Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
                     "prefix mode: buffer of {} bytes is shorter than the prefix",
                     data.len()
                 ));
-                return Err(refuse(e, buf.into_buffer()));
+                return Err((e, buf));
             }
             data.slice(crate::ep::MSG_PREFIX_SIZE..)
         } else {
             data
         };
         if payload.len() > self.mtu {
-            let e = Error::new(ErrorKind::MsgSize, "send").with_detail(format!(
+            let e = Error::new(ErrorKind::MsgSize, op).with_detail(format!(
                 "{} bytes > max_msg_size {}",
                 payload.len(),
                 self.mtu
             ));
-            return Err(refuse(e, buf.into_buffer()));
+            return Err((e, buf));
         }
         let len = payload.len();
         let mut st = self.state.lock();
         if st.sends >= self.send_depth {
             stats::inc(&self.stats.again);
-            let e = Error::new(ErrorKind::Again, "send").with_detail("send queue full");
-            return Err(refuse(e, buf.into_buffer()));
+            let e = Error::new(ErrorKind::Again, op).with_detail("send queue full");
+            return Err((e, buf));
         }
         let entry = st.ops.vacant_entry();
         let wr = SendWr {
@@ -262,11 +321,7 @@ impl DgramCore {
         };
         match st.qp.post_send(wr) {
             Ok(()) => {
-                st.ops.insert(Op::Send {
-                    context,
-                    buf: buf.into_buffer(),
-                    len,
-                });
+                st.ops.insert(Op::Send { context, buf, len });
                 st.sends += 1;
                 Ok(())
             }
@@ -274,7 +329,7 @@ impl DgramCore {
                 if e.kind() == ErrorKind::Again {
                     stats::inc(&self.stats.again);
                 }
-                Err(refuse(e, buf.into_buffer()))
+                Err((e, buf))
             }
         }
     }
@@ -325,6 +380,8 @@ impl DgramCore {
                 if c.status.is_ok() {
                     stats::inc(&self.stats.tx_msgs);
                     stats::add(&self.stats.tx_bytes, len as u64);
+                    // An inject completes silently.
+                    let Some(context) = context else { return };
                     self.tx_cq.push(Completion {
                         context,
                         flags,
@@ -337,7 +394,7 @@ impl DgramCore {
                 } else {
                     self.push_error(
                         &self.tx_cq,
-                        context,
+                        context.unwrap_or(0),
                         flags,
                         c.status,
                         0,
@@ -494,7 +551,7 @@ impl Drop for DgramCore {
             let (cq, context, flags, buf) = match op {
                 Op::Send { context, buf, .. } => (
                     &self.tx_cq,
-                    context,
+                    context.unwrap_or(0),
                     CompletionFlags::SEND | CompletionFlags::MSG,
                     buf,
                 ),
