@@ -455,3 +455,100 @@ fn dropping_an_endpoint_removes_its_channel_at_once() {
         );
     }
 }
+
+/// The other end of `a_sender_dying_mid_message_fails_the_receive`: starts a 100 MiB send (more
+/// than the parent may hold without a receive) and keeps it going until it is killed.
+#[test]
+#[ignore = "run in a child process by a_sender_dying_mid_message_fails_the_receive"]
+fn child_sends_big() {
+    let Some(dir) = std::env::var_os("EFA_LOCAL_DIR") else {
+        return;
+    };
+    let (d, _) = shm_domain(Path::new(&dir));
+    let node = Node::new(&d);
+    println!("\nADDR {}", node.ep.addr());
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let peer = node.insert(line.trim().parse::<RawAddr>().unwrap());
+    node.ep.send(peer, Bytes::from(vec![7u8; BIG]), 1).unwrap();
+    println!("\nSENDING 1");
+    let mut out = Vec::new();
+    loop {
+        let _ = node.cq.wait(&mut out, 1, Some(Duration::from_millis(100)));
+    }
+}
+
+/// The message `child_sends_big` sends.
+const BIG: usize = 100 << 20;
+
+/// A sender killed in the middle of a message: the parent holds what it may of the message
+/// without a receive (the rest waits in the ring, then in the sender), the sender dies, and the
+/// receive posted then fails with `ConnectionAborted` once the ring is read (not after the
+/// engine's 30 s stall timeout); the dead process's channel file is removed.
+#[test]
+fn a_sender_dying_mid_message_fails_the_receive() {
+    let dir = shm_test_dir("efa-local-test-");
+    let mut child = spawn_test(
+        "child_sends_big",
+        &[("EFA_LOCAL_DIR", dir.path().as_os_str())],
+    );
+    let (d, _) = shm_domain(dir.path());
+    let node = Node::new(&d);
+    let peer = node.insert(read_tagged(&mut child, "ADDR ").parse().unwrap());
+    writeln!(child.stdin, "{}", node.ep.addr()).unwrap();
+    assert_eq!(read_tagged(&mut child, "SENDING "), "1");
+    // Without a receive the endpoint holds up to its memory bound, then leaves the rest.
+    let deadline = Instant::now() + DEADLINE;
+    while node.ep.resources().buffered_bytes < 32 << 20 {
+        node.ep.progress();
+        assert!(
+            Instant::now() < deadline,
+            "the message never came: {:?}",
+            node.ep.resources()
+        );
+    }
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+    let killed = Instant::now();
+    node.ep
+        .recv_with(
+            BytesMut::with_capacity(BIG),
+            RecvOptions {
+                from: Some(peer),
+                ..Default::default()
+            },
+            5,
+        )
+        .unwrap();
+    let mut out = Vec::new();
+    let err = loop {
+        match node.cq.poll(&mut out, 1) {
+            Ok(0) => {}
+            Ok(_) => panic!(
+                "the receive of a cut-short message completed: {}",
+                out[0].len
+            ),
+            Err(e) if e.kind() == ErrorKind::ErrorAvailable => break node.cq.read_err().unwrap(),
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "the receive still waits for a dead sender"
+        );
+    };
+    assert_eq!(err.context, 5);
+    assert_eq!(
+        err.error.kind(),
+        ErrorKind::ConnectionAborted,
+        "{}",
+        err.error
+    );
+    let chans = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("efa-chan-"))
+        })
+        .count();
+    assert_eq!(chans, 1, "only this endpoint's channel is left");
+}

@@ -606,7 +606,10 @@ impl LocalPath {
 
     /// Tells the waiter whether sends wait (for room, consumption or acknowledgement).
     fn publish_waiting(&self) {
-        let w = self.queued > 0 || !self.consuming.is_empty() || !self.dc.is_empty();
+        let w = self.queued > 0
+            || !self.consuming.is_empty()
+            || !self.dc.is_empty()
+            || !self.inbound.is_empty();
         self.shared.waiting.store(w, Ordering::Relaxed);
     }
 
@@ -677,7 +680,8 @@ impl LocalPath {
         if polls % APP_SAMPLE == 0 && !self.shared.app_polls.load(Ordering::Relaxed) {
             self.sample_app_polls(clock);
         }
-        let mut busy = self.drain(engine, clock);
+        let drained = self.drain(engine, clock);
+        let mut busy = drained;
         if busy {
             self.stuck_head = None;
         } else if polls % STUCK_CHECK_POLLS == 0 || !self.shared.app_polls.load(Ordering::Relaxed) {
@@ -713,11 +717,14 @@ impl LocalPath {
             moved |= self.reap(engine);
         }
         busy |= moved;
-        if moved || !self.shared.waiting.load(Ordering::Relaxed) {
+        // Sends wait for their peers, or a message is only partly here: when nothing moves for
+        // them, look at the clock now and then and check on the peers (a dead one fails them).
+        let sends_wait = self.queued > 0 || !self.consuming.is_empty() || !self.dc.is_empty();
+        let progressed = if sends_wait { moved } else { drained };
+        let nothing_waits = !sends_wait && self.inbound.is_empty();
+        if progressed || nothing_waits {
             self.stuck = 0;
         } else {
-            // Sends wait and nothing moved: now and then, look at the clock and check on the
-            // peers (a dead one fails them).
             self.stuck += 1;
             if self.stuck >= STUCK_PASSES {
                 self.stuck = 0;
@@ -953,6 +960,40 @@ impl LocalPath {
     fn check(&mut self, engine: &mut Engine, now: Instant) {
         self.next_check = None;
         let mut again = false;
+        // A sender that went away in the middle of a message: the receive it matched fails now
+        // (not after the engine's stall timeout), and the peer counts as gone below.
+        // While slots wait in the own ring (this side held back, or a batch limit), the rest of
+        // the message may be among them.
+        let partial: Vec<RawAddr> = if self.shared.ring.ready() {
+            again = !self.inbound.is_empty();
+            Vec::new()
+        } else {
+            self.inbound.keys().copied().collect()
+        };
+        for src in partial {
+            let Some(i) = self.route(engine, &src) else {
+                continue;
+            };
+            let Some(p) = self.peers.get_mut(i) else {
+                continue;
+            };
+            let l = match p.gone {
+                Some(l) => l,
+                None => p.chan.liveness(),
+            };
+            if l == Liveness::Alive {
+                again = true;
+                continue;
+            }
+            tracing::debug!(peer = %p.addr, ?l, "local path: sender gone in the middle of a message");
+            p.gone = Some(l);
+            if l == Liveness::Dead {
+                crate::device::shm::sweep_dir(&self.dir, self.uid);
+            }
+            if let Some(rid) = self.inbound.remove(&src).and_then(|inb| inb.rid) {
+                engine.local_abort(rid);
+            }
+        }
         for i in 0..self.peers.len() {
             let Some(p) = self.peers.get_mut(i) else {
                 continue;
