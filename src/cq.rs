@@ -314,6 +314,39 @@ pub struct CompletionError {
 pub(crate) trait ProgressSource: Send + Sync {
     /// Moves ready device completions into the bound completion queues.
     fn progress(&self);
+
+    /// [`Self::progress`] for a poll of an empty queue: successful completions for that queue
+    /// may go straight into the poller's vector ([`Direct::offer`]).
+    fn progress_into(&self, _direct: &mut Direct<'_>) {
+        self.progress();
+    }
+}
+
+/// The vector of a thread polling an empty completion queue, handed down to the endpoints it
+/// drives: a successful completion for that queue goes straight in, without the queue's lock
+/// and copy, as long as the queue holds nothing older (the queue's order is kept; completions
+/// of different endpoints have no order between them anyway).
+pub(crate) struct Direct<'a> {
+    cq: &'a CqInner,
+    out: &'a mut Vec<Completion>,
+    room: usize,
+}
+
+impl Direct<'_> {
+    /// Takes `c` when it is for the polled queue, that queue is empty and the poller has room;
+    /// otherwise hands it back.
+    pub(crate) fn offer(&mut self, cq: &CompletionQueue, c: Completion) -> Option<Completion> {
+        if self.room > 0
+            && std::ptr::eq(self.cq, &*cq.inner)
+            && self.cq.count.load(Ordering::Acquire) == 0
+        {
+            self.room -= 1;
+            self.out.push(c);
+            None
+        } else {
+            Some(c)
+        }
+    }
 }
 
 struct CqState {
@@ -396,18 +429,29 @@ impl CompletionQueue {
     /// Returns how many were moved. When none are ready but an error completion is waiting,
     /// returns `Err` of kind [`ErrorKind::ErrorAvailable`]: read it with [`Self::read_err`].
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
-        self.progress();
-        if self.inner.count.load(Ordering::Acquire) == 0 {
-            return Ok(0);
+        let before = out.len();
+        if max > 0 && self.inner.count.load(Ordering::Acquire) == 0 {
+            let mut d = Direct {
+                cq: &self.inner,
+                out,
+                room: max,
+            };
+            self.progress_with(Some(&mut d));
+        } else {
+            self.progress();
+        }
+        let direct = out.len() - before;
+        if self.inner.count.load(Ordering::Acquire) == 0 || direct == max {
+            return Ok(direct);
         }
         let mut s = self.inner.state.lock();
-        let n = max.min(s.ok.len());
+        let n = (max - direct).min(s.ok.len());
         out.extend(s.ok.drain(..n));
         self.inner.set_count(&s);
-        if n == 0 && !s.err.is_empty() {
+        if n + direct == 0 && !s.err.is_empty() {
             return Err(Error::new(ErrorKind::ErrorAvailable, "cq_read"));
         }
-        Ok(n)
+        Ok(n + direct)
     }
 
     /// Takes the oldest error completion (`fi_cq_readerr`).
@@ -510,6 +554,11 @@ impl CompletionQueue {
     }
 
     fn progress(&self) {
+        self.progress_with(None);
+    }
+
+    /// Drives the bound sources, handing `direct` down when a poll of this empty queue asked.
+    fn progress_with(&self, mut direct: Option<&mut Direct<'_>>) {
         // The sources are taken under the lock and driven outside it (driving one may bind or
         // unbind). A queue with one source (the usual case) takes it alone; more stay on the
         // stack up to a few: a busy poll allocates nothing.
@@ -522,9 +571,14 @@ impl CompletionQueue {
                 _ => None,
             }
         };
+        let drive =
+            |src: &Arc<dyn ProgressSource>, direct: &mut Option<&mut Direct<'_>>| match direct {
+                Some(d) => src.progress_into(d),
+                None => src.progress(),
+            };
         if let Some(one) = single {
             if let Some(src) = one {
-                src.progress();
+                drive(&src, &mut direct);
             }
             return;
         }
@@ -544,7 +598,7 @@ impl CompletionQueue {
             }
         }
         for s in first.iter().flatten().chain(&rest) {
-            s.progress();
+            drive(s, &mut direct);
         }
     }
 

@@ -21,7 +21,7 @@ use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
 use crate::av::{AddressVector, PeerId};
 use crate::cq::{
-    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError,
+    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, Direct, PostError,
     ProgressSource, RecvBuf, SendBuf,
 };
 use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
@@ -1198,6 +1198,12 @@ impl RdmCore {
 
     /// [`Self::pump`] with a clock read only when needed.
     pub(super) fn pump_with(&self, st: &mut State, clock: &mut Clock) {
+        self.pump_into(st, clock, None);
+    }
+
+    /// [`Self::pump_with`] for a poll of an empty completion queue: successful completions for
+    /// it go straight to the poller (`direct`).
+    fn pump_into(&self, st: &mut State, clock: &mut Clock, mut direct: Option<&mut Direct<'_>>) {
         loop {
             let mut busy = false;
             if let Some(l) = st.local.as_mut() {
@@ -1268,7 +1274,7 @@ impl RdmCore {
                     break;
                 };
                 busy = true;
-                delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev);
+                delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev, &mut direct);
             }
             if let Some(l) = st.local.as_mut() {
                 while !l.events.is_empty() && self.tx_cq.room() > 0 {
@@ -1276,7 +1282,7 @@ impl RdmCore {
                         break;
                     };
                     busy = true;
-                    delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev);
+                    delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev, &mut direct);
                 }
             }
             if delivered {
@@ -1391,7 +1397,13 @@ impl RdmCore {
     }
 
     /// Routes one engine event; returns true when it went to a completion queue.
-    fn deliver(&self, ops: &mut Slab<OpState>, cache: &mut SrcCache, ev: Event) -> bool {
+    fn deliver(
+        &self,
+        ops: &mut Slab<OpState>,
+        cache: &mut SrcCache,
+        ev: Event,
+        direct: &mut Option<&mut Direct<'_>>,
+    ) -> bool {
         let (key, is_send) = match &ev {
             Event::Send(s) => (s.context as usize, true),
             Event::Recv(r) => (r.context as usize, false),
@@ -1426,11 +1438,11 @@ impl RdmCore {
         if let (&Sink::Cq(ctx), true) = (&op.sink, matches!(ev, Event::Send(_) | Event::Recv(_))) {
             match ev {
                 Event::Send(s) => match self.send_completion(s, ctx, op.region) {
-                    Ok(c) => self.tx_cq.push(c),
+                    Ok(c) => push_ok(&self.tx_cq, c, direct),
                     Err(e) => self.tx_cq.push_err(e),
                 },
                 Event::Recv(r) => match self.recv_completion(r, ctx, op.target, cache) {
-                    Ok(c) => self.rx_cq.push(c),
+                    Ok(c) => push_ok(&self.rx_cq, c, direct),
                     Err(e) => self.rx_cq.push_err(e),
                 },
                 _ => return false,
@@ -1617,6 +1629,24 @@ impl ProgressSource for RdmCore {
     fn progress(&self) {
         self.progress_quick();
     }
+
+    fn progress_into(&self, direct: &mut Direct<'_>) {
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        self.pump_into(&mut st, &mut clock, Some(direct));
+    }
+}
+
+/// A successful completion into `cq`, or straight to the thread polling it.
+fn push_ok(cq: &CompletionQueue, c: Completion, direct: &mut Option<&mut Direct<'_>>) {
+    let c = match direct {
+        Some(d) => match d.offer(cq, c) {
+            Some(c) => c,
+            None => return,
+        },
+        None => c,
+    };
+    cq.push(c);
 }
 
 impl Drop for RdmCore {
@@ -1652,7 +1682,7 @@ impl Drop for RdmCore {
         let mut ops = std::mem::take(&mut st.ops);
         let mut cache = SrcCache::default();
         for ev in events {
-            self.deliver(&mut ops, &mut cache, ev);
+            self.deliver(&mut ops, &mut cache, ev, &mut None);
         }
         self.tx_cq.signal();
         self.rx_cq.signal();
