@@ -339,12 +339,18 @@ impl LocalPath {
     }
 
     /// The peer index of `dest` when it is reached through the local path.
+    #[inline]
     pub(super) fn route(&mut self, engine: &mut Engine, dest: &RawAddr) -> Option<usize> {
-        if let Some((a, r)) = self.last {
-            if a == *dest {
-                return r;
-            }
+        match self.last {
+            Some((a, r)) if a == *dest => r,
+            _ => self.route_slow(engine, dest),
         }
+    }
+
+    /// [`Self::route`] past the last destination: the table, or a first look for a channel.
+    #[cold]
+    #[inline(never)]
+    fn route_slow(&mut self, engine: &mut Engine, dest: &RawAddr) -> Option<usize> {
         let r = match self.routes.get(dest) {
             Some(r) => *r,
             None => {

@@ -1046,6 +1046,21 @@ impl RdmCore {
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
         if o.multi_recv.is_some() {
+            return self.post_multi_recv(buf, o, sink, src);
+        }
+        self.post_recv_checked(buf, o, sink, src)
+    }
+
+    /// The checks of a multi-receive buffer, then [`Self::post_recv_checked`].
+    #[inline(never)]
+    fn post_multi_recv(
+        &self,
+        buf: RecvBuf,
+        o: RecvOptions,
+        sink: Sink,
+        src: Option<RawAddr>,
+    ) -> Result<(), PostError> {
+        {
             let why = if o.tag.is_some() {
                 Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
             } else if matches!(buf, RecvBuf::Region(_)) {
@@ -1064,6 +1079,17 @@ impl RdmCore {
                 ));
             }
         }
+        self.post_recv_checked(buf, o, sink, src)
+    }
+
+    /// Posts a receive whose options passed their checks.
+    fn post_recv_checked(
+        &self,
+        buf: RecvBuf,
+        o: RecvOptions,
+        sink: Sink,
+        src: Option<RawAddr>,
+    ) -> Result<(), PostError> {
         let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv")?;
         let mut clock = Clock::default();
         let mut st = self.state.lock();
@@ -1233,40 +1259,7 @@ impl RdmCore {
                 }
             }
             if st.engine.transmit_pending() {
-                let now = clock.now();
-                // Sends leave as one post list (one doorbell; one system call on the udp device).
-                let mut sends = std::mem::take(&mut st.sends);
-                while let Some(t) = st.engine.poll_transmit(now) {
-                    busy = true;
-                    let wr_id = t.wr_id;
-                    let posted = match t.kind {
-                        TransmitKind::Send => {
-                            sends.push_back(SendWr {
-                                wr_id,
-                                dest: t.dest,
-                                hdr: t.hdr,
-                                payload: t.payload,
-                                imm: None,
-                            });
-                            continue;
-                        }
-                        TransmitKind::RdmaWrite { remote, imm } => {
-                            Self::post_sends(st, now, &mut sends);
-                            st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
-                        }
-                        TransmitKind::RdmaRead { remote, buf } => {
-                            Self::post_sends(st, now, &mut sends);
-                            st.qp.post_read(wr_id, t.dest, buf, remote)
-                        }
-                    };
-                    if let Err(e) = posted {
-                        tracing::warn!(error = %e, "device refused a work request");
-                        st.engine
-                            .handle_rdma_completion(now, wr_id, refused_status(&e), None);
-                    }
-                }
-                Self::post_sends(st, now, &mut sends);
-                st.sends = sends;
+                busy |= Self::transmit(st, clock);
             }
             let mut delivered = false;
             while st.engine.has_events() && self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
@@ -1298,6 +1291,47 @@ impl RdmCore {
                 break;
             }
         }
+    }
+
+    /// Hands the engine's output to the device: datagrams as one post list (one doorbell; one
+    /// system call on the udp device), RDMA operations one by one. True when anything went.
+    #[inline(never)]
+    fn transmit(st: &mut State, clock: &mut Clock) -> bool {
+        let mut busy = false;
+        let now = clock.now();
+        let mut sends = std::mem::take(&mut st.sends);
+        while let Some(t) = st.engine.poll_transmit(now) {
+            busy = true;
+            let wr_id = t.wr_id;
+            let posted = match t.kind {
+                TransmitKind::Send => {
+                    sends.push_back(SendWr {
+                        wr_id,
+                        dest: t.dest,
+                        hdr: t.hdr,
+                        payload: t.payload,
+                        imm: None,
+                    });
+                    continue;
+                }
+                TransmitKind::RdmaWrite { remote, imm } => {
+                    Self::post_sends(st, now, &mut sends);
+                    st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
+                }
+                TransmitKind::RdmaRead { remote, buf } => {
+                    Self::post_sends(st, now, &mut sends);
+                    st.qp.post_read(wr_id, t.dest, buf, remote)
+                }
+            };
+            if let Err(e) = posted {
+                tracing::warn!(error = %e, "device refused a work request");
+                st.engine
+                    .handle_rdma_completion(now, wr_id, refused_status(&e), None);
+            }
+        }
+        Self::post_sends(st, now, &mut sends);
+        st.sends = sends;
+        busy
     }
 
     /// Takes the device's completions into the engine; returns how many.
@@ -1404,6 +1438,45 @@ impl RdmCore {
         ev: Event,
         direct: &mut Option<&mut Direct<'_>>,
     ) -> bool {
+        // The usual cases first: a send, or a receive that is not a multi-receive buffer's,
+        // completing into its queue.
+        let key = match &ev {
+            Event::Send(s) => s.context as usize,
+            Event::Recv(r) if !r.multi_recv_done => r.context as usize,
+            _ => return self.deliver_other(ops, cache, ev),
+        };
+        if !ops
+            .get(key)
+            .is_some_and(|o| matches!(o.sink, Sink::Cq(_)) && !o.multi)
+        {
+            return self.deliver_other(ops, cache, ev);
+        }
+        let Some(OpState {
+            sink: Sink::Cq(ctx),
+            target,
+            region,
+            ..
+        }) = ops.try_remove(key)
+        else {
+            return false;
+        };
+        match ev {
+            Event::Send(s) => match self.send_completion(s, ctx, region) {
+                Ok(c) => push_ok(&self.tx_cq, c, direct),
+                Err(e) => self.tx_cq.push_err(e),
+            },
+            Event::Recv(r) => match self.recv_completion(r, ctx, target, cache) {
+                Ok(c) => push_ok(&self.rx_cq, c, direct),
+                Err(e) => self.rx_cq.push_err(e),
+            },
+            _ => return false,
+        }
+        true
+    }
+
+    /// [`Self::deliver`] for the rest: multi-receive pieces, futures, RMA, remote writes.
+    #[inline(never)]
+    fn deliver_other(&self, ops: &mut Slab<OpState>, cache: &mut SrcCache, ev: Event) -> bool {
         let (key, is_send) = match &ev {
             Event::Send(s) => (s.context as usize, true),
             Event::Recv(r) => (r.context as usize, false),
@@ -1438,11 +1511,11 @@ impl RdmCore {
         if let (&Sink::Cq(ctx), true) = (&op.sink, matches!(ev, Event::Send(_) | Event::Recv(_))) {
             match ev {
                 Event::Send(s) => match self.send_completion(s, ctx, op.region) {
-                    Ok(c) => push_ok(&self.tx_cq, c, direct),
+                    Ok(c) => self.tx_cq.push(c),
                     Err(e) => self.tx_cq.push_err(e),
                 },
                 Event::Recv(r) => match self.recv_completion(r, ctx, op.target, cache) {
-                    Ok(c) => push_ok(&self.rx_cq, c, direct),
+                    Ok(c) => self.rx_cq.push(c),
                     Err(e) => self.rx_cq.push_err(e),
                 },
                 _ => return false,
