@@ -314,6 +314,11 @@ fn sends_to_a_closed_peer_fail() {
             err.error
         );
     }
+    assert_eq!(
+        mapped_channels(dir.path()),
+        1,
+        "the closed peer's channel is unmapped"
+    );
 }
 
 /// The other end of `two_processes_exchange_every_size`: receives the mix, then sends it back.
@@ -551,4 +556,26 @@ fn a_sender_dying_mid_message_fails_the_receive() {
         })
         .count();
     assert_eq!(chans, 1, "only this endpoint's channel is left");
+    assert_eq!(
+        mapped_channels(dir.path()),
+        1,
+        "the dead sender's channel is unmapped"
+    );
+}
+
+/// How many distinct channel files of `dir` this process maps (a removed file still counts
+/// while it is mapped).
+fn mapped_channels(dir: &Path) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let prefix = format!("{}/efa-chan-", dir.display());
+    let mut files: Vec<&str> = maps
+        .lines()
+        .filter_map(|l| {
+            l.find(&prefix)
+                .map(|i| l[i..].trim_end_matches(" (deleted)"))
+        })
+        .collect();
+    files.sort_unstable();
+    files.dedup();
+    files.len()
 }

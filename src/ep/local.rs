@@ -165,7 +165,8 @@ struct Unconsumed {
 }
 
 struct Peer {
-    chan: PeerChan,
+    /// `None` once the peer is gone: its mapping and file descriptor are let go.
+    chan: Option<PeerChan>,
     addr: RawAddr,
     queue: VecDeque<Out>,
     /// Closed or dead: every send to it fails at once.
@@ -253,6 +254,23 @@ pub(super) struct LocalPath {
     stuck_head: Option<(u64, Instant)>,
     /// When the application's last `APP_SAMPLE` passes began (its own busy-poll detector).
     app_mark: Option<Instant>,
+}
+
+impl Peer {
+    /// Whether the peer is still there: what an earlier check found, else its channel's word.
+    fn liveness(&self) -> Liveness {
+        match (self.gone, &self.chan) {
+            (Some(l), _) => l,
+            (None, Some(c)) => c.liveness(),
+            (None, None) => Liveness::Closed,
+        }
+    }
+
+    /// The peer is gone: sends to it fail from now on, and its channel is unmapped.
+    fn set_gone(&mut self, l: Liveness) {
+        self.gone = Some(l);
+        self.chan = None;
+    }
 }
 
 impl LocalPath {
@@ -359,7 +377,7 @@ impl LocalPath {
                         tracing::debug!(%dest, pid = chan.pid, "local path: peer on this host");
                         engine.local_contact(*dest);
                         self.peers.push(Peer {
-                            chan,
+                            chan: Some(chan),
                             addr: *dest,
                             queue: VecDeque::new(),
                             gone: None,
@@ -408,7 +426,8 @@ impl LocalPath {
         // ring.
         if !o.delivery_complete {
             if let Some(p) = self.peers.get_mut(peer) {
-                if p.gone.is_none() && p.queue.is_empty() && len <= p.chan.chunk() {
+                let open = p.chan.as_ref();
+                if let Some(chan) = open.filter(|c| p.queue.is_empty() && len <= c.chunk()) {
                     let region = ops.get(key).and_then(|x| x.region.as_ref());
                     let guard;
                     let data: &[u8] = match region {
@@ -419,8 +438,8 @@ impl LocalPath {
                         _ => &buf[..],
                     };
                     let h = first_hdr(o.tag, o.data, None, len);
-                    if let Some(pos) = p.chan.push(&h, &self.me, data) {
-                        p.chan.ring_bell_if_asleep();
+                    if let Some(pos) = chan.push(&h, &self.me, data) {
+                        chan.ring_bell_if_asleep();
                         if p.unconsumed.is_empty() {
                             self.consuming.push(peer);
                         }
@@ -480,15 +499,17 @@ impl LocalPath {
         };
         // A peer that closed its endpoint gets the copy, so the failure is reported; one that
         // died without closing loses the inject (as a datagram would be lost).
-        if p.gone.is_some() || !p.queue.is_empty() || data.len() > p.chan.chunk() || p.chan.closed()
-        {
+        let Some(chan) = p.chan.as_ref() else {
+            return false;
+        };
+        if !p.queue.is_empty() || data.len() > chan.chunk() || chan.closed() {
             return false;
         }
         let h = first_hdr(o.tag, o.data, None, data.len());
-        if p.chan.push(&h, &self.me, data).is_none() {
+        if chan.push(&h, &self.me, data).is_none() {
             return false;
         }
-        p.chan.ring_bell_if_asleep();
+        chan.ring_bell_if_asleep();
         engine.local_sent(data.len());
         true
     }
@@ -499,6 +520,11 @@ impl LocalPath {
         loop {
             let Some(p) = self.peers.get_mut(peer) else {
                 return pushed;
+            };
+            // Nothing is queued for a peer that is gone (its sends fail, acknowledgements to it
+            // are not made).
+            let Some(chan) = p.chan.as_ref() else {
+                break;
             };
             let Some(front) = p.queue.front_mut() else {
                 break;
@@ -514,7 +540,7 @@ impl LocalPath {
                         data: 0,
                         token: *token,
                     };
-                    if p.chan.push(&h, &self.me, &[]).is_none() {
+                    if chan.push(&h, &self.me, &[]).is_none() {
                         break;
                     }
                     pushed = true;
@@ -530,7 +556,7 @@ impl LocalPath {
                         }
                         _ => &m.buf[..],
                     };
-                    let chunk = p.chan.chunk();
+                    let chunk = chan.chunk();
                     let mut full = false;
                     while !m.started || m.sent < m.len {
                         let n = (m.len - m.sent).min(chunk);
@@ -552,7 +578,7 @@ impl LocalPath {
                         } else {
                             first_hdr(m.tag, m.data, m.dc, m.len)
                         };
-                        let Some(pos) = p.chan.push(&h, &self.me, data) else {
+                        let Some(pos) = chan.push(&h, &self.me, data) else {
                             full = true;
                             break;
                         };
@@ -602,8 +628,8 @@ impl LocalPath {
             }
         }
         if pushed {
-            if let Some(p) = self.peers.get(peer) {
-                p.chan.ring_bell_if_asleep();
+            if let Some(c) = self.peers.get(peer).and_then(|p| p.chan.as_ref()) {
+                c.ring_bell_if_asleep();
             }
         }
         self.publish_waiting();
@@ -697,7 +723,8 @@ impl LocalPath {
             busy = true;
             match self.route(engine, &src) {
                 Some(p) => {
-                    if let Some(peer) = self.peers.get_mut(p) {
+                    // A sender that is gone waits for no acknowledgement.
+                    if let Some(peer) = self.peers.get_mut(p).filter(|x| x.gone.is_none()) {
                         peer.queue.push_back(Out::DcAck(token));
                         self.queued += 1;
                         self.flush_peer(ops, p);
@@ -773,7 +800,7 @@ impl LocalPath {
         while let Some(&peer) = self.consuming.get(i) {
             while let Some(u) = self.peers.get_mut(peer).and_then(|p| {
                 let pos = p.unconsumed.front()?.pos;
-                if p.chan.consumed(pos) {
+                if p.chan.as_ref().is_none_or(|c| c.consumed(pos)) {
                     p.unconsumed.pop_front()
                 } else {
                     None
@@ -908,13 +935,13 @@ impl LocalPath {
         // fence: it naps at most a millisecond while sends wait, and a fence here would wait for
         // the slot frees above to leave the store buffer, on the way to this side's completion.
         if more_senders {
-            for p in &self.peers {
-                p.chan.ring_bell_if_seen_asleep();
+            for c in self.peers.iter().filter_map(|p| p.chan.as_ref()) {
+                c.ring_bell_if_seen_asleep();
             }
         } else {
             for p in senders.into_iter().flatten() {
-                if let Some(p) = self.peers.get(p) {
-                    p.chan.ring_bell_if_seen_asleep();
+                if let Some(c) = self.peers.get(p).and_then(|p| p.chan.as_ref()) {
+                    c.ring_bell_if_seen_asleep();
                 }
             }
         }
@@ -983,16 +1010,13 @@ impl LocalPath {
             let Some(p) = self.peers.get_mut(i) else {
                 continue;
             };
-            let l = match p.gone {
-                Some(l) => l,
-                None => p.chan.liveness(),
-            };
+            let l = p.liveness();
             if l == Liveness::Alive {
                 again = true;
                 continue;
             }
             tracing::debug!(peer = %p.addr, ?l, "local path: sender gone in the middle of a message");
-            p.gone = Some(l);
+            p.set_gone(l);
             if l == Liveness::Dead {
                 crate::device::shm::sweep_dir(&self.dir, self.uid);
             }
@@ -1007,20 +1031,17 @@ impl LocalPath {
             if p.queue.is_empty() && p.dc_waiting == 0 && p.unconsumed.is_empty() {
                 continue;
             }
-            let l = match p.gone {
-                Some(l) => l,
-                None => p.chan.liveness(),
-            };
+            let l = p.liveness();
             if l == Liveness::Alive {
                 again = true;
                 continue;
             }
             tracing::debug!(peer = %p.addr, ?l, "local path: peer gone; its sends fail");
-            if l == Liveness::Dead {
+            if l == Liveness::Dead && p.gone.is_none() {
                 // What else the dead process left in the directory (its device's files) goes too.
                 crate::device::shm::sweep_dir(&self.dir, self.uid);
             }
-            p.gone = Some(l);
+            p.set_gone(l);
             let q = std::mem::take(&mut p.queue);
             p.dc_waiting = 0;
             self.queued = self.queued.saturating_sub(q.len());
