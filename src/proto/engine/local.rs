@@ -15,7 +15,6 @@ use bytes::BytesMut;
 use super::rx::{Kind, Rtm, RxState, Sink};
 use super::{Done, Engine};
 use crate::addr::RawAddr;
-use crate::proto::matching::Unexpected;
 
 /// The peer id of entries of the local path (no engine peer: no reorder window, no handshake).
 pub(super) const LOCAL_PEER: u64 = u64::MAX;
@@ -113,18 +112,7 @@ impl Engine {
             Some(sink) => self.start_matched(now, rid, sink, None),
             None => {
                 self.stats.unexpected_msgs += 1;
-                if let Some(e) = self.rx.get_mut(&rid) {
-                    e.state = RxState::Unexpected;
-                }
-                self.unexp_msgs += 1;
-                self.matcher.push_unexpected(
-                    tagged,
-                    Unexpected {
-                        src,
-                        tag,
-                        item: rid,
-                    },
-                );
+                self.queue_unexpected(rid);
             }
         }
         self.local_data(now, rid, 0, n, copy);

@@ -610,10 +610,22 @@ impl Engine {
             );
             return self.remove_unmatched(rid);
         }
-        let Some(e) = self.rx.get_mut(&rid) else {
+        if !self.queue_unexpected(rid) {
             return;
+        }
+        if let Some((off, data)) = fresh {
+            self.hold(rid, off, data);
+        }
+    }
+
+    /// Puts message `rid` on the unexpected queue (no receive matched it); false when there is
+    /// no such message.
+    pub(super) fn queue_unexpected(&mut self, rid: u32) -> bool {
+        let Some(e) = self.rx.get_mut(&rid) else {
+            return false;
         };
         e.state = RxState::Unexpected;
+        let (tagged, src, tag) = (e.tagged, e.src, e.tag);
         self.unexp_msgs += 1;
         self.unexp_bytes += e.held_bytes;
         self.matcher.push_unexpected(
@@ -624,9 +636,7 @@ impl Engine {
                 item: rid,
             },
         );
-        if let Some((off, data)) = fresh {
-            self.hold(rid, off, data);
-        }
+        true
     }
 
     /// The message found its buffer: held data is placed, long-CTS asks for the rest.
