@@ -1007,41 +1007,30 @@ impl LocalPath {
             let Some(i) = self.route(engine, &src) else {
                 continue;
             };
-            let Some(p) = self.peers.get_mut(i) else {
-                continue;
-            };
-            let l = p.liveness();
-            if l == Liveness::Alive {
+            if self
+                .find_gone(i, "a sender gone in the middle of a message")
+                .is_none()
+            {
                 again = true;
                 continue;
-            }
-            tracing::debug!(peer = %p.addr, ?l, "local path: sender gone in the middle of a message");
-            p.set_gone(l);
-            if l == Liveness::Dead {
-                crate::device::shm::sweep_dir(&self.dir, self.uid);
             }
             if let Some(rid) = self.inbound.remove(&src).and_then(|inb| inb.rid) {
                 engine.local_abort(rid);
             }
         }
         for i in 0..self.peers.len() {
+            let waits =
+                |p: &Peer| !p.queue.is_empty() || p.dc_waiting > 0 || !p.unconsumed.is_empty();
+            if !self.peers.get(i).is_some_and(waits) {
+                continue;
+            }
+            let Some(l) = self.find_gone(i, "a peer gone; its sends fail") else {
+                again = true;
+                continue;
+            };
             let Some(p) = self.peers.get_mut(i) else {
                 continue;
             };
-            if p.queue.is_empty() && p.dc_waiting == 0 && p.unconsumed.is_empty() {
-                continue;
-            }
-            let l = p.liveness();
-            if l == Liveness::Alive {
-                again = true;
-                continue;
-            }
-            tracing::debug!(peer = %p.addr, ?l, "local path: peer gone; its sends fail");
-            if l == Liveness::Dead && p.gone.is_none() {
-                // What else the dead process left in the directory (its device's files) goes too.
-                crate::device::shm::sweep_dir(&self.dir, self.uid);
-            }
-            p.set_gone(l);
             let q = std::mem::take(&mut p.queue);
             p.dc_waiting = 0;
             self.queued = self.queued.saturating_sub(q.len());
@@ -1081,6 +1070,25 @@ impl LocalPath {
         if again {
             self.next_check = Some(now + CHECK_EVERY);
         }
+    }
+
+    /// `None` while peer `i` is alive. Otherwise why it is gone: the first time, it is marked
+    /// gone (its channel let go) and, when it died, what else it left in the directory (its
+    /// device's files) is removed too.
+    fn find_gone(&mut self, i: usize, what: &str) -> Option<Liveness> {
+        let p = self.peers.get_mut(i)?;
+        let l = p.liveness();
+        if l == Liveness::Alive {
+            return None;
+        }
+        if p.gone.is_none() {
+            tracing::debug!(peer = %p.addr, ?l, "local path: {what}");
+            p.set_gone(l);
+            if l == Liveness::Dead {
+                crate::device::shm::sweep_dir(&self.dir, self.uid);
+            }
+        }
+        Some(l)
     }
 
     /// When the next check is due.
