@@ -19,6 +19,18 @@ pub(crate) fn send_bytes(buf: &SendBuf, domain: &Domain, op: &'static str) -> Re
     }
 }
 
+/// `InvalidArgument` for an inject of `len` bytes beyond the endpoint's `inject_size`.
+pub(crate) fn check_inject(len: usize, inject_size: usize) -> Result<()> {
+    if len > inject_size {
+        return Err(
+            Error::new(ErrorKind::InvalidArgument, "inject").with_detail(format!(
+                "{len} bytes is more than inject_size {inject_size}"
+            )),
+        );
+    }
+    Ok(())
+}
+
 /// Where a receive lands once the device (or engine) hands its buffer back.
 #[derive(Debug)]
 pub(crate) enum RecvTarget {

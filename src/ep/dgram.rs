@@ -255,15 +255,7 @@ impl DgramCore {
         } else {
             data
         };
-        if payload.len() > self.inject_size {
-            return Err(
-                Error::new(ErrorKind::InvalidArgument, "inject").with_detail(format!(
-                    "{} bytes is more than inject_size {}",
-                    payload.len(),
-                    self.inject_size
-                )),
-            );
-        }
+        super::buf::check_inject(payload.len(), self.inject_size)?;
         let data = Bytes::copy_from_slice(data);
         self.post_datagram(peer, data, imm, None, Buffer::None, "inject")
             .map_err(|(e, _)| e)

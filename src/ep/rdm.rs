@@ -804,15 +804,7 @@ impl RdmCore {
             return Err(Error::new(ErrorKind::InvalidArgument, "inject")
                 .with_detail("an inject has no completion to deliver: use send_with"));
         }
-        if data.len() > self.inject_size {
-            return Err(
-                Error::new(ErrorKind::InvalidArgument, "inject").with_detail(format!(
-                    "{} bytes is more than inject_size {}",
-                    data.len(),
-                    self.inject_size
-                )),
-            );
-        }
+        super::buf::check_inject(data.len(), self.inject_size)?;
         let mut clock = Clock::default();
         let mut st = self.state.lock();
         if st.closed {
@@ -1060,24 +1052,22 @@ impl RdmCore {
         sink: Sink,
         src: Option<RawAddr>,
     ) -> Result<(), PostError> {
-        {
-            let why = if o.tag.is_some() {
-                Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
-            } else if matches!(buf, RecvBuf::Region(_)) {
-                Some("a multi-receive buffer must be a BytesMut, not a memory region")
-            } else if matches!(sink, Sink::Future(_)) {
-                Some(
-                    "a multi-receive buffer completes many times: post it with recv_with, not recv_async",
-                )
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(refuse(
-                    Error::new(ErrorKind::InvalidArgument, "recv").with_detail(why),
-                    buf.into_buffer(),
-                ));
-            }
+        let why = if o.tag.is_some() {
+            Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
+        } else if matches!(buf, RecvBuf::Region(_)) {
+            Some("a multi-receive buffer must be a BytesMut, not a memory region")
+        } else if matches!(sink, Sink::Future(_)) {
+            Some(
+                "a multi-receive buffer completes many times: post it with recv_with, not recv_async",
+            )
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(refuse(
+                Error::new(ErrorKind::InvalidArgument, "recv").with_detail(why),
+                buf.into_buffer(),
+            ));
         }
         self.post_recv_checked(buf, o, sink, src)
     }
