@@ -115,6 +115,28 @@ impl Node {
         out
     }
 
+    /// Polls until an error completion is ready and returns it; a successful completion, another
+    /// error, or none within `within` fails the test (`what` names the operation expected to
+    /// fail).
+    pub fn expect_err(&self, within: Duration, what: &str) -> efa::CompletionError {
+        let deadline = Instant::now() + within;
+        let mut out = Vec::new();
+        loop {
+            match self.cq.poll(&mut out, 1) {
+                Ok(0) => {}
+                Ok(_) => panic!("{what} completed instead of failing: {:?}", out[0].len),
+                Err(e) if e.kind() == ErrorKind::ErrorAvailable => {
+                    return self.cq.read_err().unwrap();
+                }
+                Err(e) => panic!("{what}: {e}"),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: no error completion within {within:?}"
+            );
+        }
+    }
+
     /// Reads completions until `n` arrived; an error completion fails the test.
     pub fn collect(&self, n: usize, what: &str) -> Vec<Completion> {
         let deadline = Instant::now() + DEADLINE;
