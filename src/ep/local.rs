@@ -266,6 +266,14 @@ impl Peer {
         }
     }
 
+    /// The channel, when a chunk of `len` bytes may go straight into it: the peer is there,
+    /// nothing waits for it before this chunk, and the chunk fits a slot.
+    fn straight_in(&self, len: usize) -> Option<&PeerChan> {
+        self.chan
+            .as_ref()
+            .filter(|c| self.queue.is_empty() && len <= c.chunk())
+    }
+
     /// The peer is gone: sends to it fail from now on, and its channel is unmapped.
     fn set_gone(&mut self, l: Liveness) {
         self.gone = Some(l);
@@ -426,8 +434,7 @@ impl LocalPath {
         // ring.
         if !o.delivery_complete {
             if let Some(p) = self.peers.get_mut(peer) {
-                let open = p.chan.as_ref();
-                if let Some(chan) = open.filter(|c| p.queue.is_empty() && len <= c.chunk()) {
+                if let Some(chan) = p.straight_in(len) {
                     let region = ops.get(key).and_then(|x| x.region.as_ref());
                     let guard;
                     let data: &[u8] = match region {
@@ -499,12 +506,9 @@ impl LocalPath {
         };
         // A peer that closed its endpoint gets the copy, so the failure is reported; one that
         // died without closing loses the inject (as a datagram would be lost).
-        let Some(chan) = p.chan.as_ref() else {
+        let Some(chan) = p.straight_in(data.len()).filter(|c| !c.closed()) else {
             return false;
         };
-        if !p.queue.is_empty() || data.len() > chan.chunk() || chan.closed() {
-            return false;
-        }
         let h = first_hdr(o.tag, o.data, None, data.len());
         if chan.push(&h, &self.me, data).is_none() {
             return false;
@@ -636,13 +640,16 @@ impl LocalPath {
         pushed
     }
 
-    /// Tells the waiter whether sends wait (for room, consumption or acknowledgement).
+    /// Tells the waiter whether sends wait (for room, consumption or acknowledgement) or a
+    /// message is only partly here: it then looks every millisecond.
     fn publish_waiting(&self) {
-        let w = self.queued > 0
-            || !self.consuming.is_empty()
-            || !self.dc.is_empty()
-            || !self.inbound.is_empty();
+        let w = self.sends_wait() || !self.inbound.is_empty();
         self.shared.waiting.store(w, Ordering::Relaxed);
+    }
+
+    /// Sends wait for room in a ring, for their consumption or for an acknowledgement.
+    fn sends_wait(&self) -> bool {
+        self.queued > 0 || !self.consuming.is_empty() || !self.dc.is_empty()
     }
 
     /// The handle that keeps the waiter from the endpoint while the application drops it.
@@ -752,7 +759,7 @@ impl LocalPath {
         busy |= moved;
         // Sends wait for their peers, or a message is only partly here: when nothing moves for
         // them, look at the clock now and then and check on the peers (a dead one fails them).
-        let sends_wait = self.queued > 0 || !self.consuming.is_empty() || !self.dc.is_empty();
+        let sends_wait = self.sends_wait();
         let progressed = if sends_wait { moved } else { drained };
         let nothing_waits = !sends_wait && self.inbound.is_empty();
         if progressed || nothing_waits {
