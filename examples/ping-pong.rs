@@ -171,13 +171,9 @@ trait PingEp {
     }
     fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError>;
     fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError>;
-    /// Messages shorter than this go with [`PingEp::inject`] (0: this kind has no inject).
-    fn inject_size(&self) -> usize {
-        0
-    }
-    fn inject(&self, _peer: PeerId, _msg: &[u8], _tagged: bool) -> efa::Result<()> {
-        Err(efa::Error::new(ErrorKind::NotSupported, "inject"))
-    }
+    /// Messages shorter than this go with [`PingEp::inject`].
+    fn inject_size(&self) -> usize;
+    fn inject(&self, peer: PeerId, msg: &[u8], tagged: bool) -> efa::Result<()>;
 }
 
 /// The tag ping-pong messages carry with `-m tagged`.
