@@ -76,12 +76,8 @@ fn inject_and_check(a: &Node, b: &Node, n: usize, seed: u64) {
     let mut got = Vec::new();
     let mut sent = Vec::new();
     while got.len() < m.len() {
-        if let Err(e) = a.cq.poll(&mut sent, 64) {
-            panic!("seed {seed}: {e}: {:?}", a.cq.read_err());
-        }
-        if let Err(e) = b.cq.poll(&mut got, 64) {
-            panic!("seed {seed}: {e}: {:?}", b.cq.read_err());
-        }
+        a.poll_ok(&mut sent, &format_args!("seed {seed}"));
+        b.poll_ok(&mut got, &format_args!("seed {seed}"));
         assert!(
             Instant::now() < deadline,
             "seed {seed}: {} of {} injects arrived",
@@ -100,9 +96,7 @@ fn inject_and_check(a: &Node, b: &Node, n: usize, seed: u64) {
     // The sender's acknowledgements have time to come back; still no completion.
     let until = Instant::now() + std::time::Duration::from_millis(50);
     while Instant::now() < until {
-        if let Err(e) = a.cq.poll(&mut sent, 64) {
-            panic!("seed {seed}: {e}: {:?}", a.cq.read_err());
-        }
+        a.poll_ok(&mut sent, &format_args!("seed {seed}"));
         b.ep.progress();
     }
     assert!(sent.is_empty(), "seed {seed}: injects completed: {sent:?}");

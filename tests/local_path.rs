@@ -44,9 +44,7 @@ fn exchange(a: &Node, b: &Node, m: &[Msg], seed: u64) {
     let (mut sent, mut got) = (Vec::new(), Vec::new());
     while sent.len() < m.len() || got.len() < m.len() {
         for (n, out) in [(a, &mut sent), (b, &mut got)] {
-            if let Err(e) = n.cq.poll(out, 64) {
-                panic!("seed {seed}: {e}: {:?}", n.cq.read_err());
-            }
+            n.poll_ok(out, &format_args!("seed {seed}"));
         }
         assert!(
             Instant::now() < deadline,

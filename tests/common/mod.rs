@@ -115,6 +115,13 @@ impl Node {
         out
     }
 
+    /// One poll into `out`; an error completion fails the test (`ctx` says which run).
+    pub fn poll_ok(&self, out: &mut Vec<Completion>, ctx: &dyn std::fmt::Display) {
+        if let Err(e) = self.cq.poll(out, 64) {
+            panic!("{ctx}: {e}: {:?}", self.cq.read_err());
+        }
+    }
+
     /// Polls until an error completion is ready and returns it; a successful completion, another
     /// error, or none within `within` fails the test (`what` names the operation expected to
     /// fail).
