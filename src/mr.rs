@@ -28,6 +28,9 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 
+mod store;
+use store::Store;
+
 /// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
 /// `FI_REMOTE_READ`, `FI_REMOTE_WRITE`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
@@ -177,7 +180,7 @@ pub struct RemoteKey {
 /// be the one driving the device): they try it, and when it is taken they register a notifier
 /// that is signalled as soon as the lock is released, and retry later.
 pub struct RegionMem {
-    data: RwLock<BytesMut>,
+    data: RwLock<Store>,
     addr: u64,
     len: usize,
     /// Signalled (and cleared) whenever the lock is released; see [`RegionMem::try_write_with`].
@@ -201,9 +204,43 @@ impl RegionMem {
         Arc::new(RegionMem {
             addr: buf.as_ptr() as usize as u64,
             len: buf.len(),
-            data: RwLock::new(buf),
+            data: RwLock::new(Store::Owned(buf)),
             waiters: Mutex::new(Vec::new()),
         })
+    }
+
+    /// A region over `len` bytes at `ptr` that it does not own: for devices outside the crate
+    /// that register a program's memory themselves, such as the emulated EFA NIC (`efa-emu`),
+    /// which registers a C program's buffers for one-sided RDMA. Remote accesses name its first
+    /// byte `addr` (the I/O virtual address of `ibv_reg_mr_iova2`; usually `ptr`'s). Give it
+    /// to a device ([`Device::register_mem`](crate::device::Device::register_mem)) and call
+    /// [`close_foreign`](RegionMem::close_foreign) before the memory goes away. `None` when `ptr`
+    /// is null, `len` is 0 or `addr + len` overflows.
+    ///
+    /// # Safety
+    ///
+    /// Until `close_foreign` returns, the `len` bytes at `ptr` must stay valid for reads and
+    /// writes and must not be reached through Rust references other than this region's (code
+    /// outside Rust, such as the C program that lent them, may race with a device's copies as it
+    /// would with a NIC's DMA: the bytes it then sees are unspecified, never other memory).
+    #[allow(unsafe_code)]
+    pub unsafe fn foreign(ptr: *mut u8, len: usize, addr: u64) -> Option<Arc<RegionMem>> {
+        // SAFETY: this function's contract is `Store::foreign`'s.
+        let store = unsafe { Store::foreign(ptr, len) }?;
+        addr.checked_add(len as u64)?;
+        Some(Arc::new(RegionMem {
+            addr,
+            len,
+            data: RwLock::new(store),
+            waiters: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// Closes a region made by [`foreign`](RegionMem::foreign): waits for an access in progress
+    /// to finish, then forgets the memory, so every later access fails its bounds check. Revoke
+    /// the region's key in its device first.
+    pub fn close_foreign(&self) {
+        drop(self.take());
     }
 
     /// The address of the first byte (what [`RemoteKey::addr`] names).
@@ -303,7 +340,7 @@ impl RegionMem {
     fn try_write_lock(
         &self,
         waiter: Option<&Arc<Notifier>>,
-    ) -> Option<RwLockWriteGuard<'_, BytesMut>> {
+    ) -> Option<RwLockWriteGuard<'_, Store>> {
         if let Some(g) = self.data.try_write() {
             return Some(g);
         }
@@ -315,7 +352,7 @@ impl RegionMem {
     fn try_read_lock(
         &self,
         waiter: Option<&Arc<Notifier>>,
-    ) -> Option<RwLockReadGuard<'_, BytesMut>> {
+    ) -> Option<RwLockReadGuard<'_, Store>> {
         if let Some(g) = self.data.try_read() {
             return Some(g);
         }
@@ -378,11 +415,15 @@ impl RegionMem {
         res
     }
 
-    /// The bytes of the region, leaving it empty (closed). Blocks while a guard is alive.
+    /// The bytes of the region, leaving it empty (closed); a foreign region gives nothing back.
+    /// Blocks while a guard is alive.
     fn take(&self) -> BytesMut {
-        let b = std::mem::take(&mut *self.data.write());
+        let old = std::mem::replace(&mut *self.data.write(), Store::Owned(BytesMut::new()));
         self.wake_waiters();
-        b
+        match old {
+            Store::Owned(b) => b,
+            Store::Foreign { .. } => BytesMut::new(),
+        }
     }
 }
 
@@ -397,7 +438,7 @@ impl fmt::Debug for RegionMem {
 
 /// The guard [`MemoryRegion::read`] returns: releases the lock, then signals waiting accesses.
 struct ReadGuard<'a> {
-    guard: Option<RwLockReadGuard<'a, BytesMut>>,
+    guard: Option<RwLockReadGuard<'a, Store>>,
     mem: &'a RegionMem,
 }
 
@@ -417,7 +458,7 @@ impl Drop for ReadGuard<'_> {
 
 /// The guard [`MemoryRegion::write`] returns: releases the lock, then signals waiting accesses.
 struct WriteGuard<'a> {
-    guard: Option<RwLockWriteGuard<'a, BytesMut>>,
+    guard: Option<RwLockWriteGuard<'a, Store>>,
     mem: &'a RegionMem,
 }
 

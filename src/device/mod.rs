@@ -179,6 +179,20 @@ pub struct QpAttr {
     pub qkey: Option<u32>,
     /// Signalled whenever new completions become ready, so waiters can sleep.
     pub notifier: Arc<Notifier>,
+    /// Whether RDMA writes with immediate data complete at this queue pair without consuming a
+    /// receive buffer (EFA's `EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV`); honoured only on devices
+    /// with [`DeviceCaps::unsolicited_write_recv`]. `None`: the device's default.
+    pub unsolicited_write_recv: Option<bool>,
+}
+
+/// Changes to a queue pair after it was created, as EFA's `ibv_modify_qp` makes them on the way
+/// to ready-to-send: INIT sets the QKEY, RTS the RNR retry count. `None` leaves a value as it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpModify {
+    /// The new QKEY (the queue pair's [`RawAddr`] changes with it).
+    pub qkey: Option<u32>,
+    /// The new RNR retry count; 7 means forever (SRD only).
+    pub rnr_retry: Option<u8>,
 }
 
 impl QpAttr {
@@ -191,6 +205,7 @@ impl QpAttr {
             rnr_retry: 3,
             qkey: None,
             notifier: Arc::new(Notifier::new()),
+            unsolicited_write_recv: None,
         }
     }
 }
@@ -519,6 +534,11 @@ pub trait QueuePair: Send + fmt::Debug {
     /// Stops the queue pair: every outstanding work request completes with [`Status::Flushed`]
     /// (collect them with `poll`), later posts fail with `ErrorKind::Closed`.
     fn close(&mut self);
+    /// Changes the QKEY or the RNR retry count (see [`QpModify`]) before traffic starts; packets
+    /// in flight are not re-keyed. The default is `NotSupported`.
+    fn modify(&mut self, _m: QpModify) -> Result<()> {
+        Err(Error::new(ErrorKind::NotSupported, "modify_qp"))
+    }
     /// Posts a one-sided RDMA read of the `remote.len` bytes at `remote` (on the queue pair
     /// `dest`) into `local`, whose `capacity()` must hold them; its contents are replaced. The
     /// completion ([`Opcode::RdmaRead`]) hands `local` back in `buf`. A bad key, revoked key,

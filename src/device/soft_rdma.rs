@@ -181,15 +181,28 @@ impl Keys {
         key
     }
 
+    /// Registers `mem` under `key`, a key its caller chose (an emulated NIC hands out 32-bit
+    /// keys of its own). False, and nothing registered, when `key` is live.
+    pub(crate) fn register_as(&mut self, mem: &Arc<RegionMem>, access: Access, key: u64) -> bool {
+        if self.live.contains_key(&key) {
+            return false;
+        }
+        self.live.insert(key, (mem.clone(), access));
+        true
+    }
+
     /// Revokes `key`.
     pub(crate) fn deregister(&mut self, key: u64) {
         self.live.remove(&key);
     }
 
-    /// The region `key` names if it grants `need` and `addr..addr+len` lies inside it.
+    /// The region `key` names if it grants `need` and `addr..addr+len` lies inside it. Takes no
+    /// region lock (the key table is locked, and an application thread may hold a guard on the
+    /// region while it drives this device): a region closed since is refused by the access
+    /// itself, which checks the range again under the region's lock.
     fn check(&self, key: u64, need: Access, addr: u64, len: u64) -> Option<Arc<RegionMem>> {
         let (mem, access) = self.live.get(&key)?;
-        if !access.contains(need) || mem.is_closed() {
+        if !access.contains(need) {
             return None;
         }
         let end = addr.checked_add(len)?;

@@ -54,6 +54,7 @@ impl EndpointBuilder<Dgram> {
             rnr_retry: 0,
             qkey: None,
             notifier,
+            unsolicited_write_recv: None,
         })?;
         let addr = qp.addr();
         tracing::debug!(%addr, send_depth, recv_depth, "dgram_ep_open");

@@ -177,6 +177,7 @@ impl EndpointBuilder<Rdm> {
             rnr_retry: 3,
             qkey: None,
             notifier: notifier.clone(),
+            unsolicited_write_recv: None,
         })?;
         let addr = qp.addr();
         let local = match self.domain.device().local_dir() {

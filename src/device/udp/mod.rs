@@ -286,6 +286,28 @@ impl UdpDevice {
     pub fn config(&self) -> &UdpConfig {
         &self.cfg
     }
+
+    /// Registers `mem` for one-sided RDMA under `key`, a key the caller chose instead of one
+    /// [`Device::register_mem`] would make up: for an emulated NIC that hands out keys of its
+    /// own (EFA's are 32 bits). Revoke it with [`Device::deregister_mem`]. `NotSupported`
+    /// without RDMA ([`UdpConfig::rdma`]), `InvalidArgument` when `key` is live.
+    pub fn register_mem_as(
+        &self,
+        mem: &Arc<crate::mr::RegionMem>,
+        access: crate::mr::Access,
+        key: u64,
+    ) -> Result<()> {
+        let Some(keys) = &self.keys else {
+            return Err(Error::new(ErrorKind::NotSupported, "register_mem_as")
+                .with_detail("the device was opened without RDMA"));
+        };
+        if keys.lock().register_as(mem, access, key) {
+            Ok(())
+        } else {
+            Err(Error::new(ErrorKind::InvalidArgument, "register_mem_as")
+                .with_detail(format!("key {key:#x} is in use")))
+        }
+    }
 }
 
 impl Device for UdpDevice {

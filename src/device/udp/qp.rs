@@ -1159,7 +1159,10 @@ impl UdpQp {
                 cq: VecDeque::new(),
                 new_comps: false,
                 recvs: VecDeque::new(),
-                rdma: Rdma::new(keys, cfg.unsolicited_write_recv),
+                rdma: Rdma::new(
+                    keys,
+                    cfg.unsolicited_write_recv && attr.unsolicited_write_recv.unwrap_or(true),
+                ),
             },
             qp_type: attr.qp_type,
             closed: false,
@@ -1256,6 +1259,21 @@ impl QueuePair for UdpQp {
 
     fn qp_type(&self) -> QpType {
         self.qp_type
+    }
+
+    fn modify(&mut self, m: crate::device::QpModify) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        if st.closed {
+            return Err(Error::new(ErrorKind::Closed, "modify_qp"));
+        }
+        if let Some(qkey) = m.qkey {
+            st.ctx.qkey = qkey;
+            self.addr = RawAddr::new(self.addr.gid, self.addr.qpn, qkey);
+        }
+        if let Some(r) = m.rnr_retry {
+            st.ctx.rnr_retry = r;
+        }
+        Ok(())
     }
 
     fn post_send(&mut self, wr: SendWr) -> Result<()> {
