@@ -1,0 +1,142 @@
+//! `efa-emu`: runs a program on the emulated EFA NIC.
+//!
+//! ```text
+//! efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] -- PROGRAM [ARGS...]
+//! efa-emu env [--addr IP] ...        print the environment as shell `export` lines
+//! ```
+//!
+//! It points `LD_LIBRARY_PATH` at a directory where `libibverbs.so.1` and `libefa.so.1` are the
+//! emulator (`libefa_emu.so`, found next to this executable), makes the sysfs entries libfabric
+//! checks and sets `SYSFS_PATH` to them, and passes the options on as `EFA_EMU_*` variables.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] [--device NAME] -- PROGRAM [ARGS...]\n       efa-emu env [same options]\n\nLIST: comma-separated rdma_read,rdma_write,rnr_retry,unsolicited_write_recv (or none)\nSPEC: seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS\nOther EFA_EMU_* variables in the environment pass through (docs/emulator.md)."
+    );
+    std::process::exit(2)
+}
+
+/// The emulator library, next to this executable (cargo puts both in target/<profile>/).
+fn library() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("where am I: {e}"))?;
+    let dir = exe.parent().ok_or("executable has no directory")?;
+    for cand in [dir.join("libefa_emu.so"), dir.join("../libefa_emu.so")] {
+        if cand.exists() {
+            return cand.canonicalize().map_err(|e| e.to_string());
+        }
+    }
+    Err(format!(
+        "libefa_emu.so not found next to {} (build it: cargo build -p efa-emu)",
+        exe.display()
+    ))
+}
+
+/// A directory holding `libibverbs.so.1` and `libefa.so.1`, both the emulator.
+fn lib_dir(lib: &Path) -> Result<PathBuf, String> {
+    let dir = lib
+        .parent()
+        .ok_or("library has no directory")?
+        .join("efa-emu-lib");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for name in ["libibverbs.so.1", "libefa.so.1"] {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(lib, &link).map_err(|e| format!("{}: {e}", link.display()))?;
+    }
+    Ok(dir)
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let cmd = args.next().unwrap_or_else(|| usage());
+    let mut env: Vec<(String, String)> = Vec::new();
+    let mut program = Vec::new();
+    while let Some(a) = args.next() {
+        let mut val = |name: &str| {
+            args.next()
+                .unwrap_or_else(|| {
+                    eprintln!("efa-emu: {a} needs a value");
+                    std::process::exit(2)
+                })
+                .to_string()
+                .pipe(|v| env.push((name.to_string(), v)))
+        };
+        match a.as_str() {
+            "--addr" => val("EFA_EMU_ADDR"),
+            "--caps" => val("EFA_EMU_CAPS"),
+            "--faults" => val("EFA_EMU_FAULTS"),
+            "--device" => val("EFA_EMU_DEVICE"),
+            "--" => {
+                program.extend(args.by_ref());
+                break;
+            }
+            "-h" | "--help" => usage(),
+            other => {
+                eprintln!("efa-emu: unknown option {other}");
+                usage()
+            }
+        }
+    }
+    // Check the configuration as the library will read it, so a typo fails here, clearly.
+    let lookup = |k: &str| {
+        env.iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var(k).ok())
+    };
+    let cfg = match efa_emu::config::EmuConfig::from_lookup(lookup) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("efa-emu: {e}");
+            std::process::exit(2)
+        }
+    };
+    let run = || -> Result<(PathBuf, PathBuf), String> {
+        let lib = library()?;
+        let dir = lib_dir(&lib)?;
+        let sysfs = std::env::var_os("SYSFS_PATH")
+            .map(PathBuf::from)
+            .unwrap_or_else(efa_emu::sysfs::default_root);
+        efa_emu::sysfs::make(&sysfs, &cfg.device)?;
+        Ok((dir, sysfs))
+    };
+    let (dir, sysfs) = run().unwrap_or_else(|e| {
+        eprintln!("efa-emu: {e}");
+        std::process::exit(1)
+    });
+    let ld = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    env.push(("LD_LIBRARY_PATH".into(), ld));
+    env.push(("SYSFS_PATH".into(), sysfs.display().to_string()));
+    match cmd.as_str() {
+        "env" => {
+            for (k, v) in &env {
+                println!("export {k}='{v}'");
+            }
+        }
+        "run" => {
+            let Some((prog, rest)) = program.split_first() else {
+                usage()
+            };
+            let mut c = Command::new(prog);
+            c.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
+            use std::os::unix::process::CommandExt;
+            let e = c.exec();
+            eprintln!("efa-emu: cannot run {prog}: {e}");
+            std::process::exit(127)
+        }
+        _ => usage(),
+    }
+}
+
+trait Pipe: Sized {
+    fn pipe<R>(self, f: impl FnOnce(Self) -> R) -> R {
+        f(self)
+    }
+}
+impl<T> Pipe for T {}

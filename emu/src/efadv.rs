@@ -1,0 +1,209 @@
+//! The exported `efadv_*` functions (libefa.so.1).
+
+use std::os::raw::c_int;
+
+use efa::device::QpType;
+
+use crate::abi::*;
+use crate::verbs::{Ah, context, guard, new_cq, new_qp, obj, set_errno};
+
+/// Copies the first `inlen` bytes of `src` to `dst` (libefa's rule: a caller built against an
+/// older header passes a shorter struct; bytes it does not know are not written).
+///
+/// # Safety
+/// `dst` has room for `inlen` bytes.
+unsafe fn copy_in<T>(dst: *mut T, src: &T, inlen: u32) -> c_int {
+    let n = (inlen as usize).min(std::mem::size_of::<T>());
+    if dst.is_null() || n < 8 {
+        return libc::EINVAL;
+    }
+    // SAFETY: as the caller promises.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const T as *const u8, dst as *mut u8, n) };
+    0
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_query_device(
+    ctx: *mut ibv_context,
+    attr: *mut efadv_device_attr,
+    inlen: u32,
+) -> c_int {
+    guard(libc::EIO, || {
+        // SAFETY: the program's context.
+        let Some(c) = (unsafe { context(ctx) }) else {
+            return libc::EINVAL;
+        };
+        let cfg = &c.nic.cfg;
+        let a = efadv_device_attr {
+            comp_mask: 0,
+            max_sq_wr: cfg.max_sq_wr,
+            max_rq_wr: cfg.max_rq_wr,
+            max_sq_sge: cfg.max_sq_sge,
+            max_rq_sge: cfg.max_rq_sge,
+            inline_buf_size: cfg.inline_size,
+            inline_buf_size_ex: 0,
+            device_caps: cfg.caps.bits(),
+            max_rdma_size: if cfg.caps.rdma_read || cfg.caps.rdma_write {
+                cfg.max_rdma_size
+            } else {
+                0
+            },
+        };
+        // SAFETY: the program gave `inlen` bytes.
+        unsafe { copy_in(attr, &a, inlen) }
+    })
+}
+
+/// The SRD queue pair.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_create_qp_ex(
+    _ctx: *mut ibv_context,
+    attr: *mut ibv_qp_init_attr_ex,
+    efa_attr: *mut efadv_qp_init_attr,
+    inlen: u32,
+) -> *mut ibv_qp {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: the program's attributes (`inlen` bytes of `efa_attr`).
+        let (Some(a), Some(e)) = (unsafe { attr.as_mut() }, unsafe { efa_attr.as_ref() }) else {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        };
+        if (inlen as usize) < std::mem::offset_of!(efadv_qp_init_attr, flags)
+            || e.driver_qp_type != EFADV_QP_DRIVER_TYPE_SRD
+            || a.comp_mask & IBV_QP_INIT_ATTR_PD == 0
+            || a.qp_type != IBV_QPT_DRIVER
+        {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        }
+        let flags = if inlen as usize >= std::mem::offset_of!(efadv_qp_init_attr, sl) {
+            e.flags
+        } else {
+            0
+        };
+        if flags & !EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV != 0 {
+            set_errno(libc::EOPNOTSUPP);
+            return std::ptr::null_mut();
+        }
+        let ops = if a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0 {
+            a.send_ops_flags
+        } else {
+            0
+        };
+        // SAFETY: the program's PD and CQs.
+        unsafe {
+            new_qp(
+                a.pd,
+                a.send_cq,
+                a.recv_cq,
+                a.qp_context,
+                &mut a.cap,
+                QpType::Srd,
+                ops,
+                flags & EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV != 0,
+            )
+        }
+    })
+}
+
+/// The first SRD entry point (`efadv_create_driver_qp`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_create_driver_qp(
+    pd: *mut ibv_pd,
+    attr: *mut ibv_qp_init_attr,
+    driver_qp_type: u32,
+) -> *mut ibv_qp {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: the program's attributes.
+        let Some(a) = (unsafe { attr.as_mut() }) else {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        };
+        if driver_qp_type != EFADV_QP_DRIVER_TYPE_SRD || a.qp_type != IBV_QPT_DRIVER {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the program's PD and CQs.
+        unsafe {
+            new_qp(
+                pd,
+                a.send_cq,
+                a.recv_cq,
+                a.qp_context,
+                &mut a.cap,
+                QpType::Srd,
+                0,
+                false,
+            )
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_query_ah(
+    ah: *mut ibv_ah,
+    attr: *mut efadv_ah_attr,
+    inlen: u32,
+) -> c_int {
+    guard(libc::EIO, || {
+        // SAFETY: an AH this library made.
+        let Some(a) = (unsafe { obj::<Ah, _>(ah) }) else {
+            return libc::EINVAL;
+        };
+        let out = efadv_ah_attr {
+            comp_mask: 0,
+            ahn: a.ahn,
+            reserved: [0; 6],
+        };
+        // SAFETY: the program gave `inlen` bytes.
+        unsafe { copy_in(attr, &out, inlen) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_create_cq(
+    ctx: *mut ibv_context,
+    attr: *mut ibv_cq_init_attr_ex,
+    efa_attr: *mut efadv_cq_init_attr,
+    inlen: u32,
+) -> *mut ibv_cq_ex {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: the program's attributes.
+        let (Some(a), Some(e)) = (unsafe { attr.as_ref() }, unsafe { efa_attr.as_ref() }) else {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        };
+        let wc_flags = if inlen as usize >= std::mem::size_of::<efadv_cq_init_attr>() {
+            e.wc_flags
+        } else {
+            0
+        };
+        if a.wc_flags & !IBV_WC_STANDARD_FLAGS != 0
+            || wc_flags & !(EFADV_WC_EX_WITH_SGID | EFADV_WC_EX_WITH_IS_UNSOLICITED) != 0
+        {
+            set_errno(libc::EOPNOTSUPP);
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the program's context and channel.
+        unsafe {
+            new_cq(
+                ctx,
+                a.cqe,
+                a.cq_context,
+                a.channel,
+                wc_flags & EFADV_WC_EX_WITH_SGID != 0,
+                wc_flags & EFADV_WC_EX_WITH_IS_UNSOLICITED != 0,
+            )
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_cq_from_ibv_cq_ex(cq: *mut ibv_cq_ex) -> *mut efadv_cq {
+    if cq.is_null() {
+        return std::ptr::null_mut();
+    }
+    let off = std::mem::offset_of!(crate::verbs::Cq, dv);
+    // SAFETY: every ibv_cq_ex this library hands out is the first field of a `Cq`.
+    unsafe { (cq as *mut u8).add(off) as *mut efadv_cq }
+}

@@ -1,0 +1,325 @@
+//! The emulated NIC of this process: its configuration, the udp device that carries its
+//! datagrams (the efa crate's SRD over UDP), its address handles and its memory registrations.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, OnceLock};
+
+use efa::device::udp::{UdpConfig, UdpDevice};
+use efa::mr::{Access, RegionMem};
+use efa::{Gid, device::Device};
+use parking_lot::Mutex;
+
+use crate::config::EmuConfig;
+
+/// Address handle numbers (AHN) handed out per GID, with reference counts, as the EFA device
+/// keeps them: one AHN per destination GID however many AHs name it.
+#[derive(Default)]
+struct Ahs {
+    by_gid: HashMap<Gid, (u16, usize)>,
+    free: Vec<u16>,
+    next: u16,
+}
+
+/// One memory registration.
+pub struct MrEntry {
+    /// First byte, as the program addresses it.
+    pub addr: u64,
+    pub len: u64,
+    /// The I/O virtual address remote accesses name the first byte by.
+    pub iova: u64,
+    pub access: i32,
+    /// The protection domain (its address) the registration belongs to.
+    pub pd: usize,
+    pub rkey: u32,
+    /// The region the device serves remote accesses from (None without remote rights).
+    pub mem: Option<Arc<RegionMem>>,
+    /// Bytes counted against the memlock limit.
+    pub pinned: u64,
+}
+
+#[derive(Default)]
+struct Mrs {
+    by_lkey: HashMap<u32, MrEntry>,
+    /// Every key ever handed out: keys are never reused within a process.
+    used: HashSet<u32>,
+    pinned: u64,
+}
+
+/// The NIC.
+pub struct Nic {
+    pub cfg: EmuConfig,
+    pub dev: Arc<UdpDevice>,
+    pub gid: Gid,
+    ahs: Mutex<Ahs>,
+    mrs: Mutex<Mrs>,
+    rng: Mutex<efa::fault::Rng>,
+}
+
+static NIC: OnceLock<Result<Arc<Nic>, String>> = OnceLock::new();
+
+/// The process's NIC, opened on first use; the error says why there is none.
+pub fn nic() -> Result<&'static Arc<Nic>, &'static str> {
+    NIC.get_or_init(|| Nic::open(EmuConfig::from_env()?).map(Arc::new))
+        .as_ref()
+        .map_err(|e| e.as_str())
+}
+
+/// A seed nobody can predict from outside the process.
+fn entropy() -> u64 {
+    let mut b = [0u8; 8];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        if f.read_exact(&mut b).is_ok() {
+            return u64::from_ne_bytes(b);
+        }
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
+
+/// True when the process may lock memory without limit (`CAP_IPC_LOCK` in its effective set).
+fn has_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
+/// The memlock limit registrations count against, if any.
+fn memlock_limit(cfg: &EmuConfig) -> Option<u64> {
+    if let Some(m) = cfg.memlock {
+        return Some(m);
+    }
+    if has_ipc_lock() {
+        return None;
+    }
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `r`.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    (rc == 0 && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
+/// Why a registration is refused: an errno value.
+pub type Errno = i32;
+
+impl Nic {
+    fn open(cfg: EmuConfig) -> Result<Nic, String> {
+        let mut u = UdpConfig::new(cfg.addr);
+        u.mtu = cfg.mtu;
+        u.max_send_wr = cfg.max_sq_wr as usize;
+        u.max_recv_wr = cfg.max_rq_wr as usize;
+        u.faults = cfg.faults.clone();
+        u.rdma = true;
+        u.unsolicited_write_recv = cfg.caps.unsolicited_write_recv;
+        u.unresponsive_timeout = cfg.unresponsive;
+        u.peer_idle_timeout = u.peer_idle_timeout.max(cfg.unresponsive * 2);
+        let dev = UdpDevice::open(u).map_err(|e| format!("efa-emu: cannot open the NIC: {e}"))?;
+        let gid = dev.attr().gid;
+        tracing::debug!(addr = %cfg.addr, device = %cfg.device, "efa-emu: NIC up");
+        Ok(Nic {
+            cfg,
+            dev,
+            gid,
+            ahs: Mutex::new(Ahs::default()),
+            mrs: Mutex::new(Mrs::default()),
+            rng: Mutex::new(efa::fault::Rng::new(entropy())),
+        })
+    }
+
+    /// The AHN for `gid` (a new one on first use).
+    pub fn ah_get(&self, gid: Gid) -> Option<u16> {
+        let mut a = self.ahs.lock();
+        if let Some((ahn, n)) = a.by_gid.get_mut(&gid) {
+            *n += 1;
+            return Some(*ahn);
+        }
+        let ahn = match a.free.pop() {
+            Some(x) => x,
+            None if a.next < 0xfffe => {
+                a.next += 1;
+                a.next - 1
+            }
+            None => return None,
+        };
+        a.by_gid.insert(gid, (ahn, 1));
+        Some(ahn)
+    }
+
+    /// Drops one reference to `gid`'s AH.
+    pub fn ah_put(&self, gid: Gid) {
+        let mut a = self.ahs.lock();
+        if let Some((ahn, n)) = a.by_gid.get_mut(&gid) {
+            *n -= 1;
+            if *n == 0 {
+                let ahn = *ahn;
+                a.by_gid.remove(&gid);
+                a.free.push(ahn);
+            }
+        }
+    }
+
+    /// The AHN this NIC holds for `gid`, if any (a receive's `slid`).
+    pub fn ahn_of(&self, gid: &Gid) -> Option<u16> {
+        self.ahs.lock().by_gid.get(gid).map(|(ahn, _)| *ahn)
+    }
+
+    fn fresh_key(&self, used: &HashSet<u32>) -> u32 {
+        let mut rng = self.rng.lock();
+        loop {
+            let k = rng.next_u64() as u32;
+            if k != 0 && !used.contains(&k) {
+                return k;
+            }
+        }
+    }
+
+    /// Registers `len` bytes at `ptr`, named `iova` by remote accesses; returns (lkey, rkey).
+    ///
+    /// # Safety
+    ///
+    /// With remote access rights, the memory must stay valid until [`Nic::dereg`] of the lkey.
+    pub unsafe fn reg(
+        &self,
+        pd: usize,
+        ptr: *mut u8,
+        len: usize,
+        iova: u64,
+        access: i32,
+    ) -> Result<(u32, u32), Errno> {
+        use crate::abi::*;
+        let known = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+        let mut supported = IBV_ACCESS_LOCAL_WRITE;
+        if self.cfg.caps.rdma_read {
+            supported |= IBV_ACCESS_REMOTE_READ;
+        }
+        if self.cfg.caps.rdma_write {
+            supported |= IBV_ACCESS_REMOTE_WRITE;
+        }
+        // Optional flags (relaxed ordering and above) are ignored, as the kernel does.
+        let required = access & (IBV_ACCESS_OPTIONAL_FIRST - 1);
+        if required & !supported != 0 {
+            tracing::debug!(
+                access,
+                supported,
+                "efa-emu: reg_mr refused: access flags the device lacks"
+            );
+            return Err(if required & !known != 0 {
+                libc::EINVAL
+            } else {
+                libc::EOPNOTSUPP
+            });
+        }
+        if ptr.is_null() || len == 0 {
+            return Err(libc::EINVAL);
+        }
+        if required & IBV_ACCESS_REMOTE_WRITE != 0 && required & IBV_ACCESS_LOCAL_WRITE == 0 {
+            // verbs: remote write requires local write.
+            return Err(libc::EINVAL);
+        }
+        let page = 4096u64;
+        let start = (ptr as u64) & !(page - 1);
+        let end = (ptr as u64)
+            .checked_add(len as u64)
+            .ok_or(libc::EINVAL)?
+            .div_ceil(page)
+            * page;
+        let pinned = end - start;
+        let mut m = self.mrs.lock();
+        if let Some(limit) = memlock_limit(&self.cfg) {
+            if m.pinned + pinned > limit {
+                tracing::warn!(
+                    limit,
+                    pinned = m.pinned,
+                    asked = pinned,
+                    "efa-emu: reg_mr refused: RLIMIT_MEMLOCK reached"
+                );
+                return Err(libc::ENOMEM);
+            }
+        }
+        let lkey = self.fresh_key(&m.used);
+        m.used.insert(lkey);
+        let remote = required & (IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE) != 0;
+        let rkey = if remote {
+            let k = self.fresh_key(&m.used);
+            m.used.insert(k);
+            k
+        } else {
+            lkey
+        };
+        let mem = if remote {
+            // SAFETY: the caller keeps the memory valid until `dereg`, which closes the region.
+            let mem = unsafe { RegionMem::foreign(ptr, len, iova) }.ok_or(libc::EINVAL)?;
+            let mut a = Access::empty();
+            if required & IBV_ACCESS_REMOTE_READ != 0 {
+                a |= Access::REMOTE_READ;
+            }
+            if required & IBV_ACCESS_REMOTE_WRITE != 0 {
+                a |= Access::REMOTE_WRITE;
+            }
+            self.dev
+                .register_mem_as(&mem, a, u64::from(rkey))
+                .map_err(|_| libc::EINVAL)?;
+            Some(mem)
+        } else {
+            None
+        };
+        m.pinned += pinned;
+        m.by_lkey.insert(
+            lkey,
+            MrEntry {
+                addr: ptr as u64,
+                len: len as u64,
+                iova,
+                access: required,
+                pd,
+                rkey,
+                mem,
+                pinned,
+            },
+        );
+        Ok((lkey, rkey))
+    }
+
+    /// Revokes a registration: remote accesses fail from now on, and none is in progress when
+    /// this returns.
+    pub fn dereg(&self, lkey: u32) -> Result<(), Errno> {
+        let e = {
+            let mut m = self.mrs.lock();
+            let e = m.by_lkey.remove(&lkey).ok_or(libc::EINVAL)?;
+            m.pinned -= e.pinned;
+            e
+        };
+        if let Some(mem) = &e.mem {
+            self.dev.deregister_mem(u64::from(e.rkey));
+            mem.close_foreign();
+        }
+        Ok(())
+    }
+
+    /// Checks that `len` bytes at `addr` lie in the registration `lkey` of protection domain
+    /// `pd`, with `LOCAL_WRITE` when `write`.
+    pub fn check_local(&self, pd: usize, lkey: u32, addr: u64, len: u64, write: bool) -> bool {
+        let m = self.mrs.lock();
+        let Some(e) = m.by_lkey.get(&lkey) else {
+            return false;
+        };
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        e.pd == pd
+            && addr >= e.addr
+            && end <= e.addr + e.len
+            && (!write || e.access & crate::abi::IBV_ACCESS_LOCAL_WRITE != 0)
+    }
+}

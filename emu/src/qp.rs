@@ -1,0 +1,515 @@
+//! Queue pairs: SRD (`efadv_create_qp_ex`) and UD (`ibv_create_qp`), each over one queue pair of
+//! the udp device. Posting copies the program's scatter/gather lists into owned buffers (after
+//! checking every lkey, as the NIC's DMA engine would); completions copy received data back into
+//! the posted buffers and become EFA work completions in the queue pair's CQs.
+
+use std::os::raw::c_int;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use efa::device::{
+    DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Status, UNSOLICITED_WR_ID,
+};
+use efa::{Gid, RawAddr};
+use parking_lot::Mutex;
+use slab::Slab;
+
+use crate::abi::*;
+use crate::cq::{CqCore, Cqe};
+use crate::nic::Nic;
+
+/// Bytes of the global route header slot at the head of every UD receive buffer.
+pub const GRH_LEN: usize = 40;
+
+/// A posted work request waiting for its device completion.
+enum Pending {
+    /// A send or an RDMA write: nothing to copy back.
+    Send { wr_id: u64 },
+    /// An RDMA read: the data goes to these buffers.
+    Read { wr_id: u64, sges: Vec<ibv_sge> },
+    /// A receive: the data goes to these buffers (after the GRH slot on UD).
+    Recv { wr_id: u64, sges: Vec<ibv_sge> },
+}
+
+/// What a send-queue work request does.
+#[derive(Clone, Copy, Debug)]
+pub enum SendOp {
+    Send { imm: Option<u32> },
+    Read { rkey: u32, addr: u64 },
+    Write { rkey: u32, addr: u64, imm: Option<u32> },
+}
+
+/// One send-queue work request, as built by `ibv_post_send` or the `ibv_wr_*` calls.
+#[derive(Clone, Debug)]
+pub struct SendReq {
+    pub wr_id: u64,
+    pub op: SendOp,
+    /// Destination: AH's GID, QPN, QKEY.
+    pub dest: Option<(Gid, u32, u32)>,
+    pub sges: Vec<ibv_sge>,
+    /// Inline data (copied at the `wr_set_inline_data*` call).
+    pub inline: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ibv_sge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sge({:#x}+{}, lkey {:#x})", self.addr, self.length, self.lkey)
+    }
+}
+
+/// The state every handle of one queue pair shares.
+pub struct QpCore {
+    pub nic: Arc<Nic>,
+    pub qp_type: QpType,
+    pub qp_num: u32,
+    /// The protection domain (its address): lkeys must belong to it.
+    pub pd: usize,
+    pub send_cq: Arc<CqCore>,
+    pub recv_cq: Arc<CqCore>,
+    pub max_send_sge: usize,
+    pub max_recv_sge: usize,
+    pub max_inline: usize,
+    dev: Mutex<Box<dyn QueuePair>>,
+    pending: Mutex<Slab<Pending>>,
+    /// `ibv_qp_state`.
+    pub state: Mutex<c_int>,
+    scratch: Mutex<Vec<DeviceCompletion>>,
+}
+
+fn status_of(s: Status) -> (c_int, u32) {
+    let code = u32::from(s.code());
+    let st = match s {
+        Status::Success => IBV_WC_SUCCESS,
+        Status::Flushed => IBV_WC_WR_FLUSH_ERR,
+        Status::LocalQpInternalError | Status::UnsupportedOp | Status::InvalidAh => {
+            IBV_WC_LOC_QP_OP_ERR
+        }
+        Status::InvalidLkey => IBV_WC_LOC_PROT_ERR,
+        Status::LocalBadLength => IBV_WC_LOC_LEN_ERR,
+        Status::RemoteAbort => IBV_WC_REM_ABORT_ERR,
+        Status::RnrRetryExceeded => IBV_WC_RNR_RETRY_EXC_ERR,
+        Status::BadDestQpn => IBV_WC_REM_INV_RD_REQ_ERR,
+        Status::RemoteBadStatus => IBV_WC_BAD_RESP_ERR,
+        Status::RemoteBadLength => IBV_WC_REM_INV_REQ_ERR,
+        Status::UnresponsiveRemote => IBV_WC_RESP_TIMEOUT_ERR,
+        _ => IBV_WC_GENERAL_ERR,
+    };
+    (st, code)
+}
+
+/// Total bytes of a scatter/gather list.
+fn total(sges: &[ibv_sge]) -> usize {
+    sges.iter().map(|s| s.length as usize).sum()
+}
+
+/// Copies `data` into the buffers of `sges` (checked when posted), skipping the first `skip`
+/// bytes of room.
+fn scatter(sges: &[ibv_sge], mut skip: usize, mut data: &[u8]) {
+    for s in sges {
+        let room = s.length as usize;
+        if skip >= room {
+            skip -= room;
+            continue;
+        }
+        let n = (room - skip).min(data.len());
+        if n > 0 {
+            // SAFETY: the range lies inside a live registration with local write access
+            // (`post_recv` / `post_send` checked the lkey); the program lent it to the NIC until
+            // this completion.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), (s.addr as usize + skip) as *mut u8, n)
+            };
+        }
+        data = &data[n..];
+        skip = 0;
+        if data.is_empty() {
+            break;
+        }
+    }
+}
+
+impl QpCore {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        nic: Arc<Nic>,
+        dev: Box<dyn QueuePair>,
+        pd: usize,
+        send_cq: Arc<CqCore>,
+        recv_cq: Arc<CqCore>,
+        cap: &ibv_qp_cap,
+    ) -> Arc<QpCore> {
+        let qp_type = dev.qp_type();
+        let qp_num = u32::from(dev.addr().qpn);
+        let max_inline = nic.cfg.inline_size as usize;
+        let core = Arc::new(QpCore {
+            max_send_sge: (cap.max_send_sge as usize).max(1),
+            max_recv_sge: (cap.max_recv_sge as usize).max(1),
+            max_inline,
+            nic,
+            qp_type,
+            qp_num,
+            pd,
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            dev: Mutex::new(dev),
+            pending: Mutex::new(Slab::new()),
+            state: Mutex::new(IBV_QPS_RESET),
+            scratch: Mutex::new(Vec::new()),
+        });
+        send_cq.attach(&core);
+        if !Arc::ptr_eq(&send_cq, &recv_cq) {
+            recv_cq.attach(&core);
+        }
+        core
+    }
+
+    pub fn modify(&self, m: efa::device::QpModify) -> Result<(), i32> {
+        self.dev.lock().modify(m).map_err(|_| libc::EINVAL)
+    }
+
+    pub fn qkey(&self) -> u32 {
+        self.dev.lock().addr().qkey
+    }
+
+    /// Posts receives; the first refused one is returned with its errno.
+    ///
+    /// # Safety
+    ///
+    /// `wr` is a valid list of receive work requests.
+    pub unsafe fn post_recv(&self, mut wr: *const ibv_recv_wr) -> Result<(), (usize, i32)> {
+        let st = *self.state.lock();
+        if st == IBV_QPS_RESET || st == IBV_QPS_ERR {
+            return Err((wr as usize, libc::EINVAL));
+        }
+        while !wr.is_null() {
+            // SAFETY: the caller's list is valid.
+            let w = unsafe { &*wr };
+            let n = usize::try_from(w.num_sge).unwrap_or(usize::MAX);
+            if n > self.max_recv_sge || (n > 0 && w.sg_list.is_null()) {
+                return Err((wr as usize, libc::EINVAL));
+            }
+            // SAFETY: `num_sge` entries at `sg_list`, as the caller promises.
+            let sges = if n == 0 {
+                Vec::new()
+            } else {
+                unsafe { std::slice::from_raw_parts(w.sg_list, n) }.to_vec()
+            };
+            for s in &sges {
+                if !self
+                    .nic
+                    .check_local(self.pd, s.lkey, s.addr, u64::from(s.length), true)
+                {
+                    return Err((wr as usize, libc::EINVAL));
+                }
+            }
+            let room = total(&sges);
+            let room = if self.qp_type == QpType::Ud {
+                room.saturating_sub(GRH_LEN)
+            } else {
+                room
+            };
+            let key = self.pending.lock().insert(Pending::Recv {
+                wr_id: w.wr_id,
+                sges,
+            });
+            if let Err(e) = self
+                .dev
+                .lock()
+                .post_recv(key as u64, BytesMut::with_capacity(room))
+            {
+                self.pending.lock().remove(key);
+                return Err((wr as usize, errno_of(&e)));
+            }
+            wr = w.next;
+        }
+        Ok(())
+    }
+
+    /// Gathers a send's bytes from its buffers (checked against the lkeys) or its inline data.
+    fn gather(&self, r: &SendReq) -> Result<Bytes, i32> {
+        if let Some(d) = &r.inline {
+            if d.len() > self.max_inline {
+                return Err(libc::EINVAL);
+            }
+            return Ok(Bytes::copy_from_slice(d));
+        }
+        if r.sges.len() > self.max_send_sge {
+            return Err(libc::EINVAL);
+        }
+        let mut v = Vec::with_capacity(total(&r.sges));
+        for s in &r.sges {
+            if !self
+                .nic
+                .check_local(self.pd, s.lkey, s.addr, u64::from(s.length), false)
+            {
+                return Err(libc::EINVAL);
+            }
+            if s.length > 0 {
+                // SAFETY: the range lies inside a live registration the program lent the NIC.
+                v.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+                });
+            }
+        }
+        Ok(Bytes::from(v))
+    }
+
+    /// Checks a whole list of send requests, so that a refused list posts nothing.
+    pub fn validate(&self, reqs: &[SendReq]) -> Result<(), (usize, i32)> {
+        if *self.state.lock() != IBV_QPS_RTS {
+            return Err((0, libc::EINVAL));
+        }
+        for (i, r) in reqs.iter().enumerate() {
+            let ok = match r.op {
+                SendOp::Send { .. } => true,
+                SendOp::Read { .. } => {
+                    self.qp_type == QpType::Srd && self.nic.cfg.caps.rdma_read && r.inline.is_none()
+                }
+                SendOp::Write { .. } => self.qp_type == QpType::Srd && self.nic.cfg.caps.rdma_write,
+            };
+            if !ok || r.dest.is_none() {
+                return Err((i, libc::EINVAL));
+            }
+            if let SendOp::Read { .. } = r.op {
+                for s in &r.sges {
+                    if !self
+                        .nic
+                        .check_local(self.pd, s.lkey, s.addr, u64::from(s.length), true)
+                    {
+                        return Err((i, libc::EINVAL));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts checked send requests in order; the index and errno of the first refused one.
+    pub fn post_sends(&self, reqs: Vec<SendReq>) -> Result<(), (usize, i32)> {
+        self.validate(&reqs)?;
+        for (i, r) in reqs.into_iter().enumerate() {
+            self.post_one(r).map_err(|e| (i, e))?;
+        }
+        Ok(())
+    }
+
+    fn post_one(&self, r: SendReq) -> Result<(), i32> {
+        let Some((gid, qpn, qkey)) = r.dest else {
+            return Err(libc::EINVAL);
+        };
+        let dest_qpn = u16::try_from(qpn);
+        let dest = RawAddr::new(gid, dest_qpn.unwrap_or(0), qkey);
+        match r.op {
+            SendOp::Send { imm } => {
+                let payload = self.gather(&r)?;
+                if payload.len() > self.nic.cfg.mtu {
+                    return Err(libc::EINVAL);
+                }
+                let key = self
+                    .pending
+                    .lock()
+                    .insert(Pending::Send { wr_id: r.wr_id });
+                if dest_qpn.is_err() {
+                    // No such queue pair anywhere: the device reports a bad destination.
+                    self.pending.lock().remove(key);
+                    self.complete_local(r.wr_id, Status::BadDestQpn);
+                    return Ok(());
+                }
+                let res = self.dev.lock().post_send(SendWr {
+                    wr_id: key as u64,
+                    dest,
+                    hdr: Bytes::new(),
+                    payload,
+                    imm,
+                });
+                res.map_err(|e| {
+                    self.pending.lock().remove(key);
+                    errno_of(&e)
+                })
+            }
+            SendOp::Write { rkey, addr, imm } => {
+                let data = self.gather(&r)?;
+                if data.len() as u64 > u64::from(self.nic.cfg.max_rdma_size) {
+                    return Err(libc::EINVAL);
+                }
+                let key = self
+                    .pending
+                    .lock()
+                    .insert(Pending::Send { wr_id: r.wr_id });
+                let remote = RemoteIov {
+                    addr,
+                    len: data.len() as u64,
+                    key: u64::from(rkey),
+                };
+                let res = self.dev.lock().post_write(key as u64, dest, data, remote, imm);
+                res.map_err(|e| {
+                    self.pending.lock().remove(key);
+                    errno_of(&e)
+                })
+            }
+            SendOp::Read { rkey, addr } => {
+                let len = total(&r.sges);
+                if len as u64 > u64::from(self.nic.cfg.max_rdma_size) {
+                    return Err(libc::EINVAL);
+                }
+                let key = self.pending.lock().insert(Pending::Read {
+                    wr_id: r.wr_id,
+                    sges: r.sges,
+                });
+                let remote = RemoteIov {
+                    addr,
+                    len: len as u64,
+                    key: u64::from(rkey),
+                };
+                let res = self.dev.lock().post_read(
+                    key as u64,
+                    dest,
+                    BytesMut::with_capacity(len),
+                    remote,
+                );
+                res.map_err(|e| {
+                    self.pending.lock().remove(key);
+                    errno_of(&e)
+                })
+            }
+        }
+    }
+
+    /// A send-queue completion the NIC makes up without the device (a destination that cannot
+    /// exist).
+    fn complete_local(&self, wr_id: u64, s: Status) {
+        let (status, vendor_err) = status_of(s);
+        self.send_cq.push(Cqe {
+            wr_id,
+            status,
+            vendor_err,
+            opcode: IBV_WC_SEND,
+            qp_num: self.qp_num,
+            ..Cqe::default()
+        });
+    }
+
+    /// Moves the device's ready completions into the CQs.
+    pub fn drain(&self) {
+        let mut scratch = self.scratch.lock();
+        loop {
+            scratch.clear();
+            let n = self.dev.lock().poll(&mut scratch, 64);
+            for c in scratch.drain(..) {
+                self.complete(c);
+            }
+            if n < 64 {
+                break;
+            }
+        }
+    }
+
+    fn complete(&self, c: DeviceCompletion) {
+        let (status, vendor_err) = status_of(c.status);
+        let mut e = Cqe {
+            status,
+            vendor_err,
+            qp_num: self.qp_num,
+            ..Cqe::default()
+        };
+        match c.opcode {
+            Opcode::Send | Opcode::RdmaWrite | Opcode::RdmaRead => {
+                let Some(p) = self.pending.lock().try_remove(c.wr_id as usize) else {
+                    tracing::debug!(wr_id = c.wr_id, "efa-emu: completion of an unknown send");
+                    return;
+                };
+                // EFA reports every send-queue completion as a send, with no length.
+                e.opcode = IBV_WC_SEND;
+                match p {
+                    Pending::Send { wr_id } => e.wr_id = wr_id,
+                    Pending::Read { wr_id, sges } => {
+                        e.wr_id = wr_id;
+                        if c.status.is_ok() {
+                            if let Some(buf) = &c.buf {
+                                scatter(&sges, 0, buf);
+                            }
+                        }
+                    }
+                    Pending::Recv { wr_id, .. } => e.wr_id = wr_id,
+                }
+                self.send_cq.push(e);
+            }
+            Opcode::Recv | Opcode::RecvRdmaWithImm => {
+                let with_imm = c.opcode == Opcode::RecvRdmaWithImm;
+                if with_imm && c.wr_id == UNSOLICITED_WR_ID && c.buf.is_none() {
+                    e.unsolicited = true;
+                } else {
+                    let Some(p) = self.pending.lock().try_remove(c.wr_id as usize) else {
+                        tracing::debug!(wr_id = c.wr_id, "efa-emu: completion of an unknown receive");
+                        return;
+                    };
+                    let Pending::Recv { wr_id, sges } = p else {
+                        return;
+                    };
+                    e.wr_id = wr_id;
+                    if !with_imm && c.status.is_ok() {
+                        if let Some(buf) = &c.buf {
+                            let skip = if self.qp_type == QpType::Ud { GRH_LEN } else { 0 };
+                            scatter(&sges, skip, buf);
+                        }
+                    }
+                }
+                e.opcode = if with_imm {
+                    IBV_WC_RECV_RDMA_WITH_IMM
+                } else {
+                    IBV_WC_RECV
+                };
+                e.byte_len = c.byte_len as u32;
+                if self.qp_type == QpType::Ud && !with_imm && c.status.is_ok() {
+                    e.byte_len += GRH_LEN as u32;
+                }
+                e.imm = c.imm;
+                if let Some(src) = c.src {
+                    e.src_qp = u32::from(src.qpn);
+                    match self.nic.ahn_of(&src.gid) {
+                        Some(ahn) => e.slid = ahn,
+                        None => {
+                            e.slid = 0xffff;
+                            e.sgid = Some(src.gid.0);
+                        }
+                    }
+                } else {
+                    e.slid = 0xffff;
+                }
+                self.recv_cq.push(e);
+            }
+        }
+    }
+
+    /// Moves the queue pair to the error state: outstanding work completes as flushed.
+    pub fn close(&self) {
+        self.dev.lock().close();
+        self.drain();
+    }
+}
+
+impl Drop for QpCore {
+    fn drop(&mut self) {
+        self.dev.get_mut().close();
+        self.send_cq
+            .users
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            self.recv_cq
+                .users
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+}
+
+/// The errno a verbs call returns for a device error.
+pub fn errno_of(e: &efa::Error) -> i32 {
+    use efa::ErrorKind;
+    match e.kind() {
+        ErrorKind::Again => libc::ENOMEM,
+        ErrorKind::MsgSize | ErrorKind::InvalidArgument => libc::EINVAL,
+        ErrorKind::NotSupported => libc::EOPNOTSUPP,
+        ErrorKind::Closed => libc::EINVAL,
+        _ => libc::EIO,
+    }
+}
