@@ -168,10 +168,10 @@ impl EmuConfig {
                 .map_err(|_| format!("EFA_EMU_ADDR={v:?}: not an IP address"))?,
             None => default_addr(),
         };
-        let caps = parse_caps(
-            &get("EFA_EMU_CAPS")
-                .unwrap_or_else(|| "rdma_read,rdma_write,rnr_retry,unsolicited_write_recv".into()),
-        )?;
+        let caps =
+            parse_caps(&get("EFA_EMU_CAPS").unwrap_or_else(|| {
+                "rdma_read,rdma_write,rnr_retry,unsolicited_write_recv".into()
+            }))?;
         let mtu = n("EFA_EMU_MTU", 8928)?;
         if !(efa::device::udp::MIN_MTU as u64..=efa::device::udp::MAX_MTU as u64).contains(&mtu) {
             return Err(format!(
@@ -248,20 +248,42 @@ mod tests {
     #[test]
     fn caps_switch_off_one_by_one() {
         let c = cfg(&[("EFA_EMU_CAPS", "rdma_read")]).unwrap();
-        assert_eq!(c.caps.bits() & crate::abi::EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE, 0);
-        assert_ne!(c.caps.bits() & crate::abi::EFADV_DEVICE_ATTR_CAPS_RDMA_READ, 0);
+        assert_eq!(
+            c.caps.bits() & crate::abi::EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE,
+            0
+        );
+        assert_ne!(
+            c.caps.bits() & crate::abi::EFADV_DEVICE_ATTR_CAPS_RDMA_READ,
+            0
+        );
         let c = cfg(&[("EFA_EMU_CAPS", "none")]).unwrap();
-        assert_eq!(c.caps.bits(), crate::abi::EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID);
+        assert_eq!(
+            c.caps.bits(),
+            crate::abi::EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID
+        );
         assert!(cfg(&[("EFA_EMU_CAPS", "rdma_teleport")]).is_err());
     }
 
     #[test]
     fn bad_values_are_clear_errors() {
-        assert!(cfg(&[("EFA_EMU_MTU", "12")]).unwrap_err().contains("EFA_EMU_MTU"));
-        assert!(cfg(&[("EFA_EMU_ADDR", "nope")]).unwrap_err().contains("EFA_EMU_ADDR"));
+        assert!(
+            cfg(&[("EFA_EMU_MTU", "12")])
+                .unwrap_err()
+                .contains("EFA_EMU_MTU")
+        );
+        assert!(
+            cfg(&[("EFA_EMU_ADDR", "nope")])
+                .unwrap_err()
+                .contains("EFA_EMU_ADDR")
+        );
         assert!(cfg(&[("EFA_EMU_MAX_RQ_SGE", "0")]).is_err());
         assert!(cfg(&[("EFA_EMU_FAULTS", "drop=2")]).is_err());
-        assert!(cfg(&[("EFA_EMU_VENDOR_PART_ID", "0xefa1")]).unwrap().vendor_part_id == 0xefa1);
+        assert!(
+            cfg(&[("EFA_EMU_VENDOR_PART_ID", "0xefa1")])
+                .unwrap()
+                .vendor_part_id
+                == 0xefa1
+        );
     }
 
     #[test]

@@ -34,9 +34,18 @@ enum Pending {
 /// What a send-queue work request does.
 #[derive(Clone, Copy, Debug)]
 pub enum SendOp {
-    Send { imm: Option<u32> },
-    Read { rkey: u32, addr: u64 },
-    Write { rkey: u32, addr: u64, imm: Option<u32> },
+    Send {
+        imm: Option<u32>,
+    },
+    Read {
+        rkey: u32,
+        addr: u64,
+    },
+    Write {
+        rkey: u32,
+        addr: u64,
+        imm: Option<u32>,
+    },
 }
 
 /// One send-queue work request, as built by `ibv_post_send` or the `ibv_wr_*` calls.
@@ -53,7 +62,11 @@ pub struct SendReq {
 
 impl std::fmt::Debug for ibv_sge {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "sge({:#x}+{}, lkey {:#x})", self.addr, self.length, self.lkey)
+        write!(
+            f,
+            "sge({:#x}+{}, lkey {:#x})",
+            self.addr, self.length, self.lkey
+        )
     }
 }
 
@@ -305,10 +318,7 @@ impl QpCore {
                 if payload.len() > self.nic.cfg.mtu {
                     return Err(libc::EINVAL);
                 }
-                let key = self
-                    .pending
-                    .lock()
-                    .insert(Pending::Send { wr_id: r.wr_id });
+                let key = self.pending.lock().insert(Pending::Send { wr_id: r.wr_id });
                 if dest_qpn.is_err() {
                     // No such queue pair anywhere: the device reports a bad destination.
                     self.pending.lock().remove(key);
@@ -332,16 +342,16 @@ impl QpCore {
                 if data.len() as u64 > u64::from(self.nic.cfg.max_rdma_size) {
                     return Err(libc::EINVAL);
                 }
-                let key = self
-                    .pending
-                    .lock()
-                    .insert(Pending::Send { wr_id: r.wr_id });
+                let key = self.pending.lock().insert(Pending::Send { wr_id: r.wr_id });
                 let remote = RemoteIov {
                     addr,
                     len: data.len() as u64,
                     key: u64::from(rkey),
                 };
-                let res = self.dev.lock().post_write(key as u64, dest, data, remote, imm);
+                let res = self
+                    .dev
+                    .lock()
+                    .post_write(key as u64, dest, data, remote, imm);
                 res.map_err(|e| {
                     self.pending.lock().remove(key);
                     errno_of(&e)
@@ -440,7 +450,10 @@ impl QpCore {
                     e.unsolicited = true;
                 } else {
                     let Some(p) = self.pending.lock().try_remove(c.wr_id as usize) else {
-                        tracing::debug!(wr_id = c.wr_id, "efa-emu: completion of an unknown receive");
+                        tracing::debug!(
+                            wr_id = c.wr_id,
+                            "efa-emu: completion of an unknown receive"
+                        );
                         return;
                     };
                     let Pending::Recv { wr_id, sges } = p else {
@@ -449,7 +462,11 @@ impl QpCore {
                     e.wr_id = wr_id;
                     if !with_imm && c.status.is_ok() {
                         if let Some(buf) = &c.buf {
-                            let skip = if self.qp_type == QpType::Ud { GRH_LEN } else { 0 };
+                            let skip = if self.qp_type == QpType::Ud {
+                                GRH_LEN
+                            } else {
+                                0
+                            };
                             scatter(&sges, skip, buf);
                         }
                     }

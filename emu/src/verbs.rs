@@ -281,7 +281,10 @@ pub unsafe extern "C" fn emu_ibv_query_device(
         let cfg = &c.nic.cfg;
         // SAFETY: all-zero is a valid ibv_device_attr.
         *a = unsafe { std::mem::zeroed() };
-        copy_cstr(&mut a.fw_ver, concat!("efa-emu ", env!("CARGO_PKG_VERSION")));
+        copy_cstr(
+            &mut a.fw_ver,
+            concat!("efa-emu ", env!("CARGO_PKG_VERSION")),
+        );
         a.node_guid = node_guid(&c.nic).to_be();
         a.sys_image_guid = a.node_guid;
         a.max_mr_size = 1 << 40;
@@ -340,7 +343,9 @@ unsafe extern "C" fn emu_query_port_ex(
         fill_port(&c.nic, &mut full);
         let n = len.min(std::mem::size_of::<ibv_port_attr>());
         // SAFETY: the program gave `len` writable bytes at `attr`.
-        unsafe { std::ptr::copy_nonoverlapping(&full as *const _ as *const u8, attr as *mut u8, n) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(&full as *const _ as *const u8, attr as *mut u8, n)
+        };
         0
     })
 }
@@ -395,7 +400,11 @@ pub unsafe extern "C" fn emu_ibv_query_pkey(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_get_pkey_index(_ctx: *mut ibv_context, port: u8, pkey: u16) -> c_int {
+pub unsafe extern "C" fn emu_ibv_get_pkey_index(
+    _ctx: *mut ibv_context,
+    port: u8,
+    pkey: u16,
+) -> c_int {
     if port == 1 && u16::from_be(pkey) | 0x8000 == 0xffff {
         0
     } else {
@@ -626,7 +635,9 @@ pub unsafe extern "C" fn emu_ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
 // Completion channels and CQs
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
+pub unsafe extern "C" fn emu_ibv_create_comp_channel(
+    ctx: *mut ibv_context,
+) -> *mut ibv_comp_channel {
     guard(std::ptr::null_mut(), || {
         // SAFETY: the program's context.
         if unsafe { context(ctx) }.is_none() {
@@ -681,11 +692,7 @@ pub unsafe fn new_cq(
     }
     // SAFETY: as the caller promises.
     let ch = unsafe { obj::<Channel, _>(channel) };
-    let core = Arc::new(CqCore::new(
-        cqe as usize,
-        ch.map(|c| c.core.clone()),
-        sgid,
-    ));
+    let core = Arc::new(CqCore::new(cqe as usize, ch.map(|c| c.core.clone()), sgid));
     // SAFETY: all-zero is a valid ibv_cq_ex (null pointers, initializer mutex and cond).
     let mut cq: ibv_cq_ex = unsafe { std::mem::zeroed() };
     cq.context = ctx;
@@ -714,9 +721,10 @@ pub unsafe fn new_cq(
         // SAFETY: the channel is ours; the program does not touch refcnt.
         unsafe { (*(channel)).refcnt = c.ch.refcnt + 1 };
     }
+    core.ibv.store(0, Ordering::Relaxed);
+    let keep = core.clone();
     let p = Box::into_raw(Box::new(Cq { cq, dv, core }));
-    // SAFETY: just made.
-    unsafe { (&(*p).core).ibv.store(p as usize, Ordering::Relaxed) };
+    keep.ibv.store(p as usize, Ordering::Relaxed);
     p as *mut ibv_cq_ex
 }
 
@@ -888,9 +896,11 @@ pub unsafe fn new_qp(
     unsolicited: bool,
 ) -> *mut ibv_qp {
     // SAFETY: as the caller promises.
-    let (Some(p), Some(scq), Some(rcq)) = (unsafe { obj::<Pd, _>(pd) }, unsafe {
-        obj::<Cq, _>(send_cq)
-    }, unsafe { obj::<Cq, _>(recv_cq) }) else {
+    let (Some(p), Some(scq), Some(rcq)) = (
+        unsafe { obj::<Pd, _>(pd) },
+        unsafe { obj::<Cq, _>(send_cq) },
+        unsafe { obj::<Cq, _>(recv_cq) },
+    ) else {
         return null(libc::EINVAL);
     };
     let cfg = &p.nic.cfg;
@@ -904,7 +914,11 @@ pub unsafe fn new_qp(
     }
     let supported = IBV_QP_EX_WITH_SEND
         | IBV_QP_EX_WITH_SEND_WITH_IMM
-        | if cfg.caps.rdma_read { IBV_QP_EX_WITH_RDMA_READ } else { 0 }
+        | if cfg.caps.rdma_read {
+            IBV_QP_EX_WITH_RDMA_READ
+        } else {
+            0
+        }
         | if cfg.caps.rdma_write {
             IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
         } else {
@@ -932,7 +946,14 @@ pub unsafe fn new_qp(
     if !Arc::ptr_eq(&scq.core, &rcq.core) {
         rcq.core.users.fetch_add(1, Ordering::AcqRel);
     }
-    let core = QpCore::new(p.nic.clone(), dev, pd as usize, scq.core.clone(), rcq.core.clone(), cap);
+    let core = QpCore::new(
+        p.nic.clone(),
+        dev,
+        pd as usize,
+        scq.core.clone(),
+        rcq.core.clone(),
+        cap,
+    );
     cap.max_inline_data = u32::from(cfg.inline_size);
     // SAFETY: all-zero is a valid ibv_qp_ex (null table, initializer mutex and cond).
     let mut qpx: ibv_qp_ex = unsafe { std::mem::zeroed() };
@@ -987,7 +1008,10 @@ unsafe fn create_ud(pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+pub unsafe extern "C" fn emu_ibv_create_qp(
+    pd: *mut ibv_pd,
+    attr: *mut ibv_qp_init_attr,
+) -> *mut ibv_qp {
     // SAFETY: the program's arguments.
     guard(std::ptr::null_mut(), || unsafe { create_ud(pd, attr) })
 }
@@ -1030,7 +1054,11 @@ unsafe extern "C" fn emu_create_qp_ex(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
+pub unsafe extern "C" fn emu_ibv_modify_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
     guard(libc::EIO, || {
         // SAFETY: the program's queue pair and attributes.
         let (Some(q), Some(a)) = (unsafe { obj::<Qp, _>(qp) }, unsafe { attr.as_ref() }) else {
@@ -1289,12 +1317,20 @@ pub unsafe extern "C" fn emu_ibv_destroy_srq(_srq: *mut c_void) -> c_int {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_attach_mcast(_qp: *mut ibv_qp, _gid: *const ibv_gid, _lid: u16) -> c_int {
+pub unsafe extern "C" fn emu_ibv_attach_mcast(
+    _qp: *mut ibv_qp,
+    _gid: *const ibv_gid,
+    _lid: u16,
+) -> c_int {
     libc::EOPNOTSUPP
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_detach_mcast(_qp: *mut ibv_qp, _gid: *const ibv_gid, _lid: u16) -> c_int {
+pub unsafe extern "C" fn emu_ibv_detach_mcast(
+    _qp: *mut ibv_qp,
+    _gid: *const ibv_gid,
+    _lid: u16,
+) -> c_int {
     libc::EOPNOTSUPP
 }
 

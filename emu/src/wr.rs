@@ -132,7 +132,14 @@ unsafe extern "C" fn wr_rdma_read(qpx: *mut ibv_qp_ex, rkey: u32, addr: u64) {
 }
 
 unsafe extern "C" fn wr_rdma_write(qpx: *mut ibv_qp_ex, rkey: u32, addr: u64) {
-    begin(qpx, SendOp::Write { rkey, addr, imm: None });
+    begin(
+        qpx,
+        SendOp::Write {
+            rkey,
+            addr,
+            imm: None,
+        },
+    );
 }
 
 unsafe extern "C" fn wr_rdma_write_imm(qpx: *mut ibv_qp_ex, rkey: u32, addr: u64, imm_be: u32) {

@@ -1,0 +1,276 @@
+//! libfabric's own EFA provider on the emulated NIC: `fi_info` and `fi_pingpong` from Debian's
+//! `libfabric-bin`, unmodified, with the emulator in place of rdma-core.
+//!
+//! These need `fi_info` and `fi_pingpong` on the PATH, so they are `#[ignore]`d; `.ci/run`
+//! installs `libfabric-bin` and runs them with `--ignored`. The namespace test needs root.
+
+use std::net::TcpListener;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+const EMU: &str = env!("CARGO_BIN_EXE_efa-emu");
+
+/// A TCP port free right now, for fi_pingpong's out-of-band connection.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
+}
+
+/// `efa-emu run [emu args] -- prog args`, optionally inside a network namespace.
+fn emu_cmd(netns: Option<&str>, emu_args: &[&str], prog: &[&str]) -> Command {
+    let mut c = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, EMU]);
+            c
+        }
+        None => Command::new(EMU),
+    };
+    c.arg("run").args(emu_args).arg("--").args(prog);
+    c.env("FI_EFA_ENABLE_SHM_TRANSFER", "0");
+    c
+}
+
+fn out_text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Waits for a process, killing it after four minutes (a hang fails the test, not CI's clock).
+fn finish(mut child: std::process::Child, args: &[&str]) -> Output {
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while child.try_wait().ok().flatten().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            eprintln!("fi_pingpong {args:?}: killed after 240 s");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+        .wait_with_output()
+        .expect("collect fi_pingpong's output")
+}
+
+/// Runs a fi_pingpong server and client; returns the client's output after checking both.
+fn pingpong(
+    server_ns: Option<&str>,
+    client_ns: Option<&str>,
+    server_emu: &[&str],
+    client_emu: &[&str],
+    server_addr: &str,
+    args: &[&str],
+) -> String {
+    let port = free_port().to_string();
+    let mut sargs = vec!["fi_pingpong", "-p", "efa", "-B", &port];
+    sargs.extend_from_slice(args);
+    let server = emu_cmd(server_ns, server_emu, &sargs)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the fi_pingpong server");
+    std::thread::sleep(Duration::from_millis(500));
+    let mut cargs = vec!["fi_pingpong", "-p", "efa", "-P", &port];
+    cargs.extend_from_slice(args);
+    cargs.push(server_addr);
+    let client = emu_cmd(client_ns, client_emu, &cargs)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the fi_pingpong client");
+    let client = finish(client, args);
+    let server = finish(server, args);
+    assert!(
+        client.status.success() && server.status.success(),
+        "fi_pingpong {args:?} failed\n== client {}\n== server {}",
+        out_text(&client),
+        out_text(&server)
+    );
+    String::from_utf8_lossy(&client.stdout).into_owned()
+}
+
+/// fi_pingpong's `-S all` ran every size up to one with the unit `unit` (`m` for RDM, whose
+/// largest is a few MiB; `k` for DGRAM, whose largest is the MTU) and reported each.
+fn check_all_sizes(out: &str, unit: &str) {
+    let rows: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("bytes"))
+        .skip(1)
+        .collect();
+    assert!(rows.len() > 20, "too few sizes:\n{out}");
+    assert!(
+        rows[0].starts_with("1 ") || rows[0].starts_with("0 "),
+        "{out}"
+    );
+    let last = rows
+        .last()
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_default();
+    assert!(
+        last.ends_with(unit),
+        "did not reach the {unit} sizes:\n{out}"
+    );
+}
+
+fn local(a: &str) -> [&str; 2] {
+    ["--addr", a]
+}
+
+#[test]
+#[ignore = "needs libfabric-bin (fi_info); run by .ci/run"]
+fn fi_info_lists_rdm_and_dgram_domains() {
+    let o = emu_cmd(None, &local("127.0.7.1"), &["fi_info", "-p", "efa", "-v"])
+        .output()
+        .expect("run fi_info");
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", out_text(&o));
+    assert!(s.contains("efa_0-rdm") && s.contains("FI_EP_RDM"), "{s}");
+    assert!(s.contains("efa_0-dgrm") && s.contains("FI_EP_DGRAM"), "{s}");
+    // The attributes libfabric derives from the device: MTU, part id, PCI function.
+    assert!(s.contains("max_msg_size: 8928"), "{s}");
+    assert!(s.contains("device_id: 0xefa2"), "{s}");
+    assert!(s.contains("bus_id: 0") && s.contains("device_id: 6"), "{s}");
+}
+
+#[test]
+#[ignore = "needs libfabric-bin (fi_info); run by .ci/run"]
+fn fi_info_hides_nothing_with_a_bad_configuration_but_says_why() {
+    let o = emu_cmd(None, &[], &["fi_info", "-p", "efa"])
+        .env("EFA_EMU_MTU", "12")
+        .output()
+        .expect("run the launcher");
+    // The launcher refuses the configuration before the program runs.
+    assert_eq!(o.status.code(), Some(2), "{}", out_text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("EFA_EMU_MTU"));
+}
+
+#[test]
+#[ignore = "needs libfabric-bin (fi_pingpong); run by .ci/run"]
+fn fi_pingpong_rdm_msg_all_sizes() {
+    let out = pingpong(
+        None,
+        None,
+        &local("127.0.7.2"),
+        &local("127.0.7.3"),
+        "127.0.0.1",
+        &["-e", "rdm", "-S", "all", "-c", "-I", "20"],
+    );
+    check_all_sizes(&out, "m");
+}
+
+#[test]
+#[ignore = "needs libfabric-bin (fi_pingpong); run by .ci/run"]
+fn fi_pingpong_rdm_tagged_all_sizes() {
+    let out = pingpong(
+        None,
+        None,
+        &local("127.0.7.4"),
+        &local("127.0.7.5"),
+        "127.0.0.1",
+        &["-e", "rdm", "-m", "tagged", "-S", "all", "-c", "-I", "20"],
+    );
+    check_all_sizes(&out, "m");
+}
+
+#[test]
+#[ignore = "needs libfabric-bin (fi_pingpong); run by .ci/run"]
+fn fi_pingpong_dgram_all_sizes() {
+    let out = pingpong(
+        None,
+        None,
+        &local("127.0.7.6"),
+        &local("127.0.7.7"),
+        "127.0.0.1",
+        &["-e", "dgram", "-S", "all", "-c", "-I", "20"],
+    );
+    check_all_sizes(&out, "k");
+}
+
+/// Without RDMA read the provider moves long messages with long-CTS; with it, long-read.
+#[test]
+#[ignore = "needs libfabric-bin (fi_pingpong); run by .ci/run"]
+fn fi_pingpong_rdm_with_and_without_device_rdma_read() {
+    for caps in ["rnr_retry", "rdma_read,rdma_write,rnr_retry"] {
+        let port_caps = ["--caps", caps];
+        let s: Vec<&str> = local("127.0.7.8").into_iter().chain(port_caps).collect();
+        let c: Vec<&str> = local("127.0.7.9").into_iter().chain(port_caps).collect();
+        let out = pingpong(
+            None,
+            None,
+            &s,
+            &c,
+            "127.0.0.1",
+            &["-e", "rdm", "-S", "1048576", "-c", "-I", "20"],
+        );
+        assert!(
+            out.lines().last().unwrap_or_default().starts_with("1m"),
+            "{caps}: {out}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs libfabric-bin (fi_pingpong); run by .ci/run"]
+fn fi_pingpong_rdm_under_loss_and_reordering() {
+    let faults = ["--faults", "seed=11,drop=0.05,reorder=0.05"];
+    let s: Vec<&str> = local("127.0.7.10").into_iter().chain(faults).collect();
+    let faults_c = ["--faults", "seed=12,drop=0.05,reorder=0.05"];
+    let c: Vec<&str> = local("127.0.7.11").into_iter().chain(faults_c).collect();
+    let out = pingpong(
+        None,
+        None,
+        &s,
+        &c,
+        "127.0.0.1",
+        &["-e", "rdm", "-S", "all", "-c", "-I", "10"],
+    );
+    check_all_sizes(&out, "m");
+}
+
+/// Two hosts: network namespaces joined by a veth pair, each with its own emulated NIC.
+#[test]
+#[ignore = "needs root (ip netns) and libfabric-bin; run by .ci/run"]
+fn fi_pingpong_across_two_namespaces() {
+    let tag = format!("{}", std::process::id() % 100_000);
+    let (a, b) = (format!("emuA{tag}"), format!("emuB{tag}"));
+    let (va, vb) = (format!("ea{tag}"), format!("eb{tag}"));
+    let sh = |cmd: &str| {
+        let st = Command::new("sh").arg("-c").arg(cmd).status().expect("sh");
+        assert!(st.success(), "failed: {cmd}");
+    };
+    struct Cleanup(String, String);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+            let _ = Command::new("ip").args(["netns", "del", &self.1]).status();
+        }
+    }
+    sh(&format!("ip netns add {a} && ip netns add {b}"));
+    let _c = Cleanup(a.clone(), b.clone());
+    sh(&format!(
+        "ip link add {va} type veth peer name {vb} && ip link set {va} netns {a} && ip link set {vb} netns {b} \
+         && ip -n {a} addr add 10.77.0.1/24 dev {va} && ip -n {b} addr add 10.77.0.2/24 dev {vb} \
+         && ip -n {a} link set {va} up && ip -n {b} link set {vb} up \
+         && ip -n {a} link set lo up && ip -n {b} link set lo up"
+    ));
+    for args in [
+        &["-e", "rdm", "-S", "all", "-c", "-I", "10"][..],
+        &["-e", "dgram", "-S", "all", "-c", "-I", "10"][..],
+    ] {
+        let out = pingpong(
+            Some(&a),
+            Some(&b),
+            &local("10.77.0.1"),
+            &local("10.77.0.2"),
+            "10.77.0.1",
+            args,
+        );
+        check_all_sizes(&out, if args[1] == "rdm" { "m" } else { "k" });
+    }
+}
