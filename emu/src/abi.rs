@@ -125,7 +125,8 @@ pub struct pthread_mutex_t(pub libc::pthread_mutex_t);
 #[repr(C)]
 pub struct pthread_cond_t(pub libc::pthread_cond_t);
 
-#[repr(C)]
+/// `union ibv_gid`: 16 bytes, aligned as its `global` member (two 64-bit words).
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Default)]
 pub struct ibv_gid {
     pub raw: [u8; 16],
