@@ -349,10 +349,7 @@ impl RegionMem {
         self.data.try_write()
     }
 
-    fn try_read_lock(
-        &self,
-        waiter: Option<&Arc<Notifier>>,
-    ) -> Option<RwLockReadGuard<'_, Store>> {
+    fn try_read_lock(&self, waiter: Option<&Arc<Notifier>>) -> Option<RwLockReadGuard<'_, Store>> {
         if let Some(g) = self.data.try_read() {
             return Some(g);
         }
