@@ -692,7 +692,7 @@ impl Engine {
                 return;
             }
         };
-        let Some(pid) = self.identify(src, &pkt) else {
+        let Some(pid) = self.identify(now, src, &pkt) else {
             return;
         };
         match pkt {
