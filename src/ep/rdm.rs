@@ -1503,7 +1503,9 @@ impl RdmCore {
     /// receiver-not-ready, the senders back off, and nothing a peer sent is dropped for lack of
     /// memory (the engine's `EngineLimits` cap what it holds for messages without a receive).
     fn repost_rx(st: &mut State) {
-        if st.rx_free.is_empty() {
+        if st.rx_free.is_empty() || st.engine.remote_writes_full() {
+            // (Too many completions of peers' writes with immediate data wait for the
+            // application: a device that takes a receive buffer per such write is held back.)
             return;
         }
         let lim = st.engine.limits();
