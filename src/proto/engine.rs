@@ -426,8 +426,10 @@ pub struct Resources {
 pub const MAX_REMOTE_WRITE_EVENTS: usize = 1024;
 
 /// Bounds on what peers can make the engine hold (an addition to the declared API; see
-/// [`Engine::set_limits`]). Beyond them packets are dropped and counted (`dropped_pkts`) instead
-/// of growing memory without bound.
+/// [`Engine::set_limits`]). A REQ from a new peer beyond `max_peers` is dropped and counted. The
+/// buffering bounds are kept by the caller, never by dropping what the device delivered (it was
+/// acknowledged): the RDM endpoint posts no more device receive buffers than the budget left, so
+/// past it senders get receiver-not-ready; a message delivered anyway is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineLimits {
     /// Most peers known at once; a REQ from a new peer beyond it is dropped (and [`Engine::send`]
