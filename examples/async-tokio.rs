@@ -1,5 +1,5 @@
 //! The async API under tokio: two RDM endpoints exchange messages with `send_async` /
-//! `recv_async`, and a receive whose future is dropped by a timeout stays safe.
+//! `recv_async`, and a receive whose future is dropped by a timeout loses nothing.
 //!
 //! ```text
 //! cargo run --example async-tokio
@@ -65,8 +65,9 @@ async fn main() -> efa::Result<()> {
     s?;
     c?;
 
-    // Cancel safety: a receive whose future is dropped (here by a timeout) keeps its buffer inside
-    // the endpoint until the operation ends; the endpoint never frees memory the device may use.
+    // Cancel safety: a receive whose future is dropped (here by a timeout) is cancelled; the
+    // endpoint never frees memory the device may still use, and no message is lost (had one
+    // matched already, it would go to the next receive).
     let tagged = RecvOptions {
         tag: Some((7, 0)),
         ..Default::default()
@@ -84,7 +85,7 @@ async fn main() -> efa::Result<()> {
             "completed"
         }
     );
-    // The message still lands in that receive; a later tagged receive gets the next one.
+    // The dropped receive took nothing: the next tagged receive gets the first message.
     a.send_async(
         to_b,
         Bytes::from_static(b"first"),

@@ -24,6 +24,11 @@ use std::time::Duration;
 use crate::device::DeviceCaps;
 use crate::error::{Error, ErrorKind, Result};
 
+/// Largest `FI_EFA_RECVWIN_SIZE`: every peer gets a reorder window this large, so a larger
+/// value would let the number of peers multiply it into memory exhaustion (libfabric's
+/// documented maximum default, 16384, fits well below).
+pub const MAX_RECVWIN_SIZE: usize = 1 << 16;
+
 /// Every `FI_EFA_*` runtime parameter. `Default` gives libfabric's defaults.
 ///
 /// Serializes with serde (durations as integer microseconds); deserializing fills missing fields
@@ -62,7 +67,8 @@ pub struct Config {
     /// `FI_EFA_SHM_AV_SIZE` (default 256): address-vector size of the shm peer. RDM with shm.
     pub shm_av_size: usize,
     /// `FI_EFA_RECVWIN_SIZE` (default 16): per-peer reorder window, in messages. Must be a power
-    /// of two ≥ 1; messages beyond the window go to an overflow list. (The man page and
+    /// of two from 1 to [`MAX_RECVWIN_SIZE`]; messages beyond the window go to an overflow
+    /// list. (The man page and
     /// libfabric's parameter help still say 16384; the code default has been 16 since v2.5.)
     pub recvwin_size: usize,
     /// `FI_EFA_READCOPY_POOL_SIZE` (default 256): packets in the read-copy pool used to copy
@@ -521,10 +527,14 @@ impl Config {
                 "must be > 0 (0 credits would deadlock long-CTS transfers), got 0",
             ));
         }
-        if !self.recvwin_size.is_power_of_two() {
+        if !self.recvwin_size.is_power_of_two() || self.recvwin_size > MAX_RECVWIN_SIZE {
             return Err(config_error(
                 "FI_EFA_RECVWIN_SIZE",
-                format!("must be a power of two >= 1, got {}", self.recvwin_size),
+                format!(
+                    "must be a power of two between 1 and {MAX_RECVWIN_SIZE} (each peer holds a \
+                     window this large), got {}",
+                    self.recvwin_size
+                ),
             ));
         }
         for (name, v) in [

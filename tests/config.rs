@@ -312,8 +312,21 @@ fn invalid_power_of_two() {
             &["power of two", v],
         );
     }
-    for v in ["1", "2", "16", "16384", "0x4000"] {
+    for v in ["1", "2", "16", "16384", "0x4000", "65536"] {
         cfg(&[("FI_EFA_RECVWIN_SIZE", v)]);
+    }
+}
+
+/// Issue 17, defect 7: a huge reorder window (every peer gets one) is refused with a clear
+/// error instead of exhausting memory.
+#[test]
+fn recvwin_size_has_an_upper_bound() {
+    for v in ["131072", "1073741824", "9223372036854775808"] {
+        assert_config_err(
+            &[("FI_EFA_RECVWIN_SIZE", v)],
+            "FI_EFA_RECVWIN_SIZE",
+            &["between 1 and 65536", v],
+        );
     }
 }
 

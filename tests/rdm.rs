@@ -317,18 +317,97 @@ fn async_send_and_recv_without_a_runtime_and_with_tokio() {
 }
 
 #[test]
-fn dropping_a_future_keeps_the_operation_alive() {
+fn dropping_a_receive_future_loses_no_message() {
     let d = udp_domain(LOCAL4, FaultConfig::default());
     let (a, b) = (Node::new(&d), Node::new(&d));
     let pb = a.insert(b.ep.addr());
-    // The receive future is dropped; its buffer stays with the endpoint and the message still
-    // lands in it (nobody awaits it), so the next receive gets the next message.
+    // Issue 17, defect 8: a receive future dropped before any message came is cancelled, so the
+    // next receive gets the first message (it used to vanish into the dropped receive).
     drop(b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default()));
     a.ep.send(pb, Bytes::from_static(b"one"), 1).unwrap();
     a.ep.send(pb, Bytes::from_static(b"two"), 2).unwrap();
     let r = block_on(b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default()));
+    assert_eq!(r.into_result().unwrap().buf.as_recv().unwrap(), b"one");
+    let r = block_on(b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default()));
     assert_eq!(r.into_result().unwrap().buf.as_recv().unwrap(), b"two");
     assert_eq!(a.collect(2, "sender").len(), 2);
+    // A future dropped after its message arrived (never polled to the end): the message goes
+    // back to matching and the next receive gets it.
+    let f =
+        b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default());
+    a.ep.send(pb, Bytes::from_static(b"three"), 3).unwrap();
+    a.collect(1, "sender");
+    let until = Instant::now() + Duration::from_millis(50);
+    while Instant::now() < until {
+        b.ep.progress();
+    }
+    drop(f);
+    a.ep.send(pb, Bytes::from_static(b"four"), 4).unwrap();
+    for want in [&b"three"[..], b"four"] {
+        let r = block_on(b.ep.recv_async(BytesMut::with_capacity(64), RecvOptions::default()));
+        assert_eq!(r.into_result().unwrap().buf.as_recv().unwrap(), want);
+    }
+    assert_eq!(b.ep.resources().unexpected_msgs, 0);
+}
+
+/// Issue 17, defect 8: receives under `tokio::time::timeout` and `select!` that lose the race
+/// are dropped; every message still arrives, once and in order.
+#[test]
+fn tokio_timeout_and_select_lose_no_message() {
+    let seed = efa::fault::test_seed();
+    let d = udp_domain(LOCAL4, FaultConfig::default());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let n = 200usize;
+    let mut rng = efa::fault::Rng::new(seed);
+    let got = rt.block_on(async {
+        let mut got = Vec::new();
+        let mut sent = 0usize;
+        let deadline = Instant::now() + DEADLINE;
+        while got.len() < n {
+            assert!(
+                Instant::now() < deadline,
+                "seed {seed}: {} of {n}",
+                got.len()
+            );
+            // Sometimes a message is on its way, sometimes not; the receive races a short
+            // timer, and loses sometimes.
+            if sent < n && rng.chance(0.5) {
+                a.ep.send(pb, Bytes::from((sent as u32).to_le_bytes().to_vec()), 0)
+                    .unwrap();
+                sent += 1;
+            }
+            let r =
+                b.ep.recv_async(BytesMut::with_capacity(8), RecvOptions::default());
+            let out = if rng.chance(0.5) {
+                tokio::time::timeout(Duration::from_micros(rng.below(300)), r)
+                    .await
+                    .ok()
+            } else {
+                tokio::select! {
+                    o = r => Some(o),
+                    _ = tokio::time::sleep(Duration::from_micros(rng.below(300))) => None,
+                }
+            };
+            if let Some(o) = out {
+                let c = o.into_result().unwrap();
+                let v = c.buf.as_recv().unwrap();
+                got.push(u32::from_le_bytes(v[..4].try_into().unwrap()) as usize);
+            }
+            let mut out = Vec::new();
+            let _ = a.cq.poll(&mut out, 64);
+        }
+        got
+    });
+    assert_eq!(
+        got,
+        (0..n).collect::<Vec<_>>(),
+        "seed {seed}: every message once, in order"
+    );
 }
 
 #[test]

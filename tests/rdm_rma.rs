@@ -890,3 +890,108 @@ fn messages_from_registered_regions_arrive_intact() {
         region_sends(s);
     }
 }
+
+/// Issue 17, defect 7: a peer's (emulated) writes with immediate data while the target's
+/// completion queue is full and the target does not read it: the completions the target holds stay bounded
+/// (`MAX_REMOTE_WRITE_EVENTS` in the engine, the queue's capacity in the queue), the writes are
+/// held back instead, and once the target reads, every write completes once on both sides.
+#[test]
+fn writes_with_immediate_data_into_a_full_queue_stay_bounded() {
+    use efa::proto::engine::MAX_REMOTE_WRITE_EVENTS;
+    let seed = efa::fault::test_seed();
+    // Emulated RMA (the engine serves the writes; device RDMA writes with immediate data on a
+    // device without unsolicited write-recv are held back by the receive buffers instead).
+    let net = LoopbackNetwork::new(FaultConfig::default());
+    let dev = LoopbackDevice::open(&net, LoopbackConfig::default()).unwrap();
+    let d = Domain::with_device(dev, config(Setup::LoopbackRdmaOff));
+    let (cqa, cqb) = (
+        efa::CompletionQueue::new(&d, 4096).unwrap(),
+        efa::CompletionQueue::new(&d, 8).unwrap(),
+    );
+    let av = efa::AddressVector::new(&d);
+    let a = efa::Endpoint::<efa::Rdm>::builder(&d)
+        .cq(&cqa)
+        .av(&av)
+        .build()
+        .unwrap();
+    let b = efa::Endpoint::<efa::Rdm>::builder(&d)
+        .cq(&cqb)
+        .av(&av)
+        .build()
+        .unwrap();
+    let region = d
+        .register(vec![0u8; 64], Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    let rk = region.remote_key().unwrap();
+    let pb = av.insert(b.addr()).unwrap();
+    let n = 3 * MAX_REMOTE_WRITE_EVENTS as u32;
+    let mut posted = 0u32;
+    let mut done_a = Vec::new();
+    let mut most = 0;
+    // Phase 1: the target only makes progress; its queue fills and stays full.
+    let phase = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < phase && done_a.len() < n as usize {
+        while posted < n {
+            match a.write_data(
+                pb,
+                Bytes::from_static(b"imm"),
+                rk.at(0),
+                posted,
+                posted as u64,
+            ) {
+                Ok(()) => posted += 1,
+                Err(e) if e.error.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("seed {seed}: write {posted}: {}", e.error),
+            }
+        }
+        b.progress();
+        let _ = cqa.poll(&mut done_a, 256);
+        most = most.max(b.resources().remote_write_events);
+        assert!(cqb.capacity() == 8);
+    }
+    assert!(
+        most <= MAX_REMOTE_WRITE_EVENTS,
+        "seed {seed}: the target held {most} write completions"
+    );
+    // Phase 2: the target reads; everything completes once.
+    let mut got = vec![0u32; n as usize];
+    let mut seen = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen < n as usize || done_a.len() < n as usize {
+        while posted < n {
+            match a.write_data(
+                pb,
+                Bytes::from_static(b"imm"),
+                rk.at(0),
+                posted,
+                posted as u64,
+            ) {
+                Ok(()) => posted += 1,
+                Err(e) if e.error.kind() == ErrorKind::Again => break,
+                Err(e) => panic!("seed {seed}: write {posted}: {}", e.error),
+            }
+        }
+        let mut out = Vec::new();
+        if let Err(e) = cqb.poll(&mut out, 64) {
+            panic!("seed {seed}: target: {e}: {:?}", cqb.read_err());
+        }
+        for c in out {
+            let i = c.data.expect("immediate data") as usize;
+            got[i] += 1;
+            seen += 1;
+        }
+        if let Err(e) = cqa.poll(&mut done_a, 256) {
+            panic!("seed {seed}: initiator: {e}: {:?}", cqa.read_err());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {seen} of {n} at the target, {} at the initiator",
+            done_a.len()
+        );
+    }
+    assert!(
+        got.iter().all(|&k| k == 1),
+        "seed {seed}: each write exactly once"
+    );
+    assert_eq!(done_a.len(), n as usize);
+}

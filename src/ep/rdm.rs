@@ -29,7 +29,7 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 use crate::proto::engine::{
-    Engine, EngineConfig, Event, Peeked, RecvDone, RecvOp, SendDone, SendOp, TransmitKind,
+    Engine, EngineConfig, Event, LocalMsg, Peeked, RecvDone, RecvOp, SendDone, SendOp, TransmitKind,
 };
 use crate::stats::EndpointStats;
 
@@ -247,6 +247,7 @@ impl EndpointBuilder<Rdm> {
             }),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
+            orphans: Mutex::new(Vec::new()),
         });
         {
             let mut st = core.state.lock();
@@ -390,6 +391,9 @@ pub struct RdmCore {
     pub(super) state: Mutex<State>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Messages received for `recv_async` futures dropped before they finished: they go back
+    /// into matching, for the next receive (see [`OpFuture`]'s `Drop`).
+    orphans: Mutex<Vec<RecvDone>>,
 }
 
 impl fmt::Debug for RdmCore {
@@ -405,6 +409,11 @@ type OpResult = std::result::Result<Completion, CompletionError>;
 #[derive(Default)]
 pub(super) struct Slot {
     done: Mutex<(Option<OpResult>, Option<Waker>)>,
+    /// The future of this receive was dropped after its message matched: the message is not
+    /// the future's any more but the next receive's.
+    orphaned: AtomicBool,
+    /// Where the message of a receive came from (to put it back if the future is dropped).
+    src: Mutex<Option<RawAddr>>,
 }
 
 impl Endpoint<Rdm> {
@@ -666,11 +675,16 @@ impl Endpoint<Rdm> {
             core: self.core.clone(),
             slot,
             early: posted.err(),
+            recv: false,
+            finished: false,
         }
     }
 
-    /// Posts a receive and awaits the completion. Cancel-safe as [`Endpoint::send_async`]; to get
-    /// the buffer back without a message, use [`Endpoint::cancel`] before dropping.
+    /// Posts a receive and awaits the completion. Cancel-safe: dropping the future before it
+    /// resolved (`tokio::time::timeout`, `select!`) cancels the receive, and the buffer is
+    /// released once the endpoint no longer needs it; if a message had already matched it, that
+    /// message is not lost but goes back into matching for the next receive (it lands behind
+    /// messages from the same sender that are already waiting unexpected).
     pub fn recv_async(&self, buf: impl Into<RecvBuf>, options: RecvOptions) -> OpFuture {
         let slot = Arc::new(Slot::default());
         let posted = self
@@ -680,6 +694,8 @@ impl Endpoint<Rdm> {
             core: self.core.clone(),
             slot,
             early: posted.err(),
+            recv: true,
+            finished: false,
         }
     }
 
@@ -704,11 +720,69 @@ pub struct OpFuture {
     core: Arc<RdmCore>,
     slot: Arc<Slot>,
     early: Option<PostError>,
+    /// A receive (`recv_async`): dropping it unfinished cancels it.
+    recv: bool,
+    /// It resolved.
+    finished: bool,
 }
 
 impl OpFuture {
     pub(super) fn new(core: Arc<RdmCore>, slot: Arc<Slot>, early: Option<PostError>) -> OpFuture {
-        OpFuture { core, slot, early }
+        OpFuture {
+            core,
+            slot,
+            early,
+            recv: false,
+            finished: false,
+        }
+    }
+}
+
+impl Drop for OpFuture {
+    /// A receive dropped before it resolved: cancel it if no message matched it yet; else its
+    /// message goes back into matching for the next receive (now if it is complete, when it
+    /// completes otherwise). Sends, RMA and atomics keep running (their buffers stay with the
+    /// endpoint until the device is done).
+    fn drop(&mut self) {
+        if !self.recv || self.finished || self.early.is_some() {
+            return;
+        }
+        let now = Instant::now();
+        let mut st = self.core.state.lock();
+        let key = st
+            .ops
+            .iter()
+            .find(|(_, o)| matches!(&o.sink, Sink::Future(s) if Arc::ptr_eq(s, &self.slot)))
+            .map(|(k, _)| k);
+        match key {
+            Some(k) => {
+                if !st.engine.cancel_recv(k as u64) {
+                    // Matched and in progress: its completion is re-matched when it comes.
+                    self.slot.orphaned.store(true, Ordering::Release);
+                }
+            }
+            None => {
+                // Completed, not yet taken: put the message back now.
+                let done = self.slot.done.lock().0.take();
+                let src = self.slot.src.lock().take();
+                if let (Some(Ok(c)), Some(src)) = (done, src) {
+                    if let Buffer::Recv(buf) = c.buf {
+                        self.core.orphans.lock().push(RecvDone {
+                            context: 0,
+                            len: c.len,
+                            olen: 0,
+                            tag: c.flags.contains(CompletionFlags::TAGGED).then_some(c.tag),
+                            data: c.data,
+                            src: Some(src),
+                            multi_recv_done: false,
+                            error: None,
+                            buf,
+                        });
+                    }
+                }
+            }
+        }
+        self.core.pump(&mut st, now);
     }
 }
 
@@ -745,10 +819,13 @@ impl Future for OpFuture {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<OpOutcome> {
         if let Some(e) = self.early.take() {
+            self.finished = true;
             return Poll::Ready(OpOutcome::Refused(e));
         }
         loop {
-            if let Some(r) = self.slot.done.lock().0.take() {
+            let done = self.slot.done.lock().0.take();
+            if let Some(r) = done {
+                self.finished = true;
                 return Poll::Ready(match r {
                     Ok(c) => OpOutcome::Done(c),
                     Err(e) => OpOutcome::Failed(e),
@@ -1170,6 +1247,30 @@ impl RdmCore {
         }
     }
 
+    /// Puts the messages of dropped `recv_async` futures back into matching, as whole local
+    /// messages from their sender: a posted receive takes each, or it waits unexpected.
+    fn rematch_orphans(&self, st: &mut State, clock: &mut Clock) {
+        let orphans = std::mem::take(&mut *self.orphans.lock());
+        for r in orphans {
+            let Some(src) = r.src else { continue };
+            let n = r.len.min(r.buf.len());
+            let m = LocalMsg {
+                tag: r.tag,
+                data: r.data,
+                dc_token: None,
+                msg_len: n,
+            };
+            let mut at = 0;
+            let mut copy = |out: &mut BytesMut, k: usize| {
+                let end = (at + k).min(r.buf.len());
+                out.extend_from_slice(r.buf.get(at..end).unwrap_or_default());
+                at = end;
+            };
+            let now = clock.now();
+            let _ = st.engine.local_first(Some(now), src, &m, n, &mut copy);
+        }
+    }
+
     fn cancel(&self, context: u64) -> Result<()> {
         let now = Instant::now();
         let mut st = self.state.lock();
@@ -1223,6 +1324,10 @@ impl RdmCore {
     fn pump_into(&self, st: &mut State, clock: &mut Clock, mut direct: Option<&mut Direct<'_>>) {
         loop {
             let mut busy = false;
+            if !self.orphans.lock().is_empty() {
+                busy = true;
+                self.rematch_orphans(st, clock);
+            }
             if let Some(l) = st.local.as_mut() {
                 busy |= l.progress(&mut st.engine, &st.ops, clock);
             }
@@ -1399,7 +1504,9 @@ impl RdmCore {
     /// receiver-not-ready, the senders back off, and nothing a peer sent is dropped for lack of
     /// memory (the engine's `EngineLimits` cap what it holds for messages without a receive).
     fn repost_rx(st: &mut State) {
-        if st.rx_free.is_empty() {
+        if st.rx_free.is_empty() || st.engine.remote_writes_full() {
+            // (Too many completions of peers' writes with immediate data wait for the
+            // application: a device that takes a receive buffer per such write is held back.)
             return;
         }
         let lim = st.engine.limits();
@@ -1517,6 +1624,16 @@ impl RdmCore {
             Sink::Cq(c) => *c,
             Sink::Future(_) | Sink::Inject => 0,
         };
+        if let (Sink::Future(slot), Event::Recv(r)) = (&op.sink, &ev) {
+            if r.error.is_none() && slot.orphaned.load(Ordering::Acquire) {
+                // Its future is gone: the message is the next receive's.
+                if let Event::Recv(r) = ev {
+                    self.orphans.lock().push(r);
+                }
+                return false;
+            }
+            *slot.src.lock() = r.src;
+        }
         let (sink, result) = match ev {
             Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.region)),
             Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target, cache)),

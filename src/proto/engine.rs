@@ -414,11 +414,22 @@ pub struct Resources {
     /// targets, atomics waiting for their turn, work waiting for a locked region, responses
     /// on the device.
     pub target_ops: usize,
+    /// Completions of peers' writes with immediate data not yet taken by the application
+    /// (at most [`MAX_REMOTE_WRITE_EVENTS`]).
+    pub remote_write_events: usize,
 }
 
+/// Most completions of peers' writes with immediate data the engine holds while the
+/// application does not take them (its completion queue is full): further such writes wait,
+/// their data held within `EngineLimits::max_buffered_bytes` and beyond it refused, so a peer
+/// cannot grow memory without limit (issue 17, defect 7).
+pub const MAX_REMOTE_WRITE_EVENTS: usize = 1024;
+
 /// Bounds on what peers can make the engine hold (an addition to the declared API; see
-/// [`Engine::set_limits`]). Beyond them packets are dropped and counted (`dropped_pkts`) instead
-/// of growing memory without bound.
+/// [`Engine::set_limits`]). A REQ from a new peer beyond `max_peers` is dropped and counted. The
+/// buffering bounds are kept by the caller, never by dropping what the device delivered (it was
+/// acknowledged): the RDM endpoint posts no more device receive buffers than the budget left, so
+/// past it senders get receiver-not-ready; a message delivered anyway is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineLimits {
     /// Most peers known at once; a REQ from a new peer beyond it is dropped (and [`Engine::send`]
@@ -496,6 +507,9 @@ pub struct Engine {
     stall_check: Option<Instant>,
 
     events: VecDeque<Event>,
+    /// `Event::RemoteWrite`s in `events`: peers cause them, so they are capped
+    /// ([`MAX_REMOTE_WRITE_EVENTS`]); beyond, writes with immediate data wait.
+    remote_write_events: usize,
     stats: EndpointStats,
     /// Memory peers reach with emulated RMA and atomics.
     memory: Option<std::sync::Arc<dyn RmaMemory>>,
@@ -549,6 +563,7 @@ impl Engine {
             rx_in_progress: 0,
             stall_check: None,
             events: VecDeque::new(),
+            remote_write_events: 0,
             stats: EndpointStats::default(),
             memory: None,
             hdr: HeaderArena::default(),
@@ -692,7 +707,7 @@ impl Engine {
                 return;
             }
         };
-        let Some(pid) = self.identify(src, &pkt) else {
+        let Some(pid) = self.identify(now, src, &pkt) else {
             return;
         };
         match pkt {
@@ -860,9 +875,19 @@ impl Engine {
         !self.events.is_empty()
     }
 
+    /// [`MAX_REMOTE_WRITE_EVENTS`] completions of peers' writes with immediate data wait for
+    /// the application: the caller should hold the device back (stop reposting receive buffers).
+    pub fn remote_writes_full(&self) -> bool {
+        self.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
+    }
+
     /// The next completion.
     pub fn poll_event(&mut self) -> Option<Event> {
-        self.events.pop_front()
+        let ev = self.events.pop_front();
+        if matches!(ev, Some(Event::RemoteWrite(_))) {
+            self.remote_write_events = self.remote_write_events.saturating_sub(1);
+        }
+        ev
     }
 
     /// When [`Engine::handle_timeout`] should run next.
@@ -912,6 +937,7 @@ impl Engine {
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
             target_ops: self.ema_target_ops() + self.rd_targets(),
+            remote_write_events: self.remote_write_events,
         }
     }
 

@@ -216,6 +216,9 @@ fn restarted_peer_with_a_new_qkey_is_a_new_peer() {
     }
     assert!(sim.run());
     assert_eq!(sim.engine(1).resources().unexpected_msgs, 3, "seed {seed}");
+    // The old incarnation falls silent for longer than rx_stall_timeout (5 s in the simulator):
+    // only then does a new one at its place replace it (a live one stays, see below).
+    sim.run_for(Duration::from_secs(6));
     let new0 = sim.restart(0);
     assert_ne!(new0.qkey, old0.qkey);
     sim.send(0, sop(a1, pattern(10, 100), 10)).unwrap();
@@ -270,6 +273,63 @@ fn restarted_peer_with_a_new_qkey_is_a_new_peer() {
     );
     assert_eq!(s[1].status, Some(Status::UnresponsiveRemote));
     baseline(&mut sim, seed);
+}
+
+/// Issue 17, defect 5: a REQ claiming a new QKEY at a live peer's GID and QPN (what a host that
+/// forges the source address can send) must not abort the live peer: its unexpected messages stay
+/// and arrive intact, and it keeps talking.
+#[test]
+fn forged_req_with_a_new_qkey_does_not_abort_a_live_peer() {
+    let seed = efa::fault::test_seed();
+    let mut sim = Sim::new(SimConfig::clean(seed), 2);
+    let (a0, a1) = (sim.addr(0), sim.addr(1));
+    for k in 0..3 {
+        sim.send(0, sop(a1, pattern(k, 100), k)).unwrap();
+    }
+    assert!(sim.run());
+    assert_eq!(sim.engine(1).resources().unexpected_msgs, 3, "seed {seed}");
+    let forged_addr = RawAddr {
+        qkey: a0.qkey ^ 0x5a5a,
+        ..a0
+    };
+    let forged = Packet::EagerRtm {
+        opt: ReqOpt {
+            sender: Sender::RawAddr(forged_addr),
+            cq_data: None,
+        },
+        msg_id: 0,
+        tag: None,
+        dc_send_id: None,
+    };
+    sim.inject(1, src_of(a0), &forged.to_vec(b"forged").unwrap());
+    assert!(sim.run());
+    // (The forged incarnation's own message may go too: its handshake finds nobody.)
+    let held = sim.engine(1).resources().unexpected_msgs;
+    assert!(
+        held >= 3,
+        "seed {seed}: the live peer's messages were dropped ({held} held)"
+    );
+    sim.send(0, sop(a1, pattern(3, 100), 3)).unwrap();
+    for k in 0..4 {
+        let mut r = rop(1000, k);
+        r.src = Some(a0);
+        sim.post_recv(1, r).unwrap();
+    }
+    assert!(sim.run());
+    let mut r = recv_events(&mut sim, 1);
+    r.sort_by_key(|r| r.context);
+    assert_eq!(r.len(), 4, "seed {seed}");
+    for (k, d) in r.iter().enumerate() {
+        assert!(
+            d.error.is_none() && d.src == Some(a0) && d.buf[..] == pattern(k as u64, 100)[..],
+            "seed {seed}: message {k}: {d:?}"
+        );
+    }
+    let s = send_events(&mut sim, 0);
+    assert!(
+        s.len() == 4 && s.iter().all(|d| d.error.is_none()),
+        "seed {seed}: {s:?}"
+    );
 }
 
 #[test]

@@ -73,6 +73,10 @@ pub(super) struct Io {
     pub counters: Arc<DeviceCounters>,
     /// Datagrams held for one `sendmmsg` while a batch is open ([`Io::begin_batch`]).
     out: TxBatch,
+    /// Unit tests: `(errno, n)` makes every `n`-th datagram's send fail with `errno`, as if the
+    /// kernel had refused it.
+    #[cfg(test)]
+    pub inject: Option<(i32, u64, u64)>,
 }
 
 /// Whom a datagram sent in a batch belongs to, so that a permanent failure the kernel reports
@@ -134,14 +138,36 @@ pub(super) struct Faults {
     delayed: Vec<(Instant, SocketAddr, Vec<u8>)>,
 }
 
-fn transient(e: &io::Error) -> bool {
-    matches!(
+/// A send failure that is a loss on the wire, for SRD to recover from by retransmission (until
+/// the unresponsive-peer timeout), never a failed work request: a full socket buffer (`EAGAIN`,
+/// `ENOBUFS`, `ENOMEM`), a firewall dropping the datagram on its way out (`EPERM`), and errors
+/// an earlier ICMP message left on the socket or a route that is down for now (`ECONNREFUSED`,
+/// `EHOSTUNREACH`, `ENETUNREACH`, `EHOSTDOWN`, `ENETDOWN`, `ECONNRESET`). Permanent ones —
+/// an address of the wrong family, a broadcast address without `SO_BROADCAST` (`EACCES`), a
+/// datagram too large — fail the work request.
+pub(super) fn transient(e: &io::Error) -> bool {
+    if matches!(
         e.kind(),
-        io::ErrorKind::WouldBlock
-            | io::ErrorKind::Interrupted
-            | io::ErrorKind::OutOfMemory
-            | io::ErrorKind::ConnectionRefused
-    ) || e.raw_os_error() == Some(105) // ENOBUFS
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted | io::ErrorKind::OutOfMemory
+    ) {
+        return true;
+    }
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::EAGAIN
+                | libc::EINTR
+                | libc::ENOBUFS
+                | libc::ENOMEM
+                | libc::EPERM
+                | libc::ECONNREFUSED
+                | libc::EHOSTUNREACH
+                | libc::ENETUNREACH
+                | libc::EHOSTDOWN
+                | libc::ENETDOWN
+                | libc::ECONNRESET
+        )
+    )
 }
 
 /// A transient send failure (full socket buffer, ...) counts as a loss on the wire.
@@ -265,6 +291,13 @@ impl Io {
 
     /// Sends (or, in a batch, queues) the datagram `self.tx` + `hdr` + `payload`.
     fn out(&mut self, dest: SocketAddr, hdr: &Bytes, payload: &Bytes, tag: Tag) -> io::Result<()> {
+        #[cfg(test)]
+        if let Some((errno, every, count)) = self.inject.as_mut() {
+            *count += 1;
+            if *count % *every == 0 {
+                return lost_if_transient(Err(io::Error::from_raw_os_error(*errno)), dest);
+            }
+        }
         if !self.out.open {
             return raw_send_parts(&self.sock, &mut self.tx, hdr, payload, dest);
         }
@@ -1152,6 +1185,8 @@ impl UdpQp {
                     faults,
                     counters,
                     out: TxBatch::new(cfg.gso),
+                    #[cfg(test)]
+                    inject: None,
                 },
                 cfg: cfg.clone(),
                 qkey,
@@ -1378,3 +1413,6 @@ impl Drop for UdpQp {
         self.stop_thread();
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -19,8 +19,12 @@ use crate::stats;
 const RNR_RETRY_INFINITE: u8 = 7;
 /// Initial congestion window, packets.
 const INITIAL_CWND: f64 = 32.0;
-/// Most senders whose receive state a queue pair keeps (beyond, the least recent is forgotten).
+/// Most senders whose receive state a queue pair keeps (beyond, one not heard from recently is
+/// forgotten).
 const MAX_RX_PEERS: usize = 16_384;
+/// Most forgotten senders whose highest sequence number a queue pair remembers, so that it never
+/// delivers a packet of theirs again (it fails it instead).
+const MAX_FORGOTTEN: usize = 4 * MAX_RX_PEERS;
 /// Smallest congestion window, packets.
 const MIN_CWND: f64 = 2.0;
 /// Longest an acknowledgement waits, while the application busy-polls, for a data packet to the
@@ -62,7 +66,9 @@ struct InFlight {
     retransmitted: bool,
 }
 
-/// Send side state towards one peer queue pair (address + QKEY).
+/// Send side state towards one peer queue pair (address + QKEY). Its connection number and first
+/// sequence number are random, so that an off-path host cannot guess what an acknowledgement
+/// must name.
 struct TxPeer {
     addr: SocketAddr,
     qkey: u32,
@@ -127,7 +133,16 @@ enum Slot {
     BadLen,
     /// An RDMA access refused (bad key, range or right); duplicates get the NAK again.
     Denied,
+    /// Below the floor of a sender whose state was forgotten: it may have been delivered before,
+    /// so it is refused (NAK `Forgotten`, the send fails) rather than delivered again.
+    Lost,
 }
+
+/// Receive state is kept per sending queue pair and connection: (its address, its QKEY, the
+/// connection number it chose). A packet naming another connection number (a forged one, or the
+/// sender's next connection after it forgot the last) gets state of its own and never touches
+/// this one.
+type RxKey = (SocketAddr, u32, u32);
 
 /// Receive side state for one sending queue pair (address + its QKEY).
 struct RxPeer {
@@ -145,6 +160,13 @@ struct RxPeer {
     /// Acknowledge at the next flush (duplicate, or the sender asked).
     ack_now: bool,
     last_active: Instant,
+    /// Heard from since the eviction clock last passed (second chance, [`Srd::evict_one`]).
+    touched: bool,
+    /// One above the highest sequence number seen.
+    high: u64,
+    /// Sequence numbers below were seen by a forgotten state of this same key: never delivered
+    /// again.
+    floor: u64,
 }
 
 impl RxPeer {
@@ -196,7 +218,11 @@ impl RxPeer {
             .get((self.cum - self.base) as usize)
             .is_some_and(|s| *s == Slot::Delivered)
         {
-            self.cum += 1;
+            // A sender's numbers end below 2^64 (a forged base may sit at the very top).
+            let Some(next) = self.cum.checked_add(1) else {
+                break;
+            };
+            self.cum = next;
         }
     }
 }
@@ -220,11 +246,17 @@ struct Timer {
 pub(super) struct Srd {
     tx: HashMap<u32, TxPeer>,
     tx_by_addr: HashMap<(SocketAddr, u32), u32>,
-    next_conn: u32,
-    /// First sequence number of a newly created send peer (above every one used before).
-    seq_floor: u64,
-    rx: HashMap<(SocketAddr, u32), RxPeer>,
-    acks: Vec<(SocketAddr, u32)>,
+    rx: HashMap<RxKey, RxPeer>,
+    /// The connection number last heard from a sending (address, QKEY): whose acknowledgement
+    /// rides on our data packets to it.
+    rx_conn: HashMap<(SocketAddr, u32), u32>,
+    /// The eviction clock over `rx` (second chance: O(1) amortized per packet).
+    rx_clock: VecDeque<RxKey>,
+    /// Forgotten receive states: one above their highest sequence number (`RxPeer::floor` of
+    /// a state created again for the key), oldest first in `forgotten_order`.
+    forgotten: HashMap<RxKey, u64>,
+    forgotten_order: VecDeque<RxKey>,
+    acks: Vec<RxKey>,
     /// When the delayed acknowledgements in `acks` must go out at the latest.
     ack_deadline: Option<Instant>,
     timers: BinaryHeap<Reverse<Timer>>,
@@ -238,9 +270,11 @@ impl Srd {
         Srd {
             tx: HashMap::new(),
             tx_by_addr: HashMap::new(),
-            next_conn: 1,
-            seq_floor: 0,
             rx: HashMap::new(),
+            rx_conn: HashMap::new(),
+            rx_clock: VecDeque::new(),
+            forgotten: HashMap::new(),
+            forgotten_order: VecDeque::new(),
             acks: Vec::new(),
             ack_deadline: None,
             timers: BinaryHeap::new(),
@@ -268,23 +302,24 @@ impl Srd {
         let conn = match self.tx_by_addr.get(&key) {
             Some(c) => *c,
             None => {
-                let mut conn = self.next_conn;
+                let mut conn = random_u64() as u32;
                 while conn == 0 || self.tx.contains_key(&conn) {
-                    conn = conn.wrapping_add(1);
+                    conn = random_u64() as u32;
                 }
-                self.next_conn = conn.wrapping_add(1);
+                // Below 2^62: sequence numbers never wrap.
+                let first = random_u64() >> 2;
                 self.tx.insert(
                     conn,
                     TxPeer {
                         addr: dest,
                         qkey: wr.dest.qkey,
                         conn,
-                        next_seq: self.seq_floor,
+                        next_seq: first,
                         pending: VecDeque::new(),
                         inflight: BTreeMap::new(),
                         cwnd: INITIAL_CWND.min(cx.cfg.max_inflight as f64),
                         ssthresh: cx.cfg.max_inflight as f64,
-                        recovery: self.seq_floor,
+                        recovery: first,
                         srtt: None,
                         rttvar: Duration::ZERO,
                         last_heard: now,
@@ -316,6 +351,7 @@ impl Srd {
             timers,
             epoch,
             rx,
+            rx_conn,
             bitmap,
             ..
         } = self;
@@ -355,7 +391,8 @@ impl Srd {
                     retransmitted: false,
                 },
             );
-            if transmit(cx, p, seq, rx, bitmap, limit, now) {
+            let rev = reverse(rx, rx_conn, p);
+            if transmit(cx, p, seq, rev, bitmap, limit, now) {
                 stats::inc(&cx.counters().tx_pkts);
                 stats::add(&cx.counters().tx_bytes, len as u64);
                 timers.push(Reverse(Timer {
@@ -378,31 +415,59 @@ impl Srd {
         payload: &[u8],
         now: Instant,
     ) {
-        let key = (src, h.src_qkey);
-        if self.rx.len() >= MAX_RX_PEERS && !self.rx.contains_key(&key) {
-            // Bounded memory: forget the sender heard from least recently.
-            if let Some(old) = self
-                .rx
-                .iter()
-                .min_by_key(|(_, r)| r.last_active)
-                .map(|(k, _)| *k)
-            {
-                tracing::debug!(peer = %old.0, "udp: too many senders, forgetting the oldest");
-                self.rx.remove(&old);
+        let key = (src, h.src_qkey, h.conn);
+        if let Some(bound) = self.rx_conn.get(&(src, h.src_qkey)).copied()
+            && bound != h.conn
+        {
+            // Another connection number from this sender: its next connection after it forgot
+            // the last (idle for `peer_idle_timeout`), or a forged packet. It may take over
+            // only once the bound connection has been silent for `peer_idle_timeout` too, so
+            // that a host forging the source address cannot inject data into, or shift the
+            // window of, a live connection without guessing its random number.
+            let old = (src, h.src_qkey, bound);
+            let live = self.rx.get(&old).is_some_and(|r| {
+                now.saturating_duration_since(r.last_active) < cx.cfg.peer_idle_timeout
+            });
+            if live {
+                stats::inc(&cx.counters().stale_dropped);
+                tracing::debug!(%src, conn = h.conn, "udp: data for another connection of a live sender");
+                return;
             }
+            if let Some(r) = self.rx.remove(&old) {
+                self.remember_forgotten(old, r.high);
+            }
+            self.rx_conn.remove(&(src, h.src_qkey));
         }
-        let rx = self.rx.entry(key).or_insert_with(|| RxPeer {
-            base: h.base,
-            cum: h.base,
-            slots: VecDeque::new(),
-            conn: h.conn,
-            ack_pending: false,
-            unacked: 0,
-            ack_now: false,
-            last_active: now,
-        });
+        if !self.rx.contains_key(&key) {
+            if self.rx.len() >= MAX_RX_PEERS {
+                self.evict_one();
+            }
+            let floor = self.forgotten.get(&key).copied().unwrap_or(0);
+            self.rx.insert(
+                key,
+                RxPeer {
+                    base: h.base,
+                    cum: h.base,
+                    slots: VecDeque::new(),
+                    conn: h.conn,
+                    ack_pending: false,
+                    unacked: 0,
+                    ack_now: false,
+                    last_active: now,
+                    touched: false,
+                    high: h.base,
+                    floor,
+                },
+            );
+            self.rx_clock.push_back(key);
+        }
+        self.rx_conn.insert((src, h.src_qkey), h.conn);
+        let Some(rx) = self.rx.get_mut(&key) else {
+            return;
+        };
         rx.last_active = now;
-        rx.conn = h.conn;
+        rx.touched = true;
+        rx.high = rx.high.max(h.seq.saturating_add(1));
         rx.advance_base(h.base);
         if h.seq < rx.base {
             // The sender finished this one already: a stale copy.
@@ -448,9 +513,20 @@ impl Srd {
                 stats::inc(&cx.counters().duplicates_dropped);
                 nak(cx, NakReason::BadAddress);
             }
+            Slot::Lost => {
+                stats::inc(&cx.counters().duplicates_dropped);
+                nak(cx, NakReason::Forgotten);
+            }
             Slot::Refused(t) if h.try_ <= t => {
                 stats::inc(&cx.counters().duplicates_dropped);
                 nak(cx, NakReason::Rnr);
+            }
+            Slot::Empty | Slot::Refused(_) if h.seq < rx.floor => {
+                // This state was forgotten once and this packet may have been delivered then.
+                tracing::debug!(%src, seq = h.seq, "udp: packet of a forgotten sender state, failing it");
+                *slot = Slot::Lost;
+                stats::inc(&cx.counters().stale_dropped);
+                nak(cx, NakReason::Forgotten);
             }
             Slot::Empty | Slot::Refused(_) => match if h.rdma {
                 cx.deliver_rdma_udp(src, h.src_qkey, h.imm, payload)
@@ -537,6 +613,12 @@ impl Srd {
         let Some(p) = peer_of(&mut self.tx, cx, src, a.conn, a.src_qkey) else {
             return;
         };
+        if a.cum > p.next_seq {
+            // Acknowledges sequence numbers never sent: forged (or corrupt), completes nothing.
+            stats::inc(&cx.counters().stale_dropped);
+            tracing::debug!(%src, cum = a.cum, next = p.next_seq, "udp: ack beyond what was sent");
+            return;
+        }
         p.last_heard = now;
         p.last_active = now;
         while let Some(e) = p.inflight.first_entry() {
@@ -585,6 +667,11 @@ impl Srd {
                     cx.complete_send(inf.op.wr_id, Status::RemoteBadAddress, 0);
                 }
             }
+            NakReason::Forgotten => {
+                if let Some(inf) = p.inflight.remove(&n.seq) {
+                    cx.complete_send(inf.op.wr_id, Status::RemoteAbort, 0);
+                }
+            }
             NakReason::Rnr => {
                 stats::inc(&cx.counters().rnr_naks_received);
                 let Some(inf) = p.inflight.get_mut(&n.seq) else {
@@ -593,7 +680,7 @@ impl Srd {
                 if inf.rnr_wait || inf.try_ != n.try_ {
                     return; // a NAK of an older attempt, or a duplicate
                 }
-                inf.rnr_count += 1;
+                inf.rnr_count = inf.rnr_count.saturating_add(1);
                 if cx.rnr_retry != RNR_RETRY_INFINITE && inf.rnr_count > u32::from(cx.rnr_retry) {
                     if let Some(inf) = p.inflight.remove(&n.seq) {
                         cx.complete_send(inf.op.wr_id, Status::RnrRetryExceeded, 0);
@@ -710,7 +797,8 @@ impl Srd {
         inf.epoch = self.epoch;
         let retries = inf.retries;
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
-        if transmit(cx, p, seq, &mut self.rx, &mut self.bitmap, limit, now) {
+        let rev = reverse(&mut self.rx, &self.rx_conn, p);
+        if transmit(cx, p, seq, rev, &mut self.bitmap, limit, now) {
             let at = now + p.rto(&cx.cfg, retries);
             self.timers.push(Reverse(Timer {
                 at,
@@ -759,21 +847,67 @@ impl Srd {
     /// Forgets peers idle for longer than `peer_idle_timeout`.
     fn sweep(&mut self, cx: &Ctx, now: Instant) {
         let idle = cx.cfg.peer_idle_timeout;
-        let mut floor = self.seq_floor;
         self.tx.retain(|_, p| {
-            let keep = !p.inflight.is_empty()
+            !p.inflight.is_empty()
                 || !p.pending.is_empty()
-                || now.saturating_duration_since(p.last_active) < idle;
+                || now.saturating_duration_since(p.last_active) < idle
+        });
+        let tx = &self.tx;
+        self.tx_by_addr.retain(|_, c| tx.contains_key(c));
+        let mut gone = Vec::new();
+        self.rx.retain(|k, r| {
+            let keep = now.saturating_duration_since(r.last_active) < idle;
             if !keep {
-                floor = floor.max(p.next_seq);
+                gone.push((*k, r.high));
             }
             keep
         });
-        self.seq_floor = floor;
-        let tx = &self.tx;
-        self.tx_by_addr.retain(|_, c| tx.contains_key(c));
-        self.rx
-            .retain(|_, r| now.saturating_duration_since(r.last_active) < idle);
+        for (k, high) in gone {
+            self.remember_forgotten(k, high);
+        }
+        let rx = &self.rx;
+        self.rx_clock.retain(|k| rx.contains_key(k));
+        self.rx_conn
+            .retain(|(a, q), c| rx.contains_key(&(*a, *q, *c)));
+    }
+
+    /// Forgets one sender's receive state to make room: the first on the eviction clock not
+    /// heard from since the clock last passed it (each packet sets its mark once, each pass
+    /// clears it once, so this is O(1) amortized per packet, whatever senders an attacker
+    /// makes up). Its highest sequence number is remembered, so nothing of it is delivered twice.
+    fn evict_one(&mut self) {
+        // Two passes at most: the first clears every mark.
+        let mut budget = 2 * self.rx_clock.len() + 1;
+        while let Some(k) = self.rx_clock.pop_front() {
+            budget -= 1;
+            let Some(r) = self.rx.get_mut(&k) else {
+                continue; // already gone
+            };
+            if r.touched && budget > 0 {
+                r.touched = false;
+                self.rx_clock.push_back(k);
+                continue;
+            }
+            let high = r.high;
+            self.rx.remove(&k);
+            if self.rx_conn.get(&(k.0, k.1)) == Some(&k.2) {
+                self.rx_conn.remove(&(k.0, k.1));
+            }
+            tracing::debug!(peer = %k.0, "udp: too many senders, forgetting one");
+            self.remember_forgotten(k, high);
+            return;
+        }
+    }
+
+    fn remember_forgotten(&mut self, k: RxKey, high: u64) {
+        if self.forgotten.insert(k, high).is_none() {
+            self.forgotten_order.push_back(k);
+        }
+        while self.forgotten_order.len() > MAX_FORGOTTEN {
+            if let Some(old) = self.forgotten_order.pop_front() {
+                self.forgotten.remove(&old);
+            }
+        }
     }
 
     /// Completes every outstanding send with `Flushed`.
@@ -791,7 +925,7 @@ fn transmit(
     cx: &mut Ctx,
     p: &TxPeer,
     seq: u64,
-    rx: &mut HashMap<(SocketAddr, u32), RxPeer>,
+    rev: Option<&mut RxPeer>,
     bitmap: &mut Vec<u8>,
     limit: usize,
     now: Instant,
@@ -816,7 +950,7 @@ fn transmit(
         ack_req,
         rdma: inf.op.rdma,
     };
-    let ack = match rx.get_mut(&(p.addr, p.qkey)) {
+    let ack = match rev {
         Some(r) if r.ack_pending => Some(r.take_ack(cx.qkey, bitmap)),
         _ => None,
     };
@@ -839,6 +973,16 @@ fn transmit(
             false
         }
     }
+}
+
+/// The receive state of the reverse direction of `p` (whose acknowledgement may ride along).
+fn reverse<'a>(
+    rx: &'a mut HashMap<RxKey, RxPeer>,
+    rx_conn: &HashMap<(SocketAddr, u32), u32>,
+    p: &TxPeer,
+) -> Option<&'a mut RxPeer> {
+    let conn = rx_conn.get(&(p.addr, p.qkey))?;
+    rx.get_mut(&(p.addr, p.qkey, *conn))
 }
 
 fn send_nak(cx: &mut Ctx, src: SocketAddr, h: &DataHdr, reason: NakReason, now: Instant) {
@@ -891,11 +1035,37 @@ fn peer_of<'a>(
     src_qkey: u32,
 ) -> Option<&'a mut TxPeer> {
     match tx.get_mut(&conn) {
-        Some(p) if p.qkey == src_qkey && p.addr.port() == src.port() => Some(p),
+        Some(p) if p.qkey == src_qkey && same_addr(p.addr, src) => Some(p),
         _ => {
             stats::inc(&cx.counters().stale_dropped);
             tracing::trace!(%src, conn, src_qkey, "udp: ack or NAK for no known peer");
             None
         }
     }
+}
+
+/// Whether an ack or NAK from `src` can come from the peer we send to at `dest`: the same
+/// socket address (an IPv4 address and its IPv4-mapped IPv6 form being the same). Sending to an
+/// unspecified address (`0.0.0.0`, `::`) reaches this host, whose answer comes from a loopback
+/// address.
+fn same_addr(dest: SocketAddr, src: SocketAddr) -> bool {
+    let (d, s) = (dest.ip().to_canonical(), src.ip().to_canonical());
+    dest.port() == src.port() && (d == s || (d.is_unspecified() && s.is_loopback()))
+}
+
+/// 64 unpredictable bits: SipHash, keyed by the standard library from the operating system's
+/// random source, of a counter and the clock (connection and first sequence numbers).
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
+    h.finish()
 }

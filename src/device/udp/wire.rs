@@ -69,6 +69,9 @@ pub(crate) enum NakReason {
     BadLength = 2,
     /// An RDMA access was refused: bad key, range or right.
     BadAddress = 3,
+    /// The receiver forgot this sender's state (too many senders) and may have delivered this
+    /// sequence number before: it is not delivered again, and the send fails.
+    Forgotten = 4,
 }
 
 /// Why a datagram was rejected.
@@ -414,6 +417,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
                 Some(1) => NakReason::Rnr,
                 Some(2) => NakReason::BadLength,
                 Some(3) => NakReason::BadAddress,
+                Some(4) => NakReason::Forgotten,
                 _ => return Err("unknown NAK reason"),
             };
             if b.get(33..36) != Some(&[0u8, 0, 0][..]) {

@@ -93,9 +93,9 @@ impl Engine {
         }
         let now = now.unwrap_or_else(Instant::now);
         if posted.is_none() && self.buffered_msgs >= self.limits.max_buffered_msgs {
-            self.stats.dropped_pkts += 1;
-            tracing::debug!("too many messages held (max_buffered_msgs): local message dropped");
-            return None;
+            // The local path asks `local_must_wait` first; a message past the bound anyway
+            // (a re-matched one) is held, never dropped.
+            tracing::debug!("over max_buffered_msgs: local message held");
         }
         let rtm = Rtm {
             msg_id: 0,
@@ -170,11 +170,7 @@ impl Engine {
                     return;
                 }
                 if !fits {
-                    self.stats.dropped_pkts += 1;
-                    tracing::debug!(
-                        "too many bytes held (max_buffered_bytes): local message dropped"
-                    );
-                    return self.drop_unmatched(rid);
+                    tracing::debug!("over max_buffered_bytes: local message held");
                 }
                 let mut b = BytesMut::with_capacity(n);
                 copy(&mut b, n);

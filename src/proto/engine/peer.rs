@@ -103,6 +103,12 @@ pub(super) struct Peer {
     pub(super) runt_in_flight: usize,
     /// We sent it a 0-byte EAGER_RTW to make it send its HANDSHAKE (libfabric's trigger).
     pub(super) hs_triggered: bool,
+    /// When a packet of it last arrived (`None`: never).
+    pub(super) last_heard: Option<Instant>,
+    /// A packet to it completed successfully: the device at its address, with its QKEY,
+    /// acknowledged it. (A host that forges source addresses can make up an incarnation, but
+    /// not receive for it.)
+    pub(super) verified: bool,
 }
 
 /// Device statuses after which a peer is considered gone.
@@ -176,6 +182,8 @@ impl Engine {
             p2p: true,
             runt_in_flight: 0,
             hs_triggered: false,
+            last_heard: None,
+            verified: false,
         };
         let id = self.peers.insert(peer);
         self.by_addr.insert(addr, id);
@@ -216,8 +224,15 @@ impl Engine {
     }
 
     /// A REQ from a new QKEY at a known (GID, QPN): the old incarnations are gone (their queue
-    /// pair number was reused). Their state is dropped and their connids retired.
-    fn replace_incarnations(&mut self, addr: RawAddr) {
+    /// pair number was reused) — unless one is live: verified (the device delivered a packet to
+    /// it) and heard from within `rx_stall_timeout`. Nothing authenticates the REQ (on udp, a
+    /// host that forges the source address can send it), so it must not abort a live peer: a
+    /// live incarnation stays, beside the new one, and its operations end as any peer's do
+    /// (completed, or failed by the device's unresponsive-peer timeout or the engine's stall
+    /// timeout). The others are dropped and their connids retired, so made-up incarnations
+    /// replace each other instead of piling up.
+    fn replace_incarnations(&mut self, addr: RawAddr, now: Instant) {
+        let quiet = self.cfg.rx_stall_timeout;
         let old: Vec<u64> = self
             .incarnations
             .get(&(addr.gid, addr.qpn))
@@ -229,6 +244,13 @@ impl Engine {
             };
             let qkey = p.addr.qkey;
             if qkey == addr.qkey {
+                continue;
+            }
+            if p.verified
+                && p.last_heard
+                    .is_some_and(|t| now.saturating_duration_since(t) < quiet)
+            {
+                tracing::debug!(old = %p.addr, new = %addr, "a new incarnation beside a live one: both kept");
                 continue;
             }
             tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
@@ -249,7 +271,15 @@ impl Engine {
 
     /// Who sent `pkt` (arrived from `src`), creating the peer for a REQ with a raw address.
     /// `None` (counted) for stale, unknown or unidentifiable senders.
-    pub(super) fn identify(&mut self, src: Source, pkt: &Packet<'_>) -> Option<u64> {
+    pub(super) fn identify(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
+        let found = self.identify_peer(now, src, pkt);
+        if let Some(p) = found.and_then(|id| self.peers.get_mut(&id)) {
+            p.last_heard = Some(now);
+        }
+        found
+    }
+
+    fn identify_peer(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
         let qp = (src.gid, src.qpn);
         let newest = |e: &Engine| e.incarnations.get(&qp).and_then(|v| v.last().copied());
         if let Some(opt) = pkt.req_opt() {
@@ -266,7 +296,7 @@ impl Engine {
                         self.drop_pkt("stale connid (replaced incarnation)");
                         return None;
                     }
-                    self.replace_incarnations(a);
+                    self.replace_incarnations(a, now);
                     self.new_peer(a)
                 }
                 Sender::Connid(c) => match self.peer_by_addr(&RawAddr::new(src.gid, src.qpn, c)) {

@@ -726,6 +726,14 @@ impl Engine {
             return None;
         };
         match &w {
+            Work::Write { cq_data, .. }
+                if cq_data.is_some()
+                    && self.remote_write_events >= super::MAX_REMOTE_WRITE_EVENTS =>
+            {
+                // The application has not taken the completions of earlier writes: this one
+                // waits (untouched memory), as for a locked region.
+                return Some(w);
+            }
             Work::Write {
                 pid,
                 iovs,
@@ -760,6 +768,7 @@ impl Engine {
                         if let (Some(d), Some(src)) =
                             (*cq_data, self.peers.get(&pid).map(|p| p.addr))
                         {
+                            self.remote_write_events += 1;
                             self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
                                 src,
                                 data: d as u32,

@@ -324,8 +324,13 @@ impl Engine {
             return self.drop_pkt("REQ segment inconsistent with its message length");
         }
         let ready = m.msg_id == exp;
+        // Past `max_buffered_msgs` the message is held all the same: the device acknowledged
+        // it, so dropping it would lose it (and leave the peer's window waiting). The bound is
+        // kept by the caller, which posts no more device receive buffers than the budget left
+        // (receiver-not-ready pushes the senders back), so an excess is at most the buffers
+        // already posted (issue 17, defect 2).
         if !ready && self.buffered_msgs >= self.limits.max_buffered_msgs {
-            return self.drop_pkt("too many messages held (max_buffered_msgs)");
+            tracing::debug!("over max_buffered_msgs: held (the device is held back)");
         }
         let rid = self.new_rx(now, pid, &m, msg_len, RxState::Waiting);
         if let Some(e) = self.rx.get_mut(&rid) {
@@ -363,13 +368,10 @@ impl Engine {
 
     /// Reserves `msg_id` of peer `pid` in its reorder window with a placeholder entry (state
     /// `Dropped`) and returns the entry's id; the caller drains the window. `None` for an id
-    /// already seen or processed, or when too many messages are held.
+    /// already seen or processed.
     pub(super) fn window_slot(&mut self, now: Instant, pid: u64, msg_id: u32) -> Option<u32> {
         let p = self.peers.get(&pid)?;
         if p.inbound.contains_key(&msg_id) || (msg_id.wrapping_sub(p.robuf.expected()) as i32) < 0 {
-            return None;
-        }
-        if self.buffered_msgs >= self.limits.max_buffered_msgs {
             return None;
         }
         let m = Rtm {
@@ -439,8 +441,10 @@ impl Engine {
         rid
     }
 
-    /// Copies data of an unmatched message out of the device buffer, within the memory bounds;
-    /// beyond them the message is dropped.
+    /// Copies data of an unmatched message out of the device buffer. Past
+    /// `max_buffered_bytes` it is held all the same (the device acknowledged it: nothing
+    /// acknowledged is dropped); the caller keeps the bound by posting no more device receive
+    /// buffers than the budget left.
     pub(super) fn hold(&mut self, rid: u32, off: usize, data: &[u8]) {
         if data.is_empty() {
             return;
@@ -450,9 +454,7 @@ impl Engine {
             return;
         };
         if !fits {
-            self.stats.dropped_pkts += 1;
-            tracing::debug!("too many bytes held (max_buffered_bytes): message dropped");
-            return self.drop_unmatched(rid);
+            tracing::debug!("over max_buffered_bytes: held (the device is held back)");
         }
         let n = data.len();
         e.held.push((off, Bytes::copy_from_slice(data)));
@@ -604,11 +606,9 @@ impl Engine {
         // Unexpected.
         self.stats.unexpected_msgs += 1;
         if self.buffered_msgs > self.limits.max_buffered_msgs {
-            self.stats.dropped_pkts += 1;
             tracing::debug!(
-                "too many messages held (max_buffered_msgs): unexpected message dropped"
+                "over max_buffered_msgs: unexpected message held (the device is held back)"
             );
-            return self.remove_unmatched(rid);
         }
         if !self.queue_unexpected(rid) {
             return;
@@ -767,34 +767,6 @@ impl Engine {
         if matches!(e.state, RxState::Unexpected | RxState::Claimed) {
             self.unexp_msgs = self.unexp_msgs.saturating_sub(1);
             self.unexp_bytes = self.unexp_bytes.saturating_sub(e.held_bytes);
-        }
-    }
-
-    /// Drops an unmatched message for lack of memory: one still waiting for its turn becomes a
-    /// marker that only advances the window; a processed one goes.
-    pub(super) fn drop_unmatched(&mut self, rid: u32) {
-        let Some(e) = self.rx.get_mut(&rid) else {
-            return;
-        };
-        match e.state {
-            RxState::Waiting => {
-                self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
-                e.held.clear();
-                e.held_bytes = 0;
-                e.state = RxState::Dropped;
-            }
-            RxState::Unexpected => {
-                let tagged = e.tagged;
-                if let Some(i) = self.matcher.position_unexpected(tagged, |u| u.item == rid) {
-                    self.matcher.take_unexpected(tagged, i);
-                }
-                self.remove_unmatched(rid);
-            }
-            RxState::Claimed => {
-                self.claimed.retain(|_, r| *r != rid);
-                self.remove_unmatched(rid);
-            }
-            RxState::Matched(_) | RxState::Dropped => {}
         }
     }
 

@@ -489,6 +489,12 @@ impl Engine {
             return;
         }
         let pkt = self.outstanding.remove(key);
+        if status == Status::Success
+            && let Some(p) = self.peers.get_mut(&pkt.peer)
+        {
+            // The device delivered to it: it answers at its address.
+            p.verified = true;
+        }
         if matches!(pkt.owner, Owner::Ema(_) | Owner::Resp(_))
             && status != Status::RnrRetryExceeded
             && !peer_fatal(status)

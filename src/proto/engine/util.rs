@@ -1,7 +1,7 @@
 //! Small helpers of the engine: a coalescing set of byte ranges, a fast hasher for the ids
 //! the engine allocates itself and the arena packet headers are encoded into.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use bytes::{Bytes, BytesMut};
@@ -405,12 +405,15 @@ impl HeaderArena {
 ///
 /// Segments arrive in any order; an overlapping segment is a duplicate (or a lie) and refused.
 /// While the ranges received form one range (segments in order, the usual case) it is kept
-/// inline, without allocating.
+/// inline, without allocating. Otherwise they are in a B-tree by start, so every insertion is
+/// O(log n) whatever the order (a sorted vector made a peer's alternating one-byte segments
+/// quadratic: issue 17, defect 7).
 #[derive(Debug, Default)]
 pub(super) struct RangeSet {
     /// The only range while `r` is empty.
     one: Option<(u64, u64)>,
-    r: Vec<(u64, u64)>,
+    /// Start -> end.
+    r: BTreeMap<u64, u64>,
 }
 
 impl RangeSet {
@@ -437,36 +440,32 @@ impl RangeSet {
                 return true;
             }
             self.one = None;
-            self.r.push((s, e));
+            self.r.insert(s, e);
         }
-        // First range that ends after `start`: the only one that can overlap or follow.
-        let i = self.r.partition_point(|&(_, e)| e <= start);
-        if let Some(&(s, _)) = self.r.get(i) {
-            if s < end {
-                return false;
-            }
+        // The range starting before `start` and the one starting at or after it: the only two
+        // that can overlap or join.
+        let prev = self.r.range(..start).next_back().map(|(&s, &e)| (s, e));
+        let next = self.r.range(start..).next().map(|(&s, &e)| (s, e));
+        if prev.is_some_and(|(_, e)| e > start) || next.is_some_and(|(s, _)| s < end) {
+            return false;
         }
-        let joins_prev = i > 0 && self.r.get(i - 1).is_some_and(|&(_, e)| e == start);
-        let joins_next = self.r.get(i).is_some_and(|&(s, _)| s == end);
+        let joins_prev = prev.filter(|&(_, e)| e == start);
+        let joins_next = next.filter(|&(s, _)| s == end);
         match (joins_prev, joins_next) {
-            (true, true) => {
-                let next_end = self.r.get(i).map_or(end, |&(_, e)| e);
-                if let Some(p) = self.r.get_mut(i - 1) {
-                    p.1 = next_end;
-                }
-                self.r.remove(i);
+            (Some((ps, _)), Some((ns, ne))) => {
+                self.r.remove(&ns);
+                self.r.insert(ps, ne);
             }
-            (true, false) => {
-                if let Some(p) = self.r.get_mut(i - 1) {
-                    p.1 = end;
-                }
+            (Some((ps, _)), None) => {
+                self.r.insert(ps, end);
             }
-            (false, true) => {
-                if let Some(n) = self.r.get_mut(i) {
-                    n.0 = start;
-                }
+            (None, Some((ns, ne))) => {
+                self.r.remove(&ns);
+                self.r.insert(start, ne);
             }
-            (false, false) => self.r.insert(i, (start, end)),
+            (None, None) => {
+                self.r.insert(start, end);
+            }
         }
         true
     }
@@ -636,6 +635,24 @@ mod tests {
             keys.sort_unstable();
             assert_eq!(m.sorted_keys(), keys, "seed {seed}");
         }
+    }
+
+    #[test]
+    fn alternating_one_byte_segments_in_the_worst_order() {
+        // Every other byte, from the end backwards, then the bytes between, backwards too: a
+        // sorted vector moved every range on each insertion (quadratic: ~10^10 moves here).
+        let n = 200_000u64;
+        let mut s = RangeSet::default();
+        for i in (0..n).rev() {
+            assert!(s.insert(2 * i, 2 * i + 1));
+        }
+        assert_eq!(s.ranges(), n as usize);
+        assert!(!s.insert(10, 11), "an overlap is refused");
+        for i in (0..n).rev() {
+            assert!(s.insert(2 * i + 1, 2 * i + 2));
+        }
+        assert_eq!(s.ranges(), 1);
+        assert!(!s.insert(0, 2 * n));
     }
 
     #[test]

@@ -559,6 +559,10 @@ impl Engine {
             .and_then(|v| v.last())
             .and_then(|id| self.peers.get(id))
             .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr);
+        // The device wrote already: the completion is kept; the endpoint stops reposting receive
+        // buffers while too many wait ([`Engine::remote_writes_full`]), which holds the device
+        // back (receiver not ready) on devices where a write with immediate data takes one.
+        self.remote_write_events += 1;
         self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
             src: addr,
             data: imm,
