@@ -14,6 +14,7 @@
 //! | `EFA_EMU_FAULTS` | none | seeded faults on every outgoing datagram: `seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS` |
 //! | `EFA_EMU_MEMLOCK` | `RLIMIT_MEMLOCK` | bytes a process may register; enforced even with `CAP_IPC_LOCK` when set |
 //! | `EFA_EMU_UNRESPONSIVE_MS` | 5000 | a peer silent this long fails sends with "unresponsive remote" (13) |
+//! | `EFA_EMU_STATS` | unset | print the NIC's counters to stderr at exit |
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;

@@ -53,15 +53,40 @@ pub struct Nic {
     ahs: Mutex<Ahs>,
     mrs: Mutex<Mrs>,
     rng: Mutex<efa::fault::Rng>,
+    /// RDMA reads and writes this NIC's queue pairs posted (`EFA_EMU_STATS`).
+    pub rdma_reads: std::sync::atomic::AtomicU64,
+    pub rdma_writes: std::sync::atomic::AtomicU64,
 }
 
 static NIC: OnceLock<Result<Arc<Nic>, String>> = OnceLock::new();
 
-/// The process's NIC, opened on first use; the error says why there is none.
+/// The process's NIC, opened on first use; the error says why there is none. With
+/// `EFA_EMU_STATS` set, its counters are printed to stderr when the process exits.
 pub fn nic() -> Result<&'static Arc<Nic>, &'static str> {
-    NIC.get_or_init(|| Nic::open(EmuConfig::from_env()?).map(Arc::new))
-        .as_ref()
-        .map_err(|e| e.as_str())
+    NIC.get_or_init(|| {
+        let n = Nic::open(EmuConfig::from_env()?).map(Arc::new)?;
+        if std::env::var_os("EFA_EMU_STATS").is_some() {
+            // SAFETY: registers a plain function of this library, which stays loaded until exit.
+            unsafe { libc::atexit(print_stats) };
+        }
+        Ok(n)
+    })
+    .as_ref()
+    .map_err(|e| e.as_str())
+}
+
+/// Prints the NIC's counters (`EFA_EMU_STATS`): datagrams, retransmissions, RNR, RDMA
+/// operations served, ... so a test can tell which protocol a program used.
+extern "C" fn print_stats() {
+    if let Some(Ok(n)) = NIC.get() {
+        use std::sync::atomic::Ordering::Relaxed;
+        eprintln!(
+            "efa-emu stats: rdma_reads_posted: {}, rdma_writes_posted: {}, device: {:?}",
+            n.rdma_reads.load(Relaxed),
+            n.rdma_writes.load(Relaxed),
+            n.dev.stats()
+        );
+    }
 }
 
 /// A seed nobody can predict from outside the process.
@@ -114,7 +139,8 @@ fn memlock_limit(cfg: &EmuConfig) -> Option<u64> {
 pub type Errno = i32;
 
 impl Nic {
-    fn open(cfg: EmuConfig) -> Result<Nic, String> {
+    /// Opens a NIC with `cfg` (the process's NIC is [`nic`]; tests open others).
+    pub fn open(cfg: EmuConfig) -> Result<Nic, String> {
         let mut u = UdpConfig::new(cfg.addr);
         u.mtu = cfg.mtu;
         u.max_send_wr = cfg.max_sq_wr as usize;
@@ -134,6 +160,8 @@ impl Nic {
             ahs: Mutex::new(Ahs::default()),
             mrs: Mutex::new(Mrs::default()),
             rng: Mutex::new(efa::fault::Rng::new(entropy())),
+            rdma_reads: Default::default(),
+            rdma_writes: Default::default(),
         })
     }
 

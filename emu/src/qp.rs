@@ -371,6 +371,9 @@ impl QpCore {
                     len: len as u64,
                     key: u64::from(rkey),
                 };
+                self.nic
+                    .rdma_reads
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let res = self.dev.lock().post_read(
                     key as u64,
                     dest,

@@ -28,9 +28,24 @@ struct EmuQp {
     mr: *mut ibv_mr,
     gid: Gid,
     qkey: u32,
+    /// `wc_is_unsolicited` of the last polled completion.
+    last_unsolicited: std::cell::Cell<bool>,
 }
 
 fn emu_qp() -> EmuQp {
+    emu_qp_with(Opts::default())
+}
+
+/// How to make an emulated queue pair.
+#[derive(Default)]
+struct Opts {
+    /// A completion channel for the CQ.
+    channel: bool,
+    /// `EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV`.
+    unsolicited: bool,
+}
+
+fn emu_qp_with(o: Opts) -> EmuQp {
     // SAFETY: the calls follow the verbs API; every pointer comes from the previous call.
     unsafe {
         let mut n = 0;
@@ -44,10 +59,14 @@ fn emu_qp() -> EmuQp {
         let pd = emu_ibv_alloc_pd(ctx);
         let mut cq_attr: ibv_cq_init_attr_ex = std::mem::zeroed();
         cq_attr.cqe = 256;
+        if o.channel {
+            cq_attr.channel = emu_ibv_create_comp_channel(ctx);
+            assert!(!cq_attr.channel.is_null());
+        }
         cq_attr.wc_flags = IBV_WC_STANDARD_FLAGS;
         let mut efa_cq = efadv_cq_init_attr {
             comp_mask: 0,
-            wc_flags: EFADV_WC_EX_WITH_SGID,
+            wc_flags: EFADV_WC_EX_WITH_SGID | EFADV_WC_EX_WITH_IS_UNSOLICITED,
         };
         let cq = emu_efadv_create_cq(
             ctx,
@@ -70,12 +89,19 @@ fn emu_qp() -> EmuQp {
         qa.qp_type = IBV_QPT_DRIVER;
         qa.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
         qa.pd = pd;
-        qa.send_ops_flags =
-            IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM | IBV_QP_EX_WITH_RDMA_READ;
+        qa.send_ops_flags = IBV_QP_EX_WITH_SEND
+            | IBV_QP_EX_WITH_SEND_WITH_IMM
+            | IBV_QP_EX_WITH_RDMA_READ
+            | IBV_QP_EX_WITH_RDMA_WRITE
+            | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
         let mut ea = efadv_qp_init_attr {
             comp_mask: 0,
             driver_qp_type: EFADV_QP_DRIVER_TYPE_SRD,
-            flags: 0,
+            flags: if o.unsolicited {
+                EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV
+            } else {
+                0
+            },
             sl: 0,
             reserved: 0,
         };
@@ -107,7 +133,7 @@ fn emu_qp() -> EmuQp {
             pd,
             buf.as_mut_ptr() as *mut c_void,
             buf.len(),
-            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
+            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE,
         );
         assert!(!mr.is_null());
         EmuQp {
@@ -120,6 +146,7 @@ fn emu_qp() -> EmuQp {
             mr,
             gid: Gid(gid.raw),
             qkey,
+            last_unsolicited: std::cell::Cell::new(false),
         }
     }
 }
@@ -166,6 +193,8 @@ impl EmuQp {
             }
             let mut g = ibv_gid::default();
             let sgid = ((*self.dv).wc_read_sgid.unwrap()(self.dv, &mut g) == 0).then_some(g.raw);
+            self.last_unsolicited
+                .set((*self.dv).wc_is_unsolicited.unwrap()(self.dv));
             let r = (
                 cq.wr_id,
                 cq.status,
@@ -377,4 +406,202 @@ fn garbage_datagrams_change_nothing() {
     let (wr_id, status, _, len, ..) = e.poll_until("receive after garbage");
     assert_eq!((wr_id, status, len), (1, IBV_WC_SUCCESS, 10));
     assert_eq!(&e.buf[..10], b"still here");
+}
+
+/// An RDMA write with immediate data into an emulated registration: it consumes a posted
+/// receive (completing as RECV_RDMA_WITH_IMM with the receive's wr_id), or none on a queue
+/// pair made with `EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV`.
+#[test]
+fn write_with_immediate_solicited_and_unsolicited() {
+    for unsolicited in [false, true] {
+        let mut e = emu_qp_with(Opts {
+            unsolicited,
+            ..Opts::default()
+        });
+        let (_dev, mut u) = udp_qp();
+        if !unsolicited {
+            e.post_recv(42, 0, 16);
+        }
+        // SAFETY: reading the registration's fields.
+        let (rkey, base) = unsafe { ((*e.mr).rkey, (*e.mr).addr as u64) };
+        let data: Vec<u8> = (0..2000u32).map(|i| (i % 253) as u8).collect();
+        u.post_write(
+            1,
+            e.addr(),
+            Bytes::from(data.clone()),
+            RemoteIov {
+                addr: base + 20_000,
+                len: data.len() as u64,
+                key: u64::from(rkey),
+            },
+            Some(0x5151),
+        )
+        .expect("post write");
+        let c = udp_wait(&mut u, "write completion");
+        assert!(c.status.is_ok(), "{c:?}");
+        let (wr_id, status, opcode, len, _, _, _, imm) = e.poll_until("target completion");
+        assert_eq!(status, IBV_WC_SUCCESS);
+        assert_eq!(opcode, IBV_WC_RECV_RDMA_WITH_IMM);
+        assert_eq!((len, imm), (2000, 0x5151));
+        assert_eq!(&e.buf[20_000..22_000], &data[..]);
+        assert_eq!(e.last_unsolicited.get(), unsolicited);
+        if !unsolicited {
+            assert_eq!(wr_id, 42, "the posted receive was consumed");
+        }
+        assert!(e.poll().is_none(), "one completion per write");
+    }
+}
+
+/// A program blocked on a completion channel hears of a receive: the channel's descriptor
+/// becomes readable and `ibv_get_cq_event` names the CQ.
+#[test]
+fn completion_channel_wakes_a_blocked_program() {
+    let mut e = emu_qp_with(Opts {
+        channel: true,
+        ..Opts::default()
+    });
+    let (_dev, mut u) = udp_qp();
+    e.post_recv(3, 0, 64);
+    // SAFETY: the verbs API; the CQ has a channel.
+    let (ch, fd) = unsafe {
+        let ch = (*e.cq).channel;
+        let req = (*(*e.cq).context).ops.req_notify_cq.expect("req_notify_cq");
+        assert_eq!(req(e.cq as *mut ibv_cq, 0), 0);
+        (ch, (*ch).fd)
+    };
+    u.post_send(SendWr {
+        wr_id: 1,
+        dest: e.addr(),
+        hdr: Bytes::new(),
+        payload: Bytes::from_static(b"wake up"),
+        imm: None,
+    })
+    .expect("udp send");
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd; the program does not poll the CQ meanwhile.
+    let n = unsafe { libc::poll(&mut pfd, 1, 10_000) };
+    assert_eq!(n, 1, "the channel did not become readable within 10 s");
+    let mut cq = std::ptr::null_mut();
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: our channel and out-parameters.
+    assert_eq!(unsafe { emu_ibv_get_cq_event(ch, &mut cq, &mut ctx) }, 0);
+    assert_eq!(cq, e.cq as *mut ibv_cq);
+    // SAFETY: acknowledging the event we took.
+    unsafe { emu_ibv_ack_cq_events(cq, 1) };
+    let (wr_id, status, ..) = e.poll_until("the receive the event announced");
+    assert_eq!((wr_id, status), (3, IBV_WC_SUCCESS));
+    assert_eq!(&e.buf[..7], b"wake up");
+}
+
+/// dmabuf registration of a memfd (standing in for GPU memory): remote reads name it by its
+/// I/O virtual address and see what was written through the descriptor.
+#[test]
+fn dmabuf_registration_of_a_memfd() {
+    let e = emu_qp();
+    let (_dev, mut u) = udp_qp();
+    let len = 1 << 16;
+    // SAFETY: a fresh memfd, sized and filled through its descriptor.
+    let fd = unsafe { libc::memfd_create(c"efa-emu-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 256) as u8).collect();
+    // SAFETY: our descriptor and buffer.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+        assert_eq!(
+            libc::pwrite(fd, data.as_ptr().cast(), data.len(), 8192),
+            data.len() as isize
+        );
+    }
+    let iova = 0x7700_0000_0000u64;
+    // SAFETY: the verbs API; the descriptor stays open until deregistration.
+    let mr = unsafe {
+        emu_ibv_reg_dmabuf_mr(
+            e.pd,
+            4096,
+            len - 4096,
+            iova,
+            fd,
+            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
+        )
+    };
+    assert!(!mr.is_null());
+    // SAFETY: reading the registration.
+    let (rkey, addr) = unsafe { ((*mr).rkey, (*mr).addr as u64) };
+    assert_eq!(addr, iova, "the program sees the I/O virtual address");
+    u.post_read(
+        1,
+        e.addr(),
+        BytesMut::with_capacity(4096),
+        RemoteIov {
+            addr: iova + 4096,
+            len: 4096,
+            key: u64::from(rkey),
+        },
+    )
+    .expect("post read");
+    let c = udp_wait(&mut u, "read of the dmabuf");
+    assert!(c.status.is_ok(), "{c:?}");
+    assert_eq!(&c.buf.expect("buffer")[..], &data[..]);
+    // SAFETY: ours, given back once.
+    unsafe {
+        assert_eq!(emu_ibv_dereg_mr(mr), 0);
+        libc::close(fd);
+    }
+    // After deregistration the key is refused.
+    u.post_read(
+        2,
+        e.addr(),
+        BytesMut::with_capacity(8),
+        RemoteIov {
+            addr: iova + 4096,
+            len: 8,
+            key: u64::from(rkey),
+        },
+    )
+    .expect("post read");
+    assert_eq!(udp_wait(&mut u, "read after dereg").status.code(), 7);
+}
+
+/// Registration counts against the memlock limit, remote rights the device lacks are refused
+/// as the kernel refuses them, and keys are never reused.
+#[test]
+fn registration_limits_and_rights() {
+    let mut cfg = efa_emu::config::EmuConfig::from_lookup(|k| match k {
+        "EFA_EMU_ADDR" => Some("127.0.0.1".into()),
+        "EFA_EMU_CAPS" => Some("rdma_read,rnr_retry".into()),
+        "EFA_EMU_MEMLOCK" => Some("16384".into()),
+        _ => None,
+    })
+    .expect("config");
+    cfg.device = "efa_test".into();
+    let nic = efa_emu::nic::Nic::open(cfg).expect("a NIC");
+    let mut buf = vec![0u8; 1 << 16];
+    let p = buf.as_mut_ptr();
+    // SAFETY: `buf` outlives every registration below (each is deregistered).
+    unsafe {
+        let w = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+        assert_eq!(
+            nic.reg(1, p, 4096, p as u64, w),
+            Err(libc::EOPNOTSUPP),
+            "no write cap"
+        );
+        let r = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ;
+        let (a, _) = nic.reg(1, p, 8192, p as u64, r).expect("within the limit");
+        // At most three pages more can be pinned (the first may straddle two pages).
+        assert_eq!(
+            nic.reg(1, p, 32768, p as u64, r),
+            Err(libc::ENOMEM),
+            "over memlock"
+        );
+        nic.dereg(a).expect("dereg");
+        let (b, rb) = nic.reg(1, p, 8192, p as u64, r).expect("room again");
+        assert_ne!(a, b, "keys are not reused");
+        assert_ne!(b, rb);
+        nic.dereg(b).expect("dereg");
+        assert_eq!(nic.dereg(b), Err(libc::EINVAL), "twice");
+    }
 }

@@ -192,26 +192,67 @@ fn fi_pingpong_dgram_all_sizes() {
     check_all_sizes(&out, "k");
 }
 
-/// Without RDMA read the provider moves long messages with long-CTS; with it, long-read.
+/// The RDMA reads a NIC posted, from its `EFA_EMU_STATS` line.
+fn rdma_ops(stderr: &str) -> u64 {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("efa-emu stats:"))
+        .unwrap_or_else(|| panic!("no stats line in:\n{stderr}"));
+    let key = "rdma_reads_posted: ";
+    let at = line.find(key).expect("rdma_reads_posted counter") + key.len();
+    line[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("a number")
+}
+
+/// Without RDMA read the provider moves long messages with long-CTS (no RDMA on either NIC);
+/// with it, with long-read (the NICs serve RDMA reads).
 #[test]
 #[ignore = "needs libfabric-bin (fi_pingpong); run by .ci/run"]
 fn fi_pingpong_rdm_with_and_without_device_rdma_read() {
-    for caps in ["rnr_retry", "rdma_read,rdma_write,rnr_retry"] {
-        let port_caps = ["--caps", caps];
-        let s: Vec<&str> = local("127.0.7.8").into_iter().chain(port_caps).collect();
-        let c: Vec<&str> = local("127.0.7.9").into_iter().chain(port_caps).collect();
-        let out = pingpong(
-            None,
-            None,
-            &s,
-            &c,
-            "127.0.0.1",
-            &["-e", "rdm", "-S", "1048576", "-c", "-I", "20"],
+    for (caps, reads) in [
+        ("rnr_retry", false),
+        ("rdma_read,rdma_write,rnr_retry", true),
+    ] {
+        let port = free_port().to_string();
+        let args = ["-e", "rdm", "-S", "1048576", "-c", "-I", "20"];
+        let run = |addr: &str, extra: &[&str]| {
+            let mut prog = vec!["fi_pingpong", "-p", "efa"];
+            prog.extend_from_slice(extra);
+            prog.extend_from_slice(&args);
+            let mut c = emu_cmd(None, &["--addr", addr, "--caps", caps], &prog);
+            c.env("EFA_EMU_STATS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c.spawn().expect("spawn fi_pingpong")
+        };
+        let server = run("127.0.7.8", &["-B", &port]);
+        std::thread::sleep(Duration::from_millis(500));
+        let client = run("127.0.7.9", &["-P", &port, "127.0.0.1"]);
+        let (client, server) = (finish(client, &args), finish(server, &args));
+        assert!(
+            client.status.success() && server.status.success(),
+            "{caps}\n== client {}\n== server {}",
+            out_text(&client),
+            out_text(&server)
         );
+        let out = String::from_utf8_lossy(&client.stdout);
         assert!(
             out.lines().last().unwrap_or_default().starts_with("1m"),
             "{caps}: {out}"
         );
+        let served = rdma_ops(&String::from_utf8_lossy(&client.stderr))
+            + rdma_ops(&String::from_utf8_lossy(&server.stderr));
+        if reads {
+            assert!(
+                served >= 20,
+                "{caps}: long-read expected, {served} RDMA reads"
+            );
+        } else {
+            assert_eq!(served, 0, "{caps}: long-CTS expected, no RDMA");
+        }
     }
 }
 
@@ -273,4 +314,58 @@ fn fi_pingpong_across_two_namespaces() {
         );
         check_all_sizes(&out, if args[1] == "rdm" { "m" } else { "k" });
     }
+}
+
+/// `(symbol, version)` pairs a shared object imports (`UND`) or defines, from `objdump -T`.
+fn dynsyms(path: &str, undefined: bool) -> Vec<(String, String)> {
+    let o = Command::new("objdump")
+        .args(["-T", path])
+        .output()
+        .expect("objdump (binutils) is needed for this test");
+    assert!(o.status.success(), "objdump -T {path}: {}", out_text(&o));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter(|l| l.contains("*UND*") == undefined)
+        .filter_map(|l| {
+            let mut w = l.split_whitespace().rev();
+            let name = w.next()?.to_string();
+            let ver = w.next()?.trim_matches(|c| c == '(' || c == ')').to_string();
+            (ver.starts_with("IBVERBS_") || ver.starts_with("EFA_")).then_some((name, ver))
+        })
+        .collect()
+}
+
+/// Every verbs and efadv symbol libfabric and librdmacm import (they are linked "bind now":
+/// one missing pair and nothing loads) is defined, with its version, by the emulator library.
+#[test]
+#[ignore = "needs libfabric1 and librdmacm1 installed; run by .ci/run"]
+fn every_symbol_libfabric_and_librdmacm_import_is_defined() {
+    let dir = std::path::Path::new(EMU)
+        .parent()
+        .expect("target directory");
+    // The library the launcher runs: the newer of the uplifted one and the one tests build.
+    let lib = [dir.join("libefa_emu.so"), dir.join("deps/libefa_emu.so")]
+        .into_iter()
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, p)| p)
+        .expect("libefa_emu.so built");
+    let defined = dynsyms(lib.to_str().expect("utf-8 path"), false);
+    let mut checked = 0;
+    for consumer in [
+        "/usr/lib/x86_64-linux-gnu/libfabric.so.1",
+        "/usr/lib/x86_64-linux-gnu/librdmacm.so.1",
+    ] {
+        for (name, ver) in dynsyms(consumer, true) {
+            assert!(
+                defined.iter().any(|(n, v)| *n == name && *v == ver),
+                "{consumer} imports {name}@{ver}, which the emulator does not define"
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked > 40,
+        "only {checked} imports found: wrong libraries?"
+    );
 }

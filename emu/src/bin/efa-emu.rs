@@ -19,19 +19,26 @@ fn usage() -> ! {
     std::process::exit(2)
 }
 
-/// The emulator library, next to this executable (cargo puts both in target/<profile>/).
+/// The emulator library, next to this executable: cargo puts it in target/<profile>/ when it
+/// builds the package, and only in target/<profile>/deps/ when it builds it for tests; the newer
+/// one is the current one.
 fn library() -> Result<PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| format!("where am I: {e}"))?;
     let dir = exe.parent().ok_or("executable has no directory")?;
-    for cand in [dir.join("libefa_emu.so"), dir.join("../libefa_emu.so")] {
-        if cand.exists() {
-            return cand.canonicalize().map_err(|e| e.to_string());
-        }
+    let newest = [dir.join("libefa_emu.so"), dir.join("deps/libefa_emu.so")]
+        .into_iter()
+        .filter_map(|p| {
+            let t = std::fs::metadata(&p).and_then(|m| m.modified()).ok()?;
+            Some((t, p))
+        })
+        .max_by_key(|(t, _)| *t);
+    match newest {
+        Some((_, p)) => p.canonicalize().map_err(|e| e.to_string()),
+        None => Err(format!(
+            "libefa_emu.so not found next to {} (build it: cargo build -p efa-emu)",
+            exe.display()
+        )),
     }
-    Err(format!(
-        "libefa_emu.so not found next to {} (build it: cargo build -p efa-emu)",
-        exe.display()
-    ))
 }
 
 /// A directory holding `libibverbs.so.1` and `libefa.so.1`, both the emulator.
