@@ -259,9 +259,8 @@ impl Cq {
                 errno = e,
                 "efa: efadv_create_cq failed; trying ibv_create_cq_ex"
             );
-            // SAFETY: as above; the verbs op is looked up and checked by rdma-sys.
-            raw = unsafe { rdma_sys::ibv_create_cq_ex(ctx.as_ptr(), &mut init) }
-                .unwrap_or(ptr::null_mut());
+            // SAFETY: as above (rdma-sys's inline helper is broken on 64-bit: ffi::create_cq_ex).
+            raw = unsafe { ffi::create_cq_ex(ctx.as_ptr(), &mut init) };
             sgid_ok = false;
             uns_ok = false;
             if raw.is_null() {

@@ -11,7 +11,8 @@ use std::os::raw::{c_int, c_uint};
 
 use rdma_sys::{
     __be32, ibv_ah, ibv_context, ibv_cq_ex, ibv_cq_init_attr_ex, ibv_data_buf, ibv_gid,
-    ibv_poll_cq_attr, ibv_qp, ibv_qp_ex, ibv_qp_init_attr_ex, ibv_sge, ibv_wc_opcode,
+    ibv_poll_cq_attr, ibv_port_attr, ibv_qp, ibv_qp_ex, ibv_qp_init_attr, ibv_qp_init_attr_ex,
+    ibv_sge, ibv_wc_opcode, verbs_context,
 };
 
 /// `EFADV_QP_DRIVER_TYPE_SRD`: the driver QP type of an SRD queue pair.
@@ -275,3 +276,112 @@ const _: () = {
     assert!(std::mem::offset_of!(efadv_device_attr, max_rdma_size) == 28);
     assert!(std::mem::size_of::<pollfd>() == 8);
 };
+
+// ---------------------------------------------------------------------------------------------
+// libibverbs' inline dispatch, done right.
+//
+// verbs.h's inline helpers (`ibv_create_qp_ex`, `ibv_create_cq_ex`, `ibv_query_port`) find the
+// provider's operation through the `verbs_context` around the program's `ibv_context`, which
+// exists when `context.abi_compat == __VERBS_ABI_IS_EXTENDED` (`UINTPTR_MAX`). rdma-sys 0.3.0's
+// Rust copies compare `abi_compat` with `u32::MAX`, so on 64-bit they never find the operation
+// and fail with `EOPNOTSUPP` without reaching the provider: UD queue pairs (DGRAM endpoints) could
+// not be created on any EFA. These do the lookup with the right check (docs/efa-hardware.md,
+// "rdma-sys").
+
+/// The `verbs_context` around `ctx` when its `sz` covers the operation at `op_offset`.
+///
+/// # Safety
+/// `ctx` is a live context from `ibv_open_device`.
+unsafe fn verbs_ctx(ctx: *mut ibv_context, op_offset: usize) -> Option<*mut verbs_context> {
+    // SAFETY: the caller's context is live.
+    if unsafe { (*ctx).abi_compat } as usize != usize::MAX {
+        return None;
+    }
+    let off = std::mem::offset_of!(verbs_context, context);
+    let vctx = (ctx as *mut u8).wrapping_sub(off) as *mut verbs_context;
+    // SAFETY: an extended context sits at the end of a `verbs_context` (verbs.h's contract).
+    let sz = unsafe { (*vctx).sz };
+    (sz >= std::mem::size_of::<verbs_context>() - op_offset).then_some(vctx)
+}
+
+/// `ibv_create_qp_ex`: the plain `ibv_create_qp` when only the PD is given, else the provider's
+/// `create_qp_ex`; null with errno `EOPNOTSUPP` when the provider has none.
+///
+/// # Safety
+/// `ctx` is live; `attr` is a valid init attribute struct.
+pub unsafe fn create_qp_ex(ctx: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ibv_qp {
+    // SAFETY: the caller's attributes.
+    let mask = unsafe { (*attr).comp_mask };
+    if mask == rdma_sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 {
+        // SAFETY: `ibv_qp_init_attr` is the prefix of `ibv_qp_init_attr_ex`, as verbs.h uses it.
+        return unsafe { rdma_sys::ibv_create_qp((*attr).pd, attr as *mut ibv_qp_init_attr) };
+    }
+    // SAFETY: the caller's context.
+    let op = unsafe { verbs_ctx(ctx, std::mem::offset_of!(verbs_context, create_qp_ex)) }
+        // SAFETY: found above.
+        .and_then(|v| unsafe { (*v).create_qp_ex });
+    match op {
+        // SAFETY: the provider's operation, with the caller's arguments.
+        Some(f) => unsafe { f(ctx, attr) },
+        None => {
+            set_errno(EOPNOTSUPP);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// `ibv_create_cq_ex` through the provider's `create_cq_ex`; null with errno `EOPNOTSUPP` when
+/// it has none.
+///
+/// # Safety
+/// `ctx` is live; `attr` is a valid init attribute struct.
+pub unsafe fn create_cq_ex(
+    ctx: *mut ibv_context,
+    attr: *mut ibv_cq_init_attr_ex,
+) -> *mut ibv_cq_ex {
+    // SAFETY: the caller's context.
+    let op = unsafe { verbs_ctx(ctx, std::mem::offset_of!(verbs_context, create_cq_ex)) }
+        // SAFETY: found above.
+        .and_then(|v| unsafe { (*v).create_cq_ex });
+    match op {
+        // SAFETY: the provider's operation, with the caller's arguments.
+        Some(f) => unsafe { f(ctx, attr) },
+        None => {
+            set_errno(EOPNOTSUPP);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// `ibv_query_port` through the provider's extended `query_port` (with the full struct size),
+/// else the exported compat call.
+///
+/// # Safety
+/// `ctx` is live; `attr` is writable.
+pub unsafe fn query_port(ctx: *mut ibv_context, port: u8, attr: *mut ibv_port_attr) -> c_int {
+    // SAFETY: the caller's context.
+    let op = unsafe { verbs_ctx(ctx, std::mem::offset_of!(verbs_context, query_port)) }
+        // SAFETY: found above.
+        .and_then(|v| unsafe { (*v).query_port });
+    match op {
+        // SAFETY: the provider's operation, told the size of the caller's struct.
+        Some(f) => unsafe { f(ctx, port, attr, std::mem::size_of::<ibv_port_attr>()) },
+        None => {
+            // SAFETY: the caller's struct zeroed, then the old layout (its prefix) filled.
+            unsafe {
+                std::ptr::write_bytes(attr, 0, 1);
+                rdma_sys::ibv_query_port(ctx, port, attr as *mut rdma_sys::_compat_ibv_port_attr)
+            }
+        }
+    }
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: the thread's errno location is always valid.
+    unsafe { *libc_errno() = e };
+}
+
+unsafe extern "C" {
+    #[link_name = "__errno_location"]
+    fn libc_errno() -> *mut c_int;
+}

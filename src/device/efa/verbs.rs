@@ -162,8 +162,8 @@ impl Context {
         // SAFETY: zero-initialised plain data, then filled by the verb.
         let dev = unsafe { dev.assume_init() };
         let mut port = MaybeUninit::<ibv_port_attr>::zeroed();
-        // SAFETY: valid context; `___ibv_query_port` passes the struct size to the provider.
-        let rc = unsafe { rdma_sys::___ibv_query_port(ctx, 1, port.as_mut_ptr()) };
+        // SAFETY: valid context; the provider is told the struct size (ffi::query_port).
+        let rc = unsafe { super::ffi::query_port(ctx, 1, port.as_mut_ptr()) };
         if rc != 0 {
             return Err(verbs_error("ibv_query_port", rc).with_detail("port 1"));
         }

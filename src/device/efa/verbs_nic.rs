@@ -195,9 +195,8 @@ impl VerbsNic {
             (qp, "efadv_create_qp_ex")
         } else {
             init.qp_type = rdma_sys::ibv_qp_type::IBV_QPT_UD;
-            // SAFETY: as above; rdma-sys looks the provider op up and checks it.
-            let qp = unsafe { rdma_sys::ibv_create_qp_ex(ctx.as_ptr(), &mut init) }
-                .unwrap_or(ptr::null_mut());
+            // SAFETY: as above (rdma-sys's inline helper is broken on 64-bit: ffi::create_qp_ex).
+            let qp = unsafe { ffi::create_qp_ex(ctx.as_ptr(), &mut init) };
             (qp, "ibv_create_qp_ex")
         };
         let qp = NonNull::new(qp).ok_or_else(|| {
