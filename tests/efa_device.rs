@@ -471,10 +471,35 @@ fn hw_rdma_read_and_write() {
         .unwrap();
         let got = collect(&mut [&mut a, &mut b], 1);
         assert_eq!(got[0].status, Status::Success, "{:?}", got[0]);
+        // With immediate data: the target completes too, consuming a posted receive (or none
+        // with unsolicited write-recv).
+        b.post_recv(9, BytesMut::with_capacity(64)).unwrap();
+        a.post_write(
+            3,
+            b.addr(),
+            Bytes::from_static(b"AGAIN"),
+            RemoteIov { len: 5, ..iov },
+            Some(0xfeed),
+        )
+        .unwrap();
+        let got = collect(&mut [&mut a, &mut b], 2);
+        let init = got
+            .iter()
+            .find(|c| c.wr_id == 3)
+            .expect("initiator completion");
+        assert_eq!(init.status, Status::Success, "{init:?}");
+        let tgt = got
+            .iter()
+            .find(|c| c.opcode == Opcode::RecvRdmaWithImm)
+            .expect("target completion");
+        assert_eq!(
+            (tgt.status, tgt.imm, tgt.byte_len),
+            (Status::Success, Some(0xfeed), 5)
+        );
     }
     let back = region.into_inner();
     if caps.rdma_write {
-        assert_eq!(&back[..5], b"WORLD");
+        assert_eq!(&back[..5], b"AGAIN");
     }
 }
 

@@ -88,7 +88,7 @@ pub use verbs::{EfaMr, device_names};
 use crate::config::Config;
 use crate::device::{Device, DeviceAttr, QpAttr, QpType, QueuePair, RemoteIov, random_qkey};
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::Access;
+use crate::mr::{Access, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 #[cfg(doc)]
@@ -121,6 +121,8 @@ pub struct EfaDevice {
     shared: Arc<verbs::Shared>,
     counters: Arc<DeviceCounters>,
     strays: Arc<AtomicU64>,
+    /// The NIC registrations of domain regions ([`Device::register_mem`]), by rkey.
+    regions: parking_lot::Mutex<std::collections::HashMap<u64, (EfaMr, Arc<RegionMem>)>>,
 }
 
 impl std::fmt::Debug for EfaDevice {
@@ -159,6 +161,7 @@ impl EfaDevice {
             shared,
             counters: Arc::new(DeviceCounters::default()),
             strays: Arc::new(AtomicU64::new(0)),
+            regions: parking_lot::Mutex::new(std::collections::HashMap::new()),
         }))
     }
 
@@ -392,5 +395,46 @@ impl Device for EfaDevice {
 
     fn stats(&self) -> DeviceStats {
         self.counters.snapshot()
+    }
+
+    /// Registers a domain region with the NIC (iova = its address, as `RemoteKey::addr` names
+    /// it), asking only for the remote rights the device has (a device with RDMA read but not
+    /// write refuses `REMOTE_WRITE`), and hands out the NIC's rkey. Without device RDMA the
+    /// domain makes up a software key (`Ok(None)`).
+    fn register_mem(&self, mem: &Arc<RegionMem>, access: Access) -> Result<Option<u64>> {
+        let caps = self.attr.caps;
+        if !caps.rdma_read && !caps.rdma_write {
+            return Ok(None);
+        }
+        let mut want = Access::RECV; // LOCAL_WRITE: the target of reads and of peers' writes
+        if access.contains(Access::REMOTE_READ) && caps.rdma_read {
+            want |= Access::REMOTE_READ;
+        }
+        if access.contains(Access::REMOTE_WRITE) && caps.rdma_write {
+            want |= Access::REMOTE_WRITE;
+        }
+        // SAFETY: the region's buffer stays at `mem.addr()` for `mem.len()` bytes until the
+        // region is closed, and a region is deregistered here (`deregister_mem`) before its
+        // memory is handed back (`MemoryRegion::revoke`); the Arc kept beside the registration
+        // keeps the `RegionMem` alive as long.
+        let mr = unsafe {
+            self.shared
+                .pd
+                .reg_mr(mem.addr() as usize as *mut u8, mem.len(), ibv_access(want))
+        }?;
+        let key = u64::from(mr.rkey());
+        tracing::debug!(
+            key,
+            len = mem.len(),
+            ?want,
+            "efa: region registered with the NIC"
+        );
+        self.regions.lock().insert(key, (mr, mem.clone()));
+        Ok(Some(key))
+    }
+
+    fn deregister_mem(&self, key: u64) {
+        // Dropping the registration is `ibv_dereg_mr`: the NIC stops serving the key.
+        drop(self.regions.lock().remove(&key));
     }
 }
