@@ -558,7 +558,10 @@ mod tests {
         assert_eq!(malformed(open_peer(b.path(), uid, q)), "mode is not 0600");
         // A copy longer than its geometry.
         fs::set_permissions(&planted, fs::Permissions::from_mode(0o600)).unwrap();
-        assert!(open_peer(b.path(), uid, q).is_ok(), "an exact copy is a segment");
+        assert!(
+            open_peer(b.path(), uid, q).is_ok(),
+            "an exact copy is a segment"
+        );
         let f = OpenOptions::new().write(true).open(&planted).unwrap();
         f.set_len(seg.geo.total as u64 + 4096).unwrap();
         assert_eq!(
