@@ -401,3 +401,71 @@ fn rdma_off(shm: bool) {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotSupported);
 }
+
+/// Issue 17, defect 1: the application holds `MemoryRegion::write()` on a region while a peer
+/// RDMA-writes into it, and polls its queue pair. The device must never wait for the region's
+/// lock (it used to, in `Keys::check`, with the key table and the queue pair locked: the poll
+/// hung for ever). The write is not ready while the guard is held and completes once it is
+/// dropped.
+#[test]
+fn polling_while_holding_a_region_guard_under_a_remote_write_does_not_hang() {
+    for shm in [false, true] {
+        guard_held_during_remote_write(shm);
+    }
+}
+
+fn guard_held_during_remote_write(shm: bool) {
+    let (a, b, dir) = pair(shm, UdpConfig::default());
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    // The target runs in its own thread: a hang is detected below, not waited for.
+    let target = std::thread::spawn(move || {
+        let mut qa = qp(&a);
+        let mut qb = qp(&b);
+        let mut mr = b
+            .domain
+            .register(vec![0u8; 4096], Access::REMOTE_WRITE)
+            .unwrap();
+        let rk = mr.remote_key().unwrap();
+        let data = pattern(17, 4096);
+        let rnr_before = b.dev.stats().rnr_events;
+        {
+            let mut guard = mr.write();
+            guard[0] = 1;
+            qa.post_write(1, qb.addr(), data.clone(), iov(&rk, 0, 4096), None)
+                .unwrap();
+            // Poll the target while the write keeps arriving and finding the region locked
+            // (receiver-not-ready): until the target has refused it, then some more.
+            let mut out = Vec::new();
+            while b.dev.stats().rnr_events == rnr_before {
+                qb.poll(&mut out, 16);
+                std::thread::yield_now();
+            }
+            for _ in 0..1000 {
+                qb.poll(&mut out, 16);
+                qa.poll(&mut out, 16);
+            }
+            assert!(out.is_empty(), "no completion while the region is held");
+            assert_eq!(guard[0], 1, "nothing placed under the guard");
+        }
+        let c = poll_n(&mut qa, 1, "write after the guard is dropped");
+        assert_eq!(
+            (c[0].wr_id, c[0].status, c[0].opcode),
+            (1, Status::Success, Opcode::RdmaWrite)
+        );
+        assert!(mr.read()[..] == data[..], "the write landed");
+        drop((qa, qb, dir));
+        done_tx.send(()).unwrap();
+    });
+    match done_rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(()) => target.join().unwrap(),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            // The thread panicked: show its message.
+            if let Err(e) = target.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("shm={shm}: polling while holding a region guard hung (no result in 20 s)")
+        }
+    }
+}

@@ -1173,6 +1173,13 @@ fn forged_segment_files_are_refused() {
             b[32..36].copy_from_slice(&u32::from(*qpn).to_le_bytes());
         }
         std::fs::write(dev.segment_path(*qpn), &b).unwrap();
+        // Mode 0600 like a real segment, so the checks behind the mode are the ones tried
+        // (another mode alone is refused: tests/hostile_shm.rs, segment.rs).
+        std::fs::set_permissions(
+            dev.segment_path(*qpn),
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
     }
     let qkey = real.addr().qkey;
     for (i, (qpn, _)) in forged.iter().enumerate() {

@@ -7,7 +7,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -304,7 +304,10 @@ impl OwnSegment {
             .write(true)
             .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(tmp)?;
+        // The mode must be 0600 whatever the umask (peers refuse anything else).
+        file.set_permissions(fs::Permissions::from_mode(0o600))?;
         map::lock_shared(&file)?;
         file.set_len(geo.total as u64)?;
         map::allocate(&file, geo.total)?;
@@ -355,12 +358,10 @@ impl OwnSegment {
     }
 }
 
-/// Unlinks `path` if it still names inode `ino` (a new segment may have taken the name).
+/// Unlinks `path` if it still names inode `ino` (a new segment may have taken the name; a
+/// symlink is never followed).
 pub(crate) fn unlink_if_same(path: &Path, ino: u64) -> bool {
-    match fs::metadata(path) {
-        Ok(m) if m.ino() == ino => fs::remove_file(path).is_ok(),
-        _ => false,
-    }
+    map::remove_if_same(path, ino)
 }
 
 /// A peer's segment, mapped and validated.
@@ -373,16 +374,45 @@ pub(crate) struct PeerSegment {
     pub ino: u64,
 }
 
-/// Opens the segment of queue pair `qpn` of user `uid` in `dir`, validating its header against
-/// the file's real size before trusting any of it.
-pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, OpenError> {
-    let path = dir.join(seg_name(uid, qpn));
-    let file = match OpenOptions::new().read(true).write(true).open(&path) {
+/// Opens an existing segment file for reading and writing, the way a peer's file must be
+/// opened in a directory every user can write (`/dev/shm`): no symlink followed (`O_NOFOLLOW`),
+/// no blocking on a FIFO (`O_NONBLOCK`), then checked on the open descriptor (`fstat`, so the
+/// file checked is the file used): a regular file owned by `uid` with mode 0600. Another user
+/// can plant files under our names but cannot create one owned by us, nor change the size or
+/// contents of ours; what passes is a file of our own user.
+fn open_owned(path: &Path, uid: u32) -> Result<(File, fs::Metadata), OpenError> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+    {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(OpenError::Gone),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(OpenError::Malformed("a symbolic link"));
+        }
         Err(e) => return Err(OpenError::Io(e)),
     };
     let meta = file.metadata().map_err(OpenError::Io)?;
+    if !meta.is_file() {
+        return Err(OpenError::Malformed("not a regular file"));
+    }
+    if meta.uid() != uid {
+        return Err(OpenError::Malformed("owned by another user"));
+    }
+    if meta.mode() & 0o7777 != 0o600 {
+        return Err(OpenError::Malformed("mode is not 0600"));
+    }
+    Ok((file, meta))
+}
+
+/// Opens the segment of queue pair `qpn` of user `uid` in `dir` (see [`open_owned`]),
+/// validating its header against the file's real size before trusting any of it: the file is
+/// exactly as long as the geometry its header announces.
+pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, OpenError> {
+    let path = dir.join(seg_name(uid, qpn));
+    let (file, meta) = open_owned(&path, uid)?;
     let size = usize::try_from(meta.len()).unwrap_or(usize::MAX);
     if size < HDR_SIZE {
         return Err(OpenError::Malformed("file shorter than a header"));
@@ -394,6 +424,9 @@ pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, O
         Err(why) => return Err(OpenError::Malformed(why)),
     };
     drop(head);
+    if total != size {
+        return Err(OpenError::Malformed("file size differs from its geometry"));
+    }
     let map = Mapping::map(&file, total).map_err(OpenError::Io)?;
     let (geo, id) = read_header(&map, total).map_err(OpenError::Malformed)?;
     if geo.total != total {
@@ -401,6 +434,9 @@ pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, O
     }
     if id.qpn != qpn {
         return Err(OpenError::Malformed("qpn does not match the file name"));
+    }
+    if id.uid != uid {
+        return Err(OpenError::Malformed("header names another user"));
     }
     Ok(PeerSegment {
         file,
@@ -473,14 +509,104 @@ pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
         if rest.parse::<u16>().is_err() {
             continue;
         }
-        let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) else {
+        // Only our own regular files (no symlinks, nothing another user planted).
+        let Ok((file, meta)) = open_owned(&path, uid) else {
             continue;
         };
-        let Ok(meta) = file.metadata() else { continue };
         if matches!(map::try_lock_exclusive(&file), Ok(true)) && unlink_if_same(&path, meta.ino()) {
             tracing::debug!(path = %path.display(), "shm: swept a stale segment");
             removed += 1;
         }
     }
     removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn own(dir: &Path) -> OwnSegment {
+        let geo = Geometry::new(QpType::Srd, 8, 256, 8).unwrap();
+        OwnSegment::create(dir, map::uid(), 0x1234, geo).unwrap()
+    }
+
+    fn malformed(r: Result<PeerSegment, OpenError>) -> &'static str {
+        match r {
+            Err(OpenError::Malformed(why)) => why,
+            Err(e) => panic!("expected a refusal, got {e:?}"),
+            Ok(_) => panic!("expected a refusal, the segment was accepted"),
+        }
+    }
+
+    /// Issue 17, defect 4: a peer's segment is opened without following symlinks, and only as
+    /// a regular file of this user, mode 0600, exactly as large as its header says.
+    #[test]
+    fn open_peer_refuses_symlinks_modes_sizes_and_other_files() {
+        let uid = map::uid();
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let seg = own(a.path());
+        let q = seg.id.qpn;
+        assert!(open_peer(a.path(), uid, q).is_ok(), "the real segment");
+        let planted = b.path().join(seg_name(uid, q));
+        // A symlink to a valid segment elsewhere.
+        std::os::unix::fs::symlink(&seg.path, &planted).unwrap();
+        assert_eq!(malformed(open_peer(b.path(), uid, q)), "a symbolic link");
+        fs::remove_file(&planted).unwrap();
+        // A copy readable by others.
+        fs::copy(&seg.path, &planted).unwrap();
+        fs::set_permissions(&planted, fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(malformed(open_peer(b.path(), uid, q)), "mode is not 0600");
+        // A copy longer than its geometry.
+        fs::set_permissions(&planted, fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(
+            open_peer(b.path(), uid, q).is_ok(),
+            "an exact copy is a segment"
+        );
+        let f = OpenOptions::new().write(true).open(&planted).unwrap();
+        f.set_len(seg.geo.total as u64 + 4096).unwrap();
+        assert_eq!(
+            malformed(open_peer(b.path(), uid, q)),
+            "file size differs from its geometry"
+        );
+        // ... or shorter (truncated).
+        f.set_len(seg.geo.total as u64 - 64).unwrap();
+        assert_eq!(
+            malformed(open_peer(b.path(), uid, q)),
+            "file shorter than its geometry"
+        );
+        drop(f);
+        fs::remove_file(&planted).unwrap();
+        // A directory and a FIFO under the name: refused, and the open does not block.
+        fs::create_dir(&planted).unwrap();
+        assert!(open_peer(b.path(), uid, q).is_err());
+        fs::remove_dir(&planted).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .args(["-m", "600"])
+            .arg(&planted)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        assert_eq!(malformed(open_peer(b.path(), uid, q)), "not a regular file");
+    }
+
+    /// The sweep acts on this user's regular segment files only: a symlink planted under a
+    /// segment name is neither followed nor counted.
+    #[test]
+    fn sweep_follows_no_symlink() {
+        let uid = map::uid();
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        // An unlocked file of ours elsewhere (a stale-looking target).
+        let target = a.path().join("victim-data");
+        fs::write(&target, b"keep").unwrap();
+        let planted = b.path().join(seg_name(uid, 4242));
+        std::os::unix::fs::symlink(&target, &planted).unwrap();
+        assert_eq!(sweep(b.path(), uid), 0);
+        assert_eq!(fs::read(&target).unwrap(), b"keep");
+        // A stale segment of ours (its owner gone: nobody holds its lock) is swept.
+        // (The lock lives as long as the mapping: the whole segment goes.)
+        let path = own(b.path()).path;
+        assert!(path.exists());
+        assert_eq!(sweep(b.path(), uid), 1);
+        assert!(!path.exists());
+    }
 }
