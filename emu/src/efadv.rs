@@ -5,22 +5,7 @@ use std::os::raw::c_int;
 use efa::device::QpType;
 
 use crate::abi::*;
-use crate::verbs::{Ah, context, guard, new_cq, new_qp, obj, set_errno};
-
-/// Copies the first `inlen` bytes of `src` to `dst` (libefa's rule: a caller built against an
-/// older header passes a shorter struct; bytes it does not know are not written).
-///
-/// # Safety
-/// `dst` has room for `inlen` bytes.
-unsafe fn copy_in<T>(dst: *mut T, src: &T, inlen: u32) -> c_int {
-    let n = (inlen as usize).min(std::mem::size_of::<T>());
-    if dst.is_null() || n < 8 {
-        return libc::EINVAL;
-    }
-    // SAFETY: as the caller promises.
-    unsafe { std::ptr::copy_nonoverlapping(src as *const T as *const u8, dst as *mut u8, n) };
-    0
-}
+use crate::verbs::{Ah, context, copy_prefix, guard, new_cq, new_qp, null, obj};
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_efadv_query_device(
@@ -50,7 +35,7 @@ pub unsafe extern "C" fn emu_efadv_query_device(
             },
         };
         // SAFETY: the program gave `inlen` bytes.
-        unsafe { copy_in(attr, &a, inlen) }
+        unsafe { copy_prefix(attr, &a, inlen as usize) }
     })
 }
 
@@ -65,16 +50,14 @@ pub unsafe extern "C" fn emu_efadv_create_qp_ex(
     guard(std::ptr::null_mut(), || {
         // SAFETY: the program's attributes (`inlen` bytes of `efa_attr`).
         let (Some(a), Some(e)) = (unsafe { attr.as_mut() }, unsafe { efa_attr.as_ref() }) else {
-            set_errno(libc::EINVAL);
-            return std::ptr::null_mut();
+            return null(libc::EINVAL);
         };
         if (inlen as usize) < std::mem::offset_of!(efadv_qp_init_attr, flags)
             || e.driver_qp_type != EFADV_QP_DRIVER_TYPE_SRD
             || a.comp_mask & IBV_QP_INIT_ATTR_PD == 0
             || a.qp_type != IBV_QPT_DRIVER
         {
-            set_errno(libc::EINVAL);
-            return std::ptr::null_mut();
+            return null(libc::EINVAL);
         }
         let flags = if inlen as usize >= std::mem::offset_of!(efadv_qp_init_attr, sl) {
             e.flags
@@ -82,8 +65,7 @@ pub unsafe extern "C" fn emu_efadv_create_qp_ex(
             0
         };
         if flags & !EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV != 0 {
-            set_errno(libc::EOPNOTSUPP);
-            return std::ptr::null_mut();
+            return null(libc::EOPNOTSUPP);
         }
         let ops = if a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0 {
             a.send_ops_flags
@@ -116,12 +98,10 @@ pub unsafe extern "C" fn emu_efadv_create_driver_qp(
     guard(std::ptr::null_mut(), || {
         // SAFETY: the program's attributes.
         let Some(a) = (unsafe { attr.as_mut() }) else {
-            set_errno(libc::EINVAL);
-            return std::ptr::null_mut();
+            return null(libc::EINVAL);
         };
         if driver_qp_type != EFADV_QP_DRIVER_TYPE_SRD || a.qp_type != IBV_QPT_DRIVER {
-            set_errno(libc::EINVAL);
-            return std::ptr::null_mut();
+            return null(libc::EINVAL);
         }
         // SAFETY: the program's PD and CQs.
         unsafe {
@@ -156,7 +136,7 @@ pub unsafe extern "C" fn emu_efadv_query_ah(
             reserved: [0; 6],
         };
         // SAFETY: the program gave `inlen` bytes.
-        unsafe { copy_in(attr, &out, inlen) }
+        unsafe { copy_prefix(attr, &out, inlen as usize) }
     })
 }
 
@@ -170,8 +150,7 @@ pub unsafe extern "C" fn emu_efadv_create_cq(
     guard(std::ptr::null_mut(), || {
         // SAFETY: the program's attributes.
         let (Some(a), Some(e)) = (unsafe { attr.as_ref() }, unsafe { efa_attr.as_ref() }) else {
-            set_errno(libc::EINVAL);
-            return std::ptr::null_mut();
+            return null(libc::EINVAL);
         };
         let wc_flags = if inlen as usize >= std::mem::size_of::<efadv_cq_init_attr>() {
             e.wc_flags
@@ -181,8 +160,7 @@ pub unsafe extern "C" fn emu_efadv_create_cq(
         if a.wc_flags & !IBV_WC_STANDARD_FLAGS != 0
             || wc_flags & !(EFADV_WC_EX_WITH_SGID | EFADV_WC_EX_WITH_IS_UNSOLICITED) != 0
         {
-            set_errno(libc::EOPNOTSUPP);
-            return std::ptr::null_mut();
+            return null(libc::EOPNOTSUPP);
         }
         // SAFETY: the program's context and channel.
         unsafe {

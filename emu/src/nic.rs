@@ -53,6 +53,8 @@ pub struct Nic {
     ahs: Mutex<Ahs>,
     mrs: Mutex<Mrs>,
     rng: Mutex<efa::fault::Rng>,
+    /// Bytes registrations may pin (`None`: no limit), found once at open.
+    memlock: Option<u64>,
     /// RDMA reads and writes this NIC's queue pairs posted (`EFA_EMU_STATS`).
     pub rdma_reads: std::sync::atomic::AtomicU64,
     pub rdma_writes: std::sync::atomic::AtomicU64,
@@ -154,6 +156,7 @@ impl Nic {
         let gid = dev.attr().gid;
         tracing::debug!(addr = %cfg.addr, device = %cfg.device, "efa-emu: NIC up");
         Ok(Nic {
+            memlock: memlock_limit(&cfg),
             cfg,
             dev,
             gid,
@@ -264,7 +267,7 @@ impl Nic {
             * page;
         let pinned = end - start;
         let mut m = self.mrs.lock();
-        if let Some(limit) = memlock_limit(&self.cfg) {
+        if let Some(limit) = self.memlock {
             if m.pinned + pinned > limit {
                 tracing::warn!(
                     limit,

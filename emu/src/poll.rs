@@ -25,19 +25,11 @@ fn load(c: &Cq, p: *mut ibv_cq_ex, e: Cqe) {
 }
 
 pub unsafe extern "C" fn start_poll(p: *mut ibv_cq_ex, _attr: *mut ibv_poll_cq_attr) -> c_int {
-    guard(libc::EIO, || {
-        // SAFETY: the program's CQ.
-        let c = unsafe { cq(p) };
-        match c.core.pop() {
-            Some(e) => {
-                load(c, p, e);
-                0
-            }
-            None => libc::ENOENT,
-        }
-    })
+    // SAFETY: the program's CQ.
+    unsafe { next_poll(p) }
 }
 
+/// Loads the next completion, `ENOENT` when there is none (`start_poll` and `next_poll` alike).
 pub unsafe extern "C" fn next_poll(p: *mut ibv_cq_ex) -> c_int {
     guard(libc::EIO, || {
         // SAFETY: the program's CQ.

@@ -221,18 +221,14 @@ impl QpCore {
             } else {
                 room
             };
-            let key = self.pending.lock().insert(Pending::Recv {
-                wr_id: w.wr_id,
-                sges,
-            });
-            if let Err(e) = self
-                .dev
-                .lock()
-                .post_recv(key as u64, BytesMut::with_capacity(room))
-            {
-                self.pending.lock().remove(key);
-                return Err((wr as usize, errno_of(&e)));
-            }
+            self.post_tracked(
+                Pending::Recv {
+                    wr_id: w.wr_id,
+                    sges,
+                },
+                |dev, key| dev.post_recv(key, BytesMut::with_capacity(room)),
+            )
+            .map_err(|e| (wr as usize, e))?;
             wr = w.next;
         }
         Ok(())
@@ -318,23 +314,19 @@ impl QpCore {
                 if payload.len() > self.nic.cfg.mtu {
                     return Err(libc::EINVAL);
                 }
-                let key = self.pending.lock().insert(Pending::Send { wr_id: r.wr_id });
                 if dest_qpn.is_err() {
                     // No such queue pair anywhere: the device reports a bad destination.
-                    self.pending.lock().remove(key);
                     self.complete_local(r.wr_id, Status::BadDestQpn);
                     return Ok(());
                 }
-                let res = self.dev.lock().post_send(SendWr {
-                    wr_id: key as u64,
-                    dest,
-                    hdr: Bytes::new(),
-                    payload,
-                    imm,
-                });
-                res.map_err(|e| {
-                    self.pending.lock().remove(key);
-                    errno_of(&e)
+                self.post_tracked(Pending::Send { wr_id: r.wr_id }, |dev, key| {
+                    dev.post_send(SendWr {
+                        wr_id: key,
+                        dest,
+                        hdr: Bytes::new(),
+                        payload,
+                        imm,
+                    })
                 })
             }
             SendOp::Write { rkey, addr, imm } => {
@@ -342,19 +334,16 @@ impl QpCore {
                 if data.len() as u64 > u64::from(self.nic.cfg.max_rdma_size) {
                     return Err(libc::EINVAL);
                 }
-                let key = self.pending.lock().insert(Pending::Send { wr_id: r.wr_id });
                 let remote = RemoteIov {
                     addr,
                     len: data.len() as u64,
                     key: u64::from(rkey),
                 };
-                let res = self
-                    .dev
-                    .lock()
-                    .post_write(key as u64, dest, data, remote, imm);
-                res.map_err(|e| {
-                    self.pending.lock().remove(key);
-                    errno_of(&e)
+                self.nic
+                    .rdma_writes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.post_tracked(Pending::Send { wr_id: r.wr_id }, |dev, key| {
+                    dev.post_write(key, dest, data, remote, imm)
                 })
             }
             SendOp::Read { rkey, addr } => {
@@ -362,10 +351,6 @@ impl QpCore {
                 if len as u64 > u64::from(self.nic.cfg.max_rdma_size) {
                     return Err(libc::EINVAL);
                 }
-                let key = self.pending.lock().insert(Pending::Read {
-                    wr_id: r.wr_id,
-                    sges: r.sges,
-                });
                 let remote = RemoteIov {
                     addr,
                     len: len as u64,
@@ -374,18 +359,30 @@ impl QpCore {
                 self.nic
                     .rdma_reads
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let res = self.dev.lock().post_read(
-                    key as u64,
-                    dest,
-                    BytesMut::with_capacity(len),
-                    remote,
-                );
-                res.map_err(|e| {
-                    self.pending.lock().remove(key);
-                    errno_of(&e)
+                let pending = Pending::Read {
+                    wr_id: r.wr_id,
+                    sges: r.sges,
+                };
+                self.post_tracked(pending, |dev, key| {
+                    dev.post_read(key, dest, BytesMut::with_capacity(len), remote)
                 })
             }
         }
+    }
+
+    /// Records `p` under a fresh key, posts with that key as the device's `wr_id`, and forgets
+    /// the record again when the device refuses the post.
+    fn post_tracked(
+        &self,
+        p: Pending,
+        post: impl FnOnce(&mut dyn QueuePair, u64) -> efa::Result<()>,
+    ) -> Result<(), i32> {
+        let key = self.pending.lock().insert(p);
+        let res = post(&mut **self.dev.lock(), key as u64);
+        res.map_err(|e| {
+            self.pending.lock().remove(key);
+            errno_of(&e)
+        })
     }
 
     /// A send-queue completion the NIC makes up without the device (a destination that cannot

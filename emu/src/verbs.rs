@@ -30,8 +30,25 @@ pub fn guard<R>(fail: R, f: impl FnOnce() -> R) -> R {
     })
 }
 
+/// Copies the first `len` bytes of `src` to `dst` (at most all of it): an out-parameter of a
+/// caller built against an older, shorter layout (libefa's `inlen` rule, the extended
+/// `query_port`'s size) gets only the bytes it knows. `EINVAL` for a null `dst` or fewer than
+/// 8 bytes.
+///
+/// # Safety
+/// `dst` has room for `len` bytes.
+pub unsafe fn copy_prefix<T>(dst: *mut T, src: &T, len: usize) -> c_int {
+    let n = len.min(std::mem::size_of::<T>());
+    if dst.is_null() || n < 8 {
+        return libc::EINVAL;
+    }
+    // SAFETY: as the caller promises.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const T as *const u8, dst as *mut u8, n) };
+    0
+}
+
 /// Fails with `e` in errno and a null pointer.
-fn null<T>(e: c_int) -> *mut T {
+pub fn null<T>(e: c_int) -> *mut T {
     set_errno(e);
     std::ptr::null_mut()
 }
@@ -335,18 +352,14 @@ unsafe extern "C" fn emu_query_port_ex(
         let Some(c) = (unsafe { context(ctx) }) else {
             return libc::EINVAL;
         };
-        if port != 1 || attr.is_null() {
+        if port != 1 {
             return libc::EINVAL;
         }
         // SAFETY: all-zero is valid.
         let mut full: ibv_port_attr = unsafe { std::mem::zeroed() };
         fill_port(&c.nic, &mut full);
-        let n = len.min(std::mem::size_of::<ibv_port_attr>());
         // SAFETY: the program gave `len` writable bytes at `attr`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(&full as *const _ as *const u8, attr as *mut u8, n)
-        };
-        0
+        unsafe { copy_prefix(attr, &full, len) }
     })
 }
 

@@ -30,6 +30,8 @@ fn emu_cmd(netns: Option<&str>, emu_args: &[&str], prog: &[&str]) -> Command {
     };
     c.arg("run").args(emu_args).arg("--").args(prog);
     c.env("FI_EFA_ENABLE_SHM_TRANSFER", "0");
+    // Each NIC prints its counters at exit (stderr), for the tests that read them.
+    c.env("EFA_EMU_STATS", "1");
     c
 }
 
@@ -58,7 +60,7 @@ fn finish(mut child: std::process::Child, args: &[&str]) -> Output {
         .expect("collect fi_pingpong's output")
 }
 
-/// Runs a fi_pingpong server and client; returns the client's output after checking both.
+/// Runs a fi_pingpong server and client; returns the client's stdout after checking both.
 fn pingpong(
     server_ns: Option<&str>,
     client_ns: Option<&str>,
@@ -67,6 +69,26 @@ fn pingpong(
     server_addr: &str,
     args: &[&str],
 ) -> String {
+    let (client, _) = pingpong_outputs(
+        server_ns,
+        client_ns,
+        server_emu,
+        client_emu,
+        server_addr,
+        args,
+    );
+    String::from_utf8_lossy(&client.stdout).into_owned()
+}
+
+/// Runs a fi_pingpong server and client and checks that both succeed; their outputs.
+fn pingpong_outputs(
+    server_ns: Option<&str>,
+    client_ns: Option<&str>,
+    server_emu: &[&str],
+    client_emu: &[&str],
+    server_addr: &str,
+    args: &[&str],
+) -> (Output, Output) {
     let port = free_port().to_string();
     let mut sargs = vec!["fi_pingpong", "-p", "efa", "-B", &port];
     sargs.extend_from_slice(args);
@@ -92,7 +114,7 @@ fn pingpong(
         out_text(&client),
         out_text(&server)
     );
-    String::from_utf8_lossy(&client.stdout).into_owned()
+    (client, server)
 }
 
 /// fi_pingpong's `-S all` ran every size up to one with the unit `unit` (`m` for RDM, whose
@@ -216,27 +238,13 @@ fn fi_pingpong_rdm_with_and_without_device_rdma_read() {
         ("rnr_retry", false),
         ("rdma_read,rdma_write,rnr_retry", true),
     ] {
-        let port = free_port().to_string();
-        let args = ["-e", "rdm", "-S", "1048576", "-c", "-I", "20"];
-        let run = |addr: &str, extra: &[&str]| {
-            let mut prog = vec!["fi_pingpong", "-p", "efa"];
-            prog.extend_from_slice(extra);
-            prog.extend_from_slice(&args);
-            let mut c = emu_cmd(None, &["--addr", addr, "--caps", caps], &prog);
-            c.env("EFA_EMU_STATS", "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            c.spawn().expect("spawn fi_pingpong")
-        };
-        let server = run("127.0.7.8", &["-B", &port]);
-        std::thread::sleep(Duration::from_millis(500));
-        let client = run("127.0.7.9", &["-P", &port, "127.0.0.1"]);
-        let (client, server) = (finish(client, &args), finish(server, &args));
-        assert!(
-            client.status.success() && server.status.success(),
-            "{caps}\n== client {}\n== server {}",
-            out_text(&client),
-            out_text(&server)
+        let (client, server) = pingpong_outputs(
+            None,
+            None,
+            &["--addr", "127.0.7.8", "--caps", caps],
+            &["--addr", "127.0.7.9", "--caps", caps],
+            "127.0.0.1",
+            &["-e", "rdm", "-S", "1048576", "-c", "-I", "20"],
         );
         let out = String::from_utf8_lossy(&client.stdout);
         assert!(

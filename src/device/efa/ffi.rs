@@ -378,10 +378,5 @@ pub unsafe fn query_port(ctx: *mut ibv_context, port: u8, attr: *mut ibv_port_at
 
 fn set_errno(e: c_int) {
     // SAFETY: the thread's errno location is always valid.
-    unsafe { *libc_errno() = e };
-}
-
-unsafe extern "C" {
-    #[link_name = "__errno_location"]
-    fn libc_errno() -> *mut c_int;
+    unsafe { *libc::__errno_location() = e };
 }
