@@ -553,7 +553,12 @@ fn multi_recv_directed_and_delivery_complete() {
 
 #[test]
 fn rdm_needs_a_routable_device_address() {
-    let d = udp_domain("0.0.0.0".parse().unwrap(), FaultConfig::default());
+    let dev = efa::device::udp::UdpDevice::open(efa::device::udp::UdpConfig {
+        bind: "0.0.0.0".parse().unwrap(),
+        ..Default::default()
+    })
+    .unwrap();
+    let d = efa::Domain::with_device(dev, efa::Config::default());
     let cq = efa::CompletionQueue::new(&d, 8).unwrap();
     let av = efa::AddressVector::new(&d);
     let e = Endpoint::<Rdm>::builder(&d)

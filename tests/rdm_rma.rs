@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use common::{DEADLINE, LOCAL4, Node, payload};
 use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
-use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::device::{Device, Status};
 use efa::fault::{FaultConfig, test_seed};
 use efa::{
@@ -91,15 +90,8 @@ fn pair(setup: Setup, seed: u64) -> Pair {
                 .drop(0.05)
                 .duplicate(0.05)
                 .reorder(0.1);
-            let dev = |f: FaultConfig| -> Arc<dyn Device> {
-                UdpDevice::open(UdpConfig {
-                    bind: LOCAL4,
-                    faults: f,
-                    ..UdpConfig::default()
-                })
-                .expect("udp device")
-            };
-            (dev(faults.clone()), dev(faults), None)
+            let a = common::net_device(LOCAL4, faults.clone());
+            (a, common::net_device(LOCAL4, faults), None)
         }
         _ => {
             let net = LoopbackNetwork::new(
@@ -144,6 +136,16 @@ const ALL: [Setup; 9] = [
     Setup::Shm,
     Setup::ShmNoRdma,
 ];
+
+/// Every setup, or with `EFA_TEST_DEVICE=efa` the two that run on the network device (the `efa`
+/// device under the emulated NIC then).
+fn setups() -> Vec<Setup> {
+    if common::on_efa() {
+        vec![Setup::Udp, Setup::UdpRdmaOff]
+    } else {
+        ALL.to_vec()
+    }
+}
 
 /// Drives both endpoints until `node` has `n` completions (or error completions) whose flags
 /// contain `flags`; the other completions are kept in `other`.
@@ -384,7 +386,7 @@ fn write_then_read(setup: Setup) {
 
 #[test]
 fn write_then_read_every_setup() {
-    for s in ALL {
+    for s in setups() {
         write_then_read(s);
     }
 }
@@ -445,7 +447,7 @@ fn writedata_exactly_once(setup: Setup) {
 
 #[test]
 fn writes_with_immediate_data_arrive_exactly_once() {
-    for s in ALL {
+    for s in setups() {
         writedata_exactly_once(s);
     }
 }
@@ -534,7 +536,7 @@ fn bad_accesses(setup: Setup) {
 
 #[test]
 fn bad_keys_and_ranges_are_refused_and_change_nothing() {
-    for s in ALL {
+    for s in setups() {
         bad_accesses(s);
     }
 }
@@ -666,7 +668,7 @@ fn atomics(setup: Setup) {
 
 #[test]
 fn atomics_apply_in_order_and_fetch_previous_values() {
-    for s in ALL {
+    for s in setups() {
         atomics(s);
     }
 }
@@ -886,7 +888,7 @@ fn region_sends(setup: Setup) {
 
 #[test]
 fn messages_from_registered_regions_arrive_intact() {
-    for s in ALL {
+    for s in setups() {
         region_sends(s);
     }
 }

@@ -11,11 +11,13 @@ use parking_lot::Mutex;
 
 use crate::config::EmuConfig;
 
-/// Address handle numbers (AHN) handed out per GID, with reference counts, as the EFA device
-/// keeps them: one AHN per destination GID however many AHs name it.
+/// Address handle numbers (AHN) handed out per protection domain and GID, with reference
+/// counts, as the EFA device keeps them: one AHN per destination GID in a PD however many AHs
+/// name it. A receive reports the sender's AHN only if the receiving queue pair's PD holds an
+/// AH for it (another PD's AH, say another process's, tells it nothing).
 #[derive(Default)]
 struct Ahs {
-    by_gid: HashMap<Gid, (u16, usize)>,
+    by_gid: HashMap<(usize, Gid), (u16, usize)>,
     free: Vec<u16>,
     next: u16,
 }
@@ -168,10 +170,10 @@ impl Nic {
         })
     }
 
-    /// The AHN for `gid` (a new one on first use).
-    pub fn ah_get(&self, gid: Gid) -> Option<u16> {
+    /// The AHN for `gid` in protection domain `pd` (a new one on first use).
+    pub fn ah_get(&self, pd: usize, gid: Gid) -> Option<u16> {
         let mut a = self.ahs.lock();
-        if let Some((ahn, n)) = a.by_gid.get_mut(&gid) {
+        if let Some((ahn, n)) = a.by_gid.get_mut(&(pd, gid)) {
             *n += 1;
             return Some(*ahn);
         }
@@ -183,26 +185,26 @@ impl Nic {
             }
             None => return None,
         };
-        a.by_gid.insert(gid, (ahn, 1));
+        a.by_gid.insert((pd, gid), (ahn, 1));
         Some(ahn)
     }
 
-    /// Drops one reference to `gid`'s AH.
-    pub fn ah_put(&self, gid: Gid) {
+    /// Drops one reference to `gid`'s AH in `pd`.
+    pub fn ah_put(&self, pd: usize, gid: Gid) {
         let mut a = self.ahs.lock();
-        if let Some((ahn, n)) = a.by_gid.get_mut(&gid) {
+        if let Some((ahn, n)) = a.by_gid.get_mut(&(pd, gid)) {
             *n -= 1;
             if *n == 0 {
                 let ahn = *ahn;
-                a.by_gid.remove(&gid);
+                a.by_gid.remove(&(pd, gid));
                 a.free.push(ahn);
             }
         }
     }
 
-    /// The AHN this NIC holds for `gid`, if any (a receive's `slid`).
-    pub fn ahn_of(&self, gid: &Gid) -> Option<u16> {
-        self.ahs.lock().by_gid.get(gid).map(|(ahn, _)| *ahn)
+    /// The AHN protection domain `pd` holds for `gid`, if any (a receive's `slid`).
+    pub fn ahn_of(&self, pd: usize, gid: Gid) -> Option<u16> {
+        self.ahs.lock().by_gid.get(&(pd, gid)).map(|(ahn, _)| *ahn)
     }
 
     fn fresh_key(&self, used: &HashSet<u32>) -> u32 {

@@ -483,7 +483,7 @@ impl QpCore {
                 e.imm = c.imm;
                 if let Some(src) = c.src {
                     e.src_qp = u32::from(src.qpn);
-                    match self.nic.ahn_of(&src.gid) {
+                    match self.nic.ahn_of(self.pd, src.gid) {
                         Some(ahn) => e.slid = ahn,
                         None => {
                             e.slid = 0xffff;

@@ -615,7 +615,7 @@ pub unsafe extern "C" fn emu_ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_at
             return null(libc::EINVAL);
         }
         let gid = Gid(a.grh.dgid.raw);
-        let Some(ahn) = p.nic.ah_get(gid) else {
+        let Some(ahn) = p.nic.ah_get(pd as usize, gid) else {
             return null(libc::ENOMEM);
         };
         Box::into_raw(Box::new(Ah {
@@ -639,7 +639,7 @@ pub unsafe extern "C" fn emu_ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
         }
         // SAFETY: an AH this library made, given back once.
         let a = unsafe { Box::from_raw(ah as *mut Ah) };
-        a.nic.ah_put(a.gid);
+        a.nic.ah_put(a.ah.pd as usize, a.gid);
         0
     })
 }

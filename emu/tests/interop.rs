@@ -240,6 +240,26 @@ fn udp_wait(qp: &mut Box<dyn QueuePair>, what: &str) -> DeviceCompletion {
     }
 }
 
+/// An AH for `gid` in `pd`, and its AHN (`efadv_query_ah`).
+fn create_ah(pd: *mut ibv_pd, gid: Gid) -> (*mut ibv_ah, u16) {
+    // SAFETY: the verbs API as libfabric uses it.
+    unsafe {
+        let mut attr: ibv_ah_attr = std::mem::zeroed();
+        attr.is_global = 1;
+        attr.port_num = 1;
+        attr.grh.dgid.raw = gid.0;
+        let ah = emu_ibv_create_ah(pd, &mut attr);
+        assert!(!ah.is_null());
+        let mut a = efadv_ah_attr {
+            comp_mask: 0,
+            ahn: 0,
+            reserved: [0; 6],
+        };
+        assert_eq!(emu_efadv_query_ah(ah, &mut a, 16), 0);
+        (ah, a.ahn)
+    }
+}
+
 #[test]
 fn udp_device_and_emulated_nic_exchange_both_ways() {
     let mut e = emu_qp();
@@ -274,19 +294,8 @@ fn udp_device_and_emulated_nic_exchange_both_ways() {
 
     // emulated NIC -> udp, through an AH (now the sender is known: slid is its AHN).
     // SAFETY: the verbs API as libfabric uses it.
-    let ahn = unsafe {
-        let mut attr: ibv_ah_attr = std::mem::zeroed();
-        attr.is_global = 1;
-        attr.port_num = 1;
-        attr.grh.dgid.raw = u.addr().gid.0;
-        let ah = emu_ibv_create_ah(e.pd, &mut attr);
-        assert!(!ah.is_null());
-        let mut a = efadv_ah_attr {
-            comp_mask: 0,
-            ahn: 0,
-            reserved: [0; 6],
-        };
-        assert_eq!(emu_efadv_query_ah(ah, &mut a, 16), 0);
+    let (ah, ahn) = create_ah(e.pd, u.addr().gid);
+    unsafe {
         u.post_recv(9, BytesMut::with_capacity(8192))
             .expect("udp recv");
         for (i, b) in e.buf[8192..8192 + 5000].iter_mut().enumerate() {
@@ -299,8 +308,7 @@ fn udp_device_and_emulated_nic_exchange_both_ways() {
         q.wr_set_ud_addr.unwrap()(e.qpx, ah, u32::from(u.addr().qpn), u.addr().qkey);
         q.wr_set_sge.unwrap()(e.qpx, (*e.mr).lkey, e.buf.as_ptr().add(8192) as u64, 5000);
         assert_eq!(q.wr_complete.unwrap()(e.qpx), 0);
-        a.ahn
-    };
+    }
     let c = udp_wait(&mut u, "udp receive");
     assert!(c.status.is_ok());
     assert_eq!(c.imm, Some(0x1122_3344));
@@ -604,4 +612,45 @@ fn registration_limits_and_rights() {
         nic.dereg(b).expect("dereg");
         assert_eq!(nic.dereg(b), Err(libc::EINVAL), "twice");
     }
+}
+
+/// AHs belong to a protection domain: a receive reports the sender's AHN only when the receiving
+/// queue pair's PD holds an AH for it; an AH in another PD (another context, another process on
+/// a real NIC) leaves the sender unknown, so its GID is reported instead.
+#[test]
+fn an_ah_in_another_protection_domain_leaves_the_sender_unknown() {
+    let other = emu_qp();
+    let mut e = emu_qp();
+    let (_dev, mut u) = udp_qp();
+    let (_ah, ahn) = create_ah(other.pd, u.addr().gid);
+    e.post_recv(1, 0, 64);
+    u.post_send(SendWr {
+        wr_id: 1,
+        dest: e.addr(),
+        hdr: Bytes::new(),
+        payload: Bytes::from_static(b"who"),
+        imm: None,
+    })
+    .expect("udp send");
+    let (_, status, _, _, slid, _, sgid, _) = e.poll_until("receive");
+    assert_eq!(status, IBV_WC_SUCCESS);
+    assert_eq!(slid, 0xffff, "AHN {ahn} belongs to another PD");
+    assert_eq!(sgid, Some(u.addr().gid.0));
+    udp_wait(&mut u, "send completion");
+    // The same GID in this PD: now the sender is known by this PD's AHN.
+    let (_ah2, ahn2) = create_ah(e.pd, u.addr().gid);
+    e.post_recv(2, 0, 64);
+    u.post_send(SendWr {
+        wr_id: 2,
+        dest: e.addr(),
+        hdr: Bytes::new(),
+        payload: Bytes::from_static(b"me"),
+        imm: None,
+    })
+    .expect("udp send");
+    let (_, status, _, _, slid, _, sgid, _) = e.poll_until("second receive");
+    assert_eq!(status, IBV_WC_SUCCESS);
+    assert_eq!(slid, u32::from(ahn2));
+    assert_eq!(sgid, None);
+    udp_wait(&mut u, "second send completion");
 }

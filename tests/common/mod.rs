@@ -20,15 +20,49 @@ use efa::{
 /// Generous deadline: tests fail instead of hanging.
 pub const DEADLINE: Duration = Duration::from_secs(120);
 
-/// A domain on a udp device bound to `ip`, with `faults`.
+/// A domain on a udp device bound to `ip`, with `faults` (see [`net_device`]).
 pub fn udp_domain(ip: IpAddr, faults: FaultConfig) -> Domain {
-    let dev = UdpDevice::open(UdpConfig {
+    Domain::with_device(net_device(ip, faults), Config::default())
+}
+
+/// True when the network tests run on the `efa` device (`EFA_TEST_DEVICE=efa`, under the
+/// emulated NIC: `efa-emu run -- cargo test --features efa ...`).
+pub fn on_efa() -> bool {
+    std::env::var("EFA_TEST_DEVICE").is_ok_and(|v| v == "efa")
+}
+
+/// The device the network tests run on: a udp device bound to `ip` with `faults`, or with
+/// `EFA_TEST_DEVICE=efa` the first `efa` device (the emulated NIC's faults come from
+/// `EFA_EMU_FAULTS` instead).
+pub fn net_device(ip: IpAddr, faults: FaultConfig) -> Arc<dyn efa::device::Device> {
+    if on_efa() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        return efa_device();
+    }
+    UdpDevice::open(UdpConfig {
         bind: ip,
         faults,
         ..UdpConfig::default()
     })
-    .expect("udp device");
-    Domain::with_device(dev, Config::default())
+    .expect("udp device")
+}
+
+#[cfg(feature = "efa")]
+fn efa_device() -> Arc<dyn efa::device::Device> {
+    let mut all = efa::device::efa::EfaDevice::open_all(&Config::default()).expect("efa device");
+    assert!(
+        !all.is_empty(),
+        "EFA_TEST_DEVICE=efa but no EFA device (run under `efa-emu run --`)"
+    );
+    all.swap_remove(0)
+}
+
+#[cfg(not(feature = "efa"))]
+fn efa_device() -> Arc<dyn efa::device::Device> {
+    panic!("EFA_TEST_DEVICE=efa needs `--features efa`")
 }
 
 /// A private directory for one test's shm files, in `/dev/shm` when there is one.
