@@ -559,3 +559,74 @@ fn hw_dgram_endpoints_and_blocking_wait() {
         .expect("receive completion");
     assert_eq!(recv.buf.as_recv().unwrap(), &b"hello"[..]);
 }
+
+/// An RDM endpoint fits the usual 8 MiB locked-memory limit (its queue pair pins
+/// `PINNED_QP_DEPTH` bounce buffers each way, not the device's maximum depths), and under a limit
+/// too small for it the error names `RLIMIT_MEMLOCK`. Each limit runs in a child process, as the
+/// emulated NIC reads `EFA_EMU_MEMLOCK` once (on a real NIC, `ulimit -l` in the child's shell).
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_rdm_endpoint_within_the_default_memlock_limit() {
+    hw_device();
+    for (limit, expect) in [("8388608", "fits"), ("1048576", "refused")] {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "hw_memlock_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("EFA_EMU_MEMLOCK", limit)
+            .env("EFA_MEMLOCK_CHILD", expect)
+            .output()
+            .expect("run the child");
+        assert!(
+            out.status.success(),
+            "limit {limit}, expected {expect}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains(&format!("memlock child: {expect}")), "{said}");
+    }
+}
+
+/// Run by [`hw_rdm_endpoint_within_the_default_memlock_limit`] (does nothing otherwise): one RDM
+/// endpoint with default sizes sends a message to itself, or fails to open as expected.
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_memlock_child() {
+    let Ok(expect) = std::env::var("EFA_MEMLOCK_CHILD") else {
+        return;
+    };
+    let domain = Domain::with_device(hw_device(), Config::default());
+    let cq = CompletionQueue::new(&domain, 64).unwrap();
+    let av = AddressVector::new(&domain);
+    let ep = efa::Endpoint::<efa::Rdm>::builder(&domain)
+        .cq(&cq)
+        .av(&av)
+        .local_path(false)
+        .build();
+    match (expect.as_str(), ep) {
+        ("fits", Ok(ep)) => {
+            let me = av.insert(ep.addr()).unwrap();
+            ep.recv(BytesMut::with_capacity(64), 1).unwrap();
+            ep.send(me, Bytes::from_static(b"pinned"), 2).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut got = Vec::new();
+            while got.len() < 2 && Instant::now() < deadline {
+                let _ = cq.wait(&mut got, 8, Some(Duration::from_millis(200)));
+            }
+            let recv = got.iter().find(|c| c.context == 1).expect("the message");
+            assert_eq!(recv.buf.as_recv().unwrap(), &b"pinned"[..]);
+            println!("memlock child: fits");
+        }
+        ("refused", Err(e)) => {
+            let text = format!("{e}");
+            assert!(text.contains("RLIMIT_MEMLOCK"), "{text}");
+            println!("memlock child: refused ({text})");
+        }
+        (want, got) => panic!("expected {want}, got {got:?}"),
+    }
+}

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use crate::av::AddressVector;
 use crate::cq::CompletionQueue;
+use crate::device::{DeviceAttr, DeviceKind};
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::info::{Caps, EpType, Info};
@@ -238,24 +239,44 @@ impl<K: EndpointKind> EndpointBuilder<K> {
         }
     }
 
-    /// Resolves a queue size: the builder's, else the config's, 0 meaning the device's depth;
-    /// larger than the device's depth is `InvalidArgument`.
+    /// Resolves a queue size: the builder's, else the config's, 0 meaning `default` (at most
+    /// the device's depth); larger than the device's depth is `InvalidArgument`.
     pub(crate) fn queue_size(
         &self,
         set: Option<usize>,
         config: usize,
         device: usize,
+        default: usize,
         what: &str,
     ) -> Result<usize> {
         let n = set.unwrap_or(config);
         if n == 0 {
-            return Ok(device);
+            return Ok(default.min(device));
         }
         if n > device {
             return Err(Error::new(ErrorKind::InvalidArgument, "ep_open")
                 .with_detail(format!("{what} {n} exceeds the device's {device}")));
         }
         Ok(n)
+    }
+}
+
+/// Work requests a queue pair holds by default on a device that pins a bounce buffer of one
+/// MTU per work request (`efa`: `send × MTU + recv × (MTU + 40)` bytes, about 4.6 MB at 256 each
+/// and an MTU of 8928, inside the usual 8 MB `RLIMIT_MEMLOCK`). A device's maximum (4096 send,
+/// 32768 receive on recent EFA) would pin about 290 MB. `FI_EFA_TX_SIZE` / `FI_EFA_RX_SIZE` (or
+/// the builders' `tx_size` / `rx_size`) choose other depths, up to the device's.
+pub(crate) const PINNED_QP_DEPTH: usize = 256;
+
+/// The default send and receive depths of a queue pair on a device with `attr`: the device's
+/// maxima on software devices (whose buffers are not pinned), [`PINNED_QP_DEPTH`] on `efa`.
+pub(crate) fn default_qp_depths(attr: &DeviceAttr) -> (usize, usize) {
+    match attr.kind {
+        DeviceKind::Efa => (
+            PINNED_QP_DEPTH.min(attr.max_send_wr),
+            PINNED_QP_DEPTH.min(attr.max_recv_wr),
+        ),
+        _ => (attr.max_send_wr, attr.max_recv_wr),
     }
 }
 

@@ -165,15 +165,39 @@ impl EndpointBuilder<Rdm> {
             )));
         }
         let cfg = self.domain.config().clone();
-        let tx_ops = self.queue_size(self.tx_size, cfg.tx_size, attr.max_send_wr, "tx_size")?;
-        let rx_ops = self.queue_size(self.rx_size, cfg.rx_size, attr.max_recv_wr, "rx_size")?;
+        let tx_ops = self.queue_size(
+            self.tx_size,
+            cfg.tx_size,
+            attr.max_send_wr,
+            attr.max_send_wr,
+            "tx_size",
+        )?;
+        let rx_ops = self.queue_size(
+            self.rx_size,
+            cfg.rx_size,
+            attr.max_recv_wr,
+            attr.max_recv_wr,
+            "rx_size",
+        )?;
+        // The queue pair's depths (its bounce buffers, pinned on efa): the configured sizes when
+        // set, else the device kind's default; the engine's operation tables are not bounded
+        // by them.
+        let (def_send, def_recv) = super::default_qp_depths(&attr);
+        let send_depth = match self.tx_size.unwrap_or(cfg.tx_size) {
+            0 => def_send,
+            _ => tx_ops,
+        };
+        let recv_depth = match self.rx_size.unwrap_or(cfg.rx_size) {
+            0 => def_recv,
+            _ => rx_ops,
+        };
         let own = Arc::new(Notifier::new());
         let use_rdma = cfg.device_rdma(&attr.caps)?;
         let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
-            send_depth: attr.max_send_wr,
-            recv_depth: attr.max_recv_wr,
+            send_depth,
+            recv_depth,
             rnr_retry: 3,
             qkey: None,
             notifier: notifier.clone(),
@@ -188,7 +212,7 @@ impl EndpointBuilder<Rdm> {
         let mut engine = Engine::new(
             EngineConfig {
                 mtu: attr.mtu,
-                max_outstanding_tx: attr.max_send_wr,
+                max_outstanding_tx: send_depth,
                 max_tx_ops: tx_ops,
                 max_rx_ops: rx_ops,
                 recvwin_size: cfg.recvwin_size,
@@ -214,7 +238,7 @@ impl EndpointBuilder<Rdm> {
         engine.set_unsolicited_write_recv(
             attr.caps.unsolicited_write_recv && cfg.use_unsolicited_write_recv,
         );
-        let rx_bufs = attr.max_recv_wr;
+        let rx_bufs = recv_depth;
         let core = Arc::new(RdmCore {
             domain: self.domain.clone(),
             av,

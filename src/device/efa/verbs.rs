@@ -273,9 +273,9 @@ impl Pd {
         let mr = NonNull::new(mr).ok_or_else(|| {
             let e = errno();
             let hint = if e == ffi::ENOMEM || e == 1 {
-                "; is the locked-memory limit (`ulimit -l`) high enough? see docs/efa-hardware.md"
+                memlock_hint()
             } else {
-                ""
+                String::new()
             };
             verbs_error("ibv_reg_mr", e)
                 .with_detail(format!("{len} bytes, access {access:#x}{hint}"))
@@ -479,4 +479,28 @@ impl Shared {
             ahs: Mutex::new(AhCache::new(AH_CACHE_BOUND)),
         }))
     }
+}
+
+/// Why a registration may have failed for want of locked memory: the process's
+/// `RLIMIT_MEMLOCK`, and what to do about it.
+fn memlock_hint() -> String {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    let limit = if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } == 0 {
+        if r.rlim_cur == libc::RLIM_INFINITY {
+            "unlimited".to_string()
+        } else {
+            format!("{} bytes", r.rlim_cur)
+        }
+    } else {
+        "unknown".to_string()
+    };
+    format!(
+        "; RLIMIT_MEMLOCK (`ulimit -l`) is {limit}: registered memory is pinned and counts against it \
+         (each queue pair pins send × MTU + recv × (MTU + 40) bytes, FI_EFA_TX_SIZE / FI_EFA_RX_SIZE \
+         choose the depths); raise the limit, see docs/efa-hardware.md"
+    )
 }
