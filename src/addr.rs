@@ -19,6 +19,15 @@ pub const RAW_ADDR_LEN: usize = 32;
 pub struct Gid(pub [u8; 16]);
 
 impl Gid {
+    /// All zeros: in a [`Source`](crate::device::Source), a sender whose GID the device could
+    /// not tell (an EFA receiver holding no AH for it, on a CQ without source-GID reporting).
+    pub const UNKNOWN: Gid = Gid([0; 16]);
+
+    /// Whether this is [`Gid::UNKNOWN`].
+    pub fn is_unknown(&self) -> bool {
+        *self == Gid::UNKNOWN
+    }
+
     /// The GID of an IP address (IPv4 becomes IPv4-mapped `::ffff:a.b.c.d`).
     pub fn from_ip(ip: IpAddr) -> Gid {
         match ip {

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `EFA_EMU_ADDR` | `127.a.b.c` from the process id | IP address of this NIC: its GID and the address its queue pairs bind to |
 //! | `EFA_EMU_DEVICE` | `efa_0` | device name (libfabric's domain is `<name>-rdm` / `<name>-dgrm`) |
-//! | `EFA_EMU_CAPS` | `rdma_read,rdma_write,rnr_retry,unsolicited_write_recv` | `device_caps`, comma-separated; `none` for none |
+//! | `EFA_EMU_CAPS` | `rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid` | `device_caps`, comma-separated; `none` for none (without `cq_with_sgid`, CQs cannot report unknown senders' GIDs, as on older kernels) |
 //! | `EFA_EMU_MTU` | 8928 | port MTU = largest send |
 //! | `EFA_EMU_INLINE` | 32 | `inline_buf_size` |
 //! | `EFA_EMU_MAX_SQ_WR` / `EFA_EMU_MAX_RQ_WR` | 4096 / 32768 | queue depths |
@@ -28,13 +28,21 @@ pub struct Caps {
     pub rdma_write: bool,
     pub rnr_retry: bool,
     pub unsolicited_write_recv: bool,
+    /// CQs may report the GID of a sender the receiver holds no AH for.
+    pub cq_with_sgid: bool,
 }
 
+/// `EFA_EMU_CAPS` when unset: everything.
+const ALL_CAPS: &str = "rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid";
+
 impl Caps {
-    /// The `EFADV_DEVICE_ATTR_CAPS_*` bits (CQ_WITH_SGID is always offered).
+    /// The `EFADV_DEVICE_ATTR_CAPS_*` bits.
     pub fn bits(&self) -> u32 {
         use crate::abi::*;
-        let mut b = EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID;
+        let mut b = 0;
+        if self.cq_with_sgid {
+            b |= EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID;
+        }
         if self.rdma_read {
             b |= EFADV_DEVICE_ATTR_CAPS_RDMA_READ;
         }
@@ -100,6 +108,7 @@ fn parse_caps(v: &str) -> Result<Caps, String> {
         rdma_write: false,
         rnr_retry: false,
         unsolicited_write_recv: false,
+        cq_with_sgid: false,
     };
     for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         match item {
@@ -108,9 +117,11 @@ fn parse_caps(v: &str) -> Result<Caps, String> {
             "rdma_write" => c.rdma_write = true,
             "rnr_retry" => c.rnr_retry = true,
             "unsolicited_write_recv" => c.unsolicited_write_recv = true,
+            "cq_with_sgid" => c.cq_with_sgid = true,
             other => {
                 return Err(format!(
-                    "EFA_EMU_CAPS: unknown capability {other:?} (rdma_read, rdma_write, rnr_retry, unsolicited_write_recv, none)"
+                    "EFA_EMU_CAPS: unknown capability {other:?} ({}, none)",
+                    ALL_CAPS.replace(',', ", ")
                 ));
             }
         }
@@ -169,10 +180,7 @@ impl EmuConfig {
                 .map_err(|_| format!("EFA_EMU_ADDR={v:?}: not an IP address"))?,
             None => default_addr(),
         };
-        let caps =
-            parse_caps(&get("EFA_EMU_CAPS").unwrap_or_else(|| {
-                "rdma_read,rdma_write,rnr_retry,unsolicited_write_recv".into()
-            }))?;
+        let caps = parse_caps(&get("EFA_EMU_CAPS").unwrap_or_else(|| ALL_CAPS.into()))?;
         let mtu = n("EFA_EMU_MTU", 8928)?;
         if !(efa::device::udp::MIN_MTU as u64..=efa::device::udp::MAX_MTU as u64).contains(&mtu) {
             return Err(format!(
@@ -258,9 +266,11 @@ mod tests {
             0
         );
         let c = cfg(&[("EFA_EMU_CAPS", "none")]).unwrap();
-        assert_eq!(
-            c.caps.bits(),
-            crate::abi::EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID
+        assert_eq!(c.caps.bits(), 0);
+        let c = cfg(&[]).unwrap();
+        assert_ne!(
+            c.caps.bits() & crate::abi::EFADV_DEVICE_ATTR_CAPS_CQ_WITH_SGID,
+            0
         );
         assert!(cfg(&[("EFA_EMU_CAPS", "rdma_teleport")]).is_err());
     }

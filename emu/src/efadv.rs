@@ -157,8 +157,12 @@ pub unsafe extern "C" fn emu_efadv_create_cq(
         } else {
             0
         };
+        // SAFETY: the program's context (null is refused by new_cq below).
+        let no_sgid =
+            unsafe { crate::verbs::context(ctx) }.is_some_and(|c| !c.nic.cfg.caps.cq_with_sgid);
         if a.wc_flags & !IBV_WC_STANDARD_FLAGS != 0
             || wc_flags & !(EFADV_WC_EX_WITH_SGID | EFADV_WC_EX_WITH_IS_UNSOLICITED) != 0
+            || (no_sgid && wc_flags & EFADV_WC_EX_WITH_SGID != 0)
         {
             return null(libc::EOPNOTSUPP);
         }

@@ -346,7 +346,10 @@ pub enum Opcode {
 /// The queue pair a received datagram came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Source {
-    /// The sender's GID.
+    /// The sender's GID; [`Gid::UNKNOWN`] when the device knows only the queue pair number (an
+    /// EFA receiver that holds no AH for the sender, on a CQ that cannot report source GIDs).
+    /// The protocol engine then identifies the sender by the raw address its REQ packets carry,
+    /// as libfabric does, and drops (and counts) anything else from it.
     pub gid: Gid,
     /// The sender's queue pair number.
     pub qpn: u16,

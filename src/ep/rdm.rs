@@ -1484,9 +1484,12 @@ impl RdmCore {
             Opcode::Recv => {
                 let Some(mut buf) = c.buf else { return };
                 if c.status.is_ok() {
-                    if let Some(src) = c.src {
-                        st.engine
-                            .handle_recv(now, src, &buf[..c.byte_len.min(buf.len())]);
+                    match c.src {
+                        Some(src) => {
+                            st.engine
+                                .handle_recv(now, src, &buf[..c.byte_len.min(buf.len())])
+                        }
+                        None => st.engine.count_dropped("a receive with no source"),
                     }
                 } else if c.status == Status::Flushed {
                     return;

@@ -949,6 +949,12 @@ impl Engine {
     // ---- shared helpers ----
 
     /// Counts and logs a dropped packet.
+    /// Counts a packet the caller dropped before it reached [`Engine::handle_recv`] (the device
+    /// could not say where it came from).
+    pub fn count_dropped(&mut self, why: &'static str) {
+        self.drop_pkt(why);
+    }
+
     fn drop_pkt(&mut self, why: &'static str) {
         self.stats.dropped_pkts += 1;
         tracing::debug!(why, "dropped a packet");

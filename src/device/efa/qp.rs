@@ -246,8 +246,10 @@ impl<N: Nic> EfaQp<N> {
             .ok()
             .filter(|a| u32::from(*a) != super::verbs::AHN_UNKNOWN)
             .and_then(|a| self.nic.gid_of_ahn(a));
-        let gid = by_ahn.or(raw.sgid)?;
         let qpn = u16::try_from(raw.src_qp).ok()?;
+        // No AH for the sender and no source GID from the CQ: the queue pair number is all the
+        // device tells; the engine identifies the sender by its REQ's raw address header.
+        let gid = by_ahn.or(raw.sgid).unwrap_or(crate::Gid::UNKNOWN);
         Some(Source { gid, qpn })
     }
 

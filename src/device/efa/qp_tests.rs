@@ -116,8 +116,15 @@ fn srd_receive_has_no_grh_and_truncates_into_small_buffers() {
     assert_eq!(&c[0].buf.as_ref().unwrap()[..], b"hel");
     assert_eq!(c[1].status, Status::Success);
     assert_eq!(c[1].byte_len, 0);
-    // Unknown AHN and no SGID: no source.
-    assert_eq!(c[1].src, None);
+    // Unknown AHN and no SGID: the queue pair number only (the engine then identifies the
+    // sender by its REQ's raw address header).
+    assert_eq!(
+        c[1].src,
+        Some(Source {
+            gid: crate::Gid::UNKNOWN,
+            qpn: 5
+        })
+    );
 }
 
 #[test]

@@ -285,7 +285,9 @@ impl Engine {
         if let Some(opt) = pkt.req_opt() {
             match opt.sender {
                 Sender::RawAddr(a) => {
-                    if a.gid != src.gid || a.qpn != src.qpn {
+                    // A device that cannot tell the sender's GID (Gid::UNKNOWN) leaves the
+                    // header's to be trusted, as libfabric's EFA provider trusts it then.
+                    if (a.gid != src.gid && !src.gid.is_unknown()) || a.qpn != src.qpn {
                         self.drop_pkt("raw address header does not match the source");
                         return None;
                     }
