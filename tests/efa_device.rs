@@ -346,7 +346,9 @@ fn self_send(qp_type: QpType) {
     let mtu = dev.attr().mtu;
     let mut a = dev.create_qp(QpAttr::new(qp_type)).unwrap();
     let mut b = dev.create_qp(QpAttr::new(qp_type)).unwrap();
-    let sizes = [0usize, 8, 32, 33, 1000, mtu];
+    // Around the inline size (32) and, on UD, the 40-byte GRH the device writes before the data
+    // in every receive buffer (issue 16, defect 8): 0, 1, 39, 40, 41 and the MTU.
+    let sizes = [0usize, 1, 8, 32, 33, 39, 40, 41, 1000, mtu - 1, mtu];
     for wr_id in 100..100 + sizes.len() as u64 {
         b.post_recv(wr_id, BytesMut::with_capacity(mtu)).unwrap();
     }
@@ -628,5 +630,81 @@ fn hw_memlock_child() {
             println!("memlock child: refused ({text})");
         }
         (want, got) => panic!("expected {want}, got {got:?}"),
+    }
+}
+
+/// A queue pair has unsolicited write-recv only when the device has it and it was asked for
+/// (`FI_EFA_USE_UNSOLICITED_WRITE_RECV` for RDM endpoints), and says which it got: the HANDSHAKE
+/// advertises that, not the device's capability (issue 16, defect 6).
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_unsolicited_write_recv_as_asked() {
+    let dev = hw_device();
+    let has = dev.attr().caps.unsolicited_write_recv;
+    for want in [Some(false), Some(true), None] {
+        let qp = dev
+            .create_qp(QpAttr {
+                unsolicited_write_recv: want,
+                ..QpAttr::new(QpType::Srd)
+            })
+            .unwrap();
+        assert_eq!(
+            qp.unsolicited_write_recv(),
+            has && want.unwrap_or(true),
+            "asked {want:?}, device has {has}"
+        );
+    }
+    // RDM: with the variable off, writes with immediate data still arrive exactly once, each in
+    // a posted receive buffer (the emulated NIC consumes one then).
+    let cfg = Config {
+        use_unsolicited_write_recv: false,
+        ..Config::default()
+    };
+    let target = Domain::with_device(hw_device(), cfg.clone());
+    let init = Domain::with_device(hw_device(), cfg);
+    let (tcq, icq) = (
+        CompletionQueue::new(&target, 64).unwrap(),
+        CompletionQueue::new(&init, 64).unwrap(),
+    );
+    let (tav, iav) = (AddressVector::new(&target), AddressVector::new(&init));
+    let t = efa::Endpoint::<efa::Rdm>::builder(&target)
+        .cq(&tcq)
+        .av(&tav)
+        .local_path(false)
+        .build()
+        .unwrap();
+    let i = efa::Endpoint::<efa::Rdm>::builder(&init)
+        .cq(&icq)
+        .av(&iav)
+        .local_path(false)
+        .build()
+        .unwrap();
+    let region = target
+        .register(vec![0u8; 4096], Access::REMOTE_WRITE)
+        .unwrap();
+    let rk = region.remote_key().unwrap();
+    let peer = iav.insert(t.addr()).unwrap();
+    tav.insert(i.addr()).unwrap();
+    for n in 0..8u32 {
+        let data = Bytes::from(vec![n as u8; 512]);
+        i.write_data(peer, data, rk.at(u64::from(n) * 512), n, u64::from(n))
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut done, mut arrived) = (Vec::new(), Vec::new());
+    while (done.len() < 8 || arrived.len() < 8) && Instant::now() < deadline {
+        let _ = icq.poll(&mut done, 16);
+        let _ = tcq.poll(&mut arrived, 16);
+    }
+    assert_eq!(done.len(), 8, "initiator completions: {done:?}");
+    let mut imms: Vec<u32> = arrived.iter().filter_map(|c| c.data).collect();
+    imms.sort_unstable();
+    assert_eq!(imms, (0..8).collect::<Vec<u32>>(), "{arrived:?}");
+    for n in 0..8usize {
+        assert!(
+            region.read()[n * 512..(n + 1) * 512]
+                .iter()
+                .all(|&b| b == n as u8)
+        );
     }
 }

@@ -537,6 +537,12 @@ pub trait QueuePair: Send + fmt::Debug {
     /// Stops the queue pair: every outstanding work request completes with [`Status::Flushed`]
     /// (collect them with `poll`), later posts fail with `ErrorKind::Closed`.
     fn close(&mut self);
+    /// Whether this queue pair was created with unsolicited write-recv: writes with immediate
+    /// data complete at the target without consuming a posted receive. What the HANDSHAKE
+    /// advertises (a device may have the capability while this queue pair does not use it).
+    fn unsolicited_write_recv(&self) -> bool {
+        false
+    }
     /// Changes the QKEY or the RNR retry count (see [`QpModify`]) before traffic starts; packets
     /// in flight are not re-keyed. The default is `NotSupported`.
     fn modify(&mut self, _m: QpModify) -> Result<()> {

@@ -201,7 +201,8 @@ impl EndpointBuilder<Rdm> {
             rnr_retry: 3,
             qkey: None,
             notifier: notifier.clone(),
-            unsolicited_write_recv: None,
+            // FI_EFA_USE_UNSOLICITED_WRITE_RECV: ask for it only when allowed.
+            unsolicited_write_recv: Some(cfg.use_unsolicited_write_recv),
         })?;
         let addr = qp.addr();
         let local = match self.domain.device().local_dir() {
@@ -235,9 +236,8 @@ impl EndpointBuilder<Rdm> {
         );
         // Peers' emulated RMA and atomics reach this domain's regions.
         engine.set_memory(Arc::new(self.domain.clone()));
-        engine.set_unsolicited_write_recv(
-            attr.caps.unsolicited_write_recv && cfg.use_unsolicited_write_recv,
-        );
+        // The HANDSHAKE advertises what the queue pair does, not what the device could.
+        engine.set_unsolicited_write_recv(qp.unsolicited_write_recv());
         let rx_bufs = recv_depth;
         let core = Arc::new(RdmCore {
             domain: self.domain.clone(),

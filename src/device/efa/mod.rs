@@ -354,7 +354,8 @@ impl Device for EfaDevice {
             max_inline: u32::try_from(a.inline_size).unwrap_or(0),
             rdma_read: caps.rdma_read,
             rdma_write: caps.rdma_write,
-            unsolicited_write_recv: caps.unsolicited_write_recv,
+            unsolicited_write_recv: caps.unsolicited_write_recv
+                && attr.unsolicited_write_recv.unwrap_or(true),
             cq_with_sgid: self.queried.efa.cq_with_sgid(),
             qkey,
             rnr_retry: attr.rnr_retry,

@@ -453,6 +453,10 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         self.addr
     }
 
+    fn unsolicited_write_recv(&self) -> bool {
+        self.limits.caps.unsolicited_write_recv
+    }
+
     fn qp_type(&self) -> QpType {
         self.qp_type
     }

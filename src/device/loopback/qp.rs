@@ -201,6 +201,10 @@ impl QueuePair for LoopbackQp {
         self.shared.addr
     }
 
+    fn unsolicited_write_recv(&self) -> bool {
+        self.shared.qp_type == QpType::Srd && self.shared.dev.cfg.unsolicited_write_recv
+    }
+
     fn qp_type(&self) -> QpType {
         self.shared.qp_type
     }

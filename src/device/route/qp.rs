@@ -287,6 +287,10 @@ impl QueuePair for RoutedQp {
         self.addr
     }
 
+    fn unsolicited_write_recv(&self) -> bool {
+        self.primary.unsolicited_write_recv()
+    }
+
     fn qp_type(&self) -> QpType {
         QpType::Srd
     }

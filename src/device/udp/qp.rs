@@ -1296,6 +1296,10 @@ impl QueuePair for UdpQp {
         self.qp_type
     }
 
+    fn unsolicited_write_recv(&self) -> bool {
+        self.shared.state.lock().ctx.rdma.unsolicited
+    }
+
     fn modify(&mut self, m: crate::device::QpModify) -> Result<()> {
         let mut st = self.shared.state.lock();
         if st.closed {

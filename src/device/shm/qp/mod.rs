@@ -697,6 +697,10 @@ impl QueuePair for ShmQp {
         self.addr
     }
 
+    fn unsolicited_write_recv(&self) -> bool {
+        self.shared.state.lock().rdma().unsolicited
+    }
+
     fn qp_type(&self) -> QpType {
         self.qp_type
     }
