@@ -498,6 +498,30 @@ fn hw_rdma_read_and_write() {
             (tgt.status, tgt.imm, tgt.byte_len),
             (Status::Success, Some(0xfeed), 5)
         );
+        // Zero bytes with immediate data (one zero-length SGE): only the notification.
+        b.post_recv(10, BytesMut::with_capacity(64)).unwrap();
+        a.post_write(
+            4,
+            b.addr(),
+            Bytes::new(),
+            RemoteIov { len: 0, ..iov },
+            Some(7),
+        )
+        .unwrap();
+        let got = collect(&mut [&mut a, &mut b], 2);
+        let init = got
+            .iter()
+            .find(|c| c.wr_id == 4)
+            .expect("initiator completion");
+        assert_eq!(init.status, Status::Success, "{init:?}");
+        let tgt = got
+            .iter()
+            .find(|c| c.opcode == Opcode::RecvRdmaWithImm)
+            .expect("target completion");
+        assert_eq!(
+            (tgt.status, tgt.imm, tgt.byte_len),
+            (Status::Success, Some(7), 0)
+        );
     }
     let back = region.into_inner();
     if caps.rdma_write {

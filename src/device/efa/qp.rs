@@ -631,7 +631,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
                 len: len as u32,
                 lkey: m.lkey(),
             }),
-            None => Payload::Empty,
+            None => self.empty_sge(),
         };
         let token = self.table.insert(
             wr_id,
@@ -698,7 +698,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
                 len: len as u32,
                 lkey: m.lkey(),
             }),
-            None => Payload::Empty,
+            None => self.empty_sge(),
         };
         let token = self.table.insert(
             wr_id,
@@ -726,6 +726,15 @@ impl<N: Nic> QueuePair for EfaQp<N> {
 }
 
 impl<N: Nic> EfaQp<N> {
+    /// The payload of a zero-byte RDMA operation: one zero-length SGE in the registered send
+    /// pool, as libfabric posts (a work request with no SGE at all is not what EFA expects).
+    fn empty_sge(&self) -> Payload<'static> {
+        match self.send_pool.as_ref() {
+            Some(p) => Payload::Sge(p.sge(0, 0)),
+            None => Payload::Empty,
+        }
+    }
+
     /// The length of an RDMA operation on `remote` with `room` local bytes.
     fn rdma_len(&self, op: &'static str, remote: RemoteIov, room: u64) -> Result<usize> {
         if remote.len > room {

@@ -400,6 +400,35 @@ fn close_collects_device_flushes_first() {
     assert_eq!(q.strays.load(Ordering::Relaxed), 0);
 }
 
+/// A zero-byte RDMA write or read (a write with immediate data only, say) carries one
+/// zero-length SGE in registered memory, as libfabric posts it, never an empty SGE list
+/// (issue 16, defect 7); nothing is registered for it.
+#[test]
+fn zero_byte_rdma_posts_one_zero_length_registered_sge() {
+    let mut q = qp_with(QpType::Srd, rdma());
+    let base = q.nic_mut().live_regs();
+    let dest = RawAddr::new(gid(3), 4, 5);
+    let r = RemoteIov {
+        addr: 0x10_0000,
+        len: 0,
+        key: 0x42,
+    };
+    q.post_write(1, dest, Bytes::new(), r, Some(9)).unwrap();
+    q.post_read(2, dest, BytesMut::new(), r).unwrap();
+    assert_eq!(
+        q.nic_mut().live_regs(),
+        base,
+        "no registration for zero bytes"
+    );
+    let pool_lkey = q.send_pool.as_ref().unwrap().sge(0, 0).lkey;
+    for s in &q.nic_mut().sends {
+        let sge = s.sge.expect("one SGE");
+        assert_eq!(sge.len, 0);
+        assert_eq!(sge.lkey, pool_lkey);
+        assert_ne!(sge.addr, 0);
+    }
+}
+
 #[test]
 fn rdma_read_and_write_register_for_the_operation_only() {
     let mut q = qp_with(QpType::Srd, rdma());
