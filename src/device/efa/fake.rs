@@ -170,19 +170,19 @@ impl FakeNic {
     }
 
     /// Queues the completion of posted send `i` with verbs status / vendor code.
+    /// Completes send-queue entry `i` as rdma-core's EFA provider reports it: opcode
+    /// `IBV_WC_SEND` for sends and RDMA reads alike (rdma-core 44, Debian 12, reports every
+    /// send-queue completion so; later versions tell RDMA writes apart as `IBV_WC_RDMA_WRITE`)
+    /// and `byte_len` 0 (the device reports a length for receives only), so the device must
+    /// know an operation by its work request, never by the completion's opcode or length.
     pub fn complete_send(&mut self, i: usize, status: u32, vendor_err: u32) {
         let s = &self.sends[i];
-        let opcode = match s.op {
-            SendOp::Send { .. } => rdma_sys::ibv_wc_opcode::IBV_WC_SEND,
-            SendOp::Read { .. } => rdma_sys::ibv_wc_opcode::IBV_WC_RDMA_READ,
-            SendOp::Write { .. } => rdma_sys::ibv_wc_opcode::IBV_WC_RDMA_WRITE,
-        };
         self.cq.push_back(RawWc {
             wr_id: s.wr_id,
             status,
             vendor_err,
-            opcode,
-            byte_len: s.data.len() as u32,
+            opcode: rdma_sys::ibv_wc_opcode::IBV_WC_SEND,
+            byte_len: 0,
             ..RawWc::default()
         });
     }
