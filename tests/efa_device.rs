@@ -732,3 +732,70 @@ fn hw_unsolicited_write_recv_as_asked() {
         );
     }
 }
+
+/// dmabuf memory (a memfd standing in for GPU memory) registered by its virtual address: the
+/// registration's address is that address, not the dmabuf offset, and a peer's RDMA read names
+/// the memory by it, as libfabric does (issue 16, defect 10).
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_dmabuf_registered_by_virtual_address() {
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    let dev = hw_device();
+    if !dev.attr().caps.rdma_read {
+        eprintln!("skipped: the device has no RDMA read");
+        return;
+    }
+    let len = 1usize << 16;
+    // SAFETY: a fresh memfd of our own.
+    let fd = unsafe {
+        let raw = libc::memfd_create(c"efa-dmabuf-test".as_ptr(), libc::MFD_CLOEXEC);
+        assert!(raw >= 0, "memfd_create");
+        OwnedFd::from_raw_fd(raw)
+    };
+    let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    // SAFETY: our descriptor and buffer.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+        assert_eq!(
+            libc::pwrite(fd.as_raw_fd(), data.as_ptr().cast(), len, 0),
+            len as isize
+        );
+    }
+    // The "device pointer" the program knows the buffer by (as a GPU virtual address would be).
+    let va = 0x7f00_1234_0000u64;
+    let offset = 4096u64;
+    // SAFETY: nothing in this process references the memfd's pages.
+    let mr = unsafe {
+        dev.register_dmabuf(
+            fd.as_fd(),
+            offset,
+            len - offset as usize,
+            va,
+            Access::REMOTE_READ,
+        )
+    }
+    .expect("dmabuf registration");
+    assert_eq!(
+        mr.addr(),
+        va,
+        "the registration's address is the virtual address"
+    );
+    let mut a = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    let mut b = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    a.post_read(
+        1,
+        b.addr(),
+        BytesMut::with_capacity(1000),
+        RemoteIov {
+            addr: va + 100,
+            len: 1000,
+            key: u64::from(mr.rkey()),
+        },
+    )
+    .unwrap();
+    let mut got = collect(&mut [&mut a, &mut b], 1);
+    assert_eq!(got[0].status, Status::Success, "{:?}", got[0]);
+    let start = offset as usize + 100;
+    assert_eq!(&got[0].buf.take().unwrap()[..], &data[start..start + 1000]);
+}

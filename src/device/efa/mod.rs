@@ -209,8 +209,11 @@ impl EfaDevice {
     }
 
     /// Registers `len` bytes at `offset` of the dmabuf `fd` (GPU memory exported by its driver)
-    /// with `access` rights (`ibv_reg_dmabuf_mr`); the registration's address (IOVA) is `offset`.
-    /// Deregistered when the returned [`EfaMr`] is dropped.
+    /// with `access` rights (`ibv_reg_dmabuf_mr`). `addr` is the address the program names the
+    /// first byte by (the buffer's virtual address, a GPU pointer for device memory): it is the
+    /// registration's IOVA, so peers address the memory by it, as libfabric's EFA provider
+    /// registers dmabufs (`iova = iov_base`), never by the offset in the dmabuf. Deregistered
+    /// when the returned [`EfaMr`] is dropped.
     ///
     /// # Safety
     ///
@@ -222,24 +225,7 @@ impl EfaDevice {
         fd: BorrowedFd<'_>,
         offset: u64,
         len: usize,
-        access: Access,
-    ) -> Result<EfaMr> {
-        // SAFETY: forwarded contract.
-        unsafe { self.register_dmabuf_iova(fd, offset, len, offset, access) }
-    }
-
-    /// As [`register_dmabuf`](Self::register_dmabuf), with the address peers use (`iova`, e.g.
-    /// the GPU virtual address of the buffer) given explicitly.
-    ///
-    /// # Safety
-    ///
-    /// As [`register_dmabuf`](Self::register_dmabuf).
-    pub unsafe fn register_dmabuf_iova(
-        &self,
-        fd: BorrowedFd<'_>,
-        offset: u64,
-        len: usize,
-        iova: u64,
+        addr: u64,
         access: Access,
     ) -> Result<EfaMr> {
         if len == 0 {
@@ -250,7 +236,7 @@ impl EfaDevice {
         unsafe {
             self.shared
                 .pd
-                .reg_dmabuf_mr(fd.as_raw_fd(), offset, len, iova, ibv_access(access))
+                .reg_dmabuf_mr(fd.as_raw_fd(), offset, len, addr, ibv_access(access))
         }
     }
 
