@@ -702,6 +702,9 @@ pub struct MemoryRegion {
     access: Access,
     domain: Domain,
     revoked: bool,
+    /// The device registered the region itself (its key is the device's): peers' device RDMA
+    /// can reach it. Without, the key is the domain's alone and only emulated RMA serves it.
+    device_registered: bool,
 }
 
 impl MemoryRegion {
@@ -746,7 +749,18 @@ impl MemoryRegion {
             access,
             domain: domain.clone(),
             revoked: false,
+            device_registered: device_key.is_some(),
         })
+    }
+
+    /// The key a peer's device RDMA read may use on this region, with its address: `Some` only
+    /// for a region with `REMOTE_READ` that the device registered itself. The read-based
+    /// protocols (long-read, runting read, LONGREAD_RTW) advertise only such keys: a libfabric
+    /// 1.17 peer cannot refuse a read that fails (it has no READ_NACK), so a key the NIC does
+    /// not know must never reach it; such regions go by long-CTS from the start.
+    pub(crate) fn device_read_key(&self) -> Option<(u64, u64)> {
+        (self.device_registered && self.access.contains(Access::REMOTE_READ) && !self.revoked)
+            .then_some((self.key, self.mem.addr))
     }
 
     /// The key.

@@ -997,3 +997,142 @@ fn writes_with_immediate_data_into_a_full_queue_stay_bounded() {
     );
     assert_eq!(done_a.len(), n as usize);
 }
+
+/// A device with RDMA that leaves domain regions unregistered (the `Device::register_mem`
+/// default): their keys are the domain's, which its NIC does not know. Counts the RDMA reads
+/// its queue pairs post.
+#[derive(Debug)]
+struct Unregistered(Arc<dyn Device>, Arc<std::sync::atomic::AtomicUsize>);
+
+impl Device for Unregistered {
+    fn attr(&self) -> &efa::device::DeviceAttr {
+        self.0.attr()
+    }
+    fn create_qp(&self, attr: efa::device::QpAttr) -> efa::Result<Box<dyn efa::device::QueuePair>> {
+        Ok(Box::new(ReadCounting(
+            self.0.create_qp(attr)?,
+            self.1.clone(),
+        )))
+    }
+    fn stats(&self) -> efa::DeviceStats {
+        self.0.stats()
+    }
+}
+
+#[derive(Debug)]
+struct ReadCounting(
+    Box<dyn efa::device::QueuePair>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
+
+impl efa::device::QueuePair for ReadCounting {
+    fn addr(&self) -> efa::RawAddr {
+        self.0.addr()
+    }
+    fn qp_type(&self) -> efa::device::QpType {
+        self.0.qp_type()
+    }
+    fn post_send(&mut self, wr: efa::device::SendWr) -> efa::Result<()> {
+        self.0.post_send(wr)
+    }
+    fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> efa::Result<()> {
+        self.0.post_recv(wr_id, buf)
+    }
+    fn poll(&mut self, out: &mut Vec<efa::device::DeviceCompletion>, max: usize) -> usize {
+        self.0.poll(out, max)
+    }
+    fn close(&mut self) {
+        self.0.close()
+    }
+    fn unsolicited_write_recv(&self) -> bool {
+        self.0.unsolicited_write_recv()
+    }
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        dest: efa::RawAddr,
+        local: BytesMut,
+        remote: efa::device::RemoteIov,
+    ) -> efa::Result<()> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.post_read(wr_id, dest, local, remote)
+    }
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: efa::RawAddr,
+        local: Bytes,
+        remote: efa::device::RemoteIov,
+        imm: Option<u32>,
+    ) -> efa::Result<()> {
+        self.0.post_write(wr_id, dest, local, remote, imm)
+    }
+}
+
+/// A region the device did not register is never offered to a peer's device RDMA read: a
+/// message sent from it above the read threshold goes by long-CTS from the start instead of
+/// by a long-read the peer's NIC would refuse (a libfabric 1.17 peer, which has no READ_NACK,
+/// would hang on it). Issue 16, defect 14.
+#[test]
+fn unregistered_regions_are_never_offered_for_device_reads() {
+    let net = LoopbackNetwork::new(FaultConfig::default());
+    let cfg = Config {
+        inter_min_read_message_size: 4096,
+        runt_size: 0, // long-read, not a runt that carries everything
+        ..Config::default()
+    };
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let dev = || -> Arc<dyn Device> {
+        Arc::new(Unregistered(
+            LoopbackDevice::open(
+                &net,
+                LoopbackConfig {
+                    rdma: true,
+                    ..LoopbackConfig::default()
+                },
+            )
+            .expect("loopback"),
+            reads.clone(),
+        ))
+    };
+    let (da, db) = (
+        Domain::with_device(dev(), cfg.clone()),
+        Domain::with_device(dev(), cfg),
+    );
+    let (a, b) = (Node::new(&da), Node::new(&db));
+    let peer_b = a.insert(b.ep.addr());
+    b.insert(a.ep.addr());
+    // A first message: the handshake, after which the sender knows the receiver can read.
+    b.ep.recv(BytesMut::with_capacity(64), 0).unwrap();
+    a.ep.send(peer_b, Bytes::from_static(b"hi"), 1).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    while b.collect_some().is_empty() {
+        a.ep.progress();
+        assert!(
+            Instant::now() < deadline,
+            "the first message did not arrive"
+        );
+    }
+    a.collect(1, "first send completion");
+    let len = 64 << 10;
+    let msg = payload(3, 0, len);
+    let region = da
+        .register(BytesMut::from(&msg[..]), Access::SEND | Access::REMOTE_READ)
+        .unwrap();
+    b.ep.recv(BytesMut::with_capacity(len), 1).unwrap();
+    a.ep.send(peer_b, region, 2).unwrap();
+    let mut got = Vec::new();
+    while got.is_empty() {
+        a.ep.progress();
+        got.extend(b.collect_some());
+        assert!(Instant::now() < deadline, "the message did not arrive");
+    }
+    assert_eq!(got[0].buf.as_recv().unwrap()[..], msg[..]);
+    a.collect(1, "send completion");
+    assert_eq!(
+        reads.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a device read was tried with a key the device never registered"
+    );
+    assert_eq!(a.ep.stats().errors + b.ep.stats().errors, 0);
+}

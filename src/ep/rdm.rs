@@ -965,11 +965,7 @@ impl RdmCore {
         // the read-message threshold its bytes are not copied (the engine reads what it sends).
         let (data, read_key, region_len) = match &buf {
             SendBuf::Region(r) => {
-                let read_key = r
-                    .access()
-                    .contains(crate::mr::Access::REMOTE_READ)
-                    .then(|| r.remote_key().ok().map(|k| (k.key, k.addr)))
-                    .flatten();
+                let read_key = r.device_read_key();
                 if read_key.is_some() && r.len() >= self.region_send_min {
                     let data = r
                         .check_local(&self.domain, crate::mr::Access::SEND, "send")

@@ -268,10 +268,7 @@ fn write_bytes(buf: &SendBuf, core: &RdmCore) -> Result<Bytes> {
 /// The key and address peers can read a region by (it has `REMOTE_READ`), for the read-based
 /// protocols.
 fn readable(r: &MemoryRegion) -> Option<(u64, u64)> {
-    r.access()
-        .contains(Access::REMOTE_READ)
-        .then(|| r.remote_key().ok().map(|k| (k.key, k.addr)))
-        .flatten()
+    r.device_read_key()
 }
 
 impl RdmCore {
