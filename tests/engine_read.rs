@@ -816,6 +816,46 @@ fn device_rdma_completes_while_the_target_never_polls() {
     assert_eq!(w[0].data, 9, "seed {seed}");
 }
 
+/// A target whose NIC dropped its AH for the initiator refuses the initiator's RDMA with
+/// status 14 (EFA evicts AHs). The initiator introduces itself (a datagram with its raw
+/// address, after which the target holds an AH again), backs off and posts the work requests
+/// again: writes, writes with immediate data and reads complete once and intact, the peer is
+/// not failed, and messages keep flowing (issue 16, defect 5).
+#[test]
+fn rdma_refused_for_want_of_an_ah_is_retried_after_an_introduction() {
+    let seed = test_seed();
+    let (mut sim, mems) = all(SimConfig::clean(seed));
+    connect(&mut sim, seed);
+    let a1 = sim.addr(1);
+    let data = pattern(seed, 100_000);
+    sim.forget_ah(1, 0);
+    let d = run_rma(
+        &mut sim,
+        0,
+        write_op(a1, TBASE, data.clone(), Some(5), 1),
+        seed,
+    )
+    .unwrap();
+    assert!(d.error.is_none(), "seed {seed}: {:?}", d.error);
+    assert_eq!(d.path, RmaPath::Device, "seed {seed}");
+    assert_eq!(&mems[1].bytes(TKEY)[..data.len()], &data[..], "seed {seed}");
+    assert!(
+        sim.stats.rdma_no_ah >= 1,
+        "seed {seed}: the target refused first"
+    );
+    let w = events(&mut sim, 1).writes;
+    assert_eq!(w.len(), 1, "seed {seed}: one write event");
+    sim.forget_ah(1, 0);
+    let before = sim.stats.rdma_no_ah;
+    let d = run_rma(&mut sim, 0, read_op(a1, TBASE + 7, 5000, 2), seed).unwrap();
+    assert!(d.error.is_none(), "seed {seed}: {:?}", d.error);
+    let RmaBuf::Read(b) = d.buf else { panic!() };
+    assert_eq!(&b[..], &data[7..5007], "seed {seed}");
+    assert!(sim.stats.rdma_no_ah > before, "seed {seed}");
+    // The peer lives on: a message each way.
+    connect(&mut sim, seed);
+}
+
 #[test]
 fn close_and_peer_failure_complete_device_rma_once() {
     let seed = test_seed();

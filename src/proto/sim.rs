@@ -220,6 +220,9 @@ pub struct SimStats {
     pub rdma_bytes: u64,
     /// RDMA work requests refused by the target (`RemoteBadAddress`).
     pub rdma_refused: u64,
+    /// RDMA work requests refused because the target held no AH for the initiator
+    /// (`UnknownPeer`, EFA status 14; see [`Sim::forget_ah`]).
+    pub rdma_no_ah: u64,
 }
 
 /// A datagram as the tap saw it.
@@ -255,6 +258,10 @@ pub struct Node {
     /// Not polled; what is delivered to it waits in `parked`.
     frozen: bool,
     parked: Vec<Action>,
+    /// Initiators this node's device holds no AH for: their RDMA fails with `UnknownPeer` until
+    /// a datagram of theirs arrives here (the provider then makes an AH, as libfabric's
+    /// implicit AV insertion and the crate's efa device do).
+    no_ah: std::collections::HashSet<usize>,
 }
 
 #[derive(Debug)]
@@ -462,8 +469,16 @@ impl Sim {
             device_mem: None,
             frozen: false,
             parked: Vec::new(),
+            no_ah: Default::default(),
         });
         i
+    }
+
+    /// Node `target`'s device drops its AH for node `initiator` (EFA evicts AHs): the
+    /// initiator's RDMA to it fails with `UnknownPeer` (status 14) until a datagram from the
+    /// initiator arrives at the target.
+    pub fn forget_ah(&mut self, target: usize, initiator: usize) {
+        self.nodes[target].no_ah.insert(initiator);
     }
 
     /// The current virtual time.
@@ -773,6 +788,7 @@ impl Sim {
                 buf.extend_from_slice(&payload);
                 let node = &mut self.nodes[j];
                 node.free_bufs -= 1;
+                node.no_ah.remove(&from);
                 node.engine.handle_recv(now, src, &buf);
                 self.scratch = buf;
                 let jinc = self.nodes[j].incarnation;
@@ -1014,6 +1030,14 @@ impl Sim {
             let a = done(Status::UnresponsiveRemote, buf);
             return self.schedule(self.cfg.unresponsive_after, a);
         };
+        if self.nodes[j].no_ah.contains(&from) {
+            self.stats.rdma_no_ah += 1;
+            let buf = match op {
+                RdmaOp::Read { buf, .. } => Some(buf),
+                RdmaOp::Write { .. } => None,
+            };
+            return self.schedule(self.cfg.completion_delay, done(Status::UnknownPeer, buf));
+        }
         let mem = self.nodes[j].device_mem.clone();
         let refused = Error::new(ErrorKind::RemoteAccess, "rdma");
         match op {

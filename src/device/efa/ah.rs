@@ -10,9 +10,12 @@
 //!   may still use it;
 //! * handles only the cache references are "idle"; they stay cached for the next send to the same
 //!   GID, and are evicted (destroyed) when the cache grows beyond its bound or the device runs out
-//!   of handles;
+//!   of handles — the least recently used first, an eighth of the bound at a time, so the
+//!   handles of live peers (sent to or heard from lately) stay: EFA needs the target of an RDMA
+//!   operation to hold an AH for the initiator (else status 14), and reports the sender of a
+//!   receive by AHN only while it holds one;
 //! * the cache also maps the address handle number (AHN) the device reports in receive completions
-//!   back to the sender's GID.
+//!   back to the sender's GID (a lookup counts as a use).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -45,6 +48,8 @@ pub trait AhFactory {
 struct Entry<A> {
     ah: Arc<A>,
     ahn: u16,
+    /// The cache's clock at the last use (a send or a receive naming it).
+    used: u64,
 }
 
 /// Address handles by GID, reference-counted, with the reverse map AHN → GID.
@@ -54,6 +59,7 @@ pub struct AhCache<A> {
     max_cached: usize,
     created: u64,
     evicted: u64,
+    clock: u64,
 }
 
 impl<A> AhCache<A> {
@@ -65,21 +71,35 @@ impl<A> AhCache<A> {
             max_cached: max_cached.max(1),
             created: 0,
             evicted: 0,
+            clock: 0,
         }
     }
 
-    /// A reference to the handle of `gid`, created with `factory` on a miss. When the device is
-    /// out of handles (`NoMemory`), idle handles are evicted and the creation tried once more.
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// How many idle handles one eviction round destroys.
+    fn batch(&self) -> usize {
+        (self.max_cached / 8).max(1)
+    }
+
+    /// A reference to the handle of `gid`, created with `factory` on a miss. When the cache is
+    /// full or the device is out of handles (`NoMemory`), the least recently used idle handles
+    /// are evicted (then the creation is tried once more).
     pub fn get<F: AhFactory<Ah = A>>(&mut self, gid: &Gid, factory: &F) -> Result<Arc<A>> {
-        if let Some(e) = self.map.get(gid) {
+        let now = self.tick();
+        if let Some(e) = self.map.get_mut(gid) {
+            e.used = now;
             return Ok(e.ah.clone());
         }
         if self.map.len() >= self.max_cached {
-            self.evict_idle();
+            self.evict_lru(self.batch());
         }
         let (ah, ahn) = match factory.create_ah(gid) {
             Ok(x) => x,
-            Err(e) if e.kind() == ErrorKind::NoMemory && self.evict_idle() > 0 => {
+            Err(e) if e.kind() == ErrorKind::NoMemory && self.evict_lru(self.batch()) > 0 => {
                 factory.create_ah(gid)?
             }
             Err(e) => return Err(e),
@@ -95,19 +115,32 @@ impl<A> AhCache<A> {
             Entry {
                 ah: ah.clone(),
                 ahn,
+                used: now,
             },
         );
         Ok(ah)
     }
 
     /// Destroys every handle no work request references; returns how many.
+    #[cfg(test)]
     pub fn evict_idle(&mut self) -> usize {
-        let idle: Vec<Gid> = self
+        self.evict_lru(usize::MAX)
+    }
+
+    /// Destroys up to `n` handles no work request references, the least recently used first;
+    /// returns how many.
+    pub fn evict_lru(&mut self, n: usize) -> usize {
+        let mut idle: Vec<(u64, Gid)> = self
             .map
             .iter()
             .filter(|(_, e)| Arc::strong_count(&e.ah) == 1)
-            .map(|(g, _)| *g)
+            .map(|(g, e)| (e.used, *g))
             .collect();
+        if idle.len() > n {
+            idle.select_nth_unstable(n);
+            idle.truncate(n);
+        }
+        let idle: Vec<Gid> = idle.into_iter().map(|(_, g)| g).collect();
         for g in &idle {
             if let Some(e) = self.map.remove(g) {
                 if self.by_ahn.get(&e.ahn) == Some(g) {
@@ -119,9 +152,15 @@ impl<A> AhCache<A> {
         idle.len()
     }
 
-    /// The GID of the peer whose handle has number `ahn`, if this cache made it.
-    pub fn gid_of(&self, ahn: u16) -> Option<Gid> {
-        self.by_ahn.get(&ahn).copied()
+    /// The GID of the peer whose handle has number `ahn`, if this cache made it (a use of
+    /// that handle: a peer heard from stays cached).
+    pub fn gid_of(&mut self, ahn: u16) -> Option<Gid> {
+        let g = self.by_ahn.get(&ahn).copied()?;
+        let now = self.tick();
+        if let Some(e) = self.map.get_mut(&g) {
+            e.used = now;
+        }
+        Some(g)
     }
 
     /// The handle number of `gid`, if cached.
@@ -278,6 +317,32 @@ mod tests {
         assert!(c.ahn_of(&gid(1)).is_some());
         assert_eq!(c.counts(), (3, 1));
         drop(keep);
+    }
+
+    /// Over the bound, the least recently used idle handles go, an eighth of the bound at a
+    /// time; a handle used by a send or named by a receive (`gid_of`) counts as used, so the
+    /// AHs of live peers stay (issue 16, defect 5).
+    #[test]
+    fn eviction_takes_the_least_recently_used_idle_handles() {
+        let f = Factory::new(None);
+        let mut c = AhCache::new(16);
+        for n in 1..=16 {
+            drop(c.get(&gid(n), &f).unwrap());
+        }
+        // Peers 1 and 2 are heard from (receives), peer 3 sent to: all three are recent.
+        let ahn1 = c.ahn_of(&gid(1)).unwrap();
+        let ahn2 = c.ahn_of(&gid(2)).unwrap();
+        assert_eq!(c.gid_of(ahn1), Some(gid(1)));
+        assert_eq!(c.gid_of(ahn2), Some(gid(2)));
+        drop(c.get(&gid(3), &f).unwrap());
+        drop(c.get(&gid(17), &f).unwrap());
+        // Two (16 / 8) went: the two least recently used, 4 and 5.
+        let gone: std::collections::HashSet<Gid> = f.log.lock().iter().copied().collect();
+        assert_eq!(gone, [gid(4), gid(5)].into_iter().collect());
+        for n in [1, 2, 3, 6, 16, 17] {
+            assert!(c.ahn_of(&gid(n)).is_some(), "peer {n} kept");
+        }
+        assert_eq!(c.len(), 15);
     }
 
     #[test]

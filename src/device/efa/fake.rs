@@ -129,6 +129,11 @@ impl FakeNic {
 
     /// "DMA": writes `data` into the oldest posted receive (after a GRH on UD) and queues its
     /// completion. Returns the token, or `None` when no receive is posted.
+    /// The AHN the NIC's AH cache holds for `gid`.
+    pub fn ahn_of(&self, gid: &Gid) -> Option<u16> {
+        self.ahs.lock().ahn_of(gid)
+    }
+
     pub fn arrive(&mut self, data: &[u8], slid: u32, src_qp: u32, imm: Option<u32>) -> Option<u64> {
         let (wr_id, sge) = self.recvs.pop_front()?;
         let grh = if self.qp_type == QpType::Ud {

@@ -247,6 +247,14 @@ impl<N: Nic> EfaQp<N> {
             .filter(|a| u32::from(*a) != super::verbs::AHN_UNKNOWN)
             .and_then(|a| self.nic.gid_of_ahn(a));
         let qpn = u16::try_from(raw.src_qp).ok()?;
+        if let (None, Some(g)) = (by_ahn, raw.sgid) {
+            // A sender we hold no AH for: make one now, as libfabric's implicit AV insertion
+            // does, so that its RDMA to us is accepted (EFA refuses RDMA from initiators the
+            // target has no AH for, status 14) and its next packets name it by AHN.
+            if let Err(e) = self.nic.address_handle(&g) {
+                tracing::debug!(gid = %g, error = %e, "efa: no AH for a new sender");
+            }
+        }
         // No AH for the sender and no source GID from the CQ: the queue pair number is all the
         // device tells; the engine identifies the sender by its REQ's raw address header.
         let gid = by_ahn.or(raw.sgid).unwrap_or(crate::Gid::UNKNOWN);

@@ -174,6 +174,9 @@ fn source_from_sgid_when_the_sender_has_no_handle() {
             qpn: 12
         })
     );
+    // The device made an AH for the new sender (libfabric's implicit insertion): its RDMA to
+    // us is accepted and its next packets name it by AHN (issue 16, defect 5).
+    assert!(q.nic_mut().ahn_of(&gid(42)).is_some());
 }
 
 #[test]

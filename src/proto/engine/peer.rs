@@ -111,7 +111,9 @@ pub(super) struct Peer {
     pub(super) verified: bool,
 }
 
-/// Device statuses after which a peer is considered gone.
+/// Device statuses after which a peer is considered gone. Not `UnknownPeer` (14): on EFA it
+/// says the target holds no AH for us, which a datagram from us repairs (RDMA work requests
+/// that meet it are posted again, `NO_AH_RETRIES`).
 pub(super) fn peer_fatal(s: Status) -> bool {
     matches!(
         s,
@@ -119,7 +121,6 @@ pub(super) fn peer_fatal(s: Status) -> bool {
             | Status::UnreachableRemote
             | Status::BadDestQpn
             | Status::RemoteAbort
-            | Status::UnknownPeer
             | Status::InvalidAh
     )
 }

@@ -223,8 +223,15 @@ struct Wr {
     what: WrWhat,
     /// RNR completions met (writes with immediate data).
     rnr: u8,
+    /// `UnknownPeer` (EFA status 14: the target holds no AH for us) completions met.
+    no_ah: u8,
     wr_id: u64,
 }
+
+/// How often a device RDMA work request is posted again after the target said it holds no AH
+/// for us (status 14), each time after introducing ourselves and backing off, before the
+/// operation fails (the peer stays: status 14 is not a sign it is gone).
+pub(super) const NO_AH_RETRIES: u8 = 4;
 
 /// The state of this module in the engine (`Engine::rd`).
 #[derive(Debug, Default)]
@@ -500,6 +507,25 @@ impl Engine {
             if again {
                 self.enter_backoff(pid, now);
             }
+            return;
+        }
+        if status == Status::UnknownPeer
+            && w.no_ah < NO_AH_RETRIES
+            && self.peers.contains_key(&w.peer)
+        {
+            // EFA: the target's NIC holds no AH for us (it evicted it, or never made one), so it
+            // refuses our RDMA. A datagram carrying our raw address makes its provider create
+            // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
+            // it learns the GID of); then the work request goes again, after a backoff.
+            self.stats.retransmits += 1;
+            w.no_ah += 1;
+            if let WrWhat::Read { buf: slot, .. } = &mut w.what {
+                *slot = buf;
+            }
+            let pid = w.peer;
+            self.rd.wrs.push_front(w);
+            self.introduce(pid);
+            self.enter_backoff(pid, now);
             return;
         }
         if let WrWhat::Read { buf: slot, .. } = &mut w.what {

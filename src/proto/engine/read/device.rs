@@ -221,6 +221,7 @@ impl Engine {
             remote,
             what,
             rnr: 0,
+            no_ah: 0,
             wr_id: 0,
         };
         let piece = |off: usize, n: usize| RemoteIov {
@@ -343,6 +344,15 @@ impl Engine {
             return;
         }
         p.hs_triggered = true;
+        self.introduce(pid);
+    }
+
+    /// Sends `pid` a 0-byte EAGER_RTW with our raw address (libfabric's handshake trigger),
+    /// whatever was sent before: its receipt makes the peer's provider hold an AH for us.
+    pub(super) fn introduce(&mut self, pid: u64) {
+        if !self.peers.contains_key(&pid) {
+            return;
+        }
         let pkt = Packet::EagerRtw {
             opt: ReqOpt {
                 sender: Sender::RawAddr(self.local),

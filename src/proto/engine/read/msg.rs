@@ -381,6 +381,7 @@ impl Engine {
                     buf: Some(b),
                 },
                 rnr: 0,
+                no_ah: 0,
                 wr_id: 0,
             });
         }

@@ -117,6 +117,7 @@ impl Engine {
                     buf: None,
                 },
                 rnr: 0,
+                no_ah: 0,
                 wr_id: 0,
             });
         }
