@@ -104,6 +104,8 @@ pub const IBV_MTU_4096: c_int = 5;
 pub const IBV_LINK_LAYER_UNSPECIFIED: u8 = 0;
 
 // enum ibv_fork_status
+pub const IBV_FORK_DISABLED: c_int = 0;
+pub const IBV_FORK_ENABLED: c_int = 1;
 pub const IBV_FORK_UNNEEDED: c_int = 2;
 
 /// `__VERBS_ABI_IS_EXTENDED`: `context.abi_compat` of a context with a `verbs_context` around it.

@@ -15,6 +15,7 @@
 //! | `EFA_EMU_MEMLOCK` | `RLIMIT_MEMLOCK` | bytes a process may register; enforced even with `CAP_IPC_LOCK` when set |
 //! | `EFA_EMU_UNRESPONSIVE_MS` | 5000 | a peer silent this long fails sends with "unresponsive remote" (13) |
 //! | `EFA_EMU_STATS` | unset | print the NIC's counters to stderr at exit |
+//! | `EFA_EMU_FORK` | `unneeded` | `disabled`: fork support as on kernels before 5.13 (`ibv_fork_init` needed, before any registration) |
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;

@@ -47,6 +47,9 @@ struct Mrs {
     pinned: u64,
 }
 
+/// A registration was attempted in this process (`ibv_fork_init` refuses to start after one).
+pub static REGISTERED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// The NIC.
 pub struct Nic {
     pub cfg: EmuConfig,
@@ -231,6 +234,7 @@ impl Nic {
         access: i32,
     ) -> Result<(u32, u32), Errno> {
         use crate::abi::*;
+        REGISTERED.store(true, std::sync::atomic::Ordering::Relaxed);
         let known = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
         let mut supported = IBV_ACCESS_LOCAL_WRITE;
         if self.cfg.caps.rdma_read {

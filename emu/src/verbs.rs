@@ -1288,15 +1288,38 @@ unsafe extern "C" fn emu_post_send(
 // ---------------------------------------------------------------------------------------------
 // The rest of the imported ABI
 
+/// `EFA_EMU_FORK=disabled` models a kernel older than 5.13, where registered pages are not
+/// copied on fork: `ibv_is_fork_initialized` says `IBV_FORK_DISABLED` until `ibv_fork_init`
+/// (which refuses with `EINVAL` once memory was registered) enables it. Unset or `unneeded`
+/// (the default): `IBV_FORK_UNNEEDED`, as on 5.13+ (the emulator pins nothing anyway).
+fn fork_modelled() -> bool {
+    std::env::var("EFA_EMU_FORK").is_ok_and(|v| v == "disabled")
+}
+
+static FORK_ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_fork_init() -> c_int {
+    use std::sync::atomic::Ordering::Relaxed;
+    if !fork_modelled() || FORK_ENABLED.load(Relaxed) {
+        return 0;
+    }
+    if crate::nic::REGISTERED.load(Relaxed) {
+        return libc::EINVAL;
+    }
+    FORK_ENABLED.store(true, Relaxed);
     0
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_is_fork_initialized() -> c_int {
-    // The emulator pins nothing: a child sees the parent's memory as any fork does.
-    IBV_FORK_UNNEEDED
+    if !fork_modelled() {
+        IBV_FORK_UNNEEDED
+    } else if FORK_ENABLED.load(std::sync::atomic::Ordering::Relaxed) {
+        IBV_FORK_ENABLED
+    } else {
+        IBV_FORK_DISABLED
+    }
 }
 
 #[unsafe(no_mangle)]

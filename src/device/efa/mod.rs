@@ -59,6 +59,7 @@ mod ah;
 mod cq;
 mod discovery;
 mod ffi;
+mod fork;
 mod mr;
 mod nic;
 mod qp;
@@ -81,6 +82,7 @@ pub use discovery::{
     EfadvAttrs, IbvDeviceAttrs, PORT_ACTIVE, PortAttrs, QueriedDevice, SYSFS_CLASS,
     apply_use_device_rdma, is_pci_addr, sysfs_location,
 };
+pub use fork::ForkSupport;
 pub use mr::ibv_access;
 pub use status::{opcode_from_wc, status_from_vendor_err, status_from_wc};
 pub use verbs::{EfaMr, device_names};
@@ -143,6 +145,18 @@ impl EfaDevice {
     /// device, `Config` for `use_device_rdma = Some(true)` without RDMA read, and the verb that
     /// failed otherwise.
     pub fn open(name: &str, use_device_rdma: Option<bool>) -> Result<Arc<EfaDevice>> {
+        // FI_EFA_FORK_SAFE from the environment (open_all passes the configuration's).
+        let fork_safe = Config::from_env().is_ok_and(|c| c.fork_safe);
+        EfaDevice::open_with(name, use_device_rdma, fork_safe)
+    }
+
+    fn open_with(
+        name: &str,
+        use_device_rdma: Option<bool>,
+        fork_safe: bool,
+    ) -> Result<Arc<EfaDevice>> {
+        // Before anything is registered: ibv_fork_init must come first (see `fork`).
+        let fork = fork::prepare(fork_safe);
         let ctx = verbs::Context::open(name)?;
         let queried = ctx.query()?;
         let attr = queried.device_attr(use_device_rdma)?;
@@ -154,7 +168,7 @@ impl EfaDevice {
             );
         }
         let shared = verbs::Shared::new(&ctx)?;
-        tracing::debug!(device = name, gid = %attr.gid, mtu = attr.mtu, caps = ?attr.caps, "efa: device opened");
+        tracing::debug!(device = name, gid = %attr.gid, mtu = attr.mtu, caps = ?attr.caps, ?fork, "efa: device opened");
         Ok(Arc::new(EfaDevice {
             attr,
             queried,
@@ -176,7 +190,7 @@ impl EfaDevice {
             if !config.iface_allows(&name) {
                 continue;
             }
-            match EfaDevice::open(&name, config.use_device_rdma) {
+            match EfaDevice::open_with(&name, config.use_device_rdma, config.fork_safe) {
                 Ok(d) => out.push(d),
                 Err(e) if e.kind() == ErrorKind::Config => return Err(e),
                 Err(e) if e.kind() == ErrorKind::NotSupported => {
@@ -188,6 +202,12 @@ impl EfaDevice {
             }
         }
         Ok(out)
+    }
+
+    /// The process's fork support as found when the first device opened (and turned on then
+    /// if `FI_EFA_FORK_SAFE`, `RDMAV_FORK_SAFE` or `IBV_FORK_SAFE` asked for it).
+    pub fn fork_support(&self) -> ForkSupport {
+        fork::status().unwrap_or(ForkSupport::Disabled)
     }
 
     /// What discovery learned about the device.

@@ -72,8 +72,12 @@ pub fn ibv_access(access: Access) -> u32 {
 
 /// Slots are aligned to this many bytes (a cache line; the NIC writes whole lines).
 const SLOT_ALIGN: usize = 64;
-/// The pool's memory is page aligned.
-const POOL_ALIGN: usize = 4096;
+/// The pool's memory is page aligned and a whole number of pages long.
+fn pool_align() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page).unwrap_or(4096).max(4096)
+}
 
 /// Fixed-size slots of one registered, page-aligned allocation.
 pub struct SlotPool<M: Registration> {
@@ -105,10 +109,13 @@ impl<M: Registration> SlotPool<M> {
             return Err(bad(format!("{slots} slots of {slot_size} bytes")));
         }
         let stride = slot_size.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        // Whole pages: with fork support on, registration marks the pages MADV_DONTFORK, which
+        // must not catch unrelated heap data sharing the pool's last page.
         let total = stride
             .checked_mul(slots)
+            .and_then(|t| t.checked_next_multiple_of(pool_align()))
             .ok_or_else(|| bad(format!("{slots} slots of {slot_size} bytes overflow")))?;
-        let layout = Layout::from_size_align(total, POOL_ALIGN)
+        let layout = Layout::from_size_align(total, pool_align())
             .map_err(|e| bad(format!("{total} bytes: {e}")))?;
         // SAFETY: `layout` has a non-zero size (slots, slot_size ≥ 1).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -164,6 +171,12 @@ impl<M: Registration> SlotPool<M> {
     #[cfg(test)]
     pub fn available(&self) -> usize {
         self.free.len()
+    }
+
+    /// Bytes allocated and registered (whole pages).
+    #[cfg(test)]
+    pub fn bytes(&self) -> usize {
+        self.layout.size()
     }
 
     /// Usable bytes per slot.

@@ -99,6 +99,21 @@ fn ud_receive_strips_the_grh() {
     assert_eq!(q.counters.snapshot().rx_bytes, 5);
 }
 
+/// Bounce pools are page-aligned and a whole number of pages long, so fork support's
+/// MADV_DONTFORK on their pages catches no unrelated heap data (issue 16, defect 9).
+#[test]
+fn bounce_pools_are_whole_pages() {
+    let q = qp(QpType::Ud);
+    // SAFETY: sysconf has no preconditions.
+    let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize).max(4096);
+    for p in [q.send_pool.as_ref().unwrap(), q.recv_pool.as_ref().unwrap()] {
+        let sge = p.sge(0, 0);
+        assert_eq!(sge.addr as usize % page, 0, "page-aligned");
+        assert_eq!(p.bytes() % page, 0, "whole pages: {} bytes", p.bytes());
+        assert!(p.bytes() >= p.slot_size());
+    }
+}
+
 #[test]
 fn srd_receive_has_no_grh_and_truncates_into_small_buffers() {
     let mut q = qp(QpType::Srd);
