@@ -14,7 +14,7 @@ use std::process::Command;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] [--device NAME] -- PROGRAM [ARGS...]\n       efa-emu env [same options]\n\nLIST: comma-separated rdma_read,rdma_write,rnr_retry,unsolicited_write_recv (or none)\nSPEC: seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS\nOther EFA_EMU_* variables in the environment pass through (docs/emulator.md)."
+        "usage: efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] [--device NAME] -- PROGRAM [ARGS...]\n       efa-emu env [same options]\n\nLIST: comma-separated rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid (or none)\nSPEC: seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS\nOther EFA_EMU_* variables in the environment pass through (docs/emulator.md)."
     );
     std::process::exit(2)
 }
