@@ -97,6 +97,11 @@ counters!(
         tx_batches,
         /// System calls that read several datagrams at once (`recvmmsg`; udp device).
         rx_batches,
+        /// Bytes of bounce pools on huge pages (`FI_EFA_USE_HUGE_PAGE`; efa device).
+        huge_page_bytes,
+        /// Bounce pools that asked for huge pages and got ordinary ones (none reserved,
+        /// `vm.nr_hugepages`); efa device.
+        huge_page_fallbacks,
     }
 );
 

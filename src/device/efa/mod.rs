@@ -125,6 +125,8 @@ pub struct EfaDevice {
     strays: Arc<AtomicU64>,
     /// The NIC registrations of domain regions ([`Device::register_mem`]), by rkey.
     regions: parking_lot::Mutex<std::collections::HashMap<u64, (EfaMr, Arc<RegionMem>)>>,
+    /// Queue pairs' bounce pools go on huge pages when there are any (`FI_EFA_USE_HUGE_PAGE`).
+    huge_pages: bool,
 }
 
 impl std::fmt::Debug for EfaDevice {
@@ -146,14 +148,15 @@ impl EfaDevice {
     /// failed otherwise.
     pub fn open(name: &str, use_device_rdma: Option<bool>) -> Result<Arc<EfaDevice>> {
         // FI_EFA_FORK_SAFE from the environment (open_all passes the configuration's).
-        let fork_safe = Config::from_env().is_ok_and(|c| c.fork_safe);
-        EfaDevice::open_with(name, use_device_rdma, fork_safe)
+        let env = Config::from_env().unwrap_or_default();
+        EfaDevice::open_with(name, use_device_rdma, env.fork_safe, env.huge_pages())
     }
 
     fn open_with(
         name: &str,
         use_device_rdma: Option<bool>,
         fork_safe: bool,
+        huge_pages: bool,
     ) -> Result<Arc<EfaDevice>> {
         // Before anything is registered: ibv_fork_init must come first (see `fork`).
         let fork = fork::prepare(fork_safe);
@@ -176,6 +179,7 @@ impl EfaDevice {
             counters: Arc::new(DeviceCounters::default()),
             strays: Arc::new(AtomicU64::new(0)),
             regions: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            huge_pages,
         }))
     }
 
@@ -190,7 +194,12 @@ impl EfaDevice {
             if !config.iface_allows(&name) {
                 continue;
             }
-            match EfaDevice::open_with(&name, config.use_device_rdma, config.fork_safe) {
+            match EfaDevice::open_with(
+                &name,
+                config.use_device_rdma,
+                config.fork_safe,
+                config.huge_pages(),
+            ) {
                 Ok(d) => out.push(d),
                 Err(e) if e.kind() == ErrorKind::Config => return Err(e),
                 Err(e) if e.kind() == ErrorKind::NotSupported => {
@@ -385,6 +394,7 @@ impl Device for EfaDevice {
             recv_depth,
             caps,
             max_rdma_size: if srd { a.max_rdma_size } else { 0 },
+            huge_pages: self.huge_pages,
         };
         let addr = crate::addr::RawAddr::new(a.gid, qpn, qkey);
         let qp = qp::EfaQp::new(

@@ -79,10 +79,16 @@ fn pool_align() -> usize {
     usize::try_from(page).unwrap_or(4096).max(4096)
 }
 
-/// Fixed-size slots of one registered, page-aligned allocation.
+/// Huge pages are this large (x86-64 and arm64 default `Hugepagesize`).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Fixed-size slots of one registered, page-aligned allocation (on huge pages when asked for
+/// and available).
 pub struct SlotPool<M: Registration> {
     base: NonNull<u8>,
     layout: Layout,
+    /// The memory is an anonymous huge-page mapping of `layout.size()` bytes (else the heap's).
+    huge: bool,
     /// Bytes between slot starts (the slot size rounded up to [`SLOT_ALIGN`]).
     stride: usize,
     /// Usable bytes of a slot.
@@ -97,8 +103,15 @@ pub struct SlotPool<M: Registration> {
 unsafe impl<M: Registration> Send for SlotPool<M> {}
 
 impl<M: Registration> SlotPool<M> {
-    /// `slots` slots of `slot_size` bytes, zeroed and registered with `nic` for local write.
-    pub fn new<N: Nic<Mr = M>>(nic: &N, slot_size: usize, slots: usize) -> Result<SlotPool<M>> {
+    /// `slots` slots of `slot_size` bytes, zeroed and registered with `nic` for local write;
+    /// on huge pages when `huge` and the system has them reserved (else on ordinary pages:
+    /// [`SlotPool::is_huge`] says which).
+    pub fn new<N: Nic<Mr = M>>(
+        nic: &N,
+        slot_size: usize,
+        slots: usize,
+        huge: bool,
+    ) -> Result<SlotPool<M>> {
         let bad =
             |d: String| Error::new(ErrorKind::InvalidArgument, "efa_slot_pool").with_detail(d);
         if slots == 0
@@ -115,33 +128,54 @@ impl<M: Registration> SlotPool<M> {
             .checked_mul(slots)
             .and_then(|t| t.checked_next_multiple_of(pool_align()))
             .ok_or_else(|| bad(format!("{slots} slots of {slot_size} bytes overflow")))?;
-        let layout = Layout::from_size_align(total, pool_align())
-            .map_err(|e| bad(format!("{total} bytes: {e}")))?;
-        // SAFETY: `layout` has a non-zero size (slots, slot_size ≥ 1).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(ptr).ok_or_else(|| {
-            Error::new(ErrorKind::NoMemory, "efa_slot_pool")
-                .with_detail(format!("cannot allocate {total} bytes"))
-        })?;
+        let (base, layout, huge) = match huge.then(|| map_huge(total)).flatten() {
+            Some((base, len)) => {
+                let layout = Layout::from_size_align(len, HUGE_PAGE)
+                    .map_err(|e| bad(format!("{len} bytes: {e}")))?;
+                (base, layout, true)
+            }
+            None => {
+                let layout = Layout::from_size_align(total, pool_align())
+                    .map_err(|e| bad(format!("{total} bytes: {e}")))?;
+                // SAFETY: `layout` has a non-zero size (slots, slot_size ≥ 1).
+                let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                let base = NonNull::new(ptr).ok_or_else(|| {
+                    Error::new(ErrorKind::NoMemory, "efa_slot_pool")
+                        .with_detail(format!("cannot allocate {total} bytes"))
+                })?;
+                (base, layout, false)
+            }
+        };
         // SAFETY: the allocation stays valid and in place until `Drop`, which drops the
         // registration first; no reference to it exists until a slot is handed out.
-        let mr = match unsafe { nic.register(base.as_ptr(), total, ACCESS_LOCAL_WRITE) } {
+        let mr = match unsafe { nic.register(base.as_ptr(), layout.size(), ACCESS_LOCAL_WRITE) } {
             Ok(mr) => mr,
             Err(e) => {
-                // SAFETY: allocated above with this layout, never registered.
-                unsafe { std::alloc::dealloc(base.as_ptr(), layout) };
+                // SAFETY: allocated above as recorded, never registered.
+                unsafe { release(base, layout, huge) };
                 return Err(e);
             }
         };
         Ok(SlotPool {
             base,
             layout,
+            huge,
             stride,
             slot_size,
             mr: Some(mr),
             free: (0..slots as u32).rev().collect(),
             in_use: vec![false; slots],
         })
+    }
+
+    /// Whether the pool is on huge pages.
+    pub fn is_huge(&self) -> bool {
+        self.huge
+    }
+
+    /// Bytes allocated and registered.
+    pub fn len_bytes(&self) -> usize {
+        self.layout.size()
     }
 
     /// Takes a free slot.
@@ -171,12 +205,6 @@ impl<M: Registration> SlotPool<M> {
     #[cfg(test)]
     pub fn available(&self) -> usize {
         self.free.len()
-    }
-
-    /// Bytes allocated and registered (whole pages).
-    #[cfg(test)]
-    pub fn bytes(&self) -> usize {
-        self.layout.size()
     }
 
     /// Usable bytes per slot.
@@ -235,8 +263,50 @@ impl<M: Registration> Drop for SlotPool<M> {
     fn drop(&mut self) {
         // Deregister first: after that the NIC cannot touch the memory, which can then be freed.
         drop(self.mr.take());
-        // SAFETY: allocated in `new` with `self.layout`; deregistered just above.
-        unsafe { std::alloc::dealloc(self.base.as_ptr(), self.layout) };
+        // SAFETY: allocated in `new` as recorded; deregistered just above.
+        unsafe { release(self.base, self.layout, self.huge) };
+    }
+}
+
+/// An anonymous, zeroed mapping of at least `len` bytes on huge pages, and its length; `None`
+/// when the system has none to give (`vm.nr_hugepages` is 0 or used up).
+fn map_huge(len: usize) -> Option<(NonNull<u8>, usize)> {
+    let len = len.checked_next_multiple_of(HUGE_PAGE)?;
+    // SAFETY: a fresh anonymous mapping; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        tracing::debug!(
+            len,
+            errno = std::io::Error::last_os_error().raw_os_error(),
+            "efa: no huge pages for a bounce pool; ordinary pages"
+        );
+        return None;
+    }
+    NonNull::new(p.cast::<u8>()).map(|b| (b, len))
+}
+
+/// Frees a pool's memory.
+///
+/// # Safety
+///
+/// `base` and `layout` are a pool's allocation (`huge`: its mapping), not registered any more and
+/// not used afterwards.
+unsafe fn release(base: NonNull<u8>, layout: Layout, huge: bool) {
+    if huge {
+        // SAFETY: the caller's contract; the mapping is `layout.size()` bytes.
+        unsafe { libc::munmap(base.as_ptr().cast(), layout.size()) };
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::alloc::dealloc(base.as_ptr(), layout) };
     }
 }
 

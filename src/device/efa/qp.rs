@@ -73,6 +73,8 @@ pub struct QpLimits {
     pub caps: DeviceCaps,
     /// Largest RDMA read/write.
     pub max_rdma_size: u64,
+    /// Put the bounce pools on huge pages when the system has them (`FI_EFA_USE_HUGE_PAGE`).
+    pub huge_pages: bool,
 }
 
 /// The payload a receive slot holds: for UD the NIC put a 40-byte GRH in front of the datagram,
@@ -153,8 +155,16 @@ impl<N: Nic> EfaQp<N> {
             QpType::Ud => limits.mtu + GRH_LEN,
             QpType::Srd => limits.mtu,
         };
-        let send_pool = SlotPool::new(&nic, limits.mtu.max(1), limits.send_depth.max(1))?;
-        let recv_pool = SlotPool::new(&nic, recv_slot, limits.recv_depth.max(1))?;
+        let huge = limits.huge_pages;
+        let send_pool = SlotPool::new(&nic, limits.mtu.max(1), limits.send_depth.max(1), huge)?;
+        let recv_pool = SlotPool::new(&nic, recv_slot, limits.recv_depth.max(1), huge)?;
+        for p in [&send_pool, &recv_pool] {
+            if p.is_huge() {
+                stats::add(&counters.huge_page_bytes, p.len_bytes() as u64);
+            } else if huge {
+                stats::inc(&counters.huge_page_fallbacks);
+            }
+        }
         Ok(EfaQp {
             nic,
             addr,

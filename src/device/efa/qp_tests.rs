@@ -22,6 +22,7 @@ fn limits(caps: DeviceCaps) -> QpLimits {
         recv_depth: 4,
         caps,
         max_rdma_size: 1 << 20,
+        huge_pages: false,
     }
 }
 
@@ -109,9 +110,49 @@ fn bounce_pools_are_whole_pages() {
     for p in [q.send_pool.as_ref().unwrap(), q.recv_pool.as_ref().unwrap()] {
         let sge = p.sge(0, 0);
         assert_eq!(sge.addr as usize % page, 0, "page-aligned");
-        assert_eq!(p.bytes() % page, 0, "whole pages: {} bytes", p.bytes());
-        assert!(p.bytes() >= p.slot_size());
+        assert_eq!(
+            p.len_bytes() % page,
+            0,
+            "whole pages: {} bytes",
+            p.len_bytes()
+        );
+        assert!(p.len_bytes() >= p.slot_size());
     }
+}
+
+/// `FI_EFA_USE_HUGE_PAGE`: pools go on huge pages when the system has them reserved, else on
+/// ordinary pages with a fallback counted; either way they work the same.
+#[test]
+fn huge_page_pools_or_a_counted_fallback() {
+    let mut l = limits(DeviceCaps::default());
+    l.huge_pages = true;
+    let counters = Arc::new(DeviceCounters::default());
+    let mut q = EfaQp::new(
+        FakeNic::new(QpType::Srd),
+        RawAddr::new(gid(1), 7, 0x1234),
+        QpType::Srd,
+        l,
+        Arc::new(Notifier::new()),
+        counters.clone(),
+        Arc::new(AtomicU64::new(0)),
+    )
+    .unwrap();
+    let s = counters.snapshot();
+    let huge = q.send_pool.as_ref().unwrap().is_huge();
+    eprintln!("bounce pools on huge pages: {huge}");
+    if huge {
+        assert!(s.huge_page_bytes >= 2 << 20, "{s:?}");
+        assert_eq!(q.send_pool.as_ref().unwrap().len_bytes() % (2 << 20), 0);
+    } else {
+        assert_eq!((s.huge_page_bytes, s.huge_page_fallbacks), (0, 2), "{s:?}");
+    }
+    // The pools work either way.
+    q.post_recv(1, BytesMut::with_capacity(16)).unwrap();
+    q.nic_mut()
+        .arrive(b"huge", super::super::verbs::AHN_UNKNOWN, 5, None)
+        .unwrap();
+    let c = poll_all(&mut q);
+    assert_eq!(&c[0].buf.as_ref().unwrap()[..], b"huge");
 }
 
 #[test]
