@@ -111,7 +111,14 @@ impl fmt::Debug for CompletionFlags {
 }
 
 /// A buffer handed back by a completion: whatever the operation was given.
-#[derive(Debug, Default)]
+///
+/// `Debug` shows the length and the first bytes, never a whole payload:
+///
+/// ```
+/// let b = efa::Buffer::Send(bytes::Bytes::from(vec![7u8; 1 << 20]));
+/// assert_eq!(format!("{b:?}"), "Send(1048576 bytes: 07 07 07 07 07 07 07 07 ..)");
+/// ```
+#[derive(Default)]
 pub enum Buffer {
     /// The operation had no buffer.
     #[default]
@@ -169,7 +176,7 @@ impl Buffer {
 
 /// What a send can be given: `Bytes` (zero-copy, reference counted), anything that converts into
 /// `Bytes` (`Vec<u8>`, `&'static [u8]`, `String`), or a memory region with `SEND` access.
-#[derive(Debug)]
+/// (`Debug` shows the length and the first bytes.)
 pub enum SendBuf {
     /// Bytes.
     Bytes(Bytes),
@@ -208,8 +215,8 @@ impl SendBuf {
 }
 
 /// What a receive can be given: a `BytesMut` (its `capacity()` is the room offered; its contents
-/// are replaced) or a memory region with `RECV` access (its length is the room).
-#[derive(Debug)]
+/// are replaced) or a memory region with `RECV` access (its length is the room). (`Debug` shows
+/// the length, the capacity and the first bytes.)
 pub enum RecvBuf {
     /// A growable buffer.
     Bytes(BytesMut),
@@ -233,6 +240,66 @@ impl RecvBuf {
         match self {
             RecvBuf::Bytes(b) => Buffer::Recv(b),
             RecvBuf::Region(r) => Buffer::Region(r),
+        }
+    }
+}
+
+/// How many leading bytes `Debug` shows of a buffer.
+const DEBUG_PREFIX: usize = 8;
+
+/// `N bytes: 01 02 .. ` — the length and the first [`DEBUG_PREFIX`] bytes.
+pub(crate) struct Short<'a>(pub &'a [u8]);
+
+impl fmt::Debug for Short<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} bytes", self.0.len())?;
+        if !self.0.is_empty() {
+            f.write_str(":")?;
+            for b in self.0.iter().take(DEBUG_PREFIX) {
+                write!(f, " {b:02x}")?;
+            }
+            if self.0.len() > DEBUG_PREFIX {
+                f.write_str(" ..")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A received `BytesMut`: its bytes and its capacity.
+struct ShortMut<'a>(&'a BytesMut);
+
+impl fmt::Debug for ShortMut<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}, capacity {}", Short(self.0), self.0.capacity())
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Buffer::None => f.write_str("None"),
+            Buffer::Send(b) => f.debug_tuple("Send").field(&Short(b)).finish(),
+            Buffer::Recv(b) => f.debug_tuple("Recv").field(&ShortMut(b)).finish(),
+            Buffer::Region(r) => f.debug_tuple("Region").field(r).finish(),
+        }
+    }
+}
+
+impl fmt::Debug for SendBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendBuf::Bytes(b) => f.debug_tuple("Bytes").field(&Short(b)).finish(),
+            SendBuf::Region(r) => f.debug_tuple("Region").field(r).finish(),
+        }
+    }
+}
+
+impl fmt::Debug for RecvBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RecvBuf::Bytes(b) => f.debug_tuple("Bytes").field(&ShortMut(b)).finish(),
+            RecvBuf::Region(r) => f.debug_tuple("Region").field(r).finish(),
         }
     }
 }
@@ -636,5 +703,41 @@ impl Future for Ready<'_> {
                 return Poll::Pending;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod debug_tests {
+    use super::*;
+
+    /// A refused 8 MiB send returned with `?` and printed with `{:?}` stays one short line
+    /// (issue 18: it printed 16 777 377 bytes).
+    #[test]
+    fn debug_of_buffers_is_short() {
+        let big = Bytes::from(vec![0xabu8; 8 << 20]);
+        let e = PostError {
+            error: Error::new(ErrorKind::MsgSize, "send"),
+            buf: Buffer::Send(big),
+        };
+        let s = format!("{e:?}");
+        assert!(s.len() < 200, "{s}");
+        assert!(s.contains("8388608 bytes: ab ab"), "{s}");
+        let mut m = BytesMut::with_capacity(100);
+        m.extend_from_slice(b"hi");
+        let c = Completion {
+            context: 1,
+            flags: CompletionFlags::RECV,
+            len: 2,
+            data: None,
+            tag: 0,
+            source: None,
+            buf: Buffer::Recv(m),
+        };
+        let s = format!("{c:?}");
+        assert!(s.contains("Recv(2 bytes: 68 69, capacity 100)"), "{s}");
+        assert_eq!(
+            format!("{:?}", SendBuf::Bytes(Bytes::new())),
+            "Bytes(0 bytes)"
+        );
     }
 }

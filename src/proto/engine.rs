@@ -236,8 +236,7 @@ pub enum RmaKind {
     },
 }
 
-/// The buffers of a finished [`RmaOp`], handed back.
-#[derive(Debug)]
+/// The buffers of a finished [`RmaOp`], handed back. (`Debug` shows lengths and first bytes.)
 pub enum RmaBuf {
     /// A write's data.
     Write(Bytes),
@@ -250,6 +249,21 @@ pub enum RmaBuf {
         /// The previous values (filled on success).
         fetch: Option<BytesMut>,
     },
+}
+
+impl std::fmt::Debug for RmaBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::cq::Short;
+        match self {
+            RmaBuf::Write(b) => f.debug_tuple("Write").field(&Short(b)).finish(),
+            RmaBuf::Read(b) => f.debug_tuple("Read").field(&Short(b)).finish(),
+            RmaBuf::Atomic { operand, fetch } => f
+                .debug_struct("Atomic")
+                .field("operand", &Short(operand))
+                .field("fetch", &fetch.as_ref().map(|b| Short(b)))
+                .finish(),
+        }
+    }
 }
 
 /// Whether an RMA operation ran as one-sided device RDMA or was emulated with packets.
