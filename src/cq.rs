@@ -494,7 +494,9 @@ impl CompletionQueue {
     /// Drives the bound endpoints, then moves up to `max` successful completions to `out`.
     ///
     /// Returns how many were moved. When none are ready but an error completion is waiting,
-    /// returns `Err` of kind [`ErrorKind::ErrorAvailable`]: read it with [`Self::read_err`].
+    /// returns `Err` of kind [`ErrorKind::ErrorAvailable`] whose detail describes that error
+    /// completion (its context, flags and error), so `?` reports the cause; take it (and its
+    /// buffer) with [`Self::read_err`].
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         let before = out.len();
         if max > 0 && self.inner.count.load(Ordering::Acquire) == 0 {
@@ -515,8 +517,17 @@ impl CompletionQueue {
         let n = (max - direct).min(s.ok.len());
         out.extend(s.ok.drain(..n));
         self.inner.set_count(&s);
-        if n + direct == 0 && !s.err.is_empty() {
-            return Err(Error::new(ErrorKind::ErrorAvailable, "cq_read"));
+        if n + direct == 0 {
+            if let Some(e) = s.err.front() {
+                // The cause travels with the error, so `?` on a poll or wait says what failed;
+                // the error completion itself stays queued for `read_err` (its buffer, say).
+                return Err(
+                    Error::new(ErrorKind::ErrorAvailable, "cq_read").with_detail(format!(
+                        "context {}, {:?}: {} (take it with CompletionQueue::read_err)",
+                        e.context, e.flags, e.error
+                    )),
+                );
+            }
         }
         Ok(n + direct)
     }

@@ -207,7 +207,13 @@ fn short_buffer_gives_truncated_error_completion() {
         let err = loop {
             let mut v = Vec::new();
             match t.cq.poll(&mut v, 8) {
-                Err(e) if e.kind() == ErrorKind::ErrorAvailable => break t.cq.read_err().unwrap(),
+                Err(e) if e.kind() == ErrorKind::ErrorAvailable => {
+                    // What `?` would print says which operation failed and why.
+                    let text = e.to_string();
+                    assert!(text.contains("context 77"), "{p}: {text}");
+                    assert!(text.to_lowercase().contains("trunc"), "{p}: {text}");
+                    break t.cq.read_err().unwrap();
+                }
                 _ => assert!(Instant::now() < deadline, "{p}: no error completion"),
             }
         };
