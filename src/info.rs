@@ -3,9 +3,8 @@
 //! like `fi_info` ([`Info`]'s `Display`, [`Info::verbose`]) and serializable with serde.
 //!
 //! Devices are listed in this order: `efa` NICs (cargo feature `efa`), then `udp`, then `shm`
-//! (Linux), then `loopback`. For each device, RDM comes before DGRAM — but **only DGRAM endpoints are offered
-//! in this release**; RDM info is built (see [`Info::for_device`]) but not listed until the
-//! protocol engine lands.
+//! (Linux), then `loopback`. For each device, RDM (`Endpoint<Rdm>`) comes before DGRAM
+//! (`Endpoint<Dgram>`); see [`Info::for_device`] for the attributes of each.
 //!
 //! ```
 //! use efa::{Caps, EpType};
