@@ -1072,8 +1072,8 @@ fn rounddown_pow2(n: usize) -> usize {
 /// Lists every usable (device, endpoint type) that matches `hints`, like `fi_getinfo`.
 ///
 /// Order: `efa` NICs (with the `efa` feature), then `udp` (bound to [`Hints::addr`], default
-/// `127.0.0.1`), then `shm` (on Linux, segments in `/dev/shm`), then `loopback`; per device RDM before DGRAM. Only DGRAM is offered in this
-/// release. The configuration is the hints' (validated) or [`Config::from_env`]; an invalid
+/// `127.0.0.1`), then `shm` (on Linux, segments in `/dev/shm`), then `loopback`; per device RDM
+/// before DGRAM. The configuration is the hints' (validated) or [`Config::from_env`]; an invalid
 /// `FI_EFA_*` value is returned as its `Config` error. Devices not allowed by `FI_EFA_IFACE` or
 /// the domain hint, and endpoint types lacking a requested capability, are left out; when
 /// nothing is left the error is `NoData`, naming what was asked.
