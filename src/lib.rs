@@ -52,6 +52,7 @@ pub mod info;
 pub mod mr;
 pub mod notify;
 pub mod proto;
+mod random;
 pub mod stats;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};

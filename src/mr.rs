@@ -489,29 +489,26 @@ struct MrEntry {
 /// The keys a domain has handed out and not yet revoked, with the memory they name.
 #[derive(Debug)]
 pub(crate) struct MrTable {
-    next_key: u64,
     live: HashMap<u64, MrEntry>,
 }
 
 impl MrTable {
     pub(crate) fn new() -> Mutex<MrTable> {
         Mutex::new(MrTable {
-            next_key: 1,
             live: HashMap::new(),
         })
     }
 
-    /// Enters a registration under the device's key, or under a fresh software key (never one
-    /// handed out before by this table, never a live one). `None` when the device's key is live
-    /// already.
+    /// Enters a registration under the device's key, or under a fresh software key: 64 bits
+    /// from the kernel's CSPRNG (not 0, never a live one), so a peer cannot guess another
+    /// region's key from its own. `None` when the device's key is live already.
     fn insert(&mut self, device_key: Option<u64>, entry: MrEntry) -> Option<u64> {
         let key = match device_key {
             Some(k) if self.live.contains_key(&k) => return None,
             Some(k) => k,
             None => loop {
-                let k = self.next_key;
-                self.next_key = self.next_key.wrapping_add(1).max(1);
-                if !self.live.contains_key(&k) {
+                let k = crate::random::secure_u64();
+                if k != 0 && !self.live.contains_key(&k) {
                     break k;
                 }
             },

@@ -253,3 +253,30 @@ fn dgram_endpoint_is_send_not_sync() {
     is_send::<Endpoint<Dgram>>();
     // `Endpoint<Dgram>: !Sync` is checked by the compile-fail doctest in `src/ep/mod.rs`.
 }
+
+/// Remote keys are 64 unpredictable bits (the kernel's CSPRNG) on every software device and
+/// for the domain's own keys: no counter a peer could step through to reach another region
+/// (issue 17, defect 6).
+#[test]
+fn remote_keys_are_unpredictable() {
+    for (p, ep) in [
+        ("loopback", EpType::Dgram),
+        ("udp", EpType::Dgram),
+        ("loopback", EpType::Rdm),
+    ] {
+        let d = Domain::open(&getinfo(&Hints::new().provider(p).ep_type(ep)).unwrap()[0]).unwrap();
+        let regions: Vec<_> = (0..64)
+            .map(|_| d.register(vec![0u8; 64], Access::REMOTE_READ).unwrap())
+            .collect();
+        let keys: Vec<u64> = regions.iter().map(|r| r.key()).collect();
+        let distinct: std::collections::HashSet<u64> = keys.iter().copied().collect();
+        assert_eq!(distinct.len(), keys.len(), "{p}");
+        let steps = keys
+            .windows(2)
+            .filter(|w| w[1].abs_diff(w[0]) < 1 << 20)
+            .count();
+        assert_eq!(steps, 0, "{p}: keys close to each other: {keys:x?}");
+        let high = keys.iter().filter(|k| **k >> 32 != 0).count();
+        assert!(high >= 60, "{p}: keys use the upper 32 bits: {keys:x?}");
+    }
+}

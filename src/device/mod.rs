@@ -584,16 +584,7 @@ pub trait QueuePair: Send + fmt::Debug {
 
 /// Picks a random 31-bit QKEY (`val & 0x7fffffff`, never 0), as EFA does with `/dev/urandom`.
 pub fn random_qkey() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0),
-    );
-    h.write_u32(std::process::id());
-    match (h.finish() as u32) & 0x7fff_ffff {
+    match (crate::random::secure_u64() as u32) & 0x7fff_ffff {
         0 => 1,
         k => k,
     }

@@ -165,7 +165,6 @@ impl Src {
 /// The registered regions of one device, by key (shared by its queue pairs).
 #[derive(Debug, Default)]
 pub(crate) struct Keys {
-    next: u64,
     live: HashMap<u64, (Arc<RegionMem>, Access)>,
 }
 
@@ -173,10 +172,15 @@ pub(crate) struct Keys {
 pub(crate) type KeyTable = Arc<Mutex<Keys>>;
 
 impl Keys {
-    /// Registers `mem`; keys are never reused.
+    /// Registers `mem` under 64 random bits from the kernel's CSPRNG (not 0, not a live key):
+    /// a peer holding one key learns nothing about the others.
     pub(crate) fn register(&mut self, mem: &Arc<RegionMem>, access: Access) -> u64 {
-        self.next += 1;
-        let key = 0x0d00_0000_0000 | self.next;
+        let key = loop {
+            let k = crate::random::secure_u64();
+            if k != 0 && !self.live.contains_key(&k) {
+                break k;
+            }
+        };
         self.live.insert(key, (mem.clone(), access));
         key
     }

@@ -117,9 +117,12 @@ impl Wire {
         self.held.load(Ordering::Acquire)
     }
 
-    /// A memory key no region of this network ever had.
+    /// A memory key: 64 bits from the kernel's CSPRNG, as the other software devices' (a peer
+    /// cannot step from its key to another region's), made unique on this network by mixing in
+    /// a counter of keys handed out (low 16 bits).
     pub(super) fn new_key(&self) -> u64 {
-        self.next_key.fetch_add(1, Ordering::Relaxed)
+        let n = self.next_key.fetch_add(1, Ordering::Relaxed);
+        (crate::random::secure_u64() & !0xffff) | (n & 0xffff) | 1 << 63
     }
 
     /// Runs `f` under the network lock with the current time, then publishes the held count;

@@ -302,12 +302,12 @@ impl Srd {
         let conn = match self.tx_by_addr.get(&key) {
             Some(c) => *c,
             None => {
-                let mut conn = random_u64() as u32;
+                let mut conn = crate::random::secure_u64() as u32;
                 while conn == 0 || self.tx.contains_key(&conn) {
-                    conn = random_u64() as u32;
+                    conn = crate::random::secure_u64() as u32;
                 }
                 // Below 2^62: sequence numbers never wrap.
-                let first = random_u64() >> 2;
+                let first = crate::random::secure_u64() >> 2;
                 self.tx.insert(
                     conn,
                     TxPeer {
@@ -1051,21 +1051,4 @@ fn peer_of<'a>(
 fn same_addr(dest: SocketAddr, src: SocketAddr) -> bool {
     let (d, s) = (dest.ip().to_canonical(), src.ip().to_canonical());
     dest.port() == src.port() && (d == s || (d.is_unspecified() && s.is_loopback()))
-}
-
-/// 64 unpredictable bits: SipHash, keyed by the standard library from the operating system's
-/// random source, of a counter and the clock (connection and first sequence numbers).
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0),
-    );
-    h.finish()
 }
