@@ -177,6 +177,12 @@ impl Oob {
 
     /// Client side: connects to the server, retrying for a few seconds while it starts.
     pub fn connect(server: &str, port: u16) -> std::io::Result<Oob> {
+        Oob::connect_from(server, port, None)
+    }
+
+    /// [`Oob::connect`] from local port `src_port` when given (fi_pingpong's client `-B`).
+    pub fn connect_from(server: &str, port: u16, src_port: Option<u16>) -> std::io::Result<Oob> {
+        use std::net::ToSocketAddrs;
         let target = if server.contains(':') && !server.starts_with('[') {
             format!("[{server}]:{port}")
         } else {
@@ -184,7 +190,16 @@ impl Oob {
         };
         let mut last = None;
         for _ in 0..100 {
-            match TcpStream::connect(&target) {
+            let attempt = target.to_socket_addrs().and_then(|mut addrs| {
+                let addr = addrs.next().ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
+                })?;
+                match src_port {
+                    None => TcpStream::connect(addr),
+                    Some(p) => connect_bound(addr, p),
+                }
+            });
+            match attempt {
                 Ok(s) => return Oob::from_stream(s),
                 Err(e) => {
                     last = Some(e);
@@ -263,6 +278,21 @@ impl Oob {
         }
         Ok(())
     }
+}
+
+/// A TCP connection to `addr` from local port `src_port` on every address.
+fn connect_bound(addr: SocketAddr, src_port: u16) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    let any: IpAddr = if addr.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    s.bind(&SocketAddr::new(any, src_port).into())?;
+    s.connect(&addr.into())?;
+    Ok(s.into())
 }
 
 /// `addr_format` of an EFA address (`FI_ADDR_EFA` in libfabric's `enum` of address formats).
@@ -411,7 +441,7 @@ pub struct Conn {
     /// Run as the server (listen for one client).
     #[arg(short = 'l')]
     pub listen: bool,
-    /// Server: out-of-band port to listen on.
+    /// Server: out-of-band port to listen on; client: the local port to connect from.
     #[arg(short = 'B')]
     pub bind_port: Option<u16>,
     /// Client: the server's out-of-band port.
@@ -521,7 +551,7 @@ where
     } else {
         let server = conn.server.clone().unwrap_or_default();
         let port = conn.port.unwrap_or(DEFAULT_OOB_PORT);
-        let oob = Oob::connect(&server, port)
+        let oob = Oob::connect_from(&server, port, conn.bind_port)
             .map_err(|e| format!("oob connect to {server}:{port}: {e}"))?;
         let bind = conn.src_addr.or(oob.local_ip().ok());
         end(Side {
