@@ -466,7 +466,7 @@ fn pingpong<E: PingEp>(
     }
     let mut header = print;
     for &size in &sizes {
-        pp.prepare_size(size, mr_min)?;
+        pp.prepare_size(size, mr_min, args.no_inject)?;
         oob.pp_sync(role).map_err(|e| e.to_string())?;
         let mut received = 0u64;
         let start = Instant::now();
@@ -531,7 +531,7 @@ impl<E: PingEp> PingPong<'_, E> {
     }
 
     /// Sets up the buffers the messages of `size` bytes go from.
-    fn prepare_size(&mut self, size: usize, mr_min: usize) -> Res<()> {
+    fn prepare_size(&mut self, size: usize, mr_min: usize, no_inject: bool) -> Res<()> {
         self.regions.clear();
         self.use_regions = false;
         self.zeros = Bytes::from(vec![0u8; size]);
@@ -551,7 +551,7 @@ impl<E: PingEp> PingPong<'_, E> {
             self.use_regions = true;
         }
         // As fi_pingpong: below the inject size, no send completions.
-        self.inject = size < self.ep.inject_size();
+        self.inject = !no_inject && size < self.ep.inject_size();
         Ok(())
     }
 
