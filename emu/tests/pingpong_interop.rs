@@ -197,7 +197,11 @@ fn pair(dev: Ours, ours_serves: bool, args: &[&str], sizes: &[String]) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn the server");
-    std::thread::sleep(Duration::from_millis(500));
+    // fi_pingpong's client does not retry its connection: start it once the server listens.
+    assert!(
+        common::wait_listening(port.parse().expect("port"), Duration::from_secs(30)),
+        "{what}: the server never listened on {port}"
+    );
     let client = client
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -57,3 +57,28 @@ pub fn finish(mut child: std::process::Child, args: &[&str]) -> Output {
     }
     child.wait_with_output().expect("collect the output")
 }
+
+/// Waits until something in this network namespace listens on TCP `port` (from `/proc/net/tcp`
+/// and `tcp6`, without connecting: a ping-pong server accepts exactly one connection), at most
+/// `limit`; false if nothing does.
+pub fn wait_listening(port: u16, limit: Duration) -> bool {
+    let want = format!(":{port:04X} ");
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let listening = ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+            std::fs::read_to_string(f).is_ok_and(|t| {
+                t.lines().skip(1).any(|l| {
+                    let cols: Vec<&str> = l.split_whitespace().collect();
+                    cols.len() > 3 && format!("{} ", cols[1]).ends_with(&want) && cols[3] == "0A"
+                })
+            })
+        });
+        if listening {
+            return true;
+        }
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
