@@ -88,7 +88,7 @@ fn session(args: &Args, side: Side) -> Res<()> {
         print,
         bind,
     } = side;
-    let domain = open_domain(&args.conn.provider, EpType::Rdm, bind)?;
+    let domain = open_domain(&args.conn, EpType::Rdm, bind)?;
     let cq = CompletionQueue::new(&domain, 4 * args.window + 64).map_err(|e| e.to_string())?;
     let av = AddressVector::new(&domain);
     let ep = Endpoint::<Rdm>::builder(&domain)

@@ -151,7 +151,7 @@ fn session(args: &Args, side: Side) -> Res<()> {
         }
     };
     let max = plan.sizes.iter().copied().max().unwrap_or(1);
-    let domain = open_domain(&args.conn.provider, EpType::Rdm, bind)?;
+    let domain = open_domain(&args.conn, EpType::Rdm, bind)?;
     let cq = CompletionQueue::new(&domain, 4 * plan.window + 16).map_err(|e| e.to_string())?;
     let av = AddressVector::new(&domain);
     let ep = Endpoint::<Rdm>::builder(&domain)

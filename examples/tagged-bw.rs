@@ -86,7 +86,7 @@ fn session(args: &Args, side: Side) -> Res<()> {
         .split(',')
         .map(parse_size)
         .collect::<Result<_, _>>()?;
-    let domain = open_domain(&args.conn.provider, EpType::Rdm, side.bind)?;
+    let domain = open_domain(&args.conn, EpType::Rdm, side.bind)?;
     let cq = CompletionQueue::new(&domain, 4 * args.window + 16).map_err(|e| e.to_string())?;
     let av = AddressVector::new(&domain);
     let ep = Endpoint::<Rdm>::builder(&domain)

@@ -4,8 +4,12 @@
 # (one-way latency) and MB/sec side by side with the ratios.
 #
 #   scripts/compare-pingpong.sh [-e rdm|dgram] [-r ROUNDS] [-p efa-device] [-s SIZES] [-g PLOT.svg] [PROVIDER...]
+#   scripts/compare-pingpong.sh -p emu [-e rdm|dgram] [-r ROUNDS] [-s SIZES]
 #
-# PROVIDER defaults to "udp;ofi_rxd" and "tcp;ofi_rxm" for rdm, "udp" for dgram. Each round runs
+# PROVIDER defaults to "udp;ofi_rxd" and "tcp;ofi_rxm" for rdm, "udp" for dgram.
+# -p emu: the same emulated EFA NIC for both (emu/, `efa-emu run`, one NIC per process): our
+# ping-pong with its efa device against fi_pingpong -p efa (libfabric's EFA provider); PROVIDER
+# defaults to "efa", the sizes to 64 and 1048576 (64 B latency, 1 MiB bandwidth). Each round runs
 # every configuration once, alternating; the table gives the median of the rounds. -s takes a
 # comma-separated list of sizes in bytes; -g draws latency and bandwidth against size as an SVG
 # (scripts/plot-svg.awk), one curve per configuration. The PROVIDER "floor" is no libfabric
@@ -26,13 +30,29 @@ while getopts "e:r:p:s:g:" o; do
     esac
 done
 shift $((OPTIND - 1))
-if [ $# -gt 0 ]; then provs=("$@"); elif [ "$ep" = rdm ]; then provs=("udp;ofi_rxd" "tcp;ofi_rxm"); else provs=(udp); fi
+emu=""
+if [ "$dev" = emu ]; then emu=1 dev=efa; fi
+if [ $# -gt 0 ]; then provs=("$@"); elif [ -n "$emu" ]; then provs=(efa); elif [ "$ep" = rdm ]; then provs=("udp;ofi_rxd" "tcp;ofi_rxm"); else provs=(udp); fi
 if [ -n "$sizelist" ]; then IFS=, read -r -a sizes <<<"$sizelist"
+elif [ -n "$emu" ]; then sizes=(64 1048576)
 elif [ "$ep" = rdm ]; then sizes=(64 65536 1048576); else sizes=(64 1024); fi
 command -v fi_pingpong >/dev/null || { echo "fi_pingpong not found: apt-get install libfabric-bin" >&2; exit 1; }
-cargo build --release --quiet --example ping-pong --example udp-floor
+if [ -n "$emu" ]; then
+    cargo build --release --quiet -p efa-emu
+    cargo build --release --quiet --features efa --example ping-pong --example udp-floor
+else
+    cargo build --release --quiet --example ping-pong --example udp-floor
+fi
 pp=${CARGO_TARGET_DIR:-target}/release/examples/ping-pong
 floor=${CARGO_TARGET_DIR:-target}/release/examples/udp-floor
+efa_emu=${CARGO_TARGET_DIR:-target}/release/efa-emu
+lscpu | grep "Model name" || true
+# on_nic N PROGRAM...: on the emulated NIC, PROGRAM runs on a NIC of its own, 127.0.9.N (server
+# 1, client 2); elsewhere it just runs.
+on_nic() {
+    local n=$1; shift
+    if [ -n "$emu" ]; then "$efa_emu" run --addr "127.0.9.$n" -- "$@"; else "$@"; fi
+}
 port=$((40000 + RANDOM % 20000))
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -43,10 +63,10 @@ iters() { if [ "$1" -ge 1048576 ]; then echo 200; elif [ "$1" -ge 65536 ]; then 
 run_ours() {
     local s=$1 i; i=$(iters "$s"); port=$((port + 1))
     # No shm routing: the libfabric providers compared (udp;ofi_rxd, tcp;ofi_rxm) do not use shm.
-    FI_EFA_ENABLE_SHM_TRANSFER=0 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 1 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    FI_EFA_ENABLE_SHM_TRANSFER=0 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $6, $5}'
+    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 2 timeout 120 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $7, $6}'
     wait $srv || true
 }
 run_fi() {
@@ -60,25 +80,30 @@ run_fi() {
         wait $fsrv || true
         return
     fi
-    fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -B $port >/dev/null 2>&1 &
+    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 1 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    timeout 120 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $7, $6}'
+    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 2 timeout 120 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $7, $6}'
     wait $srv || true
 }
 
 for r in $(seq "$rounds"); do
     for s in "${sizes[@]}"; do
-        run_ours "$s" >>"$tmp/efa-$s"
-        for p in "${provs[@]}"; do run_fi "$p" "$s" >>"$tmp/$(echo "$p" | tr ';' _)-$s"; done
+        run_ours "$s" >>"$tmp/ours-$s"
+        echo "round $r $s ours: $(tail -1 "$tmp/ours-$s") (usec/xfer MB/sec)"
+        for p in "${provs[@]}"; do
+            f="$tmp/$(echo "$p" | tr ';' _)-$s"
+            run_fi "$p" "$s" >>"$f"
+            echo "round $r $s $p: $(tail -1 "$f")"
+        done
     done
 done
 
 median() { sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "nan"}'; }
 printf "%-10s %-16s %12s %12s %10s %10s\n" size config usec/xfer MB/sec lat-ratio bw-ratio
 for s in "${sizes[@]}"; do
-    ol=$(cut -d' ' -f1 "$tmp/efa-$s" | median); ob=$(cut -d' ' -f2 "$tmp/efa-$s" | median)
-    printf "%-10s %-16s %12s %12s %10s %10s\n" "$s" "efa $dev $ep" "$ol" "$ob" 1 1
+    ol=$(cut -d' ' -f1 "$tmp/ours-$s" | median); ob=$(cut -d' ' -f2 "$tmp/ours-$s" | median)
+    printf "%-10s %-16s %12s %12s %10s %10s\n" "$s" "efa ${emu:+emu-}$dev $ep" "$ol" "$ob" 1 1
     for p in "${provs[@]}"; do
         f="$tmp/$(echo "$p" | tr ';' _)-$s"
         fl=$(cut -d' ' -f1 "$f" | median); fb=$(cut -d' ' -f2 "$f" | median)
@@ -90,7 +115,7 @@ done
 echo "lat-ratio = efa usec / libfabric usec (below 1: efa faster); bw-ratio = efa MB/s / libfabric MB/s"
 if [ -n "$plot" ]; then
     for s in "${sizes[@]}"; do
-        echo "efa-$dev-$ep $s $(cut -d' ' -f1 "$tmp/efa-$s" | median) $(cut -d' ' -f2 "$tmp/efa-$s" | median)"
+        echo "efa-${emu:+emu-}$dev-$ep $s $(cut -d' ' -f1 "$tmp/ours-$s" | median) $(cut -d' ' -f2 "$tmp/ours-$s" | median)"
         for p in "${provs[@]}"; do
             f="$tmp/$(echo "$p" | tr ';' _)-$s"
             echo "$(echo "$p" | tr ';' '+') $s $(cut -d' ' -f1 "$f" | median) $(cut -d' ' -f2 "$f" | median)"

@@ -1223,6 +1223,14 @@ unsafe fn old_req(w: &ibv_send_wr) -> Result<SendReq, c_int> {
     let inline_data = if inline {
         let mut v = Vec::new();
         for s in &sges {
+            // An empty entry (libfabric's DGRAM send of a message no longer than its prefix
+            // leaves one, with whatever address) contributes nothing.
+            if s.length == 0 {
+                continue;
+            }
+            if s.addr == 0 {
+                return Err(libc::EINVAL);
+            }
             // SAFETY: inline data is read at posting from the program's buffers.
             v.extend_from_slice(unsafe {
                 std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)

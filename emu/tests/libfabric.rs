@@ -4,61 +4,12 @@
 //! These need `fi_info` and `fi_pingpong` on the PATH, so they are `#[ignore]`d; `.ci/run`
 //! installs `libfabric-bin` and runs them with `--ignored`. The namespace test needs root.
 
-use std::net::TcpListener;
+mod common;
+
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-const EMU: &str = env!("CARGO_BIN_EXE_efa-emu");
-
-/// A TCP port free right now, for fi_pingpong's out-of-band connection.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
-}
-
-/// `efa-emu run [emu args] -- prog args`, optionally inside a network namespace.
-fn emu_cmd(netns: Option<&str>, emu_args: &[&str], prog: &[&str]) -> Command {
-    let mut c = match netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns, EMU]);
-            c
-        }
-        None => Command::new(EMU),
-    };
-    c.arg("run").args(emu_args).arg("--").args(prog);
-    c.env("FI_EFA_ENABLE_SHM_TRANSFER", "0");
-    // Each NIC prints its counters at exit (stderr), for the tests that read them.
-    c.env("EFA_EMU_STATS", "1");
-    c
-}
-
-fn out_text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// Waits for a process, killing it after four minutes (a hang fails the test, not CI's clock).
-fn finish(mut child: std::process::Child, args: &[&str]) -> Output {
-    let deadline = std::time::Instant::now() + Duration::from_secs(240);
-    while child.try_wait().ok().flatten().is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            eprintln!("fi_pingpong {args:?}: killed after 240 s");
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child
-        .wait_with_output()
-        .expect("collect fi_pingpong's output")
-}
+use common::{EMU, emu_cmd, finish, free_port, out_text};
 
 /// Runs a fi_pingpong server and client; returns the client's stdout after checking both.
 fn pingpong(

@@ -177,6 +177,12 @@ impl Oob {
 
     /// Client side: connects to the server, retrying for a few seconds while it starts.
     pub fn connect(server: &str, port: u16) -> std::io::Result<Oob> {
+        Oob::connect_from(server, port, None)
+    }
+
+    /// [`Oob::connect`] from local port `src_port` when given (fi_pingpong's client `-B`).
+    pub fn connect_from(server: &str, port: u16, src_port: Option<u16>) -> std::io::Result<Oob> {
+        use std::net::ToSocketAddrs;
         let target = if server.contains(':') && !server.starts_with('[') {
             format!("[{server}]:{port}")
         } else {
@@ -184,7 +190,16 @@ impl Oob {
         };
         let mut last = None;
         for _ in 0..100 {
-            match TcpStream::connect(&target) {
+            let attempt = target.to_socket_addrs().and_then(|mut addrs| {
+                let addr = addrs.next().ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
+                })?;
+                match src_port {
+                    None => TcpStream::connect(addr),
+                    Some(p) => connect_bound(addr, p),
+                }
+            });
+            match attempt {
                 Ok(s) => return Oob::from_stream(s),
                 Err(e) => {
                     last = Some(e);
@@ -265,6 +280,158 @@ impl Oob {
     }
 }
 
+/// A TCP connection to `addr` from local port `src_port` on every address.
+fn connect_bound(addr: SocketAddr, src_port: u16) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    let any: IpAddr = if addr.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    s.bind(&SocketAddr::new(any, src_port).into())?;
+    s.connect(&addr.into())?;
+    Ok(s.into())
+}
+
+/// `addr_format` of an EFA address (`FI_ADDR_EFA` in libfabric's `enum` of address formats).
+pub const FI_ADDR_EFA: u32 = 12;
+
+/// The longest endpoint name fi_pingpong accepts from its peer.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// fi_pingpong's control exchange on the out-of-band connection (see docs/protocol.md,
+/// "fi_pingpong's control exchange"). Every message is written with one `write` (fi_pingpong reads
+/// each with a single `recv`) and read in full.
+impl Oob {
+    fn write_msg(&mut self, msg: &[u8]) -> std::io::Result<()> {
+        self.writer.write_all(msg)?;
+        self.writer.flush()
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        use std::io::Read;
+        self.reader.read_exact(buf).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                std::io::Error::new(e.kind(), "peer closed the oob connection")
+            } else {
+                e
+            }
+        })
+    }
+
+    /// Sends an endpoint name: its length (4 bytes, big-endian), the address format (4 bytes, in
+    /// this host's byte order, as fi_pingpong writes its `uint32_t`) and the name itself.
+    pub fn send_name(&mut self, name: &[u8], addr_format: u32) -> std::io::Result<()> {
+        let mut msg = Vec::with_capacity(8 + name.len());
+        msg.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        msg.extend_from_slice(&addr_format.to_ne_bytes());
+        msg.extend_from_slice(name);
+        self.write_msg(&msg)
+    }
+
+    /// Receives what [`Oob::send_name`] sends: `(addr_format, name)`.
+    pub fn recv_name(&mut self) -> std::io::Result<(u32, Vec<u8>)> {
+        let mut head = [0u8; 8];
+        self.read_exact(&mut head)?;
+        let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        if len > MAX_NAME_LEN {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("peer's endpoint name is {len} bytes (at most {MAX_NAME_LEN})"),
+            ));
+        }
+        let format = u32::from_ne_bytes([head[4], head[5], head[6], head[7]]);
+        let mut name = vec![0u8; len];
+        self.read_exact(&mut name)?;
+        Ok((format, name))
+    }
+
+    /// Sends this endpoint's raw address as an `FI_ADDR_EFA` name.
+    pub fn send_addr(&mut self, mine: RawAddr) -> std::io::Result<()> {
+        self.send_name(&mine.to_bytes(), FI_ADDR_EFA)
+    }
+
+    /// Receives the peer's raw address (an `FI_ADDR_EFA` name of 32 bytes). A peer that bound an
+    /// unspecified address (`0.0.0.0`, `::`) gets the address its TCP connection came from.
+    pub fn recv_addr(&mut self) -> std::io::Result<RawAddr> {
+        let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+        let (format, name) = self.recv_name()?;
+        if format != FI_ADDR_EFA {
+            return Err(bad(format!(
+                "peer's address format is {format}, not FI_ADDR_EFA ({FI_ADDR_EFA})"
+            )));
+        }
+        let mut peer = RawAddr::from_bytes(&name).map_err(|e| bad(e.to_string()))?;
+        if peer.gid.to_ip().is_unspecified() {
+            peer.gid = self.peer_ip()?.into();
+        }
+        Ok(peer)
+    }
+
+    /// fi_pingpong's per-size synchronisation: the client sends `"q\0"` and waits for `"a\0"`; the
+    /// server waits for `"q\0"` and answers `"a\0"`.
+    pub fn pp_sync(&mut self, role: Role) -> std::io::Result<()> {
+        let (send, want): (&[u8; 2], &[u8; 2]) = match role {
+            Role::Client => (b"q\0", b"a\0"),
+            Role::Server => (b"a\0", b"q\0"),
+        };
+        if role == Role::Client {
+            self.write_msg(send)?;
+        }
+        let mut got = [0u8; 2];
+        self.read_exact(&mut got)?;
+        if &got != want {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("sync: expected {want:?}, got {got:?}"),
+            ));
+        }
+        if role == Role::Server {
+            self.write_msg(send)?;
+        }
+        Ok(())
+    }
+
+    /// fi_pingpong's message count after each size: the client sends the number of messages it
+    /// received as decimal text in a 10-byte NUL-padded field and waits for `"cnt ok\0"`; the
+    /// server reads the field and answers. Both return the client's count.
+    pub fn pp_count(&mut self, role: Role, received: u64) -> std::io::Result<u64> {
+        const FIELD: usize = 10;
+        const OK: &[u8; 7] = b"cnt ok\0";
+        let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+        match role {
+            Role::Client => {
+                let text = received.to_string();
+                if text.len() > FIELD {
+                    return Err(bad(format!("count {received} does not fit {FIELD} digits")));
+                }
+                let mut field = [0u8; FIELD];
+                field[..text.len()].copy_from_slice(text.as_bytes());
+                self.write_msg(&field)?;
+                let mut ok = [0u8; 7];
+                self.read_exact(&mut ok)?;
+                if &ok != OK {
+                    return Err(bad(format!("count: expected \"cnt ok\", got {ok:?}")));
+                }
+                Ok(received)
+            }
+            Role::Server => {
+                let mut field = [0u8; FIELD];
+                self.read_exact(&mut field)?;
+                let end = field.iter().position(|&b| b == 0).unwrap_or(FIELD);
+                let count = std::str::from_utf8(&field[..end])
+                    .ok()
+                    .and_then(|t| t.parse::<u64>().ok())
+                    .ok_or_else(|| bad(format!("count: bad field {field:?}")))?;
+                self.write_msg(OK)?;
+                Ok(count)
+            }
+        }
+    }
+}
+
 /// The connection options every example shares (fabtests' `-p -l -B -P -s <server>`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct Conn {
@@ -274,7 +441,7 @@ pub struct Conn {
     /// Run as the server (listen for one client).
     #[arg(short = 'l')]
     pub listen: bool,
-    /// Server: out-of-band port to listen on.
+    /// Server: out-of-band port to listen on; client: the local port to connect from.
     #[arg(short = 'B')]
     pub bind_port: Option<u16>,
     /// Client: the server's out-of-band port.
@@ -284,6 +451,11 @@ pub struct Conn {
     /// that reaches the server).
     #[arg(short = 's')]
     pub src_addr: Option<IpAddr>,
+    /// udp device: its MTU (largest datagram, header included; default automatic: 65,000 on
+    /// loopback). Give the peer's MTU when the peer is libfabric on an emulated EFA NIC (8928), which
+    /// posts receive buffers of its own MTU.
+    #[arg(long)]
+    pub mtu: Option<usize>,
     /// Server address (client mode). With neither this nor -l, both ends run in this process.
     pub server: Option<String>,
 }
@@ -379,7 +551,7 @@ where
     } else {
         let server = conn.server.clone().unwrap_or_default();
         let port = conn.port.unwrap_or(DEFAULT_OOB_PORT);
-        let oob = Oob::connect(&server, port)
+        let oob = Oob::connect_from(&server, port, conn.bind_port)
             .map_err(|e| format!("oob connect to {server}:{port}: {e}"))?;
         let bind = conn.src_addr.or(oob.local_ip().ok());
         end(Side {
@@ -391,13 +563,31 @@ where
     }
 }
 
-/// Opens the device `conn.provider` for `ep_type`, bound to `bind`.
+/// Opens the device `conn.provider` for `ep_type`, bound to `bind` (a `udp` device with
+/// `conn.mtu`'s MTU when given).
 pub fn open_domain(
-    provider: &str,
+    conn: &Conn,
     ep_type: efa::EpType,
     bind: Option<IpAddr>,
 ) -> Result<efa::Domain, String> {
-    let mut hints = efa::Hints::new().provider(provider).ep_type(ep_type);
+    if let (Some(mtu), "udp") = (conn.mtu, conn.provider.as_str()) {
+        use efa::device::udp::{UdpConfig, UdpDevice};
+        let config = efa::Config::from_env().map_err(|e| e.to_string())?;
+        let mut udp = UdpConfig {
+            mtu,
+            ..UdpConfig::default()
+        };
+        if let Some(ip) = bind {
+            udp.bind = ip;
+        }
+        let mut device: std::sync::Arc<dyn efa::device::Device> =
+            UdpDevice::open(udp).map_err(|e| e.to_string())?;
+        if ep_type == efa::EpType::Rdm {
+            device = efa::device::route::for_rdm(device, config.enable_shm_transfer);
+        }
+        return Ok(efa::Domain::with_device(device, config));
+    }
+    let mut hints = efa::Hints::new().provider(&conn.provider).ep_type(ep_type);
     if let Some(ip) = bind {
         hints = hints.addr(ip);
     }

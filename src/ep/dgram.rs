@@ -20,6 +20,12 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::{self, EndpointCounters, EndpointStats};
 
+/// The QKEY of every DGRAM endpoint's UD queue pair: libfabric's `EFA_DGRAM_CONNID`, 0. The EFA
+/// provider gives all its DGRAM endpoints this QKEY (and its DGRAM address vectors put it in every
+/// address inserted), so a DGRAM peer sends to QKEY 0 whatever our address says; a random QKEY
+/// here would have the device drop its datagrams.
+pub(crate) const DGRAM_QKEY: u32 = 0;
+
 /// Size of EFA's `FI_MSG_PREFIX` area for DGRAM endpoints (the UD global route header).
 pub const MSG_PREFIX_SIZE: usize = 40;
 
@@ -65,7 +71,7 @@ impl EndpointBuilder<Dgram> {
             send_depth,
             recv_depth,
             rnr_retry: 0,
-            qkey: None,
+            qkey: Some(DGRAM_QKEY),
             notifier,
             unsolicited_write_recv: None,
         })?;
