@@ -165,7 +165,9 @@ impl Src {
 /// The registered regions of one device, by key (shared by its queue pairs).
 #[derive(Debug, Default)]
 pub(crate) struct Keys {
-    next: u64,
+    next: u32,
+    /// Mixed into every key so that keys are not the counter (set at the first registration).
+    salt: Option<u32>,
     live: HashMap<u64, (Arc<RegionMem>, Access)>,
 }
 
@@ -173,10 +175,21 @@ pub(crate) struct Keys {
 pub(crate) type KeyTable = Arc<Mutex<Keys>>;
 
 impl Keys {
-    /// Registers `mem`; keys are never reused.
+    /// Registers `mem`; keys are not reused before 2^32 registrations.
+    ///
+    /// Keys are 32 bits, as an EFA NIC's rkeys: a libfabric peer puts the key of a read or
+    /// write into the 32-bit rkey of its work request (`ibv_wr_rdma_read`), so a wider key would
+    /// reach this device truncated and be refused.
     pub(crate) fn register(&mut self, mem: &Arc<RegionMem>, access: Access) -> u64 {
-        self.next += 1;
-        let key = 0x0d00_0000_0000 | self.next;
+        let salt = *self.salt.get_or_insert_with(crate::device::random_qkey);
+        let key = loop {
+            self.next = self.next.wrapping_add(1);
+            // An odd multiplier is a bijection on u32: distinct counters, distinct keys.
+            let k = u64::from(self.next.wrapping_mul(0x9E37_79B1) ^ salt);
+            if k != 0 && !self.live.contains_key(&k) {
+                break k;
+            }
+        };
         self.live.insert(key, (mem.clone(), access));
         key
     }
