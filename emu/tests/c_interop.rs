@@ -380,6 +380,21 @@ fn check_all_phases(o: &Outcome) {
             o.dump()
         );
     }
+    // Every packet libfabric sent decoded and was used: a wire difference shows here first.
+    for (i, lines) in o.rust_lines.iter().enumerate() {
+        let stats = lines
+            .iter()
+            .find(|l| l.starts_with("STATS "))
+            .unwrap_or_else(|| panic!("Rust peer {}: no STATS line\n{}", i + 1, o.dump()));
+        for zero in ["dropped_pkts=0 ", "malformed_dropped=0"] {
+            assert!(
+                stats.contains(zero),
+                "Rust peer {}: {stats}\n{}",
+                i + 1,
+                o.dump()
+            );
+        }
+    }
     for p in [
         "phase=10 fresh_recv count=15",
         "phase=11 tagged_send count=15",

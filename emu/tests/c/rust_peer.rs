@@ -500,6 +500,25 @@ impl Peer {
         Ok(())
     }
 
+    /// The counters the harness reads: packets the engine dropped (a wire difference shows
+    /// there first), unexpected messages, the device's RDMA.
+    fn print_stats(&self) {
+        let s = self.ep.stats();
+        let d = self.domain.device().stats();
+        println!(
+            "STATS dropped_pkts={} unexpected_msgs={} rnr={} retransmits={} errors={} rdma_ops={} rdma_bytes={} stale_dropped={} malformed_dropped={}",
+            s.dropped_pkts,
+            s.unexpected_msgs,
+            s.rnr,
+            s.retransmits,
+            s.errors,
+            d.rdma_ops,
+            d.rdma_bytes,
+            d.stale_dropped,
+            d.malformed_dropped
+        );
+    }
+
     fn atom_init(&self, phase: u64, j: usize) -> u64 {
         self.g.mix(phase, 200 + j as u64) >> 8
     }
@@ -753,6 +772,7 @@ pub fn run(incarnation: u32) -> Res<()> {
             "RESULT incarnation=1 bytes={} device_rma_bytes={} emulated_rma_bytes={} emulated_read={} emulated_write={}",
             p.bytes, s.device_rma_bytes, s.emulated_rma_bytes, e.read, e.write
         );
+        p.print_stats();
         say("BYE");
     } else {
         p.send_addr();
@@ -760,6 +780,7 @@ pub fn run(incarnation: u32) -> Res<()> {
         p.fresh_recv(10)?;
         p.tagged_send(11)?;
         println!("RESULT incarnation=2 bytes={}", p.bytes);
+        p.print_stats();
     }
     Ok(())
 }
