@@ -48,10 +48,19 @@ fn lib_dir(lib: &Path) -> Result<PathBuf, String> {
         .ok_or("library has no directory")?
         .join("efa-emu-lib");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Launchers started at once share the directory: a link that is right stays, a wrong one
+    // is replaced atomically (a private link renamed over it), so no launcher fails on a link
+    // another just made and no starting program finds the library missing.
     for name in ["libibverbs.so.1", "libefa.so.1"] {
         let link = dir.join(name);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(lib, &link).map_err(|e| format!("{}: {e}", link.display()))?;
+        if std::fs::read_link(&link).is_ok_and(|t| t == lib) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(lib, &tmp)
+            .and_then(|()| std::fs::rename(&tmp, &link))
+            .map_err(|e| format!("{}: {e}", link.display()))?;
     }
     Ok(dir)
 }
