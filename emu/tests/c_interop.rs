@@ -98,6 +98,8 @@ struct Case {
     rust_rdma: bool,
     /// Distinguishes the addresses of concurrent cases.
     index: u8,
+    /// The Rust peer on the crate's efa device: the `c-interop-peer` example's path.
+    efa_peer: Option<PathBuf>,
 }
 
 struct Outcome {
@@ -178,22 +180,52 @@ fn seed() -> u64 {
     }
 }
 
-fn spawn_rust(inc: u32, env: &[(String, String)], dir: &Path, tx: &Sender<Ev>) -> Child {
-    let exe = std::env::current_exe().expect("the test binary");
+/// How the Rust peer runs: inside this test binary on the `udp` device, or as
+/// `examples/c-interop-peer` (built with the `efa` feature) on the crate's `efa` device under
+/// an emulated NIC of its own.
+enum Launcher {
+    TestBinary,
+    Efa { exe: PathBuf, addr: String },
+}
+
+fn spawn_rust(
+    inc: u32,
+    how: &Launcher,
+    emu_args: &[&str],
+    env: &[(String, String)],
+    dir: &Path,
+    tx: &Sender<Ev>,
+) -> Child {
     let err = File::create(dir.join(format!("rust{inc}.err"))).expect("stderr file");
-    let mut c = Command::new(exe);
-    c.args([
-        "rust_peer_main",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "-q",
-    ])
-    .env("C_INTEROP_PEER", inc.to_string())
-    .envs(env.iter().map(|(k, v)| (k, v)))
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(err);
+    let mut c = match how {
+        Launcher::TestBinary => {
+            let mut c = Command::new(std::env::current_exe().expect("the test binary"));
+            c.args([
+                "rust_peer_main",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "-q",
+            ]);
+            c
+        }
+        Launcher::Efa { exe, addr } => {
+            let mut c = Command::new(EMU);
+            c.args(["run", "--addr", addr])
+                .args(emu_args)
+                .arg("--")
+                .arg(exe)
+                .env("C_INTEROP_DEVICE", "efa")
+                .env("FI_EFA_ENABLE_SHM_TRANSFER", "0")
+                .env("EFA_EMU_STATS", "1");
+            c
+        }
+    };
+    c.env("C_INTEROP_PEER", inc.to_string())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(err);
     let mut child = c.spawn().expect("start the Rust peer");
     pump(
         Who::Rust(inc),
@@ -212,6 +244,13 @@ fn run(case: Case) -> Outcome {
     let net = format!("127.{}.{}", 100 + pid % 100, 1 + (pid / 100) % 250);
     let c_addr = format!("{net}.{}", case.index);
     let rust_bind = format!("{net}.{}", 100 + case.index);
+    let how = match &case.efa_peer {
+        None => Launcher::TestBinary,
+        Some(exe) => Launcher::Efa {
+            exe: exe.clone(),
+            addr: rust_bind.clone(),
+        },
+    };
     let env: Vec<(String, String)> = vec![
         ("C_INTEROP_SEED".into(), seed.to_string()),
         ("C_INTEROP_SIZES".into(), SIZES.into()),
@@ -242,7 +281,7 @@ fn run(case: Case) -> Outcome {
     let mut c_in: Option<ChildStdin> = c_child.stdin.take();
     pump(Who::C, c_child.stdout.take().expect("stdout"), tx.clone());
 
-    let mut rust: Vec<Child> = vec![spawn_rust(1, &env, dir.path(), &tx)];
+    let mut rust: Vec<Child> = vec![spawn_rust(1, &how, &case.emu_args, &env, dir.path(), &tx)];
     let mut rust_in: Option<ChildStdin> = rust[0].stdin.take();
     let mut c_lines = Vec::new();
     let mut rust_lines = vec![Vec::new()];
@@ -295,7 +334,7 @@ fn run(case: Case) -> Outcome {
                 let st = rust[i as usize - 1].wait().expect("wait for the Rust peer");
                 if i == 1 && st.success() && !c_done {
                     // The restart: a new process, a new address and connid.
-                    let mut r = spawn_rust(2, &env, dir.path(), &tx);
+                    let mut r = spawn_rust(2, &how, &case.emu_args, &env, dir.path(), &tx);
                     rust_in = r.stdin.take();
                     rust.push(r);
                     rust_lines.push(Vec::new());
@@ -418,6 +457,7 @@ fn libfabric_and_the_crate_with_device_rdma_read() {
         emu_args: vec![],
         rust_rdma: true,
         index: 1,
+        efa_peer: None,
     });
     check_all_phases(&o);
     let reads = o.c_nic_counter("rdma_reads_posted");
@@ -437,8 +477,62 @@ fn libfabric_and_the_crate_without_device_rdma() {
         emu_args: vec!["--caps", "rnr_retry"],
         rust_rdma: false,
         index: 2,
+        efa_peer: None,
     });
     check_all_phases(&o);
     assert_eq!(o.c_nic_counter("rdma_reads_posted"), 0, "{}", o.dump());
+    println!("{}", o.dump());
+}
+
+fn efa_peer() -> PathBuf {
+    PathBuf::from(std::env::var("C_INTEROP_EFA_PEER").expect(
+        "C_INTEROP_EFA_PEER: the path of examples/c-interop-peer built with --features efa",
+    ))
+}
+
+/// A counter from a Rust peer's `STATS` line.
+fn rust_counter(o: &Outcome, incarnation: usize, name: &str) -> u64 {
+    let key = format!("{name}=");
+    o.rust_lines[incarnation - 1]
+        .iter()
+        .filter(|l| l.starts_with("STATS "))
+        .flat_map(|l| l.split_whitespace())
+        .find_map(|w| w.strip_prefix(&key)?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} counter\n{}", o.dump()))
+}
+
+/// The crate's efa device (the hardware path) on an emulated NIC of its own, against libfabric
+/// on another: `C_INTEROP_EFA_PEER` names `examples/c-interop-peer` built with the `efa`
+/// feature (`.ci/run` builds it). Both NICs serve RDMA reads: each side reads the other's
+/// long-read messages, and both read the other's memory (fi_read, `Endpoint::read`).
+#[test]
+#[ignore = "needs cc, libfabric-dev, the emulator and C_INTEROP_EFA_PEER; run by .ci/run"]
+fn libfabric_and_the_crate_on_its_efa_device() {
+    let o = run(Case {
+        emu_args: vec![],
+        rust_rdma: true,
+        index: 3,
+        efa_peer: Some(efa_peer()),
+    });
+    check_all_phases(&o);
+    assert!(o.c_nic_counter("rdma_reads_posted") > 0, "{}", o.dump());
+    assert!(rust_counter(&o, 1, "rdma_ops") > 0, "{}", o.dump());
+    assert!(rust_counter(&o, 2, "rdma_ops") > 0, "{}", o.dump());
+    println!("{}", o.dump());
+}
+
+/// The same on NICs without RDMA: long-CTS messages, emulated RMA.
+#[test]
+#[ignore = "needs cc, libfabric-dev, the emulator and C_INTEROP_EFA_PEER; run by .ci/run"]
+fn libfabric_and_the_crate_on_its_efa_device_without_device_rdma() {
+    let o = run(Case {
+        emu_args: vec!["--caps", "rnr_retry"],
+        rust_rdma: false,
+        index: 4,
+        efa_peer: Some(efa_peer()),
+    });
+    check_all_phases(&o);
+    assert_eq!(o.c_nic_counter("rdma_reads_posted"), 0, "{}", o.dump());
+    assert_eq!(rust_counter(&o, 1, "rdma_ops"), 0, "{}", o.dump());
     println!("{}", o.dump());
 }

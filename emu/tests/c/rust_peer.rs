@@ -701,20 +701,33 @@ pub fn run(incarnation: u32) -> Res<()> {
         .map(|s| s.parse().map_err(|e| format!("size {s}: {e}")))
         .collect::<Res<_>>()?;
     let max = sizes.iter().copied().max().unwrap_or(1);
-    let bind = var("C_INTEROP_BIND")?
-        .parse()
-        .map_err(|e| format!("bind: {e}"))?;
     let rdma = var("C_INTEROP_RDMA")? == "1";
-    let dev = UdpDevice::open(UdpConfig {
-        bind,
-        // The emulated NIC's MTU: both ends size packets to it.
-        mtu: 8928,
-        rdma,
-        ..UdpConfig::default()
-    })
-    .map_err(|e| e.to_string())?;
-    let config = Config::from_env().map_err(|e| e.to_string())?;
-    let domain = Domain::with_device(dev as Arc<dyn efa::device::Device>, config);
+    let domain = if std::env::var("C_INTEROP_DEVICE").as_deref() == Ok("efa") {
+        // The crate's efa device, on an emulated NIC of its own (`efa-emu run`); built with
+        // the `efa` feature (examples/c-interop-peer.rs). FI_EFA_ENABLE_SHM_TRANSFER=0 keeps
+        // it on the NIC.
+        let hints = efa::Hints::new().provider("efa").ep_type(efa::EpType::Rdm);
+        let info = efa::getinfo(&hints)
+            .map_err(|e| format!("getinfo efa: {e}"))?
+            .into_iter()
+            .next()
+            .ok_or("no efa device")?;
+        Domain::open(&info).map_err(|e| e.to_string())?
+    } else {
+        let bind = var("C_INTEROP_BIND")?
+            .parse()
+            .map_err(|e| format!("bind: {e}"))?;
+        let dev = UdpDevice::open(UdpConfig {
+            bind,
+            // The emulated NIC's MTU: both ends size packets to it.
+            mtu: 8928,
+            rdma,
+            ..UdpConfig::default()
+        })
+        .map_err(|e| e.to_string())?;
+        let config = Config::from_env().map_err(|e| e.to_string())?;
+        Domain::with_device(dev as Arc<dyn efa::device::Device>, config)
+    };
     let cq = CompletionQueue::new(&domain, 4096).map_err(|e| e.to_string())?;
     let av = AddressVector::new(&domain);
     let ep = Endpoint::<Rdm>::builder(&domain)
@@ -745,8 +758,10 @@ pub fn run(incarnation: u32) -> Res<()> {
         bytes: 0,
     };
     println!(
-        "# rust peer {incarnation} at {} (device rdma {rdma})",
-        p.ep.addr()
+        "# rust peer {incarnation} at {} on {} (device rdma read {})",
+        p.ep.addr(),
+        p.domain.attr().name,
+        p.domain.attr().caps.rdma_read
     );
     if incarnation == 1 {
         p.send_addr();
