@@ -24,8 +24,9 @@ use std::sync::mpsc::{Sender, channel};
 use std::time::{Duration, Instant};
 
 const EMU: &str = env!("CARGO_BIN_EXE_efa-emu");
-/// Eager, medium, long-CTS, and long-CTS or long-read (with device RDMA read).
-const SIZES: &str = "16,4096,65536,1048576,4194304";
+/// Eager (16 B, 4 KiB), medium (64 KiB), long-CTS (256 KiB), and long-CTS or, with device
+/// RDMA read, long-read (1 MiB and 4 MiB: libfabric's `FI_EFA_INTER_MIN_READ_MESSAGE_SIZE`).
+const SIZES: &str = "16,4096,65536,262144,1048576,4194304";
 
 /// The entry point of the Rust peer: the harness runs this test binary again with
 /// `C_INTEROP_PEER=<incarnation>`; otherwise it does nothing.
@@ -380,21 +381,23 @@ fn check_all_phases(o: &Outcome) {
         "a side failed\n{}",
         o.dump()
     );
+    let k = SIZES.split(',').count();
+    let n = k * rust_peer::GROUPS;
     let c_phases = [
-        "phase=1 tagged_recv count=15",
-        "phase=2 tagged_send count=15",
-        "phase=3 dc_recv count=5",
-        "phase=4 dc_send count=5",
-        "phase=5 rma_initiator sizes=5",
-        "phase=6 rma_target sizes=5",
-        "phase=7 atomic_initiator ops=3",
-        "phase=8 atomic_target elements=8",
-        "phase=9 stale_sent count=3",
-        "phase=10 tagged_send count=15",
-        "phase=11 tagged_recv count=15",
-        "done ",
+        format!("phase=1 tagged_recv count={n}"),
+        format!("phase=2 tagged_send count={n}"),
+        format!("phase=3 dc_recv count={k}"),
+        format!("phase=4 dc_send count={k}"),
+        format!("phase=5 rma_initiator sizes={k}"),
+        format!("phase=6 rma_target sizes={k}"),
+        "phase=7 atomic_initiator ops=3".into(),
+        "phase=8 atomic_target elements=8".into(),
+        "phase=9 stale_sent count=3".into(),
+        format!("phase=10 tagged_send count={n}"),
+        format!("phase=11 tagged_recv count={n}"),
+        "done ".into(),
     ];
-    for p in c_phases {
+    for p in &c_phases {
         assert!(
             o.result(&o.c_lines, p),
             "C side: no RESULT {p}\n{}",
@@ -402,17 +405,17 @@ fn check_all_phases(o: &Outcome) {
         );
     }
     let rust1 = [
-        "phase=1 tagged_send count=15",
-        "phase=2 tagged_recv count=15",
-        "phase=3 dc_send count=5",
-        "phase=4 dc_recv count=5",
-        "phase=5 rma_target sizes=5",
-        "phase=6 rma_initiator sizes=5",
-        "phase=7 atomic_target elements=8",
-        "phase=8 atomic_initiator ops=3",
-        "incarnation=1 ",
+        format!("phase=1 tagged_send count={n}"),
+        format!("phase=2 tagged_recv count={n}"),
+        format!("phase=3 dc_send count={k}"),
+        format!("phase=4 dc_recv count={k}"),
+        format!("phase=5 rma_target sizes={k}"),
+        format!("phase=6 rma_initiator sizes={k}"),
+        "phase=7 atomic_target elements=8".into(),
+        "phase=8 atomic_initiator ops=3".into(),
+        "incarnation=1 ".into(),
     ];
-    for p in rust1 {
+    for p in &rust1 {
         assert!(
             o.result(&o.rust_lines[0], p),
             "Rust peer 1: no RESULT {p}\n{}",
@@ -435,12 +438,12 @@ fn check_all_phases(o: &Outcome) {
         }
     }
     for p in [
-        "phase=10 fresh_recv count=15",
-        "phase=11 tagged_send count=15",
-        "incarnation=2 ",
+        format!("phase=10 fresh_recv count={n}"),
+        format!("phase=11 tagged_send count={n}"),
+        "incarnation=2 ".into(),
     ] {
         assert!(
-            o.result(&o.rust_lines[1], p),
+            o.result(&o.rust_lines[1], &p),
             "Rust peer 2: no RESULT {p}\n{}",
             o.dump()
         );
