@@ -487,6 +487,22 @@ fn libfabric_and_the_crate_without_device_rdma() {
     println!("{}", o.dump());
 }
 
+/// The C side's NIC drops, duplicates and reorders its datagrams (seeded): SRD hides the loss,
+/// but libfabric's packets reach the crate out of order (reorder window, medium segments,
+/// CTSDATA windows) and the crate's acknowledgements and retransmissions meet the emulator's.
+#[test]
+#[ignore = "needs cc, libfabric-dev and the emulator; run by .ci/run"]
+fn libfabric_and_the_crate_under_loss_and_reordering() {
+    let o = run(Case {
+        emu_args: vec!["--faults", "seed=5,drop=0.02,dup=0.02,reorder=0.05"],
+        rust_rdma: true,
+        index: 5,
+        efa_peer: None,
+    });
+    check_all_phases(&o);
+    println!("{}", o.dump());
+}
+
 fn efa_peer() -> PathBuf {
     PathBuf::from(std::env::var("C_INTEROP_EFA_PEER").expect(
         "C_INTEROP_EFA_PEER: the path of examples/c-interop-peer built with --features efa",
