@@ -548,7 +548,10 @@ static void rma_target(int phase)
 		expect_line("WROTE ");
 		/* The writedata's completion: FI_RMA | FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA. */
 		struct done d;
+		double deadline = now_s() + 60;
 		for (;;) {
+			if (now_s() > deadline)
+				fail("phase %d: no remote write completion within 60 s", phase);
 			progress();
 			int i;
 			for (i = 0; i < ndone; i++)
