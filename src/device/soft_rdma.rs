@@ -172,11 +172,15 @@ pub(crate) struct Keys {
 pub(crate) type KeyTable = Arc<Mutex<Keys>>;
 
 impl Keys {
-    /// Registers `mem` under 64 random bits from the kernel's CSPRNG (not 0, not a live key):
+    /// Registers `mem` under 32 random bits from the kernel's CSPRNG (not 0, not a live key):
     /// a peer holding one key learns nothing about the others.
+    ///
+    /// Keys are 32 bits, as an EFA NIC's rkeys: a libfabric peer puts the key of a read or
+    /// write into the 32-bit rkey of its work request (`ibv_wr_rdma_read`), so a wider key would
+    /// reach this device truncated and be refused.
     pub(crate) fn register(&mut self, mem: &Arc<RegionMem>, access: Access) -> u64 {
         let key = loop {
-            let k = crate::random::secure_u64();
+            let k = crate::random::secure_u64() & 0xffff_ffff;
             if k != 0 && !self.live.contains_key(&k) {
                 break k;
             }

@@ -48,8 +48,9 @@ fn lib_dir(lib: &Path) -> Result<PathBuf, String> {
         .ok_or("library has no directory")?
         .join("efa-emu-lib");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // Launchers run side by side (and programs already launched load through these links): a
-    // link that is right stays, a wrong one is replaced atomically (a fresh link renamed over it).
+    // Launchers started at once share the directory: a link that is right stays, a wrong one
+    // is replaced atomically (a private link renamed over it), so no launcher fails on a link
+    // another just made and no starting program finds the library missing.
     for name in ["libibverbs.so.1", "libefa.so.1"] {
         let link = dir.join(name);
         if std::fs::read_link(&link).is_ok_and(|t| t == lib) {

@@ -228,3 +228,19 @@ fn a_target_without_cma_answers_a_direct_request_with_chunks() {
     assert_eq!(a.comps.len(), 1);
     assert!(a.comps[0].buf.as_deref() == Some(&a.memory[..]));
 }
+
+/// Keys fit an EFA rkey (32 bits): a libfabric peer's RDMA read or write carries only those
+/// (issue 16: libfabric's long-read of a region the udp device registered was refused when
+/// keys had 48 bits). Distinct and never 0.
+#[test]
+fn keys_are_32_bit_and_distinct() {
+    let mut keys = Keys::default();
+    let mem = RegionMem::new(BytesMut::zeroed(64));
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..10_000 {
+        let k = keys.register(&mem, Access::REMOTE_READ);
+        assert!(k != 0 && k <= u64::from(u32::MAX), "key {k:#x}");
+        assert!(seen.insert(k), "key {k:#x} handed out twice");
+        keys.deregister(k);
+    }
+}
