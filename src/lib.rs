@@ -57,6 +57,13 @@ pub mod stats;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};
 
+/// The `bytes` crate the API takes and returns (`Bytes`, `BytesMut`), re-exported so a program
+/// needs no second dependency of the same version.
+pub use bytes;
+
+#[doc = include_str!("../docs/getting-started.md")]
+pub mod getting_started {}
+
 pub use atomic::{AtomicOp, AtomicType};
 pub use config::Config;
 
