@@ -8,6 +8,8 @@
 //! The futures need no particular runtime (the device's wake-ups drive their `Waker`); tokio is
 //! only the executor here.
 
+mod common;
+
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -25,6 +27,7 @@ fn endpoint(domain: &Domain) -> efa::Result<(CompletionQueue, AddressVector, End
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> efa::Result<()> {
+    common::init_tracing();
     let info = getinfo(&Hints::new().provider("udp").ep_type(EpType::Rdm))?.remove(0);
     let domain = Domain::open(&info)?;
     let (_cq_a, av_a, a) = endpoint(&domain)?;

@@ -52,6 +52,7 @@ struct Args {
 type Res<T> = Result<T, String>;
 
 fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     let conn = args.conn.clone();
     match launch(&conn, move |side| session(&args, side)) {

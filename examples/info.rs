@@ -10,6 +10,8 @@
 //! The configuration comes from the `FI_EFA_*` environment variables (see `docs/config.md`); an
 //! invalid value, or no matching entry, is printed on stderr and the exit status is 1.
 
+mod common;
+
 use std::net::IpAddr;
 use std::process::ExitCode;
 
@@ -44,6 +46,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     let mut hints = Hints::new();
     if let Some(p) = &args.provider {

@@ -252,6 +252,7 @@ fn print_row(size: usize, sent: u64, acked: u64, usec: u64) {
 type Res<T> = Result<T, String>;
 
 fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,

@@ -81,6 +81,7 @@ enum Op {
 const DONE_TAG: u64 = 0xd0e;
 
 fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     let conn = args.conn.clone();
     match launch(&conn, move |side| session(&args, side)) {

@@ -54,6 +54,7 @@ const TAG: u64 = 0xb00;
 const ACK_TAG: u64 = 0xac0;
 
 fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     let conn = args.conn.clone();
     match launch(&conn, move |side| session(&args, side)) {

@@ -640,3 +640,32 @@ fn getinfo_msg_prefix_mode() {
         assert_eq!(i.ep_attr.msg_prefix_size, 40);
     }
 }
+
+/// A configuration warning reaches the user of an example without any `RUST_LOG`: the examples
+/// send the library's warnings to stderr by default (issue 18, point 4).
+#[test]
+fn example_shows_configuration_warnings_without_rust_log() {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples")
+        .join("info");
+    if !bin.exists() {
+        eprintln!("skipped: {} not built", bin.display());
+        return;
+    }
+    let out = std::process::Command::new(&bin)
+        .args(["-p", "loopback"])
+        .env_remove("RUST_LOG")
+        .env("FI_EFA_NO_SUCH_SETTING", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("FI_EFA_NO_SUCH_SETTING") && stderr.contains("ignored"),
+        "{stderr}"
+    );
+}

@@ -617,3 +617,16 @@ pub fn poll_cq(
         Err(e) => Err(e.to_string()),
     }
 }
+
+/// Sends the library's `tracing` events to stderr: `RUST_LOG` chooses (for example
+/// `RUST_LOG=efa=debug`); without it, warnings and errors of the `efa` crate show (a clamped
+/// configuration value, a device that could not be opened), so they are seen where a user looks.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("efa=warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
