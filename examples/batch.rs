@@ -34,7 +34,7 @@ struct Args {
     #[arg(short = 'S', default_value = "64")]
     size: String,
     /// Messages per mode.
-    #[arg(short = 'I', default_value_t = 100_000)]
+    #[arg(short = 'I', default_value_t = 100_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     iters: usize,
     /// Sends outstanding at most.
     #[arg(short = 'W', default_value_t = 256)]

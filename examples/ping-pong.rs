@@ -63,7 +63,7 @@ struct Args {
     #[arg(short = 'S')]
     size: Option<String>,
     /// Round trips per size.
-    #[arg(short = 'I', default_value_t = 10)]
+    #[arg(short = 'I', default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
     /// Fill every message with fi_pingpong's pattern and check every message received.
     #[arg(short = 'c')]
@@ -79,8 +79,9 @@ struct Args {
     /// on shm, never elsewhere).
     #[arg(long, default_value = "auto")]
     mr_min: String,
-    /// Send messages shorter than the endpoint's inject size with `inject` (no send
-    /// completion), as fi_pingpong does with `fi_inject`; `--no-inject` always uses `send`.
+    /// Always use `send` (each message gets a send completion). By default messages up to the
+    /// endpoint's inject size go with `inject`, which has no send completion, as fi_pingpong's
+    /// `fi_inject`.
     #[arg(long)]
     no_inject: bool,
     #[command(flatten)]

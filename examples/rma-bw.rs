@@ -43,8 +43,9 @@ struct Args {
     /// Transfer size (64, 64k, 4m) or a comma-separated list.
     #[arg(short = 'S', default_value = "64,64k,4m")]
     size: String,
-    /// Transfers per size (default 10000; 1000 from 64 KiB on, 100 from 4 MiB on).
-    #[arg(short = 'I')]
+    /// Transfers per size (default 10000; 1000 from 64 KiB on, 100 from 4 MiB on), rounded up
+    /// to a whole number of windows (-W): 100 with the default window of 64 runs 128.
+    #[arg(short = 'I', value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     iters: Option<usize>,
     /// Window: transfers outstanding before waiting for their completions.
     #[arg(short = 'W', default_value_t = 64)]

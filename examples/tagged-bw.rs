@@ -32,8 +32,9 @@ struct Args {
     /// Message size (64, 1k, 64k, 1m) or a comma-separated list.
     #[arg(short = 'S', default_value = "64,1k,64k,1m")]
     size: String,
-    /// Messages per size (default 10000; 1000 from 64 KiB on, 200 from 1 MiB on).
-    #[arg(short = 'I')]
+    /// Messages per size (default 10000; 1000 from 64 KiB on, 200 from 1 MiB on), rounded up
+    /// to a whole number of windows (-W): 200 with the default window of 64 runs 256.
+    #[arg(short = 'I', value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     iters: Option<usize>,
     /// Window: messages outstanding before waiting for their completions.
     #[arg(short = 'W', default_value_t = 64)]

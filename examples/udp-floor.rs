@@ -27,7 +27,7 @@ struct Args {
     #[arg(short = 'S', default_value = "64")]
     size: String,
     /// Iterations per size.
-    #[arg(short = 'I', default_value_t = 10_000)]
+    #[arg(short = 'I', default_value_t = 10_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     iters: usize,
     /// Warm-up iterations per size.
     #[arg(short = 'w', default_value_t = 100)]

@@ -435,16 +435,18 @@ impl Oob {
 /// The connection options every example shares (fabtests' `-p -l -B -P -s <server>`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct Conn {
-    /// Device (provider): udp or loopback (loopback: both ends in this process only).
+    /// Device (provider): udp, shm, efa (cargo feature `efa`) or loopback (loopback: both ends
+    /// in this process only).
     #[arg(short = 'p', default_value = "udp")]
     pub provider: String,
     /// Run as the server (listen for one client).
     #[arg(short = 'l')]
     pub listen: bool,
-    /// Server: out-of-band port to listen on; client: the local port to connect from.
+    /// Server: out-of-band port to listen on (default 47592, as fabtests); client: the local
+    /// port to connect from.
     #[arg(short = 'B')]
     pub bind_port: Option<u16>,
-    /// Client: the server's out-of-band port.
+    /// Client: the server's out-of-band port (default 47592).
     #[arg(short = 'P')]
     pub port: Option<u16>,
     /// Local address to bind (server default: all addresses; client default: the local address
