@@ -417,11 +417,14 @@ fn pingpong<E: PingEp>(
         "never" | "auto" => usize::MAX,
         s => parse_size(s)?,
     };
+    let watch = oob.watch().ok();
     let mut pp = PingPong {
         ep,
         cq,
         peer: None,
         timeout: Duration::from_millis(args.timeout_ms),
+        reliable: args.ep_type != "dgram",
+        watch,
         tagged,
         done: Vec::with_capacity(16),
         sends_posted: 0,
@@ -506,6 +509,10 @@ struct PingPong<'a, E: PingEp> {
     /// The peer, once its name came.
     peer: Option<PeerId>,
     timeout: Duration,
+    /// RDM: nothing is lost, so a silence means the peer stopped, not a lost datagram.
+    reliable: bool,
+    /// The out-of-band connection: a peer that exits closes it.
+    watch: Option<common::PeerWatch>,
     tagged: bool,
     done: Vec<Completion>,
     sends_posted: u64,
@@ -700,15 +707,25 @@ impl<E: PingEp> PingPong<'_, E> {
             }
             self.done
                 .retain(|c| c.flags.contains(CompletionFlags::RECV));
-            // The clock only every 1024 polls: a clock read costs as much as an idle poll.
-            spins += 1;
+            // The clock only every 1024 polls: a clock read costs as much as an idle poll; the
+            // out-of-band connection (three system calls) every 64 Ki polls.
+            spins = spins.wrapping_add(1);
+            if spins % (64 << 10) == 0 && self.watch.as_ref().is_some_and(|w| w.gone()) {
+                return Err(
+                    "the peer closed the out-of-band connection: it exited or failed".into(),
+                );
+            }
             if spins % 1024 == 0
                 && Instant::now() > *deadline.get_or_insert_with(|| Instant::now() + self.timeout)
             {
-                return Err(format!(
-                    "no reply within {:?} (datagram lost?)",
-                    self.timeout
-                ));
+                return Err(if self.reliable {
+                    format!(
+                        "no reply within {:?}: the peer stopped answering (--timeout-ms)",
+                        self.timeout
+                    )
+                } else {
+                    format!("no reply within {:?} (datagram lost?)", self.timeout)
+                });
             }
             std::hint::spin_loop();
         }

@@ -58,7 +58,21 @@ pub fn cnt_str(n: u64) -> String {
 }
 
 /// Parses `64`, `1k`, `64k`, `1m`, `1g` (binary multiples).
+/// The largest message size the examples accept: 1 GiB (each side allocates a few buffers of the
+/// size; larger sizes are a typo more often than a test).
+pub const MAX_SIZE: usize = 1 << 30;
+
 pub fn parse_size(s: &str) -> Result<usize, String> {
+    let n = parse_size_any(s)?;
+    if n > MAX_SIZE {
+        return Err(format!(
+            "size {s}: larger than the examples' limit of 1 GiB ({MAX_SIZE} bytes)"
+        ));
+    }
+    Ok(n)
+}
+
+fn parse_size_any(s: &str) -> Result<usize, String> {
     let s = s.trim().to_ascii_lowercase();
     let (num, mult) = match s.chars().last() {
         Some('k') => (&s[..s.len() - 1], 1usize << 10),
@@ -167,9 +181,16 @@ pub struct Oob {
 }
 
 impl Oob {
-    /// Server side: listens on `bind:port` and accepts one client.
+    /// Server side: listens on `bind:port` and accepts one client. `::` listens on IPv6 and
+    /// IPv4 (dual stack, as Linux binds it by default), falling back to `0.0.0.0` on a host
+    /// without IPv6.
     pub fn accept(bind: IpAddr, port: u16) -> std::io::Result<Oob> {
-        let l = TcpListener::bind(SocketAddr::new(bind, port))?;
+        let l = match TcpListener::bind(SocketAddr::new(bind, port)) {
+            Err(_) if bind == IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED) => TcpListener::bind(
+                SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port),
+            )?,
+            r => r?,
+        };
         let (s, peer) = l.accept()?;
         eprintln!("oob: client connected from {peer}");
         Oob::from_stream(s)
@@ -188,14 +209,19 @@ impl Oob {
         } else {
             format!("{server}:{port}")
         };
+        // Retries while the server starts, for at most CONNECT_FOR in all: an address nothing
+        // answers (unroutable, filtered) fails within that instead of the kernel's minutes.
+        const CONNECT_FOR: Duration = Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + CONNECT_FOR;
         let mut last = None;
-        for _ in 0..100 {
+        while std::time::Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
             let attempt = target.to_socket_addrs().and_then(|mut addrs| {
                 let addr = addrs.next().ok_or_else(|| {
                     std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
                 })?;
                 match src_port {
-                    None => TcpStream::connect(addr),
+                    None => TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(10))),
                     Some(p) => connect_bound(addr, p),
                 }
             });
@@ -207,7 +233,14 @@ impl Oob {
                 }
             }
         }
-        Err(last.unwrap_or_else(|| std::io::Error::other("connect failed")))
+        let e = last.unwrap_or_else(|| std::io::Error::other("connect failed"));
+        Err(std::io::Error::new(
+            e.kind(),
+            format!(
+                "{e} (for {}s; is the server running, and reachable?)",
+                CONNECT_FOR.as_secs()
+            ),
+        ))
     }
 
     /// Wraps a connection accepted elsewhere.
@@ -223,14 +256,21 @@ impl Oob {
         })
     }
 
+    /// A handle that tells whether the peer closed the connection ([`PeerWatch::gone`]), for
+    /// loops that wait on the fabric: a vanished peer is reported instead of a timeout.
+    pub fn watch(&self) -> std::io::Result<PeerWatch> {
+        Ok(PeerWatch(self.writer.try_clone()?))
+    }
+
     /// This side's address of the TCP connection (the local address that reaches the peer).
     pub fn local_ip(&self) -> std::io::Result<IpAddr> {
-        Ok(self.writer.local_addr()?.ip())
+        // An IPv4 client of a dual-stack listener is `::ffff:a.b.c.d` here: its IPv4 form.
+        Ok(self.writer.local_addr()?.ip().to_canonical())
     }
 
     /// The peer's address of the TCP connection.
     pub fn peer_ip(&self) -> std::io::Result<IpAddr> {
-        Ok(self.writer.peer_addr()?.ip())
+        Ok(self.writer.peer_addr()?.ip().to_canonical())
     }
 
     /// Sends one line.
@@ -432,6 +472,24 @@ impl Oob {
     }
 }
 
+/// Watches the out-of-band connection for the peer's end (see [`Oob::watch`]).
+pub struct PeerWatch(TcpStream);
+
+impl PeerWatch {
+    /// True when the peer closed the connection (it exited, or failed): a read would return
+    /// end-of-file. Reads nothing; costs two `fcntl`s and a `recv(MSG_PEEK)`.
+    pub fn gone(&self) -> bool {
+        if self.0.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        let r = self.0.peek(&mut b);
+        let _ = self.0.set_nonblocking(false);
+        matches!(r, Ok(0))
+            || matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+    }
+}
+
 /// The connection options every example shares (fabtests' `-p -l -B -P -s <server>`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct Conn {
@@ -537,7 +595,9 @@ where
             .map_err(|_| "server thread panicked".to_string())?;
         client.and(server)
     } else if conn.listen {
-        let listen = conn.src_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let listen = conn
+            .src_addr
+            .unwrap_or(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED));
         let port = conn.bind_port.unwrap_or(DEFAULT_OOB_PORT);
         let oob =
             Oob::accept(listen, port).map_err(|e| format!("oob listen on {listen}:{port}: {e}"))?;

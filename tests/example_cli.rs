@@ -1,0 +1,136 @@
+//! The examples' command line against bad input and vanished peers (issue 18, point 5): sizes
+//! beyond the limit are a clear error, an unreachable server fails within seconds, the server
+//! listens on IPv6 and IPv4, and an RDM server whose client died says so instead of waiting out
+//! its timeout. The examples are built by `cargo test`; a test is skipped if one is missing.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn example(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("examples").join(name);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: {} not built", p.display());
+        None
+    }
+}
+
+/// A TCP port nothing listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn sizes_beyond_the_limit_are_refused_clearly() {
+    let Some(pp) = example("ping-pong") else {
+        return;
+    };
+    let out = Command::new(pp).args(["-S", "100g"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("limit of 1 GiB"), "{err}");
+}
+
+#[test]
+fn a_server_nobody_answers_for_fails_within_seconds() {
+    let Some(pp) = example("ping-pong") else {
+        return;
+    };
+    let start = Instant::now();
+    // 127.0.0.1 with no server: refused at once, retried until the connect deadline.
+    let out = Command::new(pp)
+        .args(["-P", &free_port().to_string(), "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is the server running"), "{err}");
+}
+
+#[test]
+fn the_server_takes_ipv6_and_ipv4_clients_and_notices_a_vanished_one() {
+    let Some(pp) = example("ping-pong") else {
+        return;
+    };
+    let have_v6 = std::net::TcpListener::bind(("::1", 0)).is_ok();
+    // An IPv6 client (when the host has IPv6), to a server on its default address.
+    if have_v6 {
+        let port = free_port().to_string();
+        let mut server = Command::new(&pp)
+            .args(["-l", "-B", &port, "-e", "rdm", "-S", "64", "-I", "5"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let out = Command::new(&pp)
+            .args(["-P", &port, "-e", "rdm", "-S", "64", "-I", "5", "::1"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert!(server.wait().unwrap().success());
+    }
+    // A client killed mid-run: the server reports it long before its 10-minute timeout.
+    let port = free_port().to_string();
+    let server = Command::new(&pp)
+        .args([
+            "-l",
+            "-B",
+            &port,
+            "-e",
+            "rdm",
+            "-S",
+            "64",
+            "-I",
+            "100000000",
+        ])
+        .args(["--timeout-ms", "600000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = Command::new(&pp)
+        .args([
+            "-P",
+            &port,
+            "-e",
+            "rdm",
+            "-S",
+            "64",
+            "-I",
+            "100000000",
+            "127.0.0.1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let start = Instant::now();
+    client.kill().unwrap();
+    let _ = client.wait();
+    let out = server.wait_with_output().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // In the fabric loop ("closed the out-of-band connection") or, on a slow machine, still
+    // in the control exchange ("closed the oob connection").
+    assert!(err.contains("closed the"), "{err}");
+}
