@@ -34,7 +34,10 @@
 //! (CMA), and `never` elsewhere (the udp device's RDMA reads are slower than its long-CTS
 //! messages).
 //!
-//! `PP_STATS=1` prints the RDM endpoint's and the device's counters after each size.
+//! At the end each side prints, on stderr, the path its messages took (`# path to the peer:`
+//! the RDM local channel between processes of one host, the shm route of a `udp`/`efa` device,
+//! or the device itself); `-v` adds the endpoint's and the device's counters, `PP_STATS=1`
+//! prints them after each size.
 //!
 //! `FI_EFA_*` variables apply. RDM endpoints on `-p udp` reach a peer on the same host over
 //! shared memory (`FI_EFA_ENABLE_SHM_TRANSFER`, on by default as in libfabric); set
@@ -84,6 +87,9 @@ struct Args {
     /// `fi_inject`.
     #[arg(long)]
     no_inject: bool,
+    /// Print the endpoint's and the device's counters at the end (on stderr).
+    #[arg(short = 'v')]
+    verbose: bool,
     #[command(flatten)]
     conn: Conn,
 }
@@ -290,6 +296,8 @@ trait PingEp {
     fn stats_line(&self) -> String {
         String::new()
     }
+    /// The path messages took (`common::path_taken`).
+    fn path(&self) -> String;
     fn post_send(&self, peer: PeerId, msg: SendBuf, tagged: bool) -> Result<(), PostError>;
     fn post_recv(&self, buf: BytesMut, tagged: bool) -> Result<(), PostError>;
     /// Messages shorter than this go with [`PingEp::inject`].
@@ -303,6 +311,9 @@ impl PingEp for Endpoint<Dgram> {
     }
     fn region_domain(&self) -> Option<&Domain> {
         None
+    }
+    fn path(&self) -> String {
+        common::path_taken(None, self.domain().device())
     }
     fn post_send(&self, peer: PeerId, msg: SendBuf, _tagged: bool) -> Result<(), PostError> {
         self.send(peer, msg, 2)
@@ -324,6 +335,9 @@ impl PingEp for Endpoint<Rdm> {
     }
     fn region_domain(&self) -> Option<&Domain> {
         Some(self.domain())
+    }
+    fn path(&self) -> String {
+        common::path_taken(Some(&self.stats()), self.domain().device())
     }
     fn stats_line(&self) -> String {
         format!(
@@ -500,7 +514,13 @@ fn pingpong<E: PingEp>(
             print_row(size, args.iters, acked, usec.max(1));
         }
     }
-    pp.finalize()
+    pp.finalize()?;
+    // On stderr: stdout stays fi_pingpong's.
+    eprintln!("# path to the peer: {}", ep.path());
+    if args.verbose {
+        eprintln!("{}", ep.stats_line());
+    }
+    Ok(())
 }
 
 struct PingPong<'a, E: PingEp> {

@@ -692,3 +692,22 @@ pub fn init_tracing() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
+
+/// Which path messages to the peer took, from the counters: the RDM local channel (two
+/// processes on one host, `FI_EFA_ENABLE_SHM_TRANSFER`), the shm route of a `udp` or `efa`
+/// device, or the device itself.
+pub fn path_taken(
+    ep: Option<&efa::EndpointStats>,
+    device: &std::sync::Arc<dyn efa::device::Device>,
+) -> String {
+    let d = device.stats();
+    let kind = device.attr().kind;
+    if ep.is_some_and(|s| s.local_tx_msgs + s.local_rx_msgs > 0) {
+        "local channel (shared memory, same host; FI_EFA_ENABLE_SHM_TRANSFER=0 to use the device)"
+            .into()
+    } else if d.shm_route_tx_pkts + d.shm_route_rx_pkts > 0 {
+        format!("shm route of the {} device (same host)", kind.name())
+    } else {
+        format!("{} device", kind.name())
+    }
+}
