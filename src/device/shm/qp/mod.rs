@@ -825,3 +825,65 @@ impl Drop for ShmQp {
         self.close();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::device::shm::ring::{Ring, ST_PUBLISHED, ST_RNR, ST_TAKEN};
+    use crate::device::shm::{ShmConfig, ShmDevice, segment};
+    use crate::device::{Device, QpAttr, QpType, SendWr, Status};
+    use bytes::Bytes;
+    use std::time::{Duration, Instant};
+
+    /// A send the receiver has taken but whose acknowledgement does not come by the deadline
+    /// (the receiver was descheduled between taking and acknowledging; here its slot is moved to
+    /// "taken" by hand and never acknowledged) is not reported failed: it was delivered. Issue
+    /// 17, defect 9: it completed with `UnresponsiveRemote`.
+    #[test]
+    fn a_taken_send_never_completes_with_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = ShmDevice::open(ShmConfig {
+            unresponsive_timeout: Duration::from_millis(100),
+            ..ShmConfig::in_dir(dir.path())
+        })
+        .unwrap();
+        let mut a = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+        let b = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+        // No receive posted at b: the datagram waits in b's ring (published, or marked RNR).
+        a.post_send(SendWr {
+            wr_id: 7,
+            dest: b.addr(),
+            hdr: Bytes::new(),
+            payload: Bytes::from_static(b"delivered"),
+            imm: None,
+        })
+        .unwrap();
+        let seg = segment::open_peer(dir.path(), crate::device::shm::map::uid(), b.addr().qpn)
+            .expect("b's segment");
+        let ring = Ring::new(&seg.map, &seg.geo);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !(ring.transition(0, ST_PUBLISHED, ST_TAKEN) || ring.transition(0, ST_RNR, ST_TAKEN))
+        {
+            let mut out = Vec::new();
+            a.poll(&mut out, 8);
+            assert!(out.is_empty(), "{out:?}");
+            assert!(
+                Instant::now() < deadline,
+                "the datagram never reached b's ring"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Past the first deadline (100 ms) and the second: a success, never an error.
+        let mut out = Vec::new();
+        while out.is_empty() {
+            a.poll(&mut out, 8);
+            assert!(Instant::now() < deadline, "no completion");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            (out[0].wr_id, out[0].status),
+            (7, Status::Success),
+            "{out:?}"
+        );
+        drop(b);
+    }
+}

@@ -366,15 +366,30 @@ impl State {
                     continue;
                 }
                 Some(ST_PUBLISHED) => {}
-                // Taken (or consumed, the acknowledgement on its way): only the deadline.
-                _ if now >= inf.deadline => {
-                    self.finish(i, Status::UnresponsiveRemote);
+                // Taken (or consumed, the acknowledgement on its way): delivered, as far as SRD
+                // goes; only its final status is awaited. A receiver that dies meanwhile fails it
+                // (`check_peers`); one that stays alive but never writes the acknowledgement (a
+                // bug, or a hostile process of ours) gets a second deadline, after which the send
+                // completes successfully: a delivered send never completes with an error.
+                _ if now >= inf.deadline + unresponsive => {
+                    stats::inc(&self.dev.counters.malformed_dropped);
+                    tracing::debug!(
+                        qpn,
+                        "shm: a taken send was never acknowledged; completed as delivered"
+                    );
+                    self.finish(i, Status::Success);
                     continue;
                 }
                 _ => {}
             }
             if let Some(inf) = self.inflight[i].as_ref() {
-                timer = min_opt(timer, Some(inf.deadline));
+                // Past its deadline only a taken send stays: its second deadline is next.
+                let next = if now >= inf.deadline {
+                    inf.deadline + unresponsive
+                } else {
+                    inf.deadline
+                };
+                timer = min_opt(timer, Some(next));
                 hi = i + 1;
             }
         }
