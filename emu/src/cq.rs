@@ -173,6 +173,9 @@ pub struct ChannelCore {
     pub events: Mutex<VecDeque<usize>>,
     /// Armed CQs the watcher polls (weak: a CQ destroyed while armed just drops out).
     watched: Mutex<Vec<(usize, Weak<CqCore>)>>,
+    /// Signalled when a CQ is armed: with none armed the watcher sleeps on this, not on the
+    /// devices' completions (a program that polls without arming costs no wake-ups, as on a NIC).
+    arming: Notifier,
     stop: std::sync::atomic::AtomicBool,
 }
 
@@ -190,6 +193,7 @@ impl ChannelCore {
             fds: (fds[0], fds[1]),
             events: Mutex::new(VecDeque::new()),
             watched: Mutex::new(Vec::new()),
+            arming: Notifier::new(),
             stop: std::sync::atomic::AtomicBool::new(false),
         });
         let w = Arc::downgrade(&ch);
@@ -216,11 +220,13 @@ impl ChannelCore {
             w.push((key, Arc::downgrade(cq)));
         }
         drop(w);
+        self.arming.notify();
         self.notifier.notify();
     }
 
     pub fn close(&self) {
         self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.arming.notify();
         self.notifier.notify();
     }
 }
@@ -244,6 +250,7 @@ fn watcher(ch: Weak<ChannelCore>) {
             return;
         }
         let seen = c.notifier.generation();
+        let seen_arming = c.arming.generation();
         let cqs: Vec<Arc<CqCore>> = {
             let mut w = c.watched.lock();
             w.retain(|(_, weak)| weak.upgrade().is_some_and(|cq| cq.is_armed()));
@@ -253,12 +260,18 @@ fn watcher(ch: Weak<ChannelCore>) {
             // Completions land in their CQs; `push` fires armed ones.
             cq.drain_qps();
         }
+        let idle = cqs.is_empty();
         let notifier = c.notifier.clone();
         drop(cqs);
-        drop(c);
-        notifier.wait_until(
-            seen,
-            Some(std::time::Instant::now() + std::time::Duration::from_millis(50)),
-        );
+        let deadline = Some(std::time::Instant::now() + std::time::Duration::from_millis(50));
+        if idle {
+            // Nothing armed: wait for an arming, not for completions nobody waits for.
+            let c2 = c.clone();
+            drop(c);
+            c2.arming.wait_until(seen_arming, deadline);
+        } else {
+            drop(c);
+            notifier.wait_until(seen, deadline);
+        }
     }
 }

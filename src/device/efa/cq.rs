@@ -18,7 +18,7 @@ use super::nic::RawWc;
 use super::verbs::{AHN_UNKNOWN, Context};
 use super::verbs_error;
 use crate::error::{Error, ErrorKind, Result};
-use crate::notify::Notifier;
+use crate::notify::{Notifier, SleepHook};
 
 // ---------------------------------------------------------------------------------------------
 // Completion channel
@@ -28,8 +28,8 @@ use crate::notify::Notifier;
 /// blocking waits on a completion queue wake up without anyone polling.
 ///
 /// The thread only reads and acknowledges events (`ibv_get_cq_event`, `ibv_ack_cq_events`); the
-/// CQ is armed (`ibv_req_notify_cq`) by the polling side, after it found the CQ empty, which then
-/// polls once more — so no completion can slip between the last poll and the arming.
+/// CQ is armed (`ibv_req_notify_cq`) by a waiter about to sleep ([`Armer`]), which then polls once
+/// more — so no completion can slip between the last poll and the arming.
 struct Channel {
     ch: NonNull<ibv_comp_channel>,
     stop: Arc<AtomicBool>,
@@ -133,7 +133,7 @@ fn channel_thread(
             got = true;
         }
         if got {
-            // The event disarmed the CQ; the next poll that finds it empty arms it again.
+            // The event disarmed the CQ; the next waiter about to sleep arms it again.
             armed.store(false, Ordering::Release);
             notifier.notify();
         }
@@ -166,9 +166,60 @@ pub(super) struct Cq {
     sgid: bool,
     /// `efadv_wc_is_unsolicited` is available.
     pub(super) unsolicited: bool,
+    /// Arms the CQ when a waiter is about to sleep (registered on the queue pair's notifier).
+    armer: Option<Arc<Armer>>,
     /// Dropped after the CQ (field order).
     channel: Option<Channel>,
     _ctx: Arc<Context>,
+}
+
+/// Arms a CQ for a completion event when a waiter on its queue pair's notifier is about to
+/// sleep (a [`SleepHook`]), and only then: a program that busy-polls never arms it, so its
+/// completions raise no events (no channel-thread wake-up, no context switch per message on a
+/// NIC or the emulated NIC), as libfabric without `FI_WAIT`.
+///
+/// No completion slips between a waiter's last poll and the arming: having armed, the hook
+/// signals the notifier, so the waiter polls once more before it sleeps; completions after the
+/// arming raise an event.
+pub(super) struct Armer {
+    /// The CQ, until it is destroyed (`None` then: the hook does nothing).
+    cq: parking_lot::Mutex<Option<CqPtr>>,
+    /// Shared with the channel thread, which clears it on each event.
+    armed: Arc<AtomicBool>,
+    notifier: Arc<Notifier>,
+}
+
+struct CqPtr(*mut ibv_cq);
+// SAFETY: the pointer is only used under `Armer::cq`'s lock, which `Cq::drop` takes to clear
+// it before destroying the CQ.
+unsafe impl Send for CqPtr {}
+
+impl SleepHook for Armer {
+    fn before_sleep(&self) {
+        if self.armed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let g = self.cq.lock();
+        let Some(cq) = g.as_ref() else {
+            return;
+        };
+        let cq = cq.0;
+        // SAFETY: live CQ (cleared under this lock before it is destroyed); rdma-core's
+        // `req_notify_cq` may run beside a poll of the same CQ.
+        let rc = unsafe {
+            match (*(*cq).context).ops.req_notify_cq {
+                Some(f) => f(cq, 0),
+                None => EOPNOTSUPP,
+            }
+        };
+        drop(g);
+        if rc != 0 {
+            tracing::debug!(rc, "efa: ibv_req_notify_cq failed; waiting is by polling");
+            return;
+        }
+        // Completions that came before the arming raise no event: the waiter polls once more.
+        self.notifier.notify();
+    }
 }
 
 // SAFETY: the CQ is used by one queue pair (`&mut self` on every poll) and destroyed in `Drop`.
@@ -217,6 +268,14 @@ impl Cq {
         let mut cq = cq?;
         if let Some(mut ch) = channel {
             ch.start(notifier.clone(), thread_name)?;
+            let armer = Arc::new(Armer {
+                cq: parking_lot::Mutex::new(Some(CqPtr(cq.as_cq()))),
+                armed: ch.armed.clone(),
+                notifier: notifier.clone(),
+            });
+            let hook: std::sync::Weak<dyn SleepHook> = Arc::downgrade(&armer) as _;
+            notifier.add_sleep_hook(hook);
+            cq.armer = Some(armer);
             cq.channel = Some(ch);
         }
         Ok(cq)
@@ -308,6 +367,7 @@ impl Cq {
             efa_cq,
             sgid: sgid_ok,
             unsolicited: uns_ok,
+            armer: None,
             channel: None,
             _ctx: ctx.clone(),
         })
@@ -401,38 +461,14 @@ impl Cq {
         unsafe { (self.fns.end_poll)(cq) };
         res
     }
-
-    /// Arms the CQ for one completion event, unless there is no channel or it is armed already.
-    /// Returns true when it armed it now (the caller then polls once more, for completions that
-    /// arrived before the arming).
-    pub(super) fn arm(&mut self) -> bool {
-        let Some(ch) = self.channel.as_mut() else {
-            return false;
-        };
-        if ch.thread.is_none() || ch.armed.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        let cq = self.cq.as_ptr().cast::<ibv_cq>();
-        // SAFETY: live CQ (an `ibv_cq_ex` starts with an `ibv_cq`); its context's ops table is
-        // rdma-core's.
-        let rc = unsafe {
-            match (*(*cq).context).ops.req_notify_cq {
-                Some(f) => f(cq, 0),
-                None => EOPNOTSUPP,
-            }
-        };
-        if rc != 0 {
-            tracing::debug!(rc, "efa: ibv_req_notify_cq failed; waiting is by polling");
-            // The CQ keeps using the channel; only its thread stops. Destroyed after the CQ.
-            ch.stop_thread();
-            return false;
-        }
-        true
-    }
 }
 
 impl Drop for Cq {
     fn drop(&mut self) {
+        // No more arming by waiters (a hook that runs now waits for this lock).
+        if let Some(a) = self.armer.take() {
+            *a.cq.lock() = None;
+        }
         // The event thread first, so nothing acknowledges events of a CQ being destroyed.
         if let Some(ch) = self.channel.as_mut() {
             ch.stop_thread();

@@ -88,8 +88,6 @@ pub struct FakeNic {
     pub destroyed: bool,
     /// `destroy` fails.
     pub destroy_fails: bool,
-    /// `arm` reports arming this many times.
-    pub arms: usize,
 }
 
 impl FakeNic {
@@ -111,7 +109,6 @@ impl FakeNic {
             errored: false,
             destroyed: false,
             destroy_fails: false,
-            arms: 0,
         }
     }
 
@@ -289,14 +286,5 @@ impl Nic for FakeNic {
     fn destroy(&mut self) -> bool {
         self.destroyed = true;
         !self.destroy_fails
-    }
-
-    fn arm(&mut self) -> bool {
-        if self.arms > 0 {
-            self.arms -= 1;
-            true
-        } else {
-            false
-        }
     }
 }

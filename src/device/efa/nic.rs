@@ -135,9 +135,4 @@ pub trait Nic: Send {
     /// `post_*`/`poll` do nothing. False when the destroy failed: the NIC may still use the
     /// memory, which must then never be freed.
     fn destroy(&mut self) -> bool;
-    /// Asks for a completion event at the next completion; true when it armed the CQ just now
-    /// (the caller polls once more). False without a completion channel.
-    fn arm(&mut self) -> bool {
-        false
-    }
 }

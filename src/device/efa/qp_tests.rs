@@ -657,8 +657,11 @@ fn a_failed_destroy_leaks_instead_of_freeing() {
     );
 }
 
+/// Completions signal the notifier, empty polls do not. (Polling never arms the CQ: only a
+/// waiter about to sleep does, `cq::Armer`, so a busy-polling program gets no completion
+/// events.)
 #[test]
-fn arming_polls_once_more_and_completions_notify() {
+fn polling_never_arms_and_completions_notify() {
     let notifier = Arc::new(Notifier::new());
     let mut q = EfaQp::new(
         FakeNic::new(QpType::Srd),
@@ -672,21 +675,14 @@ fn arming_polls_once_more_and_completions_notify() {
     .unwrap();
     let g0 = notifier.generation();
     let mut out = Vec::new();
-    assert_eq!(q.poll(&mut out, 8), 0);
+    for _ in 0..10 {
+        assert_eq!(q.poll(&mut out, 8), 0);
+    }
     assert_eq!(notifier.generation(), g0, "nothing found, no signal");
-    q.nic_mut().arms = 1;
     q.post_recv(1, BytesMut::with_capacity(8)).unwrap();
     q.nic_mut().arrive(b"x", 0, 0, None);
-    // The completion is found in the first reap; arming only happens on an empty CQ.
     assert_eq!(q.poll(&mut out, 8), 1);
     assert!(notifier.generation() > g0);
-    assert_eq!(
-        q.nic_mut().arms,
-        1,
-        "not armed while completions were found"
-    );
-    assert_eq!(q.poll(&mut out, 8), 0);
-    assert_eq!(q.nic_mut().arms, 0, "armed when the CQ was empty");
 }
 
 #[test]

@@ -405,10 +405,6 @@ impl Nic for VerbsNic {
             None => true,
         }
     }
-
-    fn arm(&mut self) -> bool {
-        self.qp.is_some() && self.cq.arm()
-    }
 }
 
 impl Drop for VerbsNic {
