@@ -31,7 +31,8 @@
 //! regions that peers may read (as fabtests register their buffers), so the protocol engine may
 //! use its read-based protocols for them (`FI_EFA_INTER_MIN_READ_MESSAGE_SIZE`, 1 MiB by
 //! default). The default, `auto`, is that threshold on `-p shm`, whose RDMA reads copy once
-//! (CMA), and `never` elsewhere (the udp device's RDMA reads are slower than its long-CTS
+//! (CMA), and on `-p efa`, whose NIC reads (as `fi_pingpong`'s registered buffers let libfabric
+//! use long-read from 1 MiB), and `never` on `udp` (its RDMA reads are slower than its long-CTS
 //! messages).
 //!
 //! At the end each side prints, on stderr, the path its messages took (`# path to the peer:`
@@ -79,7 +80,7 @@ struct Args {
     timeout_ms: u64,
     /// RDM messages of at least this size go from registered regions peers may read, which
     /// lets the engine pick its read-based protocols (`never`; `auto`: the long-read threshold
-    /// on shm, never elsewhere).
+    /// on shm and efa, never on udp).
     #[arg(long, default_value = "auto")]
     mr_min: String,
     /// Always use `send` (each message gets a send completion). By default messages up to the
@@ -425,7 +426,7 @@ fn pingpong<E: PingEp>(
     let mr_min = match args.mr_min.as_str() {
         // From the engine's long-read threshold: below it a region only costs the copy the
         // endpoint makes of it (the message goes in packets either way).
-        "auto" if args.conn.provider == "shm" => efa::Config::from_env()
+        "auto" if matches!(args.conn.provider.as_str(), "shm" | "efa") => efa::Config::from_env()
             .map(|c| c.inter_min_read_message_size)
             .map_err(|e| e.to_string())?,
         "never" | "auto" => usize::MAX,
