@@ -72,7 +72,11 @@ fn main() -> ExitCode {
         }
     };
     if args.json {
-        match serde_json::to_string_pretty(&infos) {
+        let json = serde_json::to_value(&infos).map(|mut v| {
+            exact_in_js(&mut v);
+            v
+        });
+        match json.and_then(|v| serde_json::to_string_pretty(&v)) {
             Ok(s) => println!("{s}"),
             Err(e) => {
                 eprintln!("info: cannot serialize: {e}");
@@ -92,5 +96,19 @@ fn print_info(info: &Info, verbose: bool) {
         println!("{}", info.verbose());
     } else {
         println!("{info}");
+    }
+}
+
+/// Integers above 2^53 as strings: JSON readers that keep numbers as doubles (JavaScript, jq)
+/// would round them (`max_msg_size` is 2^64 - 1, `mem_tag_format` uses all 64 bits).
+fn exact_in_js(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if n.as_u64().is_some_and(|x| x > 1 << 53) => {
+            *v = Value::String(n.to_string());
+        }
+        Value::Array(a) => a.iter_mut().for_each(exact_in_js),
+        Value::Object(o) => o.values_mut().for_each(exact_in_js),
+        _ => {}
     }
 }

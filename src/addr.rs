@@ -13,10 +13,43 @@ use crate::error::{Error, ErrorKind, Result};
 pub const RAW_ADDR_LEN: usize = 32;
 
 /// A 16-byte global identifier: an IPv6 address, or an IPv4-mapped IPv6 address for IPv4 devices.
-#[derive(
-    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize,
-)]
+///
+/// With serde it is text (`"::ffff:127.0.0.1"`, as it prints) in human-readable formats such as
+/// JSON, and its 16 bytes in binary ones; both forms are read back.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Gid(pub [u8; 16]);
+
+impl serde::Serialize for Gid {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            self.0.serialize(s)
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Gid {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Gid, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            Text(String),
+            Bytes([u8; 16]),
+        }
+        if d.is_human_readable() {
+            match Form::deserialize(d)? {
+                Form::Text(t) => t
+                    .parse::<IpAddr>()
+                    .map(Gid::from_ip)
+                    .map_err(|_| serde::de::Error::custom(format!("{t:?} is not a GID"))),
+                Form::Bytes(b) => Ok(Gid(b)),
+            }
+        } else {
+            <[u8; 16]>::deserialize(d).map(Gid)
+        }
+    }
+}
 
 impl Gid {
     /// All zeros: in a [`Source`](crate::device::Source), a sender whose GID the device could

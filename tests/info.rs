@@ -669,3 +669,59 @@ fn example_shows_configuration_warnings_without_rust_log() {
         "{stderr}"
     );
 }
+
+/// `info --json` writes integers above 2^53 as strings (JSON readers that use doubles would round
+/// them) and GIDs as text, as `-v` prints them (issue 18, point 7).
+#[test]
+fn info_json_is_exact_for_javascript_and_gids_are_text() {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples")
+        .join("info");
+    if !bin.exists() {
+        eprintln!("skipped: {} not built", bin.display());
+        return;
+    }
+    let out = std::process::Command::new(&bin)
+        .args(["-p", "udp", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    fn walk(v: &serde_json::Value, big: &mut usize, gids: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Number(n) => {
+                assert!(
+                    n.as_u64().is_none_or(|x| x <= 1 << 53),
+                    "{n} would be rounded"
+                );
+            }
+            serde_json::Value::String(s) if s.parse::<u64>().is_ok_and(|x| x > 1 << 53) => {
+                *big += 1;
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, big, gids)),
+            serde_json::Value::Object(o) => {
+                for (k, x) in o {
+                    if k == "gid" {
+                        gids.push(x.as_str().expect("a GID as text").to_string());
+                    }
+                    walk(x, big, gids);
+                }
+            }
+            _ => {}
+        }
+    }
+    let (mut big, mut gids) = (0, Vec::new());
+    walk(&v, &mut big, &mut gids);
+    assert!(big > 0, "max_msg_size of RDM is 2^64 - 1: {v}");
+    assert!(!gids.is_empty(), "{v}");
+    for g in gids {
+        assert!(g.parse::<std::net::IpAddr>().is_ok(), "{g}");
+    }
+    // And a GID reads back from its text.
+    let g: Gid = serde_json::from_str("\"::ffff:127.0.0.1\"").unwrap();
+    assert_eq!(serde_json::to_string(&g).unwrap(), "\"::ffff:127.0.0.1\"");
+}
