@@ -299,8 +299,10 @@ fn print_counters(ep: &Endpoint<Rdm>, domain: &efa::Domain, who: &str) {
 fn print_paths(ep: &Endpoint<Rdm>, who: &str) {
     let s = ep.stats();
     println!(
-        "# {who}: rma bytes on the device {}, emulated {}",
-        s.device_rma_bytes, s.emulated_rma_bytes
+        "# {who}: rma bytes on the device {}, emulated {}; messages to the peer: {}",
+        s.device_rma_bytes,
+        s.emulated_rma_bytes,
+        common::path_taken(Some(&s), ep.domain().device())
     );
 }
 

@@ -154,6 +154,12 @@ fn session(args: &Args, side: Side) -> Res<()> {
         }
         oob.sync().map_err(|e| e.to_string())?;
     }
+    if print {
+        eprintln!(
+            "# path to the peer: {}",
+            common::path_taken(Some(&ep.stats()), domain.device())
+        );
+    }
     Ok(())
 }
 
