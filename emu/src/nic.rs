@@ -55,7 +55,10 @@ pub struct Nic {
     pub cfg: EmuConfig,
     pub dev: Arc<UdpDevice>,
     pub gid: Gid,
-    ahs: Mutex<Ahs>,
+    ahs: Arc<Mutex<Ahs>>,
+    /// The protection domain of each remotely accessible registration, by rkey: RDMA from an
+    /// initiator that PD holds no AH for is refused with status 14, as EFA refuses it.
+    rkey_pd: Arc<Mutex<HashMap<u32, usize>>>,
     mrs: Mutex<Mrs>,
     rng: Mutex<efa::fault::Rng>,
     /// Bytes registrations may pin (`None`: no limit), found once at open.
@@ -159,13 +162,25 @@ impl Nic {
         u.peer_idle_timeout = u.peer_idle_timeout.max(cfg.unresponsive * 2);
         let dev = UdpDevice::open(u).map_err(|e| format!("efa-emu: cannot open the NIC: {e}"))?;
         let gid = dev.attr().gid;
+        let ahs = Arc::new(Mutex::new(Ahs::default()));
+        let rkey_pd: Arc<Mutex<HashMap<u32, usize>>> = Arc::default();
+        {
+            let (ahs, rkey_pd) = (ahs.clone(), rkey_pd.clone());
+            dev.set_rdma_admission(Some(Arc::new(move |key: u64, initiator: Gid| {
+                let pd = u32::try_from(key)
+                    .ok()
+                    .and_then(|k| rkey_pd.lock().get(&k).copied());
+                pd.is_none_or(|pd| ahs.lock().by_gid.contains_key(&(pd, initiator)))
+            })));
+        }
         tracing::debug!(addr = %cfg.addr, device = %cfg.device, "efa-emu: NIC up");
         Ok(Nic {
             memlock: memlock_limit(&cfg),
             cfg,
             dev,
             gid,
-            ahs: Mutex::new(Ahs::default()),
+            ahs,
+            rkey_pd,
             mrs: Mutex::new(Mrs::default()),
             rng: Mutex::new(efa::fault::Rng::new(entropy())),
             rdma_reads: Default::default(),
@@ -307,6 +322,7 @@ impl Nic {
             self.dev
                 .register_mem_as(&mem, a, u64::from(rkey))
                 .map_err(|_| libc::EINVAL)?;
+            self.rkey_pd.lock().insert(rkey, pd);
             Some(mem)
         } else {
             None
@@ -339,6 +355,7 @@ impl Nic {
         };
         if let Some(mem) = &e.mem {
             self.dev.deregister_mem(u64::from(e.rkey));
+            self.rkey_pd.lock().remove(&e.rkey);
             mem.close_foreign();
         }
         Ok(())

@@ -427,6 +427,8 @@ fn write_with_immediate_solicited_and_unsolicited() {
             ..Opts::default()
         });
         let (_dev, mut u) = udp_qp();
+        // EFA serves RDMA only from initiators the target's PD holds an AH for.
+        let _ah = create_ah(e.pd, u.addr().gid);
         if !unsolicited {
             e.post_recv(42, 0, 16);
         }
@@ -540,6 +542,7 @@ fn dmabuf_registration_of_a_memfd() {
     // SAFETY: reading the registration.
     let (rkey, addr) = unsafe { ((*mr).rkey, (*mr).addr as u64) };
     assert_eq!(addr, iova, "the program sees the I/O virtual address");
+    let _ah = create_ah(e.pd, u.addr().gid);
     u.post_read(
         1,
         e.addr(),
@@ -653,4 +656,34 @@ fn an_ah_in_another_protection_domain_leaves_the_sender_unknown() {
     assert_eq!(slid, u32::from(ahn2));
     assert_eq!(sgid, None);
     udp_wait(&mut u, "second send completion");
+}
+
+/// EFA serves one-sided RDMA only from an initiator the target's protection domain holds an AH
+/// for; others get status 14 (unknown peer), as the emulated NIC now refuses them (issue 16,
+/// defect 5: the crate's engine retries after introducing itself).
+#[test]
+fn rdma_from_an_initiator_without_an_ah_is_refused_with_14() {
+    let e = emu_qp();
+    let (_dev, mut u) = udp_qp();
+    // SAFETY: reading the registration's fields.
+    let (rkey, base) = unsafe { ((*e.mr).rkey, (*e.mr).addr as u64) };
+    let read = |u: &mut Box<dyn QueuePair>, wr_id| {
+        u.post_read(
+            wr_id,
+            e.addr(),
+            BytesMut::with_capacity(16),
+            RemoteIov {
+                addr: base,
+                len: 16,
+                key: u64::from(rkey),
+            },
+        )
+        .expect("post read");
+        udp_wait(u, "read")
+    };
+    let c = read(&mut u, 1);
+    assert_eq!(c.status.code(), 14, "{c:?}");
+    let _ah = create_ah(e.pd, u.addr().gid);
+    let c = read(&mut u, 2);
+    assert!(c.status.is_ok(), "{c:?}");
 }

@@ -65,7 +65,14 @@ pub(crate) enum Served {
     NotReady,
     /// Refused: bad key, range or right (or malformed): `RemoteBadAddress` to the sender.
     Denied,
+    /// Refused by the key's admission rule ([`Admit`]): the target holds no address handle for
+    /// the initiator, `UnknownPeer` (EFA status 14) to the sender.
+    NoAh,
 }
+
+/// Who may reach a key by RDMA: `(key, initiator GID)` → allowed. An emulated EFA NIC refuses
+/// initiators the key's protection domain holds no address handle for, as EFA does.
+pub type Admit = Arc<dyn Fn(u64, crate::Gid) -> bool + Send + Sync>;
 
 /// The outcome of [`RdmaHost::cma_copy`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,9 +170,20 @@ impl Src {
 }
 
 /// The registered regions of one device, by key (shared by its queue pairs).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Keys {
     live: HashMap<u64, (Arc<RegionMem>, Access)>,
+    /// The admission rule, if any (every initiator is admitted without).
+    admit: Option<Admit>,
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keys")
+            .field("live", &self.live.len())
+            .field("admit", &self.admit.is_some())
+            .finish()
+    }
 }
 
 /// A device's key table.
@@ -197,6 +215,16 @@ impl Keys {
         }
         self.live.insert(key, (mem.clone(), access));
         true
+    }
+
+    /// Sets the rule that admits initiators (see [`Admit`]).
+    pub(crate) fn set_admit(&mut self, admit: Option<Admit>) {
+        self.admit = admit;
+    }
+
+    /// Whether the admission rule lets `gid` reach `key`.
+    fn admits(&self, key: u64, gid: crate::Gid) -> bool {
+        self.admit.as_ref().is_none_or(|a| a(key, gid))
     }
 
     /// Revokes `key`.
@@ -573,7 +601,17 @@ pub(crate) trait RdmaOps: RdmaHost {
         let in_range = offset
             .checked_add(body.len() as u64)
             .is_some_and(|e| e <= total);
-        let mem = keys.lock().check(key, Access::REMOTE_WRITE, start, total);
+        let (mem, admitted) = {
+            let k = keys.lock();
+            (
+                k.check(key, Access::REMOTE_WRITE, start, total),
+                k.admits(key, src.source.gid),
+            )
+        };
+        if mem.is_some() && !admitted {
+            tracing::debug!(src = ?src.source, key, "RDMA write refused: no address handle for the initiator");
+            return Served::NoAh;
+        }
         let (Some(mem), true) = (mem, in_range) else {
             tracing::debug!(src = ?src.source, key, "udp: RDMA write refused (key, range or right)");
             return Served::Denied;
@@ -640,10 +678,21 @@ pub(crate) trait RdmaOps: RdmaHost {
         let Some(keys) = self.rdma().keys.clone() else {
             return Served::Denied;
         };
-        let Some(mem) = keys.lock().check(key, Access::REMOTE_READ, addr, len) else {
+        let (mem, admitted) = {
+            let k = keys.lock();
+            (
+                k.check(key, Access::REMOTE_READ, addr, len),
+                k.admits(key, src.source.gid),
+            )
+        };
+        let Some(mem) = mem else {
             tracing::debug!(src = ?src.source, key, "udp: RDMA read refused (key, range or right)");
             return Served::Denied;
         };
+        if !admitted {
+            tracing::debug!(src = ?src.source, key, "RDMA read refused: no address handle for the initiator");
+            return Served::NoAh;
+        }
         let dest = RawAddr::new(src.source.gid, src.source.qpn, src_qkey);
         let cookie = self.cma_cookie().filter(|_| flags & F_CMA != 0 && len > 0);
         let mut out = BytesMut::new();

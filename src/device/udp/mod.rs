@@ -86,6 +86,10 @@ pub const MAX_RDMA_SIZE: u64 = 1 << 30;
 /// Longest duration any [`UdpConfig`] field accepts (one day).
 pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
 
+/// Who may reach a registration by RDMA (see [`UdpDevice::set_rdma_admission`]): `(key,
+/// initiator GID)` → allowed.
+pub type RdmaAdmit = crate::device::soft_rdma::Admit;
+
 /// Configuration of a [`UdpDevice`].
 ///
 /// ```
@@ -285,6 +289,16 @@ impl UdpDevice {
     /// The configuration the device was opened with (an automatic MTU resolved).
     pub fn config(&self) -> &UdpConfig {
         &self.cfg
+    }
+
+    /// Sets who may reach this device's registrations by RDMA: `admit(key, initiator GID)`;
+    /// refused accesses complete at the initiator with `UnknownPeer` (EFA status 14). For an
+    /// emulated EFA NIC, which refuses initiators the key's protection domain holds no address
+    /// handle for. `None` (the default) admits everyone. Without RDMA, nothing happens.
+    pub fn set_rdma_admission(&self, admit: Option<RdmaAdmit>) {
+        if let Some(keys) = &self.keys {
+            keys.lock().set_admit(admit);
+        }
     }
 
     /// Registers `mem` for one-sided RDMA under `key`, a key the caller chose instead of one

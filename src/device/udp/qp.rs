@@ -506,6 +506,8 @@ pub(super) enum Delivery {
     BadLength,
     /// An RDMA access refused: bad key, range or right (`rdma.rs`).
     Denied,
+    /// An RDMA access refused: no address handle for the initiator (an emulated EFA NIC).
+    NoAh,
 }
 
 /// The parts of a queue pair's state both modes use.
@@ -592,6 +594,7 @@ impl Ctx {
             Served::Ok => Delivery::Ok,
             Served::NotReady => Delivery::NoBuffer,
             Served::Denied => Delivery::Denied,
+            Served::NoAh => Delivery::NoAh,
         }
     }
 

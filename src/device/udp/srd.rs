@@ -133,6 +133,9 @@ enum Slot {
     BadLen,
     /// An RDMA access refused (bad key, range or right); duplicates get the NAK again.
     Denied,
+    /// An RDMA access refused for want of an address handle for the initiator; duplicates get
+    /// the NAK again (the initiator posts a new work request once the target has one).
+    NoAh,
     /// Below the floor of a sender whose state was forgotten: it may have been delivered before,
     /// so it is refused (NAK `Forgotten`, the send fails) rather than delivered again.
     Lost,
@@ -513,6 +516,10 @@ impl Srd {
                 stats::inc(&cx.counters().duplicates_dropped);
                 nak(cx, NakReason::BadAddress);
             }
+            Slot::NoAh => {
+                stats::inc(&cx.counters().duplicates_dropped);
+                nak(cx, NakReason::UnknownPeer);
+            }
             Slot::Lost => {
                 stats::inc(&cx.counters().duplicates_dropped);
                 nak(cx, NakReason::Forgotten);
@@ -536,6 +543,10 @@ impl Srd {
                 Delivery::Denied => {
                     *slot = Slot::Denied;
                     nak(cx, NakReason::BadAddress);
+                }
+                Delivery::NoAh => {
+                    *slot = Slot::NoAh;
+                    nak(cx, NakReason::UnknownPeer);
                 }
                 Delivery::NoBuffer => {
                     *slot = Slot::Refused(h.try_);
@@ -670,6 +681,11 @@ impl Srd {
             NakReason::Forgotten => {
                 if let Some(inf) = p.inflight.remove(&n.seq) {
                     cx.complete_send(inf.op.wr_id, Status::RemoteAbort, 0);
+                }
+            }
+            NakReason::UnknownPeer => {
+                if let Some(inf) = p.inflight.remove(&n.seq) {
+                    cx.complete_send(inf.op.wr_id, Status::UnknownPeer, 0);
                 }
             }
             NakReason::Rnr => {

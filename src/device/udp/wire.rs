@@ -72,6 +72,9 @@ pub(crate) enum NakReason {
     /// The receiver forgot this sender's state (too many senders) and may have delivered this
     /// sequence number before: it is not delivered again, and the send fails.
     Forgotten = 4,
+    /// An RDMA access refused because the target's NIC holds no address handle for the
+    /// initiator (EFA status 14; only an emulated EFA NIC refuses so).
+    UnknownPeer = 5,
 }
 
 /// Why a datagram was rejected.
@@ -418,6 +421,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
                 Some(2) => NakReason::BadLength,
                 Some(3) => NakReason::BadAddress,
                 Some(4) => NakReason::Forgotten,
+                Some(5) => NakReason::UnknownPeer,
                 _ => return Err("unknown NAK reason"),
             };
             if b.get(33..36) != Some(&[0u8, 0, 0][..]) {

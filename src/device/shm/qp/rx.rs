@@ -267,6 +267,7 @@ impl State {
             }
             Served::Ok => Status::Success,
             Served::Denied => Status::RemoteBadAddress,
+            Served::NoAh => Status::UnknownPeer,
         };
         // The sender may have cancelled it meanwhile (its deadline): nothing to acknowledge.
         if r.transition(head, st, ST_TAKEN) {
