@@ -207,6 +207,8 @@ impl Device for RoutedDevice {
             failed: Default::default(),
             closed: false,
             recv_depth,
+            rdma_to_local: Default::default(),
+            introduce: Default::default(),
         }))
     }
 

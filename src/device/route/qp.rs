@@ -152,6 +152,12 @@ pub(super) struct RoutedQp {
     pub(super) closed: bool,
     /// The receive queue depth (posted to either path or spare).
     pub(super) recv_depth: usize,
+    /// RDMA work requests on the primary to peers reached over shm, by `wr_id`: their target.
+    pub(super) rdma_to_local: std::collections::HashMap<u64, RawAddr>,
+    /// Peers reached over shm whose primary NIC refused our RDMA for want of an address handle
+    /// for us (EFA status 14): the next datagram to each goes over the primary, so that their
+    /// NIC learns us (the engine sends an introduction right after the refusal).
+    pub(super) introduce: std::collections::HashSet<RawAddr>,
 }
 
 impl fmt::Debug for RoutedQp {
@@ -308,6 +314,11 @@ impl QueuePair for RoutedQp {
                 )),
             );
         }
+        if self.introduce.remove(&wr.dest) {
+            // Over the primary: the peer's NIC must hold an address handle for us to serve our
+            // RDMA, and only a datagram that reaches it there makes one.
+            return self.primary.post_send(wr);
+        }
         let shm_dest = match self.route(&wr.dest) {
             Route::Primary => return self.primary.post_send(wr),
             Route::Shm(a) => a,
@@ -400,6 +411,18 @@ impl QueuePair for RoutedQp {
             if !shm {
                 let start = out.len();
                 let got = self.primary.poll(out, max - n);
+                if !self.rdma_to_local.is_empty() {
+                    for c in &out[start..] {
+                        if !matches!(c.opcode, Opcode::RdmaRead | Opcode::RdmaWrite) {
+                            continue;
+                        }
+                        if let Some(dest) = self.rdma_to_local.remove(&c.wr_id) {
+                            if c.status == Status::UnknownPeer {
+                                self.introduce.insert(dest);
+                            }
+                        }
+                    }
+                }
                 if let Some(local) = self.local.as_mut() {
                     for c in &out[start..] {
                         let consumed = c.opcode == Opcode::Recv
@@ -459,7 +482,9 @@ impl QueuePair for RoutedQp {
         local: BytesMut,
         remote: RemoteIov,
     ) -> Result<()> {
-        self.primary.post_read(wr_id, dest, local, remote)
+        self.primary.post_read(wr_id, dest, local, remote)?;
+        self.note_rdma(wr_id, dest);
+        Ok(())
     }
 
     fn post_write(
@@ -470,7 +495,19 @@ impl QueuePair for RoutedQp {
         remote: RemoteIov,
         imm: Option<u32>,
     ) -> Result<()> {
-        self.primary.post_write(wr_id, dest, local, remote, imm)
+        self.primary.post_write(wr_id, dest, local, remote, imm)?;
+        self.note_rdma(wr_id, dest);
+        Ok(())
+    }
+}
+
+impl RoutedQp {
+    /// Remembers the target of an RDMA work request to a peer reached over shm (RDMA always
+    /// goes over the primary, whose keys the regions carry).
+    fn note_rdma(&mut self, wr_id: u64, dest: RawAddr) {
+        if self.local.is_some() && matches!(self.route(&dest), Route::Shm(_)) {
+            self.rdma_to_local.insert(wr_id, dest);
+        }
     }
 }
 
