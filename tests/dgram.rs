@@ -1,6 +1,8 @@
 //! Endpoint<Dgram> over the udp and loopback devices: data intact, immediate data, FI_SOURCE,
 //! errors of the right kind, buffers handed back, and two processes over udp.
 
+mod common;
+
 use std::collections::HashSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
@@ -17,7 +19,7 @@ const WAIT: Duration = Duration::from_secs(20);
 /// (under the emulated NIC) instead.
 fn domain(provider: &str, mut addr: Option<IpAddr>) -> Domain {
     let mut provider = provider;
-    if provider == "udp" && std::env::var("EFA_TEST_DEVICE").is_ok_and(|v| v == "efa") {
+    if provider == "udp" && common::on_efa() {
         provider = "efa";
         addr = None;
     }

@@ -12,7 +12,8 @@
 //! ```
 #![cfg(feature = "efa")]
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,17 +109,9 @@ fn ping_pong_example_without_device() {
         eprintln!("skipped: this machine has an EFA device (the example would run)");
         return;
     }
-    let exe = std::env::current_exe().unwrap();
-    let dir: PathBuf = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("examples");
-    let bin = dir.join("ping-pong");
-    if !bin.exists() {
-        eprintln!("skipped: {} not built", bin.display());
+    let Some(bin) = common::example_bin("ping-pong") else {
         return;
-    }
+    };
     let out = Command::new(&bin)
         .args(["-p", "efa", "-S", "64", "-I", "1"])
         .output()
@@ -474,54 +467,41 @@ fn hw_rdma_read_and_write() {
         let got = collect(&mut [&mut a, &mut b], 1);
         assert_eq!(got[0].status, Status::Success, "{:?}", got[0]);
         // With immediate data: the target completes too, consuming a posted receive (or none
-        // with unsolicited write-recv).
-        b.post_recv(9, BytesMut::with_capacity(64)).unwrap();
-        a.post_write(
-            3,
-            b.addr(),
-            Bytes::from_static(b"AGAIN"),
-            RemoteIov { len: 5, ..iov },
-            Some(0xfeed),
-        )
-        .unwrap();
-        let got = collect(&mut [&mut a, &mut b], 2);
-        let init = got
-            .iter()
-            .find(|c| c.wr_id == 3)
-            .expect("initiator completion");
-        assert_eq!(init.status, Status::Success, "{init:?}");
-        let tgt = got
-            .iter()
-            .find(|c| c.opcode == Opcode::RecvRdmaWithImm)
-            .expect("target completion");
-        assert_eq!(
-            (tgt.status, tgt.imm, tgt.byte_len),
-            (Status::Success, Some(0xfeed), 5)
-        );
-        // Zero bytes with immediate data (one zero-length SGE): only the notification.
-        b.post_recv(10, BytesMut::with_capacity(64)).unwrap();
-        a.post_write(
-            4,
-            b.addr(),
-            Bytes::new(),
-            RemoteIov { len: 0, ..iov },
-            Some(7),
-        )
-        .unwrap();
-        let got = collect(&mut [&mut a, &mut b], 2);
-        let init = got
-            .iter()
-            .find(|c| c.wr_id == 4)
-            .expect("initiator completion");
-        assert_eq!(init.status, Status::Success, "{init:?}");
-        let tgt = got
-            .iter()
-            .find(|c| c.opcode == Opcode::RecvRdmaWithImm)
-            .expect("target completion");
-        assert_eq!(
-            (tgt.status, tgt.imm, tgt.byte_len),
-            (Status::Success, Some(7), 0)
-        );
+        // with unsolicited write-recv). Then zero bytes with immediate data (one zero-length
+        // SGE): only the notification.
+        for (wr_id, data, imm) in [
+            (3, Bytes::from_static(b"AGAIN"), 0xfeed),
+            (4, Bytes::new(), 7),
+        ] {
+            let len = data.len();
+            b.post_recv(wr_id + 10, BytesMut::with_capacity(64))
+                .unwrap();
+            a.post_write(
+                wr_id,
+                b.addr(),
+                data,
+                RemoteIov {
+                    len: len as u64,
+                    ..iov
+                },
+                Some(imm),
+            )
+            .unwrap();
+            let got = collect(&mut [&mut a, &mut b], 2);
+            let init = got
+                .iter()
+                .find(|c| c.wr_id == wr_id)
+                .expect("initiator completion");
+            assert_eq!(init.status, Status::Success, "{init:?}");
+            let tgt = got
+                .iter()
+                .find(|c| c.opcode == Opcode::RecvRdmaWithImm)
+                .expect("target completion");
+            assert_eq!(
+                (tgt.status, tgt.imm, tgt.byte_len),
+                (Status::Success, Some(imm), len)
+            );
+        }
     }
     let back = region.into_inner();
     if caps.rdma_write {

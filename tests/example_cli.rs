@@ -3,20 +3,10 @@
 //! listens on IPv6 and IPv4, and an RDM server whose client died says so instead of waiting out
 //! its timeout. The examples are built by `cargo test`; a test is skipped if one is missing.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn example(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("examples").join(name);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: {} not built", p.display());
-        None
-    }
-}
 
 /// A TCP port nothing listens on right now.
 fn free_port() -> u16 {
@@ -29,7 +19,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn sizes_beyond_the_limit_are_refused_clearly() {
-    let Some(pp) = example("ping-pong") else {
+    let Some(pp) = common::example_bin("ping-pong") else {
         return;
     };
     let out = Command::new(pp).args(["-S", "100g"]).output().unwrap();
@@ -40,7 +30,7 @@ fn sizes_beyond_the_limit_are_refused_clearly() {
 
 #[test]
 fn a_server_nobody_answers_for_fails_within_seconds() {
-    let Some(pp) = example("ping-pong") else {
+    let Some(pp) = common::example_bin("ping-pong") else {
         return;
     };
     let start = Instant::now();
@@ -61,7 +51,7 @@ fn a_server_nobody_answers_for_fails_within_seconds() {
 
 #[test]
 fn the_server_takes_ipv6_and_ipv4_clients_and_notices_a_vanished_one() {
-    let Some(pp) = example("ping-pong") else {
+    let Some(pp) = common::example_bin("ping-pong") else {
         return;
     };
     let have_v6 = std::net::TcpListener::bind(("::1", 0)).is_ok();

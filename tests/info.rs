@@ -1,5 +1,7 @@
 //! Discovery: capabilities, endpoint types, `Info` built from hand-made device attributes, its
 //! `fi_info`-style output and serde form, and `getinfo`.
+mod common;
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
 use std::sync::Arc;
@@ -645,17 +647,9 @@ fn getinfo_msg_prefix_mode() {
 /// send the library's warnings to stderr by default (issue 18, point 4).
 #[test]
 fn example_shows_configuration_warnings_without_rust_log() {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("examples")
-        .join("info");
-    if !bin.exists() {
-        eprintln!("skipped: {} not built", bin.display());
+    let Some(bin) = common::example_bin("info") else {
         return;
-    }
+    };
     let out = std::process::Command::new(&bin)
         .args(["-p", "loopback"])
         .env_remove("RUST_LOG")
@@ -674,17 +668,9 @@ fn example_shows_configuration_warnings_without_rust_log() {
 /// them) and GIDs as text, as `-v` prints them (issue 18, point 7).
 #[test]
 fn info_json_is_exact_for_javascript_and_gids_are_text() {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("examples")
-        .join("info");
-    if !bin.exists() {
-        eprintln!("skipped: {} not built", bin.display());
+    let Some(bin) = common::example_bin("info") else {
         return;
-    }
+    };
     let out = std::process::Command::new(&bin)
         .args(["-p", "udp", "--json"])
         .output()

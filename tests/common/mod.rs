@@ -468,3 +468,16 @@ pub fn each_size_twice(sizes: &[usize], dc_every: usize) -> Vec<Msg> {
         })
         .collect()
 }
+
+/// The example `name` as `cargo test` builds it (beside this test binary's directory), or `None`
+/// (with a note) when it is not built.
+pub fn example_bin(name: &str) -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("examples").join(name);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: {} not built", p.display());
+        None
+    }
+}
