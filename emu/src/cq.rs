@@ -266,9 +266,7 @@ fn watcher(ch: Weak<ChannelCore>) {
         let deadline = Some(std::time::Instant::now() + std::time::Duration::from_millis(50));
         if idle {
             // Nothing armed: wait for an arming, not for completions nobody waits for.
-            let c2 = c.clone();
-            drop(c);
-            c2.arming.wait_until(seen_arming, deadline);
+            c.arming.wait_until(seen_arming, deadline);
         } else {
             drop(c);
             notifier.wait_until(seen, deadline);

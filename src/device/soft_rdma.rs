@@ -222,9 +222,26 @@ impl Keys {
         self.admit = admit;
     }
 
-    /// Whether the admission rule lets `gid` reach `key`.
-    fn admits(&self, key: u64, gid: crate::Gid) -> bool {
-        self.admit.as_ref().is_none_or(|a| a(key, gid))
+    /// The region an RDMA access from `from` may reach ([`Keys::check`]), or why it is refused:
+    /// `Denied` for a bad key, range or right, `NoAh` when the admission rule turns the
+    /// initiator away.
+    fn serve(
+        &self,
+        key: u64,
+        need: Access,
+        addr: u64,
+        len: u64,
+        from: crate::device::Source,
+    ) -> Result<Arc<RegionMem>, Served> {
+        let Some(mem) = self.check(key, need, addr, len) else {
+            tracing::debug!(src = ?from, key, ?need, "RDMA access refused (key, range or right)");
+            return Err(Served::Denied);
+        };
+        if self.admit.as_ref().is_some_and(|a| !a(key, from.gid)) {
+            tracing::debug!(src = ?from, key, "RDMA access refused: no address handle for the initiator");
+            return Err(Served::NoAh);
+        }
+        Ok(mem)
     }
 
     /// Revokes `key`.
@@ -601,20 +618,13 @@ pub(crate) trait RdmaOps: RdmaHost {
         let in_range = offset
             .checked_add(body.len() as u64)
             .is_some_and(|e| e <= total);
-        let (mem, admitted) = {
-            let k = keys.lock();
-            (
-                k.check(key, Access::REMOTE_WRITE, start, total),
-                k.admits(key, src.source.gid),
-            )
-        };
-        if mem.is_some() && !admitted {
-            tracing::debug!(src = ?src.source, key, "RDMA write refused: no address handle for the initiator");
-            return Served::NoAh;
-        }
-        let (Some(mem), true) = (mem, in_range) else {
-            tracing::debug!(src = ?src.source, key, "udp: RDMA write refused (key, range or right)");
-            return Served::Denied;
+        let mem = match keys
+            .lock()
+            .serve(key, Access::REMOTE_WRITE, start, total, src.source)
+        {
+            Ok(m) if in_range => m,
+            Ok(_) => return Served::Denied,
+            Err(refused) => return refused,
         };
         let with_imm = flags & F_LAST_IMM != 0;
         let recv = if with_imm && !self.rdma().unsolicited {
@@ -678,21 +688,13 @@ pub(crate) trait RdmaOps: RdmaHost {
         let Some(keys) = self.rdma().keys.clone() else {
             return Served::Denied;
         };
-        let (mem, admitted) = {
-            let k = keys.lock();
-            (
-                k.check(key, Access::REMOTE_READ, addr, len),
-                k.admits(key, src.source.gid),
-            )
+        let mem = match keys
+            .lock()
+            .serve(key, Access::REMOTE_READ, addr, len, src.source)
+        {
+            Ok(m) => m,
+            Err(refused) => return refused,
         };
-        let Some(mem) = mem else {
-            tracing::debug!(src = ?src.source, key, "udp: RDMA read refused (key, range or right)");
-            return Served::Denied;
-        };
-        if !admitted {
-            tracing::debug!(src = ?src.source, key, "RDMA read refused: no address handle for the initiator");
-            return Served::NoAh;
-        }
         let dest = RawAddr::new(src.source.gid, src.source.qpn, src_qkey);
         let cookie = self.cma_cookie().filter(|_| flags & F_CMA != 0 && len > 0);
         let mut out = BytesMut::new();
