@@ -183,14 +183,20 @@ impl EndpointBuilder<Rdm> {
         // set, else the device kind's default; the engine's operation tables are not bounded
         // by them.
         let (def_send, def_recv) = super::default_qp_depths(&attr);
-        let send_depth = match self.tx_size.unwrap_or(cfg.tx_size) {
-            0 => def_send,
-            _ => tx_ops,
-        };
-        let recv_depth = match self.rx_size.unwrap_or(cfg.rx_size) {
-            0 => def_recv,
-            _ => rx_ops,
-        };
+        let send_depth = self.queue_size(
+            self.tx_size,
+            cfg.tx_size,
+            attr.max_send_wr,
+            def_send,
+            "tx_size",
+        )?;
+        let recv_depth = self.queue_size(
+            self.rx_size,
+            cfg.rx_size,
+            attr.max_recv_wr,
+            def_recv,
+            "rx_size",
+        )?;
         let own = Arc::new(Notifier::new());
         let use_rdma = cfg.device_rdma(&attr.caps)?;
         let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
