@@ -14,7 +14,7 @@ use efa::device::{RemoteIov, Source, Status};
 use efa::fault::{Rng, test_seed};
 use efa::proto::engine::{
     Event, RecvDone, RemoteWriteDone, Resources, RmaBuf, RmaDone, RmaKind, RmaMemory, RmaOp,
-    RmaPath, SendDone, SendOp,
+    RmaPath, SendDone, SendOp, TransmitKind,
 };
 use efa::proto::sim::{Sim, SimConfig, pattern, recv_op, send_op};
 use efa::proto::wire::{self, ExtraFeature, ExtraInfo, Handshake, Packet, PacketType};
@@ -1701,4 +1701,80 @@ fn emulated_writes_reads_and_atomics_under_faults() {
         assert!(sim.stats.lost > 0, "seed {seed}: faults happened");
         baseline(&mut sim, seed);
     }
+}
+
+/// A peer that fails (here: a packet to it comes back unresponsive, as when the target exits
+/// right after its device acknowledged our write) does not turn RDMA work requests already on
+/// the device into errors: a write the device then completes successfully succeeded, a read
+/// hands its buffer back only with its completion, and what was still queued fails, once.
+#[test]
+fn peer_failure_leaves_rdma_on_the_device_to_its_completions() {
+    let seed = test_seed();
+    let mut c = SimConfig::clean(seed);
+    c.engine.max_rdma_size = 1000;
+    let (mut sim, _) = all(c);
+    connect(&mut sim, seed);
+    let a1 = sim.addr(1);
+    let now = sim.now();
+    // Context 1: one work request. 2: a read of one piece. 3: three pieces, of which we post one.
+    sim.engine(0)
+        .rma(now, write_op(a1, TBASE, pattern(seed, 500), None, 1))
+        .unwrap();
+    sim.engine(0).rma(now, read_op(a1, TBASE, 500, 2)).unwrap();
+    sim.engine(0)
+        .rma(now, write_op(a1, TBASE, pattern(seed, 2500), None, 3))
+        .unwrap();
+    sim.engine(0)
+        .send(now, send_op(a1, Bytes::from_static(b"lost"), 4))
+        .unwrap();
+    let (mut writes, mut reads, mut packets) = (Vec::new(), Vec::new(), Vec::new());
+    while let Some(t) = sim.engine(0).poll_transmit(now) {
+        match t.kind {
+            TransmitKind::RdmaWrite { .. } => writes.push(t.wr_id),
+            TransmitKind::RdmaRead { buf, .. } => reads.push((t.wr_id, buf)),
+            _ => packets.push(t.wr_id),
+        }
+        if writes.len() == 2 && !reads.is_empty() && !packets.is_empty() {
+            break;
+        }
+    }
+    assert_eq!((writes.len(), reads.len()), (2, 1), "seed {seed}");
+    let e = sim.engine(0);
+    // The message's packet: the peer is unresponsive.
+    e.handle_send_completion(now, packets[0], Status::UnresponsiveRemote);
+    let mut done: Vec<Event> = std::iter::from_fn(|| e.poll_event()).collect();
+    assert!(
+        done.iter().all(|ev| !matches!(ev, Event::Rma(_))),
+        "seed {seed}: no RMA completes before its work requests: {done:?}"
+    );
+    // The device completes what it had: both writes' first work requests and the read.
+    for w in &writes {
+        e.handle_rdma_completion(now, *w, Status::Success, None);
+    }
+    let (rid, mut rbuf) = reads.pop().unwrap();
+    rbuf.extend_from_slice(&[7; 500]);
+    e.handle_rdma_completion(now, rid, Status::Success, Some(rbuf));
+    done.extend(std::iter::from_fn(|| e.poll_event()));
+    let mut rmas: Vec<RmaDone> = done
+        .into_iter()
+        .filter_map(|ev| match ev {
+            Event::Rma(d) => Some(d),
+            _ => None,
+        })
+        .collect();
+    rmas.sort_by_key(|d| d.context);
+    let ctx: Vec<u64> = rmas.iter().map(|d| d.context).collect();
+    assert_eq!(ctx, vec![1, 2, 3], "seed {seed}: each once");
+    assert!(rmas[0].error.is_none(), "seed {seed}: {:?}", rmas[0]);
+    assert!(rmas[1].error.is_none(), "seed {seed}: {:?}", rmas[1]);
+    assert!(
+        matches!(&rmas[1].buf, RmaBuf::Read(b) if b[..] == [7; 500][..]),
+        "seed {seed}"
+    );
+    let e3 = rmas[2]
+        .error
+        .as_ref()
+        .expect("its queued pieces were withdrawn");
+    assert_eq!(e3.kind(), ErrorKind::ConnectionAborted, "seed {seed}");
+    assert_eq!(sim.engine(0).resources().tx_ops, 0, "seed {seed}");
 }

@@ -366,7 +366,20 @@ impl Engine {
             .collect();
         ids.sort_unstable();
         for id in ids {
-            self.abort_op(id, kind, status, why);
+            // An operation with work requests on the device ends with their completions: a
+            // write the target's device acknowledged before the peer failed (it got its data and
+            // exited) succeeded, and a read's buffer is not handed back while the device may
+            // still fill it. Only what was not posted yet is withdrawn, failing the operation.
+            let on_device = self
+                .rd
+                .outstanding
+                .iter()
+                .any(|(_, w)| w.owner == WrOwner::Op(id));
+            if on_device {
+                self.withdraw_queued(id, status.unwrap_or(Status::UnresponsiveRemote));
+            } else {
+                self.abort_op(id, kind, status, why);
+            }
         }
         self.rd.rtw.retain(|_, t| t.peer != pid);
         self.rd.wrs.retain(|w| w.peer != pid);

@@ -417,6 +417,11 @@ impl State {
             timer = min_opt(timer, Some(p.next_check));
         }
         self.next_timer = min_opt(self.next_timer, timer);
+        if !gone.is_empty() {
+            // A peer that acknowledged and then exited (a server that got its last message):
+            // acknowledgements it wrote before it went count, so read them again first.
+            self.check_sends(now);
+        }
         for qpn in gone {
             for i in 0..self.inflight_hi.min(self.inflight.len()) {
                 if self.inflight[i].as_ref().is_some_and(|f| f.qpn == qpn) {

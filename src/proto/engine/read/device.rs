@@ -508,6 +508,44 @@ impl Engine {
         self.finish_dev_op(op, Some((e, status)));
     }
 
+    /// Withdraws the queued (not yet posted) work requests of operation `id`, which then fails
+    /// with `status` once those on the device have completed.
+    pub(super) fn withdraw_queued(&mut self, id: u32, status: Status) {
+        let mut withdrawn = Vec::new();
+        let mut i = 0;
+        while i < self.rd.wrs.len() {
+            if self.rd.wrs[i].owner == WrOwner::Op(id) {
+                withdrawn.extend(self.rd.wrs.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let Some(op) = self.rd.ops.get_mut(&id) else {
+            return;
+        };
+        match op {
+            DevOp::Write {
+                pending,
+                held,
+                error,
+                ..
+            } => {
+                *pending = pending.saturating_sub(withdrawn.len());
+                if (held.take().is_some() || !withdrawn.is_empty()) && error.is_none() {
+                    *error = Some(status);
+                }
+            }
+            DevOp::Read { pieces, .. } => {
+                for w in withdrawn {
+                    if let WrWhat::Read { piece, buf } = w.what {
+                        pieces.put(piece, buf, status);
+                    }
+                }
+            }
+            DevOp::Waiting { .. } | DevOp::LongReadRtw { .. } => {}
+        }
+    }
+
     pub(super) fn op_wr_done(&mut self, id: u32, w: Wr, status: Status) {
         let Some(op) = self.rd.ops.get_mut(&id) else {
             return;
