@@ -471,6 +471,22 @@ impl CompletionQueue {
         })
     }
 
+    /// A completion queue of the configured default capacity, `FI_EFA_CQ_SIZE`
+    /// ([`Config::cq_size`](crate::Config::cq_size), 8192 unless set), as libfabric sizes a
+    /// queue opened with `cq_attr.size` 0.
+    ///
+    /// ```
+    /// # fn main() -> efa::Result<()> {
+    /// let info = efa::getinfo(&efa::Hints::new().provider("loopback"))?.remove(0);
+    /// let domain = efa::Domain::open(&info)?;
+    /// let cq = efa::CompletionQueue::with_default_capacity(&domain)?;
+    /// assert_eq!(cq.capacity(), domain.config().cq_size);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_default_capacity(domain: &Domain) -> Result<CompletionQueue> {
+        CompletionQueue::new(domain, domain.config().cq_size)
+    }
+
     /// The domain.
     pub fn domain(&self) -> &Domain {
         &self.inner.domain

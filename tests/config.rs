@@ -581,3 +581,65 @@ fn docs_table_lists_every_variable() {
         );
     }
 }
+
+/// The "Effect here" column of docs/config.md against the source: a variable said to have an
+/// effect is read outside `src/config.rs`, one whose effect is "None" is read nowhere.
+#[test]
+fn docs_effects_match_what_the_code_reads() {
+    fn sources(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                sources(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") && !p.ends_with("src/config.rs") {
+                out.push((
+                    p.display().to_string(),
+                    std::fs::read_to_string(&p).unwrap(),
+                ));
+            }
+        }
+    }
+    let mut files = Vec::new();
+    sources(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut files,
+    );
+    // `Config` methods that read a field for their callers.
+    let via_method = [
+        ("iface", "iface_allows("),
+        ("use_device_rdma", "device_rdma("),
+        ("use_huge_page", "huge_pages("),
+        ("fork_safe", "huge_pages("),
+    ];
+    let read = |field: &str| {
+        let dotted = format!(".{field}");
+        files.iter().any(|(_, text)| {
+            text.match_indices(&dotted).any(|(i, _)| {
+                let next = text[i + dotted.len()..].chars().next();
+                !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+        }) || via_method
+            .iter()
+            .any(|(f, m)| *f == field && files.iter().any(|(_, t)| t.contains(m)))
+    };
+    let doc = include_str!("../docs/config.md");
+    let mut rows = 0;
+    for line in doc.lines().filter(|l| l.starts_with("| `FI_EFA_")) {
+        let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+        let (var, field, effect) = (cells[0], cells[1], cells[cells.len() - 1]);
+        let field = field.trim_matches('`').split(':').next().unwrap();
+        let none = effect.starts_with("None");
+        assert_eq!(
+            read(field),
+            !none,
+            "docs/config.md says {var} (`{field}`) has effect {effect:?}, but the code {}",
+            if none { "reads it" } else { "never reads it" }
+        );
+        rows += 1;
+    }
+    assert_eq!(
+        rows,
+        Config::env_var_names().count(),
+        "one row per variable"
+    );
+}

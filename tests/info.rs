@@ -711,3 +711,45 @@ fn info_json_is_exact_for_javascript_and_gids_are_text() {
     let g: Gid = serde_json::from_str("\"::ffff:127.0.0.1\"").unwrap();
     assert_eq!(serde_json::to_string(&g).unwrap(), "\"::ffff:127.0.0.1\"");
 }
+
+/// docs/getting-started.md's capability tables against what `getinfo` returns on every software
+/// device.
+#[test]
+fn getting_started_capability_tables_match_getinfo() {
+    let doc = include_str!("../docs/getting-started.md");
+    let cell = |row: &str| -> String {
+        let line = doc
+            .lines()
+            .find(|l| l.starts_with(&format!("| {row} |")))
+            .unwrap_or_else(|| panic!("docs/getting-started.md has no row {row}"));
+        line.trim_matches('|')
+            .split(" | ")
+            .nth(1)
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    for provider in ["udp", "shm", "loopback"] {
+        for (ep_type, row) in [
+            (EpType::Rdm, "`EpType::Rdm`"),
+            (EpType::Dgram, "`EpType::Dgram`"),
+        ] {
+            let infos = getinfo(&Hints::new().provider(provider).ep_type(ep_type)).unwrap();
+            assert!(!infos.is_empty(), "{provider} {ep_type}");
+            for info in &infos {
+                assert_eq!(
+                    format!("`{}`", info.caps),
+                    cell(row),
+                    "{provider} {ep_type}: docs/getting-started.md's caps differ"
+                );
+                let c = &info.device.caps;
+                let said = cell(&format!("`{provider}`"));
+                assert_eq!(
+                    said.starts_with("read and write"),
+                    c.rdma_read && c.rdma_write,
+                    "{provider}: the doc says {said:?}, the device has {c:?}"
+                );
+            }
+        }
+    }
+}

@@ -33,8 +33,6 @@ use crate::proto::engine::{
 };
 use crate::stats::EndpointStats;
 
-/// Device completions taken per progress pass.
-const POLL_BATCH: usize = 64;
 /// Passes in a row that may leave the device alone because local messages came.
 const MAX_DEVICE_SKIPS: u32 = 4;
 
@@ -219,7 +217,11 @@ impl EndpointBuilder<Rdm> {
         let mut engine = Engine::new(
             EngineConfig {
                 mtu: attr.mtu,
-                max_outstanding_tx: send_depth,
+                // FI_EFA_TX_QUEUE_SIZE caps the sends outstanding on the device.
+                max_outstanding_tx: match cfg.tx_queue_size {
+                    0 => send_depth,
+                    n => n.min(send_depth),
+                },
                 max_tx_ops: tx_ops,
                 max_rx_ops: rx_ops,
                 recvwin_size: cfg.recvwin_size,
@@ -269,6 +271,10 @@ impl EndpointBuilder<Rdm> {
                 rx_free: Vec::new(),
                 rx_posted: 0,
                 rx_buf_size: attr.mtu,
+                rx_refill_threshold: cfg
+                    .internal_rx_refill_threshold
+                    .clamp(1, (recv_depth / 2).max(1)),
+                cq_read_size: cfg.efa_cq_read_size.max(1),
                 local,
                 src_cache: SrcCache::default(),
                 dest_cache: DestCache::default(),
@@ -384,6 +390,11 @@ pub(super) struct State {
     rx_posted: usize,
     /// Their size (the device MTU).
     rx_buf_size: usize,
+    /// `FI_EFA_INTERNAL_RX_REFILL_THRESHOLD` (at most half the buffers): free buffers are
+    /// reposted once this many are back, or at once when the device holds none.
+    rx_refill_threshold: usize,
+    /// `FI_EFA_EFA_CQ_READ_SIZE`: device completions taken per progress pass.
+    cq_read_size: usize,
     /// The fast path to peers on this host (`local.rs`).
     local: Option<LocalPath>,
     /// The last source address looked up in the address vector (`FI_SOURCE`).
@@ -1408,7 +1419,7 @@ impl RdmCore {
             }
             // One pass moves what is ready; another only when a batch limit left more behind
             // (what this pass set off, such as send completions, shows at the next poll).
-            let more = n >= POLL_BATCH || st.local.as_ref().is_some_and(|l| l.more);
+            let more = n >= st.cq_read_size || st.local.as_ref().is_some_and(|l| l.more);
             if !busy || !more {
                 break;
             }
@@ -1459,7 +1470,7 @@ impl RdmCore {
     /// Takes the device's completions into the engine; returns how many.
     fn poll_device(&self, st: &mut State, clock: &mut Clock) -> usize {
         let mut batch = std::mem::take(&mut st.scratch);
-        let n = st.qp.poll(&mut batch, POLL_BATCH);
+        let n = st.qp.poll(&mut batch, st.cq_read_size);
         if n > 0 {
             let now = clock.now();
             for c in batch.drain(..) {
@@ -1543,6 +1554,10 @@ impl RdmCore {
         let by_msgs = lim.max_buffered_msgs.saturating_sub(msgs);
         let by_bytes = lim.max_buffered_bytes.saturating_sub(bytes) / st.rx_buf_size.max(1);
         let allowed = by_msgs.min(by_bytes).saturating_sub(st.rx_posted);
+        // Repost in bulk (FI_EFA_INTERNAL_RX_REFILL_THRESHOLD), unless the device has none.
+        if st.rx_posted > 0 && st.rx_free.len().min(allowed) < st.rx_refill_threshold {
+            return;
+        }
         for _ in 0..allowed.min(st.rx_free.len()) {
             let Some((wr_id, buf)) = st.rx_free.pop() else {
                 break;
