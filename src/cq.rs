@@ -430,6 +430,8 @@ pub(crate) struct CqInner {
     count: AtomicUsize,
     notifier: Arc<Notifier>,
     sources: Mutex<Vec<Weak<dyn ProgressSource>>>,
+    /// Entries pushed while the queue was full (kept: see [`CompletionQueue::overruns`]).
+    overruns: AtomicUsize,
 }
 
 impl CqInner {
@@ -467,6 +469,7 @@ impl CompletionQueue {
                 count: AtomicUsize::new(0),
                 notifier: Arc::new(Notifier::new()),
                 sources: Mutex::new(Vec::new()),
+                overruns: AtomicUsize::new(0),
             }),
         })
     }
@@ -627,14 +630,39 @@ impl CompletionQueue {
 
     pub(crate) fn push(&self, c: Completion) {
         let mut s = self.inner.state.lock();
+        self.check_room(&s);
         s.ok.push_back(c);
         self.inner.set_count(&s);
     }
 
     pub(crate) fn push_err(&self, e: CompletionError) {
         let mut s = self.inner.state.lock();
+        self.check_room(&s);
         s.err.push_back(e);
         self.inner.set_count(&s);
+    }
+
+    /// Counts (and reports once) a push into a full queue. Endpoints deliver only while the
+    /// queue has room, so this happens only when several endpoints race for its last entries.
+    fn check_room(&self, s: &CqState) {
+        if s.ok.len() + s.err.len() >= self.inner.capacity
+            && self.inner.overruns.fetch_add(1, Ordering::Relaxed) == 0
+        {
+            tracing::warn!(
+                capacity = self.inner.capacity,
+                "completion queue overrun: an entry was added to a full queue (kept; see \
+                 CompletionQueue::overruns)"
+            );
+        }
+    }
+
+    /// Entries added while the queue was already full (libfabric's `FI_EOVERRUN` condition).
+    /// Nothing is dropped: an endpoint stops moving completions into a full queue and leaves
+    /// further work in the device (whose senders then see receiver-not-ready), so this stays 0
+    /// unless several endpoints sharing the queue race for its last entries, which can exceed
+    /// the capacity by at most one entry per endpoint.
+    pub fn overruns(&self) -> usize {
+        self.inner.overruns.load(Ordering::Relaxed)
     }
 
     /// Wakes waiters after pushing from outside a device notification.

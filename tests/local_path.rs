@@ -555,3 +555,74 @@ fn mapped_channels(dir: &Path) -> usize {
     files.dedup();
     files.len()
 }
+
+/// Issue 17, defect 7 (coverage): local-path messages into a receiver whose receive queue is full (and
+/// separate from its send queue, which has room) wait in the channel: the queue never holds
+/// more than its capacity, and once it is read every message arrives once, in order.
+#[test]
+fn a_full_receive_queue_holds_local_messages_back() {
+    let seed = test_seed();
+    let dir = shm_test_dir("efa-local-test-");
+    let (d, _) = shm_domain(dir.path());
+    let a = Node::new(&d);
+    let (txq, rxq) = (
+        efa::CompletionQueue::new(&d, 256).unwrap(),
+        efa::CompletionQueue::new(&d, 4).unwrap(),
+    );
+    let b = efa::Endpoint::<efa::Rdm>::builder(&d)
+        .tx_cq(&txq)
+        .rx_cq(&rxq)
+        .av(&efa::AddressVector::new(&d))
+        .build()
+        .unwrap();
+    let n = 64usize;
+    for i in 0..n {
+        b.recv(BytesMut::with_capacity(100), i as u64).unwrap();
+    }
+    let pb = a.insert(b.addr());
+    for i in 0..n {
+        let data = payload(seed, i, 1 + i % 100);
+        loop {
+            match a.ep.send(pb, data.clone(), i as u64) {
+                Ok(()) => break,
+                Err(e) if e.kind() == ErrorKind::Again => a.ep.progress(),
+                Err(e) => panic!("seed {seed}: {e}"),
+            }
+        }
+    }
+    // The receiver makes progress without reading its receive queue.
+    for _ in 0..200 {
+        a.ep.progress();
+        b.progress();
+        assert!(
+            rxq.len() <= rxq.capacity(),
+            "seed {seed}: {} queued",
+            rxq.len()
+        );
+    }
+    assert_eq!(rxq.len(), rxq.capacity(), "seed {seed}: the queue filled");
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.len() < n {
+        a.ep.progress();
+        rxq.poll(&mut got, 3).unwrap();
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {} of {n}",
+            got.len()
+        );
+    }
+    for (i, c) in got.iter().enumerate() {
+        assert_eq!(c.context, i as u64, "seed {seed}: in order");
+        assert_eq!(
+            c.buf.as_recv().unwrap(),
+            &payload(seed, i, 1 + i % 100)[..],
+            "seed {seed}"
+        );
+    }
+    assert_eq!(rxq.overruns(), 0, "seed {seed}");
+    assert!(
+        b.stats().local_rx_msgs > 0,
+        "seed {seed}: the local path ran"
+    );
+}
