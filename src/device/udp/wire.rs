@@ -568,4 +568,98 @@ mod tests {
         assert!(decode(&[0xEF, 0xA5, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
         assert!(decode(&[0xEF, 0xA5, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
     }
+
+    /// Issue 17: a fuzz loop over the decoder a peer feeds: random bytes, and valid packets of
+    /// every kind with random fields, cut short, extended or with a flipped bit. Decoding never
+    /// panics; what decodes re-encodes to the same bytes (nothing is read that was not there).
+    #[test]
+    fn decode_is_total_and_exact_on_hostile_bytes() {
+        use crate::fault::{Rng, test_seed};
+        let seed = test_seed();
+        let mut r = Rng::new(seed);
+        let (mut ok, mut bad) = (0u32, 0u32);
+        let mut b = Vec::new();
+        for i in 0..50_000u32 {
+            let data = DataHdr {
+                src_qkey: r.next_u64() as u32,
+                conn: r.next_u64() as u32,
+                try_: r.next_u64() as u32,
+                seq: r.next_u64(),
+                base: r.next_u64(),
+                imm: r.chance(0.5).then(|| r.next_u64() as u32),
+                ack_req: r.chance(0.5),
+                rdma: r.chance(0.5),
+            };
+            let ack = AckHdr {
+                src_qkey: r.next_u64() as u32,
+                conn: r.next_u64() as u32,
+                cum: r.next_u64(),
+            };
+            let bitmap: Vec<u8> = (0..r.below(6)).map(|_| r.next_u64() as u8).collect();
+            let body: Vec<u8> = (0..r.below(40)).map(|_| r.next_u64() as u8).collect();
+            let q = r.next_u64() as u32;
+            match r.below(6) {
+                0 => {
+                    b.clear();
+                    b.extend((0..r.below(80)).map(|_| r.next_u64() as u8));
+                }
+                1 => encode_ud(&mut b, q, data.imm, &body, b""),
+                2 => encode_data(&mut b, q, &data, &body, b""),
+                3 => {
+                    encode_data_header(&mut b, q, &data, Some((&ack, &bitmap)), body.len());
+                    b.extend_from_slice(&body);
+                }
+                4 => encode_ack(&mut b, q, &ack, &bitmap),
+                _ => {
+                    let reason = match r.below(5) {
+                        0 => NakReason::Rnr,
+                        1 => NakReason::BadLength,
+                        2 => NakReason::BadAddress,
+                        3 => NakReason::Forgotten,
+                        _ => NakReason::UnknownPeer,
+                    };
+                    let n = NakHdr {
+                        src_qkey: data.src_qkey,
+                        conn: data.conn,
+                        try_: data.try_,
+                        seq: data.seq,
+                        reason,
+                    };
+                    encode_nak(&mut b, q, &n);
+                }
+            }
+            match r.below(4) {
+                0 if !b.is_empty() => {
+                    let at = r.below(b.len() as u64) as usize;
+                    b[at] ^= 1 << r.below(8);
+                }
+                1 => b.truncate(r.below(b.len() as u64 + 1) as usize),
+                2 => b.extend((0..r.below(8)).map(|_| r.next_u64() as u8)),
+                _ => {}
+            }
+            let Ok((q, p)) = decode(&b) else {
+                bad += 1;
+                continue;
+            };
+            ok += 1;
+            let mut again = Vec::new();
+            match p {
+                Packet::Ud { imm, payload } => encode_ud(&mut again, q, imm, payload, b""),
+                Packet::Data(h, body) => encode_data(&mut again, q, &h, body, b""),
+                Packet::DataAck(h, a, bm, body) => {
+                    encode_data_header(&mut again, q, &h, Some((&a, bm)), body.len());
+                    again.extend_from_slice(body);
+                }
+                Packet::Ack(a, bm) => encode_ack(&mut again, q, &a, bm),
+                Packet::Nak(n) => encode_nak(&mut again, q, &n),
+            }
+            // Reserved bits a flip may set are not re-encoded: compare what the decoder read.
+            let (q2, p2) = decode(&again).expect("a decoded packet re-encodes validly");
+            assert_eq!((q2, p2), (q, p), "seed {seed}: packet {i}: {b:?}");
+        }
+        assert!(
+            ok > 10_000 && bad > 10_000,
+            "seed {seed}: {ok} decoded, {bad} refused"
+        );
+    }
 }
