@@ -543,6 +543,15 @@ pub trait QueuePair: Send + fmt::Debug {
     fn unsolicited_write_recv(&self) -> bool {
         false
     }
+    /// Holds back (`hold`) or releases the queue pair `src`: while held, its new messages are
+    /// refused with receiver-not-ready without taking a posted receive buffer (its sender backs
+    /// off and retries), while other senders' go on; RDMA is not affected. The RDM engine holds a
+    /// peer that buffers more than its share of unexpected data (issue 17, defect 2). Returns
+    /// false when the device cannot (the default): the caller then relies on holding back every
+    /// sender by posting no receive buffers.
+    fn hold_source(&mut self, _src: Source, _hold: bool) -> bool {
+        false
+    }
     /// Changes the QKEY or the RNR retry count (see [`QpModify`]) before traffic starts; packets
     /// in flight are not re-keyed. The default is `NotSupported`.
     fn modify(&mut self, _m: QpModify) -> Result<()> {

@@ -1544,6 +1544,17 @@ impl RdmCore {
     /// receiver-not-ready, the senders back off, and nothing a peer sent is dropped for lack of
     /// memory (the engine's `EngineLimits` cap what it holds for messages without a receive).
     fn repost_rx(st: &mut State) {
+        // Peers over their share of the buffering budget are held back at the device (where it
+        // can: others go on), before the budget as a whole holds every sender back.
+        while let Some((peer, hold)) = st.engine.poll_hold() {
+            let src = crate::device::Source {
+                gid: peer.gid,
+                qpn: peer.qpn,
+            };
+            if !st.qp.hold_source(src, hold) {
+                break;
+            }
+        }
         if st.rx_free.is_empty() || st.engine.remote_writes_full() {
             // (Too many completions of peers' writes with immediate data wait for the
             // application: a device that takes a receive buffer per such write is held back.)

@@ -512,6 +512,8 @@ pub struct Engine {
     /// Messages and bytes held without a receive.
     buffered_msgs: usize,
     buffered_bytes: usize,
+    /// Peers to hold back (true) or release (false) at the device, for [`Engine::poll_hold`].
+    hold_changes: VecDeque<(RawAddr, bool)>,
     /// Messages held as unexpected (or claimed) and their bytes.
     unexp_msgs: usize,
     unexp_bytes: usize,
@@ -572,6 +574,7 @@ impl Engine {
             user_rx_ops: 0,
             buffered_msgs: 0,
             buffered_bytes: 0,
+            hold_changes: VecDeque::new(),
             unexp_msgs: 0,
             unexp_bytes: 0,
             rx_in_progress: 0,
@@ -877,6 +880,17 @@ impl Engine {
     /// `buffered_msgs` and `buffered_bytes`, without its walk over the peers).
     pub fn buffered(&self) -> (usize, usize) {
         (self.buffered_msgs, self.buffered_bytes)
+    }
+
+    /// The next change of which peers the device should hold back: `(peer, true)` when a peer
+    /// holds more than its share of the buffering budget (half of
+    /// [`EngineLimits::max_buffered_msgs`] or of [`EngineLimits::max_buffered_bytes`]) in
+    /// messages no receive has taken, `(peer, false)` once it is under a quarter again (or gone).
+    /// The caller asks the device to refuse the held peer's new messages with receiver-not-ready
+    /// ([`QueuePair::hold_source`](crate::device::QueuePair::hold_source)), so one flooding peer
+    /// cannot use up the budget that holds every peer back (issue 17, defect 2).
+    pub fn poll_hold(&mut self) -> Option<(RawAddr, bool)> {
+        self.hold_changes.pop_front()
     }
 
     /// True when messages wait without a receive (unexpected or claimed).

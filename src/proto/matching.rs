@@ -4,8 +4,14 @@
 //! Untagged receives match the oldest posted untagged receive whose source filter admits the
 //! sender. Tagged receives match when `(recv_tag | ignore) == (tag | ignore)`. Posting order is
 //! kept across any-source and directed receives (one queue per kind).
+//!
+//! Unexpected messages are kept in arrival order and, when tagged, also indexed by tag: a
+//! receive with an exact tag (no ignore bits, the common case) finds its message without walking
+//! past the messages of other tags, so one peer flooding a tag no receive asks for does not slow
+//! every other receive down (issue 17, defect 2). A receive with ignore bits walks the arrival
+//! order, as libfabric does.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// libfabric's `ofi_match_tag`.
 pub fn tag_matches(recv_tag: u64, ignore: u64, tag: u64) -> bool {
@@ -40,15 +46,57 @@ pub struct Unexpected<S, U> {
 #[derive(Debug)]
 pub struct Matcher<S, R, U> {
     posted: [VecDeque<Posted<S, R>>; 2],
-    unexpected: [VecDeque<Unexpected<S, U>>; 2],
+    unexpected: [Unexpecteds<S, U>; 2],
 }
 
 impl<S, R, U> Default for Matcher<S, R, U> {
     fn default() -> Self {
         Matcher {
             posted: [VecDeque::new(), VecDeque::new()],
-            unexpected: [VecDeque::new(), VecDeque::new()],
+            unexpected: [Unexpecteds::default(), Unexpecteds::default()],
         }
+    }
+}
+
+/// Unexpected messages by arrival number, and the arrival numbers of each tag.
+#[derive(Debug)]
+struct Unexpecteds<S, U> {
+    items: BTreeMap<usize, Unexpected<S, U>>,
+    by_tag: HashMap<u64, VecDeque<usize>>,
+    next: usize,
+}
+
+impl<S, U> Default for Unexpecteds<S, U> {
+    fn default() -> Self {
+        Unexpecteds {
+            items: BTreeMap::new(),
+            by_tag: HashMap::new(),
+            next: 0,
+        }
+    }
+}
+
+impl<S, U> Unexpecteds<S, U> {
+    fn push(&mut self, u: Unexpected<S, U>) {
+        let key = self.next;
+        self.next += 1;
+        self.by_tag.entry(u.tag).or_default().push_back(key);
+        self.items.insert(key, u);
+    }
+
+    fn take(&mut self, key: usize) -> Option<Unexpected<S, U>> {
+        let u = self.items.remove(&key)?;
+        if let Some(q) = self.by_tag.get_mut(&u.tag) {
+            if q.front() == Some(&key) {
+                q.pop_front();
+            } else if let Some(i) = q.iter().position(|&k| k == key) {
+                q.remove(i);
+            }
+            if q.is_empty() {
+                self.by_tag.remove(&u.tag);
+            }
+        }
+        Some(u)
     }
 }
 
@@ -98,10 +146,11 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
 
     /// Queues an unexpected message.
     pub fn push_unexpected(&mut self, tagged: bool, u: Unexpected<S, U>) {
-        self.unexpected[usize::from(tagged)].push_back(u);
+        self.unexpected[usize::from(tagged)].push(u);
     }
 
-    /// The oldest unexpected message a receive (`src` filter, `tag`, `ignore`) matches.
+    /// The oldest unexpected message a receive (`src` filter, `tag`, `ignore`) matches: its
+    /// key (stable until it is taken).
     pub fn find_unexpected(
         &self,
         tagged: bool,
@@ -110,41 +159,56 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
         ignore: u64,
     ) -> Option<usize> {
         let q = &self.unexpected[usize::from(tagged)];
-        if q.is_empty() {
+        if q.items.is_empty() {
             return None;
         }
-        q.iter().position(|u| {
-            src.is_none_or(|s| s == u.src) && (!tagged || tag_matches(tag, ignore, u.tag))
-        })
+        let from = |u: &Unexpected<S, U>| src.is_none_or(|s| s == u.src);
+        if tagged && ignore == 0 {
+            // An exact tag: only that tag's messages, in arrival order.
+            return q
+                .by_tag
+                .get(&tag)?
+                .iter()
+                .copied()
+                .find(|k| q.items.get(k).is_some_and(from));
+        }
+        q.items
+            .iter()
+            .find(|(_, u)| from(u) && (!tagged || tag_matches(tag, ignore, u.tag)))
+            .map(|(&k, _)| k)
     }
 
-    /// The index of the oldest unexpected message for which `pred` holds.
+    /// The key of the oldest unexpected message for which `pred` holds.
     pub fn position_unexpected(
         &self,
         tagged: bool,
-        pred: impl FnMut(&Unexpected<S, U>) -> bool,
+        mut pred: impl FnMut(&Unexpected<S, U>) -> bool,
     ) -> Option<usize> {
-        self.unexpected[usize::from(tagged)].iter().position(pred)
+        self.unexpected[usize::from(tagged)]
+            .items
+            .iter()
+            .find(|(_, u)| pred(u))
+            .map(|(&k, _)| k)
     }
 
-    /// The unexpected message at `idx`.
-    pub fn unexpected(&self, tagged: bool, idx: usize) -> Option<&Unexpected<S, U>> {
-        self.unexpected[usize::from(tagged)].get(idx)
+    /// The unexpected message with key `key`.
+    pub fn unexpected(&self, tagged: bool, key: usize) -> Option<&Unexpected<S, U>> {
+        self.unexpected[usize::from(tagged)].items.get(&key)
     }
 
-    /// The unexpected message at `idx`, mutably.
-    pub fn unexpected_mut(&mut self, tagged: bool, idx: usize) -> Option<&mut Unexpected<S, U>> {
-        self.unexpected[usize::from(tagged)].get_mut(idx)
+    /// The unexpected message with key `key`, mutably (its tag must not change).
+    pub fn unexpected_mut(&mut self, tagged: bool, key: usize) -> Option<&mut Unexpected<S, U>> {
+        self.unexpected[usize::from(tagged)].items.get_mut(&key)
     }
 
-    /// Removes the unexpected message at `idx`.
-    pub fn take_unexpected(&mut self, tagged: bool, idx: usize) -> Option<Unexpected<S, U>> {
-        self.unexpected[usize::from(tagged)].remove(idx)
+    /// Removes the unexpected message with key `key`.
+    pub fn take_unexpected(&mut self, tagged: bool, key: usize) -> Option<Unexpected<S, U>> {
+        self.unexpected[usize::from(tagged)].take(key)
     }
 
     /// Number of unexpected messages.
     pub fn unexpected_len(&self) -> usize {
-        self.unexpected[0].len() + self.unexpected[1].len()
+        self.unexpected[0].items.len() + self.unexpected[1].items.len()
     }
 
     /// Number of posted receives.
@@ -159,15 +223,15 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
     ) -> Vec<U> {
         let mut out = Vec::new();
         for q in &mut self.unexpected {
-            let mut keep = VecDeque::with_capacity(q.len());
-            for u in q.drain(..) {
-                if pred(&u) {
-                    out.push(u.item);
-                } else {
-                    keep.push_back(u);
-                }
+            let keys: Vec<usize> = q
+                .items
+                .iter()
+                .filter(|(_, u)| pred(u))
+                .map(|(&k, _)| k)
+                .collect();
+            for k in keys {
+                out.extend(q.take(k).map(|u| u.item));
             }
-            *q = keep;
         }
         out
     }

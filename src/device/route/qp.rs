@@ -297,6 +297,10 @@ impl QueuePair for RoutedQp {
         self.primary.unsolicited_write_recv()
     }
 
+    fn hold_source(&mut self, src: Source, hold: bool) -> bool {
+        self.primary.hold_source(src, hold)
+    }
+
     fn qp_type(&self) -> QpType {
         QpType::Srd
     }

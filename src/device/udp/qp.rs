@@ -521,6 +521,8 @@ pub(super) struct Ctx {
     recvs: VecDeque<(u64, BytesMut)>,
     /// One-sided RDMA (`rdma.rs`).
     pub rdma: Rdma,
+    /// Senders held back ([`QueuePair::hold_source`]): their new messages get RNR.
+    held: Vec<Source>,
 }
 
 impl RdmaHost for Ctx {
@@ -600,6 +602,15 @@ impl Ctx {
 
     /// Offers a received datagram to the head of the receive queue.
     pub fn deliver(&mut self, src: SocketAddr, imm: Option<u32>, data: &[u8]) -> Delivery {
+        if !self.held.is_empty() {
+            let from = Source {
+                gid: Gid::from_ip(src.ip()),
+                qpn: src.port(),
+            };
+            if self.held.contains(&from) {
+                return Delivery::NoBuffer;
+            }
+        }
         let Some((wr_id, mut buf)) = self.recvs.pop_front() else {
             return Delivery::NoBuffer;
         };
@@ -1197,6 +1208,7 @@ impl UdpQp {
                 cq: VecDeque::new(),
                 new_comps: false,
                 recvs: VecDeque::new(),
+                held: Vec::new(),
                 rdma: Rdma::new(
                     keys,
                     cfg.unsolicited_write_recv && attr.unsolicited_write_recv.unwrap_or(true),
@@ -1301,6 +1313,19 @@ impl QueuePair for UdpQp {
 
     fn unsolicited_write_recv(&self) -> bool {
         self.shared.state.lock().ctx.rdma.unsolicited
+    }
+
+    fn hold_source(&mut self, src: Source, hold: bool) -> bool {
+        let mut st = self.shared.state.lock();
+        if st.qp_type != QpType::Srd {
+            return false;
+        }
+        let held = &mut st.ctx.held;
+        held.retain(|s| *s != src);
+        if hold {
+            held.push(src);
+        }
+        true
     }
 
     fn modify(&mut self, m: crate::device::QpModify) -> Result<()> {

@@ -697,6 +697,17 @@ impl Srd {
                     return; // a NAK of an older attempt, or a duplicate
                 }
                 inf.rnr_count = inf.rnr_count.saturating_add(1);
+                // Receiver not ready: send less to it, once per window (as for a loss), so a
+                // receiver holding this sender back is not met by a window of retries per
+                // interval; the window grows back as acknowledgements come.
+                if n.seq >= p.recovery {
+                    p.ssthresh = (p.cwnd / 2.0).max(MIN_CWND);
+                    p.cwnd = MIN_CWND;
+                    p.recovery = p.next_seq;
+                }
+                let Some(inf) = p.inflight.get_mut(&n.seq) else {
+                    return;
+                };
                 if cx.rnr_retry != RNR_RETRY_INFINITE && inf.rnr_count > u32::from(cx.rnr_retry) {
                     if let Some(inf) = p.inflight.remove(&n.seq) {
                         cx.complete_send(inf.op.wr_id, Status::RnrRetryExceeded, 0);

@@ -109,6 +109,11 @@ pub(super) struct Peer {
     /// acknowledged it. (A host that forges source addresses can make up an incarnation, but
     /// not receive for it.)
     pub(super) verified: bool,
+    /// Messages and bytes of it held without a receive (its share of the buffering budget).
+    pub(super) held_msgs: usize,
+    pub(super) held_bytes: usize,
+    /// Over its share: the device is asked to refuse its new messages (receiver not ready).
+    pub(super) held_back: bool,
 }
 
 /// Device statuses after which a peer is considered gone. Not `UnknownPeer` (14): on EFA it
@@ -185,6 +190,9 @@ impl Engine {
             hs_triggered: false,
             last_heard: None,
             verified: false,
+            held_msgs: 0,
+            held_bytes: 0,
+            held_back: false,
         };
         let id = self.peers.insert(peer);
         self.by_addr.insert(addr, id);
@@ -470,6 +478,9 @@ impl Engine {
             return;
         };
         tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
+        if p.held_back {
+            self.hold_changes.push_back((p.addr, false));
+        }
         self.by_addr.remove(&p.addr);
         self.addr_cache.forget(&p.addr);
         if let Some(v) = self.incarnations.get_mut(&(p.addr.gid, p.addr.qpn)) {

@@ -438,7 +438,37 @@ impl Engine {
             p.inbound.insert(m.msg_id, rid);
         }
         self.buffered_msgs += 1;
+        self.peer_held(pid, 1, 0, true);
         rid
+    }
+
+    /// Counts (`add`) or releases messages and bytes peer `pid` holds without a receive, and
+    /// records when it crosses its share of the budget ([`Engine::poll_hold`]).
+    pub(super) fn peer_held(&mut self, pid: u64, msgs: usize, bytes: usize, add: bool) {
+        let (cap_msgs, cap_bytes) = (
+            (self.limits.max_buffered_msgs / 2).max(1),
+            (self.limits.max_buffered_bytes / 2).max(1),
+        );
+        let Some(p) = self.peers.get_mut(&pid) else {
+            return;
+        };
+        if add {
+            p.held_msgs += msgs;
+            p.held_bytes += bytes;
+        } else {
+            p.held_msgs = p.held_msgs.saturating_sub(msgs);
+            p.held_bytes = p.held_bytes.saturating_sub(bytes);
+        }
+        let over = p.held_msgs > cap_msgs || p.held_bytes > cap_bytes;
+        let under = p.held_msgs <= cap_msgs / 2 && p.held_bytes <= cap_bytes / 2;
+        if over && !p.held_back {
+            p.held_back = true;
+            tracing::debug!(peer = %p.addr, msgs = p.held_msgs, bytes = p.held_bytes, "peer over its buffering share: held back");
+            self.hold_changes.push_back((p.addr, true));
+        } else if under && p.held_back {
+            p.held_back = false;
+            self.hold_changes.push_back((p.addr, false));
+        }
     }
 
     /// Copies data of an unmatched message out of the device buffer. Past
@@ -463,6 +493,8 @@ impl Engine {
         if matches!(e.state, RxState::Unexpected | RxState::Claimed) {
             self.unexp_bytes += n;
         }
+        let pid = e.peer;
+        self.peer_held(pid, 0, n, true);
     }
 
     /// A further packet of a message whose first packet arrived (medium segments).
@@ -660,6 +692,7 @@ impl Engine {
         }
         self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
         self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
+        let (pid, released) = (e.peer, e.held_bytes);
         sink.buf.clear();
         for (off, bytes) in std::mem::take(&mut e.held) {
             place(&mut sink, off, &bytes);
@@ -670,10 +703,15 @@ impl Engine {
         e.held_bytes = 0;
         e.last = now;
         e.state = RxState::Matched(sink);
-        if e.received == e.msg_len {
+        let (whole, long_cts) = (
+            e.received == e.msg_len,
+            matches!(e.kind, Kind::LongCts { .. }),
+        );
+        self.peer_held(pid, 1, released, false);
+        if whole {
             return self.complete_rx(rid);
         }
-        if let Kind::LongCts { .. } = e.kind {
+        if long_cts {
             self.send_cts(rid);
         }
         if let Some(e) = self.rx.get_mut(&rid) {
@@ -768,6 +806,7 @@ impl Engine {
             self.unexp_msgs = self.unexp_msgs.saturating_sub(1);
             self.unexp_bytes = self.unexp_bytes.saturating_sub(e.held_bytes);
         }
+        self.peer_held(e.peer, 1, e.held_bytes, false);
     }
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
