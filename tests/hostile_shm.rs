@@ -7,7 +7,7 @@
 //! file type are tested in `src/device/shm/segment.rs` (unit tests). A test with a real second
 //! local user (root forking a child as `nobody`) is not written yet.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,4 +96,169 @@ fn a_symlink_planted_under_a_segment_name_gets_nothing() {
         pq.poll(&mut more, 16);
     }
     assert!(more.is_empty(), "the link's target received {more:?}");
+}
+
+/// FIFOs planted under the names the shm device, the local path's channels and the routing
+/// directory sweep or claim: opening one for reading used to block until a writer came, so one
+/// `mkfifo` in `/dev/shm` hung every later domain of the user. Opening a device and an endpoint
+/// in such a directory now finishes, leaves the FIFOs alone, and traffic still flows.
+#[test]
+fn fifos_under_our_names_hang_nothing() {
+    let uid = my_uid();
+    let dir = tempfile::tempdir().unwrap();
+    let names = [
+        format!("efa-shm-{uid}-4242"),
+        format!("efa-shm-{uid}-tmp-1-1"),
+        format!("efa-chan-{uid}-0123456789abcdef"),
+        format!("efa-route-{uid}-fifo"),
+    ];
+    for n in &names {
+        let c = std::ffi::CString::new(dir.path().join(n).as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {n}");
+    }
+    let path = dir.path().to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let d = device(&path);
+        let (mut a, mut b) = (
+            d.create_qp(QpAttr::new(QpType::Srd)).unwrap(),
+            d.create_qp(QpAttr::new(QpType::Srd)).unwrap(),
+        );
+        b.post_recv(7, BytesMut::with_capacity(64)).unwrap();
+        send(&mut a, 1, b.addr(), b"through a directory with fifos");
+        let (status, got) = complete(&mut a, 1, Some(&mut b));
+        let swept = d.sweep();
+        tx.send((status, got.len(), swept)).unwrap();
+    });
+    let (status, got, _swept) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("opening and using a device hung on a planted FIFO");
+    assert!(status.is_ok(), "{status:?}");
+    assert_eq!(got, 1);
+    for n in &names {
+        let m = std::fs::symlink_metadata(dir.path().join(n)).unwrap();
+        assert!(m.file_type().is_fifo(), "{n} left alone");
+    }
+}
+
+/// A real second local user: the test (root) forks a child that becomes `nobody` and plants, in
+/// a sticky world-writable directory like `/dev/shm`, files under the names root's device will
+/// address or sweep: a regular file with a garbage ring, a symlink to a root-only secret, FIFOs.
+/// Root's sends to those names fail with an error (no hang, nothing written into nobody's file,
+/// the secret untouched), its sweeps leave nobody's files alone, and real traffic still flows.
+#[test]
+#[ignore = "needs root (forks a child that drops to nobody): .ci/run runs it"]
+fn another_user_plants_files_and_gets_nothing() {
+    assert_eq!(my_uid(), 0, "this test needs root");
+    use std::ffi::CString;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let vault = tempfile::tempdir().unwrap();
+    let secret = vault.path().join("secret");
+    std::fs::write(&secret, b"root only").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let d = device(dir.path());
+    let mut vq = d.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    let mut pq = d.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    pq.post_recv(9, BytesMut::with_capacity(64)).unwrap();
+    let taken = [vq.addr().qpn, pq.addr().qpn];
+    let base = (1000u16..60000)
+        .step_by(7)
+        .find(|q| (0..3).all(|k| !taken.contains(&(q + k))))
+        .unwrap();
+    let p = |name: String| {
+        CString::new(dir.path().join(name).into_os_string().into_encoded_bytes()).unwrap()
+    };
+    let garbage = p(format!("efa-shm-0-{base}"));
+    let link = p(format!("efa-shm-0-{}", base + 1));
+    let fifo = p(format!("efa-shm-0-{}", base + 2));
+    let chan_fifo = p("efa-chan-0-0123456789abcdef".into());
+    let chan_file = p("efa-chan-0-tmp-1-1".into());
+    let route_link = p("efa-route-0-x".into());
+    let target = CString::new(secret.clone().into_os_string().into_encoded_bytes()).unwrap();
+    let ring = vec![0xAAu8; 1 << 16];
+    // SAFETY: the child only makes system calls on data prepared before the fork, then _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        unsafe {
+            let nobody = 65534;
+            if libc::setgid(nobody) != 0 || libc::setuid(nobody) != 0 {
+                libc::_exit(2);
+            }
+            let fd = libc::open(
+                garbage.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY,
+                0o666,
+            );
+            if fd < 0 || libc::write(fd, ring.as_ptr().cast(), ring.len()) != ring.len() as isize {
+                libc::_exit(3);
+            }
+            libc::fchmod(fd, 0o666);
+            libc::close(fd);
+            let ok = libc::symlink(target.as_ptr(), link.as_ptr()) == 0
+                && libc::mkfifo(fifo.as_ptr(), 0o666) == 0
+                && libc::mkfifo(chan_fifo.as_ptr(), 0o666) == 0
+                && libc::symlink(target.as_ptr(), route_link.as_ptr()) == 0;
+            let fd = libc::open(
+                chan_file.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY,
+                0o666,
+            );
+            libc::_exit(if ok && fd >= 0 { 0 } else { 4 });
+        }
+    }
+    let mut st = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut st, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+        "the planting child failed: {st}"
+    );
+    let planted: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.uid() == 65534))
+        .collect();
+    assert_eq!(planted.len(), 6, "{planted:?}");
+    // Root sends to the three planted segment names: each fails, none hangs.
+    let gid = vq.addr().gid;
+    for (k, q) in (base..base + 3).enumerate() {
+        send(
+            &mut vq,
+            10 + k as u64,
+            RawAddr::new(gid, q, 0x1234),
+            b"not for nobody",
+        );
+        let (status, _) = complete(&mut vq, 10 + k as u64, None);
+        assert!(!status.is_ok(), "send to planted name {q}: {status:?}");
+    }
+    d.sweep();
+    for p in &planted {
+        assert!(
+            std::fs::symlink_metadata(p).is_ok(),
+            "{} removed by root's sweep",
+            p.display()
+        );
+    }
+    let data = std::fs::read(dir.path().join(format!("efa-shm-0-{base}"))).unwrap();
+    assert!(
+        data.iter().all(|&b| b == 0xAA) && data.len() == 1 << 16,
+        "nobody's file was written"
+    );
+    assert_eq!(std::fs::read(&secret).unwrap(), b"root only");
+    // Real traffic between root's own queue pairs still flows.
+    send(&mut vq, 1, pq.addr(), b"between root's own");
+    let (status, got) = complete(&mut vq, 1, Some(&mut pq));
+    assert!(status.is_ok(), "{status:?}");
+    let mut got = got;
+    let deadline = Instant::now() + DEADLINE;
+    while got.is_empty() {
+        pq.poll(&mut got, 4);
+        assert!(Instant::now() < deadline);
+    }
+    assert_eq!(got[0].buf.as_deref(), Some(&b"between root's own"[..]));
 }

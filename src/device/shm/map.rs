@@ -281,9 +281,11 @@ pub(crate) fn remove_if_same(path: &Path, ino: u64) -> bool {
 
 /// Opens an existing file for probing or reading: no symlinks followed, never created.
 pub(crate) fn open_existing(path: &Path) -> io::Result<File> {
+    // O_NONBLOCK: a FIFO planted under one of our names would otherwise block the open until
+    // a writer comes (issue 17, defect 4); callers check the file type before using it.
     OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)
 }
 
@@ -302,6 +304,11 @@ pub(crate) fn remove_if_stale(path: &Path) -> bool {
     let Ok(m) = f.metadata() else {
         return false;
     };
+    // Only our own regular files: a FIFO, device or another user's file under our name is
+    // left alone (the name stays taken: a clear error for whoever wanted it).
+    if !m.is_file() || m.uid() != uid() {
+        return false;
+    }
     if lock_free(&f) {
         remove_if_same(path, m.ino());
         return !path.exists();
