@@ -18,13 +18,13 @@ for round in $(seq "$rounds"); do
     port=$((port + 1))
     timeout 120 $E run --addr 127.0.9.1 -- fi_pingpong -p efa -e rdm -B $port -S "$1" -I "$2" >/dev/null 2>&1 &
     sleep 0.3
-    echo "round $round emulator+libfabric $(timeout 120 $E run --addr 127.0.9.2 -- fi_pingpong -p efa -e rdm -P $port -S "$1" -I "$2" 127.0.0.1 2>&1 | tail -1)"
+    echo "round $round emulator+libfabric $(timeout 120 $E run --addr 127.0.9.2 -- fi_pingpong -p efa -e rdm -P $port -S "$1" -I "$2" 127.0.0.1 2>&1 | grep -v "^#" | tail -1)"
     wait
     port=$((port + 1))
     # Both ends take the test options (ping-pong, like fi_pingpong, exchanges none).
     timeout 120 $P -p udp -e rdm -l -B $port -S "$1" -I "$2" >/dev/null 2>&1 &
     sleep 0.3
-    echo "round $round crate-udp          $(timeout 120 $P -p udp -e rdm -P $port -S "$1" -I "$2" 127.0.0.1 2>&1 | tail -1)"
+    echo "round $round crate-udp          $(timeout 120 $P -p udp -e rdm -P $port -S "$1" -I "$2" 127.0.0.1 2>&1 | grep -v "^#" | tail -1)"
     wait
   done
 done

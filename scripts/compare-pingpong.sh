@@ -66,7 +66,7 @@ run_ours() {
     FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 1 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 2 timeout 120 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $7, $6}'
+    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 2 timeout 120 "$pp" -p "$dev" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | grep -v "^#" | tail -1 | awk '{print $7, $6}'
     wait $srv || true
 }
 run_fi() {
@@ -76,14 +76,14 @@ run_fi() {
         "$floor" -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
         local fsrv=$!
         sleep 0.3
-        timeout 120 "$floor" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $6, $5}'
+        timeout 120 "$floor" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | grep -v "^#" | tail -1 | awk '{print $6, $5}'
         wait $fsrv || true
         return
     fi
     FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 1 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 2 timeout 120 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | tail -1 | awk '{print $7, $6}'
+    FI_EFA_ENABLE_SHM_TRANSFER=0 on_nic 2 timeout 120 fi_pingpong -p "$prov" -e "$ep" -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null | grep -v "^#" | tail -1 | awk '{print $7, $6}'
     wait $srv || true
 }
 
