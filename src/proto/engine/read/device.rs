@@ -482,23 +482,9 @@ impl Engine {
         let Some(mut op) = self.rd.ops.remove(&id) else {
             return;
         };
-        let mut i = 0;
-        while i < self.rd.wrs.len() {
-            if self
-                .rd
-                .wrs
-                .get(i)
-                .is_some_and(|w| w.owner == WrOwner::Op(id))
-            {
-                if let Some(w) = self.rd.wrs.remove(i) {
-                    if let (DevOp::Read { pieces, .. }, WrWhat::Read { piece, buf }) =
-                        (&mut op, w.what)
-                    {
-                        pieces.put(piece, buf, Status::Flushed);
-                    }
-                }
-            } else {
-                i += 1;
+        for w in self.take_queued(id) {
+            if let (DevOp::Read { pieces, .. }, WrWhat::Read { piece, buf }) = (&mut op, w.what) {
+                pieces.put(piece, buf, Status::Flushed);
             }
         }
         if matches!(op, DevOp::Waiting { .. }) {
@@ -508,18 +494,20 @@ impl Engine {
         self.finish_dev_op(op, Some((e, status)));
     }
 
+    /// Takes the queued (not yet posted) work requests of operation `id` out of the queue.
+    fn take_queued(&mut self, id: u32) -> Vec<Wr> {
+        type Q = std::collections::VecDeque<Wr>;
+        let (mine, rest): (Q, Q) = std::mem::take(&mut self.rd.wrs)
+            .into_iter()
+            .partition(|w| w.owner == WrOwner::Op(id));
+        self.rd.wrs = rest;
+        mine.into()
+    }
+
     /// Withdraws the queued (not yet posted) work requests of operation `id`, which then fails
     /// with `status` once those on the device have completed.
     pub(super) fn withdraw_queued(&mut self, id: u32, status: Status) {
-        let mut withdrawn = Vec::new();
-        let mut i = 0;
-        while i < self.rd.wrs.len() {
-            if self.rd.wrs[i].owner == WrOwner::Op(id) {
-                withdrawn.extend(self.rd.wrs.remove(i));
-            } else {
-                i += 1;
-            }
-        }
+        let withdrawn = self.take_queued(id);
         let Some(op) = self.rd.ops.get_mut(&id) else {
             return;
         };
