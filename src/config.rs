@@ -21,7 +21,6 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::device::DeviceCaps;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Largest `FI_EFA_RECVWIN_SIZE`: every peer gets a reorder window this large, so a larger
@@ -620,8 +619,8 @@ impl Config {
     /// `FI_EFA_USE_DEVICE_RDMA` if set, else whether the device has RDMA read. Asking for it on
     /// a device without RDMA read is a `Config` error (libfabric aborts the process); as in
     /// libfabric, RDMA read is the capability that decides.
-    pub fn device_rdma(&self, caps: &DeviceCaps) -> Result<bool> {
-        let supported = caps.rdma_read;
+    pub fn device_rdma(&self, rdma_read: bool) -> Result<bool> {
+        let supported = rdma_read;
         match self.use_device_rdma {
             None => Ok(supported),
             Some(false) => Ok(false),

@@ -22,6 +22,7 @@ use crate::av::PeerId;
 use crate::device::Status;
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
+use crate::mem::Short;
 use crate::mr::MemoryRegion;
 use crate::notify::Notifier;
 
@@ -241,28 +242,6 @@ impl RecvBuf {
             RecvBuf::Bytes(b) => Buffer::Recv(b),
             RecvBuf::Region(r) => Buffer::Region(r),
         }
-    }
-}
-
-/// How many leading bytes `Debug` shows of a buffer.
-const DEBUG_PREFIX: usize = 8;
-
-/// `N bytes: 01 02 .. ` — the length and the first [`DEBUG_PREFIX`] bytes.
-pub(crate) struct Short<'a>(pub &'a [u8]);
-
-impl fmt::Debug for Short<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} bytes", self.0.len())?;
-        if !self.0.is_empty() {
-            f.write_str(":")?;
-            for b in self.0.iter().take(DEBUG_PREFIX) {
-                write!(f, " {b:02x}")?;
-            }
-            if self.0.len() > DEBUG_PREFIX {
-                f.write_str(" ..")?;
-            }
-        }
-        Ok(())
     }
 }
 

@@ -49,6 +49,7 @@ pub mod ep;
 pub mod error;
 pub mod fault;
 pub mod info;
+pub mod mem;
 pub mod mr;
 pub mod notify;
 pub mod proto;

@@ -513,19 +513,19 @@ fn device_rdma_choice() {
     };
     let none = DeviceCaps::default();
     let unset = Config::default();
-    assert!(unset.device_rdma(&rdma).unwrap());
-    assert!(!unset.device_rdma(&none).unwrap());
+    assert!(unset.device_rdma(rdma.rdma_read).unwrap());
+    assert!(!unset.device_rdma(none.rdma_read).unwrap());
     let off = cfg(&[("FI_EFA_USE_DEVICE_RDMA", "0")]);
-    assert!(!off.device_rdma(&rdma).unwrap());
+    assert!(!off.device_rdma(rdma.rdma_read).unwrap());
     let on = cfg(&[("FI_EFA_USE_DEVICE_RDMA", "1")]);
-    assert!(on.device_rdma(&rdma).unwrap());
+    assert!(on.device_rdma(rdma.rdma_read).unwrap());
     // As in libfabric, RDMA read decides (a device with read but no write still uses it).
     let read_only = DeviceCaps {
         rdma_read: true,
         ..DeviceCaps::default()
     };
-    assert!(unset.device_rdma(&read_only).unwrap());
-    let e = on.device_rdma(&none).unwrap_err();
+    assert!(unset.device_rdma(read_only.rdma_read).unwrap());
+    let e = on.device_rdma(none.rdma_read).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
     assert_eq!(e.op(), "FI_EFA_USE_DEVICE_RDMA");
 }

@@ -28,7 +28,7 @@ use bytes::{Bytes, BytesMut};
 
 use crate::addr::{Gid, RawAddr};
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::{Access, RegionMem};
+use crate::mem::{Access, RegionMem};
 use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 

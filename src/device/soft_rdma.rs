@@ -52,7 +52,7 @@ use crate::device::{
     DeviceCompletion, Opcode, RemoteIov, SendWr, Source, Status, UNSOLICITED_WR_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::{Access, RegionMem, TryAccess};
+use crate::mem::{Access, RegionMem, TryAccess};
 use crate::stats::{self, DeviceCounters};
 
 /// What a device does with an RDMA message it received.

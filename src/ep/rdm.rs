@@ -196,7 +196,7 @@ impl EndpointBuilder<Rdm> {
             "rx_size",
         )?;
         let own = Arc::new(Notifier::new());
-        let use_rdma = cfg.device_rdma(&attr.caps)?;
+        let use_rdma = cfg.device_rdma(attr.caps.rdma_read)?;
         let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
@@ -985,12 +985,12 @@ impl RdmCore {
                 let read_key = r.device_read_key();
                 if read_key.is_some() && r.len() >= self.region_send_min {
                     let data = r
-                        .check_local(&self.domain, crate::mr::Access::SEND, "send")
+                        .check_local(&self.domain, crate::mem::Access::SEND, "send")
                         .map(|()| Bytes::new());
                     (data, read_key, Some(r.len()))
                 } else {
                     let data = r
-                        .check_local(&self.domain, crate::mr::Access::SEND, "send")
+                        .check_local(&self.domain, crate::mem::Access::SEND, "send")
                         .map(|()| Bytes::new());
                     (data, read_key, None)
                 }

@@ -582,3 +582,42 @@ fn give_back(state: OpState, buf: RmaBuf) -> Buffer {
         (RmaBuf::Atomic { operand, .. }, None, None) => Buffer::Send(operand),
     }
 }
+
+/// Peers' emulated RMA and atomics reach the domain's registered regions through this (the RDM
+/// endpoint hands its domain to its protocol engine). Every access is checked against the key,
+/// the range and the rights, and never blocks on a region the application holds (`Again`).
+impl crate::proto::engine::RmaMemory for crate::domain::Domain {
+    fn write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
+        self.remote_write(key, addr, data)
+    }
+
+    fn read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
+        self.remote_read(key, addr, len)
+    }
+
+    fn check(&self, key: u64, addr: u64, len: u64, write: bool) -> Result<()> {
+        crate::mem::remote_check(self.mr_table(), key, addr, len, write)
+    }
+
+    fn atomic(
+        &self,
+        key: u64,
+        addr: u64,
+        op: crate::atomic::AtomicOp,
+        datatype: crate::atomic::AtomicType,
+        operand: &[u8],
+        compare: Option<&[u8]>,
+    ) -> Result<Bytes> {
+        let fetch = op == crate::atomic::AtomicOp::Read || op.is_compare();
+        crate::mem::remote_atomic(
+            self.mr_table(),
+            key,
+            addr,
+            op,
+            datatype,
+            operand,
+            compare,
+            fetch,
+        )
+    }
+}

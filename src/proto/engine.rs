@@ -253,7 +253,7 @@ pub enum RmaBuf {
 
 impl std::fmt::Debug for RmaBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use crate::cq::Short;
+        use crate::mem::Short;
         match self {
             RmaBuf::Write(b) => f.debug_tuple("Write").field(&Short(b)).finish(),
             RmaBuf::Read(b) => f.debug_tuple("Read").field(&Short(b)).finish(),

@@ -90,7 +90,7 @@ pub use verbs::{EfaMr, device_names};
 use crate::config::Config;
 use crate::device::{Device, DeviceAttr, QpAttr, QpType, QueuePair, RemoteIov, random_qkey};
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::{Access, RegionMem};
+use crate::mem::{Access, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 #[cfg(doc)]

@@ -26,7 +26,7 @@ use std::ptr::NonNull;
 
 use super::nic::{Nic, Registration, Sge};
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::Access;
+use crate::mem::Access;
 
 /// `IBV_ACCESS_LOCAL_WRITE`.
 pub const ACCESS_LOCAL_WRITE: u32 = 1;

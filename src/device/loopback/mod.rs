@@ -34,7 +34,7 @@ use crate::addr::Gid;
 use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
-use crate::mr::{Access, RegionMem};
+use crate::mem::{Access, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 use self::qp::{LoopbackQp, QpnTable};

@@ -16,7 +16,7 @@ use bytes::BytesMut;
 use super::qp::QpShared;
 use super::wire::{Datagram, Wake};
 use crate::device::{DeviceCompletion, Opcode, RemoteIov, Status, UNSOLICITED_WR_ID};
-use crate::mr::{Access, TryAccess};
+use crate::mem::{Access, TryAccess};
 use crate::stats::{add, inc};
 
 /// The initiator's side of an RDMA read or write.

@@ -54,7 +54,7 @@ use crate::addr::Gid;
 use crate::device::shm::{self, ShmConfig, ShmDevice};
 use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QpType, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
-use crate::mr::{Access, RegionMem};
+use crate::mem::{Access, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 /// Bytes of the routing header in front of every datagram sent over shm.

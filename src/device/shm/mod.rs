@@ -388,8 +388,8 @@ impl Device for ShmDevice {
 
     fn register_mem(
         &self,
-        mem: &Arc<crate::mr::RegionMem>,
-        access: crate::mr::Access,
+        mem: &Arc<crate::mem::RegionMem>,
+        access: crate::mem::Access,
     ) -> Result<Option<u64>> {
         Ok(self
             .shared

@@ -307,8 +307,8 @@ impl UdpDevice {
     /// without RDMA ([`UdpConfig::rdma`]), `InvalidArgument` when `key` is live.
     pub fn register_mem_as(
         &self,
-        mem: &Arc<crate::mr::RegionMem>,
-        access: crate::mr::Access,
+        mem: &Arc<crate::mem::RegionMem>,
+        access: crate::mem::Access,
         key: u64,
     ) -> Result<()> {
         let Some(keys) = &self.keys else {
@@ -344,8 +344,8 @@ impl Device for UdpDevice {
 
     fn register_mem(
         &self,
-        mem: &Arc<crate::mr::RegionMem>,
-        access: crate::mr::Access,
+        mem: &Arc<crate::mem::RegionMem>,
+        access: crate::mem::Access,
     ) -> Result<Option<u64>> {
         Ok(self.keys.as_ref().map(|k| k.lock().register(mem, access)))
     }

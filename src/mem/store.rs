@@ -8,7 +8,7 @@ use bytes::BytesMut;
 
 /// The bytes behind a [`RegionMem`]: a buffer it owns, or memory it was lent by a caller of
 /// [`RegionMem::foreign`]. An empty store is a closed region.
-pub(super) enum Store {
+pub(crate) enum Store {
     Owned(BytesMut),
     Foreign { ptr: NonNull<u8>, len: usize },
 }

@@ -11,8 +11,11 @@ use crate::config::Config;
 use crate::device::{Device, DeviceAttr};
 use crate::error::Result;
 use crate::info::Info;
-use crate::mr::{Access, IntoRegionBuf, MemoryRegion, MrTable};
+use crate::mem::{Access, IntoRegionBuf, MrTable};
+
+pub(crate) mod mr;
 use crate::stats::DeviceStats;
+use mr::MemoryRegion;
 
 /// An opened device. Cheap to clone (an `Arc` inside); every child handle keeps its domain alive,
 /// so handles may be dropped in any order.
@@ -102,7 +105,7 @@ impl Domain {
     /// registrations: `RemoteAccess` if the key is unknown or revoked, the range is outside the
     /// region or the right was not granted.
     pub fn verify_remote(&self, key: u64, addr: u64, len: u64, access: Access) -> Result<()> {
-        crate::mr::verify(&self.inner.mrs, key, addr, len, access)
+        crate::mem::verify(&self.inner.mrs, key, addr, len, access)
     }
 
     /// Writes `data` at `addr` of the region `key` names, as a peer's RMA write does (the
@@ -112,7 +115,7 @@ impl Domain {
     /// while it is taken (a [`MemoryRegion::read`]/[`write`](MemoryRegion::write) guard is alive,
     /// or another access copies) — retry later.
     pub fn remote_write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
-        crate::mr::remote_write(&self.inner.mrs, key, addr, data)
+        crate::mem::remote_write(&self.inner.mrs, key, addr, data)
     }
 
     /// The `len` bytes at `addr` of the region `key` names, as a peer's RMA read sees them (the
@@ -121,7 +124,7 @@ impl Domain {
     /// region's lock, which this never waits for: `Again` while a
     /// [`write`](MemoryRegion::write) guard is alive — retry later.
     pub fn remote_read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
-        crate::mr::remote_read(&self.inner.mrs, key, addr, len)
+        crate::mem::remote_read(&self.inner.mrs, key, addr, len)
     }
 
     /// True when the `Info` this domain was opened from asked for `FI_MSG_PREFIX`
@@ -145,44 +148,5 @@ impl fmt::Debug for Domain {
         f.debug_struct("Domain")
             .field("device", &self.attr().name)
             .finish()
-    }
-}
-
-/// Peers' emulated RMA and atomics reach the domain's registered regions through this (the RDM
-/// endpoint hands its domain to its protocol engine). Every access is checked against the key,
-/// the range and the rights, and never blocks on a region the application holds (`Again`).
-impl crate::proto::engine::RmaMemory for Domain {
-    fn write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
-        self.remote_write(key, addr, data)
-    }
-
-    fn read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
-        self.remote_read(key, addr, len)
-    }
-
-    fn check(&self, key: u64, addr: u64, len: u64, write: bool) -> Result<()> {
-        crate::mr::remote_check(&self.inner.mrs, key, addr, len, write)
-    }
-
-    fn atomic(
-        &self,
-        key: u64,
-        addr: u64,
-        op: crate::atomic::AtomicOp,
-        datatype: crate::atomic::AtomicType,
-        operand: &[u8],
-        compare: Option<&[u8]>,
-    ) -> Result<Bytes> {
-        let fetch = op == crate::atomic::AtomicOp::Read || op.is_compare();
-        crate::mr::remote_atomic(
-            &self.inner.mrs,
-            key,
-            addr,
-            op,
-            datatype,
-            operand,
-            compare,
-            fetch,
-        )
     }
 }

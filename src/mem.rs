@@ -1,0 +1,676 @@
+//! The memory core, below the devices and the domain: a region's bytes ([`RegionMem`], behind
+//! a reader-writer lock and shared by `Arc` between the application's
+//! [`MemoryRegion`](crate::mr::MemoryRegion) and whatever may access it remotely), access rights
+//! ([`Access`]), the serializable [`RemoteKey`] a peer needs, and the domain's key table with the
+//! one check of a remote access against it (key live, right granted, range inside).
+//!
+//! A remote access takes the region's lock to copy data in or out ([`RegionMem::write_at`],
+//! [`RegionMem::read_into`]), as the application's guards do, so a user never sees a torn remote
+//! write, a remote access never sees a half-done local one, and Rust's aliasing rules hold
+//! without any `unsafe` code. Closing a region revokes its key everywhere, then takes the bytes
+//! out under the write lock: a remote access that had already looked the key up finds the region
+//! empty and fails with `RemoteAccess` (the device reports `Status::RemoteBadAddress`).
+//!
+//! This module imports nothing above `error`, `notify` and `random`: devices, the protocol
+//! engine's simulator and the domain all build on it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::{BitOr, BitOrAssign, Deref, DerefMut, Range};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
+
+mod store;
+pub(crate) use store::Store;
+
+/// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
+/// `FI_REMOTE_READ`, `FI_REMOTE_WRITE`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub struct Access(u32);
+
+impl Access {
+    /// Local source of sends.
+    pub const SEND: Access = Access(1);
+    /// Local target of receives.
+    pub const RECV: Access = Access(2);
+    /// Local target of RMA reads this side initiates.
+    pub const READ: Access = Access(4);
+    /// Local source of RMA writes this side initiates.
+    pub const WRITE: Access = Access(8);
+    /// Peers may read it.
+    pub const REMOTE_READ: Access = Access(16);
+    /// Peers may write it.
+    pub const REMOTE_WRITE: Access = Access(32);
+    /// Every local access.
+    pub const LOCAL: Access = Access(1 | 2 | 4 | 8);
+    /// Both remote accesses.
+    pub const REMOTE: Access = Access(16 | 32);
+
+    const NAMES: [(Access, &'static str); 6] = [
+        (Access::SEND, "FI_SEND"),
+        (Access::RECV, "FI_RECV"),
+        (Access::READ, "FI_READ"),
+        (Access::WRITE, "FI_WRITE"),
+        (Access::REMOTE_READ, "FI_REMOTE_READ"),
+        (Access::REMOTE_WRITE, "FI_REMOTE_WRITE"),
+    ];
+
+    /// No access at all.
+    pub const fn empty() -> Access {
+        Access(0)
+    }
+
+    /// True when every right of `other` is in `self`.
+    pub const fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// True when no right is set.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// True when peers may read or write.
+    pub const fn is_remote(self) -> bool {
+        self.0 & Access::REMOTE.0 != 0
+    }
+
+    /// The raw bits.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+}
+
+impl BitOr for Access {
+    type Output = Access;
+    fn bitor(self, o: Access) -> Access {
+        Access(self.0 | o.0)
+    }
+}
+
+impl BitOrAssign for Access {
+    fn bitor_assign(&mut self, o: Access) {
+        self.0 |= o.0;
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = Access::NAMES
+            .iter()
+            .filter(|(a, _)| self.contains(*a))
+            .map(|(_, n)| *n)
+            .collect();
+        write!(f, "[{}]", names.join(" | "))
+    }
+}
+
+/// Buffers a [`MemoryRegion`](crate::mr::MemoryRegion) can own: `BytesMut`, `Vec<u8>` and `Box<[u8]>` (taken without
+/// copying).
+pub trait IntoRegionBuf {
+    /// The buffer as `BytesMut`.
+    fn into_region_buf(self) -> BytesMut;
+}
+
+impl IntoRegionBuf for BytesMut {
+    fn into_region_buf(self) -> BytesMut {
+        self
+    }
+}
+
+impl IntoRegionBuf for Vec<u8> {
+    fn into_region_buf(self) -> BytesMut {
+        // A uniquely owned `Bytes` converts back without copying.
+        bytes::Bytes::from(self)
+            .try_into_mut()
+            .unwrap_or_else(|b| BytesMut::from(&b[..]))
+    }
+}
+
+impl IntoRegionBuf for Box<[u8]> {
+    fn into_region_buf(self) -> BytesMut {
+        Vec::from(self).into_region_buf()
+    }
+}
+
+/// What a peer needs to access a region: its address, length and key (`FI_MR_VIRT_ADDR` style:
+/// `addr` is the region's address in its owner's address space). Exchange it out of band; it
+/// serializes with serde.
+///
+/// ```
+/// # use efa::{Domain, Access, RemoteKey};
+/// # fn main() -> efa::Result<()> {
+/// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+/// let mr = domain.register(vec![0u8; 4096], Access::REMOTE_READ | Access::REMOTE_WRITE)?;
+/// let rk: RemoteKey = mr.remote_key()?;
+/// assert_eq!(rk.len, 4096);
+/// let json = serde_json::to_string(&rk).unwrap();
+/// assert_eq!(serde_json::from_str::<RemoteKey>(&json).unwrap(), rk);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct RemoteKey {
+    /// Start address of the region.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The key.
+    pub key: u64,
+}
+
+/// The memory of a registered region, shared by `Arc` between the [`MemoryRegion`](crate::mr::MemoryRegion) that owns it
+/// and the device (or domain) that serves remote accesses to it.
+///
+/// The bytes sit behind a reader-writer lock; every access, local or remote, copies under it.
+/// Remote accesses name bytes by address, as [`RemoteKey::addr`] does: `addr()` is the address of
+/// the first byte at registration (`FI_MR_VIRT_ADDR` style). The buffer is never reallocated
+/// while registered (the guards hand out slices, not the `BytesMut`), so the address stays true.
+/// When the region is closed the bytes are taken out, leaving it empty: every later remote access
+/// fails its bounds check.
+///
+/// Devices inside the crate never block on the lock (an application thread that holds a guard may
+/// be the one driving the device): they try it, and when it is taken they register a notifier
+/// that is signalled as soon as the lock is released, and retry later.
+pub struct RegionMem {
+    pub(crate) data: RwLock<Store>,
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+    /// Signalled (and cleared) whenever the lock is released; see [`RegionMem::try_write_with`].
+    waiters: Mutex<Vec<Arc<Notifier>>>,
+}
+
+/// The outcome of a non-blocking access to a [`RegionMem`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum TryAccess<R> {
+    /// Done (or, for a gated write, decided).
+    Done(R),
+    /// The lock is taken (a guard is alive or another access copies); the waiter, if one was
+    /// given, is signalled when it is released.
+    Busy,
+    /// The range is not inside the region, or the region is closed. Nothing was touched.
+    OutOfRange,
+}
+
+impl RegionMem {
+    pub(crate) fn new(buf: BytesMut) -> Arc<RegionMem> {
+        Arc::new(RegionMem {
+            addr: buf.as_ptr() as usize as u64,
+            len: buf.len(),
+            data: RwLock::new(Store::Owned(buf)),
+            waiters: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A region over `len` bytes at `ptr` that it does not own: for devices outside the crate
+    /// that register a program's memory themselves, such as the emulated EFA NIC (`efa-emu`),
+    /// which registers a C program's buffers for one-sided RDMA. Remote accesses name its first
+    /// byte `addr` (the I/O virtual address of `ibv_reg_mr_iova2`; usually `ptr`'s). Give it
+    /// to a device ([`Device::register_mem`](crate::device::Device::register_mem)) and call
+    /// [`close_foreign`](RegionMem::close_foreign) before the memory goes away. `None` when `ptr`
+    /// is null, `len` is 0 or `addr + len` overflows.
+    ///
+    /// # Safety
+    ///
+    /// Until `close_foreign` returns, the `len` bytes at `ptr` must stay valid for reads and
+    /// writes and must not be reached through Rust references other than this region's (code
+    /// outside Rust, such as the C program that lent them, may race with a device's copies as it
+    /// would with a NIC's DMA: the bytes it then sees are unspecified, never other memory).
+    #[allow(unsafe_code)]
+    pub unsafe fn foreign(ptr: *mut u8, len: usize, addr: u64) -> Option<Arc<RegionMem>> {
+        // SAFETY: this function's contract is `Store::foreign`'s.
+        let store = unsafe { Store::foreign(ptr, len) }?;
+        addr.checked_add(len as u64)?;
+        Some(Arc::new(RegionMem {
+            addr,
+            len,
+            data: RwLock::new(store),
+            waiters: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// Closes a region made by [`foreign`](RegionMem::foreign): waits for an access in progress
+    /// to finish, then forgets the memory, so every later access fails its bounds check. Revoke
+    /// the region's key in its device first.
+    pub fn close_foreign(&self) {
+        drop(self.take());
+    }
+
+    /// The address of the first byte (what [`RemoteKey::addr`] names).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// The length at registration, bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the region was registered empty (never: registration refuses empty buffers).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True once the owning region has been closed or dropped (its bytes were taken out).
+    /// Blocks while a write guard is alive.
+    pub fn is_closed(&self) -> bool {
+        let closed = self.data.read().is_empty();
+        self.wake_waiters();
+        closed
+    }
+
+    /// The offsets of `addr .. addr + len` in a buffer of `have` bytes, with overflow-safe
+    /// arithmetic; `None` when the range is not inside it or the buffer is empty (closed).
+    fn range(&self, have: usize, addr: u64, len: u64) -> Option<Range<usize>> {
+        if have == 0 {
+            return None;
+        }
+        let start = addr.checked_sub(self.addr)?;
+        let end = start.checked_add(len)?;
+        if end > have as u64 {
+            return None;
+        }
+        Some(start as usize..end as usize)
+    }
+
+    fn out_of_range(&self, op: &'static str, addr: u64, len: u64) -> Error {
+        Error::new(ErrorKind::RemoteAccess, op).with_detail(format!(
+            "range {addr:#x}+{len} outside region {:#x}+{} (or region closed)",
+            self.addr, self.len
+        ))
+    }
+
+    /// Copies `src` to `addr`, blocking while a guard is alive. `RemoteAccess` (and nothing
+    /// written) when the range is not inside the region or the region is closed. Checks no key or
+    /// right: the caller (a device's key table) has. For devices outside the crate; never call it
+    /// from a thread that may hold a guard on the region.
+    pub fn write_at(&self, addr: u64, src: &[u8]) -> Result<()> {
+        let r = {
+            let mut data = self.data.write();
+            self.range(data.len(), addr, src.len() as u64)
+                .map(|r| data[r].copy_from_slice(src))
+        };
+        self.wake_waiters();
+        r.ok_or_else(|| self.out_of_range("mr_remote_write", addr, src.len() as u64))
+    }
+
+    /// Replaces the contents of `out` with the `len` bytes at `addr`, blocking while a write guard
+    /// is alive. `RemoteAccess` (and `out` left as it was) when the range is not inside the region
+    /// or the region is closed. Checks no key or right: the caller has. For devices outside the
+    /// crate; never call it from a thread that may hold a write guard on the region.
+    pub fn read_into(&self, addr: u64, len: u64, out: &mut BytesMut) -> Result<()> {
+        let r = {
+            let data = self.data.read();
+            self.range(data.len(), addr, len).map(|r| {
+                out.clear();
+                out.extend_from_slice(&data[r]);
+            })
+        };
+        self.wake_waiters();
+        r.ok_or_else(|| self.out_of_range("mr_remote_read", addr, len))
+    }
+
+    /// Registers `w` to be signalled at the next release of the lock.
+    fn add_waiter(&self, w: &Arc<Notifier>) {
+        let mut ws = self.waiters.lock();
+        if !ws.iter().any(|x| Arc::ptr_eq(x, w)) {
+            ws.push(w.clone());
+        }
+    }
+
+    /// Signals (and forgets) every registered waiter; called after every release of the lock.
+    fn wake_waiters(&self) {
+        // Always under the mutex: a waiter registers under it and then tries the lock once more,
+        // so either its retry sees the lock free or this sees the waiter.
+        let ws = std::mem::take(&mut *self.waiters.lock());
+        for w in ws {
+            w.notify();
+        }
+    }
+
+    /// Takes the write lock without blocking; when it is busy, registers `waiter` and tries once
+    /// more (so a release in between is never missed).
+    fn try_write_lock(
+        &self,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> Option<RwLockWriteGuard<'_, Store>> {
+        if let Some(g) = self.data.try_write() {
+            return Some(g);
+        }
+        let w = waiter?;
+        self.add_waiter(w);
+        self.data.try_write()
+    }
+
+    fn try_read_lock(&self, waiter: Option<&Arc<Notifier>>) -> Option<RwLockReadGuard<'_, Store>> {
+        if let Some(g) = self.data.try_read() {
+            return Some(g);
+        }
+        let w = waiter?;
+        self.add_waiter(w);
+        self.data.try_read()
+    }
+
+    /// Non-blocking write of `src` at `addr`, gated: once the lock is held and the range checked,
+    /// `gate` decides whether to write (`Some(r)`: write, then `Done(Some(r))`; `None`: write
+    /// nothing, `Done(None)`). `Busy` when the lock is taken (then `waiter` is signalled at its
+    /// release), `OutOfRange` when the range is not inside the region or the region is closed.
+    pub(crate) fn try_write_with<R>(
+        &self,
+        addr: u64,
+        src: &[u8],
+        waiter: Option<&Arc<Notifier>>,
+        gate: impl FnOnce() -> Option<R>,
+    ) -> TryAccess<Option<R>> {
+        let Some(mut data) = self.try_write_lock(waiter) else {
+            return TryAccess::Busy;
+        };
+        let out = match self.range(data.len(), addr, src.len() as u64) {
+            None => TryAccess::OutOfRange,
+            Some(r) => match gate() {
+                Some(v) => {
+                    data[r].copy_from_slice(src);
+                    TryAccess::Done(Some(v))
+                }
+                None => TryAccess::Done(None),
+            },
+        };
+        drop(data);
+        self.wake_waiters();
+        out
+    }
+
+    /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write lock is held (then
+    /// `waiter` is signalled at its release), `OutOfRange` as there.
+    pub(crate) fn try_read_into(
+        &self,
+        addr: u64,
+        len: u64,
+        out: &mut BytesMut,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> TryAccess<()> {
+        let Some(data) = self.try_read_lock(waiter) else {
+            return TryAccess::Busy;
+        };
+        let res = match self.range(data.len(), addr, len) {
+            None => TryAccess::OutOfRange,
+            Some(r) => {
+                out.clear();
+                out.extend_from_slice(&data[r]);
+                TryAccess::Done(())
+            }
+        };
+        drop(data);
+        self.wake_waiters();
+        res
+    }
+
+    /// The bytes of the region, leaving it empty (closed); a foreign region gives nothing back.
+    /// Blocks while a guard is alive.
+    pub(crate) fn take(&self) -> BytesMut {
+        let old = std::mem::replace(&mut *self.data.write(), Store::Owned(BytesMut::new()));
+        self.wake_waiters();
+        match old {
+            Store::Owned(b) => b,
+            Store::Foreign { .. } => BytesMut::new(),
+        }
+    }
+}
+
+impl fmt::Debug for RegionMem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionMem")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// The guard [`MemoryRegion::read`](crate::mr::MemoryRegion::read) returns: releases the lock, then signals waiting accesses.
+pub(crate) struct ReadGuard<'a> {
+    pub(crate) guard: Option<RwLockReadGuard<'a, Store>>,
+    pub(crate) mem: &'a RegionMem,
+}
+
+impl Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..])
+    }
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.mem.wake_waiters();
+    }
+}
+
+/// The guard [`MemoryRegion::write`](crate::mr::MemoryRegion::write) returns: releases the lock, then signals waiting accesses.
+pub(crate) struct WriteGuard<'a> {
+    pub(crate) guard: Option<RwLockWriteGuard<'a, Store>>,
+    pub(crate) mem: &'a RegionMem,
+}
+
+impl Deref for WriteGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.guard.as_deref().map_or(&[], |b| &b[..])
+    }
+}
+
+impl DerefMut for WriteGuard<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.guard.as_deref_mut().map_or(&mut [], |b| &mut b[..])
+    }
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.mem.wake_waiters();
+    }
+}
+
+/// One live registration in a domain's key table.
+#[derive(Clone, Debug)]
+pub(crate) struct MrEntry {
+    pub(crate) mem: Arc<RegionMem>,
+    pub(crate) access: Access,
+}
+
+/// The keys a domain has handed out and not yet revoked, with the memory they name.
+#[derive(Debug)]
+pub(crate) struct MrTable {
+    live: HashMap<u64, MrEntry>,
+}
+
+impl MrTable {
+    pub(crate) fn new() -> Mutex<MrTable> {
+        Mutex::new(MrTable {
+            live: HashMap::new(),
+        })
+    }
+
+    /// Enters a registration under the device's key, or under a fresh software key: 64 bits
+    /// from the kernel's CSPRNG (not 0, never a live one), so a peer cannot guess another
+    /// region's key from its own. `None` when the device's key is live already.
+    pub(crate) fn insert(&mut self, device_key: Option<u64>, entry: MrEntry) -> Option<u64> {
+        let key = match device_key {
+            Some(k) if self.live.contains_key(&k) => return None,
+            Some(k) => k,
+            None => loop {
+                let k = crate::random::secure_u64();
+                if k != 0 && !self.live.contains_key(&k) {
+                    break k;
+                }
+            },
+        };
+        self.live.insert(key, entry);
+        Some(key)
+    }
+
+    pub(crate) fn remove(&mut self, key: u64) {
+        self.live.remove(&key);
+    }
+
+    /// The memory `key` names if the key is live and grants `access`; `RemoteAccess` otherwise.
+    fn lookup(&self, key: u64, access: Access, op: &'static str) -> Result<Arc<RegionMem>> {
+        let e = self.live.get(&key).ok_or_else(|| {
+            Error::new(ErrorKind::RemoteAccess, op)
+                .with_detail(format!("key {key:#x} is not registered"))
+        })?;
+        if !e.access.contains(access) {
+            return Err(Error::new(ErrorKind::RemoteAccess, op).with_detail(format!(
+                "access {access:?} not granted (region has {:?})",
+                e.access
+            )));
+        }
+        Ok(e.mem.clone())
+    }
+}
+
+/// Checks a remote access against the key table of `table`: the key must be live, the range
+/// inside the region and the access granted. Errors are `ErrorKind::RemoteAccess`.
+pub(crate) fn verify(
+    table: &Mutex<MrTable>,
+    key: u64,
+    addr: u64,
+    len: u64,
+    access: Access,
+) -> Result<()> {
+    let mem = table.lock().lookup(key, access, "mr_verify")?;
+    // Against the registered range; takes no region lock, so it never waits for a guard.
+    if mem.range(mem.len, addr, len).is_none() {
+        return Err(mem.out_of_range("mr_verify", addr, len));
+    }
+    Ok(())
+}
+
+fn busy(op: &'static str) -> Error {
+    Error::new(ErrorKind::Again, op)
+        .with_detail("the region is locked (a guard is alive or another access copies); retry")
+}
+
+/// Writes `src` at `addr` of the region `key` names, if the key is live and grants
+/// `REMOTE_WRITE` and the range lies inside the region (`RemoteAccess` otherwise, nothing
+/// written). Never blocks: `Again` while the region's lock is taken.
+pub(crate) fn remote_write(table: &Mutex<MrTable>, key: u64, addr: u64, src: &[u8]) -> Result<()> {
+    const OP: &str = "mr_remote_write";
+    let mem = table.lock().lookup(key, Access::REMOTE_WRITE, OP)?;
+    match mem.try_write_with(addr, src, None, || Some(())) {
+        TryAccess::Done(_) => Ok(()),
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, src.len() as u64)),
+    }
+}
+
+/// Whether the key is live and grants `REMOTE_WRITE` (`write`) or `REMOTE_READ`, and `len` bytes
+/// at `addr` lie inside its region (`RemoteAccess` otherwise). Touches no data.
+pub(crate) fn remote_check(
+    table: &Mutex<MrTable>,
+    key: u64,
+    addr: u64,
+    len: u64,
+    write: bool,
+) -> Result<()> {
+    const OP: &str = "mr_remote_check";
+    let access = if write {
+        Access::REMOTE_WRITE
+    } else {
+        Access::REMOTE_READ
+    };
+    let mem = table.lock().lookup(key, access, OP)?;
+    match mem.range(mem.len, addr, len) {
+        Some(_) => Ok(()),
+        None => Err(mem.out_of_range(OP, addr, len)),
+    }
+}
+
+/// The `len` bytes at `addr` of the region `key` names, if the key is live and grants
+/// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise). Never blocks:
+/// `Again` while a write guard on the region is alive.
+pub(crate) fn remote_read(table: &Mutex<MrTable>, key: u64, addr: u64, len: u64) -> Result<Bytes> {
+    const OP: &str = "mr_remote_read";
+    let mem = table.lock().lookup(key, Access::REMOTE_READ, OP)?;
+    // Checked against the registered length before allocating, so an absurd length allocates
+    // nothing; checked again under the lock.
+    if mem.range(mem.len, addr, len).is_none() {
+        return Err(mem.out_of_range(OP, addr, len));
+    }
+    let mut out = BytesMut::with_capacity(len as usize);
+    match mem.try_read_into(addr, len, &mut out, None) {
+        TryAccess::Done(()) => Ok(out.freeze()),
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, len)),
+    }
+}
+
+/// Applies an atomic to the elements at `addr` of the region `key` names, as one step under the
+/// region's write lock, and returns their previous values. The key must be live and grant
+/// `REMOTE_WRITE` (and `REMOTE_READ` for operations that return values: `fetch`), the range must
+/// lie inside the region (`RemoteAccess` otherwise, nothing changed); invalid operands are
+/// `InvalidArgument`. Never blocks: `Again` while the region's lock is taken.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn remote_atomic(
+    table: &Mutex<MrTable>,
+    key: u64,
+    addr: u64,
+    op: crate::atomic::AtomicOp,
+    datatype: crate::atomic::AtomicType,
+    operand: &[u8],
+    compare: Option<&[u8]>,
+    fetch: bool,
+) -> Result<Bytes> {
+    const OP: &str = "mr_remote_atomic";
+    let mut need = Access::REMOTE_WRITE;
+    if fetch {
+        need |= Access::REMOTE_READ;
+    }
+    let mem = table.lock().lookup(key, need, OP)?;
+    let len = if op == crate::atomic::AtomicOp::Read {
+        operand.len().max(datatype.size())
+    } else {
+        operand.len()
+    };
+    crate::atomic::validate(op, datatype, len, operand, compare)?;
+    let Some(mut data) = mem.try_write_lock(None) else {
+        return Err(busy(OP));
+    };
+    let out = match mem.range(data.len(), addr, len as u64) {
+        None => Err(mem.out_of_range(OP, addr, len as u64)),
+        Some(r) => {
+            let old = Bytes::copy_from_slice(&data[r.clone()]);
+            crate::atomic::apply(op, datatype, &mut data[r], operand, compare).map(|()| old)
+        }
+    };
+    drop(data);
+    mem.wake_waiters();
+    out
+}
+
+/// How many leading bytes `Debug` shows of a buffer.
+const DEBUG_PREFIX: usize = 8;
+
+/// `N bytes: 01 02 .. ` — the length and the first [`DEBUG_PREFIX`] bytes.
+pub(crate) struct Short<'a>(pub &'a [u8]);
+
+impl fmt::Debug for Short<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} bytes", self.0.len())?;
+        if !self.0.is_empty() {
+            f.write_str(":")?;
+            for b in self.0.iter().take(DEBUG_PREFIX) {
+                write!(f, " {b:02x}")?;
+            }
+            if self.0.len() > DEBUG_PREFIX {
+                f.write_str(" ..")?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,183 @@
+//! The module structure (issue 19): no import cycle between the crate's top-level modules.
+//!
+//! Reads the sources (not the compiled crate): for every top-level module (`src/x.rs` and
+//! `src/x/**`), the top-level modules its non-test code names through `crate::` paths, including
+//! `use crate::{a::B, c}` groups and names the crate root re-exports (`crate::Domain` is
+//! `domain`'s). Comments and `#[cfg(test)] mod tests` blocks at the end of a file are left out.
+//! Then the dependency graph must be acyclic; a cycle is printed with the edges that make it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn rs_files(p: &Path, out: &mut Vec<PathBuf>) {
+    if p.is_dir() {
+        for e in std::fs::read_dir(p).unwrap() {
+            rs_files(&e.unwrap().path(), out);
+        }
+    } else if p.extension().is_some_and(|x| x == "rs") {
+        out.push(p.to_path_buf());
+    }
+}
+
+/// The source without comment lines and without a trailing `#[cfg(test)] mod tests` block.
+fn code(text: &str) -> String {
+    let text = match text.find("#[cfg(test)]\nmod tests") {
+        Some(i) => &text[..i],
+        None => text,
+    };
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The first path segments named after `crate::` (a `{..}` group gives each of its entries').
+fn crate_refs(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let mut depth = 1;
+            let end = group
+                .char_indices()
+                .find(|&(_, c)| {
+                    depth += i32::from(c == '{') - i32::from(c == '}');
+                    depth == 0
+                })
+                .map_or(group.len(), |(k, _)| k);
+            let mut d = 0;
+            let mut start = 0;
+            for (k, c) in group[..end].char_indices().chain([(end, ',')]) {
+                match c {
+                    '{' => d += 1,
+                    '}' => d -= 1,
+                    ',' if d == 0 => {
+                        out.push(first_segment(&group[start..k]));
+                        start = k + 1;
+                    }
+                    _ => {}
+                }
+            }
+        } else {
+            out.push(first_segment(rest));
+        }
+    }
+    out
+}
+
+fn first_segment(s: &str) -> String {
+    s.trim()
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect()
+}
+
+#[test]
+fn no_import_cycle_between_top_level_modules() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut modules: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_stem().unwrap().to_string_lossy().into_owned();
+        if name == "lib" {
+            continue;
+        }
+        let mut files = Vec::new();
+        rs_files(&p, &mut files);
+        modules.entry(name).or_default().extend(files);
+    }
+    // Names the crate root re-exports, by the module they come from.
+    let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+    let mut reexport: BTreeMap<String, String> = BTreeMap::new();
+    for stmt in code(&lib).split(';') {
+        let Some(path) = stmt.trim().strip_prefix("pub use ") else {
+            continue;
+        };
+        let (module, names) = path.split_once("::").unwrap_or((path, ""));
+        let names = names.trim_start_matches('{').trim_end_matches('}');
+        for n in names.split(',') {
+            let n = n.rsplit("::").next().unwrap_or("").trim();
+            let n = n.rsplit(" as ").next().unwrap_or(n).trim();
+            if !n.is_empty() {
+                reexport.insert(n.to_string(), module.trim().to_string());
+            }
+        }
+    }
+    let mut deps: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut why: BTreeMap<(String, String), String> = BTreeMap::new();
+    for (m, files) in &modules {
+        for f in files {
+            let text = std::fs::read_to_string(f).unwrap();
+            for r in crate_refs(&code(&text)) {
+                let target = if modules.contains_key(&r) {
+                    r
+                } else if let Some(t) = reexport.get(&r) {
+                    t.clone()
+                } else {
+                    continue;
+                };
+                if &target != m && modules.contains_key(&target) {
+                    deps.entry(m.clone()).or_default().insert(target.clone());
+                    why.entry((m.clone(), target))
+                        .or_insert_with(|| f.strip_prefix(&src).unwrap().display().to_string());
+                }
+            }
+        }
+    }
+    // Depth-first search for a back edge.
+    fn visit(
+        m: &str,
+        deps: &BTreeMap<String, BTreeSet<String>>,
+        state: &mut BTreeMap<String, u8>,
+        stack: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        state.insert(m.to_string(), 1);
+        stack.push(m.to_string());
+        for d in deps.get(m).into_iter().flatten() {
+            match state.get(d.as_str()) {
+                Some(1) => {
+                    let i = stack.iter().position(|x| x == d).unwrap();
+                    let mut cycle = stack[i..].to_vec();
+                    cycle.push(d.clone());
+                    return Some(cycle);
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(c) = visit(d, deps, state, stack) {
+                        return Some(c);
+                    }
+                }
+            }
+        }
+        stack.pop();
+        state.insert(m.to_string(), 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for m in modules.keys() {
+        if !state.contains_key(m.as_str()) {
+            if let Some(cycle) = visit(m, &deps, &mut state, &mut Vec::new()) {
+                let edges: Vec<String> = cycle
+                    .windows(2)
+                    .map(|w| {
+                        format!(
+                            "{} -> {} (e.g. {})",
+                            w[0],
+                            w[1],
+                            why[&(w[0].clone(), w[1].clone())]
+                        )
+                    })
+                    .collect();
+                panic!(
+                    "import cycle between top-level modules:\n  {}",
+                    edges.join("\n  ")
+                );
+            }
+        }
+    }
+    // The layering this check keeps (printed with --nocapture).
+    for (m, d) in &deps {
+        eprintln!("{m} -> {}", d.iter().cloned().collect::<Vec<_>>().join(" "));
+    }
+}
