@@ -476,79 +476,120 @@ impl Drop for WriteGuard<'_> {
     }
 }
 
-/// One live registration in a domain's key table.
-#[derive(Clone, Debug)]
-pub(crate) struct MrEntry {
-    pub(crate) mem: Arc<RegionMem>,
-    pub(crate) access: Access,
+/// Keys handed out and not yet revoked, with the memory and the rights each grants: the
+/// domain's table (its regions' keys, for emulated RMA), and the software devices' tables (their
+/// RDMA keys). [`KeyTable::check`] is the one check of a remote access.
+#[derive(Debug, Default)]
+pub(crate) struct KeyTable {
+    live: HashMap<u64, (Arc<RegionMem>, Access)>,
 }
 
-/// The keys a domain has handed out and not yet revoked, with the memory they name.
-#[derive(Debug)]
-pub(crate) struct MrTable {
-    live: HashMap<u64, MrEntry>,
+/// Why [`KeyTable::check`] refused an access.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The key is not live.
+    UnknownKey,
+    /// The key does not grant the access (it grants the rights given).
+    NotGranted(Access),
+    /// The range does not lie inside the region.
+    OutOfRange,
 }
 
-impl MrTable {
-    pub(crate) fn new() -> Mutex<MrTable> {
-        Mutex::new(MrTable {
-            live: HashMap::new(),
-        })
-    }
-
-    /// Enters a registration under the device's key, or under a fresh software key: 64 bits
-    /// from the kernel's CSPRNG (not 0, never a live one), so a peer cannot guess another
-    /// region's key from its own. `None` when the device's key is live already.
-    pub(crate) fn insert(&mut self, device_key: Option<u64>, entry: MrEntry) -> Option<u64> {
-        let key = match device_key {
-            Some(k) if self.live.contains_key(&k) => return None,
-            Some(k) => k,
-            None => loop {
-                let k = crate::random::secure_u64();
-                if k != 0 && !self.live.contains_key(&k) {
-                    break k;
-                }
-            },
+impl KeyTable {
+    /// Registers `mem` under a fresh key: random bits from the kernel's CSPRNG within `mask`
+    /// (not 0, never a live key), so a peer holding one key learns nothing about the others.
+    pub(crate) fn insert_random(&mut self, mem: &Arc<RegionMem>, access: Access, mask: u64) -> u64 {
+        let key = loop {
+            let k = crate::random::secure_u64() & mask;
+            if k != 0 && !self.live.contains_key(&k) {
+                break k;
+            }
         };
-        self.live.insert(key, entry);
-        Some(key)
+        self.live.insert(key, (mem.clone(), access));
+        key
     }
 
+    /// Registers `mem` under `key`, a key its caller chose (a device's). False, and nothing
+    /// registered, when `key` is live.
+    pub(crate) fn insert_as(&mut self, key: u64, mem: &Arc<RegionMem>, access: Access) -> bool {
+        if self.live.contains_key(&key) {
+            return false;
+        }
+        self.live.insert(key, (mem.clone(), access));
+        true
+    }
+
+    /// Revokes `key`.
     pub(crate) fn remove(&mut self, key: u64) {
         self.live.remove(&key);
     }
 
-    /// The memory `key` names if the key is live and grants `access`; `RemoteAccess` otherwise.
-    fn lookup(&self, key: u64, access: Access, op: &'static str) -> Result<Arc<RegionMem>> {
-        let e = self.live.get(&key).ok_or_else(|| {
-            Error::new(ErrorKind::RemoteAccess, op)
-                .with_detail(format!("key {key:#x} is not registered"))
-        })?;
-        if !e.access.contains(access) {
-            return Err(Error::new(ErrorKind::RemoteAccess, op).with_detail(format!(
-                "access {access:?} not granted (region has {:?})",
-                e.access
-            )));
+    /// Live keys.
+    pub(crate) fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The region `key` names if the key is live, grants `need`, and `addr..addr+len` lies
+    /// inside the registered range. Takes no region lock (the table is locked, and an
+    /// application thread may hold a guard on the region): a region closed since is refused by
+    /// the access itself, which checks the range again under the region's lock.
+    pub(crate) fn check(
+        &self,
+        key: u64,
+        need: Access,
+        addr: u64,
+        len: u64,
+    ) -> std::result::Result<Arc<RegionMem>, Refused> {
+        let (mem, granted) = self.live.get(&key).ok_or(Refused::UnknownKey)?;
+        if !granted.contains(need) {
+            return Err(Refused::NotGranted(*granted));
         }
-        Ok(e.mem.clone())
+        mem.range(mem.len, addr, len)
+            .map(|_| mem.clone())
+            .ok_or(Refused::OutOfRange)
+    }
+
+    /// [`KeyTable::check`], refusals as `RemoteAccess` errors of `op` that say what was wrong.
+    fn check_or_error(
+        &self,
+        key: u64,
+        need: Access,
+        addr: u64,
+        len: u64,
+        op: &'static str,
+    ) -> Result<Arc<RegionMem>> {
+        self.check(key, need, addr, len).map_err(|r| {
+            let detail = match r {
+                Refused::UnknownKey => format!("key {key:#x} is not registered"),
+                Refused::NotGranted(have) => {
+                    format!("access {need:?} not granted (region has {have:?})")
+                }
+                Refused::OutOfRange => match self.live.get(&key) {
+                    Some((mem, _)) => {
+                        return mem.out_of_range(op, addr, len);
+                    }
+                    None => format!("key {key:#x} is not registered"),
+                },
+            };
+            Error::new(ErrorKind::RemoteAccess, op).with_detail(detail)
+        })
     }
 }
 
 /// Checks a remote access against the key table of `table`: the key must be live, the range
 /// inside the region and the access granted. Errors are `ErrorKind::RemoteAccess`.
 pub(crate) fn verify(
-    table: &Mutex<MrTable>,
+    table: &Mutex<KeyTable>,
     key: u64,
     addr: u64,
     len: u64,
     access: Access,
 ) -> Result<()> {
-    let mem = table.lock().lookup(key, access, "mr_verify")?;
     // Against the registered range; takes no region lock, so it never waits for a guard.
-    if mem.range(mem.len, addr, len).is_none() {
-        return Err(mem.out_of_range("mr_verify", addr, len));
-    }
-    Ok(())
+    table
+        .lock()
+        .check_or_error(key, access, addr, len, "mr_verify")
+        .map(drop)
 }
 
 fn busy(op: &'static str) -> Error {
@@ -559,9 +600,12 @@ fn busy(op: &'static str) -> Error {
 /// Writes `src` at `addr` of the region `key` names, if the key is live and grants
 /// `REMOTE_WRITE` and the range lies inside the region (`RemoteAccess` otherwise, nothing
 /// written). Never blocks: `Again` while the region's lock is taken.
-pub(crate) fn remote_write(table: &Mutex<MrTable>, key: u64, addr: u64, src: &[u8]) -> Result<()> {
+pub(crate) fn remote_write(table: &Mutex<KeyTable>, key: u64, addr: u64, src: &[u8]) -> Result<()> {
     const OP: &str = "mr_remote_write";
-    let mem = table.lock().lookup(key, Access::REMOTE_WRITE, OP)?;
+    let len = src.len() as u64;
+    let mem = table
+        .lock()
+        .check_or_error(key, Access::REMOTE_WRITE, addr, len, OP)?;
     match mem.try_write_with(addr, src, None, || Some(())) {
         TryAccess::Done(_) => Ok(()),
         TryAccess::Busy => Err(busy(OP)),
@@ -572,7 +616,7 @@ pub(crate) fn remote_write(table: &Mutex<MrTable>, key: u64, addr: u64, src: &[u
 /// Whether the key is live and grants `REMOTE_WRITE` (`write`) or `REMOTE_READ`, and `len` bytes
 /// at `addr` lie inside its region (`RemoteAccess` otherwise). Touches no data.
 pub(crate) fn remote_check(
-    table: &Mutex<MrTable>,
+    table: &Mutex<KeyTable>,
     key: u64,
     addr: u64,
     len: u64,
@@ -584,24 +628,22 @@ pub(crate) fn remote_check(
     } else {
         Access::REMOTE_READ
     };
-    let mem = table.lock().lookup(key, access, OP)?;
-    match mem.range(mem.len, addr, len) {
-        Some(_) => Ok(()),
-        None => Err(mem.out_of_range(OP, addr, len)),
-    }
+    table
+        .lock()
+        .check_or_error(key, access, addr, len, OP)
+        .map(drop)
 }
 
 /// The `len` bytes at `addr` of the region `key` names, if the key is live and grants
 /// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise). Never blocks:
 /// `Again` while a write guard on the region is alive.
-pub(crate) fn remote_read(table: &Mutex<MrTable>, key: u64, addr: u64, len: u64) -> Result<Bytes> {
+pub(crate) fn remote_read(table: &Mutex<KeyTable>, key: u64, addr: u64, len: u64) -> Result<Bytes> {
     const OP: &str = "mr_remote_read";
-    let mem = table.lock().lookup(key, Access::REMOTE_READ, OP)?;
     // Checked against the registered length before allocating, so an absurd length allocates
     // nothing; checked again under the lock.
-    if mem.range(mem.len, addr, len).is_none() {
-        return Err(mem.out_of_range(OP, addr, len));
-    }
+    let mem = table
+        .lock()
+        .check_or_error(key, Access::REMOTE_READ, addr, len, OP)?;
     let mut out = BytesMut::with_capacity(len as usize);
     match mem.try_read_into(addr, len, &mut out, None) {
         TryAccess::Done(()) => Ok(out.freeze()),
@@ -617,7 +659,7 @@ pub(crate) fn remote_read(table: &Mutex<MrTable>, key: u64, addr: u64, len: u64)
 /// `InvalidArgument`. Never blocks: `Again` while the region's lock is taken.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn remote_atomic(
-    table: &Mutex<MrTable>,
+    table: &Mutex<KeyTable>,
     key: u64,
     addr: u64,
     op: crate::atomic::AtomicOp,
@@ -631,12 +673,14 @@ pub(crate) fn remote_atomic(
     if fetch {
         need |= Access::REMOTE_READ;
     }
-    let mem = table.lock().lookup(key, need, OP)?;
     let len = if op == crate::atomic::AtomicOp::Read {
         operand.len().max(datatype.size())
     } else {
         operand.len()
     };
+    let mem = table
+        .lock()
+        .check_or_error(key, need, addr, len as u64, OP)?;
     crate::atomic::validate(op, datatype, len, operand, compare)?;
     let Some(mut data) = mem.try_write_lock(None) else {
         return Err(busy(OP));

@@ -52,7 +52,7 @@ use crate::device::{
     DeviceCompletion, Opcode, RemoteIov, SendWr, Source, Status, UNSOLICITED_WR_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{Access, RegionMem, TryAccess};
+use crate::mem::{self, Access, RegionMem, TryAccess};
 use crate::stats::{self, DeviceCounters};
 
 /// What a device does with an RDMA message it received.
@@ -172,7 +172,7 @@ impl Src {
 /// The registered regions of one device, by key (shared by its queue pairs).
 #[derive(Default)]
 pub(crate) struct Keys {
-    live: HashMap<u64, (Arc<RegionMem>, Access)>,
+    live: mem::KeyTable,
     /// The admission rule, if any (every initiator is admitted without).
     admit: Option<Admit>,
 }
@@ -197,24 +197,13 @@ impl Keys {
     /// write into the 32-bit rkey of its work request (`ibv_wr_rdma_read`), so a wider key would
     /// reach this device truncated and be refused.
     pub(crate) fn register(&mut self, mem: &Arc<RegionMem>, access: Access) -> u64 {
-        let key = loop {
-            let k = crate::random::secure_u64() & 0xffff_ffff;
-            if k != 0 && !self.live.contains_key(&k) {
-                break k;
-            }
-        };
-        self.live.insert(key, (mem.clone(), access));
-        key
+        self.live.insert_random(mem, access, 0xffff_ffff)
     }
 
     /// Registers `mem` under `key`, a key its caller chose (an emulated NIC hands out 32-bit
     /// keys of its own). False, and nothing registered, when `key` is live.
     pub(crate) fn register_as(&mut self, mem: &Arc<RegionMem>, access: Access, key: u64) -> bool {
-        if self.live.contains_key(&key) {
-            return false;
-        }
-        self.live.insert(key, (mem.clone(), access));
-        true
+        self.live.insert_as(key, mem, access)
     }
 
     /// Sets the rule that admits initiators (see [`Admit`]).
@@ -246,21 +235,13 @@ impl Keys {
 
     /// Revokes `key`.
     pub(crate) fn deregister(&mut self, key: u64) {
-        self.live.remove(&key);
+        self.live.remove(key);
     }
 
-    /// The region `key` names if it grants `need` and `addr..addr+len` lies inside it. Takes no
-    /// region lock (the key table is locked, and an application thread may hold a guard on the
-    /// region while it drives this device): a region closed since is refused by the access
-    /// itself, which checks the range again under the region's lock.
+    /// The region `key` names if it grants `need` and `addr..addr+len` lies inside it
+    /// ([`mem::KeyTable::check`], the one check of every remote access).
     fn check(&self, key: u64, need: Access, addr: u64, len: u64) -> Option<Arc<RegionMem>> {
-        let (mem, access) = self.live.get(&key)?;
-        if !access.contains(need) {
-            return None;
-        }
-        let end = addr.checked_add(len)?;
-        let rend = mem.addr().checked_add(mem.len() as u64)?;
-        (addr >= mem.addr() && end <= rend).then(|| mem.clone())
+        self.live.check(key, need, addr, len).ok()
     }
 }
 

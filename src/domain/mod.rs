@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::device::{Device, DeviceAttr};
 use crate::error::Result;
 use crate::info::Info;
-use crate::mem::{Access, IntoRegionBuf, MrTable};
+use crate::mem::{Access, IntoRegionBuf, KeyTable};
 
 pub(crate) mod mr;
 use crate::stats::DeviceStats;
@@ -27,7 +27,7 @@ pub struct Domain {
 struct DomainInner {
     device: Arc<dyn Device>,
     config: Config,
-    mrs: Mutex<MrTable>,
+    mrs: Mutex<KeyTable>,
     msg_prefix: bool,
 }
 
@@ -62,7 +62,7 @@ impl Domain {
             inner: Arc::new(DomainInner {
                 device,
                 config,
-                mrs: MrTable::new(),
+                mrs: Mutex::new(KeyTable::default()),
                 msg_prefix: false,
             }),
         }
@@ -133,7 +133,7 @@ impl Domain {
         self.inner.msg_prefix
     }
 
-    pub(crate) fn mr_table(&self) -> &Mutex<MrTable> {
+    pub(crate) fn mr_table(&self) -> &Mutex<KeyTable> {
         &self.inner.mrs
     }
 

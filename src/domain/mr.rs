@@ -11,7 +11,7 @@ use bytes::BytesMut;
 
 use super::Domain;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{Access, MrEntry, ReadGuard, RegionMem, RemoteKey, WriteGuard};
+use crate::mem::{Access, ReadGuard, RegionMem, RemoteKey, WriteGuard};
 
 /// A registered memory region that owns its buffer.
 ///
@@ -76,11 +76,15 @@ impl MemoryRegion {
         }
         let mem = RegionMem::new(buf);
         let device_key = domain.device().register_mem(&mem, access)?;
-        let entry = MrEntry {
-            mem: mem.clone(),
-            access,
+        // Under the device's key, or a fresh 64-bit software key (CSPRNG) when the device has
+        // none; `None` when the device's key is live already.
+        let key = {
+            let mut table = domain.mr_table().lock();
+            match device_key {
+                Some(k) => table.insert_as(k, &mem, access).then_some(k),
+                None => Some(table.insert_random(&mem, access, u64::MAX)),
+            }
         };
-        let key = domain.mr_table().lock().insert(device_key, entry);
         let Some(key) = key else {
             // A device handed out a key that is live already: refuse rather than alias.
             if let Some(k) = device_key {

@@ -22,7 +22,6 @@ mod qp;
 mod rdma;
 mod wire;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -34,7 +33,7 @@ use crate::addr::Gid;
 use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
-use crate::mem::{Access, RegionMem};
+use crate::mem::{Access, KeyTable, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 use self::qp::{LoopbackQp, QpnTable};
@@ -235,7 +234,7 @@ pub(crate) struct DevShared {
     counters: DeviceCounters,
     qpns: Mutex<QpnTable>,
     /// Regions peers may reach by RDMA, by key (keys are unique per network, never reused).
-    mrs: Mutex<HashMap<u64, (Arc<RegionMem>, Access)>>,
+    mrs: Mutex<KeyTable>,
 }
 
 /// An in-process software NIC on a [`LoopbackNetwork`].
@@ -295,7 +294,7 @@ impl LoopbackDevice {
                     cfg: cfg.clone(),
                     counters: DeviceCounters::default(),
                     qpns: Mutex::new(QpnTable::new()),
-                    mrs: Mutex::new(HashMap::new()),
+                    mrs: Mutex::new(KeyTable::default()),
                 })
             })
         };
@@ -360,11 +359,13 @@ impl Device for LoopbackDevice {
             return Ok(None);
         }
         let key = self.shared.net.wire.new_key();
-        self.shared.mrs.lock().insert(key, (mem.clone(), access));
+        if !self.shared.mrs.lock().insert_as(key, mem, access) {
+            return Err(Error::new(ErrorKind::Io, "mr_reg").with_detail("device key reused"));
+        }
         Ok(Some(key))
     }
 
     fn deregister_mem(&self, key: u64) {
-        self.shared.mrs.lock().remove(&key);
+        self.shared.mrs.lock().remove(key);
     }
 }

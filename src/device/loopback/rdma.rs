@@ -114,9 +114,13 @@ pub(super) fn apply(mut d: Deferred, wake: &mut Wake) -> Applied {
     } else {
         Access::REMOTE_WRITE
     };
-    let mem = match tdev.mrs.lock().get(&remote.key) {
-        Some((mem, access)) if access.contains(needed) => mem.clone(),
-        _ => {
+    let checked = tdev
+        .mrs
+        .lock()
+        .check(remote.key, needed, remote.addr, remote.len);
+    let mem = match checked {
+        Ok(mem) => mem,
+        Err(_) => {
             d.op.complete(Status::RemoteBadAddress, wake);
             return Applied::Done;
         }
