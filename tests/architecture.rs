@@ -181,3 +181,29 @@ fn no_import_cycle_between_top_level_modules() {
         eprintln!("{m} -> {}", d.iter().cloned().collect::<Vec<_>>().join(" "));
     }
 }
+
+/// The protocol engine never reads a clock (DESIGN's rule; time is passed in, so the simulator
+/// drives it with virtual time): no `Instant::now` or `SystemTime::now` in `src/proto`'s
+/// non-test code, the simulator (`proto/sim.rs`, which owns the virtual clock) aside.
+#[test]
+fn the_engine_reads_no_clock() {
+    let proto = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/proto");
+    let mut files = Vec::new();
+    rs_files(&proto, &mut files);
+    if proto.with_extension("rs").exists() {
+        rs_files(&proto.with_extension("rs"), &mut files);
+    }
+    let mut found = Vec::new();
+    for f in files {
+        if f.ends_with("sim.rs") || f.to_string_lossy().contains("tests") {
+            continue;
+        }
+        let c = code(&std::fs::read_to_string(&f).unwrap());
+        for pat in ["Instant::now", "SystemTime::now"] {
+            if c.contains(pat) {
+                found.push(format!("{}: {pat}", f.display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "the engine reads a clock: {found:?}");
+}

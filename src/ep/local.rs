@@ -887,7 +887,7 @@ impl LocalPath {
                             engine.local_abort(rid);
                         }
                     }
-                    let rid = engine.local_first(clock.cached(), src, &m, len, &mut copy);
+                    let rid = engine.local_first(&mut || clock.now(), src, &m, len, &mut copy);
                     if len < m.msg_len {
                         self.inbound.insert(
                             src,

@@ -1303,8 +1303,9 @@ impl RdmCore {
                 out.extend_from_slice(r.buf.get(at..end).unwrap_or_default());
                 at = end;
             };
-            let now = clock.now();
-            let _ = st.engine.local_first(Some(now), src, &m, n, &mut copy);
+            let _ = st
+                .engine
+                .local_first(&mut || clock.now(), src, &m, n, &mut copy);
         }
     }
 

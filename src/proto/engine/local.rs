@@ -54,11 +54,12 @@ impl Engine {
     /// pass with the message's further chunks, `None` when this chunk was all of it (or the
     /// message was dropped for the memory bounds: its further chunks are then refused too).
     ///
-    /// `now`: the time if the caller read it; the engine reads the clock only when it must
-    /// (a message that is not taken whole by a waiting receive).
+    /// `now`: the caller's clock, asked only when the time matters (a message that is not
+    /// taken whole by a waiting receive); the engine never reads a clock itself, so the
+    /// simulator can pass virtual time.
     pub fn local_first(
         &mut self,
-        now: Option<Instant>,
+        now: &mut dyn FnMut() -> Instant,
         src: RawAddr,
         m: &LocalMsg,
         n: usize,
@@ -91,7 +92,7 @@ impl Engine {
                 return None;
             }
         }
-        let now = now.unwrap_or_else(Instant::now);
+        let now = now();
         if posted.is_none() && self.buffered_msgs >= self.limits.max_buffered_msgs {
             // The local path asks `local_must_wait` first; a message past the bound anyway
             // (a re-matched one) is held, never dropped.
