@@ -1,0 +1,272 @@
+//! Engine events to completions: each event goes to its operation's sink (a completion queue,
+//! a future, or the completion a poller is waiting for).
+
+#[allow(unused_imports)]
+use super::*;
+
+impl RdmCore {
+    /// Routes one engine event; returns true when it went to a completion queue.
+    pub(super) fn deliver(
+        &self,
+        ops: &mut Slab<OpState>,
+        cache: &mut SrcCache,
+        ev: Event,
+        direct: &mut Option<&mut Direct<'_>>,
+    ) -> bool {
+        // The usual cases first: a send, or a receive that is not a multi-receive buffer's,
+        // completing into its queue.
+        let key = match &ev {
+            Event::Send(s) => s.context as usize,
+            Event::Recv(r) if !r.multi_recv_done => r.context as usize,
+            _ => return self.deliver_other(ops, cache, ev),
+        };
+        if !ops
+            .get(key)
+            .is_some_and(|o| matches!(o.sink, Sink::Cq(_)) && !o.multi)
+        {
+            return self.deliver_other(ops, cache, ev);
+        }
+        let Some(OpState {
+            sink: Sink::Cq(ctx),
+            target,
+            region,
+            ..
+        }) = ops.try_remove(key)
+        else {
+            return false;
+        };
+        match ev {
+            Event::Send(s) => match self.send_completion(s, ctx, region) {
+                Ok(c) => push_ok(&self.tx_cq, c, direct),
+                Err(e) => self.tx_cq.push_err(e),
+            },
+            Event::Recv(r) => match self.recv_completion(r, ctx, target, cache) {
+                Ok(c) => push_ok(&self.rx_cq, c, direct),
+                Err(e) => self.rx_cq.push_err(e),
+            },
+            _ => return false,
+        }
+        true
+    }
+
+    /// [`Self::deliver`] for the rest: multi-receive pieces, futures, RMA, remote writes.
+    #[inline(never)]
+    pub(super) fn deliver_other(
+        &self,
+        ops: &mut Slab<OpState>,
+        cache: &mut SrcCache,
+        ev: Event,
+    ) -> bool {
+        let (key, is_send) = match &ev {
+            Event::Send(s) => (s.context as usize, true),
+            Event::Recv(r) => (r.context as usize, false),
+            Event::Rma(r) => (r.context as usize, true),
+            Event::RemoteWrite(w) => {
+                let c = self.remote_write_completion(*w);
+                self.rx_cq.push(c);
+                return true;
+            }
+        };
+        // A multi-receive buffer completes once per message (each with its own part of the
+        // buffer) and is only retired by its final `multi_recv_done` completion.
+        if let Event::Recv(r) = &ev {
+            if !r.multi_recv_done && ops.get(key).is_some_and(|o| o.multi) {
+                let Some(Sink::Cq(ctx)) = ops.get(key).map(|o| &o.sink) else {
+                    return false;
+                };
+                let ctx = *ctx;
+                let Event::Recv(r) = ev else { return false };
+                match self.recv_completion(r, ctx, None, cache) {
+                    Ok(c) => self.rx_cq.push(c),
+                    Err(e) => self.rx_cq.push_err(e),
+                }
+                return true;
+            }
+        }
+        let Some(op) = ops.try_remove(key) else {
+            tracing::warn!(key, "engine completion for an unknown operation");
+            return false;
+        };
+        // The usual cases, straight into the queue.
+        if let (&Sink::Cq(ctx), true) = (&op.sink, matches!(ev, Event::Send(_) | Event::Recv(_))) {
+            match ev {
+                Event::Send(s) => match self.send_completion(s, ctx, op.region) {
+                    Ok(c) => self.tx_cq.push(c),
+                    Err(e) => self.tx_cq.push_err(e),
+                },
+                Event::Recv(r) => match self.recv_completion(r, ctx, op.target, cache) {
+                    Ok(c) => self.rx_cq.push(c),
+                    Err(e) => self.rx_cq.push_err(e),
+                },
+                _ => return false,
+            }
+            return true;
+        }
+        let user_ctx = match &op.sink {
+            Sink::Cq(c) => *c,
+            Sink::Future(_) | Sink::Inject => 0,
+        };
+        if let (Sink::Future(slot), Event::Recv(r)) = (&op.sink, &ev) {
+            if r.error.is_none() && slot.orphaned.load(Ordering::Acquire) {
+                // Its future is gone: the message is the next receive's.
+                if let Event::Recv(r) = ev {
+                    self.orphans.lock().push(r);
+                }
+                return false;
+            }
+            *slot.src.lock() = r.src;
+        }
+        let (sink, result) = match ev {
+            Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.region)),
+            Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target, cache)),
+            Event::Rma(r) => {
+                let OpState {
+                    sink,
+                    target,
+                    region,
+                    multi,
+                    rma,
+                } = op;
+                let rest = OpState {
+                    sink: Sink::Cq(0),
+                    target,
+                    region,
+                    multi,
+                    rma,
+                };
+                (sink, self.rma_completion(r, user_ctx, rest))
+            }
+            Event::RemoteWrite(_) => return false,
+        };
+        match sink {
+            Sink::Cq(_) => {
+                let cq = if is_send { &self.tx_cq } else { &self.rx_cq };
+                match result {
+                    Ok(c) => cq.push(c),
+                    Err(e) => cq.push_err(e),
+                }
+                true
+            }
+            Sink::Inject => match result {
+                Ok(_) => false,
+                Err(e) => {
+                    self.tx_cq.push_err(e);
+                    true
+                }
+            },
+            Sink::Future(slot) => {
+                let waker = {
+                    let mut d = slot.done.lock();
+                    d.0 = Some(result);
+                    d.1.take()
+                };
+                if let Some(w) = waker {
+                    w.wake();
+                }
+                false
+            }
+        }
+    }
+
+    pub(super) fn send_completion(
+        &self,
+        s: SendDone,
+        context: u64,
+        region: Option<crate::mr::MemoryRegion>,
+    ) -> std::result::Result<Completion, CompletionError> {
+        let mut flags = CompletionFlags::SEND;
+        flags |= if s.tag.is_some() {
+            CompletionFlags::TAGGED
+        } else {
+            CompletionFlags::MSG
+        };
+        let buf = region.map_or(Buffer::Send(s.buf), Buffer::Region);
+        match s.error {
+            None => Ok(Completion {
+                context,
+                flags,
+                len: s.len,
+                data: None,
+                tag: s.tag.unwrap_or(0),
+                source: None,
+                buf,
+            }),
+            Some(error) => Err(CompletionError {
+                context,
+                flags,
+                error,
+                len: 0,
+                olen: 0,
+                status: s.status,
+                data: None,
+                tag: s.tag.unwrap_or(0),
+                buf,
+            }),
+        }
+    }
+
+    pub(super) fn recv_completion(
+        &self,
+        r: RecvDone,
+        context: u64,
+        target: Option<RecvTarget>,
+        cache: &mut SrcCache,
+    ) -> std::result::Result<Completion, CompletionError> {
+        let mut flags = CompletionFlags::RECV;
+        flags |= if r.tag.is_some() {
+            CompletionFlags::TAGGED
+        } else {
+            CompletionFlags::MSG
+        };
+        if r.data.is_some() {
+            flags |= CompletionFlags::REMOTE_CQ_DATA;
+        }
+        if r.multi_recv_done {
+            flags |= CompletionFlags::MULTI_RECV;
+        }
+        let source = r.src.and_then(|a| {
+            let generation = self.av.generation();
+            match cache.0 {
+                Some((addr, peer, g)) if addr == a && g == generation => peer,
+                _ => {
+                    let peer = self
+                        .av
+                        .find(&a)
+                        .or_else(|| self.av.reverse_lookup(a.gid, a.qpn));
+                    cache.0 = Some((a, peer, generation));
+                    peer
+                }
+            }
+        });
+        let filled = r.error.is_none()
+            || r.error
+                .as_ref()
+                .is_some_and(|e| e.kind() == ErrorKind::Truncated);
+        let buf = match target {
+            Some(t) => t.finish(r.buf, filled),
+            None => Buffer::Recv(r.buf),
+        };
+        match r.error {
+            None => Ok(Completion {
+                context,
+                flags,
+                len: r.len,
+                data: r.data,
+                tag: r.tag.unwrap_or(0),
+                source,
+                buf,
+            }),
+            Some(error) => Err(CompletionError {
+                context,
+                flags,
+                error,
+                len: r.len,
+                olen: r.olen,
+                status: None,
+                data: r.data,
+                tag: r.tag.unwrap_or(0),
+                buf,
+            }),
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! `Endpoint<Rdm>`: reliable, ordered (send-after-send) messages and tagged messages of any size
+//! on the protocol engine, over a device's SRD queue pair.
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use slab::Slab;
+
+use super::buf::RecvTarget;
+use super::local::LocalPath;
+use super::pin::ProgressCpu;
+use super::{Endpoint, EndpointBuilder, Rdm};
+use crate::addr::RawAddr;
+use crate::av::{AddressVector, PeerId};
+use crate::cq::{
+    Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, Direct, PostError,
+    ProgressSource, RecvBuf, SendBuf,
+};
+use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
+use crate::domain::Domain;
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::Notifier;
+use crate::proto::engine::{
+    Engine, EngineConfig, Event, LocalMsg, Peeked, RecvDone, RecvOp, SendDone, SendOp, TransmitKind,
+};
+use crate::stats::EndpointStats;
+
+mod api;
+mod builder;
+mod driver;
+mod events;
+mod future;
+mod post;
+
+use driver::push_ok;
+pub use future::{OpFuture, OpOutcome};
+
+/// Passes in a row that may leave the device alone because local messages came.
+const MAX_DEVICE_SKIPS: u32 = 4;
+
+/// The time of one progress pass, read from the system clock only if something needs it (an
+/// idle busy poll then reads no clock at all).
+#[derive(Default)]
+pub(super) struct Clock(Option<Instant>);
+
+impl Clock {
+    /// A clock already read.
+    pub(super) fn at(now: Instant) -> Clock {
+        Clock(Some(now))
+    }
+
+    /// The time if it was read already.
+    pub(super) fn cached(&self) -> Option<Instant> {
+        self.0
+    }
+
+    /// The pass's time (read once, at the first call).
+    pub(super) fn now(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
+    }
+}
+
+/// Options of one send (`fi_sendmsg` flags): tag, remote CQ data, delivery completion.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendOptions {
+    /// `Some(tag)`: a tagged send.
+    pub tag: Option<u64>,
+    /// 4 bytes of remote CQ data (`FI_REMOTE_CQ_DATA`).
+    pub data: Option<u32>,
+    /// Complete only once the data is in the receiver's buffer (`FI_DELIVERY_COMPLETE`).
+    pub delivery_complete: bool,
+}
+
+/// Options of one receive (`fi_recvmsg` flags): tag and ignore bits, source, multi-receive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecvOptions {
+    /// `Some((tag, ignore))`: a tagged receive.
+    pub tag: Option<(u64, u64)>,
+    /// Only from this peer (`FI_DIRECTED_RECV`).
+    pub from: Option<PeerId>,
+    /// `Some(min_free)`: a multi-receive buffer (`FI_MULTI_RECV`) retired when less than
+    /// `min_free` bytes remain; every message that lands in it completes with its part.
+    pub multi_recv: Option<usize>,
+}
+
+/// One send of a batch ([`Endpoint::send_batch`]).
+#[derive(Debug)]
+pub struct SendRequest {
+    /// Destination.
+    pub peer: PeerId,
+    /// The data.
+    pub buf: SendBuf,
+    /// Tag, remote CQ data, delivery completion.
+    pub options: SendOptions,
+    /// Returned in the completion.
+    pub context: u64,
+}
+
+/// A batch stopped by an error other than `Again`: how many sends before it were posted, and
+/// the refused one's error with its buffer.
+#[derive(Debug, thiserror::Error)]
+#[error("batch stopped after {posted} sends: {error}")]
+pub struct BatchError {
+    /// Sends posted before the refusal (they complete as usual).
+    pub posted: usize,
+    /// The refusal, with the refused send's buffer.
+    #[source]
+    pub error: PostError,
+}
+
+/// A send whose destination and bytes are checked, ready for the engine.
+struct PreparedSend {
+    dest: RawAddr,
+    data: Bytes,
+    region: Option<crate::mr::MemoryRegion>,
+    /// `(key, address)` of a region peers may read.
+    read_key: Option<(u64, u64)>,
+    /// The region's bytes were not copied into `data` (`SendOp::region_len`).
+    region_len: Option<usize>,
+    /// The region's bytes are to be copied into `data` if the send goes to the engine (the
+    /// local path reads them from the region itself).
+    copy_region: bool,
+}
+
+/// Where an operation's completion goes.
+pub(super) enum Sink {
+    /// The bound completion queue, with the user's context.
+    Cq(u64),
+    /// An awaiting future.
+    Future(Arc<Slot>),
+    /// An inject (`fi_inject`): no completion when it succeeds, an error completion with
+    /// context 0 when it fails.
+    Inject,
+}
+
+/// An operation the endpoint tracks: its sink and what to restore in its buffer.
+pub(super) struct OpState {
+    pub(super) sink: Sink,
+    pub(super) target: Option<RecvTarget>,
+    pub(super) region: Option<crate::mr::MemoryRegion>,
+    /// A multi-receive buffer: it completes once per message and stays until retired.
+    pub(super) multi: bool,
+    /// An RMA or atomic operation: its completion flags.
+    pub(super) rma: Option<CompletionFlags>,
+}
+
+pub(super) struct State {
+    pub(super) engine: Engine,
+    qp: Box<dyn QueuePair>,
+    pub(super) ops: Slab<OpState>,
+    scratch: Vec<DeviceCompletion>,
+    /// The sends of one pump pass, posted as one list (kept for its capacity).
+    sends: VecDeque<SendWr>,
+    /// Claimed unexpected messages (`FI_CLAIM`) by token.
+    pending: HashSet<u64>,
+    pub(super) closed: bool,
+    /// Device receive buffers back from the device and not yet reposted.
+    rx_free: Vec<(u64, BytesMut)>,
+    /// Device receive buffers posted now.
+    rx_posted: usize,
+    /// Their size (the device MTU).
+    rx_buf_size: usize,
+    /// `FI_EFA_INTERNAL_RX_REFILL_THRESHOLD` (at most half the buffers): free buffers are
+    /// reposted once this many are back, or at once when the device holds none.
+    rx_refill_threshold: usize,
+    /// `FI_EFA_EFA_CQ_READ_SIZE`: device completions taken per progress pass.
+    cq_read_size: usize,
+    /// The fast path to peers on this host (`local.rs`).
+    local: Option<LocalPath>,
+    /// The last source address looked up in the address vector (`FI_SOURCE`).
+    src_cache: SrcCache,
+    /// The last destination looked up.
+    dest_cache: DestCache,
+    /// Passes in a row that left the device alone (`MAX_DEVICE_SKIPS`).
+    device_skips: u32,
+    /// When the endpoint was created (a time for calls that do not use it).
+    created: Instant,
+}
+
+/// The last destination looked up, valid while the address vector's generation is unchanged.
+#[derive(Default)]
+pub(super) struct DestCache(Option<(PeerId, u64, RawAddr)>);
+
+/// One address-vector lookup, valid while the vector's generation is unchanged.
+#[derive(Default)]
+pub(super) struct SrcCache(Option<(RawAddr, Option<PeerId>, u64)>);
+
+/// Shared state of an RDM endpoint.
+pub struct RdmCore {
+    pub(super) domain: Domain,
+    pub(super) av: AddressVector,
+    tx_cq: CompletionQueue,
+    rx_cq: CompletionQueue,
+    addr: RawAddr,
+    /// Region sends of at least this many bytes (that peers may read) are not copied: the
+    /// engine reads the bytes it must send from the region (`SendOp::region_len`). The
+    /// read-message threshold when the device reads, else never.
+    region_send_min: usize,
+    /// Largest inject (`tx_attr.inject_size`).
+    inject_size: usize,
+    notifier: Arc<Notifier>,
+    pub(super) state: Mutex<State>,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Messages received for `recv_async` futures dropped before they finished: they go back
+    /// into matching, for the next receive (see [`OpFuture`]'s `Drop`).
+    orphans: Mutex<Vec<RecvDone>>,
+}
+
+impl fmt::Debug for RdmCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmCore").field("addr", &self.addr).finish()
+    }
+}
+
+/// How one operation ended, as a future receives it.
+type OpResult = std::result::Result<Completion, CompletionError>;
+
+/// A completion delivered to a future.
+#[derive(Default)]
+pub(super) struct Slot {
+    done: Mutex<(Option<OpResult>, Option<Waker>)>,
+    /// The future of this receive was dropped after its message matched: the message is not
+    /// the future's any more but the next receive's.
+    orphaned: AtomicBool,
+    /// Where the message of a receive came from (to put it back if the future is dropped).
+    src: Mutex<Option<RawAddr>>,
+}
+
+pub(super) fn refuse(error: Error, buf: Buffer) -> PostError {
+    PostError { error, buf }
+}

@@ -1,0 +1,450 @@
+//! Posting: sends (prepared, queued, batched, injected) and receives (plain, multi, claimed)
+//! into the engine, and cancel.
+
+#[allow(unused_imports)]
+use super::*;
+
+impl RdmCore {
+    pub(super) fn resolve_src(&self, from: Option<PeerId>) -> Result<Option<RawAddr>> {
+        from.map(|p| self.av.lookup(p)).transpose()
+    }
+
+    pub(super) fn post_send(
+        &self,
+        peer: PeerId,
+        buf: SendBuf,
+        o: SendOptions,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        let prepared = self.prepare_send(&mut st.dest_cache, peer, buf)?;
+        self.enqueue_send(&mut st, &mut clock, prepared, o, sink)?;
+        // A send on the local path is in the peer's ring (or queued for it) already; only the
+        // engine's sends need a pass to reach the device.
+        if st.engine.transmit_pending() || st.engine.has_events() {
+            self.pump_with(&mut st, &mut clock);
+        }
+        Ok(())
+    }
+
+    /// An inject: straight into a local peer's ring when it has room, else a copy of the bytes
+    /// sent like any message, whose completion only reports a failure.
+    pub(super) fn post_inject(&self, peer: PeerId, data: &[u8], o: SendOptions) -> Result<()> {
+        if o.delivery_complete {
+            return Err(Error::new(ErrorKind::InvalidArgument, "inject")
+                .with_detail("an inject has no completion to deliver: use send_with"));
+        }
+        crate::ep::buf::check_inject(data.len(), self.inject_size)?;
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        if st.closed {
+            return Err(Error::new(ErrorKind::Closed, "inject"));
+        }
+        let dest = self.dest(&mut st.dest_cache, peer)?;
+        let st = &mut *st;
+        if let Some(l) = st.local.as_mut() {
+            if let Some(p) = l.route(&mut st.engine, &dest) {
+                if l.inject(&mut st.engine, p, &o, data) {
+                    return Ok(());
+                }
+            }
+        }
+        let prepared = PreparedSend {
+            dest,
+            data: Bytes::copy_from_slice(data),
+            region: None,
+            read_key: None,
+            region_len: None,
+            copy_region: false,
+        };
+        self.enqueue_send(st, &mut clock, prepared, o, Sink::Inject)
+            .map_err(|e| e.error)?;
+        if st.engine.transmit_pending() || st.engine.has_events() {
+            self.pump_with(st, &mut clock);
+        }
+        Ok(())
+    }
+
+    /// A peer's address, through the one-entry cache of the last destination.
+    pub(super) fn dest(&self, cache: &mut DestCache, peer: PeerId) -> Result<RawAddr> {
+        let generation = self.av.generation();
+        match cache.0 {
+            Some((p, g, a)) if p == peer && g == generation => Ok(a),
+            _ => {
+                let a = self.av.lookup(peer)?;
+                cache.0 = Some((peer, generation, a));
+                Ok(a)
+            }
+        }
+    }
+
+    /// The checks of a send: destination and bytes.
+    pub(super) fn prepare_send(
+        &self,
+        cache: &mut DestCache,
+        peer: PeerId,
+        buf: SendBuf,
+    ) -> Result<PreparedSend, PostError> {
+        let dest = match self.dest(cache, peer) {
+            Ok(a) => a,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        // A region peers may read lets the engine use the read-based message protocols; at
+        // the read-message threshold its bytes are not copied (the engine reads what it sends).
+        let (data, read_key, region_len) = match &buf {
+            SendBuf::Region(r) => {
+                let read_key = r.device_read_key();
+                if read_key.is_some() && r.len() >= self.region_send_min {
+                    let data = r
+                        .check_local(&self.domain, crate::mem::Access::SEND, "send")
+                        .map(|()| Bytes::new());
+                    (data, read_key, Some(r.len()))
+                } else {
+                    let data = r
+                        .check_local(&self.domain, crate::mem::Access::SEND, "send")
+                        .map(|()| Bytes::new());
+                    (data, read_key, None)
+                }
+            }
+            SendBuf::Bytes(_) => (Ok(Bytes::new()), None, None),
+        };
+        let copy_region = matches!(buf, SendBuf::Region(_)) && region_len.is_none();
+        let data = match data {
+            Ok(d) => d,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        let (data, region) = match buf {
+            SendBuf::Region(r) => (data, Some(r)),
+            SendBuf::Bytes(b) => (b, None),
+        };
+        Ok(PreparedSend {
+            dest,
+            data,
+            region,
+            read_key,
+            region_len,
+            copy_region,
+        })
+    }
+
+    /// Hands a prepared send to the engine (the caller pumps).
+    pub(super) fn enqueue_send(
+        &self,
+        st: &mut State,
+        clock: &mut Clock,
+        p: PreparedSend,
+        o: SendOptions,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let PreparedSend {
+            dest,
+            mut data,
+            region,
+            read_key,
+            region_len,
+            copy_region,
+        } = p;
+        if st.closed {
+            let b = region.map_or(Buffer::Send(data), Buffer::Region);
+            return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
+        }
+        // A peer on this host goes through the local path (which reads a region's bytes from
+        // the region itself); anyone else through the engine.
+        let local = match st.local.as_mut() {
+            Some(l) => l
+                .route(&mut st.engine, &dest)
+                .map(|peer| (peer, l.has_room())),
+            None => None,
+        };
+        if let Some((_, false)) = local {
+            let b = region.map_or(Buffer::Send(data), Buffer::Region);
+            let e =
+                Error::new(ErrorKind::Again, "send").with_detail("tx_size local sends in flight");
+            return Err(refuse(e, b));
+        }
+        if local.is_none() && copy_region {
+            if let Some(r) = &region {
+                data = Bytes::copy_from_slice(&r.read());
+            }
+        }
+        let len = match &region {
+            Some(r) if copy_region || region_len.is_some() => r.len(),
+            _ => data.len(),
+        };
+        let key = st.ops.insert(OpState {
+            sink,
+            target: None,
+            region,
+            multi: false,
+            rma: None,
+        });
+        if let (Some((peer, _)), Some(l)) = (local, st.local.as_mut()) {
+            l.send(&mut st.engine, &st.ops, key, peer, &o, data, len);
+            return Ok(());
+        }
+        let op = SendOp {
+            dest,
+            buf: data,
+            tag: o.tag,
+            data: o.data,
+            delivery_complete: o.delivery_complete,
+            context: key as u64,
+            read_key,
+            region_len,
+        };
+        match st.engine.send(clock.now(), op) {
+            Ok(()) => Ok(()),
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                Err(refuse(
+                    e,
+                    s.region.map_or(Buffer::Send(op.buf), Buffer::Region),
+                ))
+            }
+        }
+    }
+
+    /// Posts the sends at the front of `reqs` under one lock and one progress pass.
+    pub(in crate::ep) fn post_send_batch(
+        &self,
+        reqs: &mut VecDeque<SendRequest>,
+    ) -> Result<usize, BatchError> {
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        let mut posted = 0;
+        let mut failure = None;
+        while let Some(r) = reqs.pop_front() {
+            let prepared = match self.prepare_send(&mut st.dest_cache, r.peer, r.buf) {
+                Ok(p) => p,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            match self.enqueue_send(
+                &mut st,
+                &mut clock,
+                prepared,
+                r.options,
+                Sink::Cq(r.context),
+            ) {
+                Ok(()) => posted += 1,
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    // Full: leave it (and the rest) for the caller to post later.
+                    reqs.push_front(SendRequest {
+                        peer: r.peer,
+                        buf: match e.buf {
+                            Buffer::Region(m) => SendBuf::Region(m),
+                            Buffer::Send(b) => SendBuf::Bytes(b),
+                            _ => SendBuf::Bytes(Bytes::new()),
+                        },
+                        options: r.options,
+                        context: r.context,
+                    });
+                    break;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if posted > 0 {
+            self.pump_with(&mut st, &mut clock);
+        }
+        match failure {
+            None => Ok(posted),
+            Some(error) => Err(BatchError { posted, error }),
+        }
+    }
+
+    pub(super) fn post_recv(
+        &self,
+        buf: RecvBuf,
+        o: RecvOptions,
+        sink: Sink,
+    ) -> Result<(), PostError> {
+        let src = match self.resolve_src(o.from) {
+            Ok(s) => s,
+            Err(e) => return Err(refuse(e, buf.into_buffer())),
+        };
+        if o.multi_recv.is_some() {
+            return self.post_multi_recv(buf, o, sink, src);
+        }
+        self.post_recv_checked(buf, o, sink, src)
+    }
+
+    /// The checks of a multi-receive buffer, then [`Self::post_recv_checked`].
+    #[inline(never)]
+    pub(super) fn post_multi_recv(
+        &self,
+        buf: RecvBuf,
+        o: RecvOptions,
+        sink: Sink,
+        src: Option<RawAddr>,
+    ) -> Result<(), PostError> {
+        let why = if o.tag.is_some() {
+            Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
+        } else if matches!(buf, RecvBuf::Region(_)) {
+            Some("a multi-receive buffer must be a BytesMut, not a memory region")
+        } else if matches!(sink, Sink::Future(_)) {
+            Some(
+                "a multi-receive buffer completes many times: post it with recv_with, not recv_async",
+            )
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(refuse(
+                Error::new(ErrorKind::InvalidArgument, "recv").with_detail(why),
+                buf.into_buffer(),
+            ));
+        }
+        self.post_recv_checked(buf, o, sink, src)
+    }
+
+    /// Posts a receive whose options passed their checks.
+    pub(super) fn post_recv_checked(
+        &self,
+        buf: RecvBuf,
+        o: RecvOptions,
+        sink: Sink,
+        src: Option<RawAddr>,
+    ) -> Result<(), PostError> {
+        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv")?;
+        let mut clock = Clock::default();
+        let mut st = self.state.lock();
+        if st.closed {
+            return Err(refuse(
+                Error::new(ErrorKind::Closed, "recv"),
+                target.finish(down, false),
+            ));
+        }
+        let key = st.ops.insert(OpState {
+            sink,
+            target: Some(target),
+            region: None,
+            multi: o.multi_recv.is_some(),
+            rma: None,
+        });
+        let op = RecvOp {
+            buf: down,
+            tag: o.tag,
+            src,
+            multi_recv: o.multi_recv,
+            context: key as u64,
+        };
+        // The engine needs the time only to match an unexpected message; otherwise no clock.
+        let now = if st.engine.has_unexpected() {
+            clock.now()
+        } else {
+            clock.cached().unwrap_or(st.created)
+        };
+        match st.engine.post_recv(now, op) {
+            Ok(()) => {
+                // Only a receive that matched an unexpected message has something to move.
+                if st.engine.transmit_pending() || st.engine.has_events() {
+                    self.pump_with(&mut st, &mut clock);
+                }
+                Ok(())
+            }
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                // The refused buffer goes back whole: the engine hands back what went down.
+                let b = match s.target {
+                    Some(t) => t.finish(op.buf, false),
+                    None => Buffer::Recv(op.buf),
+                };
+                Err(refuse(e, b))
+            }
+        }
+    }
+
+    pub(super) fn post_claimed(
+        &self,
+        claim: u64,
+        buf: RecvBuf,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv_claimed")?;
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        if !st.pending.remove(&claim) {
+            let e =
+                Error::new(ErrorKind::InvalidArgument, "recv_claimed").with_detail("unknown claim");
+            return Err(refuse(e, target.finish(down, false)));
+        }
+        let key = st.ops.insert(OpState {
+            sink: Sink::Cq(context),
+            target: Some(target),
+            region: None,
+            multi: false,
+            rma: None,
+        });
+        let op = RecvOp {
+            buf: down,
+            tag: None,
+            src: None,
+            multi_recv: None,
+            context: key as u64,
+        };
+        match st.engine.recv_claimed(now, claim, op) {
+            Ok(()) => {
+                self.pump(&mut st, now);
+                Ok(())
+            }
+            Err((e, op)) => {
+                let s = st.ops.remove(key);
+                // The refused buffer goes back whole: the engine hands back what went down.
+                let b = match s.target {
+                    Some(t) => t.finish(op.buf, false),
+                    None => Buffer::Recv(op.buf),
+                };
+                Err(refuse(e, b))
+            }
+        }
+    }
+
+    /// Puts the messages of dropped `recv_async` futures back into matching, as whole local
+    /// messages from their sender: a posted receive takes each, or it waits unexpected.
+    pub(super) fn rematch_orphans(&self, st: &mut State, clock: &mut Clock) {
+        let orphans = std::mem::take(&mut *self.orphans.lock());
+        for r in orphans {
+            let Some(src) = r.src else { continue };
+            let n = r.len.min(r.buf.len());
+            let m = LocalMsg {
+                tag: r.tag,
+                data: r.data,
+                dc_token: None,
+                msg_len: n,
+            };
+            let mut at = 0;
+            let mut copy = |out: &mut BytesMut, k: usize| {
+                let end = (at + k).min(r.buf.len());
+                out.extend_from_slice(r.buf.get(at..end).unwrap_or_default());
+                at = end;
+            };
+            let _ = st
+                .engine
+                .local_first(&mut || clock.now(), src, &m, n, &mut copy);
+        }
+    }
+
+    pub(super) fn cancel(&self, context: u64) -> Result<()> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        let key = st
+            .ops
+            .iter()
+            .find(|(_, o)| matches!(o.sink, Sink::Cq(c) if c == context) && o.target.is_some())
+            .map(|(k, _)| k);
+        let found = key.is_some_and(|k| st.engine.cancel_recv(k as u64));
+        if !found {
+            return Err(Error::new(ErrorKind::NoMessage, "cancel")
+                .with_detail(format!("no pending receive {context}")));
+        }
+        self.pump(&mut st, now);
+        Ok(())
+    }
+}
