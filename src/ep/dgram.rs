@@ -49,22 +49,7 @@ impl EndpointBuilder<Dgram> {
     pub fn build(self) -> Result<Endpoint<Dgram>> {
         let (tx_cq, rx_cq, av) = self.parts()?;
         let attr = self.domain.attr().clone();
-        let cfg = self.domain.config();
-        let (def_send, def_recv) = super::default_qp_depths(&attr);
-        let send_depth = self.queue_size(
-            self.tx_size,
-            cfg.tx_size,
-            attr.max_send_wr,
-            def_send,
-            "tx_size",
-        )?;
-        let recv_depth = self.queue_size(
-            self.rx_size,
-            cfg.rx_size,
-            attr.max_recv_wr,
-            def_recv,
-            "rx_size",
-        )?;
+        let (send_depth, recv_depth) = self.qp_depths(&attr)?;
         let notifier = Self::qp_notifier(&tx_cq, &rx_cq, None);
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Ud,

@@ -261,6 +261,31 @@ impl<K: EndpointKind> EndpointBuilder<K> {
     }
 }
 
+impl<T: EndpointKind> EndpointBuilder<T> {
+    /// The queue pair's send and receive depths (its bounce buffers, pinned on efa): the
+    /// builder's or configured sizes when set, else the device kind's default
+    /// ([`default_qp_depths`]); more than the device's is `InvalidArgument`.
+    pub(crate) fn qp_depths(&self, attr: &DeviceAttr) -> Result<(usize, usize)> {
+        let cfg = self.domain.config();
+        let (def_send, def_recv) = default_qp_depths(attr);
+        let send = self.queue_size(
+            self.tx_size,
+            cfg.tx_size,
+            attr.max_send_wr,
+            def_send,
+            "tx_size",
+        )?;
+        let recv = self.queue_size(
+            self.rx_size,
+            cfg.rx_size,
+            attr.max_recv_wr,
+            def_recv,
+            "rx_size",
+        )?;
+        Ok((send, recv))
+    }
+}
+
 /// Work requests a queue pair holds by default on a device that pins a bounce buffer of one
 /// MTU per work request (`efa`: `send × MTU + recv × (MTU + 40)` bytes, about 4.6 MB at 256 each
 /// and an MTU of 8928, inside the usual 8 MB `RLIMIT_MEMLOCK`). A device's maximum (4096 send,

@@ -64,21 +64,7 @@ impl EndpointBuilder<Rdm> {
         // The queue pair's depths (its bounce buffers, pinned on efa): the configured sizes when
         // set, else the device kind's default; the engine's operation tables are not bounded
         // by them.
-        let (def_send, def_recv) = crate::ep::default_qp_depths(&attr);
-        let send_depth = self.queue_size(
-            self.tx_size,
-            cfg.tx_size,
-            attr.max_send_wr,
-            def_send,
-            "tx_size",
-        )?;
-        let recv_depth = self.queue_size(
-            self.rx_size,
-            cfg.rx_size,
-            attr.max_recv_wr,
-            def_recv,
-            "rx_size",
-        )?;
+        let (send_depth, recv_depth) = self.qp_depths(&attr)?;
         let own = Arc::new(Notifier::new());
         let use_rdma = cfg.device_rdma(attr.caps.rdma_read)?;
         let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
