@@ -209,28 +209,15 @@ pub fn forget_if_stale(dir: &Path, uid: u32, dest: &RawAddr) -> bool {
 /// Removes this user's stale files from `dir`: entries whose lock is free (owner gone) and
 /// temporary files whose lock is free and that are older than a few seconds. Returns how many.
 pub fn sweep(dir: &Path, uid: u32) -> usize {
-    let mine = format!("{PREFIX}{uid}-");
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut n = 0;
-    for ent in rd.flatten() {
-        let name = ent.file_name();
-        let Some(name) = name.to_str() else {
-            continue;
-        };
-        let Some(rest) = name.strip_prefix(&mine) else {
-            continue;
-        };
-        let path = ent.path();
-        let Ok(f) = open_existing(&path) else {
-            continue;
+    map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
+        let Ok(f) = open_existing(path) else {
+            return false;
         };
         let Ok(m) = f.metadata() else {
-            continue;
+            return false;
         };
         if !m.is_file() || m.uid() != uid || !lock_free(&f) {
-            continue;
+            return false;
         }
         if rest.starts_with("tmp-") {
             let old = m
@@ -239,14 +226,11 @@ pub fn sweep(dir: &Path, uid: u32) -> usize {
                 .and_then(|t| SystemTime::now().duration_since(t).ok())
                 .is_some_and(|age| age >= TMP_GRACE);
             if !old {
-                continue;
+                return false;
             }
         }
-        if remove_if_same(&path, m.ino()) {
-            n += 1;
-        }
-    }
-    n
+        remove_if_same(path, m.ino())
+    })
 }
 
 #[cfg(test)]

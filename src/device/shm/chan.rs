@@ -649,29 +649,9 @@ fn read_header(
 /// Removes this user's stale channel files from `dir`: channels whose lock is free (owner
 /// gone) and temporary files of processes that no longer exist. Returns how many.
 pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
-    let mine = format!("{PREFIX}{uid}-");
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut n = 0;
-    for ent in rd.flatten() {
-        let name = ent.file_name();
-        let Some(rest) = name.to_str().and_then(|s| s.strip_prefix(&mine)) else {
-            continue;
-        };
-        let path = ent.path();
-        if let Some(tmp) = rest.strip_prefix("tmp-") {
-            let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|p| !map::pid_exists(p)) && std::fs::remove_file(&path).is_ok() {
-                n += 1;
-            }
-            continue;
-        }
-        if remove_if_stale(&path) {
-            n += 1;
-        }
-    }
-    n
+    map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
+        map::remove_tmp_of_dead(path, rest).unwrap_or_else(|| remove_if_stale(path))
+    })
 }
 
 fn load32(m: &Mapping, off: usize) -> u32 {

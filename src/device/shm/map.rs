@@ -295,6 +295,34 @@ pub(crate) fn lock_free(f: &File) -> bool {
     try_lock_exclusive(f).unwrap_or(false)
 }
 
+/// The directory walk of every sweep: calls `remove(path, rest)` for each entry of `dir` whose
+/// name is `prefix` followed by `rest`; returns how many calls removed their file (true).
+pub(crate) fn sweep_dir(
+    dir: &Path,
+    prefix: &str,
+    mut remove: impl FnMut(&Path, &str) -> bool,
+) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        if let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) {
+            removed += usize::from(remove(&e.path(), rest));
+        }
+    }
+    removed
+}
+
+/// For a temporary name (`rest` is `tmp-<pid>-...` after the user's prefix): removes the file at
+/// `path` if process `pid` no longer exists; `Some(true)` when it did. `None` for other names.
+pub(crate) fn remove_tmp_of_dead(path: &Path, rest: &str) -> Option<bool> {
+    let tmp = rest.strip_prefix("tmp-")?;
+    let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
+    Some(pid.is_some_and(|p| !pid_exists(p)) && std::fs::remove_file(path).is_ok())
+}
+
 /// Removes the file at `path` if its owner is gone (its lock is free); true when the name is
 /// free now.
 pub(crate) fn remove_if_stale(path: &Path) -> bool {

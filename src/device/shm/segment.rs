@@ -486,39 +486,24 @@ impl PeerSegment {
 /// owner died without closing) and temporary files of processes that no longer exist. Returns
 /// how many were removed.
 pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return 0;
-    };
-    let ours = format!("{PREFIX}{uid}-");
-    let mut removed = 0;
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&ours)) else {
-            continue;
-        };
-        let path = e.path();
-        if let Some(tmp) = rest.strip_prefix("tmp-") {
-            let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
-            if let Some(pid) = pid {
-                if !map::pid_exists(pid) && fs::remove_file(&path).is_ok() {
-                    removed += 1;
-                }
-            }
-            continue;
+    map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
+        if let Some(gone) = map::remove_tmp_of_dead(path, rest) {
+            return gone;
         }
         if rest.parse::<u16>().is_err() {
-            continue;
+            return false;
         }
         // Only our own regular files (no symlinks, nothing another user planted).
-        let Ok((file, meta)) = open_owned(&path, uid) else {
-            continue;
+        let Ok((file, meta)) = open_owned(path, uid) else {
+            return false;
         };
-        if matches!(map::try_lock_exclusive(&file), Ok(true)) && unlink_if_same(&path, meta.ino()) {
+        let gone =
+            matches!(map::try_lock_exclusive(&file), Ok(true)) && unlink_if_same(path, meta.ino());
+        if gone {
             tracing::debug!(path = %path.display(), "shm: swept a stale segment");
-            removed += 1;
         }
-    }
-    removed
+        gone
+    })
 }
 
 #[cfg(test)]

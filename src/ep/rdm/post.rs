@@ -349,15 +349,7 @@ impl RdmCore {
                 }
                 Ok(())
             }
-            Err((e, op)) => {
-                let s = st.ops.remove(key);
-                // The refused buffer goes back whole: the engine hands back what went down.
-                let b = match s.target {
-                    Some(t) => t.finish(op.buf, false),
-                    None => Buffer::Recv(op.buf),
-                };
-                Err(refuse(e, b))
-            }
+            Err((e, op)) => Err(Self::refused_recv(&mut st, key, e, op)),
         }
     }
 
@@ -394,15 +386,7 @@ impl RdmCore {
                 self.pump(&mut st, now);
                 Ok(())
             }
-            Err((e, op)) => {
-                let s = st.ops.remove(key);
-                // The refused buffer goes back whole: the engine hands back what went down.
-                let b = match s.target {
-                    Some(t) => t.finish(op.buf, false),
-                    None => Buffer::Recv(op.buf),
-                };
-                Err(refuse(e, b))
-            }
+            Err((e, op)) => Err(Self::refused_recv(&mut st, key, e, op)),
         }
     }
 
@@ -446,5 +430,16 @@ impl RdmCore {
         }
         self.pump(&mut st, now);
         Ok(())
+    }
+
+    /// A receive the engine refused: its operation entry goes, and the buffer goes back whole
+    /// (the engine hands back what went down).
+    fn refused_recv(st: &mut State, key: usize, e: Error, op: RecvOp) -> PostError {
+        let s = st.ops.remove(key);
+        let b = match s.target {
+            Some(t) => t.finish(op.buf, false),
+            None => Buffer::Recv(op.buf),
+        };
+        refuse(e, b)
     }
 }

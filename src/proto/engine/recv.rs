@@ -286,6 +286,32 @@ impl Engine {
         Error::new(ErrorKind::NoMessage, op)
     }
 
+    /// The oldest unexpected tagged message a (`tag`, `ignore`, `src`) receive matches: its
+    /// matcher key, its id and what peeking shows of it; `NoMessage` (of `op`) when none.
+    fn tagged_unexpected(
+        &self,
+        op: &'static str,
+        tag: u64,
+        ignore: u64,
+        src: Option<RawAddr>,
+    ) -> super::Result<(usize, u32, Peeked)> {
+        if self.closed {
+            return Err(Engine::closed_error(op));
+        }
+        let none = || Engine::no_message(op);
+        let idx = self
+            .matcher
+            .find_unexpected(true, src, tag, ignore)
+            .ok_or_else(none)?;
+        let rid = self
+            .matcher
+            .unexpected(true, idx)
+            .map(|u| u.item)
+            .ok_or_else(none)?;
+        let p = self.peeked(rid).ok_or_else(none)?;
+        Ok((idx, rid, p))
+    }
+
     pub(super) fn peek_impl(
         &mut self,
         tag: u64,
@@ -293,19 +319,7 @@ impl Engine {
         src: Option<RawAddr>,
         claim: bool,
     ) -> super::Result<Peeked> {
-        if self.closed {
-            return Err(Engine::closed_error("peek"));
-        }
-        let idx = self
-            .matcher
-            .find_unexpected(true, src, tag, ignore)
-            .ok_or_else(|| Engine::no_message("peek"))?;
-        let rid = self
-            .matcher
-            .unexpected(true, idx)
-            .map(|u| u.item)
-            .ok_or_else(|| Engine::no_message("peek"))?;
-        let mut p = self.peeked(rid).ok_or_else(|| Engine::no_message("peek"))?;
+        let (idx, rid, mut p) = self.tagged_unexpected("peek", tag, ignore, src)?;
         if claim {
             self.matcher.take_unexpected(true, idx);
             if let Some(e) = self.rx.get_mut(&rid) {
@@ -357,21 +371,9 @@ impl Engine {
         ignore: u64,
         src: Option<RawAddr>,
     ) -> super::Result<Peeked> {
-        if self.closed {
-            return Err(Engine::closed_error("discard"));
-        }
-        let idx = self
-            .matcher
-            .find_unexpected(true, src, tag, ignore)
-            .ok_or_else(|| Engine::no_message("discard"))?;
-        let u = self
-            .matcher
-            .take_unexpected(true, idx)
-            .ok_or_else(|| Engine::no_message("discard"))?;
-        let p = self
-            .peeked(u.item)
-            .ok_or_else(|| Engine::no_message("discard"))?;
-        let now = self.rx.get(&u.item).map(|e| e.last);
+        let (idx, rid, p) = self.tagged_unexpected("discard", tag, ignore, src)?;
+        self.matcher.take_unexpected(true, idx);
+        let now = self.rx.get(&rid).map(|e| e.last);
         if let Some(now) = now {
             // Received and thrown away, so that the sender completes normally.
             let sink = Sink {
@@ -380,7 +382,7 @@ impl Engine {
                 place: 0,
                 multi: None,
             };
-            self.start_matched(now, u.item, sink, None);
+            self.start_matched(now, rid, sink, None);
         }
         Ok(p)
     }
