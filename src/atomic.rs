@@ -172,6 +172,21 @@ impl AtomicType {
     }
 }
 
+/// The compare-and-swap family (`op` one of the `Cswap*`): `o` where the comparison of the
+/// compare value `c` with the current `x` holds, else `x` unchanged.
+fn compare_swap<T: PartialOrd + Copy>(op: AtomicOp, x: T, o: T, c: T) -> T {
+    let hit = match op {
+        AtomicOp::Cswap => c == x,
+        AtomicOp::CswapNe => c != x,
+        AtomicOp::CswapLe => c <= x,
+        AtomicOp::CswapLt => c < x,
+        AtomicOp::CswapGe => c >= x,
+        AtomicOp::CswapGt => c > x,
+        _ => false,
+    };
+    if hit { o } else { x }
+}
+
 macro_rules! int_op {
     ($t:ty, $op:expr, $x:expr, $o:expr, $c:expr) => {{
         let (x, o, c): ($t, $t, $t) = ($x, $o, $c);
@@ -188,48 +203,12 @@ macro_rules! int_op {
             AtomicOp::Bxor => x ^ o,
             AtomicOp::Read => x,
             AtomicOp::Write => o,
-            AtomicOp::Cswap => {
-                if c == x {
-                    o
-                } else {
-                    x
-                }
-            }
-            AtomicOp::CswapNe => {
-                if c != x {
-                    o
-                } else {
-                    x
-                }
-            }
-            AtomicOp::CswapLe => {
-                if c <= x {
-                    o
-                } else {
-                    x
-                }
-            }
-            AtomicOp::CswapLt => {
-                if c < x {
-                    o
-                } else {
-                    x
-                }
-            }
-            AtomicOp::CswapGe => {
-                if c >= x {
-                    o
-                } else {
-                    x
-                }
-            }
-            AtomicOp::CswapGt => {
-                if c > x {
-                    o
-                } else {
-                    x
-                }
-            }
+            AtomicOp::Cswap
+            | AtomicOp::CswapNe
+            | AtomicOp::CswapLe
+            | AtomicOp::CswapLt
+            | AtomicOp::CswapGe
+            | AtomicOp::CswapGt => compare_swap($op, x, o, c),
             AtomicOp::Mswap => (o & c) | (x & !c),
         }
     }};
@@ -262,48 +241,12 @@ macro_rules! float_op {
                 AtomicOp::Lxor => b((x != 0.0) ^ (o != 0.0)),
                 AtomicOp::Read => x,
                 AtomicOp::Write => o,
-                AtomicOp::Cswap => {
-                    if c == x {
-                        o
-                    } else {
-                        x
-                    }
-                }
-                AtomicOp::CswapNe => {
-                    if c != x {
-                        o
-                    } else {
-                        x
-                    }
-                }
-                AtomicOp::CswapLe => {
-                    if c <= x {
-                        o
-                    } else {
-                        x
-                    }
-                }
-                AtomicOp::CswapLt => {
-                    if c < x {
-                        o
-                    } else {
-                        x
-                    }
-                }
-                AtomicOp::CswapGe => {
-                    if c >= x {
-                        o
-                    } else {
-                        x
-                    }
-                }
-                AtomicOp::CswapGt => {
-                    if c > x {
-                        o
-                    } else {
-                        x
-                    }
-                }
+                AtomicOp::Cswap
+                | AtomicOp::CswapNe
+                | AtomicOp::CswapLe
+                | AtomicOp::CswapLt
+                | AtomicOp::CswapGe
+                | AtomicOp::CswapGt => compare_swap($op, x, o, c),
                 AtomicOp::Bor | AtomicOp::Band | AtomicOp::Bxor | AtomicOp::Mswap => return None,
             })
         })()
