@@ -554,6 +554,13 @@ impl DeviceSpec {
     /// Opens the device (cheap for software devices: no sockets until a queue pair is created;
     /// an `efa` NIC is opened and queried, and gets its protection domain).
     pub fn open(&self) -> Result<Arc<dyn Device>> {
+        self.open_configured(&Config::from_env().unwrap_or_default())
+    }
+
+    /// [`DeviceSpec::open`] with `config` for what the device reads of it (`efa`: fork safety
+    /// and huge pages); [`Info::open_device`] passes the `Info`'s configuration.
+    pub fn open_configured(&self, config: &Config) -> Result<Arc<dyn Device>> {
+        let _ = config; // read by the `efa` arm only (cargo feature `efa`)
         Ok(match self {
             DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
             #[cfg(target_os = "linux")]
@@ -563,7 +570,7 @@ impl DeviceSpec {
             DeviceSpec::Efa {
                 name,
                 use_device_rdma,
-            } => crate::device::efa::EfaDevice::open(name, *use_device_rdma)?,
+            } => crate::device::efa::EfaDevice::open_configured(name, *use_device_rdma, config)?,
         })
     }
 
@@ -927,7 +934,7 @@ impl Info {
     pub fn open_device(&self) -> Result<Arc<dyn Device>> {
         match &self.handle {
             Some(d) => Ok(d.clone()),
-            None => self.spec.open(),
+            None => self.spec.open_configured(&self.config),
         }
     }
 

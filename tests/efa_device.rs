@@ -906,3 +906,22 @@ fn hw_rdma_needs_the_target_to_hold_an_ah() {
     assert_eq!(got[0].status, Status::Success, "{:?}", got[0]);
     assert_eq!(&got[0].buf.take().unwrap()[..], b"mine");
 }
+
+/// A domain opened from an `Info` built for a device (`Info::for_device`: no device handle yet)
+/// opens the device with the `Info`'s configuration, not the environment's: huge pages off in
+/// the configuration means no huge-page attempt at all (no huge-page bytes, no counted fallback).
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_the_infos_configuration_decides_huge_pages() {
+    let a = hw_device().attr().clone();
+    let spec = DeviceSpec::Efa {
+        name: a.name.clone(),
+        use_device_rdma: None,
+    };
+    let cfg = Config::from_vars([("FI_EFA_USE_HUGE_PAGE", "0")]).unwrap();
+    let info = Info::for_device(DeviceKind::Efa, &a, EpType::Dgram, cfg, spec);
+    let d = efa::Domain::open(&info).unwrap();
+    let _qp = d.device().create_qp(QpAttr::new(QpType::Ud)).unwrap();
+    let s = d.device_stats();
+    assert_eq!((s.huge_page_bytes, s.huge_page_fallbacks), (0, 0), "{s:?}");
+}

@@ -147,9 +147,19 @@ impl EfaDevice {
     /// device, `Config` for `use_device_rdma = Some(true)` without RDMA read, and the verb that
     /// failed otherwise.
     pub fn open(name: &str, use_device_rdma: Option<bool>) -> Result<Arc<EfaDevice>> {
-        // FI_EFA_FORK_SAFE from the environment (open_all passes the configuration's).
+        // FI_EFA_FORK_SAFE and FI_EFA_USE_HUGE_PAGE from the environment.
         let env = Config::from_env().unwrap_or_default();
         EfaDevice::open_with(name, use_device_rdma, env.fork_safe, env.huge_pages())
+    }
+
+    /// [`EfaDevice::open`] with fork safety and huge pages as `config` says (what a domain
+    /// opened from an `Info` uses: the configuration the `Info` carries, not the environment).
+    pub fn open_configured(
+        name: &str,
+        use_device_rdma: Option<bool>,
+        config: &Config,
+    ) -> Result<Arc<EfaDevice>> {
+        EfaDevice::open_with(name, use_device_rdma, config.fork_safe, config.huge_pages())
     }
 
     fn open_with(
