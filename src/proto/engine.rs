@@ -758,8 +758,11 @@ impl Engine {
                 recv_length,
                 ..
             } => {
-                if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
+                // The id says whose it is (one id space: `alloc_tx_id`).
+                if !self.ema_owns_send_id(send_id) {
                     self.handle_cts(pid, send_id, recv_id, recv_length)
+                } else if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
+                    self.drop_pkt("CTS for an RMA operation of another peer or state");
                 }
             }
             Packet::CtsData {
@@ -767,8 +770,10 @@ impl Engine {
                 seg_offset,
                 ..
             } => {
-                if !self.ema_ctsdata(now, pid, recv_id, seg_offset, payload) {
+                if !self.ema_owns_recv_id(recv_id) {
                     self.handle_ctsdata(now, pid, recv_id, seg_offset, payload)
+                } else if !self.ema_ctsdata(now, pid, recv_id, seg_offset, payload) {
+                    self.drop_pkt("CTSDATA for an RMA operation of another peer or state");
                 }
             }
             Packet::LongCtsRtw {
@@ -798,8 +803,10 @@ impl Engine {
             Packet::Receipt {
                 send_id, msg_id, ..
             } => {
-                if !self.ema_receipt(pid, send_id) {
+                if !self.ema_owns_send_id(send_id) {
                     self.handle_receipt(pid, send_id, msg_id)
+                } else if !self.ema_receipt(pid, send_id) {
+                    self.drop_pkt("RECEIPT for an RMA operation of another peer or a read");
                 }
             }
             Packet::EagerRtw {

@@ -494,6 +494,11 @@ impl Engine {
     }
 
     /// A RECEIPT: true when it answered an emulated write or atomic.
+    /// True when `id` is the send-side id of an emulated RMA operation in flight.
+    pub(super) fn ema_owns_send_id(&self, id: u32) -> bool {
+        !self.ema.ops.is_empty() && self.ema.ops.contains_key(&id)
+    }
+
     pub(super) fn ema_receipt(&mut self, pid: u64, send_id: u32) -> bool {
         match self.ema.ops.get_mut(&send_id) {
             Some(op) if op.pid == pid && !matches!(op.kind, OpKind::Read(_)) => {

@@ -224,11 +224,13 @@ impl Engine {
         Err((Error::new(ErrorKind::Again, what).with_detail(why), op))
     }
 
+    /// A send-side id no operation uses: messages, device RMA and emulated RMA draw from this
+    /// one space, so a CTS, CTSDATA or RECEIPT finds its owner by its id alone.
     pub(super) fn alloc_tx_id(&mut self) -> u32 {
         loop {
             let id = self.next_tx_id;
             self.next_tx_id = self.next_tx_id.wrapping_add(1);
-            if !self.tx.contains_key(&id) {
+            if !self.tx.contains_key(&id) && !self.rd_owns_id(id) && !self.ema_owns_send_id(id) {
                 return id;
             }
         }

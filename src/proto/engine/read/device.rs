@@ -125,6 +125,11 @@ impl Engine {
         Err((Error::new(ErrorKind::Again, "rma").with_detail(why), op))
     }
 
+    /// True when `id` is the id of a device RMA operation in flight.
+    pub(in crate::proto::engine) fn rd_owns_id(&self, id: u32) -> bool {
+        !self.rd.ops.is_empty() && self.rd.ops.contains_key(&id)
+    }
+
     pub(in crate::proto::engine) fn new_op_id(&mut self) -> u32 {
         loop {
             let id = self.alloc_tx_id();
