@@ -121,6 +121,34 @@ impl Work {
     }
 }
 
+/// What an emulated operation starts from: its peer, how it names itself to it, its id, and the
+/// parts of its `RmaOp` to hand back if it is refused.
+#[derive(Clone, Copy)]
+struct Start {
+    pid: u64,
+    sender: Sender,
+    id: u32,
+    dest: crate::addr::RawAddr,
+    remote: RemoteIov,
+    local_key: Option<(u64, u64)>,
+    delivery_complete: bool,
+    context: u64,
+}
+
+impl Start {
+    /// The operation again, with `kind` (its buffers handed back).
+    fn op(self, kind: RmaKind) -> RmaOp {
+        RmaOp {
+            dest: self.dest,
+            remote: self.remote,
+            kind,
+            local_key: self.local_key,
+            delivery_complete: self.delivery_complete,
+            context: self.context,
+        }
+    }
+}
+
 impl Engine {
     fn ema_sender(&self, pid: u64) -> Sender {
         if self.peers.get(&pid).is_some_and(|p| p.hs_received) {
@@ -168,218 +196,227 @@ impl Engine {
             let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");
             return Err((e, op));
         };
-        let sender = self.ema_sender(pid);
-        let mtu = self.cfg.mtu;
-        let id = self.ema_new_id();
-        let RmaOp {
-            dest,
-            remote,
-            kind,
-            local_key,
-            delivery_complete,
-            context,
-        } = op;
-        match kind {
-            RmaKind::Write { buf, data } => {
-                let back = move |e: Error, buf: Bytes| {
-                    let op = RmaOp {
-                        dest,
-                        remote,
-                        kind: RmaKind::Write { buf, data },
-                        local_key,
-                        delivery_complete,
-                        context,
-                    };
-                    Err((e, op))
-                };
-                let len = buf.len();
-                if remote.len != len as u64 {
-                    let e = Error::new(ErrorKind::InvalidArgument, "write")
-                        .with_detail("remote length differs from the data's");
-                    return back(e, buf);
-                }
-                let opt = ReqOpt {
-                    sender,
-                    cq_data: data.map(u64::from),
-                };
-                let one = [remote];
-                let pkt = Packet::EagerRtw {
-                    opt,
-                    dc_send_id: Some(id),
-                    rma_iov: IovList::new(&one),
-                };
-                let hdr = self
-                    .encode(&pkt)
-                    .filter(|h| h.bytes().len().saturating_add(len) <= mtu);
-                let Some(hdr) = hdr else {
-                    // Longer than one packet: long-CTS, delivery complete like the eager write
-                    // (so a write that completed is in the target's memory, and one refused
-                    // midway fails here).
-                    return match self.cts_write_start(pid, id, opt, remote, buf, true, context) {
-                        Ok(()) => Ok(()),
-                        Err((e, buf)) => back(e, buf),
-                    };
-                };
-                self.ema.ops.insert(
-                    id,
-                    EmaOp {
-                        pid,
-                        context,
-                        pay: buf,
-                        kind: OpKind::Write,
-                        len,
-                        waiting: 1,
-                        error: None,
-                        cts: None,
-                    },
-                );
-                self.enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, len), false, false);
-            }
-            RmaKind::Read { mut buf } => {
-                let back = move |e: Error, buf: BytesMut| {
-                    let op = RmaOp {
-                        dest,
-                        remote,
-                        kind: RmaKind::Read { buf },
-                        local_key,
-                        delivery_complete,
-                        context,
-                    };
-                    Err((e, op))
-                };
-                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
-                if len > isize::MAX as usize / 2 {
-                    return back(Error::new(ErrorKind::MsgSize, "read"), buf);
-                }
-                buf.clear();
-                buf.resize(len, 0);
-                let opt = ReqOpt {
-                    sender,
-                    cq_data: None,
-                };
-                if len > self.readrsp_room() {
-                    return match self.cts_read_start(pid, opt, remote, buf, context) {
-                        Ok(()) => Ok(()),
-                        Err((e, buf)) => back(e, buf),
-                    };
-                }
-                let one = [remote];
-                let pkt = Packet::ShortRtr {
-                    opt,
-                    msg_length: len as u64,
-                    recv_id: id,
-                    rma_iov: IovList::new(&one),
-                };
-                let Some(hdr) = self.encode(&pkt) else {
-                    return back(Error::new(ErrorKind::Io, "read"), buf);
-                };
-                self.ema.ops.insert(
-                    id,
-                    EmaOp {
-                        pid,
-                        context,
-                        pay: Bytes::new(),
-                        kind: OpKind::Read(buf),
-                        len,
-                        waiting: 1,
-                        error: None,
-                        cts: None,
-                    },
-                );
-                self.enqueue(Pkt::ctrl(pid, Owner::Ema(id), hdr), false, false);
-            }
+        let s = Start {
+            pid,
+            sender: self.ema_sender(pid),
+            id: self.ema_new_id(),
+            dest: op.dest,
+            remote: op.remote,
+            local_key: op.local_key,
+            delivery_complete: op.delivery_complete,
+            context: op.context,
+        };
+        match op.kind {
+            RmaKind::Write { buf, data } => self.ema_start_write(s, buf, data),
+            RmaKind::Read { buf } => self.ema_start_read(s, buf),
             RmaKind::Atomic {
-                op: aop,
+                op,
                 datatype,
                 operand,
                 compare,
                 fetch,
-            } => {
-                let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
-                let cmp = compare.as_deref();
-                let check = crate::atomic::validate(aop, datatype, len, &operand, cmp);
-                let kind = match (&fetch, aop.is_compare()) {
-                    (Some(_), true) => RtaKind::Compare { recv_id: id },
-                    (Some(_), false) => RtaKind::Fetch { recv_id: id },
-                    (None, _) => RtaKind::DcWrite { send_id: id },
-                };
-                let pay = match &compare {
-                    Some(c) => {
-                        let mut v = BytesMut::with_capacity(operand.len() + c.len());
-                        v.extend_from_slice(&operand);
-                        v.extend_from_slice(c);
-                        v.freeze()
-                    }
-                    None if aop == AtomicOp::Read => Bytes::new(),
-                    None => operand.clone(),
-                };
-                let msg_id = self.peers.get(&pid).map_or(0, |p| p.next_msg_id);
-                let one = [remote];
-                let pkt = Packet::Rta {
-                    opt: ReqOpt {
-                        sender,
-                        cq_data: None,
-                    },
-                    kind,
-                    msg_id,
-                    atomic_datatype: datatype.code(),
-                    atomic_op: aop.code(),
-                    rma_iov: IovList::new(&one),
-                };
-                let hdr = self
-                    .encode(&pkt)
-                    .filter(|h| h.bytes().len() + pay.len() <= mtu);
-                let hdr = match (check, hdr) {
-                    (Ok(()), Some(h)) => Ok(h),
-                    (Err(e), _) => Err(e),
-                    (Ok(()), None) => Err(Error::new(ErrorKind::MsgSize, "atomic")
-                        .with_detail("operands do not fit one packet")),
-                };
-                let hdr = match hdr {
-                    Ok(h) => h,
-                    Err(e) => {
-                        let op = RmaOp {
-                            dest,
-                            remote,
-                            kind: RmaKind::Atomic {
-                                op: aop,
-                                datatype,
-                                operand,
-                                compare,
-                                fetch,
-                            },
-                            local_key,
-                            delivery_complete,
-                            context,
-                        };
-                        return Err((e, op));
-                    }
-                };
-                if let Some(p) = self.peers.get_mut(&pid) {
-                    p.next_msg_id = p.next_msg_id.wrapping_add(1);
-                }
-                let n = pay.len();
-                self.ema.ops.insert(
-                    id,
-                    EmaOp {
-                        pid,
-                        context,
-                        pay: if aop == AtomicOp::Read { operand } else { pay },
-                        kind: OpKind::Atomic {
-                            operand_len: len,
-                            fetch,
-                        },
-                        len,
-                        waiting: 1,
-                        error: None,
-                        cts: None,
-                    },
-                );
-                // Read atomics carry no payload: the packet's range is empty.
-                let end = if aop == AtomicOp::Read { 0 } else { n };
-                self.enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, end), false, false);
-            }
+            } => self.ema_start_atomic(s, op, datatype, operand, compare, fetch),
         }
+    }
+
+    /// An emulated write: one EAGER_RTW when it fits a packet, else long-CTS.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    fn ema_start_write(
+        &mut self,
+        s: Start,
+        buf: Bytes,
+        data: Option<u32>,
+    ) -> Result<(), (Error, RmaOp)> {
+        let back = |e: Error, buf: Bytes| Err((e, s.op(RmaKind::Write { buf, data })));
+        let len = buf.len();
+        if s.remote.len != len as u64 {
+            let e = Error::new(ErrorKind::InvalidArgument, "write")
+                .with_detail("remote length differs from the data's");
+            return back(e, buf);
+        }
+        let opt = ReqOpt {
+            sender: s.sender,
+            cq_data: data.map(u64::from),
+        };
+        let one = [s.remote];
+        let pkt = Packet::EagerRtw {
+            opt,
+            dc_send_id: Some(s.id),
+            rma_iov: IovList::new(&one),
+        };
+        let mtu = self.cfg.mtu;
+        let hdr = self
+            .encode(&pkt)
+            .filter(|h| h.bytes().len().saturating_add(len) <= mtu);
+        let Some(hdr) = hdr else {
+            // Longer than one packet: long-CTS, delivery complete like the eager write (so a
+            // write that completed is in the target's memory, and one refused midway fails
+            // here).
+            return match self.cts_write_start(s.pid, s.id, opt, s.remote, buf, true, s.context) {
+                Ok(()) => Ok(()),
+                Err((e, buf)) => back(e, buf),
+            };
+        };
+        self.ema.ops.insert(
+            s.id,
+            EmaOp {
+                pid: s.pid,
+                context: s.context,
+                pay: buf,
+                kind: OpKind::Write,
+                len,
+                waiting: 1,
+                error: None,
+                cts: None,
+            },
+        );
+        self.enqueue(Pkt::new(s.pid, Owner::Ema(s.id), hdr, 0, len), false, false);
+        Ok(())
+    }
+
+    /// An emulated read: one SHORT_RTR when the response fits a packet, else long-CTS.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    fn ema_start_read(&mut self, s: Start, mut buf: BytesMut) -> Result<(), (Error, RmaOp)> {
+        let back = |e: Error, buf: BytesMut| Err((e, s.op(RmaKind::Read { buf })));
+        let len = usize::try_from(s.remote.len).unwrap_or(usize::MAX);
+        if len > isize::MAX as usize / 2 {
+            return back(Error::new(ErrorKind::MsgSize, "read"), buf);
+        }
+        buf.clear();
+        buf.resize(len, 0);
+        let opt = ReqOpt {
+            sender: s.sender,
+            cq_data: None,
+        };
+        if len > self.readrsp_room() {
+            return match self.cts_read_start(s.pid, opt, s.remote, buf, s.context) {
+                Ok(()) => Ok(()),
+                Err((e, buf)) => back(e, buf),
+            };
+        }
+        let one = [s.remote];
+        let pkt = Packet::ShortRtr {
+            opt,
+            msg_length: len as u64,
+            recv_id: s.id,
+            rma_iov: IovList::new(&one),
+        };
+        let Some(hdr) = self.encode(&pkt) else {
+            return back(Error::new(ErrorKind::Io, "read"), buf);
+        };
+        self.ema.ops.insert(
+            s.id,
+            EmaOp {
+                pid: s.pid,
+                context: s.context,
+                pay: Bytes::new(),
+                kind: OpKind::Read(buf),
+                len,
+                waiting: 1,
+                error: None,
+                cts: None,
+            },
+        );
+        self.enqueue(Pkt::ctrl(s.pid, Owner::Ema(s.id), hdr), false, false);
+        Ok(())
+    }
+
+    /// An emulated atomic: one RTA packet (its operands must fit).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    fn ema_start_atomic(
+        &mut self,
+        s: Start,
+        aop: AtomicOp,
+        datatype: AtomicType,
+        operand: Bytes,
+        compare: Option<Bytes>,
+        fetch: Option<BytesMut>,
+    ) -> Result<(), (Error, RmaOp)> {
+        let id = s.id;
+        let len = usize::try_from(s.remote.len).unwrap_or(usize::MAX);
+        let cmp = compare.as_deref();
+        let check = crate::atomic::validate(aop, datatype, len, &operand, cmp);
+        let kind = match (&fetch, aop.is_compare()) {
+            (Some(_), true) => RtaKind::Compare { recv_id: id },
+            (Some(_), false) => RtaKind::Fetch { recv_id: id },
+            (None, _) => RtaKind::DcWrite { send_id: id },
+        };
+        let pay = match &compare {
+            Some(c) => {
+                let mut v = BytesMut::with_capacity(operand.len() + c.len());
+                v.extend_from_slice(&operand);
+                v.extend_from_slice(c);
+                v.freeze()
+            }
+            None if aop == AtomicOp::Read => Bytes::new(),
+            None => operand.clone(),
+        };
+        let msg_id = self.peers.get(&s.pid).map_or(0, |p| p.next_msg_id);
+        let one = [s.remote];
+        let pkt = Packet::Rta {
+            opt: ReqOpt {
+                sender: s.sender,
+                cq_data: None,
+            },
+            kind,
+            msg_id,
+            atomic_datatype: datatype.code(),
+            atomic_op: aop.code(),
+            rma_iov: IovList::new(&one),
+        };
+        let mtu = self.cfg.mtu;
+        let hdr = self
+            .encode(&pkt)
+            .filter(|h| h.bytes().len() + pay.len() <= mtu);
+        let hdr = match (check, hdr) {
+            (Ok(()), Some(h)) => h,
+            (check, _) => {
+                let e = check.err().unwrap_or_else(|| {
+                    Error::new(ErrorKind::MsgSize, "atomic")
+                        .with_detail("operands do not fit one packet")
+                });
+                let kind = RmaKind::Atomic {
+                    op: aop,
+                    datatype,
+                    operand,
+                    compare,
+                    fetch,
+                };
+                return Err((e, s.op(kind)));
+            }
+        };
+        if let Some(p) = self.peers.get_mut(&s.pid) {
+            p.next_msg_id = p.next_msg_id.wrapping_add(1);
+        }
+        let n = pay.len();
+        self.ema.ops.insert(
+            id,
+            EmaOp {
+                pid: s.pid,
+                context: s.context,
+                pay: if aop == AtomicOp::Read { operand } else { pay },
+                kind: OpKind::Atomic {
+                    operand_len: len,
+                    fetch,
+                },
+                len,
+                waiting: 1,
+                error: None,
+                cts: None,
+            },
+        );
+        // Read atomics carry no payload: the packet's range is empty.
+        let end = if aop == AtomicOp::Read { 0 } else { n };
+        self.enqueue(Pkt::new(s.pid, Owner::Ema(id), hdr, 0, end), false, false);
         Ok(())
     }
 
