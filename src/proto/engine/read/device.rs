@@ -484,14 +484,12 @@ impl Engine {
         status: Option<Status>,
         why: &'static str,
     ) {
-        let Some(mut op) = self.rd.ops.remove(&id) else {
+        // Its queued work requests are withdrawn (a read's pieces come back); those on the
+        // device complete into nothing.
+        self.withdraw_queued(id, Status::Flushed);
+        let Some(op) = self.rd.ops.remove(&id) else {
             return;
         };
-        for w in self.take_queued(id) {
-            if let (DevOp::Read { pieces, .. }, WrWhat::Read { piece, buf }) = (&mut op, w.what) {
-                pieces.put(piece, buf, Status::Flushed);
-            }
-        }
         if matches!(op, DevOp::Waiting { .. }) {
             self.rd.waiting = self.rd.waiting.saturating_sub(1);
         }
