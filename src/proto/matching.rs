@@ -77,10 +77,14 @@ impl<S, U> Default for Unexpecteds<S, U> {
 }
 
 impl<S, U> Unexpecteds<S, U> {
-    fn push(&mut self, u: Unexpected<S, U>) {
+    /// Queues `u`; `index`: also under its tag (tagged messages; untagged ones match by arrival
+    /// order alone).
+    fn push(&mut self, u: Unexpected<S, U>, index: bool) {
         let key = self.next;
         self.next += 1;
-        self.by_tag.entry(u.tag).or_default().push_back(key);
+        if index {
+            self.by_tag.entry(u.tag).or_default().push_back(key);
+        }
         self.items.insert(key, u);
     }
 
@@ -146,7 +150,7 @@ impl<S: Copy + Eq, R, U> Matcher<S, R, U> {
 
     /// Queues an unexpected message.
     pub fn push_unexpected(&mut self, tagged: bool, u: Unexpected<S, U>) {
-        self.unexpected[usize::from(tagged)].push(u);
+        self.unexpected[usize::from(tagged)].push(u, tagged);
     }
 
     /// The oldest unexpected message a receive (`src` filter, `tag`, `ignore`) matches: its
