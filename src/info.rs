@@ -559,8 +559,11 @@ impl DeviceSpec {
 
     /// [`DeviceSpec::open`] with `config` for what the device reads of it (`efa`: fork safety
     /// and huge pages); [`Info::open_device`] passes the `Info`'s configuration.
+    #[cfg_attr(
+        not(feature = "efa"),
+        allow(unused_variables, reason = "the efa arm reads it")
+    )]
     pub fn open_configured(&self, config: &Config) -> Result<Arc<dyn Device>> {
-        let _ = config; // read by the `efa` arm only (cargo feature `efa`)
         Ok(match self {
             DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
             #[cfg(target_os = "linux")]
