@@ -236,9 +236,8 @@ impl RdmCore {
                 gid: peer.gid,
                 qpn: peer.qpn,
             };
-            if !st.qp.hold_source(src, hold) {
-                break;
-            }
+            // A device that cannot (false) leaves it to the whole budget below.
+            st.qp.hold_source(src, hold);
         }
         if st.rx_free.is_empty() || st.engine.remote_writes_full() {
             // (Too many completions of peers' writes with immediate data wait for the
