@@ -421,6 +421,70 @@ impl RegionMem {
     }
 }
 
+/// The local side of a one-sided operation that lies inside a region registered with the device
+/// ([`Device::register_mem`](crate::device::Device::register_mem) returned `key`): the `len` bytes
+/// at `addr` of `mem`. A device that takes such slices
+/// ([`QueuePair::region_rdma`](crate::device::QueuePair::region_rdma)) reads or writes the
+/// region's memory itself, with the registration it already holds: no copy and no registration
+/// per operation.
+#[derive(Clone)]
+pub struct RegionSlice {
+    /// The region's memory (kept alive while the operation runs).
+    pub mem: Arc<RegionMem>,
+    /// The key the device returned when it registered the region.
+    pub key: u64,
+    /// Address of the first byte (in the region's address space, as [`RegionMem::addr`]).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+impl RegionSlice {
+    /// The `len` bytes at `off` of this slice; `None` when they are not inside it.
+    pub fn sub(&self, off: usize, len: usize) -> Option<RegionSlice> {
+        let end = off.checked_add(len)?;
+        (end <= self.len).then(|| RegionSlice {
+            mem: self.mem.clone(),
+            key: self.key,
+            addr: self.addr.wrapping_add(off as u64),
+            len,
+        })
+    }
+
+    /// True when the slice lies inside its region's registered range.
+    pub fn in_bounds(&self) -> bool {
+        self.addr
+            .checked_sub(self.mem.addr)
+            .and_then(|o| o.checked_add(self.len as u64))
+            .is_some_and(|end| end <= self.mem.len as u64)
+    }
+
+    /// A copy of the slice's bytes, blocking while a write guard on the region is alive.
+    /// `RemoteAccess` when the region is closed.
+    pub fn to_bytes(&self) -> Result<Bytes> {
+        let mut out = BytesMut::with_capacity(self.len);
+        self.mem.read_into(self.addr, self.len as u64, &mut out)?;
+        Ok(out.freeze())
+    }
+
+    /// Copies `src` to the start of the slice (at most `len` bytes), blocking while a guard on
+    /// the region is alive. `RemoteAccess` when the region is closed.
+    pub fn write_from(&self, src: &[u8]) -> Result<()> {
+        let n = src.len().min(self.len);
+        self.mem.write_at(self.addr, &src[..n])
+    }
+}
+
+impl fmt::Debug for RegionSlice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionSlice")
+            .field("key", &self.key)
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 impl fmt::Debug for RegionMem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RegionMem")

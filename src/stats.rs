@@ -102,6 +102,13 @@ counters!(
         /// Bounce pools that asked for huge pages and got ordinary ones (none reserved,
         /// `vm.nr_hugepages`); efa device.
         huge_page_fallbacks,
+        /// Memory registrations made for the local buffer of one RDMA operation (efa device):
+        /// reads into `BytesMut`, and writes from `Bytes` the MR cache did not hold. RDMA to
+        /// and from device-registered regions needs none.
+        mr_registrations,
+        /// RDMA writes whose buffer's registration came from the MR cache (efa device,
+        /// `FI_EFA_MR_CACHE_ENABLE`).
+        mr_cache_hits,
     }
 );
 

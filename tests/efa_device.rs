@@ -925,3 +925,105 @@ fn hw_the_infos_configuration_decides_huge_pages() {
     let s = d.device_stats();
     assert_eq!((s.huge_page_bytes, s.huge_page_fallbacks), (0, 0), "{s:?}");
 }
+
+/// RDMA from and into device-registered regions uses the regions' own registrations (no
+/// registration per operation, no copy), and writing the same `Bytes` again reuses its
+/// registration from the MR cache (issue 16, defect 11). Data checked both ways.
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_regions_and_cached_buffers_are_registered_once() {
+    let dev = hw_device();
+    if !dev.attr().caps.rdma_read || !dev.attr().caps.rdma_write {
+        eprintln!("skipped: no RDMA read and write");
+        return;
+    }
+    let target = Domain::with_device(hw_device(), Config::default());
+    let idev = hw_device();
+    let init = Domain::with_device(idev.clone(), Config::default());
+    let (tcq, icq) = (
+        CompletionQueue::new(&target, 64).unwrap(),
+        CompletionQueue::new(&init, 64).unwrap(),
+    );
+    let (tav, iav) = (AddressVector::new(&target), AddressVector::new(&init));
+    let t = efa::Endpoint::<efa::Rdm>::builder(&target)
+        .cq(&tcq)
+        .av(&tav)
+        .local_path(false)
+        .build()
+        .unwrap();
+    let i = efa::Endpoint::<efa::Rdm>::builder(&init)
+        .cq(&icq)
+        .av(&iav)
+        .local_path(false)
+        .build()
+        .unwrap();
+    const N: usize = 64 << 10;
+    let tregion = target
+        .register(vec![0u8; 4 * N], Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    let rk = tregion.remote_key().unwrap();
+    let peer = iav.insert(t.addr()).unwrap();
+    tav.insert(i.addr()).unwrap();
+    let wait_one = |ctx: u64| -> efa::Completion {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut got = Vec::new();
+        while Instant::now() < deadline {
+            let _ = tcq.poll(&mut Vec::new(), 16);
+            match icq.poll(&mut got, 1) {
+                Ok(_) if !got.is_empty() => {
+                    let c = got.pop().unwrap();
+                    assert_eq!(c.context, ctx);
+                    return c;
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::Again => {}
+                Err(e) => panic!("context {ctx}: {e:?} {:?}", icq.read_err()),
+            }
+        }
+        panic!("context {ctx}: no completion");
+    };
+    let before = idev.stats();
+    // Four writes from one region and four reads into another: no registration at all.
+    let mut src = init
+        .register(
+            (0..N).map(|x| (x % 251) as u8).collect::<Vec<u8>>(),
+            Access::WRITE,
+        )
+        .unwrap();
+    let mut dst = init.register(vec![0u8; N], Access::READ).unwrap();
+    for k in 0..4u64 {
+        i.write(peer, src, rk.at(k * N as u64), k).unwrap();
+        src = wait_one(k).buf.into_region().unwrap();
+        i.read(peer, dst, N, rk.at(k * N as u64), 10 + k).unwrap();
+        dst = wait_one(10 + k).buf.into_region().unwrap();
+        assert!(dst.read()[..] == src.read()[..], "read {k} differs");
+        dst.write().fill(0);
+    }
+    let regions = idev.stats();
+    assert_eq!(
+        (
+            regions.mr_registrations - before.mr_registrations,
+            regions.mr_cache_hits - before.mr_cache_hits
+        ),
+        (0, 0),
+        "{regions:?}"
+    );
+    assert!(regions.rdma_bytes - before.rdma_bytes >= 8 * N as u64);
+    // The same Bytes written four times: registered once, then three cache hits.
+    let data = Bytes::from(vec![7u8; N]);
+    for k in 0..4u64 {
+        i.write(peer, data.clone(), rk.at(k * N as u64), 20 + k)
+            .unwrap();
+        wait_one(20 + k);
+    }
+    let cached = idev.stats();
+    assert_eq!(
+        (
+            cached.mr_registrations - regions.mr_registrations,
+            cached.mr_cache_hits - regions.mr_cache_hits
+        ),
+        (1, 3),
+        "{cached:?}"
+    );
+    assert!(tregion.read().iter().all(|&b| b == 7));
+}

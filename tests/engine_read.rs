@@ -207,6 +207,7 @@ fn write_op(dest: RawAddr, addr: u64, data: Bytes, imm: Option<u32>, context: u6
         local_key: None,
         delivery_complete: false,
         context,
+        local_region: None,
     }
 }
 
@@ -224,6 +225,7 @@ fn read_op(dest: RawAddr, addr: u64, len: usize, context: u64) -> RmaOp {
         local_key: None,
         delivery_complete: false,
         context,
+        local_region: None,
     }
 }
 
@@ -405,6 +407,7 @@ fn device_rdma_only_when_both_sides_advertise_it() {
                         local_key: None,
                         delivery_complete: false,
                         context: 3,
+                        local_region: None,
                     };
                     assert_not_device(run_rma(&mut sim, 0, op, seed), before, &sim, seed);
                 }
@@ -1668,6 +1671,7 @@ fn emulated_writes_reads_and_atomics_under_faults() {
                 local_key: None,
                 delivery_complete: false,
                 context: 5000 + j,
+                local_region: None,
             };
             let d = run_rma(&mut sim, 0, op, seed).unwrap();
             let RmaBuf::Atomic { fetch: Some(f), .. } = d.buf else {

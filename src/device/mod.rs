@@ -28,7 +28,7 @@ use bytes::{Bytes, BytesMut};
 
 use crate::addr::{Gid, RawAddr};
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{Access, RegionMem};
+use crate::mem::{Access, RegionMem, RegionSlice};
 use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 
@@ -588,6 +588,39 @@ pub trait QueuePair: Send + fmt::Debug {
         _imm: Option<u32>,
     ) -> Result<()> {
         Err(Error::new(ErrorKind::NotSupported, "post_write"))
+    }
+    /// Whether [`post_read_region`](QueuePair::post_read_region) and
+    /// [`post_write_region`](QueuePair::post_write_region) work: the device reads and writes
+    /// the memory of regions it registered ([`Device::register_mem`]) itself, with that
+    /// registration (no copy, no registration per operation). Default false.
+    fn region_rdma(&self) -> bool {
+        false
+    }
+    /// As [`post_read`](QueuePair::post_read), into `local` (a slice of a region this device
+    /// registered, at least `remote.len` bytes): the data lands in the region, and the
+    /// completion hands back no buffer. `InvalidArgument` when the slice is not inside a live
+    /// registration of `local.key` that allows local writes. The default is `NotSupported`.
+    fn post_read_region(
+        &mut self,
+        _wr_id: u64,
+        _dest: RawAddr,
+        _local: RegionSlice,
+        _remote: RemoteIov,
+    ) -> Result<()> {
+        Err(Error::new(ErrorKind::NotSupported, "post_read_region"))
+    }
+    /// As [`post_write`](QueuePair::post_write), from `local` (a slice of a region this device
+    /// registered; `remote.len` must equal `local.len`). `InvalidArgument` when the slice is not
+    /// inside a live registration of `local.key`. The default is `NotSupported`.
+    fn post_write_region(
+        &mut self,
+        _wr_id: u64,
+        _dest: RawAddr,
+        _local: RegionSlice,
+        _remote: RemoteIov,
+        _imm: Option<u32>,
+    ) -> Result<()> {
+        Err(Error::new(ErrorKind::NotSupported, "post_write_region"))
     }
 }
 

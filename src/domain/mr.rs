@@ -121,6 +121,18 @@ impl MemoryRegion {
             .then_some((self.key, self.mem.addr))
     }
 
+    /// The whole region as its device registered it, for device RDMA straight to and from its
+    /// memory (`QueuePair::post_read_region` / `post_write_region`): `Some` only when the
+    /// device registered the region itself and it is not revoked.
+    pub(crate) fn device_slice(&self) -> Option<crate::mem::RegionSlice> {
+        (self.device_registered && !self.revoked).then(|| crate::mem::RegionSlice {
+            mem: self.mem.clone(),
+            key: self.key,
+            addr: self.mem.addr,
+            len: self.mem.len,
+        })
+    }
+
     /// The key.
     pub fn key(&self) -> u64 {
         self.key

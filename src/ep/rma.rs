@@ -284,10 +284,26 @@ impl RdmCore {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
-        let data = match write_bytes(&buf, self) {
+        // A device-registered region goes to the device as it is (no copy); the engine copies
+        // it only if the write is emulated.
+        let local_region = match &buf {
+            SendBuf::Region(r) if self.region_rdma => r.device_slice(),
+            _ => None,
+        };
+        let data = match &local_region {
+            Some(_) => match &buf {
+                SendBuf::Region(r) => r
+                    .check_local(&self.domain, Access::WRITE, "write")
+                    .map(|()| Bytes::new()),
+                SendBuf::Bytes(b) => Ok(b.clone()),
+            },
+            None => write_bytes(&buf, self),
+        };
+        let data = match data {
             Ok(d) => d,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
+        let len = local_region.as_ref().map_or(data.len(), |r| r.len);
         let (region, local_key) = match buf {
             SendBuf::Region(r) => {
                 let k = readable(&r);
@@ -297,7 +313,7 @@ impl RdmCore {
         };
         let remote = RemoteIov {
             addr: to.addr,
-            len: data.len() as u64,
+            len: len as u64,
             key: to.key,
         };
         let state = OpState {
@@ -317,6 +333,7 @@ impl RdmCore {
             local_key,
             delivery_complete: o.delivery_complete,
             context: 0,
+            local_region,
         };
         self.start_rma(state, op, "write")
     }
@@ -333,6 +350,7 @@ impl RdmCore {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
+        let mut local_region = None;
         let (down, target) = match buf {
             RecvBuf::Bytes(mut b) => {
                 b.clear();
@@ -348,8 +366,14 @@ impl RdmCore {
                         .with_detail(format!("region of {} bytes cannot hold {len}", r.len()));
                     return Err(refuse(e, Buffer::Region(r)));
                 }
+                // A device-registered region gets the data from the device itself.
+                local_region = self
+                    .region_rdma
+                    .then(|| r.device_slice().and_then(|s| s.sub(0, len)))
+                    .flatten();
+                let room = if local_region.is_some() { 0 } else { len };
                 (
-                    BytesMut::with_capacity(len),
+                    BytesMut::with_capacity(room),
                     Some(super::buf::RecvTarget::Region {
                         region: r,
                         offset: 0,
@@ -376,6 +400,7 @@ impl RdmCore {
             local_key: None,
             delivery_complete: false,
             context: 0,
+            local_region,
         };
         self.start_rma(state, op, "read")
     }
@@ -470,6 +495,7 @@ impl RdmCore {
             local_key: None,
             delivery_complete,
             context: 0,
+            local_region: None,
         };
         self.start_rma(state, op, "atomic")
     }
@@ -484,7 +510,7 @@ impl RdmCore {
         let now = Instant::now();
         let mut st = self.state.lock();
         if st.closed {
-            let b = give_back(state, op_buf(op.kind));
+            let b = give_back(state, RmaBuf::from_kind(op.kind));
             return Err(refuse(Error::new(ErrorKind::Closed, name), b));
         }
         let key = st.ops.insert(state);
@@ -496,7 +522,7 @@ impl RdmCore {
             }
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                Err(refuse(e, give_back(s, op_buf(op.kind))))
+                Err(refuse(e, give_back(s, RmaBuf::from_kind(op.kind))))
             }
         }
     }
@@ -511,6 +537,9 @@ impl RdmCore {
         let flags = op.rma.unwrap_or(CompletionFlags::RMA);
         let ok = r.error.is_none();
         let buf = match (r.buf, op.target, op.region) {
+            (RmaBuf::InRegion, Some(t), _) => t.finish(BytesMut::new(), false),
+            (RmaBuf::InRegion, None, Some(region)) => Buffer::Region(region),
+            (RmaBuf::InRegion, None, None) => Buffer::None,
             (RmaBuf::Read(b), Some(t), _) => t.finish(b, ok),
             (RmaBuf::Read(b), None, _) => Buffer::Recv(b),
             (RmaBuf::Write(_), _, Some(region)) => Buffer::Region(region),
@@ -562,15 +591,6 @@ impl RdmCore {
     }
 }
 
-/// The buffer an RMA operation's kind carries.
-fn op_buf(kind: RmaKind) -> RmaBuf {
-    match kind {
-        RmaKind::Write { buf, .. } => RmaBuf::Write(buf),
-        RmaKind::Read { buf } => RmaBuf::Read(buf),
-        RmaKind::Atomic { operand, fetch, .. } => RmaBuf::Atomic { operand, fetch },
-    }
-}
-
 /// The user's buffer of a refused RMA operation.
 fn give_back(state: OpState, buf: RmaBuf) -> Buffer {
     match (buf, state.target, state.region) {
@@ -580,6 +600,7 @@ fn give_back(state: OpState, buf: RmaBuf) -> Buffer {
         (RmaBuf::Read(b), None, None) => Buffer::Recv(b),
         (RmaBuf::Atomic { fetch: Some(f), .. }, None, None) => Buffer::Recv(f),
         (RmaBuf::Atomic { operand, .. }, None, None) => Buffer::Send(operand),
+        (RmaBuf::InRegion, None, None) => Buffer::None,
     }
 }
 

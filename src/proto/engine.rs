@@ -27,6 +27,7 @@ use crate::addr::{Gid, RawAddr};
 use crate::device::{RemoteIov, Source, Status};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::Rng;
+use crate::mem::RegionSlice;
 use crate::proto::matching::Matcher;
 use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
@@ -184,6 +185,24 @@ pub enum TransmitKind {
         /// Local buffer, handed back in the device completion.
         buf: BytesMut,
     },
+    /// `post_write_region` of `local` (region memory the device registered) to `remote`, with
+    /// optional immediate data; `payload` is empty.
+    RdmaWriteRegion {
+        /// Target range.
+        remote: RemoteIov,
+        /// Immediate data for the target's completion.
+        imm: Option<u32>,
+        /// The source bytes, in a region.
+        local: RegionSlice,
+    },
+    /// `post_read_region` of `remote` into `local` (region memory the device registered); the
+    /// device completion hands back no buffer.
+    RdmaReadRegion {
+        /// Source range.
+        remote: RemoteIov,
+        /// Where the bytes land.
+        local: RegionSlice,
+    },
 }
 
 /// One RMA or atomic operation (`fi_write`, `fi_read`, `fi_writedata`, `fi_atomic`, ...).
@@ -203,6 +222,25 @@ pub struct RmaOp {
     pub delivery_complete: bool,
     /// Returned in the completion.
     pub context: u64,
+    /// The local side is this slice of a region the device registered, and the queue pair
+    /// takes region slices ([`QueuePair::region_rdma`](crate::device::QueuePair::region_rdma)):
+    /// a device write reads it and a device read lands in it, with no copy and no registration.
+    /// A write's buffer is then empty (its length is the slice's) and is filled from the region
+    /// only when the write takes another route; a read's buffer is empty and gets the data
+    /// only on another route, else the completion says [`RmaBuf::InRegion`].
+    pub local_region: Option<RegionSlice>,
+}
+
+impl RmaOp {
+    /// The bytes the operation moves from or into local memory.
+    pub fn local_len(&self) -> usize {
+        match (&self.kind, &self.local_region) {
+            (RmaKind::Write { .. } | RmaKind::Read { .. }, Some(r)) => r.len,
+            (RmaKind::Write { buf, .. }, None) => buf.len(),
+            (RmaKind::Read { buf }, None) => buf.capacity(),
+            (RmaKind::Atomic { operand, .. }, _) => operand.len(),
+        }
+    }
 }
 
 /// The kind of an [`RmaOp`].
@@ -242,6 +280,9 @@ pub enum RmaBuf {
     Write(Bytes),
     /// A read's destination, filled on success.
     Read(BytesMut),
+    /// A read's data went straight into its local region ([`RmaOp::local_region`]): nothing
+    /// to copy (on failure the region holds what the device wrote, unspecified).
+    InRegion,
     /// An atomic's operand and, for fetch and compare atomics, the previous target values.
     Atomic {
         /// The operand.
@@ -251,12 +292,24 @@ pub enum RmaBuf {
     },
 }
 
+impl RmaBuf {
+    /// The buffers an operation of this kind carries, handed back.
+    pub fn from_kind(kind: RmaKind) -> RmaBuf {
+        match kind {
+            RmaKind::Write { buf, .. } => RmaBuf::Write(buf),
+            RmaKind::Read { buf } => RmaBuf::Read(buf),
+            RmaKind::Atomic { operand, fetch, .. } => RmaBuf::Atomic { operand, fetch },
+        }
+    }
+}
+
 impl std::fmt::Debug for RmaBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         use crate::mem::Short;
         match self {
             RmaBuf::Write(b) => f.debug_tuple("Write").field(&Short(b)).finish(),
             RmaBuf::Read(b) => f.debug_tuple("Read").field(&Short(b)).finish(),
+            RmaBuf::InRegion => f.write_str("InRegion"),
             RmaBuf::Atomic { operand, fetch } => f
                 .debug_struct("Atomic")
                 .field("operand", &Short(operand))
@@ -687,6 +740,7 @@ impl Engine {
     )]
     fn rma_emulated(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
         let _ = now;
+        let op = Engine::own_buffers(op)?;
         self.ema_start(op)
     }
 

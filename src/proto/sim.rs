@@ -46,6 +46,7 @@ use crate::addr::{Gid, RawAddr};
 use crate::device::{RemoteIov, Source, Status};
 use crate::error::{Error, ErrorKind};
 use crate::fault::Rng;
+use crate::mem::RegionSlice;
 use crate::proto::engine::{
     Engine, EngineConfig, Event, RecvOp, RmaMemory, RmaOp, SendOp, Transmit, TransmitKind,
 };
@@ -322,6 +323,8 @@ enum RdmaOp {
     Read {
         remote: RemoteIov,
         buf: BytesMut,
+        /// A region read: the data goes here, and the completion hands back no buffer.
+        into: Option<RegionSlice>,
     },
 }
 
@@ -989,7 +992,23 @@ impl Sim {
                 data: t.payload,
                 imm,
             },
-            TransmitKind::RdmaRead { remote, buf } => RdmaOp::Read { remote, buf },
+            TransmitKind::RdmaRead { remote, buf } => RdmaOp::Read {
+                remote,
+                buf,
+                into: None,
+            },
+            // Region memory: the simulated NIC copies it out when the work request starts, and
+            // puts read data into it when the read is served.
+            TransmitKind::RdmaWriteRegion { remote, imm, local } => RdmaOp::Write {
+                remote,
+                data: local.to_bytes().unwrap_or_default(),
+                imm,
+            },
+            TransmitKind::RdmaReadRegion { remote, local } => RdmaOp::Read {
+                remote,
+                buf: BytesMut::with_capacity(local.len),
+                into: Some(local),
+            },
             TransmitKind::Send => return,
         };
         let mut delay = self.cfg.latency;
@@ -1024,8 +1043,10 @@ impl Sim {
         let Some(j) = self.target(&to) else {
             self.stats.unresponsive += 1;
             let buf = match op {
-                RdmaOp::Read { buf, .. } => Some(buf),
-                RdmaOp::Write { .. } => None,
+                RdmaOp::Read {
+                    buf, into: None, ..
+                } => Some(buf),
+                RdmaOp::Read { .. } | RdmaOp::Write { .. } => None,
             };
             let a = done(Status::UnresponsiveRemote, buf);
             return self.schedule(self.cfg.unresponsive_after, a);
@@ -1033,8 +1054,10 @@ impl Sim {
         if self.nodes[j].no_ah.contains(&from) {
             self.stats.rdma_no_ah += 1;
             let buf = match op {
-                RdmaOp::Read { buf, .. } => Some(buf),
-                RdmaOp::Write { .. } => None,
+                RdmaOp::Read {
+                    buf, into: None, ..
+                } => Some(buf),
+                RdmaOp::Read { .. } | RdmaOp::Write { .. } => None,
             };
             return self.schedule(self.cfg.completion_delay, done(Status::UnknownPeer, buf));
         }
@@ -1081,7 +1104,11 @@ impl Sim {
                 };
                 self.schedule(self.cfg.completion_delay, done(status, None));
             }
-            RdmaOp::Read { remote, mut buf } => {
+            RdmaOp::Read {
+                remote,
+                mut buf,
+                into,
+            } => {
                 let r = match &mem {
                     Some(_) if (buf.capacity() as u64) < remote.len => {
                         Err(Error::new(ErrorKind::MsgSize, "rdma"))
@@ -1091,7 +1118,7 @@ impl Sim {
                 };
                 let status = match r {
                     Err(e) if e.kind() == ErrorKind::Again => {
-                        let op = RdmaOp::Read { remote, buf };
+                        let op = RdmaOp::Read { remote, buf, into };
                         let again = Action::Rdma {
                             from,
                             inc,
@@ -1110,10 +1137,14 @@ impl Sim {
                         self.stats.rdma_bytes += data.len() as u64;
                         buf.clear();
                         buf.extend_from_slice(&data);
-                        Status::Success
+                        match &into {
+                            Some(r) if r.write_from(&data).is_err() => Status::LocalQpInternalError,
+                            _ => Status::Success,
+                        }
                     }
                 };
-                self.schedule(self.cfg.completion_delay, done(status, Some(buf)));
+                let buf = if into.is_some() { None } else { Some(buf) };
+                self.schedule(self.cfg.completion_delay, done(status, buf));
             }
         }
     }

@@ -83,7 +83,7 @@ pub use discovery::{
     apply_use_device_rdma, is_pci_addr, sysfs_location,
 };
 pub use fork::ForkSupport;
-pub use mr::ibv_access;
+pub use mr::{MrCacheLimits, ibv_access};
 pub use status::{opcode_from_wc, status_from_vendor_err, status_from_wc};
 pub use verbs::{EfaMr, device_names};
 
@@ -125,6 +125,10 @@ pub struct EfaDevice {
     strays: Arc<AtomicU64>,
     /// The NIC registrations of domain regions ([`Device::register_mem`]), by rkey.
     regions: parking_lot::Mutex<std::collections::HashMap<u64, (EfaMr, Arc<RegionMem>)>>,
+    /// The local keys of `regions`, shared with the queue pairs (region RDMA).
+    local_keys: Arc<mr::LocalKeys>,
+    /// Registrations of RDMA write buffers, shared with the queue pairs.
+    mr_cache: Arc<mr::MrCache<EfaMr>>,
     /// Queue pairs' bounce pools go on huge pages when there are any (`FI_EFA_USE_HUGE_PAGE`).
     huge_pages: bool,
 }
@@ -149,27 +153,27 @@ impl EfaDevice {
     pub fn open(name: &str, use_device_rdma: Option<bool>) -> Result<Arc<EfaDevice>> {
         // FI_EFA_FORK_SAFE and FI_EFA_USE_HUGE_PAGE from the environment.
         let env = Config::from_env().unwrap_or_default();
-        EfaDevice::open_with(name, use_device_rdma, env.fork_safe, env.huge_pages())
+        EfaDevice::open_with(name, use_device_rdma, &env)
     }
 
-    /// [`EfaDevice::open`] with fork safety and huge pages as `config` says (what a domain
-    /// opened from an `Info` uses: the configuration the `Info` carries, not the environment).
+    /// [`EfaDevice::open`] with fork safety, huge pages and the MR cache as `config` says (what
+    /// a domain opened from an `Info` uses: the configuration the `Info` carries, not the
+    /// environment).
     pub fn open_configured(
         name: &str,
         use_device_rdma: Option<bool>,
         config: &Config,
     ) -> Result<Arc<EfaDevice>> {
-        EfaDevice::open_with(name, use_device_rdma, config.fork_safe, config.huge_pages())
+        EfaDevice::open_with(name, use_device_rdma, config)
     }
 
     fn open_with(
         name: &str,
         use_device_rdma: Option<bool>,
-        fork_safe: bool,
-        huge_pages: bool,
+        config: &Config,
     ) -> Result<Arc<EfaDevice>> {
         // Before anything is registered: ibv_fork_init must come first (see `fork`).
-        let fork = fork::prepare(fork_safe);
+        let fork = fork::prepare(config.fork_safe);
         let ctx = verbs::Context::open(name)?;
         let queried = ctx.query()?;
         let attr = queried.device_attr(use_device_rdma)?;
@@ -181,6 +185,7 @@ impl EfaDevice {
             );
         }
         let shared = verbs::Shared::new(&ctx)?;
+        let cache_limits = mr::MrCacheLimits::from_config(config, queried.device.max_mr_size);
         tracing::debug!(device = name, gid = %attr.gid, mtu = attr.mtu, caps = ?attr.caps, ?fork, "efa: device opened");
         Ok(Arc::new(EfaDevice {
             attr,
@@ -189,7 +194,9 @@ impl EfaDevice {
             counters: Arc::new(DeviceCounters::default()),
             strays: Arc::new(AtomicU64::new(0)),
             regions: parking_lot::Mutex::new(std::collections::HashMap::new()),
-            huge_pages,
+            local_keys: Arc::default(),
+            mr_cache: Arc::new(mr::MrCache::new(cache_limits)),
+            huge_pages: config.huge_pages(),
         }))
     }
 
@@ -204,12 +211,7 @@ impl EfaDevice {
             if !config.iface_allows(&name) {
                 continue;
             }
-            match EfaDevice::open_with(
-                &name,
-                config.use_device_rdma,
-                config.fork_safe,
-                config.huge_pages(),
-            ) {
+            match EfaDevice::open_with(&name, config.use_device_rdma, config) {
                 Ok(d) => out.push(d),
                 Err(e) if e.kind() == ErrorKind::Config => return Err(e),
                 Err(e) if e.kind() == ErrorKind::NotSupported => {
@@ -407,7 +409,7 @@ impl Device for EfaDevice {
             huge_pages: self.huge_pages,
         };
         let addr = crate::addr::RawAddr::new(a.gid, qpn, qkey);
-        let qp = qp::EfaQp::new(
+        let mut qp = qp::EfaQp::new(
             nic,
             addr,
             attr.qp_type,
@@ -416,6 +418,8 @@ impl Device for EfaDevice {
             self.counters.clone(),
             self.strays.clone(),
         )?;
+        qp.set_local_keys(self.local_keys.clone());
+        qp.set_mr_cache(self.mr_cache.clone());
         tracing::debug!(%addr, qp_type = ?attr.qp_type, send_depth, recv_depth, "efa: queue pair created");
         Ok(Box::new(qp))
     }
@@ -456,12 +460,20 @@ impl Device for EfaDevice {
             ?want,
             "efa: region registered with the NIC"
         );
+        let local = mr::LocalKey {
+            lkey: mr.lkey(),
+            addr: mem.addr(),
+            len: mem.len(),
+        };
         self.regions.lock().insert(key, (mr, mem.clone()));
+        self.local_keys.0.lock().insert(key, local);
         Ok(Some(key))
     }
 
     fn deregister_mem(&self, key: u64) {
-        // Dropping the registration is `ibv_dereg_mr`: the NIC stops serving the key.
+        // Forget the local key first (a queue pair posts under this lock), then drop the
+        // registration: `ibv_dereg_mr`, after which the NIC serves the key no more.
+        self.local_keys.0.lock().remove(&key);
         drop(self.regions.lock().remove(&key));
     }
 }

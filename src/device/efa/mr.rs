@@ -23,6 +23,9 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use bytes::Bytes;
 
 use super::nic::{Nic, Registration, Sge};
 use crate::error::{Error, ErrorKind, Result};
@@ -325,5 +328,181 @@ mod tests {
         );
         assert_eq!(ibv_access(Access::REMOTE_READ), ACCESS_REMOTE_READ);
         assert_eq!(ibv_access(Access::LOCAL | Access::REMOTE), 7);
+    }
+}
+
+/// What a queue pair needs to point a work request at the memory of a domain region the device
+/// registered ([`Device::register_mem`](crate::device::Device::register_mem)): its local key
+/// and range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalKey {
+    /// The registration's local key.
+    pub lkey: u32,
+    /// First registered address.
+    pub addr: u64,
+    /// Registered length.
+    pub len: usize,
+}
+
+impl LocalKey {
+    /// The local key for the `len` bytes at `addr`, when they lie inside this registration.
+    pub fn covering(&self, addr: u64, len: usize) -> Option<u32> {
+        let off = addr.checked_sub(self.addr)?;
+        let end = off.checked_add(len as u64)?;
+        (end <= self.len as u64).then_some(self.lkey)
+    }
+}
+
+/// The local keys of a device's live region registrations, by the key the device handed out,
+/// shared by the device and its queue pairs. The device removes an entry before it deregisters
+/// (under this lock), and a queue pair posts a work request naming an entry while it holds the
+/// lock: no work request is posted with a key that is being deregistered. (One that is on the
+/// device when its region is deregistered completes with an error; the NIC no longer touches
+/// the memory once `ibv_dereg_mr` has returned.)
+#[derive(Debug, Default)]
+pub struct LocalKeys(pub(crate) parking_lot::Mutex<std::collections::HashMap<u64, LocalKey>>);
+
+/// How many registrations, and how many bytes, the MR cache of a device keeps at most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MrCacheLimits {
+    /// Most cached registrations (0: the cache is off).
+    pub count: usize,
+    /// Most cached bytes.
+    pub bytes: usize,
+}
+
+impl MrCacheLimits {
+    /// Registrations kept when `FI_EFA_MR_MAX_CACHED_COUNT` is 0.
+    pub const DEFAULT_COUNT: usize = 1024;
+    /// Bytes kept when `FI_EFA_MR_MAX_CACHED_SIZE` is 0 (bounded further by 90 % of the
+    /// device's largest registration).
+    pub const DEFAULT_BYTES: usize = 256 << 20;
+
+    /// The limits `FI_EFA_MR_CACHE_ENABLE`, `FI_EFA_MR_MAX_CACHED_COUNT` and
+    /// `FI_EFA_MR_MAX_CACHED_SIZE` set, on a device whose largest registration is
+    /// `max_mr_size` bytes. Disabled: a count of 0.
+    ///
+    /// ```
+    /// # #[cfg(feature = "efa")] {
+    /// use efa::Config;
+    /// use efa::device::efa::MrCacheLimits;
+    /// let l = MrCacheLimits::from_config(&Config::default(), 1 << 40);
+    /// assert_eq!((l.count, l.bytes), (1024, 256 << 20));
+    /// let off = Config::from_vars([("FI_EFA_MR_CACHE_ENABLE", "0")]).unwrap();
+    /// assert_eq!(MrCacheLimits::from_config(&off, 1 << 40).count, 0);
+    /// # }
+    /// ```
+    pub fn from_config(config: &crate::config::Config, max_mr_size: u64) -> MrCacheLimits {
+        if !config.mr_cache_enable {
+            return MrCacheLimits { count: 0, bytes: 0 };
+        }
+        let device = usize::try_from(max_mr_size / 10 * 9).unwrap_or(usize::MAX);
+        MrCacheLimits {
+            count: match config.mr_max_cached_count {
+                0 => Self::DEFAULT_COUNT,
+                n => n,
+            },
+            bytes: match config.mr_max_cached_size {
+                0 => Self::DEFAULT_BYTES.min(device),
+                n => n,
+            },
+        }
+    }
+}
+
+struct Cached<M> {
+    mr: Arc<M>,
+    /// Keeps the registered memory allocated while the NIC knows it: the buffer cannot be freed
+    /// (and its pages handed to other data) as long as the registration is cached.
+    _keep: Bytes,
+    used: u64,
+}
+
+/// The device's cache of registrations of the buffers RDMA writes send from (`FI_EFA_MR_CACHE_*`):
+/// writing the same `Bytes` again reuses its registration instead of registering and
+/// deregistering it per operation.
+///
+/// An entry holds a clone of the `Bytes` it registered, so the memory stays allocated, at the
+/// same pages, while the NIC may read it: a later buffer at the same address and length is then
+/// the same memory (nothing else can be allocated there), which is what makes a lookup by
+/// address safe without a memory monitor (libfabric hooks `munmap`/uses userfaultfd instead).
+/// The price: up to the cache's byte limit of written buffers stays allocated until their
+/// entries are evicted (least recently used first) or the device is dropped. Receive buffers
+/// (`BytesMut`) are never cached: nothing can keep them alive without owning them. Regions need
+/// no cache: they are registered once, at [`Domain::register`](crate::Domain::register).
+pub struct MrCache<M: Registration> {
+    limits: MrCacheLimits,
+    inner: parking_lot::Mutex<CacheInner<M>>,
+}
+
+struct CacheInner<M> {
+    entries: std::collections::HashMap<(usize, usize), Cached<M>>,
+    bytes: usize,
+    tick: u64,
+}
+
+impl<M: Registration> MrCache<M> {
+    /// An empty cache with these limits.
+    pub fn new(limits: MrCacheLimits) -> MrCache<M> {
+        MrCache {
+            limits,
+            inner: parking_lot::Mutex::new(CacheInner {
+                entries: std::collections::HashMap::new(),
+                bytes: 0,
+                tick: 0,
+            }),
+        }
+    }
+
+    /// The registration of `buf` (non-empty), from the cache or made by `register` (and
+    /// cached when it fits the limits). The flag is true for a cache hit.
+    pub fn get(&self, buf: &Bytes, register: impl FnOnce() -> Result<M>) -> Result<(Arc<M>, bool)> {
+        let key = (buf.as_ptr() as usize, buf.len());
+        let len = buf.len();
+        if self.limits.count == 0 || len > self.limits.bytes {
+            return Ok((Arc::new(register()?), false));
+        }
+        let mut g = self.inner.lock();
+        g.tick += 1;
+        let tick = g.tick;
+        if let Some(e) = g.entries.get_mut(&key) {
+            e.used = tick;
+            return Ok((e.mr.clone(), true));
+        }
+        let mr = Arc::new(register()?);
+        while g.entries.len() >= self.limits.count || g.bytes + len > self.limits.bytes {
+            let Some((&old, _)) = g.entries.iter().min_by_key(|(_, e)| e.used) else {
+                break;
+            };
+            g.entries.remove(&old);
+            g.bytes -= old.1;
+        }
+        g.bytes += len;
+        g.entries.insert(
+            key,
+            Cached {
+                mr: mr.clone(),
+                _keep: buf.clone(),
+                used: tick,
+            },
+        );
+        Ok((mr, false))
+    }
+
+    /// Cached registrations and their bytes.
+    pub fn usage(&self) -> (usize, usize) {
+        let g = self.inner.lock();
+        (g.entries.len(), g.bytes)
+    }
+}
+
+impl<M: Registration> std::fmt::Debug for MrCache<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (n, b) = self.usage();
+        f.debug_struct("MrCache")
+            .field("limits", &self.limits)
+            .field("entries", &n)
+            .field("bytes", &b)
+            .finish()
     }
 }

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use crate::addr::Gid;
 use crate::error::Result;
 
-/// A memory registration; dropping it deregisters the memory (after which the NIC no longer
+/// A memory registration (shared by the MR cache and the work requests that use it); dropping
+/// the last handle deregisters the memory (after which the NIC no longer
 /// touches it).
-pub trait Registration: Send {
+pub trait Registration: Send + Sync {
     /// Local key.
     fn lkey(&self) -> u32;
 }

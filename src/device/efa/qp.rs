@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 
-use super::mr::{ACCESS_LOCAL_WRITE, SlotPool};
+use super::mr::{ACCESS_LOCAL_WRITE, LocalKeys, MrCache, SlotPool};
 use super::nic::{Nic, Payload, RawWc, Registration, SendOp, SendWqe};
 use super::status::status_from_wc;
 use super::verbs_error;
@@ -20,6 +20,7 @@ use crate::device::{
     DeviceCaps, DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Source, Status,
 };
 use crate::error::{Error, ErrorKind, Result};
+use crate::mem::RegionSlice;
 use crate::notify::Notifier;
 use crate::stats::{self, DeviceCounters};
 
@@ -50,11 +51,18 @@ enum Res<N: Nic> {
         len: usize,
     },
     Write {
-        /// Deregistered before `src` is dropped.
-        mr: Option<N::Mr>,
+        /// Dropped before `src` (deregistered then, unless the MR cache holds it too).
+        mr: Option<Arc<N::Mr>>,
         src: Bytes,
         _ah: Arc<N::Ah>,
         len: usize,
+    },
+    /// An RDMA read into, or write from, region memory under the region's own registration.
+    Region {
+        _local: RegionSlice,
+        _ah: Arc<N::Ah>,
+        len: usize,
+        read: bool,
     },
 }
 
@@ -125,6 +133,10 @@ pub struct EfaQp<N: Nic> {
     counters: Arc<DeviceCounters>,
     /// Completions matching no outstanding work request (device-wide).
     strays: Arc<AtomicU64>,
+    /// The device's region registrations (`post_*_region`).
+    local_keys: Arc<LocalKeys>,
+    /// The device's cache of write-buffer registrations (`None`: register per operation).
+    mr_cache: Option<Arc<MrCache<N::Mr>>>,
 }
 
 impl<N: Nic> fmt::Debug for EfaQp<N> {
@@ -183,7 +195,21 @@ impl<N: Nic> EfaQp<N> {
             notifier,
             counters,
             strays,
+            local_keys: Arc::default(),
+            mr_cache: None,
         })
+    }
+
+    /// Shares the device's MR cache with this queue pair: RDMA writes reuse the registrations
+    /// of buffers written before.
+    pub fn set_mr_cache(&mut self, cache: Arc<MrCache<N::Mr>>) {
+        self.mr_cache = Some(cache);
+    }
+
+    /// Shares the device's region registrations with this queue pair, for
+    /// [`QueuePair::post_read_region`] and [`QueuePair::post_write_region`].
+    pub fn set_local_keys(&mut self, keys: Arc<LocalKeys>) {
+        self.local_keys = keys;
     }
 
     /// The NIC (tests).
@@ -247,7 +273,7 @@ impl<N: Nic> EfaQp<N> {
                 drop(mr);
                 drop(src);
             }
-            Res::Send { slot: None, .. } => {}
+            Res::Send { slot: None, .. } | Res::Region { .. } => {}
         }
     }
 
@@ -397,6 +423,19 @@ impl<N: Nic> EfaQp<N> {
                 }
                 DeviceCompletion::new(wr_id, status, Opcode::RdmaWrite, if ok { len } else { 0 })
             }
+            Res::Region { len, read, .. } => {
+                self.sends = self.sends.saturating_sub(1);
+                if ok {
+                    stats::inc(&c.rdma_ops);
+                    stats::add(&c.rdma_bytes, len as u64);
+                }
+                let opcode = if read {
+                    Opcode::RdmaRead
+                } else {
+                    Opcode::RdmaWrite
+                };
+                DeviceCompletion::new(wr_id, status, opcode, if ok { len } else { 0 })
+            }
         }
     }
 
@@ -441,7 +480,8 @@ impl<N: Nic> EfaQp<N> {
                     Res::Send { .. } => Opcode::Send,
                     Res::Recv { .. } => Opcode::Recv,
                     Res::Read { .. } => Opcode::RdmaRead,
-                    Res::Write { .. } => Opcode::RdmaWrite,
+                    Res::Write { .. } | Res::Region { read: false, .. } => Opcode::RdmaWrite,
+                    Res::Region { read: true, .. } => Opcode::RdmaRead,
                 };
                 std::mem::forget(res);
                 DeviceCompletion::new(wr_id, Status::Flushed, opcode, 0)
@@ -637,7 +677,9 @@ impl<N: Nic> QueuePair for EfaQp<N> {
             // SAFETY: the buffer's capacity (≥ len) stays allocated and in place while the
             // work request owns it; nothing reads or writes it until its completion, which
             // deregisters before handing it back.
-            Some(unsafe { self.nic.register(ptr, len, ACCESS_LOCAL_WRITE) }?)
+            let mr = unsafe { self.nic.register(ptr, len, ACCESS_LOCAL_WRITE) }?;
+            stats::inc(&self.counters.mr_registrations);
+            Some(mr)
         } else {
             None
         };
@@ -702,9 +744,20 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         self.send_room("post_write")?;
         let ah = self.nic.address_handle(&dest.gid)?;
         let mr = if len > 0 {
-            // SAFETY: `local` is kept by the work request until its completion, which
-            // deregisters before dropping it; the NIC only reads it (no write access).
-            Some(unsafe { self.nic.register(local.as_ptr().cast_mut(), len, 0) }?)
+            // SAFETY: `local` is kept by the work request until its completion, which drops
+            // the registration (deregistering it unless the MR cache keeps it, together with
+            // a clone of `local`) before dropping `local`; the NIC only reads it.
+            let register = || unsafe { self.nic.register(local.as_ptr().cast_mut(), len, 0) };
+            let (mr, hit) = match &self.mr_cache {
+                Some(cache) => cache.get(&local, register)?,
+                None => (Arc::new(register()?), false),
+            };
+            stats::inc(if hit {
+                &self.counters.mr_cache_hits
+            } else {
+                &self.counters.mr_registrations
+            });
+            Some(mr)
         } else {
             None
         };
@@ -739,9 +792,127 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         };
         self.post(&wqe, "ibv_wr_rdma_write")
     }
+
+    fn region_rdma(&self) -> bool {
+        self.qp_type == QpType::Srd && (self.limits.caps.rdma_read || self.limits.caps.rdma_write)
+    }
+
+    fn post_read_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.post_region(wr_id, dest, local, remote, None)
+    }
+
+    fn post_write_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.post_region(wr_id, dest, local, remote, Some(imm))
+    }
 }
 
 impl<N: Nic> EfaQp<N> {
+    /// `post_read_region` (`write` is `None`) and `post_write_region` (`Some(imm)`): the work
+    /// request names the region's own registration, looked up and posted under the lock of the
+    /// device's key table, so the registration cannot go away in between.
+    fn post_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+        write: Option<Option<u32>>,
+    ) -> Result<()> {
+        let (op, verb) = match write {
+            None => ("post_read_region", "ibv_wr_rdma_read"),
+            Some(_) => ("post_write_region", "ibv_wr_rdma_write"),
+        };
+        self.check_open(op)?;
+        let can = match write {
+            None => self.limits.caps.rdma_read,
+            Some(_) => self.limits.caps.rdma_write,
+        };
+        if !can || self.qp_type != QpType::Srd {
+            return Err(Error::new(ErrorKind::NotSupported, op)
+                .with_detail("no device RDMA of this kind on this queue pair"));
+        }
+        let len = match write {
+            None => self.rdma_len(op, remote, local.len as u64)?,
+            Some(_) if remote.len != local.len as u64 => {
+                return Err(
+                    Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
+                        "{} bytes into a remote range of {}",
+                        local.len, remote.len
+                    )),
+                );
+            }
+            Some(_) => self.rdma_len(op, remote, local.len as u64)?,
+        };
+        let rkey = rkey_of(op, remote.key)?;
+        self.send_room(op)?;
+        let ah = self.nic.address_handle(&dest.gid)?;
+        let keys = self.local_keys.clone();
+        let table = keys.0.lock();
+        let lkey = table
+            .get(&local.key)
+            .and_then(|k| k.covering(local.addr, len))
+            .filter(|_| local.in_bounds())
+            .ok_or_else(|| {
+                Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
+                    "{len} bytes at {:#x} are not inside a live registration of key {}",
+                    local.addr, local.key
+                ))
+            })?;
+        let payload = if len > 0 {
+            Payload::Sge(super::nic::Sge {
+                addr: local.addr,
+                len: len as u32,
+                lkey,
+            })
+        } else {
+            self.empty_sge()
+        };
+        let token = self.table.insert(
+            wr_id,
+            Res::Region {
+                _local: local,
+                _ah: ah.clone(),
+                len,
+                read: write.is_none(),
+            },
+        );
+        let send_op = match write {
+            None => SendOp::Read {
+                rkey,
+                raddr: remote.addr,
+            },
+            Some(imm) => SendOp::Write {
+                rkey,
+                raddr: remote.addr,
+                imm,
+            },
+        };
+        let wqe = SendWqe {
+            wr_id: token,
+            op: send_op,
+            ah: &*ah,
+            remote_qpn: u32::from(dest.qpn),
+            remote_qkey: dest.qkey,
+            payload,
+        };
+        let r = self.post(&wqe, verb);
+        drop(table);
+        r
+    }
+
     /// The payload of a zero-byte RDMA operation: one zero-length SGE in the registered send
     /// pool, as libfabric posts (a work request with no SGE at all is not what EFA expects).
     fn empty_sge(&self) -> Payload<'static> {

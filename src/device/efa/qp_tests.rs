@@ -575,6 +575,174 @@ fn rdma_read_and_write_register_for_the_operation_only() {
     );
 }
 
+/// Region RDMA names the region's own registration: no registration per operation, the data
+/// goes straight to and from the region's memory, and a slice outside a live registration (or
+/// of a revoked key) is refused before anything is posted.
+#[test]
+fn region_rdma_uses_the_regions_registration() {
+    use super::super::mr::{LocalKey, LocalKeys};
+    use crate::mem::{RegionMem, RegionSlice};
+    let mut q = qp_with(QpType::Srd, rdma());
+    let mut buf = BytesMut::zeroed(64);
+    buf[..7].copy_from_slice(b"region!");
+    let mem = RegionMem::new(buf);
+    // SAFETY: the region's buffer outlives the registration (dropped at the end of the test).
+    let mr = unsafe {
+        q.nic_mut()
+            .register(mem.addr() as usize as *mut u8, mem.len(), 1)
+    }
+    .unwrap();
+    let keys = Arc::new(LocalKeys::default());
+    keys.0.lock().insert(
+        77,
+        LocalKey {
+            lkey: mr.lkey(),
+            addr: mem.addr(),
+            len: mem.len(),
+        },
+    );
+    q.set_local_keys(keys.clone());
+    assert!(q.region_rdma());
+    let base = q.nic_mut().live_regs();
+    let dest = RawAddr::new(gid(3), 4, 5);
+    let r = RemoteIov {
+        addr: 0x10_0000,
+        len: 7,
+        key: 0x42,
+    };
+    let whole = RegionSlice {
+        mem: mem.clone(),
+        key: 77,
+        addr: mem.addr(),
+        len: mem.len(),
+    };
+    q.post_write_region(1, dest, whole.sub(0, 7).unwrap(), r, Some(5))
+        .unwrap();
+    q.post_read_region(
+        2,
+        dest,
+        whole.sub(32, 6).unwrap(),
+        RemoteIov { len: 6, ..r },
+    )
+    .unwrap();
+    assert_eq!(
+        q.nic_mut().live_regs(),
+        base,
+        "no registration per operation"
+    );
+    let n = q.nic_mut();
+    assert_eq!(n.sends[0].data, b"region!");
+    for (s, off) in n.sends.iter().zip([0u64, 32]) {
+        let sge = s.sge.expect("one SGE");
+        assert_eq!((sge.lkey, sge.addr), (mr.lkey(), mem.addr() + off));
+    }
+    n.fill_read(1, b"remote");
+    n.complete_send(0, IBV_WC_SUCCESS, 0);
+    n.complete_send(1, IBV_WC_SUCCESS, 0);
+    let c = poll_all(&mut q);
+    assert_eq!(
+        c.iter()
+            .map(|c| (c.wr_id, c.opcode, c.status, c.byte_len, c.buf.is_some()))
+            .collect::<Vec<_>>(),
+        [
+            (1, Opcode::RdmaWrite, Status::Success, 7, false),
+            (2, Opcode::RdmaRead, Status::Success, 6, false)
+        ]
+    );
+    let mut got = BytesMut::new();
+    mem.read_into(mem.addr() + 32, 6, &mut got).unwrap();
+    assert_eq!(&got[..], b"remote", "the read landed in the region");
+    // Refusals: past the registration, an unknown key, a revoked key; nothing posted.
+    let past = RegionSlice {
+        addr: mem.addr() + 60,
+        len: 7,
+        ..whole.clone()
+    };
+    let e = q.post_write_region(3, dest, past, r, None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let unknown = RegionSlice {
+        key: 78,
+        ..whole.sub(0, 7).unwrap()
+    };
+    let e = q.post_write_region(3, dest, unknown, r, None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    keys.0.lock().remove(&77);
+    let e = q
+        .post_read_region(3, dest, whole.sub(0, 7).unwrap(), r)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(q.nic_mut().sends.len(), 2, "nothing more was posted");
+    // A read longer than the slice is refused; UD has no RDMA.
+    keys.0.lock().insert(
+        77,
+        LocalKey {
+            lkey: mr.lkey(),
+            addr: mem.addr(),
+            len: mem.len(),
+        },
+    );
+    let e = q
+        .post_read_region(3, dest, whole.sub(0, 4).unwrap(), r)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let mut ud = qp_with(QpType::Ud, rdma());
+    ud.set_local_keys(keys);
+    assert!(!ud.region_rdma());
+    let e = ud
+        .post_read_region(1, dest, whole.sub(0, 7).unwrap(), r)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotSupported);
+    drop(mr);
+}
+
+/// The MR cache: writing the same buffer again reuses its registration (kept alive with the
+/// buffer until evicted, least recently used first); a disabled cache registers per operation.
+#[test]
+fn the_mr_cache_registers_a_written_buffer_once() {
+    use super::super::mr::{MrCache, MrCacheLimits};
+    let dest = RawAddr::new(gid(3), 4, 5);
+    let remote = |len: usize| RemoteIov {
+        addr: 0x10_0000,
+        len: len as u64,
+        key: 0x42,
+    };
+    let run = |limits: MrCacheLimits| {
+        let mut q = qp_with(QpType::Srd, rdma());
+        let cache = Arc::new(MrCache::new(limits));
+        q.set_mr_cache(cache.clone());
+        let base = q.nic_mut().live_regs();
+        let bufs: Vec<Bytes> = (0..3u8).map(|i| Bytes::from(vec![i; 100])).collect();
+        let mut wr = 0;
+        // a, a, b, a, c, b: with room for two entries, c evicts b (a was used after b).
+        for i in [0, 0, 1, 0, 2, 1] {
+            wr += 1;
+            q.post_write(wr, dest, bufs[i].clone(), remote(100), None)
+                .unwrap();
+            let n = q.nic_mut().sends.len() - 1;
+            assert_eq!(q.nic_mut().sends[n].data, vec![i as u8; 100]);
+            q.nic_mut().complete_send(n, IBV_WC_SUCCESS, 0);
+            let c = poll_all(&mut q);
+            assert_eq!((c[0].wr_id, c[0].status), (wr, Status::Success));
+        }
+        let s = q.counters.snapshot();
+        let live = q.nic_mut().live_regs() - base;
+        (s.mr_registrations, s.mr_cache_hits, live, cache.usage())
+    };
+    let two = MrCacheLimits {
+        count: 2,
+        bytes: 1 << 20,
+    };
+    assert_eq!(run(two), (4, 2, 2, (2, 200)));
+    // Bounded by bytes as well: room for one buffer only.
+    let one = MrCacheLimits {
+        count: 100,
+        bytes: 150,
+    };
+    assert_eq!(run(one), (5, 1, 1, (1, 100)));
+    let off = MrCacheLimits { count: 0, bytes: 0 };
+    assert_eq!(run(off), (6, 0, 0, (0, 0)));
+}
+
 #[test]
 fn write_with_immediate_at_the_target() {
     let mut q = qp_with(QpType::Srd, rdma());

@@ -117,6 +117,7 @@ impl EndpointBuilder<Rdm> {
         // The HANDSHAKE advertises what the queue pair does, not what the device could.
         engine.set_unsolicited_write_recv(qp.unsolicited_write_recv());
         let rx_bufs = recv_depth;
+        let region_rdma = use_rdma && qp.region_rdma();
         let core = Arc::new(RdmCore {
             domain: self.domain.clone(),
             av,
@@ -128,6 +129,7 @@ impl EndpointBuilder<Rdm> {
             } else {
                 usize::MAX
             },
+            region_rdma,
             inject_size: crate::info::rdm_inject_size(&attr, &cfg),
             notifier: own,
             state: Mutex::new(State {

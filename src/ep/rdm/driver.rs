@@ -140,6 +140,14 @@ impl RdmCore {
                     Self::post_sends(st, now, &mut sends);
                     st.qp.post_read(wr_id, t.dest, buf, remote)
                 }
+                TransmitKind::RdmaWriteRegion { remote, imm, local } => {
+                    Self::post_sends(st, now, &mut sends);
+                    st.qp.post_write_region(wr_id, t.dest, local, remote, imm)
+                }
+                TransmitKind::RdmaReadRegion { remote, local } => {
+                    Self::post_sends(st, now, &mut sends);
+                    st.qp.post_read_region(wr_id, t.dest, local, remote)
+                }
             };
             if let Err(e) = posted {
                 tracing::warn!(error = %e, "device refused a work request");

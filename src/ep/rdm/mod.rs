@@ -204,6 +204,9 @@ pub struct RdmCore {
     /// engine reads the bytes it must send from the region (`SendOp::region_len`). The
     /// read-message threshold when the device reads, else never.
     region_send_min: usize,
+    /// Device RDMA reads and writes go straight to and from device-registered regions
+    /// (`QueuePair::region_rdma`, device RDMA on).
+    pub(super) region_rdma: bool,
     /// Largest inject (`tx_attr.inject_size`).
     inject_size: usize,
     notifier: Arc<Notifier>,

@@ -32,6 +32,7 @@ use super::{
 };
 use crate::addr::RawAddr;
 use crate::device::{RemoteIov, Source, Status};
+use crate::mem::RegionSlice;
 use crate::proto::wire::{ExtraFeature, IOV_LIMIT, IovList, Packet, PacketType, ReqOpt, Sender};
 
 /// Marks the `wr_id`s of RDMA work requests (those of packets have bit 63 clear).
@@ -159,6 +160,16 @@ impl Pieces {
         (pieces, out)
     }
 
+    /// `lens.len()` pieces that are not cut from a buffer (they land in a region).
+    fn uncut(lens: &[usize]) -> Pieces {
+        Pieces {
+            bufs: lens.iter().map(|&n| (n, None)).collect(),
+            rest: BytesMut::new(),
+            outstanding: lens.len(),
+            error: None,
+        }
+    }
+
     /// A piece came back (or will not: `buf` is `None`).
     fn put(&mut self, i: usize, buf: Option<BytesMut>, status: Status) {
         if let Some(slot) = self.bufs.get_mut(i) {
@@ -209,8 +220,13 @@ enum WrWhat {
         end: usize,
         imm: Option<u32>,
     },
-    /// Piece `piece`; its buffer (`None` once on the device, or allocated when posted).
-    Read { piece: usize, buf: Option<BytesMut> },
+    /// Piece `piece`; its buffer (`None` once on the device, or allocated when posted), or
+    /// the slice of the operation's region it lands in.
+    Read {
+        piece: usize,
+        buf: Option<BytesMut>,
+        region: Option<RegionSlice>,
+    },
 }
 
 /// One RDMA work request, queued or on the device.
@@ -439,21 +455,42 @@ impl Engine {
             let mut w = self.rd.wrs.remove(i)?;
             let (payload, kind) = match &mut w.what {
                 WrWhat::Write { off, end, imm } => {
-                    let buf = match w.owner {
+                    let (buf, region) = match w.owner {
                         WrOwner::Op(id) => match self.rd.ops.get(&id) {
-                            Some(DevOp::Write { buf, .. }) => buf,
+                            Some(DevOp::Write { buf, region, .. }) => (buf, region),
                             _ => continue,
                         },
                         _ => continue,
                     };
-                    if *off > *end || *end > buf.len() {
-                        continue;
+                    if let Some(r) = region {
+                        let Some(local) = r.sub(*off, end.saturating_sub(*off)) else {
+                            continue;
+                        };
+                        let kind = TransmitKind::RdmaWriteRegion {
+                            remote: w.remote,
+                            imm: *imm,
+                            local,
+                        };
+                        (Bytes::new(), kind)
+                    } else {
+                        if *off > *end || *end > buf.len() {
+                            continue;
+                        }
+                        let kind = TransmitKind::RdmaWrite {
+                            remote: w.remote,
+                            imm: *imm,
+                        };
+                        (buf.slice(*off..*end), kind)
                     }
-                    let kind = TransmitKind::RdmaWrite {
+                }
+                WrWhat::Read {
+                    region: Some(r), ..
+                } => {
+                    let kind = TransmitKind::RdmaReadRegion {
                         remote: w.remote,
-                        imm: *imm,
+                        local: r.clone(),
                     };
-                    (buf.slice(*off..*end), kind)
+                    (Bytes::new(), kind)
                 }
                 WrWhat::Read { buf, .. } => {
                     let n = usize::try_from(w.remote.len).unwrap_or(0);

@@ -145,6 +145,7 @@ impl Start {
             local_key: self.local_key,
             delivery_complete: self.delivery_complete,
             context: self.context,
+            local_region: None,
         }
     }
 }

@@ -15,16 +15,19 @@ pub(super) enum DevOp {
         peer: u64,
         context: u64,
         buf: Bytes,
+        /// The source is region memory (`RmaOp::local_region`); `buf` is empty.
+        region: Option<RegionSlice>,
         pending: usize,
         held: Option<Wr>,
         error: Option<Status>,
     },
-    /// Device read into the pieces of the user's buffer.
+    /// Device read into the pieces of the user's buffer (or straight into a region).
     Read {
         peer: u64,
         context: u64,
         len: usize,
         pieces: Pieces,
+        in_region: bool,
     },
     /// LONGREAD_RTW sent: waits for EOR (or READ_NACK).
     LongReadRtw { peer: u64, op: RmaOp, len: usize },
@@ -54,23 +57,20 @@ pub(super) fn dev_error(s: Status) -> Error {
 }
 
 pub(super) fn rma_buf(kind: RmaKind) -> RmaBuf {
-    match kind {
-        RmaKind::Write { buf, .. } => RmaBuf::Write(buf),
-        RmaKind::Read { buf } => RmaBuf::Read(buf),
-        RmaKind::Atomic { operand, fetch, .. } => RmaBuf::Atomic { operand, fetch },
-    }
+    RmaBuf::from_kind(kind)
 }
 
 impl Engine {
     /// Where `op` goes, once the peer's HANDSHAKE is known.
     pub(super) fn rma_route(&self, pid: u64, op: &RmaOp) -> Route {
+        let len = op.local_len();
         match &op.kind {
-            RmaKind::Write { buf, data } => {
+            RmaKind::Write { data, .. } => {
                 if self.both_write(pid) && (data.is_none() || self.imm_ok(pid)) {
                     Route::Device
                 } else if op.local_key.is_some()
-                    && !buf.is_empty()
-                    && buf.len() >= self.cfg.inter_min_read_write_size
+                    && len > 0
+                    && len >= self.cfg.inter_min_read_write_size
                     && self.both_read(pid)
                 {
                     Route::LongReadRtw
@@ -85,13 +85,14 @@ impl Engine {
 
     /// Whether this side could run `op` with the device (or LONGREAD_RTW) at all.
     pub(super) fn rma_could_use_device(&self, op: &RmaOp) -> bool {
+        let len = op.local_len();
         match &op.kind {
-            RmaKind::Write { buf, .. } => {
+            RmaKind::Write { .. } => {
                 self.cfg.device_rdma_write
                     || (self.cfg.device_rdma_read
                         && op.local_key.is_some()
-                        && !buf.is_empty()
-                        && buf.len() >= self.cfg.inter_min_read_write_size)
+                        && len > 0
+                        && len >= self.cfg.inter_min_read_write_size)
             }
             RmaKind::Read { .. } => self.cfg.device_rdma_read,
             RmaKind::Atomic { .. } => false,
@@ -99,17 +100,47 @@ impl Engine {
     }
 
     pub(super) fn validate_rma(op: &RmaOp) -> Result<(), Error> {
+        let len = op.local_len() as u64;
         match &op.kind {
-            RmaKind::Write { buf, .. } if buf.len() as u64 != op.remote.len => {
+            RmaKind::Write { buf, .. } if op.local_region.is_some() && !buf.is_empty() => {
+                Err(Error::new(ErrorKind::InvalidArgument, "rma")
+                    .with_detail("a write from a region carries no buffer of its own"))
+            }
+            RmaKind::Write { .. } if len != op.remote.len => {
                 Err(Error::new(ErrorKind::InvalidArgument, "rma")
                     .with_detail("the write's length differs from the remote range"))
             }
-            RmaKind::Read { buf } if (buf.capacity() as u64) < op.remote.len => {
+            RmaKind::Read { .. } if len < op.remote.len => {
                 Err(Error::new(ErrorKind::InvalidArgument, "rma")
                     .with_detail("the read buffer is smaller than the remote range"))
             }
             _ => Ok(()),
         }
+    }
+
+    /// An operation with a local region (`RmaOp::local_region`) that takes a route other than
+    /// device RDMA gets buffers of its own: a write's bytes are copied out of the region, a
+    /// read gets room (the endpoint copies its data into the region at completion).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    pub(in crate::proto::engine) fn own_buffers(mut op: RmaOp) -> Result<RmaOp, (Error, RmaOp)> {
+        let Some(region) = op.local_region.take() else {
+            return Ok(op);
+        };
+        match &mut op.kind {
+            RmaKind::Write { buf, .. } => match region.to_bytes() {
+                Ok(b) => *buf = b,
+                Err(e) => return Err((e, op)),
+            },
+            RmaKind::Read { buf } => {
+                buf.clear();
+                buf.reserve(region.len);
+            }
+            RmaKind::Atomic { .. } => {}
+        }
+        Ok(op)
     }
 
     #[allow(
@@ -217,6 +248,7 @@ impl Engine {
             remote,
             kind,
             context,
+            local_region,
             ..
         } = op;
         let wr = |remote: RemoteIov, what: WrWhat| Wr {
@@ -237,7 +269,7 @@ impl Engine {
         match kind {
             RmaKind::Write { buf, data } => {
                 let seg = self.write_segment();
-                let len = buf.len();
+                let len = local_region.as_ref().map_or(buf.len(), |r| r.len);
                 let n = if len == 0 { 1 } else { (len - 1) / seg + 1 };
                 let mut wrs: Vec<Wr> = (0..n)
                     .map(|i| {
@@ -260,6 +292,7 @@ impl Engine {
                         peer: pid,
                         context,
                         buf,
+                        region: local_region,
                         pending,
                         held,
                         error: None,
@@ -275,16 +308,33 @@ impl Engine {
                     (0..len).step_by(seg).map(|o| seg.min(len - o)).collect()
                 };
                 buf.clear();
-                let (pieces, bufs) = Pieces::cut(&mut buf, 0, &lens);
-                let mut off = 0;
-                for (i, (b, &n)) in bufs.into_iter().zip(&lens).enumerate() {
-                    let what = WrWhat::Read {
-                        piece: i,
-                        buf: Some(b),
-                    };
-                    self.rd.wrs.push_back(wr(piece(off, n), what));
-                    off += n;
-                }
+                let in_region = local_region.is_some();
+                let pieces = if let Some(region) = local_region {
+                    let mut off = 0;
+                    for (i, &n) in lens.iter().enumerate() {
+                        let what = WrWhat::Read {
+                            piece: i,
+                            buf: None,
+                            region: region.sub(off, n),
+                        };
+                        self.rd.wrs.push_back(wr(piece(off, n), what));
+                        off += n;
+                    }
+                    Pieces::uncut(&lens)
+                } else {
+                    let (pieces, bufs) = Pieces::cut(&mut buf, 0, &lens);
+                    let mut off = 0;
+                    for (i, (b, &n)) in bufs.into_iter().zip(&lens).enumerate() {
+                        let what = WrWhat::Read {
+                            piece: i,
+                            buf: Some(b),
+                            region: None,
+                        };
+                        self.rd.wrs.push_back(wr(piece(off, n), what));
+                        off += n;
+                    }
+                    pieces
+                };
                 self.rd.ops.insert(
                     id,
                     DevOp::Read {
@@ -292,6 +342,7 @@ impl Engine {
                         context,
                         len,
                         pieces,
+                        in_region,
                     },
                 );
             }
@@ -302,10 +353,10 @@ impl Engine {
 
     /// Sends LONGREAD_RTW: the target reads our registered buffer (`local_key`).
     pub(super) fn start_longread_rtw(&mut self, pid: u64, op: RmaOp) -> Option<RmaOp> {
-        let (RmaKind::Write { buf, data }, Some((key, addr))) = (&op.kind, op.local_key) else {
+        let (RmaKind::Write { data, .. }, Some((key, addr))) = (&op.kind, op.local_key) else {
             return Some(op);
         };
-        let len = buf.len();
+        let len = op.local_len();
         let Some(hs) = self.peers.get(&pid).map(|p| p.hs_received) else {
             return Some(op);
         };
@@ -448,25 +499,32 @@ impl Engine {
             DevOp::Write {
                 context,
                 buf,
+                region,
                 error,
                 ..
             } => {
                 let (err, st) = outcome(error, forced);
-                let len = buf.len();
+                let len = region.as_ref().map_or(buf.len(), |r| r.len);
                 self.rma_event(context, RmaBuf::Write(buf), len, RmaPath::Device, err, st);
             }
             DevOp::Read {
                 context,
                 len,
                 pieces,
+                in_region,
                 ..
             } => {
                 let (err, st) = outcome(pieces.error, forced);
-                let mut b = pieces.join(BytesMut::new(), 0);
-                if err.is_some() {
-                    b.clear();
-                }
-                self.rma_event(context, RmaBuf::Read(b), len, RmaPath::Device, err, st);
+                let buf = if in_region {
+                    RmaBuf::InRegion
+                } else {
+                    let mut b = pieces.join(BytesMut::new(), 0);
+                    if err.is_some() {
+                        b.clear();
+                    }
+                    RmaBuf::Read(b)
+                };
+                self.rma_event(context, buf, len, RmaPath::Device, err, st);
             }
             DevOp::Waiting { op, .. } | DevOp::LongReadRtw { op, .. } => {
                 let (err, st) = outcome(Some(Status::LocalQpInternalError), forced);
@@ -528,7 +586,7 @@ impl Engine {
             }
             DevOp::Read { pieces, .. } => {
                 for w in withdrawn {
-                    if let WrWhat::Read { piece, buf } = w.what {
+                    if let WrWhat::Read { piece, buf, .. } = w.what {
                         pieces.put(piece, buf, status);
                     }
                 }
@@ -564,7 +622,7 @@ impl Engine {
                 }
             }
             DevOp::Read { pieces, .. } => {
-                if let WrWhat::Read { piece, buf } = w.what {
+                if let WrWhat::Read { piece, buf, .. } = w.what {
                     pieces.put(piece, buf, status);
                 }
                 if pieces.outstanding > 0 {

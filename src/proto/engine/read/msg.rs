@@ -377,6 +377,7 @@ impl Engine {
                 dest,
                 remote,
                 what: WrWhat::Read {
+                    region: None,
                     piece: i,
                     buf: Some(b),
                 },
@@ -388,7 +389,7 @@ impl Engine {
     }
 
     pub(super) fn rx_wr_done(&mut self, now: Instant, rid: u32, w: Wr, status: Status) {
-        let WrWhat::Read { piece, buf } = w.what else {
+        let WrWhat::Read { piece, buf, .. } = w.what else {
             return;
         };
         let Some(e) = self.rx.get_mut(&rid) else {
@@ -531,7 +532,12 @@ impl Engine {
                 .is_some_and(|w| w.owner == WrOwner::Rx(rid))
             {
                 if let Some(Wr {
-                    what: WrWhat::Read { piece, buf },
+                    what:
+                        WrWhat::Read {
+                            piece,
+                            buf,
+                            region: None,
+                        },
                     ..
                 }) = self.rd.wrs.remove(i)
                 {

@@ -113,6 +113,7 @@ impl Engine {
                 dest,
                 remote,
                 what: WrWhat::Read {
+                    region: None,
                     piece: i,
                     buf: None,
                 },
@@ -135,7 +136,7 @@ impl Engine {
     }
 
     pub(super) fn rtw_wr_done(&mut self, now: Instant, id: u32, w: Wr, status: Status) {
-        let WrWhat::Read { piece, buf } = w.what else {
+        let WrWhat::Read { piece, buf, .. } = w.what else {
             return;
         };
         let Some(t) = self.rd.rtw.get_mut(&id) else {
