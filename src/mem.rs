@@ -197,7 +197,10 @@ pub(crate) enum TryAccess<R> {
 }
 
 impl RegionMem {
-    pub(crate) fn new(buf: BytesMut) -> Arc<RegionMem> {
+    /// A region's memory owning `buf` (its `len()` bytes), named from the address of its first
+    /// byte. [`Domain::register`](crate::Domain::register) makes one for every region; devices
+    /// outside the crate, and tests driving the protocol engine, make their own.
+    pub fn new(buf: BytesMut) -> Arc<RegionMem> {
         Arc::new(RegionMem {
             addr: buf.as_ptr() as usize as u64,
             len: buf.len(),

@@ -620,6 +620,81 @@ fn writes_and_reads_split_at_max_rdma_size() {
     baseline(&mut sim, seed);
 }
 
+/// The local side in a region (`RmaOp::local_region`): with device RDMA on both sides the
+/// writes read the region and the reads land in it (`RmaBuf::InRegion`, no buffer of their
+/// own), split at `max_rdma_size`, under loss and reordering; towards a peer without the
+/// device operation the engine copies the region's bytes out (writes) or gives the read a
+/// buffer (the endpoint copies it into the region), and the data is the same.
+#[test]
+fn region_rdma_moves_data_straight_between_regions() {
+    use efa::mem::{RegionMem, RegionSlice};
+    let base = test_seed();
+    for k in 0..3u64 {
+        let seed = base.wrapping_add(k);
+        for peer_caps in [(true, true), (false, false)] {
+            let mut c = SimConfig::faulty(seed);
+            c.engine.max_rdma_size = 4096;
+            let (mut sim, mems) = two(c, [(true, true), peer_caps]);
+            connect(&mut sim, seed);
+            let a1 = sim.addr(1);
+            let device = peer_caps.0;
+            for (j, len) in [1usize, 4096, 10_000].into_iter().enumerate() {
+                let data = pattern(seed ^ j as u64, len);
+                let src = RegionMem::new(BytesMut::from(&data[..]));
+                let slice = RegionSlice {
+                    key: 7,
+                    addr: src.addr(),
+                    len,
+                    mem: src.clone(),
+                };
+                let addr = TBASE + 20_000 * j as u64;
+                let mut op = write_op(a1, addr, Bytes::new(), None, 1);
+                op.remote.len = len as u64;
+                op.local_region = Some(slice);
+                let d = run_rma(&mut sim, 0, op, seed).unwrap();
+                assert!(d.error.is_none(), "seed {seed} len {len}: {d:?}");
+                let path = if device {
+                    RmaPath::Device
+                } else {
+                    RmaPath::Emulated
+                };
+                assert_eq!((d.len, d.path), (len, path), "seed {seed} len {len}");
+                let a = addr as usize - TBASE as usize;
+                assert_eq!(&mems[1].bytes(TKEY)[a..a + len], &data[..], "seed {seed}");
+                // Read it back into (the middle of) another region.
+                let dst = RegionMem::new(BytesMut::zeroed(len + 64));
+                let into = RegionSlice {
+                    key: 8,
+                    addr: dst.addr() + 32,
+                    len,
+                    mem: dst.clone(),
+                };
+                let mut op = read_op(a1, addr, len, 2);
+                op.kind = RmaKind::Read {
+                    buf: BytesMut::new(),
+                };
+                op.local_region = Some(into);
+                let d = run_rma(&mut sim, 0, op, seed).unwrap();
+                assert!(d.error.is_none(), "seed {seed} len {len}: {d:?}");
+                let mut got = BytesMut::new();
+                if device {
+                    assert!(matches!(d.buf, RmaBuf::InRegion), "seed {seed}: {d:?}");
+                    dst.read_into(dst.addr(), (len + 64) as u64, &mut got)
+                        .unwrap();
+                    assert_eq!(&got[32..32 + len], &data[..], "seed {seed} len {len}");
+                    assert!(got[..32].iter().chain(&got[32 + len..]).all(|&b| b == 0));
+                } else {
+                    let RmaBuf::Read(b) = d.buf else {
+                        panic!("seed {seed}: {d:?}")
+                    };
+                    assert_eq!(&b[..], &data[..], "seed {seed} len {len}");
+                }
+            }
+            baseline(&mut sim, seed);
+        }
+    }
+}
+
 #[test]
 fn writes_with_immediate_data_give_exactly_one_event_each_under_faults() {
     let base = test_seed();
