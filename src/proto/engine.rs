@@ -95,6 +95,67 @@ pub struct EngineConfig {
     pub inter_read_segment_size: usize,
 }
 
+/// The queue sizes an endpoint chose: its queue pair's send depth and its operation tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineSizes {
+    /// Send-queue depth of the queue pair.
+    pub send_depth: usize,
+    /// Send operations in flight at most (`tx_size`).
+    pub tx_ops: usize,
+    /// Posted receives at most (`rx_size`).
+    pub rx_ops: usize,
+}
+
+impl EngineConfig {
+    /// The engine parameters of an endpoint, the one place they are derived: the protocol
+    /// variables of `cfg`, the device's MTU, RDMA capabilities (as far as `use_rdma`, the
+    /// outcome of `FI_EFA_USE_DEVICE_RDMA`, allows) and largest RDMA, and the queue sizes.
+    /// `FI_EFA_TX_QUEUE_SIZE` caps the packets on the device below the send depth.
+    ///
+    /// ```
+    /// use efa::device::{DeviceAttr, DeviceKind};
+    /// use efa::proto::engine::{EngineConfig, EngineSizes};
+    /// let gid = std::net::Ipv4Addr::LOCALHOST.into();
+    /// let attr = DeviceAttr::software(DeviceKind::Udp, "t".into(), gid, 8192, 256, 256);
+    /// let cfg = efa::Config { tx_queue_size: 64, ..efa::Config::default() };
+    /// let sizes = EngineSizes { send_depth: 256, tx_ops: 1024, rx_ops: 1024 };
+    /// let e = EngineConfig::new(&cfg, &attr, sizes, true, 1);
+    /// assert_eq!((e.mtu, e.max_outstanding_tx, e.max_tx_ops), (8192, 64, 1024));
+    /// assert_eq!(e.device_rdma_read, attr.caps.rdma_read);
+    /// ```
+    pub fn new(
+        cfg: &crate::config::Config,
+        attr: &crate::device::DeviceAttr,
+        sizes: EngineSizes,
+        use_rdma: bool,
+        seed: u64,
+    ) -> EngineConfig {
+        EngineConfig {
+            mtu: attr.mtu,
+            max_outstanding_tx: match cfg.tx_queue_size {
+                0 => sizes.send_depth,
+                n => n.min(sizes.send_depth),
+            },
+            max_tx_ops: sizes.tx_ops,
+            max_rx_ops: sizes.rx_ops,
+            recvwin_size: cfg.recvwin_size,
+            tx_min_credits: cfg.tx_min_credits as usize,
+            max_medium_msg_size: cfg.inter_max_medium_message_size,
+            timeout_interval: cfg.timeout_interval,
+            max_timeout: cfg.max_timeout,
+            rx_stall_timeout: Duration::from_secs(30),
+            seed,
+            device_rdma_read: use_rdma && attr.caps.rdma_read,
+            device_rdma_write: use_rdma && attr.caps.rdma_write,
+            max_rdma_size: attr.max_rdma_size,
+            inter_min_read_write_size: cfg.inter_min_read_write_size,
+            inter_min_read_message_size: cfg.inter_min_read_message_size,
+            runt_size: cfg.runt_size,
+            inter_read_segment_size: cfg.inter_read_segment_size,
+        }
+    }
+}
+
 /// One send operation (message or tagged message).
 #[derive(Debug)]
 pub struct SendOp {

@@ -43,12 +43,13 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use crate::addr::{Gid, RawAddr};
-use crate::device::{RemoteIov, Source, Status};
+use crate::device::{DeviceAttr, RemoteIov, Source, Status};
 use crate::error::{Error, ErrorKind};
 use crate::fault::Rng;
 use crate::mem::RegionSlice;
 use crate::proto::engine::{
-    Engine, EngineConfig, Event, RecvOp, RmaMemory, RmaOp, SendOp, Transmit, TransmitKind,
+    Engine, EngineConfig, EngineSizes, Event, RecvOp, RmaMemory, RmaOp, SendOp, Transmit,
+    TransmitKind,
 };
 
 /// `len` bytes of a seeded pseudo-random pattern (cheap even in debug builds).
@@ -125,26 +126,24 @@ impl SimConfig {
     /// The default engine configuration of simulated nodes: MTU 8192, 256 packets on the
     /// device, 1024 operations each way, libfabric's protocol defaults, 5 s receive stall.
     pub fn default_engine() -> EngineConfig {
-        EngineConfig {
-            mtu: 8192,
-            max_outstanding_tx: 256,
-            max_tx_ops: 1024,
-            max_rx_ops: 1024,
-            recvwin_size: 16,
-            tx_min_credits: 32,
-            max_medium_msg_size: 65536,
-            timeout_interval: Duration::ZERO,
-            max_timeout: Duration::from_millis(1000),
-            rx_stall_timeout: Duration::from_secs(5),
-            seed: 0,
-            device_rdma_read: false,
-            device_rdma_write: false,
-            max_rdma_size: 0,
-            inter_min_read_write_size: 65536,
-            inter_min_read_message_size: 1_048_576,
-            runt_size: 307_200,
-            inter_read_segment_size: 1 << 30,
-        }
+        let attr = DeviceAttr::software(
+            crate::device::DeviceKind::Loopback,
+            "sim".into(),
+            Gid::from(Ipv4Addr::LOCALHOST),
+            8192,
+            256,
+            1024,
+        );
+        let sizes = EngineSizes {
+            send_depth: 256,
+            tx_ops: 1024,
+            rx_ops: 1024,
+        };
+        let mut e = EngineConfig::new(&crate::config::Config::default(), &attr, sizes, false, 0);
+        e.max_rdma_size = 0;
+        e.rx_stall_timeout = Duration::from_secs(5);
+        e.runt_size = 307_200;
+        e
     }
 
     /// No faults (but latency, so that packets interleave), plenty of receive buffers.
@@ -1159,5 +1158,37 @@ impl Action {
             | Action::RemoteWrite { node, .. } => Some(*node),
             Action::Arrive { .. } | Action::Repost { .. } | Action::Rdma { .. } => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The simulator's default engine, derived from `Config::default()` through
+    /// `EngineConfig::new`, is the configuration the simulator tests were written against.
+    #[test]
+    fn default_engine_is_the_documented_one() {
+        let want = EngineConfig {
+            mtu: 8192,
+            max_outstanding_tx: 256,
+            max_tx_ops: 1024,
+            max_rx_ops: 1024,
+            recvwin_size: 16,
+            tx_min_credits: 32,
+            max_medium_msg_size: 65536,
+            timeout_interval: Duration::ZERO,
+            max_timeout: Duration::from_millis(1000),
+            rx_stall_timeout: Duration::from_secs(5),
+            seed: 0,
+            device_rdma_read: false,
+            device_rdma_write: false,
+            max_rdma_size: 0,
+            inter_min_read_write_size: 65536,
+            inter_min_read_message_size: 1_048_576,
+            runt_size: 307_200,
+            inter_read_segment_size: 1 << 30,
+        };
+        assert_eq!(SimConfig::default_engine(), want);
     }
 }

@@ -84,31 +84,14 @@ impl EndpointBuilder<Rdm> {
             _ => None,
         };
         let now = Instant::now();
+        let sizes = EngineSizes {
+            send_depth,
+            tx_ops,
+            rx_ops,
+        };
+        let seed = u64::from(addr.qkey) ^ u64::from(addr.qpn) << 32;
         let mut engine = Engine::new(
-            EngineConfig {
-                mtu: attr.mtu,
-                // FI_EFA_TX_QUEUE_SIZE caps the sends outstanding on the device.
-                max_outstanding_tx: match cfg.tx_queue_size {
-                    0 => send_depth,
-                    n => n.min(send_depth),
-                },
-                max_tx_ops: tx_ops,
-                max_rx_ops: rx_ops,
-                recvwin_size: cfg.recvwin_size,
-                tx_min_credits: cfg.tx_min_credits as usize,
-                max_medium_msg_size: cfg.inter_max_medium_message_size,
-                timeout_interval: cfg.timeout_interval,
-                max_timeout: cfg.max_timeout,
-                rx_stall_timeout: Duration::from_secs(30),
-                seed: u64::from(addr.qkey) ^ u64::from(addr.qpn) << 32,
-                device_rdma_read: use_rdma && attr.caps.rdma_read,
-                device_rdma_write: use_rdma && attr.caps.rdma_write,
-                max_rdma_size: attr.max_rdma_size,
-                inter_min_read_write_size: cfg.inter_min_read_write_size,
-                inter_min_read_message_size: cfg.inter_min_read_message_size,
-                runt_size: cfg.runt_size,
-                inter_read_segment_size: cfg.inter_read_segment_size,
-            },
+            EngineConfig::new(&cfg, &attr, sizes, use_rdma, seed),
             addr,
             now,
         );

@@ -29,7 +29,8 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 use crate::proto::engine::{
-    Engine, EngineConfig, Event, LocalMsg, Peeked, RecvDone, RecvOp, SendDone, SendOp, TransmitKind,
+    Engine, EngineConfig, EngineSizes, Event, LocalMsg, Peeked, RecvDone, RecvOp, SendDone, SendOp,
+    TransmitKind,
 };
 use crate::stats::EndpointStats;
 
