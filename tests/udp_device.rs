@@ -3,19 +3,24 @@
 //! Randomised tests take `test_seed()` (set `EFA_TEST_SEED` to replay) and print it in every
 //! assertion message. There are no timing assertions: deadlines only turn a hang into a failure.
 
+#[allow(dead_code)]
+#[path = "common/seam.rs"]
+mod seam;
+
 use std::collections::HashSet;
 use std::net::{IpAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use efa::device::udp::{UdpConfig, UdpDevice};
 use efa::device::{
-    Device, DeviceCompletion, DeviceKind, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status,
+    Device, DeviceCompletion, DeviceKind, Opcode, QpType, QueuePair, SendWr, Source, Status,
 };
 use efa::fault::{FaultConfig, Rng, test_seed};
 use efa::notify::Notifier;
 use efa::{ErrorKind, RawAddr};
+use seam::{attr, poll_for, poll_until, wr};
 
 /// Overall deadline of one wait: generous, only there to fail instead of hanging.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -32,135 +37,35 @@ fn open(cfg: UdpConfig) -> Arc<UdpDevice> {
     UdpDevice::open(cfg).expect("open udp device")
 }
 
-fn attr(ty: QpType, n: &Arc<Notifier>) -> QpAttr {
-    let mut a = QpAttr::new(ty);
-    a.notifier = n.clone();
-    a
-}
-
 fn qp(dev: &UdpDevice, ty: QpType, n: &Arc<Notifier>) -> Box<dyn QueuePair> {
     dev.create_qp(attr(ty, n)).expect("create qp")
 }
 
-fn wr(wr_id: u64, dest: RawAddr, hdr: &[u8], payload: &[u8], imm: Option<u32>) -> SendWr {
-    SendWr {
-        wr_id,
-        dest,
-        hdr: Bytes::copy_from_slice(hdr),
-        payload: Bytes::copy_from_slice(payload),
-        imm,
-    }
-}
-
-/// Polls every queue pair until `done` says so, sleeping on the shared notifier in between.
-/// Completions are returned tagged with the index of their queue pair.
-fn poll_until(
-    qps: &mut [&mut Box<dyn QueuePair>],
-    n: &Notifier,
-    what: &str,
-    mut done: impl FnMut(&[(usize, DeviceCompletion)]) -> bool,
-) -> Vec<(usize, DeviceCompletion)> {
-    let deadline = Instant::now() + DEADLINE;
-    let mut all = Vec::new();
-    let mut buf = Vec::new();
-    loop {
-        let seen = n.generation();
-        let mut got = 0;
-        for (i, q) in qps.iter_mut().enumerate() {
-            buf.clear();
-            got += q.poll(&mut buf, 64);
-            all.extend(buf.drain(..).map(|c| (i, c)));
-        }
-        if done(&all) {
-            return all;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: got {all:?}"
-        );
-        if got == 0 {
-            n.wait_until(seen, Some(Instant::now() + Duration::from_millis(5)));
-        }
-    }
-}
-
-/// Polls for `d` and returns whatever completes.
-fn poll_for(qps: &mut [&mut Box<dyn QueuePair>], d: Duration) -> Vec<(usize, DeviceCompletion)> {
-    let end = Instant::now() + d;
-    let mut out = Vec::new();
-    let mut buf = Vec::new();
-    while Instant::now() < end {
-        for (i, q) in qps.iter_mut().enumerate() {
-            buf.clear();
-            q.poll(&mut buf, 64);
-            out.extend(buf.drain(..).map(|c| (i, c)));
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    out
-}
-
-fn ud_roundtrip(bind: IpAddr) {
-    let dev = open(UdpConfig::new(bind));
+/// UD over IPv6: the address and the source of a datagram are the IPv6 ones (the datagram
+/// contract itself is `tests/device_contract.rs`).
+#[test]
+fn ud_ipv6_delivers_with_imm_and_source() {
+    let dev = open(UdpConfig::new(v6()));
     let n = Arc::new(Notifier::new());
     let mut a = qp(&dev, QpType::Ud, &n);
     let mut b = qp(&dev, QpType::Ud, &n);
-    assert_eq!(a.qp_type(), QpType::Ud);
-    assert_eq!(a.addr().gid, efa::Gid::from_ip(bind));
-    for i in 0..10u64 {
-        b.post_recv(100 + i, BytesMut::with_capacity(256)).unwrap();
-    }
-    for i in 0..10u64 {
-        let payload = vec![i as u8; i as usize * 10];
-        let imm = (i % 2 == 0).then_some(i as u32 * 7);
-        a.post_send(wr(i, b.addr(), b"hd", &payload, imm)).unwrap();
-    }
-    let got = poll_until(&mut [&mut a, &mut b], &n, "UD datagrams", |c| c.len() >= 20);
-    let mut recvd = 0;
-    for (q, c) in &got {
-        assert_eq!(c.status, Status::Success, "{c:?}");
-        if *q == 0 {
-            assert_eq!(c.opcode, Opcode::Send);
-            continue;
-        }
-        assert_eq!(c.opcode, Opcode::Recv);
-        let buf = c.buf.as_ref().unwrap();
-        assert_eq!(buf.len(), c.byte_len);
-        assert_eq!(&buf[..2], b"hd");
-        let i = buf.len().saturating_sub(2) as u64 / 10;
-        assert!(
-            buf[2..].iter().all(|x| *x == i as u8),
-            "payload of {i} corrupted"
-        );
-        assert_eq!(
-            c.wr_id,
-            100 + recvd,
-            "receive buffers are consumed in order"
-        );
-        assert_eq!(c.imm, (i % 2 == 0).then_some(i as u32 * 7));
-        assert_eq!(
-            c.src,
-            Some(Source {
-                gid: a.addr().gid,
-                qpn: a.addr().qpn
-            })
-        );
-        recvd += 1;
-    }
-    assert_eq!(recvd, 10);
-    let s = dev.stats();
-    assert_eq!(s.tx_pkts, 10);
-    assert_eq!(s.rx_pkts, 10);
-}
-
-#[test]
-fn ud_ipv4_delivers_with_imm_and_source() {
-    ud_roundtrip(v4());
-}
-
-#[test]
-fn ud_ipv6_delivers_with_imm_and_source() {
-    ud_roundtrip(v6());
+    assert_eq!(a.addr().gid, efa::Gid::from_ip(v6()));
+    b.post_recv(1, BytesMut::with_capacity(64)).unwrap();
+    a.post_send(wr(2, b.addr(), b"hd", b"six", Some(6)))
+        .unwrap();
+    let got = poll_until(&mut [&mut a, &mut b], &n, "UD over IPv6", |c| c.len() >= 2);
+    let (_, r) = got.iter().find(|(q, _)| *q == 1).expect("received");
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    assert_eq!(&r.buf.as_ref().unwrap()[..], b"hdsix");
+    assert_eq!(r.imm, Some(6));
+    let src = a.addr();
+    assert_eq!(
+        r.src,
+        Some(Source {
+            gid: src.gid,
+            qpn: src.qpn
+        })
+    );
 }
 
 #[test]
@@ -592,65 +497,6 @@ fn a_refused_datagram_in_a_list_fails_only_its_send() {
     }
 }
 
-#[test]
-fn srd_rnr_retry_exceeded() {
-    let dev = open(UdpConfig::default());
-    let n = Arc::new(Notifier::new());
-    let mut rx = qp(&dev, QpType::Srd, &n);
-    for rnr_retry in 0..=2u8 {
-        let mut a = attr(QpType::Srd, &n);
-        a.rnr_retry = rnr_retry;
-        let mut tx = dev.create_qp(a).unwrap();
-        tx.post_send(wr(9, rx.addr(), b"", b"nobody listens", None))
-            .unwrap();
-        let got = poll_until(&mut [&mut tx, &mut rx], &n, "RNR failure", |c| {
-            !c.is_empty()
-        });
-        assert_eq!(got.len(), 1, "{got:?}");
-        let (q, c) = &got[0];
-        assert_eq!(*q, 0, "the receiver must see nothing: {c:?}");
-        assert_eq!(c.wr_id, 9);
-        assert_eq!(c.status, Status::RnrRetryExceeded, "rnr_retry {rnr_retry}");
-    }
-    let s = dev.stats();
-    assert!(s.rnr_events >= 6, "{s:?}");
-    assert!(s.rnr_naks_received >= 6, "{s:?}");
-    assert_eq!(s.rx_pkts, 0, "{s:?}");
-    // Nothing is delivered later into a buffer posted now.
-    rx.post_recv(1, BytesMut::with_capacity(64)).unwrap();
-    let late = poll_for(&mut [&mut rx], Duration::from_millis(100));
-    assert!(late.is_empty(), "{late:?}");
-}
-
-#[test]
-fn srd_rnr_then_receive_posted() {
-    let dev = open(UdpConfig::default());
-    let n = Arc::new(Notifier::new());
-    let mut rx = qp(&dev, QpType::Srd, &n);
-    let mut a = attr(QpType::Srd, &n);
-    a.rnr_retry = 7;
-    let mut tx = dev.create_qp(a).unwrap();
-    tx.post_send(wr(5, rx.addr(), b"h", b"late receiver", Some(3)))
-        .unwrap();
-    // Let the sender be refused a few times (the device retries on its own meanwhile).
-    let early = poll_for(&mut [&mut tx, &mut rx], Duration::from_millis(50));
-    assert!(early.is_empty(), "{early:?}");
-    assert!(dev.stats().rnr_naks_received > 0, "{:?}", dev.stats());
-    rx.post_recv(1, BytesMut::with_capacity(64)).unwrap();
-    let got = poll_until(&mut [&mut tx, &mut rx], &n, "delivery after RNR", |c| {
-        c.len() >= 2
-    });
-    for (q, c) in &got {
-        assert_eq!(c.status, Status::Success, "{c:?}");
-        if *q == 1 {
-            assert_eq!(&c.buf.as_ref().unwrap()[..], b"hlate receiver");
-            assert_eq!(c.imm, Some(3));
-        } else {
-            assert_eq!(c.wr_id, 5);
-        }
-    }
-}
-
 fn short_unresponsive() -> UdpConfig {
     UdpConfig {
         unresponsive_timeout: Duration::from_millis(200),
@@ -695,148 +541,6 @@ fn srd_unresponsive_closed_peer_and_silent_port() {
     closed.poll(&mut out, 8);
     assert_eq!(out.len(), 1);
     assert_eq!(out[0].status, Status::Flushed);
-}
-
-#[test]
-fn contract_msg_size_again_closed() {
-    let dev = open(short_unresponsive());
-    let mtu = dev.attr().mtu;
-    let n = Arc::new(Notifier::new());
-    for ty in [QpType::Ud, QpType::Srd] {
-        let mut a = attr(ty, &n);
-        a.send_depth = 4;
-        a.recv_depth = 3;
-        let mut q = dev.create_qp(a).unwrap();
-        let silent = RawAddr::new(efa::Gid::from_ip(v4()), 9, 1); // discard port, never answers
-        let e = q
-            .post_send(wr(0, silent, b"x", &vec![0; mtu], None))
-            .unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::MsgSize, "{ty:?}");
-        let e = q
-            .post_send(wr(0, silent, b"", &vec![0; mtu + 1], None))
-            .unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::MsgSize, "{ty:?}");
-        q.post_send(wr(0, silent, &[1; 8], &vec![0; mtu - 8], None))
-            .unwrap();
-        for i in 1..4 {
-            q.post_send(wr(i, silent, b"", b"x", None)).unwrap();
-        }
-        let e = q.post_send(wr(99, silent, b"", b"x", None)).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Again, "{ty:?}");
-        for i in 0..3 {
-            q.post_recv(10 + i, BytesMut::with_capacity(16 + i as usize))
-                .unwrap();
-        }
-        let e = q.post_recv(99, BytesMut::with_capacity(16)).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Again, "{ty:?}");
-        q.close();
-        assert_eq!(
-            q.post_send(wr(0, silent, b"", b"x", None))
-                .unwrap_err()
-                .kind(),
-            ErrorKind::Closed
-        );
-        assert_eq!(
-            q.post_recv(0, BytesMut::new()).unwrap_err().kind(),
-            ErrorKind::Closed
-        );
-        let mut out = Vec::new();
-        q.poll(&mut out, 100);
-        assert_eq!(out.len(), 7, "{ty:?}: {out:?}");
-        let mut sends: Vec<u64> = Vec::new();
-        for c in &out {
-            match c.opcode {
-                Opcode::Send => {
-                    sends.push(c.wr_id);
-                    if ty == QpType::Srd {
-                        assert_eq!(c.status, Status::Flushed, "{c:?}");
-                    } else {
-                        assert_eq!(
-                            c.status,
-                            Status::Success,
-                            "UD sends complete at once: {c:?}"
-                        );
-                    }
-                }
-                Opcode::Recv => {
-                    assert_eq!(c.status, Status::Flushed, "{c:?}");
-                    let b = c.buf.as_ref().expect("receive buffer handed back");
-                    assert_eq!(b.capacity(), 16 + (c.wr_id - 10) as usize);
-                }
-                o => panic!("unexpected opcode {o:?}"),
-            }
-        }
-        sends.sort();
-        assert_eq!(sends, vec![0, 1, 2, 3]);
-        out.clear();
-        assert_eq!(q.poll(&mut out, 100), 0, "exactly one completion each");
-    }
-}
-
-#[test]
-fn contract_short_receive_buffer() {
-    let dev = open(UdpConfig::default());
-    let n = Arc::new(Notifier::new());
-    for ty in [QpType::Ud, QpType::Srd] {
-        let mut a = qp(&dev, ty, &n);
-        let mut b = qp(&dev, ty, &n);
-        b.post_recv(1, BytesMut::with_capacity(10)).unwrap();
-        b.post_recv(2, BytesMut::with_capacity(100)).unwrap();
-        a.post_send(wr(7, b.addr(), b"", &[5; 50], None)).unwrap();
-        let want = 2;
-        let got = poll_until(&mut [&mut a, &mut b], &n, "bad length", |c| c.len() >= want);
-        for (q, c) in &got {
-            if *q == 1 {
-                assert_eq!(c.wr_id, 1, "{ty:?}");
-                assert_eq!(c.status, Status::LocalBadLength, "{ty:?}");
-                assert_eq!(c.byte_len, 50);
-                assert!(c.buf.is_some());
-            } else if ty == QpType::Srd {
-                assert_eq!(c.status, Status::RemoteBadLength, "{c:?}");
-            } else {
-                assert_eq!(c.status, Status::Success, "{c:?}");
-            }
-        }
-        // A retransmission must not consume the second buffer.
-        let late = poll_for(&mut [&mut a, &mut b], Duration::from_millis(50));
-        assert!(late.is_empty(), "{ty:?}: {late:?}");
-    }
-}
-
-#[test]
-fn contract_wrong_qkey_is_stale() {
-    let dev = open(short_unresponsive());
-    let n = Arc::new(Notifier::new());
-    for ty in [QpType::Ud, QpType::Srd] {
-        let mut a = qp(&dev, ty, &n);
-        let mut b = qp(&dev, ty, &n);
-        b.post_recv(1, BytesMut::with_capacity(64)).unwrap();
-        let before = dev.stats().stale_dropped;
-        let mut wrong = b.addr();
-        wrong.qkey ^= 0x55;
-        a.post_send(wr(3, wrong, b"", b"stale", None)).unwrap();
-        let got = poll_until(&mut [&mut a, &mut b], &n, "stale", |c| !c.is_empty());
-        assert_eq!(got.len(), 1, "{got:?}");
-        assert_eq!(got[0].0, 0, "the receiver must not deliver: {got:?}");
-        let want = if ty == QpType::Ud {
-            Status::Success
-        } else {
-            Status::UnresponsiveRemote
-        };
-        assert_eq!(got[0].1.status, want, "{ty:?}");
-        assert!(
-            dev.stats().stale_dropped > before,
-            "{ty:?}: {:?}",
-            dev.stats()
-        );
-        // The right QKEY still works.
-        a.post_send(wr(4, b.addr(), b"", b"fresh", None)).unwrap();
-        let got = poll_until(&mut [&mut a, &mut b], &n, "fresh", |c| c.len() >= 2);
-        assert!(
-            got.iter().all(|(_, c)| c.status == Status::Success),
-            "{got:?}"
-        );
-    }
 }
 
 #[test]
