@@ -449,3 +449,26 @@ fn wrong_qkey_is_dropped_and_counted() {
         }
     }
 }
+
+/// Every device refuses a queue pair with an empty queue or an RNR retry count above 7, with
+/// `InvalidArgument`, and creates one with retry 7 (for ever).
+#[test]
+fn queue_pair_attributes_are_checked() {
+    for f in fixtures() {
+        let k = f.kind();
+        for (what, set) in [
+            (
+                "send depth 0",
+                &(|a: &mut QpAttr| a.send_depth = 0) as &dyn Fn(&mut QpAttr),
+            ),
+            ("receive depth 0", &|a: &mut QpAttr| a.recv_depth = 0),
+            ("rnr_retry 8", &|a: &mut QpAttr| a.rnr_retry = 8),
+        ] {
+            let mut a = QpAttr::new(QpType::Srd);
+            set(&mut a);
+            let e = f.dev.create_qp(a).map(|_| ()).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{k:?} {what}: {e}");
+        }
+        f.qp(QpType::Srd, |a| a.rnr_retry = 7);
+    }
+}

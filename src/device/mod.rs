@@ -208,6 +208,64 @@ impl QpAttr {
             unsolicited_write_recv: None,
         }
     }
+
+    /// What every device checks before it creates a queue pair: positive depths and an RNR
+    /// retry count of at most 7 (7 is "for ever", as in verbs). `InvalidArgument` otherwise.
+    ///
+    /// ```
+    /// use efa::device::{QpAttr, QpType};
+    /// assert!(QpAttr::new(QpType::Srd).check().is_ok());
+    /// let mut a = QpAttr::new(QpType::Srd);
+    /// a.rnr_retry = 8;
+    /// assert_eq!(a.check().unwrap_err().kind(), efa::ErrorKind::InvalidArgument);
+    /// ```
+    pub fn check(&self) -> Result<()> {
+        let bad = |detail: String| {
+            Err(Error::new(ErrorKind::InvalidArgument, "create_qp").with_detail(detail))
+        };
+        if self.send_depth == 0 || self.recv_depth == 0 {
+            return bad(format!(
+                "queue depths must be positive (send {}, recv {})",
+                self.send_depth, self.recv_depth
+            ));
+        }
+        if self.rnr_retry > RNR_RETRY_FOREVER {
+            return bad(format!(
+                "rnr_retry {} outside 0..={RNR_RETRY_FOREVER}",
+                self.rnr_retry
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The RNR retry count that retries for ever (verbs' 7).
+pub const RNR_RETRY_FOREVER: u8 = 7;
+
+/// Checks a software device's MTU (inside `mtus`) and queue limits (1 to `max_depth`) for
+/// its configuration's `validate` (`what` names the configuration in the error).
+pub(crate) fn check_limits(
+    what: &'static str,
+    mtu: usize,
+    mtus: std::ops::RangeInclusive<usize>,
+    depths: [(&str, usize); 2],
+    max_depth: usize,
+) -> Result<()> {
+    let bad =
+        |detail: String| Err(Error::new(ErrorKind::InvalidArgument, what).with_detail(detail));
+    if !mtus.contains(&mtu) {
+        return bad(format!(
+            "mtu {mtu} outside {}..={}",
+            mtus.start(),
+            mtus.end()
+        ));
+    }
+    for (name, v) in depths {
+        if !(1..=max_depth).contains(&v) {
+            return bad(format!("{name} {v} outside 1..={max_depth}"));
+        }
+    }
+    Ok(())
 }
 
 /// EFA completion statuses (`EFA_IO_COMP_STATUS_*`).

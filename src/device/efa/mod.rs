@@ -344,6 +344,7 @@ impl Device for EfaDevice {
     }
 
     fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>> {
+        attr.check()?;
         let a = &self.attr;
         let qkey = attr.qkey.unwrap_or_else(random_qkey);
         if qkey & 0x8000_0000 != 0 {

@@ -105,17 +105,16 @@ impl LoopbackConfig {
         let bad = |detail: String| {
             Err(Error::new(ErrorKind::InvalidArgument, "loopback_config").with_detail(detail))
         };
-        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
-            return bad(format!("mtu {} outside {MIN_MTU}..={MAX_MTU}", self.mtu));
-        }
-        for (name, v) in [
-            ("max_send_wr", self.max_send_wr),
-            ("max_recv_wr", self.max_recv_wr),
-        ] {
-            if !(1..=MAX_QUEUE_DEPTH).contains(&v) {
-                return bad(format!("{name} {v} outside 1..={MAX_QUEUE_DEPTH}"));
-            }
-        }
+        crate::device::check_limits(
+            "loopback_config",
+            self.mtu,
+            MIN_MTU..=MAX_MTU,
+            [
+                ("max_send_wr", self.max_send_wr),
+                ("max_recv_wr", self.max_recv_wr),
+            ],
+            MAX_QUEUE_DEPTH,
+        )?;
         if self.max_rdma_size == 0 {
             return bad("max_rdma_size must be at least 1".into());
         }

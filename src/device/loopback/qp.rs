@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use super::DevShared;
 use super::rdma::RdmaOp;
-use super::wire::{RNR_INFINITE, Wake};
+use super::wire::Wake;
 use crate::addr::RawAddr;
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, Status, random_qkey,
@@ -113,21 +113,7 @@ pub(super) struct LoopbackQp {
 
 impl LoopbackQp {
     pub(super) fn create(dev: &Arc<DevShared>, attr: QpAttr) -> Result<LoopbackQp> {
-        let bad = |detail: String| {
-            Error::new(ErrorKind::InvalidArgument, "create_qp").with_detail(detail)
-        };
-        if attr.send_depth == 0 || attr.recv_depth == 0 {
-            return Err(bad(format!(
-                "queue depths must be positive (send {}, recv {})",
-                attr.send_depth, attr.recv_depth
-            )));
-        }
-        if attr.rnr_retry > RNR_INFINITE {
-            return Err(bad(format!(
-                "rnr_retry {} outside 0..={RNR_INFINITE}",
-                attr.rnr_retry
-            )));
-        }
+        attr.check()?;
         let (qpn, qkey) = dev.qpns.lock().alloc(attr.qkey).ok_or_else(|| {
             Error::new(ErrorKind::NoMemory, "create_qp").with_detail("every QPN is in use")
         })?;

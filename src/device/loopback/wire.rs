@@ -45,7 +45,7 @@ use crate::stats::{DeviceCounters, add, inc};
 /// A reordered or retransmitted datagram is held for `1..=MAX_HOLD_EVENTS` network events.
 pub(super) const MAX_HOLD_EVENTS: u64 = 16;
 /// The RNR retry count that means "retry forever", as on EFA.
-pub(super) const RNR_INFINITE: u8 = 7;
+pub(super) const RNR_INFINITE: u8 = crate::device::RNR_RETRY_FOREVER;
 
 enum Clock {
     Real(Instant),

@@ -15,6 +15,7 @@ use crate::device::{
     UNSOLICITED_WR_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
+use crate::mem::RegionSlice;
 use crate::stats;
 
 /// Route cache entries kept before the cache is emptied and rebuilt.
@@ -500,6 +501,35 @@ impl QueuePair for RoutedQp {
         imm: Option<u32>,
     ) -> Result<()> {
         self.primary.post_write(wr_id, dest, local, remote, imm)?;
+        self.note_rdma(wr_id, dest);
+        Ok(())
+    }
+
+    fn region_rdma(&self) -> bool {
+        self.primary.region_rdma()
+    }
+
+    fn post_read_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.primary.post_read_region(wr_id, dest, local, remote)?;
+        self.note_rdma(wr_id, dest);
+        Ok(())
+    }
+
+    fn post_write_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.primary.post_write_region(wr_id, dest, local, remote, imm)?;
         self.note_rdma(wr_id, dest);
         Ok(())
     }

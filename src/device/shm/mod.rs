@@ -174,17 +174,16 @@ impl ShmConfig {
         let bad = |detail: String| {
             Err(Error::new(ErrorKind::InvalidArgument, "shm_config").with_detail(detail))
         };
-        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
-            return bad(format!("mtu {} outside {MIN_MTU}..={MAX_MTU}", self.mtu));
-        }
-        for (name, v) in [
-            ("max_send_wr", self.max_send_wr),
-            ("max_recv_wr", self.max_recv_wr),
-        ] {
-            if !(1..=MAX_QUEUE_DEPTH).contains(&v) {
-                return bad(format!("{name} {v} outside 1..={MAX_QUEUE_DEPTH}"));
-            }
-        }
+        crate::device::check_limits(
+            "shm_config",
+            self.mtu,
+            MIN_MTU..=MAX_MTU,
+            [
+                ("max_send_wr", self.max_send_wr),
+                ("max_recv_wr", self.max_recv_wr),
+            ],
+            MAX_QUEUE_DEPTH,
+        )?;
         if !(2..=MAX_RING_SLOTS).contains(&self.ring_slots) || !self.ring_slots.is_power_of_two() {
             return bad(format!(
                 "ring_slots {} is not a power of two in 2..={MAX_RING_SLOTS}",

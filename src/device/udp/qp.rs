@@ -1168,6 +1168,7 @@ impl UdpQp {
         attr: QpAttr,
         keys: Option<KeyTable>,
     ) -> Result<UdpQp> {
+        attr.check()?;
         let (std_sock, gro) = open_socket(&cfg).map_err(|e| Error::io("create_qp", e))?;
         let local = std_sock
             .local_addr()

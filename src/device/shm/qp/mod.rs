@@ -51,7 +51,7 @@ const MAX_IDLE_PEERS: usize = 256;
 /// with `examples/rma-bw -o read`: 8 KiB reads were faster through the rings, 16 KiB with CMA).
 const CMA_MIN_READ: usize = 16 << 10;
 /// RNR retry count that means "retry forever".
-const RNR_INFINITE: u8 = 7;
+const RNR_INFINITE: u8 = crate::device::RNR_RETRY_FOREVER;
 /// The NIC thread judges over windows of this length whether the application busy-polls.
 const SPIN_WINDOW: Duration = Duration::from_millis(1);
 /// Application polls per [`SPIN_WINDOW`] from which it counts as busy-polling: its polls then
@@ -583,21 +583,7 @@ impl fmt::Debug for ShmQp {
 
 impl ShmQp {
     pub(super) fn create(dev: &Arc<DevShared>, attr: QpAttr) -> Result<ShmQp> {
-        let bad = |detail: String| {
-            Error::new(ErrorKind::InvalidArgument, "create_qp").with_detail(detail)
-        };
-        if attr.send_depth == 0 || attr.recv_depth == 0 {
-            return Err(bad(format!(
-                "queue depths must be positive (send {}, recv {})",
-                attr.send_depth, attr.recv_depth
-            )));
-        }
-        if attr.rnr_retry > RNR_INFINITE {
-            return Err(bad(format!(
-                "rnr_retry {} outside 0..={RNR_INFINITE}",
-                attr.rnr_retry
-            )));
-        }
+        attr.check()?;
         let cfg = &dev.cfg;
         let send_depth = attr.send_depth.min(cfg.max_send_wr);
         let recv_depth = attr.recv_depth.min(cfg.max_recv_wr);
@@ -606,9 +592,9 @@ impl ShmQp {
         } else {
             0
         };
-        let geo = cfg
-            .geometry(attr.qp_type, acks)
-            .ok_or_else(|| bad("segment too large".into()))?;
+        let geo = cfg.geometry(attr.qp_type, acks).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidArgument, "create_qp").with_detail("segment too large")
+        })?;
         let qkey = attr.qkey.unwrap_or_else(random_qkey);
         let own = OwnSegment::create(&dev.dir, dev.uid, qkey, geo).map_err(|e| {
             let detail = format!(
