@@ -143,6 +143,7 @@ impl Direct {
                 src: None,
                 multi_recv: None,
                 context: k as u64,
+                local_region: None,
             };
             if self.e[1].post_recv(self.now, r).is_err() {
                 panic!("post_recv");

@@ -1026,4 +1026,47 @@ fn hw_regions_and_cached_buffers_are_registered_once() {
         "{cached:?}"
     );
     assert!(tregion.read().iter().all(|&b| b == 7));
+    // A long-read message from a region into a receive region: the receiver's NIC reads it
+    // straight into the region, with no registration on either side.
+    let msg_len = 1 << 20;
+    let tbefore = target.device_stats();
+    let ibefore = idev.stats();
+    let src = init
+        .register(
+            (0..msg_len).map(|x| (x % 253) as u8).collect::<Vec<u8>>(),
+            Access::SEND | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let dst = target.register(vec![0u8; msg_len], Access::RECV).unwrap();
+    t.recv(dst, 30).unwrap();
+    i.send(peer, src, 31).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut got, mut sent) = (Vec::new(), Vec::new());
+    while (got.is_empty() || sent.is_empty()) && Instant::now() < deadline {
+        let _ = icq.poll(&mut sent, 1);
+        let _ = tcq.poll(&mut got, 1);
+    }
+    let sent = sent.pop().expect("the send completes");
+    assert_eq!(sent.context, 31);
+    let c = got.pop().expect("the receive completes");
+    assert_eq!((c.context, c.len), (30, msg_len));
+    let dst = c.buf.into_region().unwrap();
+    let src = sent.buf.into_region().unwrap();
+    assert!(
+        dst.read()[..] == src.read()[..],
+        "the message arrived intact"
+    );
+    let (ta, ia) = (target.device_stats(), idev.stats());
+    assert!(
+        ta.rdma_bytes - tbefore.rdma_bytes >= msg_len as u64,
+        "{ta:?}"
+    );
+    assert_eq!(
+        (
+            ta.mr_registrations - tbefore.mr_registrations,
+            ia.mr_registrations - ibefore.mr_registrations
+        ),
+        (0, 0),
+        "no registration for a message between regions"
+    );
 }

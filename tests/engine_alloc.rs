@@ -169,6 +169,7 @@ impl Pair {
                     src: None,
                     multi_recv: None,
                     context: ctx,
+                    local_region: None,
                 };
                 if self.e[1].post_recv(self.now, r).is_err() {
                     panic!("post_recv refused");

@@ -1218,6 +1218,92 @@ fn runting_read_and_long_read_by_runt_size_and_reads_in_flight() {
     baseline(&mut sim, seed);
 }
 
+/// A receive into a region (`RecvOp::local_region`): the read part of long-read and runting-read
+/// messages lands in the region (the completion says from where, `RecvDone::in_region`), the
+/// runt and nothing else in the buffer; expected and unexpected, under faults. Where the message
+/// is not read (it fits the runt, or long-CTS), everything is in the buffer and `in_region` is
+/// `None`.
+#[test]
+fn read_messages_land_in_receive_regions() {
+    use efa::mem::{RegionMem, RegionSlice};
+    let base = test_seed();
+    for k in 0..3u64 {
+        let seed = base.wrapping_add(k);
+        for runt in [0usize, 16_384] {
+            let (mut sim, mems) = msg_sim(seed, runt, true);
+            let mut rng = Rng::new(seed);
+            let mut regions = Vec::new();
+            for n in 0..6u64 {
+                let len = if n == 5 {
+                    50_000 // below the read threshold: eager/medium, all in the buffer
+                } else {
+                    100_000 + rng.below(300_000) as usize
+                };
+                let (op, d) = reg_send(&sim, &mems[0], n, len, seed);
+                let mem = RegionMem::new(BytesMut::zeroed(len + 16));
+                let mut r = recv_op(len + 16, n);
+                r.local_region = Some(RegionSlice {
+                    key: 40 + n,
+                    addr: mem.addr(),
+                    len: len + 16,
+                    mem: mem.clone(),
+                });
+                if n % 2 == 0 {
+                    sim.post_recv(1, r).unwrap();
+                    sim.send(0, op).unwrap();
+                } else {
+                    sim.send(0, op).unwrap();
+                    sim.run_for(Duration::from_millis(1));
+                    sim.post_recv(1, r).unwrap();
+                }
+                regions.push((n, d, mem));
+            }
+            assert!(sim.run(), "seed {seed} runt {runt}");
+            let recvs = events(&mut sim, 1).recvs;
+            assert_eq!(recvs.len(), 6, "seed {seed} runt {runt}");
+            for (n, d, mem) in &regions {
+                let r = recvs.iter().find(|r| r.context == *n).unwrap();
+                assert!(r.error.is_none(), "seed {seed}: {:?}", r.error);
+                assert_eq!(r.len, d.len(), "seed {seed}");
+                let mut got = BytesMut::new();
+                mem.read_into(mem.addr(), d.len() as u64 + 16, &mut got)
+                    .unwrap();
+                match r.in_region {
+                    Some(from) => {
+                        assert!(*n < 5, "seed {seed}: message {n} was not read");
+                        // A runting read, or a long read while another read is in flight.
+                        assert!(from == 0 || from == runt / 8 * 8, "seed {seed} runt {runt}");
+                        assert_eq!(
+                            r.buf.len(),
+                            from,
+                            "seed {seed}: only the runt in the buffer"
+                        );
+                        assert!(r.buf[..] == d[..from], "seed {seed}: runt intact");
+                        assert!(got[from..d.len()] == d[from..], "seed {seed}: read part");
+                        assert!(got[..from].iter().all(|&b| b == 0), "seed {seed}");
+                    }
+                    None => {
+                        assert_eq!(*n, 5, "seed {seed} runt {runt}: message {n} not in region");
+                        assert!(r.buf[..] == d[..], "seed {seed}: all in the buffer");
+                        assert!(got.iter().all(|&b| b == 0), "seed {seed}");
+                    }
+                }
+                assert!(
+                    got[d.len()..].iter().all(|&b| b == 0),
+                    "seed {seed}: no overrun"
+                );
+            }
+            let froms: Vec<usize> = recvs.iter().filter_map(|r| r.in_region).collect();
+            assert_eq!(froms.len(), 5, "seed {seed} runt {runt}: {froms:?}");
+            if runt > 0 {
+                assert!(froms.iter().any(|&f| f > 0), "seed {seed}: a runting read");
+            }
+            assert_eq!(events(&mut sim, 0).sends.len(), 6, "seed {seed}");
+            baseline(&mut sim, seed);
+        }
+    }
+}
+
 #[test]
 fn read_messages_unexpected_truncated_and_under_faults() {
     let base = test_seed();

@@ -94,6 +94,18 @@ impl RecvTarget {
         }
     }
 
+    /// The part of a device-registered region the data goes to, for the device to read into
+    /// directly (`RecvOp::local_region`).
+    pub(crate) fn device_slice(&self) -> Option<crate::mem::RegionSlice> {
+        match self {
+            RecvTarget::Region { region, offset } => {
+                let whole = region.device_slice()?;
+                whole.sub(*offset, whole.len.checked_sub(*offset)?)
+            }
+            _ => None,
+        }
+    }
+
     /// Bytes in front of the data (added to the completion's length).
     pub(crate) fn prefix(&self) -> usize {
         match self {
@@ -104,8 +116,20 @@ impl RecvTarget {
     }
 
     /// Puts the user's buffer back together around what came up; a region receives a copy of
-    /// the data when `filled`.
+    /// the data when `filled` (only of its first `in_region` bytes when the rest was read into
+    /// the region directly: `RecvDone::in_region`).
     pub(crate) fn finish(self, down: BytesMut, filled: bool) -> Buffer {
+        self.finish_split(down, filled, None)
+    }
+
+    /// [`finish`](RecvTarget::finish) of a receive whose bytes from `in_region` on are in the
+    /// region already.
+    pub(crate) fn finish_split(
+        self,
+        down: BytesMut,
+        filled: bool,
+        in_region: Option<usize>,
+    ) -> Buffer {
         match self {
             RecvTarget::Direct => Buffer::Recv(down),
             RecvTarget::Prefixed { mut head } => {
@@ -114,7 +138,10 @@ impl RecvTarget {
             }
             RecvTarget::Region { mut region, offset } => {
                 if filled {
-                    let n = down.len().min(region.len() - offset);
+                    let n = down
+                        .len()
+                        .min(region.len() - offset)
+                        .min(in_region.unwrap_or(usize::MAX));
                     region.write()[offset..offset + n].copy_from_slice(&down[..n]);
                 }
                 Buffer::Region(region)

@@ -207,6 +207,11 @@ pub struct RecvOp {
     pub multi_recv: Option<usize>,
     /// Returned in the completion.
     pub context: u64,
+    /// The receive buffer is this slice of a region the device registered, and the queue pair
+    /// takes region slices: the part of a long-read or runting-read message the engine reads
+    /// with device RDMA lands in the region directly (no copy, no registration), the rest in
+    /// `buf` ([`RecvDone::in_region`] says where the split is).
+    pub local_region: Option<RegionSlice>,
 }
 
 /// A work request to post on the device: a datagram (two segments) to `dest`, or a one-sided
@@ -484,6 +489,9 @@ pub struct RecvDone {
     pub multi_recv_done: bool,
     /// `None` on success; `Truncated`, `Canceled`, `ConnectionAborted`, ... otherwise.
     pub error: Option<Error>,
+    /// `Some(from)`: the bytes of the message from offset `from` on were read straight into
+    /// the receive's region ([`RecvOp::local_region`]); `buf` holds only those before it.
+    pub in_region: Option<usize>,
 }
 
 /// What the engine reports.
@@ -737,6 +745,10 @@ impl Engine {
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
     /// the operation handed back) when `max_rx_ops` are posted.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
     pub fn post_recv(&mut self, now: Instant, op: RecvOp) -> Result<(), (Error, RecvOp)> {
         self.post_recv_impl(now, op)
     }
@@ -760,6 +772,10 @@ impl Engine {
     }
 
     /// Receives a claimed message into `op.buf`.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
     pub fn recv_claimed(
         &mut self,
         now: Instant,

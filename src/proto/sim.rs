@@ -88,6 +88,7 @@ pub fn recv_op(cap: usize, context: u64) -> RecvOp {
         src: None,
         multi_recv: None,
         context,
+        local_region: None,
     }
 }
 
@@ -534,6 +535,10 @@ impl Sim {
     }
 
     /// Posts a receive on node `i`.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
     pub fn post_recv(&mut self, i: usize, op: RecvOp) -> Result<(), (Error, RecvOp)> {
         let now = self.now();
         self.nodes[i].engine.post_recv(now, op)

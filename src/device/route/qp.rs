@@ -529,7 +529,8 @@ impl QueuePair for RoutedQp {
         remote: RemoteIov,
         imm: Option<u32>,
     ) -> Result<()> {
-        self.primary.post_write_region(wr_id, dest, local, remote, imm)?;
+        self.primary
+            .post_write_region(wr_id, dest, local, remote, imm)?;
         self.note_rdma(wr_id, dest);
         Ok(())
     }

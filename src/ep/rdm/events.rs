@@ -243,7 +243,7 @@ impl RdmCore {
                 .as_ref()
                 .is_some_and(|e| e.kind() == ErrorKind::Truncated);
         let buf = match target {
-            Some(t) => t.finish(r.buf, filled),
+            Some(t) => t.finish_split(r.buf, filled, r.in_region),
             None => Buffer::Recv(r.buf),
         };
         match r.error {

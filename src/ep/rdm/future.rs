@@ -69,6 +69,7 @@ impl Drop for OpFuture {
                             multi_recv_done: false,
                             error: None,
                             buf,
+                            in_region: None,
                         });
                     }
                 }

@@ -334,6 +334,7 @@ impl RdmCore {
             src,
             multi_recv: o.multi_recv,
             context: key as u64,
+            local_region: self.recv_region(&st, key),
         };
         // The engine needs the time only to match an unexpected message; otherwise no clock.
         let now = if st.engine.has_unexpected() {
@@ -351,6 +352,15 @@ impl RdmCore {
             }
             Err((e, op)) => Err(Self::refused_recv(&mut st, key, e, op)),
         }
+    }
+
+    /// The region slice a receive's message may be read into by the device (region RDMA on,
+    /// the receive a device-registered region).
+    fn recv_region(&self, st: &State, key: usize) -> Option<crate::mem::RegionSlice> {
+        if !self.region_rdma {
+            return None;
+        }
+        st.ops.get(key)?.target.as_ref()?.device_slice()
     }
 
     pub(super) fn post_claimed(
@@ -380,6 +390,7 @@ impl RdmCore {
             src: None,
             multi_recv: None,
             context: key as u64,
+            local_region: self.recv_region(&st, key),
         };
         match st.engine.recv_claimed(now, claim, op) {
             Ok(()) => {

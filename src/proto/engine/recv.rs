@@ -43,12 +43,7 @@ impl Engine {
         };
         match mid {
             None => match self.matcher.take_posted(tagged, idx)?.item {
-                PostedItem::One(op) => Some(Sink {
-                    context: Some(op.context),
-                    place: msg_len.min(op.buf.capacity()),
-                    buf: op.buf,
-                    multi: None,
-                }),
+                PostedItem::One(op) => Some(Sink::of(op, msg_len)),
                 PostedItem::Multi(_) => None,
             },
             Some(mid) => {
@@ -79,6 +74,7 @@ impl Engine {
                 buf: piece,
                 place,
                 multi: Some(mid),
+                ..Sink::discard()
             },
             retired,
         ))
@@ -134,6 +130,7 @@ impl Engine {
             src: None,
             multi_recv_done: true,
             error: m.error.map(|k| Error::new(k, "recv")),
+            in_region: None,
         }));
     }
 
@@ -152,9 +149,14 @@ impl Engine {
             src: None,
             multi_recv_done: false,
             error: Some(Error::new(ErrorKind::Canceled, "recv")),
+            in_region: None,
         }));
     }
 
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
     pub(super) fn post_recv_impl(
         &mut self,
         now: Instant,
@@ -178,13 +180,7 @@ impl Engine {
             if let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
                 if let Some(u) = self.matcher.take_unexpected(tagged, idx) {
                     let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
-                    let sink = Sink {
-                        context: Some(op.context),
-                        place: msg_len.min(op.buf.capacity()),
-                        buf: op.buf,
-                        multi: None,
-                    };
-                    self.start_matched(now, u.item, sink, None);
+                    self.start_matched(now, u.item, Sink::of(op, msg_len), None);
                     return Ok(());
                 }
             }
@@ -333,6 +329,10 @@ impl Engine {
         Ok(p)
     }
 
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
     pub(super) fn recv_claimed_impl(
         &mut self,
         now: Instant,
@@ -355,13 +355,7 @@ impl Engine {
         self.claimed.remove(&claim);
         self.user_rx_ops += 1;
         let msg_len = self.rx.get(&rid).map_or(0, |e| e.msg_len);
-        let sink = Sink {
-            context: Some(op.context),
-            place: msg_len.min(op.buf.capacity()),
-            buf: op.buf,
-            multi: None,
-        };
-        self.start_matched(now, rid, sink, None);
+        self.start_matched(now, rid, Sink::of(op, msg_len), None);
         Ok(())
     }
 
@@ -376,13 +370,7 @@ impl Engine {
         let now = self.rx.get(&rid).map(|e| e.last);
         if let Some(now) = now {
             // Received and thrown away, so that the sender completes normally.
-            let sink = Sink {
-                context: None,
-                buf: BytesMut::new(),
-                place: 0,
-                multi: None,
-            };
-            self.start_matched(now, rid, sink, None);
+            self.start_matched(now, rid, Sink::discard(), None);
         }
         Ok(p)
     }

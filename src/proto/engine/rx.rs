@@ -7,8 +7,9 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::util::RangeSet;
-use super::{Engine, Error, ErrorKind, Event, RecvDone};
+use super::{Engine, Error, ErrorKind, Event, RecvDone, RecvOp};
 use crate::addr::RawAddr;
+use crate::mem::RegionSlice;
 use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
 use crate::proto::wire::Packet;
@@ -43,6 +44,37 @@ pub(super) struct Sink {
     pub(super) place: usize,
     /// The multi-receive buffer this piece comes from.
     pub(super) multi: Option<u32>,
+    /// The receive is a region the device registered (`RecvOp::local_region`): the read part
+    /// of a long/runting-read message is read into it, not into `buf`.
+    pub(super) region: Option<RegionSlice>,
+    /// The bytes from this offset on were read into `region` (`RecvDone::in_region`).
+    pub(super) in_region: Option<usize>,
+}
+
+impl Sink {
+    /// Where a message of `msg_len` bytes goes when it matches the posted receive `op`.
+    pub(super) fn of(op: RecvOp, msg_len: usize) -> Sink {
+        Sink {
+            context: Some(op.context),
+            place: msg_len.min(op.buf.capacity()),
+            buf: op.buf,
+            multi: None,
+            region: op.local_region,
+            in_region: None,
+        }
+    }
+
+    /// A message received and thrown away (a discard, or what is left of a failed receive).
+    pub(super) fn discard() -> Sink {
+        Sink {
+            context: None,
+            buf: BytesMut::new(),
+            place: 0,
+            multi: None,
+            region: None,
+            in_region: None,
+        }
+    }
 }
 
 /// Where an inbound message is.
@@ -885,6 +917,7 @@ impl Engine {
             src: Some(msg.src),
             multi_recv_done: false,
             error,
+            in_region: sink.in_region,
         }));
         self.piece_done(sink.multi);
     }
@@ -932,6 +965,7 @@ impl Engine {
             src: Some(msg.2),
             multi_recv_done: false,
             error: Some(Error::new(kind, "recv").with_detail(why)),
+            in_region: None,
         }));
         self.piece_done(sink.multi);
     }
@@ -951,13 +985,7 @@ impl Engine {
             self.take_entry(rid);
             return;
         }
-        let discard = Sink {
-            context: None,
-            buf: BytesMut::new(),
-            place: 0,
-            multi: None,
-        };
-        let user = std::mem::replace(sink, discard);
+        let user = std::mem::replace(sink, Sink::discard());
         e.last = now;
         e.dc_send_id = None;
         let msg = (e.tagged.then_some(e.tag), e.data, e.src);
@@ -991,10 +1019,9 @@ mod tests {
                 segs.swap(i, j);
             }
             let mut sink = Sink {
-                context: None,
                 buf: BytesMut::with_capacity(place_len),
                 place: place_len,
-                multi: None,
+                ..Sink::discard()
             };
             for off in segs {
                 place(&mut sink, off, &msg[off..(off + seg).min(len)]);

@@ -367,19 +367,35 @@ impl Engine {
             return self.maybe_nack(rid);
         };
         let lens: Vec<usize> = ranges.iter().map(|x| x.len as usize).collect();
-        let (pieces, bufs) = Pieces::cut(&mut sink.buf, start, &lens);
+        // Into the receive's region when it has one that holds the read part (no copy), else
+        // into pieces cut from its buffer.
+        let region = sink.region.as_ref().filter(|g| g.len >= end);
+        let (pieces, mut bufs) = match region {
+            Some(_) => (Pieces::uncut(&lens), Vec::new()),
+            None => {
+                let (p, b) = Pieces::cut(&mut sink.buf, start, &lens);
+                (p, b.into_iter().map(Some).collect())
+            }
+        };
+        let mut slices = Vec::with_capacity(lens.len());
+        let mut off = start;
+        for &n in &lens {
+            slices.push(region.and_then(|g| g.sub(off, n)));
+            off += n;
+        }
+        bufs.resize(lens.len(), None);
         r.pieces = pieces;
         r.phase = Phase::Reading;
-        for (i, (remote, b)) in ranges.into_iter().zip(bufs).enumerate() {
+        for (i, ((remote, buf), region)) in ranges.into_iter().zip(bufs).zip(slices).enumerate() {
             self.rd.wrs.push_back(Wr {
                 owner: WrOwner::Rx(rid),
                 peer: pid,
                 dest,
                 remote,
                 what: WrWhat::Read {
-                    region: None,
+                    region,
                     piece: i,
-                    buf: Some(b),
+                    buf,
                 },
                 rnr: 0,
                 no_ah: 0,
@@ -389,13 +405,14 @@ impl Engine {
     }
 
     pub(super) fn rx_wr_done(&mut self, now: Instant, rid: u32, w: Wr, status: Status) {
-        let WrWhat::Read { piece, buf, .. } = w.what else {
+        let WrWhat::Read { piece, buf, region } = w.what else {
             return;
         };
         let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
         e.last = now;
+        let into_region = region.is_some();
         let msg_len = e.msg_len;
         let (Some(r), state) = (e.read.as_mut(), &mut e.state) else {
             return;
@@ -407,12 +424,20 @@ impl Engine {
         if r.pieces.outstanding > 0 {
             return;
         }
-        // Every piece is back: the user's buffer is whole again.
+        // Every piece is back: the user's buffer is whole again (or the region holds the read
+        // part, and the buffer the runt).
         let pieces = std::mem::take(&mut r.pieces);
         let failed = pieces.error.is_some();
         if let RxState::Matched(sink) = state {
-            let head = std::mem::take(&mut sink.buf);
-            sink.buf = pieces.join(head, r.start.min(msg_len));
+            let start = r.start.min(msg_len);
+            if into_region {
+                if !failed {
+                    sink.in_region = Some(start);
+                }
+            } else {
+                let head = std::mem::take(&mut sink.buf);
+                sink.buf = pieces.join(head, start);
+            }
         }
         if self.stall_check.is_none() && self.rx_in_progress > 0 {
             self.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
