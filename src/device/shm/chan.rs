@@ -43,6 +43,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use bytes::BytesMut;
 
+pub(crate) use super::file::Liveness;
+use super::file::{
+    H_BELL, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_SLEEPERS, H_TAIL, H_TOTAL, H_VERSION, HDR_SIZE,
+    MAX_SLOTS, RESERVE_TRIES, SLOT_HDR,
+};
 use super::map::{self, Mapping, remove_if_same, remove_if_stale};
 use crate::addr::{Gid, RawAddr};
 
@@ -50,29 +55,15 @@ use crate::addr::{Gid, RawAddr};
 pub(crate) const PREFIX: &str = "efa-chan-";
 const MAGIC: u64 = u64::from_le_bytes(*b"EFA-CHN\0");
 const VERSION: u32 = 1;
-const HDR: usize = 256;
-const SLOT_HDR: usize = 64;
-/// Largest ring a peer's header may declare.
-const MAX_SLOTS: u32 = 1 << 16;
 /// Largest chunk a peer's header may declare.
 const MAX_CHUNK: u32 = 1 << 20;
-/// Attempts at reserving a slot before the ring counts as full (other producers, garbage).
-const RESERVE_TRIES: usize = 64;
 
-const H_MAGIC: usize = 0;
-const H_VERSION: usize = 8;
-const H_HDR_SIZE: usize = 12;
-const H_TOTAL: usize = 16;
-const H_PID: usize = 24;
+// Header offsets beyond the common ones of `file`.
 const H_UID: usize = 28;
 const H_SLOTS: usize = 32;
 const H_STRIDE: usize = 36;
 const H_NETNS: usize = 40;
 const H_ADDR: usize = 48;
-const H_CLOSED: usize = 128;
-const H_SLEEPERS: usize = 132;
-const H_BELL: usize = 136;
-const H_TAIL: usize = 192;
 
 const S_SEQ: usize = 0;
 const S_KIND: usize = 8;
@@ -140,7 +131,7 @@ impl Geometry {
             return None;
         }
         let stride = chunk + SLOT_HDR as u32;
-        let total = HDR.checked_add((slots as usize).checked_mul(stride as usize)?)?;
+        let total = HDR_SIZE.checked_add((slots as usize).checked_mul(stride as usize)?)?;
         Some(Geometry {
             slots,
             stride,
@@ -154,7 +145,7 @@ impl Geometry {
     }
 
     fn slot(&self, pos: u64) -> usize {
-        HDR + (pos & u64::from(self.slots - 1)) as usize * self.stride as usize
+        HDR_SIZE + (pos & u64::from(self.slots - 1)) as usize * self.stride as usize
     }
 }
 
@@ -275,16 +266,16 @@ impl OwnChan {
         let ino = file.metadata()?.ino();
         let m = Mapping::map_populated(&file, geo.total)?;
         for i in 0..u64::from(geo.slots) {
-            store64(&m, geo.slot(i) + S_SEQ, i);
+            m.store64(geo.slot(i) + S_SEQ, i);
         }
-        store32(&m, H_VERSION, VERSION);
-        store32(&m, H_HDR_SIZE, HDR as u32);
-        store64(&m, H_TOTAL, geo.total as u64);
-        store32(&m, H_PID, std::process::id());
-        store32(&m, H_UID, uid);
-        store32(&m, H_SLOTS, geo.slots);
-        store32(&m, H_STRIDE, geo.stride);
-        store64(&m, H_NETNS, netns);
+        m.store32(H_VERSION, VERSION);
+        m.store32(H_HDR_SIZE, HDR_SIZE as u32);
+        m.store64(H_TOTAL, geo.total as u64);
+        m.store32(H_PID, std::process::id());
+        m.store32(H_UID, uid);
+        m.store32(H_SLOTS, geo.slots);
+        m.store32(H_STRIDE, geo.stride);
+        m.store64(H_NETNS, netns);
         m.write(H_ADDR, &encode_addr(addr));
         if let Some(w) = m.u64(H_MAGIC) {
             w.store(MAGIC, Ordering::Release);
@@ -326,15 +317,15 @@ impl OwnChan {
         if let Some(w) = m.u64(off + SLOT_HDR) {
             std::hint::black_box(w.load(Ordering::Relaxed));
         }
-        let kf = load32(m, off + S_KIND);
+        let kf = m.load32(off + S_KIND).unwrap_or(0);
         let hdr = SlotHdr {
             kind: kf as u8,
             flags: (kf >> 8) as u8,
-            len: load32(m, off + S_LEN),
-            tag: load64(m, off + S_TAG),
-            word: load64(m, off + S_WORD),
-            data: load32(m, off + S_DATA),
-            token: load32(m, off + S_TOKEN),
+            len: m.load32(off + S_LEN).unwrap_or(0),
+            tag: m.load64(off + S_TAG).unwrap_or(0),
+            word: m.load64(off + S_WORD).unwrap_or(0),
+            data: m.load32(off + S_DATA).unwrap_or(0),
+            token: m.load32(off + S_TOKEN).unwrap_or(0),
         };
         let mut a = [0u8; ADDR_LEN];
         let src = if hdr.len as usize <= r.geo.chunk() && m.read_to(off + S_SRC, &mut a) {
@@ -404,16 +395,6 @@ impl Drop for OwnChan {
     }
 }
 
-/// Is a peer's channel still served?
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Liveness {
-    Alive,
-    /// Its owner closed the endpoint.
-    Closed,
-    /// Its owner is gone without closing; the name has been removed.
-    Dead,
-}
-
 /// A peer's channel, mapped for sending.
 pub(crate) struct PeerChan {
     map: Mapping,
@@ -462,14 +443,14 @@ impl PeerChan {
             return Err(OpenError::Unusable("not a regular file of this user"));
         }
         let size = usize::try_from(meta.len()).unwrap_or(usize::MAX);
-        if size < HDR {
+        if size < HDR_SIZE {
             return Err(OpenError::Unusable("shorter than a header"));
         }
         if matches!(map::try_lock_exclusive(&file), Ok(true)) {
             remove_if_same(&path, meta.ino());
             return Err(OpenError::Unusable("owner gone"));
         }
-        let head = Mapping::map(&file, HDR).map_err(|_| OpenError::Unusable("cannot map"))?;
+        let head = Mapping::map(&file, HDR_SIZE).map_err(|_| OpenError::Unusable("cannot map"))?;
         let geo = read_header(&head, size, netns, dest)?;
         drop(head);
         let m = Mapping::map_populated(&file, geo.total)
@@ -477,7 +458,7 @@ impl PeerChan {
         if read_header(&m, geo.total, netns, dest)? != geo {
             return Err(OpenError::Unusable("header changed while opening"));
         }
-        let pid = load32(&m, H_PID);
+        let pid = m.load32(H_PID).unwrap_or(0);
         Ok(PeerChan {
             map: m,
             geo,
@@ -531,16 +512,15 @@ impl PeerChan {
             return None;
         }
         let m = &self.map;
-        store32(
-            m,
+        m.store32(
             off + S_KIND,
             u32::from(hdr.kind) | u32::from(hdr.flags) << 8,
         );
-        store32(m, off + S_LEN, data.len() as u32);
-        store64(m, off + S_TAG, hdr.tag);
-        store64(m, off + S_WORD, hdr.word);
-        store32(m, off + S_DATA, hdr.data);
-        store32(m, off + S_TOKEN, hdr.token);
+        m.store32(off + S_LEN, data.len() as u32);
+        m.store64(off + S_TAG, hdr.tag);
+        m.store64(off + S_WORD, hdr.word);
+        m.store32(off + S_DATA, hdr.data);
+        m.store32(off + S_TOKEN, hdr.token);
         m.write(off + S_SRC, src);
         m.write(off + SLOT_HDR, data);
         if let Some(w) = m.u64(off + S_SEQ) {
@@ -595,23 +575,12 @@ impl PeerChan {
 
     /// True when the owner closed its endpoint (a plain load: no system call).
     pub(crate) fn closed(&self) -> bool {
-        self.map
-            .u32(H_CLOSED)
-            .is_none_or(|w| w.load(Ordering::Acquire) != 0)
+        super::file::closed(&self.map)
     }
 
     /// The closed flag, then the owner's lock.
     pub(crate) fn liveness(&self) -> Liveness {
-        if self.closed() {
-            return Liveness::Closed;
-        }
-        match map::try_lock_exclusive(&self.file) {
-            Ok(true) => {
-                remove_if_same(&self.path, self.ino);
-                Liveness::Dead
-            }
-            _ => Liveness::Alive,
-        }
+        super::file::liveness(&self.map, &self.file, &self.path, self.ino)
     }
 }
 
@@ -621,26 +590,24 @@ fn read_header(
     netns: u64,
     dest: &RawAddr,
 ) -> Result<Geometry, OpenError> {
-    if m.u64(H_MAGIC).map(|w| w.load(Ordering::Acquire)) != Some(MAGIC) {
-        return Err(OpenError::Unusable("bad magic"));
-    }
-    if load32(m, H_VERSION) != VERSION || load32(m, H_HDR_SIZE) != HDR as u32 {
-        return Err(OpenError::Unusable("unknown version"));
-    }
-    if load64(m, H_NETNS) != netns {
+    super::file::check_kind(m, MAGIC, VERSION).map_err(OpenError::Unusable)?;
+    if m.load64(H_NETNS).unwrap_or(0) != netns {
         return Err(OpenError::Unusable("another network namespace"));
     }
     let mut a = [0u8; ADDR_LEN];
     if !m.read_to(H_ADDR, &mut a) || decode_addr(&a) != Some(*dest) {
         return Err(OpenError::Unusable("another address"));
     }
-    let slots = load32(m, H_SLOTS);
-    let stride = load32(m, H_STRIDE);
+    let slots = m.load32(H_SLOTS).unwrap_or(0);
+    let stride = m.load32(H_STRIDE).unwrap_or(0);
     let geo = stride
         .checked_sub(SLOT_HDR as u32)
         .and_then(|chunk| Geometry::new(slots, chunk))
         .ok_or(OpenError::Unusable("bad geometry"))?;
-    if geo.stride != stride || load64(m, H_TOTAL) != geo.total as u64 || geo.total > size {
+    if geo.stride != stride
+        || m.load64(H_TOTAL).unwrap_or(0) != geo.total as u64
+        || geo.total > size
+    {
         return Err(OpenError::Unusable("size does not match the geometry"));
     }
     Ok(geo)
@@ -652,26 +619,6 @@ pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
     map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
         map::remove_tmp_of_dead(path, rest).unwrap_or_else(|| remove_if_stale(path))
     })
-}
-
-fn load32(m: &Mapping, off: usize) -> u32 {
-    m.u32(off).map_or(0, |w| w.load(Ordering::Relaxed))
-}
-
-fn load64(m: &Mapping, off: usize) -> u64 {
-    m.u64(off).map_or(0, |w| w.load(Ordering::Relaxed))
-}
-
-fn store32(m: &Mapping, off: usize, v: u32) {
-    if let Some(w) = m.u32(off) {
-        w.store(v, Ordering::Relaxed);
-    }
-}
-
-fn store64(m: &Mapping, off: usize, v: u64) {
-    if let Some(w) = m.u64(off) {
-        w.store(v, Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]

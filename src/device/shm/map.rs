@@ -15,7 +15,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -102,6 +102,30 @@ impl Mapping {
         }
         // SAFETY: as in `u32`, for an 8-byte, 8-aligned word.
         Some(unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() })
+    }
+
+    /// The `u32` word at `off` (relaxed); `None` outside the mapping or unaligned.
+    pub(crate) fn load32(&self, off: usize) -> Option<u32> {
+        self.u32(off).map(|w| w.load(Ordering::Relaxed))
+    }
+
+    /// The `u64` word at `off` (relaxed); `None` outside the mapping or unaligned.
+    pub(crate) fn load64(&self, off: usize) -> Option<u64> {
+        self.u64(off).map(|w| w.load(Ordering::Relaxed))
+    }
+
+    /// Stores `v` at `off` (relaxed); nothing outside the mapping.
+    pub(crate) fn store32(&self, off: usize, v: u32) {
+        if let Some(w) = self.u32(off) {
+            w.store(v, Ordering::Relaxed);
+        }
+    }
+
+    /// Stores `v` at `off` (relaxed); nothing outside the mapping.
+    pub(crate) fn store64(&self, off: usize, v: u64) {
+        if let Some(w) = self.u64(off) {
+            w.store(v, Ordering::Relaxed);
+        }
     }
 
     /// Copies `src` to `off`; false (nothing written) when the range leaves the mapping.

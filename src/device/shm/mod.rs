@@ -61,6 +61,7 @@
 pub(crate) mod chan;
 pub mod cma;
 // Visible to the routing device (`device::route`), which uses its `flock` and uid helpers.
+pub(crate) mod file;
 pub(crate) mod map;
 mod qp;
 mod ring;

@@ -16,8 +16,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use bytes::BytesMut;
 
+use super::file::{H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, RESERVE_TRIES, SLOT_HDR};
 use super::map::{self, Mapping};
-use super::segment::{Geometry, H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, SLOT_HDR};
+use super::segment::Geometry;
 
 // Slot offsets.
 const S_SEQ: usize = 0; // u64
@@ -48,8 +49,6 @@ pub(crate) const ST_CANCELLED: u8 = 4;
 pub(crate) const ACK_PENDING: u8 = 0xff;
 
 const TAG_MASK: u64 = (1 << 56) - 1;
-/// Attempts at reserving a slot before reporting the ring full (other producers or garbage).
-const RESERVE_TRIES: usize = 64;
 
 /// The state word of position `pos` in state `st`.
 pub(crate) fn state_word(pos: u64, st: u8) -> u64 {

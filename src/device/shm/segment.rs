@@ -10,8 +10,12 @@ use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) use super::file::{
+    H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_TOTAL, H_VERSION, HDR_SIZE, Liveness, MAX_SLOTS,
+    SLOT_HDR,
+};
 use super::map::{self, Mapping};
 use crate::device::QpType;
 
@@ -21,12 +25,6 @@ pub(crate) const PREFIX: &str = "efa-shm-";
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"EFA-SHM\0");
 /// Layout version; a peer with another version is refused.
 pub(crate) const VERSION: u32 = 1;
-/// Size of the header, bytes.
-pub(crate) const HDR_SIZE: usize = 256;
-/// Size of a slot's header in front of its data, bytes.
-pub(crate) const SLOT_HDR: usize = 64;
-/// Largest ring a peer may announce (slots).
-pub(crate) const MAX_SLOTS: u32 = 1 << 16;
 /// Largest MTU a peer may announce, bytes.
 pub(crate) const MAX_SEG_MTU: u32 = 1 << 20;
 /// Largest acknowledgement table a peer may announce (entries).
@@ -34,12 +32,8 @@ pub(crate) const MAX_ACKS: u32 = 1 << 20;
 /// Largest segment, bytes.
 pub(crate) const MAX_SEGMENT: usize = 1 << 30;
 
-// Header offsets (all little-endian; every field is read and written as an atomic word).
-pub(crate) const H_MAGIC: usize = 0; // u64
-pub(crate) const H_VERSION: usize = 8; // u32
-pub(crate) const H_HDR_SIZE: usize = 12; // u32
-pub(crate) const H_TOTAL: usize = 16; // u64
-pub(crate) const H_PID: usize = 24; // u32
+// Header offsets beyond the common ones of `file` (all little-endian; every field is read and
+// written as an atomic word).
 pub(crate) const H_QKEY: usize = 28; // u32
 pub(crate) const H_QPN: usize = 32; // u32
 pub(crate) const H_QP_TYPE: usize = 36; // u32: 1 SRD, 2 UD
@@ -50,10 +44,6 @@ pub(crate) const H_ACKS: usize = 52; // u32
 pub(crate) const H_ACK_OFF: usize = 56; // u64
 pub(crate) const H_RING_OFF: usize = 64; // u64
 pub(crate) const H_UID: usize = 72; // u32
-pub(crate) const H_CLOSED: usize = 128; // u32
-pub(crate) const H_SLEEPERS: usize = 132; // u32
-pub(crate) const H_BELL: usize = 136; // u32 (futex word)
-pub(crate) const H_TAIL: usize = 192; // u64
 pub(crate) const H_HEAD: usize = 200; // u64
 
 /// The shape of a segment.
@@ -136,31 +126,6 @@ fn tmp_name(uid: u32, pid: u32, n: u64) -> String {
     format!("{PREFIX}{uid}-tmp-{pid}-{n}")
 }
 
-fn u32_at(m: &Mapping, off: usize) -> Option<&AtomicU32> {
-    m.u32(off)
-}
-
-/// Reads a header word (`None` outside the mapping).
-fn load32(m: &Mapping, off: usize) -> Option<u32> {
-    u32_at(m, off).map(|w| w.load(Ordering::Relaxed))
-}
-
-fn load64(m: &Mapping, off: usize) -> Option<u64> {
-    m.u64(off).map(|w| w.load(Ordering::Relaxed))
-}
-
-fn store32(m: &Mapping, off: usize, v: u32) {
-    if let Some(w) = m.u32(off) {
-        w.store(v, Ordering::Relaxed);
-    }
-}
-
-fn store64(m: &Mapping, off: usize, v: u64) {
-    if let Some(w) = m.u64(off) {
-        w.store(v, Ordering::Relaxed);
-    }
-}
-
 /// What identifies the owner of a segment, written once at creation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Identity {
@@ -172,20 +137,20 @@ pub(crate) struct Identity {
 
 /// Writes every static header field (magic last).
 pub(crate) fn write_header(m: &Mapping, g: &Geometry, id: &Identity) {
-    store32(m, H_VERSION, VERSION);
-    store32(m, H_HDR_SIZE, HDR_SIZE as u32);
-    store64(m, H_TOTAL, g.total as u64);
-    store32(m, H_PID, id.pid);
-    store32(m, H_QKEY, id.qkey);
-    store32(m, H_QPN, u32::from(id.qpn));
-    store32(m, H_QP_TYPE, qp_type_code(g.qp_type));
-    store32(m, H_SLOTS, g.slots);
-    store32(m, H_STRIDE, g.stride);
-    store32(m, H_MTU, g.mtu);
-    store32(m, H_ACKS, g.acks);
-    store64(m, H_ACK_OFF, g.ack_off as u64);
-    store64(m, H_RING_OFF, g.ring_off as u64);
-    store32(m, H_UID, id.uid);
+    m.store32(H_VERSION, VERSION);
+    m.store32(H_HDR_SIZE, HDR_SIZE as u32);
+    m.store64(H_TOTAL, g.total as u64);
+    m.store32(H_PID, id.pid);
+    m.store32(H_QKEY, id.qkey);
+    m.store32(H_QPN, u32::from(id.qpn));
+    m.store32(H_QP_TYPE, qp_type_code(g.qp_type));
+    m.store32(H_SLOTS, g.slots);
+    m.store32(H_STRIDE, g.stride);
+    m.store32(H_MTU, g.mtu);
+    m.store32(H_ACKS, g.acks);
+    m.store64(H_ACK_OFF, g.ack_off as u64);
+    m.store64(H_RING_OFF, g.ring_off as u64);
+    m.store32(H_UID, id.uid);
     if let Some(w) = m.u64(H_MAGIC) {
         w.store(MAGIC, Ordering::Release);
     }
@@ -207,16 +172,8 @@ pub(crate) fn header_intact(m: &Mapping, g: &Geometry, id: &Identity) -> bool {
 
 /// Reads and validates a header against a mapping of `len` bytes.
 pub(crate) fn read_header(m: &Mapping, len: usize) -> Result<(Geometry, Identity), &'static str> {
-    let g = |off| load32(m, off).ok_or("header truncated");
-    if load64(m, H_MAGIC) != Some(MAGIC) {
-        return Err("bad magic");
-    }
-    if g(H_VERSION)? != VERSION {
-        return Err("unsupported version");
-    }
-    if g(H_HDR_SIZE)? as usize != HDR_SIZE {
-        return Err("bad header size");
-    }
+    let g = |off| m.load32(off).ok_or("header truncated");
+    super::file::check_kind(m, MAGIC, VERSION)?;
     let qp_type = match g(H_QP_TYPE)? {
         1 => QpType::Srd,
         2 => QpType::Ud,
@@ -235,10 +192,10 @@ pub(crate) fn read_header(m: &Mapping, len: usize) -> Result<(Geometry, Identity
         return Err("bad acknowledgement table size");
     }
     let want = Geometry::new(qp_type, slots, mtu, acks).ok_or("segment too large")?;
-    let total = load64(m, H_TOTAL).ok_or("header truncated")?;
+    let total = m.load64(H_TOTAL).ok_or("header truncated")?;
     if g(H_STRIDE)? != want.stride
-        || load64(m, H_ACK_OFF) != Some(want.ack_off as u64)
-        || load64(m, H_RING_OFF) != Some(want.ring_off as u64)
+        || m.load64(H_ACK_OFF) != Some(want.ack_off as u64)
+        || m.load64(H_RING_OFF) != Some(want.ring_off as u64)
         || total != want.total as u64
     {
         return Err("inconsistent geometry");
@@ -315,7 +272,7 @@ impl OwnSegment {
         let map = Mapping::map(&file, geo.total)?;
         // Ring: slot i starts with sequence i (free for the producer of position i).
         for i in 0..u64::from(geo.slots) {
-            store64(&map, geo.slot(i), i);
+            map.store64(geo.slot(i), i);
         }
         let mut id = Identity {
             pid: std::process::id(),
@@ -353,15 +310,9 @@ impl OwnSegment {
     /// Removes the segment's name (only if it still names this file) and releases the lock, so
     /// peers see the queue pair gone. The mapping stays valid until `self` is dropped.
     pub(crate) fn unlink(&mut self) {
-        unlink_if_same(&self.path, self.ino);
+        map::remove_if_same(&self.path, self.ino);
         self.file = None;
     }
-}
-
-/// Unlinks `path` if it still names inode `ino` (a new segment may have taken the name; a
-/// symlink is never followed).
-pub(crate) fn unlink_if_same(path: &Path, ino: u64) -> bool {
-    map::remove_if_same(path, ino)
 }
 
 /// A peer's segment, mapped and validated.
@@ -448,37 +399,10 @@ pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, O
     })
 }
 
-/// Is the owner of a peer segment still there?
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Liveness {
-    Alive,
-    /// The owner closed the queue pair.
-    Closed,
-    /// The owner is gone without closing (its lock is free); the name has been unlinked.
-    Dead,
-}
-
 impl PeerSegment {
     /// The closed flag, then the owner's lock: a free lock means no process holds the segment.
     pub(crate) fn liveness(&self) -> Liveness {
-        if load32(&self.map, H_CLOSED).unwrap_or(1) != 0 {
-            return Liveness::Closed;
-        }
-        match map::try_lock_exclusive(&self.file) {
-            Ok(true) => {
-                // We hold the lock: nobody owns the segment. Remove its name while we hold it.
-                if unlink_if_same(&self.path, self.ino) {
-                    tracing::debug!(path = %self.path.display(), pid = self.id.pid,
-                        "shm: removed the segment of a dead queue pair");
-                }
-                Liveness::Dead
-            }
-            Ok(false) => Liveness::Alive,
-            Err(e) => {
-                tracing::debug!(error = %e, "shm: cannot probe a peer's lock");
-                Liveness::Alive
-            }
-        }
+        super::file::liveness(&self.map, &self.file, &self.path, self.ino)
     }
 }
 
@@ -497,8 +421,8 @@ pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
         let Ok((file, meta)) = open_owned(path, uid) else {
             return false;
         };
-        let gone =
-            matches!(map::try_lock_exclusive(&file), Ok(true)) && unlink_if_same(path, meta.ino());
+        let gone = matches!(map::try_lock_exclusive(&file), Ok(true))
+            && map::remove_if_same(path, meta.ino());
         if gone {
             tracing::debug!(path = %path.display(), "shm: swept a stale segment");
         }
