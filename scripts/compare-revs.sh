@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Are the hot paths slower after a change? Builds examples/ping-pong (release) at two git
+# revisions and runs them alternately, round by round, as two processes on loopback: RDM over
+# `shm` and over `udp` (FI_EFA_ENABLE_SHM_TRANSFER=0), 64 B (latency) and 1 MiB (bandwidth).
+# Prints every round and the medians, with the ratio new/old.
+#
+#   scripts/compare-revs.sh [-r ROUNDS] [-s SIZES] OLD_REV [NEW_REV]
+#
+# NEW_REV defaults to the working tree. Each revision builds in a worktree of its own under
+# $TMPDIR with its own target directory (kept for reruns: efa-revs-<rev>).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rounds=5 sizelist="64,1048576"
+while getopts "r:s:" o; do
+    case $o in
+    r) rounds=$OPTARG ;;
+    s) sizelist=$OPTARG ;;
+    *) exit 2 ;;
+    esac
+done
+shift $((OPTIND - 1))
+[ $# -ge 1 ] || { echo "usage: $0 [-r ROUNDS] [-s SIZES] OLD_REV [NEW_REV]" >&2; exit 2; }
+IFS=, read -r -a sizes <<<"$sizelist"
+tmpbase=${TMPDIR:-/tmp}
+
+# build REV: prints the path of that revision's ping-pong binary.
+build() {
+    local rev=$1 dir
+    if [ "$rev" = "." ]; then
+        cargo build --release --quiet --example ping-pong
+        echo "${CARGO_TARGET_DIR:-$PWD/target}/release/examples/ping-pong"
+        return
+    fi
+    local sha; sha=$(git rev-parse --short "$rev")
+    dir=$tmpbase/efa-revs-$sha
+    if [ ! -d "$dir/src" ]; then
+        rm -rf "$dir"
+        git worktree add --detach -q "$dir" "$sha"
+    fi
+    (cd "$dir" && CARGO_TARGET_DIR="$dir/target" cargo build --release --quiet --example ping-pong)
+    echo "$dir/target/release/examples/ping-pong"
+}
+
+old=$(build "$1")
+new=$(build "${2:-.}")
+lscpu | grep "Model name" || true
+echo "old: $1 ($old)"
+echo "new: ${2:-working tree} ($new)"
+
+port=$((40000 + RANDOM % 20000))
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+iters() { if [ "$1" -ge 1048576 ]; then echo 300; else echo 20000; fi; }
+
+# run BIN DEV SIZE: "usec MB/sec" from the client's result line.
+run() {
+    local bin=$1 dev=$2 s=$3 i; i=$(iters "$s"); port=$((port + 1))
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "$bin" -p "$dev" -e rdm -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+    local srv=$!
+    sleep 0.3
+    FI_EFA_ENABLE_SHM_TRANSFER=0 timeout 120 "$bin" -p "$dev" -e rdm -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null |
+        grep -v "^#" | tail -1 | awk '{print $7, $6}'
+    wait $srv || true
+}
+
+for r in $(seq "$rounds"); do
+    for dev in shm udp; do
+        for s in "${sizes[@]}"; do
+            # Alternate which goes first, round by round.
+            if [ $((r % 2)) -eq 1 ]; then order="old new"; else order="new old"; fi
+            for w in $order; do
+                bin=$old
+                [ "$w" = new ] && bin=$new
+                run "$bin" "$dev" "$s" >>"$tmp/$w-$dev-$s"
+                echo "round $r $dev $s $w: $(tail -1 "$tmp/$w-$dev-$s") (usec/xfer MB/sec)"
+            done
+        done
+    done
+done
+
+median() { sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "nan"}'; }
+printf "%-5s %-9s %12s %12s %10s %12s %12s %10s\n" dev size "old usec" "new usec" "lat new/old" "old MB/s" "new MB/s" "bw new/old"
+for dev in shm udp; do
+    for s in "${sizes[@]}"; do
+        ol=$(cut -d' ' -f1 "$tmp/old-$dev-$s" | median); nl=$(cut -d' ' -f1 "$tmp/new-$dev-$s" | median)
+        ob=$(cut -d' ' -f2 "$tmp/old-$dev-$s" | median); nb=$(cut -d' ' -f2 "$tmp/new-$dev-$s" | median)
+        lr=$(awk -v a="$nl" -v b="$ol" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "nan" }')
+        br=$(awk -v a="$nb" -v b="$ob" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "nan" }')
+        printf "%-5s %-9s %12s %12s %10s %12s %12s %10s\n" "$dev" "$s" "$ol" "$nl" "$lr" "$ob" "$nb" "$br"
+    done
+done
