@@ -827,7 +827,8 @@ impl Info {
                         | Caps::ATOMIC
                         | Caps::READ
                         | Caps::WRITE
-                        | Caps::DELIVERY_COMPLETE,
+                        | Caps::DELIVERY_COMPLETE
+                        | Caps::HMEM,
                     size: pick(config.tx_size, dev_tx),
                     inject_size: inject,
                     iov_limit: RDM_IOV_LIMIT,
@@ -843,7 +844,8 @@ impl Info {
                         | Caps::REMOTE_READ
                         | Caps::REMOTE_WRITE
                         | Caps::MULTI_RECV
-                        | Caps::DIRECTED_RECV,
+                        | Caps::DIRECTED_RECV
+                        | Caps::HMEM,
                     size: pick(config.rx_size, dev_rx),
                     iov_limit: RDM_IOV_LIMIT,
                     msg_order: order,
@@ -856,7 +858,13 @@ impl Info {
                     tx_ctx_cnt: 1,
                     rx_ctx_cnt: 1,
                 };
-                domain_attr = (Threading::Safe, ResourceMgmt::Enabled, mr_base);
+                // FI_HMEM: device memory as dmabuf regions (`Domain::register_dmabuf`), which
+                // must be registered (FI_MR_HMEM).
+                domain_attr = (
+                    Threading::Safe,
+                    ResourceMgmt::Enabled,
+                    mr_base | MrMode::HMEM,
+                );
                 protocol_version = 4;
             }
         }
@@ -919,6 +927,7 @@ impl Info {
                     | Caps::MULTI_RECV
                     | Caps::DIRECTED_RECV
                     | Caps::DELIVERY_COMPLETE
+                    | Caps::HMEM
             }
         }
     }

@@ -182,6 +182,9 @@ pub struct RegionMem {
     pub(crate) len: usize,
     /// Signalled (and cleared) whenever the lock is released; see [`RegionMem::try_write_with`].
     waiters: Mutex<Vec<Arc<Notifier>>>,
+    /// The dmabuf the memory maps ([`RegionMem::dmabuf`]): a duplicate of its descriptor and
+    /// the offset, for devices that register dmabufs with their NIC.
+    dmabuf: Option<(std::os::fd::OwnedFd, u64)>,
 }
 
 /// The outcome of a non-blocking access to a [`RegionMem`].
@@ -206,7 +209,78 @@ impl RegionMem {
             len: buf.len(),
             data: RwLock::new(Store::Owned(buf)),
             waiters: Mutex::new(Vec::new()),
+            dmabuf: None,
         })
+    }
+
+    /// A region's memory over `len` bytes at `offset` of the dmabuf `fd` (GPU memory exported
+    /// by its driver; a memfd in tests), mapped shared for reading and writing: software devices
+    /// and the engine reach the bytes through the mapping, devices with a NIC register the
+    /// dmabuf itself ([`RegionMem::dmabuf`]). Remote accesses name the mapping's address, as
+    /// libfabric names a dmabuf region by its virtual address. The mapping goes when the region
+    /// is closed.
+    ///
+    /// Errors: `InvalidArgument` for `len` 0, an `offset` that is not a multiple of the page
+    /// size, or a range past the end of the file (mapping it would fault on first touch);
+    /// `NotSupported` when the descriptor cannot be mapped (a dmabuf whose exporter has no CPU
+    /// mapping: the crate needs one for now), with the system's error.
+    ///
+    /// Another mapping of the same file (the GPU, another process) may write the bytes while a
+    /// guard reads them, as a NIC's DMA may: what the guard then sees is unspecified, never
+    /// other memory. Shrinking the file under the region is outside this contract (the process
+    /// would fault on the lost pages, as it would with any shared mapping).
+    pub fn dmabuf(
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+    ) -> Result<Arc<RegionMem>> {
+        let bad =
+            |d: String| Error::new(ErrorKind::InvalidArgument, "register_dmabuf").with_detail(d);
+        if len == 0 {
+            return Err(bad("empty range".into()));
+        }
+        let page = store::page_size();
+        if offset % page != 0 {
+            return Err(bad(format!(
+                "offset {offset} is not a multiple of the page size ({page} bytes)"
+            )));
+        }
+        let end = offset
+            .checked_add(len as u64)
+            .ok_or_else(|| bad(format!("offset {offset} + length {len} overflows")))?;
+        let file = std::fs::File::from(fd.try_clone_to_owned().map_err(|e| {
+            Error::io("register_dmabuf", e).with_detail("cannot duplicate the descriptor")
+        })?);
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io("register_dmabuf", e))?;
+        let size = meta.len();
+        // A dmabuf whose exporter reports no size (0) is checked by mmap alone.
+        if (meta.is_file() || size > 0) && end > size {
+            return Err(bad(format!(
+                "range {offset}..{end} is past the end of the file ({size} bytes)"
+            )));
+        }
+        let mapped = store::Mapped::map(fd, offset, len).map_err(|e| {
+            Error::new(ErrorKind::NotSupported, "register_dmabuf").with_detail(format!(
+                "cannot map the dmabuf for the CPU ({e}); the crate needs a CPU mapping of it"
+            ))
+        })?;
+        Ok(Arc::new(RegionMem {
+            addr: mapped.addr() as usize as u64,
+            len,
+            data: RwLock::new(Store::Mapped(mapped)),
+            waiters: Mutex::new(Vec::new()),
+            dmabuf: Some((std::os::fd::OwnedFd::from(file), offset)),
+        }))
+    }
+
+    /// The dmabuf this memory maps, as (descriptor, offset), for a device that registers
+    /// dmabufs with its NIC (`ibv_reg_dmabuf_mr`, iova = [`RegionMem::addr`]); `None` for other
+    /// memory.
+    pub fn dmabuf_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, u64)> {
+        use std::os::fd::AsFd;
+        self.dmabuf.as_ref().map(|(fd, off)| (fd.as_fd(), *off))
     }
 
     /// A region over `len` bytes at `ptr` that it does not own: for devices outside the crate
@@ -233,6 +307,7 @@ impl RegionMem {
             len,
             data: RwLock::new(store),
             waiters: Mutex::new(Vec::new()),
+            dmabuf: None,
         }))
     }
 
@@ -419,7 +494,8 @@ impl RegionMem {
         self.wake_waiters();
         match old {
             Store::Owned(b) => b,
-            Store::Foreign { .. } => BytesMut::new(),
+            // Dropping a mapped store unmaps it.
+            Store::Foreign { .. } | Store::Mapped(_) => BytesMut::new(),
         }
     }
 }

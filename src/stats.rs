@@ -109,6 +109,8 @@ counters!(
         /// RDMA writes whose buffer's registration came from the MR cache (efa device,
         /// `FI_EFA_MR_CACHE_ENABLE`).
         mr_cache_hits,
+        /// dmabuf regions registered with the NIC as dmabufs (`ibv_reg_dmabuf_mr`; efa device).
+        dmabuf_registrations,
     }
 );
 

@@ -266,7 +266,9 @@ fn rdm_info_attributes() {
     ] {
         assert!(i.caps.contains(c), "RDM lacks {c}");
     }
-    assert!(!i.caps.contains(Caps::HMEM));
+    // Device memory: dmabuf regions on every device (`Domain::register_dmabuf`).
+    assert!(i.caps.contains(Caps::HMEM));
+    assert!(i.domain_attr.mr_mode.contains(MrMode::HMEM));
     assert_eq!(i.protocol_version, 4);
     assert_eq!(i.ep_attr.max_msg_size, u64::MAX);
     assert!(i.tx_attr.msg_order.contains(MsgOrder::SAS));

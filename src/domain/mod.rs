@@ -101,6 +101,47 @@ impl Domain {
         MemoryRegion::register(self, buf.into_region_buf(), access)
     }
 
+    /// Registers `len` bytes at `offset` of the dmabuf `fd` (GPU memory its driver exported;
+    /// any file the CPU can map shared, such as a memfd) with `access` rights. The region works
+    /// in every operation a region of [`register`](Domain::register) works in, on every device:
+    /// the `efa` device registers the dmabuf itself with its NIC (`ibv_reg_dmabuf_mr`, named by
+    /// the mapping's virtual address, as libfabric does), the others serve the CPU mapping of
+    /// it. The descriptor is duplicated; the caller keeps its own. [`MemoryRegion::close`] of
+    /// such a region unmaps it and gives back an empty buffer (the memory is the dmabuf's, not
+    /// the crate's).
+    ///
+    /// Errors: `InvalidArgument` for `len` 0, empty access flags, an `offset` that is not a
+    /// multiple of the page size or a range past the end of the file; `NotSupported` when the
+    /// descriptor cannot be mapped for the CPU (the crate needs a CPU mapping for now, see
+    /// docs/rma.md); the device's error if it refuses the registration.
+    ///
+    /// ```
+    /// # use efa::{Access, Domain};
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    /// // A memfd stands in for GPU memory.
+    /// let fd = unsafe { libc::memfd_create(c"gpu".as_ptr(), libc::MFD_CLOEXEC) };
+    /// assert!(fd >= 0);
+    /// let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    /// std::fs::File::from(fd.try_clone().unwrap()).set_len(8192).unwrap();
+    /// let mut mr = domain.register_dmabuf(fd.as_fd(), 4096, 4096, Access::REMOTE_WRITE)?;
+    /// assert!(mr.is_dmabuf());
+    /// mr.write()[..5].copy_from_slice(b"hello");
+    /// assert_eq!(mr.remote_key()?.len, 4096);
+    /// assert!(mr.close().is_empty());
+    /// # Ok(()) }
+    /// ```
+    pub fn register_dmabuf(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        MemoryRegion::register_dmabuf(self, fd, offset, len, access)
+    }
+
     /// Checks a remote access (`key`, `addr`, `len`, needed `access`) against this domain's live
     /// registrations: `RemoteAccess` if the key is unknown or revoked, the range is outside the
     /// region or the right was not granted.

@@ -74,7 +74,26 @@ impl MemoryRegion {
             return Err(Error::new(ErrorKind::InvalidArgument, "mr_reg")
                 .with_detail("access flags are empty"));
         }
-        let mem = RegionMem::new(buf);
+        MemoryRegion::register_mem(domain, RegionMem::new(buf), access)
+    }
+
+    /// Registers a region over the dmabuf range ([`RegionMem::dmabuf`]).
+    pub(crate) fn register_dmabuf(
+        domain: &Domain,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        if access.is_empty() {
+            return Err(Error::new(ErrorKind::InvalidArgument, "register_dmabuf")
+                .with_detail("access flags are empty"));
+        }
+        MemoryRegion::register_mem(domain, RegionMem::dmabuf(fd, offset, len)?, access)
+    }
+
+    /// Registers `mem` with the device and the domain's key table.
+    fn register_mem(domain: &Domain, mem: Arc<RegionMem>, access: Access) -> Result<MemoryRegion> {
         let device_key = domain.device().register_mem(&mem, access)?;
         // Under the device's key, or a fresh 64-bit software key (CSPRNG) when the device has
         // none; `None` when the device's key is live already.
@@ -131,6 +150,12 @@ impl MemoryRegion {
             addr: self.mem.addr,
             len: self.mem.len,
         })
+    }
+
+    /// True for a region over a dmabuf ([`Domain::register_dmabuf`]): its memory is a mapping
+    /// of the dmabuf, and [`close`](MemoryRegion::close) gives back an empty buffer.
+    pub fn is_dmabuf(&self) -> bool {
+        self.mem.dmabuf_fd().is_some()
     }
 
     /// The key.
@@ -230,6 +255,7 @@ impl fmt::Debug for MemoryRegion {
             .field("key", &self.key)
             .field("len", &self.mem.len)
             .field("access", &self.access)
+            .field("dmabuf", &self.is_dmabuf())
             .finish()
     }
 }

@@ -1,4 +1,5 @@
-//! The storage of a region's bytes: owned, or lent by the caller of `RegionMem::foreign`.
+//! The storage of a region's bytes: owned, lent by the caller of `RegionMem::foreign`, or a
+//! shared mapping of a dmabuf (`RegionMem::dmabuf`) that the store unmaps when dropped.
 #![allow(unsafe_code)]
 
 use std::ops::{Deref, DerefMut};
@@ -11,11 +12,75 @@ use bytes::BytesMut;
 pub(crate) enum Store {
     Owned(BytesMut),
     Foreign { ptr: NonNull<u8>, len: usize },
+    Mapped(Mapped),
+}
+
+/// `len` bytes mapped (`MAP_SHARED`, read and write) at `ptr`; unmapped on drop.
+pub(crate) struct Mapped {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+/// The system's page size, bytes (mappings start at multiples of it).
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
+}
+
+impl Mapped {
+    /// Maps `len` bytes of `fd` at `offset` (page aligned) for reading and writing, shared
+    /// with every other mapping of the file. The caller checked that the file is at least
+    /// `offset + len` bytes long (touching a page past its end raises `SIGBUS`).
+    pub(crate) fn map(
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<Mapped> {
+        use std::os::fd::AsRawFd;
+        let off = libc::off_t::try_from(offset)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EOVERFLOW))?;
+        // SAFETY: a fresh mapping at an address the kernel chooses; it aliases no Rust
+        // allocation. The fd is valid for the call (borrowed).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                off,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
+        Ok(Mapped { ptr, len })
+    }
+
+    /// The first mapped byte.
+    pub(crate) fn addr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `Mapped::map` with this length, unmapped once; the store that owns
+        // it is dropped only after its region was deregistered from every device and under
+        // the region's write lock, so no reference into it is alive.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if rc != 0 {
+            tracing::error!(error = %std::io::Error::last_os_error(), "munmap of a dmabuf region failed");
+        }
+    }
 }
 
 // SAFETY: a foreign store is memory the creator of the region promised to keep valid, and to
 // reach from Rust only through this region, until the region is closed (`RegionMem::foreign`);
-// every access goes through the region's lock, as for an owned buffer.
+// a mapped store is a mapping this store alone owns. Every access goes through the region's
+// lock, as for an owned buffer.
 unsafe impl Send for Store {}
 // SAFETY: as above; shared access is the lock's read mode.
 unsafe impl Sync for Store {}
@@ -30,6 +95,8 @@ impl Deref for Store {
             Store::Foreign { ptr, len } => unsafe {
                 std::slice::from_raw_parts(ptr.as_ptr(), *len)
             },
+            // SAFETY: the mapping is valid for `len` bytes until the store is dropped.
+            Store::Mapped(m) => unsafe { std::slice::from_raw_parts(m.ptr.as_ptr(), m.len) },
         }
     }
 }
@@ -42,6 +109,8 @@ impl DerefMut for Store {
             Store::Foreign { ptr, len } => unsafe {
                 std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)
             },
+            // SAFETY: as in `deref`; the write lock makes this the only access from Rust.
+            Store::Mapped(m) => unsafe { std::slice::from_raw_parts_mut(m.ptr.as_ptr(), m.len) },
         }
     }
 }

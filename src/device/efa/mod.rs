@@ -91,7 +91,7 @@ use crate::config::Config;
 use crate::device::{Device, DeviceAttr, QpAttr, QpType, QueuePair, RemoteIov, random_qkey};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::{Access, RegionMem};
-use crate::stats::{DeviceCounters, DeviceStats};
+use crate::stats::{self, DeviceCounters, DeviceStats};
 
 #[cfg(doc)]
 use crate::device::Status;
@@ -445,22 +445,50 @@ impl Device for EfaDevice {
         if access.contains(Access::REMOTE_WRITE) && caps.rdma_write {
             want |= Access::REMOTE_WRITE;
         }
-        // SAFETY: the region's buffer stays at `mem.addr()` for `mem.len()` bytes until the
-        // region is closed, and a region is deregistered here (`deregister_mem`) before its
-        // memory is handed back (`MemoryRegion::revoke`); the Arc kept beside the registration
-        // keeps the `RegionMem` alive as long.
+        // SAFETY: the region's buffer (or its dmabuf, mapped at `mem.addr()`) stays there for
+        // `mem.len()` bytes until the region is closed, and a region is deregistered here
+        // (`deregister_mem`) before its memory is handed back or unmapped
+        // (`MemoryRegion::revoke`); the Arc kept beside the registration keeps the `RegionMem`
+        // alive as long. A dmabuf is registered as itself, named by the mapping's address (the
+        // iova), as libfabric registers dmabufs.
         let mr = unsafe {
-            self.shared
-                .pd
-                .reg_mr(mem.addr() as usize as *mut u8, mem.len(), ibv_access(want))
-        }?;
+            match mem.dmabuf_fd() {
+                Some((fd, offset)) => self.shared.pd.reg_dmabuf_mr(
+                    fd.as_raw_fd(),
+                    offset,
+                    mem.len(),
+                    mem.addr(),
+                    ibv_access(want),
+                ),
+                None => self.shared.pd.reg_mr(
+                    mem.addr() as usize as *mut u8,
+                    mem.len(),
+                    ibv_access(want),
+                ),
+            }
+        };
+        let mr = match mr {
+            Ok(mr) => mr,
+            Err(e) if mem.dmabuf_fd().is_some() => {
+                // No peer-to-peer path from the NIC to this memory (libfabric's non-p2p HMEM):
+                // the domain gives the region a software key and serves it through the CPU
+                // mapping with the emulated protocols; no read key of it is ever advertised.
+                tracing::warn!(error = %e, "efa: the NIC cannot register this dmabuf; it is served through its CPU mapping");
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
         let key = u64::from(mr.rkey());
         tracing::debug!(
             key,
             len = mem.len(),
             ?want,
+            dmabuf = mem.dmabuf_fd().is_some(),
             "efa: region registered with the NIC"
         );
+        if mem.dmabuf_fd().is_some() {
+            stats::inc(&self.counters.dmabuf_registrations);
+        }
         let local = mr::LocalKey {
             lkey: mr.lkey(),
             addr: mem.addr(),
