@@ -26,6 +26,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 
 mod store;
+pub use store::SharedMapping;
 pub(crate) use store::Store;
 
 /// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
@@ -261,7 +262,7 @@ impl RegionMem {
                 "range {offset}..{end} is past the end of the file ({size} bytes)"
             )));
         }
-        let mapped = store::Mapped::map(fd, offset, len).map_err(|e| {
+        let mapped = store::SharedMapping::map(fd, offset, len).map_err(|e| {
             Error::new(ErrorKind::NotSupported, "register_dmabuf").with_detail(format!(
                 "cannot map the dmabuf for the CPU ({e}); the crate needs a CPU mapping of it"
             ))

@@ -81,8 +81,8 @@ pub struct Pd {
 pub struct Mr {
     pub mr: ibv_mr,
     pub nic: Arc<Nic>,
-    /// A dmabuf registration's mapping (address, length), unmapped at deregistration.
-    pub mapping: Option<(usize, usize)>,
+    /// A dmabuf registration's mapping, unmapped (dropped) at deregistration.
+    pub mapping: Option<efa::mem::SharedMapping>,
 }
 
 #[repr(C)]
@@ -467,7 +467,7 @@ unsafe fn reg(
     len: usize,
     iova: u64,
     access: c_int,
-    mapping: Option<(usize, usize)>,
+    mapping: Option<efa::mem::SharedMapping>,
 ) -> *mut ibv_mr {
     // SAFETY: as the caller promises.
     let Some(p) = (unsafe { obj::<Pd, _>(pd) }) else {
@@ -549,33 +549,17 @@ pub unsafe extern "C" fn emu_ibv_reg_dmabuf_mr(
         if len == 0 || fd < 0 {
             return null(libc::EINVAL);
         }
-        let Ok(off) = libc::off_t::try_from(offset) else {
-            return null(libc::EINVAL);
+        // SAFETY: the program's descriptor, valid for this call.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let map = match efa::mem::SharedMapping::map(fd, offset, len) {
+            Ok(m) => m,
+            Err(e) => return null(e.raw_os_error().unwrap_or(libc::EINVAL)),
         };
-        // SAFETY: a fresh shared mapping of the program's descriptor; unmapped at dereg.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                off,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return null(
-                std::io::Error::last_os_error()
-                    .raw_os_error()
-                    .unwrap_or(libc::EINVAL),
-            );
-        }
-        // SAFETY: the mapping lives until dereg.
-        let mr = unsafe { reg(pd, p, len, iova, access, Some((p as usize, len))) };
-        if mr.is_null() {
-            // SAFETY: our own mapping.
-            unsafe { libc::munmap(p, len) };
-        } else {
+        let p = map.addr().cast::<c_void>();
+        // SAFETY: the mapping lives as long as the registration (it is dropped, unmapping it,
+        // at dereg or here when registration fails).
+        let mr = unsafe { reg(pd, p, len, iova, access, Some(map)) };
+        if !mr.is_null() {
             // The program sees the I/O virtual address, as with a real dmabuf.
             // SAFETY: just made.
             unsafe { (*mr).addr = iova as usize as *mut c_void };
@@ -594,12 +578,8 @@ pub unsafe extern "C" fn emu_ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
         if let Err(e) = m.nic.dereg(m.mr.lkey) {
             return e;
         }
-        // SAFETY: given back once.
-        let m = unsafe { Box::from_raw(mr as *mut Mr) };
-        if let Some((p, len)) = m.mapping {
-            // SAFETY: our own mapping, no longer registered.
-            unsafe { libc::munmap(p as *mut c_void, len) };
-        }
+        // SAFETY: given back once; dropping it unmaps a dmabuf's mapping, no longer registered.
+        drop(unsafe { Box::from_raw(mr as *mut Mr) });
         0
     })
 }

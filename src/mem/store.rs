@@ -12,11 +12,15 @@ use bytes::BytesMut;
 pub(crate) enum Store {
     Owned(BytesMut),
     Foreign { ptr: NonNull<u8>, len: usize },
-    Mapped(Mapped),
+    Mapped(SharedMapping),
 }
 
-/// `len` bytes mapped (`MAP_SHARED`, read and write) at `ptr`; unmapped on drop.
-pub(crate) struct Mapped {
+/// `len` bytes of a file mapped shared for reading and writing (`MAP_SHARED`), unmapped when
+/// dropped: the CPU mapping behind a dmabuf region ([`RegionMem::dmabuf`](super::RegionMem::dmabuf)),
+/// and the emulated NIC's mapping of a dmabuf it registers. Making one is safe; reaching the
+/// bytes through [`addr`](SharedMapping::addr) is the caller's `unsafe` business (a page past
+/// the end of the file faults).
+pub struct SharedMapping {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -27,15 +31,15 @@ pub(crate) fn page_size() -> u64 {
     u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
 }
 
-impl Mapped {
+impl SharedMapping {
     /// Maps `len` bytes of `fd` at `offset` (page aligned) for reading and writing, shared
-    /// with every other mapping of the file. The caller checked that the file is at least
-    /// `offset + len` bytes long (touching a page past its end raises `SIGBUS`).
-    pub(crate) fn map(
+    /// with every other mapping of the file. Whoever touches the bytes must know the file is
+    /// at least `offset + len` bytes long (touching a page past its end raises `SIGBUS`).
+    pub fn map(
         fd: std::os::fd::BorrowedFd<'_>,
         offset: u64,
         len: usize,
-    ) -> std::io::Result<Mapped> {
+    ) -> std::io::Result<SharedMapping> {
         use std::os::fd::AsRawFd;
         let off = libc::off_t::try_from(offset)
             .map_err(|_| std::io::Error::from_raw_os_error(libc::EOVERFLOW))?;
@@ -56,26 +60,42 @@ impl Mapped {
         }
         let ptr = NonNull::new(p.cast::<u8>())
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
-        Ok(Mapped { ptr, len })
+        Ok(SharedMapping { ptr, len })
     }
 
     /// The first mapped byte.
-    pub(crate) fn addr(&self) -> *mut u8 {
+    pub fn addr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    /// Mapped bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: a mapping is at least one byte (`mmap` refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
-impl Drop for Mapped {
+impl Drop for SharedMapping {
     fn drop(&mut self) {
-        // SAFETY: mapped in `Mapped::map` with this length, unmapped once; the store that owns
-        // it is dropped only after its region was deregistered from every device and under
-        // the region's write lock, so no reference into it is alive.
+        // SAFETY: mapped in `SharedMapping::map` with this length, unmapped once. The bytes are
+        // reached only through owners that drop this value when nothing points into it any
+        // more: a region's store (under the region's write lock, after its device
+        // registrations are gone), the emulated NIC's registration (after deregistration).
         let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         if rc != 0 {
             tracing::error!(error = %std::io::Error::last_os_error(), "munmap of a dmabuf region failed");
         }
     }
 }
+
+// SAFETY: the mapping is owned by this value alone; it is a plain address range.
+unsafe impl Send for SharedMapping {}
+// SAFETY: `&SharedMapping` only hands out the address.
+unsafe impl Sync for SharedMapping {}
 
 // SAFETY: a foreign store is memory the creator of the region promised to keep valid, and to
 // reach from Rust only through this region, until the region is closed (`RegionMem::foreign`);
