@@ -253,6 +253,28 @@ macro_rules! float_op {
     }};
 }
 
+/// One atomic as its target applies it: the operation, the element type and the operands (what
+/// [`RmaMemory::atomic`](crate::proto::engine::RmaMemory::atomic) is given).
+#[derive(Clone, Copy, Debug)]
+pub struct AtomicArgs<'a> {
+    /// The operation.
+    pub op: AtomicOp,
+    /// The element type.
+    pub datatype: AtomicType,
+    /// Operand elements, little-endian (for [`AtomicOp::Read`], a buffer of the length to fetch).
+    pub operand: &'a [u8],
+    /// Compare elements (compare operations only).
+    pub compare: Option<&'a [u8]>,
+}
+
+impl AtomicArgs<'_> {
+    /// True when the operation hands back the previous values (fetch and compare atomics,
+    /// and reads): the target needs `REMOTE_READ` too.
+    pub fn fetches(&self) -> bool {
+        self.op == AtomicOp::Read || self.op.is_compare()
+    }
+}
+
 /// Checks that `op` is defined on `datatype` and the operands have whole, equal numbers of
 /// elements. `InvalidArgument` otherwise.
 pub fn validate(

@@ -798,23 +798,24 @@ pub(crate) fn remote_read(table: &Mutex<KeyTable>, key: u64, addr: u64, len: u64
 
 /// Applies an atomic to the elements at `addr` of the region `key` names, as one step under the
 /// region's write lock, and returns their previous values. The key must be live and grant
-/// `REMOTE_WRITE` (and `REMOTE_READ` for operations that return values: `fetch`), the range must
+/// `REMOTE_WRITE` (and `REMOTE_READ` for operations that return values), the range must
 /// lie inside the region (`RemoteAccess` otherwise, nothing changed); invalid operands are
 /// `InvalidArgument`. Never blocks: `Again` while the region's lock is taken.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn remote_atomic(
     table: &Mutex<KeyTable>,
     key: u64,
     addr: u64,
-    op: crate::atomic::AtomicOp,
-    datatype: crate::atomic::AtomicType,
-    operand: &[u8],
-    compare: Option<&[u8]>,
-    fetch: bool,
+    a: crate::atomic::AtomicArgs<'_>,
 ) -> Result<Bytes> {
     const OP: &str = "mr_remote_atomic";
+    let crate::atomic::AtomicArgs {
+        op,
+        datatype,
+        operand,
+        compare,
+    } = a;
     let mut need = Access::REMOTE_WRITE;
-    if fetch {
+    if a.fetches() {
         need |= Access::REMOTE_READ;
     }
     let len = if op == crate::atomic::AtomicOp::Read {

@@ -10,6 +10,7 @@
 //! `emulated_writes_reads_and_atomics_under_faults`.
 
 use bytes::{Bytes, BytesMut};
+use efa::atomic::AtomicArgs;
 use efa::device::{RemoteIov, Source, Status};
 use efa::fault::{Rng, test_seed};
 use efa::proto::engine::{
@@ -119,23 +120,15 @@ impl RmaMemory for Mem {
         Mem::range(r, addr, len).map(|_| ())
     }
 
-    fn atomic(
-        &self,
-        key: u64,
-        addr: u64,
-        op: AtomicOp,
-        datatype: AtomicType,
-        operand: &[u8],
-        compare: Option<&[u8]>,
-    ) -> efa::Result<Bytes> {
+    fn atomic(&self, key: u64, addr: u64, x: AtomicArgs<'_>) -> efa::Result<Bytes> {
         let mut g = self.regions.lock().unwrap();
         let r = g.get_mut(&key).ok_or_else(|| refused("key"))?;
         if !r.write {
             return Err(refused("no write right"));
         }
-        let (a, b) = Mem::range(r, addr, operand.len() as u64)?;
+        let (a, b) = Mem::range(r, addr, x.operand.len() as u64)?;
         let old = Bytes::copy_from_slice(&r.data[a..b]);
-        efa::atomic::apply(op, datatype, &mut r.data[a..b], operand, compare)?;
+        efa::atomic::apply(x.op, x.datatype, &mut r.data[a..b], x.operand, x.compare)?;
         Ok(old)
     }
 }

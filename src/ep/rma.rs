@@ -620,25 +620,7 @@ impl crate::proto::engine::RmaMemory for crate::domain::Domain {
         crate::mem::remote_check(self.mr_table(), key, addr, len, write)
     }
 
-    fn atomic(
-        &self,
-        key: u64,
-        addr: u64,
-        op: crate::atomic::AtomicOp,
-        datatype: crate::atomic::AtomicType,
-        operand: &[u8],
-        compare: Option<&[u8]>,
-    ) -> Result<Bytes> {
-        let fetch = op == crate::atomic::AtomicOp::Read || op.is_compare();
-        crate::mem::remote_atomic(
-            self.mr_table(),
-            key,
-            addr,
-            op,
-            datatype,
-            operand,
-            compare,
-            fetch,
-        )
+    fn atomic(&self, key: u64, addr: u64, a: crate::atomic::AtomicArgs<'_>) -> Result<Bytes> {
+        crate::mem::remote_atomic(self.mr_table(), key, addr, a)
     }
 }

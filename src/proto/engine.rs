@@ -440,15 +440,7 @@ pub trait RmaMemory: Send + Sync + std::fmt::Debug {
     /// Applies an atomic to the elements at `addr` as one step and returns their previous
     /// values; errors as for `write`, `InvalidArgument` for a bad operand length or an operation
     /// the datatype does not support.
-    fn atomic(
-        &self,
-        key: u64,
-        addr: u64,
-        op: crate::atomic::AtomicOp,
-        datatype: crate::atomic::AtomicType,
-        operand: &[u8],
-        compare: Option<&[u8]>,
-    ) -> Result<Bytes>;
+    fn atomic(&self, key: u64, addr: u64, a: crate::atomic::AtomicArgs<'_>) -> Result<Bytes>;
 }
 
 /// A finished send.

@@ -877,7 +877,13 @@ impl Engine {
                 } else {
                     operand.to_vec()
                 };
-                match mem.atomic(iov.key, iov.addr, aop, dt, &operand, compare) {
+                let args = crate::atomic::AtomicArgs {
+                    op: aop,
+                    datatype: dt,
+                    operand: &operand,
+                    compare,
+                };
+                match mem.atomic(iov.key, iov.addr, args) {
                     Err(e) if e.kind() == ErrorKind::Again => return Some(w),
                     Err(e) if e.kind() == ErrorKind::RemoteAccess => {
                         self.ema_refuse(&w, Status::RemoteBadAddress)
