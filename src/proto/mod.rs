@@ -9,6 +9,6 @@
 pub mod engine;
 pub mod matching;
 pub mod reorder;
-#[doc(hidden)]
+#[cfg(any(test, feature = "test-util"))]
 pub mod sim;
 pub mod wire;

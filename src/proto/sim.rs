@@ -25,8 +25,8 @@
 //!
 //! let mut sim = Sim::new(SimConfig::default(), 2);
 //! let dest = sim.addr(1);
-//! sim.post_recv(1, RecvOp { buf: BytesMut::with_capacity(64), tag: None, src: None, multi_recv: None, context: 7 })
-//!     .unwrap();
+//! sim.post_recv(1, RecvOp { buf: BytesMut::with_capacity(64), tag: None, src: None, multi_recv: None,
+//!     context: 7, local_region: None }).unwrap();
 //! sim.send(0, SendOp { dest, buf: Bytes::from_static(b"hello"), tag: None, data: None,
 //!     delivery_complete: false, context: 1, read_key: None, region_len: None }).unwrap();
 //! assert!(sim.run());
