@@ -184,6 +184,53 @@ fn dmabuf_regions_send_and_receive() {
     }
 }
 
+/// A dmabuf region as the local side of one-sided operations: the source of a write and the
+/// destination of a read (on efa, straight from and into the dmabuf under its own
+/// registration: no registration per operation).
+#[test]
+fn dmabuf_regions_are_sources_of_writes_and_destinations_of_reads() {
+    let seed = test_seed();
+    for (name, d, _keep) in setups() {
+        let (a, b, pb, _) = pair(&d);
+        let len = 3 * PAGE as usize;
+        let target = d
+            .register(vec![0u8; len], Access::REMOTE_WRITE | Access::REMOTE_READ)
+            .unwrap();
+        let rk = target.remote_key().unwrap();
+        let src_file = memfd(&format!("efa-dmabuf-wsrc-{name}"), len as u64);
+        let data = pattern(seed, len);
+        src_file.write_all_at(&data, 0).unwrap();
+        let src = d
+            .register_dmabuf(src_file.as_fd(), 0, len, Access::WRITE)
+            .unwrap();
+        let before = d.device_stats();
+        a.ep.write(pb, src, rk.at(0), 1).unwrap();
+        let c = until(&a, &b, 1, name).pop().unwrap();
+        assert!(
+            c.buf.into_region().unwrap().is_dmabuf(),
+            "{name}: the region comes back"
+        );
+        assert!(
+            target.read()[..] == data[..],
+            "{name} seed {seed}: written from the dmabuf"
+        );
+        let dst_file = memfd(&format!("efa-dmabuf-rdst-{name}"), len as u64);
+        let dst = d
+            .register_dmabuf(dst_file.as_fd(), 0, len, Access::READ)
+            .unwrap();
+        a.ep.read(pb, dst, len, rk.at(0), 2).unwrap();
+        let c = until(&a, &b, 1, name).pop().unwrap();
+        assert_eq!(c.len, len, "{name}");
+        let mut back = vec![0u8; len];
+        dst_file.read_exact_at(&mut back, 0).unwrap();
+        assert!(back == data, "{name} seed {seed}: read into the dmabuf");
+        if name == "efa" {
+            let s = d.device_stats();
+            assert_eq!(s.mr_registrations, before.mr_registrations, "{name}: {s:?}");
+        }
+    }
+}
+
 /// Bad ranges, descriptors and rights are refused with clear errors; nothing is mapped then.
 #[test]
 fn bad_dmabuf_registrations_are_refused() {

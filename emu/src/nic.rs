@@ -361,19 +361,26 @@ impl Nic {
         Ok(())
     }
 
-    /// Checks that `len` bytes at `addr` lie in the registration `lkey` of protection domain
-    /// `pd`, with `LOCAL_WRITE` when `write`.
-    pub fn check_local(&self, pd: usize, lkey: u32, addr: u64, len: u64, write: bool) -> bool {
+    /// Where the `len` bytes at `addr` of the registration `lkey` of protection domain `pd`
+    /// are in this process, `LOCAL_WRITE` needed when `write`; `None` when they are not all in
+    /// it. A scatter/gather address is in the registration's I/O virtual address space (as a
+    /// NIC reads it): the same as the pointer for `ibv_reg_mr`, the iova the program chose for
+    /// `ibv_reg_mr_iova2` and `ibv_reg_dmabuf_mr`.
+    pub fn local_addr(
+        &self,
+        pd: usize,
+        lkey: u32,
+        addr: u64,
+        len: u64,
+        write: bool,
+    ) -> Option<u64> {
         let m = self.mrs.lock();
-        let Some(e) = m.by_lkey.get(&lkey) else {
-            return false;
-        };
-        let Some(end) = addr.checked_add(len) else {
-            return false;
-        };
-        e.pd == pd
-            && addr >= e.addr
-            && end <= e.addr + e.len
-            && (!write || e.access & crate::abi::IBV_ACCESS_LOCAL_WRITE != 0)
+        let e = m.by_lkey.get(&lkey)?;
+        let off = addr.checked_sub(e.iova)?;
+        let end = off.checked_add(len)?;
+        (e.pd == pd
+            && end <= e.len
+            && (!write || e.access & crate::abi::IBV_ACCESS_LOCAL_WRITE != 0))
+            .then(|| e.addr + off)
     }
 }

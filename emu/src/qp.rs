@@ -202,18 +202,13 @@ impl QpCore {
                 return Err((wr as usize, libc::EINVAL));
             }
             // SAFETY: `num_sge` entries at `sg_list`, as the caller promises.
-            let sges = if n == 0 {
+            let mut sges = if n == 0 {
                 Vec::new()
             } else {
                 unsafe { std::slice::from_raw_parts(w.sg_list, n) }.to_vec()
             };
-            for s in &sges {
-                if !self
-                    .nic
-                    .check_local(self.pd, s.lkey, s.addr, u64::from(s.length), true)
-                {
-                    return Err((wr as usize, libc::EINVAL));
-                }
+            if !self.translate(&mut sges, true) {
+                return Err((wr as usize, libc::EINVAL));
             }
             let room = total(&sges);
             let room = if self.qp_type == QpType::Ud {
@@ -246,13 +241,8 @@ impl QpCore {
             return Err(libc::EINVAL);
         }
         let mut v = Vec::with_capacity(total(&r.sges));
+        // Checked and translated to this process's addresses by `post_sends`.
         for s in &r.sges {
-            if !self
-                .nic
-                .check_local(self.pd, s.lkey, s.addr, u64::from(s.length), false)
-            {
-                return Err(libc::EINVAL);
-            }
             if s.length > 0 {
                 // SAFETY: the range lies inside a live registration the program lent the NIC.
                 v.extend_from_slice(unsafe {
@@ -279,23 +269,38 @@ impl QpCore {
             if !ok || r.dest.is_none() {
                 return Err((i, libc::EINVAL));
             }
-            if let SendOp::Read { .. } = r.op {
-                for s in &r.sges {
-                    if !self
-                        .nic
-                        .check_local(self.pd, s.lkey, s.addr, u64::from(s.length), true)
-                    {
-                        return Err((i, libc::EINVAL));
-                    }
-                }
-            }
         }
         Ok(())
     }
 
+    /// Checks every scatter/gather entry against its registration (local write access when
+    /// `write`) and replaces its address (in the registration's iova space) by where the bytes
+    /// are in this process. False, and the list half translated, when one fails.
+    fn translate(&self, sges: &mut [ibv_sge], write: bool) -> bool {
+        sges.iter_mut().all(|s| {
+            match self
+                .nic
+                .local_addr(self.pd, s.lkey, s.addr, u64::from(s.length), write)
+            {
+                Some(a) => {
+                    s.addr = a;
+                    true
+                }
+                None => false,
+            }
+        })
+    }
+
     /// Posts checked send requests in order; the index and errno of the first refused one.
-    pub fn post_sends(&self, reqs: Vec<SendReq>) -> Result<(), (usize, i32)> {
+    pub fn post_sends(&self, mut reqs: Vec<SendReq>) -> Result<(), (usize, i32)> {
         self.validate(&reqs)?;
+        for (i, r) in reqs.iter_mut().enumerate() {
+            // A read writes its local buffers; sends and writes read them.
+            let write = matches!(r.op, SendOp::Read { .. });
+            if r.inline.is_none() && !self.translate(&mut r.sges, write) {
+                return Err((i, libc::EINVAL));
+            }
+        }
         for (i, r) in reqs.into_iter().enumerate() {
             self.post_one(r).map_err(|e| (i, e))?;
         }
