@@ -35,6 +35,7 @@ use crate::stats::DeviceStats;
 #[cfg(feature = "efa")]
 pub mod efa;
 pub mod loopback;
+pub(crate) mod queues;
 #[cfg(target_os = "linux")]
 pub mod route;
 #[cfg(target_os = "linux")]

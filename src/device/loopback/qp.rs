@@ -1,5 +1,6 @@
 //! Loopback queue pairs and the per-device QPN table.
 
+use crate::device::queues::{WrSlots, flush_recvs};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use super::rdma::RdmaOp;
 use super::wire::Wake;
 use crate::addr::RawAddr;
 use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, Status, random_qkey,
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, random_qkey,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
@@ -102,12 +103,8 @@ impl QpShared {
 /// A loopback queue pair (the handle `create_qp` returns).
 pub(super) struct LoopbackQp {
     shared: Arc<QpShared>,
-    send_depth: usize,
-    recv_depth: usize,
-    /// Sends posted whose completion has not been polled yet.
-    sends_out: usize,
-    /// Receives posted whose completion has not been polled yet.
-    recvs_out: usize,
+    /// Work requests posted whose completion has not been polled yet, against the depths.
+    slots: WrSlots,
     closed: bool,
 }
 
@@ -130,10 +127,10 @@ impl LoopbackQp {
         tracing::trace!(addr = %shared.addr, qp_type = ?attr.qp_type, "loopback queue pair created");
         Ok(LoopbackQp {
             shared,
-            send_depth: attr.send_depth.min(dev.cfg.max_send_wr),
-            recv_depth: attr.recv_depth.min(dev.cfg.max_recv_wr),
-            sends_out: 0,
-            recvs_out: 0,
+            slots: WrSlots::new(
+                attr.send_depth.min(dev.cfg.max_send_wr),
+                attr.recv_depth.min(dev.cfg.max_recv_wr),
+            ),
             closed: false,
         })
     }
@@ -162,11 +159,7 @@ impl LoopbackQp {
             return Err(Error::new(ErrorKind::MsgSize, op)
                 .with_detail(format!("{len} bytes > max_rdma_size {}", cfg.max_rdma_size)));
         }
-        if self.sends_out >= self.send_depth {
-            return Err(Error::new(ErrorKind::Again, op)
-                .with_detail(format!("{} sends outstanding", self.sends_out)));
-        }
-        Ok(())
+        self.slots.send_room(op)
     }
 }
 
@@ -175,8 +168,8 @@ impl fmt::Debug for LoopbackQp {
         f.debug_struct("LoopbackQp")
             .field("addr", &self.shared.addr)
             .field("qp_type", &self.shared.qp_type)
-            .field("sends_out", &self.sends_out)
-            .field("recvs_out", &self.recvs_out)
+            .field("sends_out", &self.slots.sends())
+            .field("recvs_out", &self.slots.recvs())
             .field("closed", &self.closed)
             .finish()
     }
@@ -202,22 +195,14 @@ impl QueuePair for LoopbackQp {
             return Err(Error::new(ErrorKind::MsgSize, "post_send")
                 .with_detail(format!("{} bytes > MTU {mtu}", wr.len())));
         }
-        if self.sends_out >= self.send_depth {
-            return Err(Error::new(ErrorKind::Again, "post_send")
-                .with_detail(format!("{} sends outstanding", self.sends_out)));
-        }
-        self.sends_out += 1;
+        self.slots.take_send("post_send")?;
         self.shared.dev.net.wire.send(&self.shared, wr);
         Ok(())
     }
 
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
         self.check_open("post_recv")?;
-        if self.recvs_out >= self.recv_depth {
-            return Err(Error::new(ErrorKind::Again, "post_recv")
-                .with_detail(format!("{} receives outstanding", self.recvs_out)));
-        }
-        self.recvs_out += 1;
+        self.slots.take_recv()?;
         self.shared.state.lock().recvs.push_back((wr_id, buf));
         Ok(())
     }
@@ -241,7 +226,7 @@ impl QueuePair for LoopbackQp {
                 )),
             );
         }
-        self.sends_out += 1;
+        self.slots.take_send(OP)?;
         let op = RdmaOp::new(self.shared.clone(), wr_id, remote, Some(local));
         let wire = &self.shared.dev.net.wire;
         wire.rdma(&self.shared, dest, Bytes::new(), None, op);
@@ -268,7 +253,7 @@ impl QueuePair for LoopbackQp {
                 )),
             );
         }
-        self.sends_out += 1;
+        self.slots.take_send(OP)?;
         let op = RdmaOp::new(self.shared.clone(), wr_id, remote, None);
         let wire = &self.shared.dev.net.wire;
         wire.rdma(&self.shared, dest, local, imm, op);
@@ -287,16 +272,7 @@ impl QueuePair for LoopbackQp {
         let n = max.min(st.comps.len());
         self.shared.pending.fetch_sub(n, Ordering::AcqRel);
         for c in st.comps.drain(..n) {
-            match c.opcode {
-                Opcode::Send | Opcode::RdmaRead | Opcode::RdmaWrite => {
-                    self.sends_out = self.sends_out.saturating_sub(1)
-                }
-                // An unsolicited write-recv consumed no receive buffer.
-                Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
-                Opcode::Recv | Opcode::RecvRdmaWithImm => {
-                    self.recvs_out = self.recvs_out.saturating_sub(1)
-                }
-            }
+            self.slots.polled(&c);
             out.push(c);
         }
         n
@@ -323,12 +299,11 @@ impl QueuePair for LoopbackQp {
                 st.comps.push_back(c);
                 shared.pending.fetch_add(1, Ordering::Release);
             }
-            for (wr_id, buf) in st.recvs.drain(..) {
-                let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
-                c.buf = Some(buf);
-                st.comps.push_back(c);
+            let comps = &mut st.comps;
+            flush_recvs(&mut st.recvs, |c| {
+                comps.push_back(c);
                 shared.pending.fetch_add(1, Ordering::Release);
-            }
+            });
         }
         shared.notifier.notify();
         shared.dev.qpns.lock().release(shared.addr.qpn);

@@ -20,6 +20,7 @@ use super::srd::Srd;
 use super::wire::{self, Packet};
 use super::{UdpConfig, sockaddr_for};
 use crate::addr::{Gid, RawAddr};
+use crate::device::queues::{WrSlots, flush_recvs};
 use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, Served, Src};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status, random_qkey,
@@ -646,12 +647,8 @@ pub(super) struct State {
     ctx: Ctx,
     qp_type: QpType,
     closed: bool,
-    send_depth: usize,
-    recv_depth: usize,
-    /// Send work requests posted and not yet reaped by `poll`.
-    send_outstanding: usize,
-    /// Receive work requests posted and not yet reaped by `poll`.
-    recv_outstanding: usize,
+    /// Work requests posted and not yet reaped by `poll`, against the depths.
+    slots: WrSlots,
     /// The socket takes coalesced datagrams (`UDP_GRO`): every read needs its control message.
     gro: bool,
     /// The receive buffer of single reads (taken out while a drain runs).
@@ -833,13 +830,13 @@ impl State {
             return Err(Error::new(ErrorKind::NotSupported, op)
                 .with_detail("RDMA needs an SRD queue pair on a device with RDMA"));
         }
-        if self.send_outstanding >= self.send_depth {
-            return Err(Error::new(ErrorKind::Again, op).with_detail("send queue full"));
-        }
+        self.slots.take_send(op)?;
         let to = sockaddr_for(&dest.gid, dest.qpn, self.ctx.io.v6);
         let chunk = self.ctx.cfg.mtu.saturating_sub(rdma::HDR).max(1);
-        start(&mut self.ctx, Some(to), chunk)?;
-        self.send_outstanding += 1;
+        if let Err(e) = start(&mut self.ctx, Some(to), chunk) {
+            self.slots.release_send();
+            return Err(e);
+        }
         self.flush_rdma(now);
         Ok(())
     }
@@ -874,11 +871,9 @@ impl State {
 
     /// Completes every outstanding work request with `Flushed`.
     fn flush(&mut self) {
-        while let Some((wr_id, buf)) = self.ctx.recvs.pop_front() {
-            let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
-            c.buf = Some(buf);
-            self.ctx.complete(c);
-        }
+        let ctx = &mut self.ctx;
+        let mut recvs = std::mem::take(&mut ctx.recvs);
+        flush_recvs(&mut recvs, |c| ctx.complete(c));
         // Acknowledgements still held back (delayed, to ride on data) go now: a peer whose
         // last packet we received must not wait for an ack that never comes.
         if self.qp_type == QpType::Srd {
@@ -901,15 +896,7 @@ impl State {
             return Err(Error::new(ErrorKind::MsgSize, "post_send")
                 .with_detail(format!("{len} bytes > MTU {}", self.ctx.cfg.mtu)));
         }
-        if self.send_outstanding >= self.send_depth {
-            return Err(
-                Error::new(ErrorKind::Again, "post_send").with_detail(format!(
-                    "send queue full ({} work requests)",
-                    self.send_depth
-                )),
-            );
-        }
-        self.send_outstanding += 1;
+        self.slots.take_send("post_send")?;
         let dest = sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6);
         if dest.is_ipv6() && !self.ctx.io.v6 {
             tracing::debug!(%dest, "udp: IPv6 destination on an IPv4 device");
@@ -1217,10 +1204,10 @@ impl UdpQp {
             },
             qp_type: attr.qp_type,
             closed: false,
-            send_depth: attr.send_depth.clamp(1, cfg.max_send_wr),
-            recv_depth: attr.recv_depth.clamp(1, cfg.max_recv_wr),
-            send_outstanding: 0,
-            recv_outstanding: 0,
+            slots: WrSlots::new(
+                attr.send_depth.clamp(1, cfg.max_send_wr),
+                attr.recv_depth.clamp(1, cfg.max_recv_wr),
+            ),
             gro,
             rx: Some(mmsg::RxBatch::new(RX_SCRATCH, 1)),
             rx_batch: None,
@@ -1379,15 +1366,7 @@ impl QueuePair for UdpQp {
         if st.closed {
             return Err(Error::new(ErrorKind::Closed, "post_recv"));
         }
-        if st.recv_outstanding >= st.recv_depth {
-            return Err(
-                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
-                    "receive queue full ({} work requests)",
-                    st.recv_depth
-                )),
-            );
-        }
-        st.recv_outstanding += 1;
+        st.slots.take_recv()?;
         st.ctx.recvs.push_back((wr_id, buf));
         Ok(())
     }
@@ -1402,16 +1381,7 @@ impl QueuePair for UdpQp {
             let Some(c) = st.ctx.cq.pop_front() else {
                 break;
             };
-            match c.opcode {
-                Opcode::Send | Opcode::RdmaWrite | Opcode::RdmaRead => {
-                    st.send_outstanding = st.send_outstanding.saturating_sub(1);
-                }
-                // An unsolicited write-recv consumed no receive buffer.
-                Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
-                Opcode::Recv | Opcode::RecvRdmaWithImm => {
-                    st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
-                }
-            }
+            st.slots.polled(&c);
             out.push(c);
             n += 1;
         }

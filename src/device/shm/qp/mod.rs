@@ -1,6 +1,7 @@
 //! An shm queue pair: its own segment (receive ring and acknowledgement table), the peers it has
 //! mapped, its state behind one lock, its background "NIC" thread and the [`QueuePair`] handle.
 
+use crate::device::queues::{WrSlots, flush_recvs};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -139,10 +140,8 @@ pub(super) struct State {
     qp_type: QpType,
     rnr_retry: u8,
     closed: bool,
-    send_depth: usize,
-    recv_depth: usize,
-    send_outstanding: usize,
-    recv_outstanding: usize,
+    /// Work requests posted and not yet reaped by `poll`, against the depths.
+    slots: WrSlots,
     recvs: VecDeque<(u64, BytesMut)>,
     cq: VecDeque<DeviceCompletion>,
     new_comps: bool,
@@ -287,11 +286,8 @@ impl State {
         while let Some(p) = self.backlog.pop_front() {
             self.complete_send(p.wr.wr_id, Status::Flushed, 0);
         }
-        while let Some((wr_id, buf)) = self.recvs.pop_front() {
-            let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
-            c.buf = Some(buf);
-            self.complete(c);
-        }
+        let mut recvs = std::mem::take(&mut self.recvs);
+        flush_recvs(&mut recvs, |c| self.complete(c));
         self.rdma_flush();
     }
 
@@ -325,12 +321,12 @@ impl State {
             return Err(Error::new(ErrorKind::NotSupported, op)
                 .with_detail("RDMA needs an SRD queue pair on a device with RDMA"));
         }
-        if self.send_outstanding >= self.send_depth {
-            return Err(Error::new(ErrorKind::Again, op).with_detail("send queue full"));
-        }
+        self.slots.take_send(op)?;
         let chunk = self.dev.cfg.mtu.saturating_sub(rdma::HDR).max(1);
-        start(self, chunk)?;
-        self.send_outstanding += 1;
+        if let Err(e) = start(self, chunk) {
+            self.slots.release_send();
+            return Err(e);
+        }
         self.flush_rdma(Instant::now());
         Ok(())
     }
@@ -619,10 +615,7 @@ impl ShmQp {
             qp_type: attr.qp_type,
             rnr_retry: attr.rnr_retry,
             closed: false,
-            send_depth,
-            recv_depth,
-            send_outstanding: 0,
-            recv_outstanding: 0,
+            slots: WrSlots::new(send_depth, recv_depth),
             recvs: VecDeque::new(),
             cq: VecDeque::new(),
             new_comps: false,
@@ -704,15 +697,7 @@ impl QueuePair for ShmQp {
         if st.closed {
             return Err(Error::new(ErrorKind::Closed, "post_recv").with_detail("queue pair closed"));
         }
-        if st.recv_outstanding >= st.recv_depth {
-            return Err(
-                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
-                    "receive queue full ({} work requests)",
-                    st.recv_depth
-                )),
-            );
-        }
-        st.recv_outstanding += 1;
+        st.slots.take_recv()?;
         st.recvs.push_back((wr_id, buf));
         if st.recvs.len() == 1 {
             // A datagram may be waiting for a buffer (RNR): take it now.
@@ -737,16 +722,7 @@ impl QueuePair for ShmQp {
             let Some(c) = st.cq.pop_front() else {
                 break;
             };
-            match c.opcode {
-                Opcode::Send | Opcode::RdmaWrite | Opcode::RdmaRead => {
-                    st.send_outstanding = st.send_outstanding.saturating_sub(1);
-                }
-                // An unsolicited write-recv consumed no receive buffer.
-                Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
-                Opcode::Recv | Opcode::RecvRdmaWithImm => {
-                    st.recv_outstanding = st.recv_outstanding.saturating_sub(1);
-                }
-            }
+            st.slots.polled(&c);
             out.push(c);
             n += 1;
         }

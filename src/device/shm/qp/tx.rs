@@ -237,15 +237,7 @@ impl State {
             return Err(Error::new(ErrorKind::MsgSize, "post_send")
                 .with_detail(format!("{len} bytes > MTU {mtu}")));
         }
-        if self.send_outstanding >= self.send_depth {
-            return Err(
-                Error::new(ErrorKind::Again, "post_send").with_detail(format!(
-                    "send queue full ({} work requests)",
-                    self.send_depth
-                )),
-            );
-        }
-        self.send_outstanding += 1;
+        self.slots.take_send("post_send")?;
         if !self.backlog.is_empty() {
             self.backlog.push_back(Pending { wr, since: now });
             self.run_backlog(now);

@@ -1,0 +1,105 @@
+//! What every software queue pair keeps the same way: how many work requests each queue has
+//! outstanding against its depth (a full queue says `Again`, a polled completion frees its
+//! slot), and the flush of the posted receive buffers at close.
+
+use std::collections::VecDeque;
+
+use bytes::BytesMut;
+
+use super::{DeviceCompletion, Opcode, Status};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Outstanding work requests of a queue pair's send queue (sends and one-sided RDMA) and
+/// receive queue, against their depths. A work request holds its slot from its post until its
+/// completion is polled.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WrSlots {
+    send_depth: usize,
+    recv_depth: usize,
+    sends: usize,
+    recvs: usize,
+}
+
+impl WrSlots {
+    pub(crate) fn new(send_depth: usize, recv_depth: usize) -> WrSlots {
+        WrSlots {
+            send_depth,
+            recv_depth,
+            sends: 0,
+            recvs: 0,
+        }
+    }
+
+    /// `Again` (naming `op`) when the send queue is full.
+    pub(crate) fn send_room(&self, op: &'static str) -> Result<()> {
+        if self.sends >= self.send_depth {
+            return Err(Error::new(ErrorKind::Again, op).with_detail(format!(
+                "send queue full ({} work requests)",
+                self.send_depth
+            )));
+        }
+        Ok(())
+    }
+
+    /// Takes a send-queue slot; `Again` (naming `op`) when the queue is full.
+    pub(crate) fn take_send(&mut self, op: &'static str) -> Result<()> {
+        self.send_room(op)?;
+        self.sends += 1;
+        Ok(())
+    }
+
+    /// Gives back a send-queue slot taken for a work request that was not posted after all.
+    pub(crate) fn release_send(&mut self) {
+        self.sends = self.sends.saturating_sub(1);
+    }
+
+    /// Takes a receive-queue slot; `Again` when the queue is full.
+    pub(crate) fn take_recv(&mut self) -> Result<()> {
+        if self.recvs >= self.recv_depth {
+            return Err(
+                Error::new(ErrorKind::Again, "post_recv").with_detail(format!(
+                    "receive queue full ({} work requests)",
+                    self.recv_depth
+                )),
+            );
+        }
+        self.recvs += 1;
+        Ok(())
+    }
+
+    /// Frees the slot of a completion the application polled. A write with immediate data
+    /// that arrived without consuming a receive buffer (unsolicited write-recv) held none.
+    pub(crate) fn polled(&mut self, c: &DeviceCompletion) {
+        match c.opcode {
+            Opcode::Send | Opcode::RdmaWrite | Opcode::RdmaRead => {
+                self.sends = self.sends.saturating_sub(1);
+            }
+            Opcode::RecvRdmaWithImm if c.buf.is_none() => {}
+            Opcode::Recv | Opcode::RecvRdmaWithImm => {
+                self.recvs = self.recvs.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Send-queue work requests outstanding.
+    pub(crate) fn sends(&self) -> usize {
+        self.sends
+    }
+
+    /// Receive-queue work requests outstanding.
+    pub(crate) fn recvs(&self) -> usize {
+        self.recvs
+    }
+}
+
+/// Hands every posted receive buffer back, in order, as a `Flushed` completion.
+pub(crate) fn flush_recvs(
+    recvs: &mut VecDeque<(u64, BytesMut)>,
+    mut complete: impl FnMut(DeviceCompletion),
+) {
+    for (wr_id, buf) in recvs.drain(..) {
+        let mut c = DeviceCompletion::new(wr_id, Status::Flushed, Opcode::Recv, 0);
+        c.buf = Some(buf);
+        complete(c);
+    }
+}
