@@ -17,13 +17,13 @@
 //! segments, CTSDATA, receives, peek/claim/discard) and `read` (device RDMA, long/runting read,
 //! EOR, READ_NACK, LONGREAD_RTW).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use slab::Slab;
 
-use crate::addr::{Gid, RawAddr};
+use crate::addr::RawAddr;
 use crate::device::{RemoteIov, Source, Status};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::Rng;
@@ -42,7 +42,7 @@ mod tx;
 mod util;
 
 pub use local::{CopyFn, LocalMsg};
-use peer::{AddrCache, Peer};
+use peer::{Peer, PeerIndex};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
 use rx::RxEntry;
@@ -591,15 +591,8 @@ pub struct Engine {
 
     /// Peers by engine-chosen id (never reused).
     peers: GenSlab<Peer>,
-    /// Every known incarnation by full address.
-    by_addr: HashMap<RawAddr, u64>,
-    /// The last peers found in `by_addr`.
-    addr_cache: AddrCache,
-    /// The incarnations at (GID, QPN), oldest first; the newest takes packets without connid.
-    incarnations: HashMap<(Gid, u16), Vec<u64>>,
-    /// Connids of incarnations replaced by a newer one at the same (GID, QPN): their packets
-    /// are stale.
-    retired: HashMap<(Gid, u16), VecDeque<u32>>,
+    /// Finding peers: by full address, by (GID, QPN), retired connids.
+    index: PeerIndex,
     /// Peers with queued packets, served round-robin.
     ready: VecDeque<u64>,
     /// Peers in RNR backoff.
@@ -667,10 +660,7 @@ impl Engine {
             rng,
             closed: false,
             peers: GenSlab::default(),
-            by_addr: HashMap::new(),
-            addr_cache: AddrCache::default(),
-            incarnations: HashMap::new(),
-            retired: HashMap::new(),
+            index: PeerIndex::default(),
             ready: VecDeque::new(),
             backoff: Vec::new(),
             tx: SeqMap::new(2 * max_tx),

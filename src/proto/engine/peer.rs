@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::tx::{Owner, Pkt};
 use super::{Engine, ErrorKind};
-use crate::addr::RawAddr;
+use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};
 use crate::proto::reorder::ReorderWindow;
 use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
@@ -14,10 +14,92 @@ use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
 /// Connids remembered per (GID, QPN) after their incarnation was replaced.
 const RETIRED_PER_QP: usize = 8;
 
+/// The ways to find a peer (a sub-state of the engine): by its full address (with a cache in
+/// front), the incarnations at a (GID, QPN) oldest first, and the connids of incarnations that
+/// a newer one replaced (their packets are stale).
+#[derive(Debug, Default)]
+pub(super) struct PeerIndex {
+    /// Every known incarnation by full address.
+    by_addr: HashMap<RawAddr, u64>,
+    /// The last peers found in `by_addr`.
+    cache: AddrCache,
+    /// The incarnations at (GID, QPN), oldest first; the newest takes packets without connid.
+    incarnations: HashMap<(Gid, u16), Vec<u64>>,
+    /// Connids of incarnations replaced by a newer one at the same (GID, QPN).
+    retired: HashMap<(Gid, u16), VecDeque<u32>>,
+}
+
+impl PeerIndex {
+    /// A new peer `id` at `addr`, the newest incarnation at its (GID, QPN).
+    fn add(&mut self, addr: RawAddr, id: u64) {
+        self.by_addr.insert(addr, id);
+        self.cache.forget(&addr);
+        self.incarnations
+            .entry((addr.gid, addr.qpn))
+            .or_default()
+            .push(id);
+    }
+
+    /// Forgets peer `id` at `addr`.
+    fn remove(&mut self, addr: RawAddr, id: u64) {
+        self.by_addr.remove(&addr);
+        self.cache.forget(&addr);
+        if let Some(v) = self.incarnations.get_mut(&(addr.gid, addr.qpn)) {
+            v.retain(|&x| x != id);
+            if v.is_empty() {
+                self.incarnations.remove(&(addr.gid, addr.qpn));
+            }
+        }
+    }
+
+    /// The peer at exactly `a`.
+    fn find(&mut self, a: &RawAddr) -> Option<u64> {
+        if let Some(id) = self.cache.get(a) {
+            return Some(id);
+        }
+        let id = *self.by_addr.get(a)?;
+        self.cache.put(*a, id);
+        Some(id)
+    }
+
+    /// The incarnations at (`gid`, `qpn`), oldest first.
+    fn incarnations(&self, gid: Gid, qpn: u16) -> &[u64] {
+        self.incarnations
+            .get(&(gid, qpn))
+            .map_or(&[], |v| v.as_slice())
+    }
+
+    /// The newest incarnation at (`gid`, `qpn`).
+    pub(super) fn newest(&self, gid: Gid, qpn: u16) -> Option<u64> {
+        self.incarnations(gid, qpn).last().copied()
+    }
+
+    /// Whether `addr` names an incarnation a newer one replaced.
+    fn is_retired(&self, addr: &RawAddr) -> bool {
+        self.retired
+            .get(&(addr.gid, addr.qpn))
+            .is_some_and(|v| v.contains(&addr.qkey))
+    }
+
+    /// Remembers that `qkey` at (`gid`, `qpn`) was replaced: bounded to `RETIRED_PER_QP` per
+    /// queue pair and `max` queue pairs (past it, every retired connid is forgotten rather than
+    /// growing without end).
+    fn retire(&mut self, gid: Gid, qpn: u16, qkey: u32, max: usize) {
+        if self.retired.len() >= max && !self.retired.contains_key(&(gid, qpn)) {
+            self.retired.clear();
+        }
+        let r = self.retired.entry((gid, qpn)).or_default();
+        if r.len() >= RETIRED_PER_QP {
+            r.pop_front();
+        }
+        r.push_back(qkey);
+    }
+}
+
 /// Slots of [`AddrCache`] (a power of two).
 const ADDR_CACHE_SLOTS: usize = 64;
 
-/// A direct-mapped cache in front of `Engine::by_addr`, whose keys come from peers and are
+/// A direct-mapped cache in front of `PeerIndex::by_addr`, whose keys come from peers and are
 /// therefore hashed with the randomly keyed SipHash: an endpoint mostly talks to a few peers,
 /// and finding one by its full address is then one comparison. A peer that picks addresses to
 /// collide here only makes lookups miss and go to the map.
@@ -195,24 +277,14 @@ impl Engine {
             held_back: false,
         };
         let id = self.peers.insert(peer);
-        self.by_addr.insert(addr, id);
-        self.addr_cache.forget(&addr);
-        self.incarnations
-            .entry((addr.gid, addr.qpn))
-            .or_default()
-            .push(id);
+        self.index.add(addr, id);
         tracing::debug!(peer = %addr, "new peer");
         Some(id)
     }
 
     /// The peer with address `a`, if known.
     fn peer_by_addr(&mut self, a: &RawAddr) -> Option<u64> {
-        if let Some(id) = self.addr_cache.get(a) {
-            return Some(id);
-        }
-        let id = *self.by_addr.get(a)?;
-        self.addr_cache.put(*a, id);
-        Some(id)
+        self.index.find(a)
     }
 
     /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
@@ -226,12 +298,6 @@ impl Engine {
         self.new_peer(dest)
     }
 
-    fn is_retired(&self, addr: &RawAddr) -> bool {
-        self.retired
-            .get(&(addr.gid, addr.qpn))
-            .is_some_and(|v| v.contains(&addr.qkey))
-    }
-
     /// A REQ from a new QKEY at a known (GID, QPN): the old incarnations are gone (their queue
     /// pair number was reused) — unless one is live: verified (the device delivered a packet to
     /// it) and heard from within `rx_stall_timeout`. Nothing authenticates the REQ (on udp, a
@@ -242,11 +308,7 @@ impl Engine {
     /// replace each other instead of piling up.
     fn replace_incarnations(&mut self, addr: RawAddr, now: Instant) {
         let quiet = self.cfg.rx_stall_timeout;
-        let old: Vec<u64> = self
-            .incarnations
-            .get(&(addr.gid, addr.qpn))
-            .cloned()
-            .unwrap_or_default();
+        let old: Vec<u64> = self.index.incarnations(addr.gid, addr.qpn).to_vec();
         for id in old {
             let Some(p) = self.peers.get(&id) else {
                 continue;
@@ -264,17 +326,8 @@ impl Engine {
             }
             tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
             self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
-            if self.retired.len() >= self.limits.max_peers
-                && !self.retired.contains_key(&(addr.gid, addr.qpn))
-            {
-                // Bounded: forget every retired connid rather than grow without end.
-                self.retired.clear();
-            }
-            let r = self.retired.entry((addr.gid, addr.qpn)).or_default();
-            if r.len() >= RETIRED_PER_QP {
-                r.pop_front();
-            }
-            r.push_back(qkey);
+            self.index
+                .retire(addr.gid, addr.qpn, qkey, self.limits.max_peers);
         }
     }
 
@@ -290,7 +343,7 @@ impl Engine {
 
     fn identify_peer(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
         let qp = (src.gid, src.qpn);
-        let newest = |e: &Engine| e.incarnations.get(&qp).and_then(|v| v.last().copied());
+        let newest = |e: &Engine| e.index.newest(qp.0, qp.1);
         if let Some(opt) = pkt.req_opt() {
             match opt.sender {
                 Sender::RawAddr(a) => {
@@ -303,7 +356,7 @@ impl Engine {
                     if let Some(id) = self.peer_by_addr(&a) {
                         return Some(id);
                     }
-                    if self.is_retired(&a) {
+                    if self.index.is_retired(&a) {
                         self.drop_pkt("stale connid (replaced incarnation)");
                         return None;
                     }
@@ -481,14 +534,7 @@ impl Engine {
         if p.held_back {
             self.hold_changes.push_back((p.addr, false));
         }
-        self.by_addr.remove(&p.addr);
-        self.addr_cache.forget(&p.addr);
-        if let Some(v) = self.incarnations.get_mut(&(p.addr.gid, p.addr.qpn)) {
-            v.retain(|&x| x != pid);
-            if v.is_empty() {
-                self.incarnations.remove(&(p.addr.gid, p.addr.qpn));
-            }
-        }
+        self.index.remove(p.addr, pid);
         self.queued_pkts = self
             .queued_pkts
             .saturating_sub(p.ctrl_q.len() + p.data_q.len());

@@ -651,10 +651,9 @@ impl Engine {
             return;
         }
         let addr = self
-            .incarnations
-            .get(&(src.gid, src.qpn))
-            .and_then(|v| v.last())
-            .and_then(|id| self.peers.get(id))
+            .index
+            .newest(src.gid, src.qpn)
+            .and_then(|id| self.peers.get(&id))
             .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr);
         // The device wrote already: the completion is kept; the endpoint stops reposting receive
         // buffers while too many wait ([`Engine::remote_writes_full`]), which holds the device
