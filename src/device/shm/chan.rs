@@ -46,7 +46,7 @@ use bytes::BytesMut;
 pub(crate) use super::file::Liveness;
 use super::file::{
     H_BELL, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_SLEEPERS, H_TAIL, H_TOTAL, H_VERSION, HDR_SIZE,
-    MAX_SLOTS, RESERVE_TRIES, SLOT_HDR,
+    MAX_SLOTS, SLOT_HDR,
 };
 use super::map::{self, Mapping, remove_if_same, remove_if_stale};
 use crate::addr::{Gid, RawAddr};
@@ -481,36 +481,8 @@ impl PeerChan {
         if data.len() > self.geo.chunk() {
             return None;
         }
-        let tail = self.map.u64(H_TAIL)?;
-        let mut pos = tail.load(Ordering::Relaxed);
-        let mut off = 0;
-        let mut won = false;
-        for _ in 0..RESERVE_TRIES {
-            off = self.geo.slot(pos);
-            let seq = self.map.u64(off + S_SEQ)?.load(Ordering::Acquire);
-            let diff = seq.wrapping_sub(pos) as i64;
-            if diff == 0 {
-                match tail.compare_exchange_weak(
-                    pos,
-                    pos.wrapping_add(1),
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                ) {
-                    Ok(_) => {
-                        won = true;
-                        break;
-                    }
-                    Err(p) => pos = p,
-                }
-            } else if diff < 0 {
-                return None; // full
-            } else {
-                pos = tail.load(Ordering::Relaxed);
-            }
-        }
-        if !won {
-            return None;
-        }
+        let pos = super::file::reserve(&self.map, |p| self.geo.slot(p) + S_SEQ)?;
+        let off = self.geo.slot(pos);
         let m = &self.map;
         m.store32(
             off + S_KIND,

@@ -18,6 +18,10 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
+// Every ring slot starts with its sequence word (Vyukov's bounded queue): position `p` is free
+// for a producer when the word is `p`, published when it is `p + 1`, and handed to the producer
+// of the next lap (`p + slots`) when the consumer frees it.
+
 use super::map::{self, Mapping};
 
 /// Bytes of the header.
@@ -90,4 +94,35 @@ pub(crate) fn liveness(m: &Mapping, file: &File, path: &Path, ino: u64) -> Liven
             Liveness::Alive
         }
     }
+}
+
+/// Reserves the next position of the ring whose tail is at `H_TAIL` and whose slot of position
+/// `p` starts at byte `slot(p)` (its sequence word): the producer side of Vyukov's bounded queue,
+/// shared by the shm device's rings and the local path's channels. `None` when the ring is full
+/// or, after `RESERVE_TRIES` lost races (other producers, or garbage in the words), looks full:
+/// the caller then writes nothing.
+pub(crate) fn reserve(m: &Mapping, slot: impl Fn(u64) -> usize) -> Option<u64> {
+    let tail = m.u64(H_TAIL)?;
+    let mut pos = tail.load(Ordering::Relaxed);
+    for _ in 0..RESERVE_TRIES {
+        let seq = m.u64(slot(pos))?.load(Ordering::Acquire);
+        let diff = seq.wrapping_sub(pos) as i64;
+        if diff == 0 {
+            match tail.compare_exchange_weak(
+                pos,
+                pos.wrapping_add(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(pos),
+                Err(p) => pos = p,
+            }
+        } else if diff < 0 {
+            return None; // full: the slot still holds the previous lap's datagram
+        } else {
+            pos = tail.load(Ordering::Relaxed);
+        }
+        std::hint::spin_loop();
+    }
+    None
 }

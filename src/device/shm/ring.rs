@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use bytes::BytesMut;
 
-use super::file::{H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, RESERVE_TRIES, SLOT_HDR};
+use super::file::{H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, SLOT_HDR};
 use super::map::{self, Mapping};
 use super::segment::Geometry;
 
@@ -174,31 +174,10 @@ impl<'a> Ring<'a> {
 
     /// Reserves a slot for `writer`; `None` when the ring is full (or unusable).
     pub(crate) fn reserve(&self, writer: u32) -> Option<u64> {
-        let tail = self.tail()?;
-        for _ in 0..RESERVE_TRIES {
-            let pos = tail.load(Ordering::Relaxed);
-            let seq = self.slot_w64(pos, S_SEQ)?.load(Ordering::Acquire);
-            let dif = seq.wrapping_sub(pos) as i64;
-            if dif == 0 {
-                if tail
-                    .compare_exchange_weak(
-                        pos,
-                        pos.wrapping_add(1),
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-                {
-                    self.slot_w32(pos, S_WRITER)?
-                        .store(writer, Ordering::Relaxed);
-                    return Some(pos);
-                }
-            } else if dif < 0 {
-                return None;
-            }
-            std::hint::spin_loop();
-        }
-        None
+        let pos = super::file::reserve(self.m, |p| self.g.slot(p) + S_SEQ)?;
+        self.slot_w32(pos, S_WRITER)?
+            .store(writer, Ordering::Relaxed);
+        Some(pos)
     }
 
     /// Fills reserved position `pos` with `meta` and the two segments, then publishes it.
