@@ -1,7 +1,6 @@
 //! The public operations of `Endpoint<Rdm>`: sends, injects, receives, batches, claims, cancel,
 //! progress and statistics.
 
-#[allow(unused_imports)]
 use super::*;
 
 impl Endpoint<Rdm> {

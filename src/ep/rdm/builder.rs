@@ -1,7 +1,6 @@
 //! `Endpoint::<Rdm>::builder(..).build()`: the queue pair, the engine and its configuration, the
 //! local path, the receive buffers; and the optional progress thread.
 
-#[allow(unused_imports)]
 use super::*;
 
 impl EndpointBuilder<Rdm> {

@@ -1,7 +1,6 @@
 //! The driver loop: one progress pass moves the local path, device completions, receive
 //! buffers, timers and transmissions; the background progress source; teardown.
 
-#[allow(unused_imports)]
 use super::*;
 
 impl RdmCore {

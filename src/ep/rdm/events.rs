@@ -1,7 +1,6 @@
 //! Engine events to completions: each event goes to its operation's sink (a completion queue,
 //! a future, or the completion a poller is waiting for).
 
-#[allow(unused_imports)]
 use super::*;
 
 impl RdmCore {

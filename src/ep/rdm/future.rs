@@ -1,6 +1,5 @@
 //! Async operations: `OpFuture` and `OpOutcome`.
 
-#[allow(unused_imports)]
 use super::*;
 
 /// The future of an async operation: resolves to its completion or error completion.

@@ -1,7 +1,6 @@
 //! Posting: sends (prepared, queued, batched, injected) and receives (plain, multi, claimed)
 //! into the engine, and cancel.
 
-#[allow(unused_imports)]
 use super::*;
 
 impl RdmCore {
