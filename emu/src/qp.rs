@@ -5,6 +5,7 @@
 
 use std::os::raw::c_int;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use efa::device::{
@@ -499,6 +500,33 @@ impl QpCore {
                     e.slid = 0xffff;
                 }
                 self.recv_cq.push(e);
+            }
+        }
+    }
+
+    /// Before an SRD queue pair is destroyed: keeps it serving while its peer is still
+    /// retransmitting to it (an acknowledgement of ours lost on the emulated network), until
+    /// nothing has arrived for `LINGER_QUIET` (more than the longest retransmission backoff),
+    /// at most `LINGER_MAX`. A program that exits right after its last receive (fi_pingpong's
+    /// server) would otherwise leave its peer's last send to fail as unresponsive, since an
+    /// emulated NIC dies with its process; a NIC's firmware acknowledges within microseconds.
+    pub fn linger(&self) {
+        const LINGER_QUIET: Duration = Duration::from_millis(60);
+        const LINGER_MAX: Duration = Duration::from_secs(1);
+        if self.qp_type != QpType::Srd {
+            return;
+        }
+        let arrivals = || {
+            let s = efa::device::Device::stats(&*self.nic.dev);
+            s.rx_pkts + s.duplicates_dropped + s.rnr_events
+        };
+        let start = Instant::now();
+        let (mut seen, mut last) = (arrivals(), start);
+        while last.elapsed() < LINGER_QUIET && start.elapsed() < LINGER_MAX {
+            std::thread::sleep(Duration::from_millis(5));
+            let now = arrivals();
+            if now != seen {
+                (seen, last) = (now, Instant::now());
             }
         }
     }

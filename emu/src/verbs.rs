@@ -1139,6 +1139,7 @@ pub unsafe extern "C" fn emu_ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
         }
         // SAFETY: a queue pair this library made, given back once.
         let q = unsafe { Box::from_raw(qp as *mut Qp) };
+        q.core.linger();
         q.core.close();
         0
     })
