@@ -747,23 +747,8 @@ fn hw_unsolicited_write_recv_as_asked() {
     };
     let target = Domain::with_device(hw_device(), cfg.clone());
     let init = Domain::with_device(hw_device(), cfg);
-    let (tcq, icq) = (
-        CompletionQueue::new(&target, 64).unwrap(),
-        CompletionQueue::new(&init, 64).unwrap(),
-    );
-    let (tav, iav) = (AddressVector::new(&target), AddressVector::new(&init));
-    let t = efa::Endpoint::<efa::Rdm>::builder(&target)
-        .cq(&tcq)
-        .av(&tav)
-        .local_path(false)
-        .build()
-        .unwrap();
-    let i = efa::Endpoint::<efa::Rdm>::builder(&init)
-        .cq(&icq)
-        .av(&iav)
-        .local_path(false)
-        .build()
-        .unwrap();
+    let (t, tcq, tav) = rdm_endpoint(&target);
+    let (i, icq, iav) = rdm_endpoint(&init);
     let region = target
         .register(vec![0u8; 4096], Access::REMOTE_WRITE)
         .unwrap();
@@ -792,6 +777,20 @@ fn hw_unsolicited_write_recv_as_asked() {
                 .all(|&b| b == n as u8)
         );
     }
+}
+
+/// An RDM endpoint on `d` that reaches even same-host peers through the device, with its
+/// completion queue and address vector.
+fn rdm_endpoint(d: &Domain) -> (Endpoint<efa::Rdm>, CompletionQueue, AddressVector) {
+    let cq = CompletionQueue::new(d, 64).unwrap();
+    let av = AddressVector::new(d);
+    let ep = Endpoint::<efa::Rdm>::builder(d)
+        .cq(&cq)
+        .av(&av)
+        .local_path(false)
+        .build()
+        .unwrap();
+    (ep, cq, av)
 }
 
 /// dmabuf memory (a memfd standing in for GPU memory) registered by its virtual address: the
@@ -940,23 +939,8 @@ fn hw_regions_and_cached_buffers_are_registered_once() {
     let target = Domain::with_device(hw_device(), Config::default());
     let idev = hw_device();
     let init = Domain::with_device(idev.clone(), Config::default());
-    let (tcq, icq) = (
-        CompletionQueue::new(&target, 64).unwrap(),
-        CompletionQueue::new(&init, 64).unwrap(),
-    );
-    let (tav, iav) = (AddressVector::new(&target), AddressVector::new(&init));
-    let t = efa::Endpoint::<efa::Rdm>::builder(&target)
-        .cq(&tcq)
-        .av(&tav)
-        .local_path(false)
-        .build()
-        .unwrap();
-    let i = efa::Endpoint::<efa::Rdm>::builder(&init)
-        .cq(&icq)
-        .av(&iav)
-        .local_path(false)
-        .build()
-        .unwrap();
+    let (t, tcq, tav) = rdm_endpoint(&target);
+    let (i, icq, iav) = rdm_endpoint(&init);
     const N: usize = 64 << 10;
     let tregion = target
         .register(vec![0u8; 4 * N], Access::REMOTE_WRITE | Access::REMOTE_READ)

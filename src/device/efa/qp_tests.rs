@@ -592,15 +592,13 @@ fn region_rdma_uses_the_regions_registration() {
             .register(mem.addr() as usize as *mut u8, mem.len(), 1)
     }
     .unwrap();
+    let live = LocalKey {
+        lkey: mr.lkey(),
+        addr: mem.addr(),
+        len: mem.len(),
+    };
     let keys = Arc::new(LocalKeys::default());
-    keys.0.lock().insert(
-        77,
-        LocalKey {
-            lkey: mr.lkey(),
-            addr: mem.addr(),
-            len: mem.len(),
-        },
-    );
+    keys.0.lock().insert(77, live);
     q.set_local_keys(keys.clone());
     assert!(q.region_rdma());
     let base = q.nic_mut().live_regs();
@@ -673,14 +671,7 @@ fn region_rdma_uses_the_regions_registration() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     assert_eq!(q.nic_mut().sends.len(), 2, "nothing more was posted");
     // A read longer than the slice is refused; UD has no RDMA.
-    keys.0.lock().insert(
-        77,
-        LocalKey {
-            lkey: mr.lkey(),
-            addr: mem.addr(),
-            len: mem.len(),
-        },
-    );
+    keys.0.lock().insert(77, live);
     let e = q
         .post_read_region(3, dest, whole.sub(0, 4).unwrap(), r)
         .unwrap_err();
