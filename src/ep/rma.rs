@@ -290,14 +290,11 @@ impl RdmCore {
             SendBuf::Region(r) if self.region_rdma => r.device_slice(),
             _ => None,
         };
-        let data = match &local_region {
-            Some(_) => match &buf {
-                SendBuf::Region(r) => r
-                    .check_local(&self.domain, Access::WRITE, "write")
-                    .map(|()| Bytes::new()),
-                SendBuf::Bytes(b) => Ok(b.clone()),
-            },
-            None => write_bytes(&buf, self),
+        let data = match (&buf, &local_region) {
+            (SendBuf::Region(r), Some(_)) => r
+                .check_local(&self.domain, Access::WRITE, "write")
+                .map(|()| Bytes::new()),
+            _ => write_bytes(&buf, self),
         };
         let data = match data {
             Ok(d) => d,
@@ -366,19 +363,17 @@ impl RdmCore {
                         .with_detail(format!("region of {} bytes cannot hold {len}", r.len()));
                     return Err(refuse(e, Buffer::Region(r)));
                 }
+                let target = super::buf::RecvTarget::Region {
+                    region: r,
+                    offset: 0,
+                };
                 // A device-registered region gets the data from the device itself.
                 local_region = self
                     .region_rdma
-                    .then(|| r.device_slice().and_then(|s| s.sub(0, len)))
+                    .then(|| target.device_slice().and_then(|s| s.sub(0, len)))
                     .flatten();
                 let room = if local_region.is_some() { 0 } else { len };
-                (
-                    BytesMut::with_capacity(room),
-                    Some(super::buf::RecvTarget::Region {
-                        region: r,
-                        offset: 0,
-                    }),
-                )
+                (BytesMut::with_capacity(room), Some(target))
             }
         };
         let remote = RemoteIov {

@@ -160,14 +160,49 @@ impl Pieces {
         (pieces, out)
     }
 
-    /// `lens.len()` pieces that are not cut from a buffer (they land in a region).
-    fn uncut(lens: &[usize]) -> Pieces {
-        Pieces {
+    /// The pieces of a read of `lens` bytes from offset `start` on, and the work request each
+    /// makes: slices of `region` (the buffer stays whole) when there is one, else pieces cut
+    /// from `buf`.
+    fn targets(
+        buf: &mut BytesMut,
+        region: Option<&RegionSlice>,
+        start: usize,
+        lens: &[usize],
+    ) -> (Pieces, Vec<WrWhat>) {
+        let Some(g) = region else {
+            let (pieces, bufs) = Pieces::cut(buf, start, lens);
+            let what = bufs
+                .into_iter()
+                .enumerate()
+                .map(|(piece, b)| WrWhat::Read {
+                    piece,
+                    buf: Some(b),
+                    region: None,
+                })
+                .collect();
+            return (pieces, what);
+        };
+        let mut off = start;
+        let what = lens
+            .iter()
+            .enumerate()
+            .map(|(piece, &n)| {
+                let region = g.sub(off, n);
+                off += n;
+                WrWhat::Read {
+                    piece,
+                    buf: None,
+                    region,
+                }
+            })
+            .collect();
+        let pieces = Pieces {
             bufs: lens.iter().map(|&n| (n, None)).collect(),
             rest: BytesMut::new(),
             outstanding: lens.len(),
             error: None,
-        }
+        };
+        (pieces, what)
     }
 
     /// A piece came back (or will not: `buf` is `None`).

@@ -56,10 +56,6 @@ pub(super) fn dev_error(s: Status) -> Error {
     Error::new(s.error_kind(), "rma").with_detail(format!("device status {s}"))
 }
 
-pub(super) fn rma_buf(kind: RmaKind) -> RmaBuf {
-    RmaBuf::from_kind(kind)
-}
-
 impl Engine {
     /// Where `op` goes, once the peer's HANDSHAKE is known.
     pub(super) fn rma_route(&self, pid: u64, op: &RmaOp) -> Route {
@@ -309,32 +305,12 @@ impl Engine {
                 };
                 buf.clear();
                 let in_region = local_region.is_some();
-                let pieces = if let Some(region) = local_region {
-                    let mut off = 0;
-                    for (i, &n) in lens.iter().enumerate() {
-                        let what = WrWhat::Read {
-                            piece: i,
-                            buf: None,
-                            region: region.sub(off, n),
-                        };
-                        self.rd.wrs.push_back(wr(piece(off, n), what));
-                        off += n;
-                    }
-                    Pieces::uncut(&lens)
-                } else {
-                    let (pieces, bufs) = Pieces::cut(&mut buf, 0, &lens);
-                    let mut off = 0;
-                    for (i, (b, &n)) in bufs.into_iter().zip(&lens).enumerate() {
-                        let what = WrWhat::Read {
-                            piece: i,
-                            buf: Some(b),
-                            region: None,
-                        };
-                        self.rd.wrs.push_back(wr(piece(off, n), what));
-                        off += n;
-                    }
-                    pieces
-                };
+                let (pieces, whats) = Pieces::targets(&mut buf, local_region.as_ref(), 0, &lens);
+                let mut off = 0;
+                for (what, &n) in whats.into_iter().zip(&lens) {
+                    self.rd.wrs.push_back(wr(piece(off, n), what));
+                    off += n;
+                }
                 self.rd.ops.insert(
                     id,
                     DevOp::Read {
@@ -450,7 +426,7 @@ impl Engine {
     pub(super) fn fail_rma_op(&mut self, op: RmaOp, e: Error) {
         self.rma_event(
             op.context,
-            rma_buf(op.kind),
+            RmaBuf::from_kind(op.kind),
             0,
             RmaPath::Emulated,
             Some(e),
@@ -528,7 +504,14 @@ impl Engine {
             }
             DevOp::Waiting { op, .. } | DevOp::LongReadRtw { op, .. } => {
                 let (err, st) = outcome(Some(Status::LocalQpInternalError), forced);
-                self.rma_event(op.context, rma_buf(op.kind), 0, RmaPath::Emulated, err, st);
+                self.rma_event(
+                    op.context,
+                    RmaBuf::from_kind(op.kind),
+                    0,
+                    RmaPath::Emulated,
+                    err,
+                    st,
+                );
             }
         }
     }

@@ -1,7 +1,6 @@
 //! Long-read and runting-read messages: the sender's protocol choice and packets, EOR and
 //! READ_NACK at the sender, the receiver's reads, EOR and READ_NACK, the long-CTS continuation.
 
-use super::device::rma_buf;
 use super::*;
 
 /// Where a long/runting-read message is.
@@ -249,7 +248,7 @@ impl Engine {
         if let Some(DevOp::LongReadRtw { op, len, .. }) = self.rd.ops.remove(&send_id) {
             self.rma_event(
                 op.context,
-                rma_buf(op.kind),
+                RmaBuf::from_kind(op.kind),
                 len,
                 RmaPath::Emulated,
                 None,
@@ -370,33 +369,16 @@ impl Engine {
         // Into the receive's region when it has one that holds the read part (no copy), else
         // into pieces cut from its buffer.
         let region = sink.region.as_ref().filter(|g| g.len >= end);
-        let (pieces, mut bufs) = match region {
-            Some(_) => (Pieces::uncut(&lens), Vec::new()),
-            None => {
-                let (p, b) = Pieces::cut(&mut sink.buf, start, &lens);
-                (p, b.into_iter().map(Some).collect())
-            }
-        };
-        let mut slices = Vec::with_capacity(lens.len());
-        let mut off = start;
-        for &n in &lens {
-            slices.push(region.and_then(|g| g.sub(off, n)));
-            off += n;
-        }
-        bufs.resize(lens.len(), None);
+        let (pieces, whats) = Pieces::targets(&mut sink.buf, region, start, &lens);
         r.pieces = pieces;
         r.phase = Phase::Reading;
-        for (i, ((remote, buf), region)) in ranges.into_iter().zip(bufs).zip(slices).enumerate() {
+        for (remote, what) in ranges.into_iter().zip(whats) {
             self.rd.wrs.push_back(Wr {
                 owner: WrOwner::Rx(rid),
                 peer: pid,
                 dest,
                 remote,
-                what: WrWhat::Read {
-                    region,
-                    piece: i,
-                    buf,
-                },
+                what,
                 rnr: 0,
                 no_ah: 0,
                 wr_id: 0,
