@@ -272,14 +272,19 @@ fn remote_keys_are_unpredictable() {
         let keys: Vec<u64> = regions.iter().map(|r| r.key()).collect();
         let distinct: std::collections::HashSet<u64> = keys.iter().copied().collect();
         assert_eq!(distinct.len(), keys.len(), "{p}");
-        let steps = keys
-            .windows(2)
-            .filter(|w| w[1].abs_diff(w[0]) < 1 << 20)
-            .count();
-        assert_eq!(steps, 0, "{p}: keys close to each other: {keys:x?}");
         // udp's software-RDMA keys are 32 bits (an EFA rkey: libfabric peers truncate to it);
         // spread over the whole range all the same.
         let bits = if p == "udp" { 32 } else { 64 };
+        // No two consecutive keys within `near` of each other (a counter, or a counter with
+        // small random steps). For random 32-bit keys two land within 2^20 with probability
+        // 2^-11 per pair (about 3% of runs over 63 pairs): there the window is 2^8, a false
+        // alarm once in about 130 000 runs.
+        let near: u64 = if bits == 32 { 1 << 8 } else { 1 << 20 };
+        let steps = keys
+            .windows(2)
+            .filter(|w| w[1].abs_diff(w[0]) < near)
+            .count();
+        assert_eq!(steps, 0, "{p}: keys close to each other: {keys:x?}");
         let high = keys.iter().filter(|k| **k >> (bits - 8) != 0).count();
         assert!(high >= 60, "{p}: keys use the top byte: {keys:x?}");
         if bits == 32 {
