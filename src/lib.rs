@@ -49,11 +49,14 @@ pub mod ep;
 pub mod error;
 pub mod fault;
 pub mod info;
+mod local;
 pub mod mem;
 pub mod mr;
 pub mod notify;
+mod progress;
 pub mod proto;
 mod random;
+mod shmem;
 pub mod stats;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};

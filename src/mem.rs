@@ -334,6 +334,15 @@ impl RegionMem {
         self.len == 0
     }
 
+    /// The bytes, for reading, under the lock (a guard; waiting accesses are signalled when it
+    /// goes).
+    pub(crate) fn read(&self) -> ReadGuard<'_> {
+        ReadGuard {
+            guard: Some(self.data.read()),
+            mem: self,
+        }
+    }
+
     /// True once the owning region has been closed or dropped (its bytes were taken out).
     /// Blocks while a write guard is alive.
     pub fn is_closed(&self) -> bool {

@@ -11,7 +11,7 @@ use bytes::BytesMut;
 
 use super::Domain;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{Access, ReadGuard, RegionMem, RemoteKey, WriteGuard};
+use crate::mem::{Access, RegionMem, RemoteKey, WriteGuard};
 
 /// A registered memory region that owns its buffer.
 ///
@@ -185,10 +185,12 @@ impl MemoryRegion {
 
     /// The region's bytes, for reading, under the region's lock (shared with remote reads).
     pub fn read(&self) -> impl Deref<Target = [u8]> + '_ {
-        ReadGuard {
-            guard: Some(self.mem.data.read()),
-            mem: &self.mem,
-        }
+        self.mem.read()
+    }
+
+    /// The region's memory (what devices and the same-host path reach).
+    pub(crate) fn mem(&self) -> &Arc<RegionMem> {
+        &self.mem
     }
 
     /// The region's bytes, for writing, under the region's lock (remote accesses wait for the

@@ -16,7 +16,6 @@ use crate::notify::Notifier;
 
 mod buf;
 mod dgram;
-mod local;
 mod pin;
 mod rdm;
 mod rma;

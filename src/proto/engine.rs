@@ -41,7 +41,7 @@ mod rx;
 mod tx;
 mod util;
 
-pub use local::{CopyFn, LocalMsg};
+pub use local::{CopyFn, LocalMsg, SameHost};
 use peer::{Peer, PeerIndex};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;

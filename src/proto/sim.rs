@@ -239,6 +239,31 @@ pub struct Datagram {
     pub bytes: Vec<u8>,
 }
 
+/// A second transport of a node beside the simulated network: the same-host path (the RDM
+/// endpoint's shared-memory channels), run over in-memory rings. The simulator offers it every
+/// send of its node first and gives it a pass whenever it polls the node's engine, with the
+/// virtual time; between passes it wakes it at [`Beside::next_timer`], as the endpoint's waiter
+/// thread would.
+pub trait Beside: std::fmt::Debug {
+    /// Takes a send whose destination it reaches: `Ok(None)`. `Ok(Some(op))`: not one of its
+    /// peers, the engine sends it. `Err`: refused (`Again` when too many are in flight).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value"
+    )]
+    fn send(
+        &mut self,
+        engine: &mut Engine,
+        now: Instant,
+        op: SendOp,
+    ) -> Result<Option<SendOp>, (Error, SendOp)>;
+    /// One pass: what arrived goes into `engine`, what waits goes on, completions go into
+    /// `events`. True when anything moved.
+    fn progress(&mut self, engine: &mut Engine, now: Instant, events: &mut Vec<Event>) -> bool;
+    /// When it next needs a pass while nothing arrives (after the current time).
+    fn next_timer(&self) -> Option<Instant>;
+}
+
 /// One simulated endpoint.
 #[derive(Debug)]
 pub struct Node {
@@ -259,6 +284,8 @@ pub struct Node {
     /// Not polled; what is delivered to it waits in `parked`.
     frozen: bool,
     parked: Vec<Action>,
+    /// Its same-host transport, if any ([`Sim::attach`]).
+    beside: Option<Box<dyn Beside>>,
     /// Initiators this node's device holds no AH for: their RDMA fails with `UnknownPeer` until
     /// a datagram of theirs arrives here (the provider then makes an AH, as libfabric's
     /// implicit AV insertion and the crate's efa device do).
@@ -472,9 +499,16 @@ impl Sim {
             device_mem: None,
             frozen: false,
             parked: Vec::new(),
+            beside: None,
             no_ah: Default::default(),
         });
         i
+    }
+
+    /// Gives node `i` a transport beside the network (the same-host path): its sends go there
+    /// first, and it runs with the node's engine.
+    pub fn attach(&mut self, i: usize, b: Box<dyn Beside>) {
+        self.nodes[i].beside = Some(b);
     }
 
     /// Node `target`'s device drops its AH for node `initiator` (EFA evicts AHs): the
@@ -531,7 +565,15 @@ impl Sim {
     )]
     pub fn send(&mut self, i: usize, op: SendOp) -> Result<(), (Error, SendOp)> {
         let now = self.now();
-        self.nodes[i].engine.send(now, op)
+        let n = &mut self.nodes[i];
+        let op = match n.beside.as_mut() {
+            Some(b) => match b.send(&mut n.engine, now, op)? {
+                Some(op) => op,
+                None => return Ok(()),
+            },
+            None => op,
+        };
+        n.engine.send(now, op)
     }
 
     /// Posts a receive on node `i`.
@@ -642,6 +684,11 @@ impl Sim {
                     self.launch(i, t);
                 }
                 let n = &mut self.nodes[i];
+                if let Some(b) = n.beside.as_mut() {
+                    let before = n.events.len();
+                    busy |= b.progress(&mut n.engine, now, &mut n.events);
+                    busy |= n.events.len() != before;
+                }
                 while let Some(e) = n.engine.poll_event() {
                     busy = true;
                     n.events.push(e);
@@ -890,7 +937,12 @@ impl Sim {
             .nodes
             .iter()
             .filter(|n| n.alive)
-            .filter_map(|n| n.engine.poll_timeout())
+            .flat_map(|n| {
+                let beside = (!n.frozen)
+                    .then(|| n.beside.as_ref().and_then(|b| b.next_timer()))
+                    .flatten();
+                n.engine.poll_timeout().into_iter().chain(beside)
+            })
             .min()
             .map(|t| t.saturating_duration_since(self.base));
         match (self.queue.next_at(), timer) {

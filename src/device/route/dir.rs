@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use crate::addr::{Gid, RawAddr};
-use crate::device::shm::map::{self, lock_free, open_existing, remove_if_same, remove_if_stale};
+use crate::shmem::map::{self, lock_free, open_existing, remove_if_same, remove_if_stale};
 
 /// Name prefix of every file of the routing directory.
 pub const PREFIX: &str = "efa-route-";
@@ -40,13 +40,7 @@ pub fn uid() -> u32 {
     map::uid()
 }
 
-/// The identity of this process's network namespace (`net:[4026531840]`), empty if unknown.
-/// Addresses of software devices (IP and port) only mean the same thing inside one namespace.
-pub fn netns() -> String {
-    std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
+pub use crate::shmem::netns;
 
 /// The entry name of the queue pair whose primary address is `a`.
 pub fn entry_name(uid: u32, a: &RawAddr) -> String {

@@ -58,11 +58,7 @@
 //! # Ok(()) }
 //! ```
 
-pub(crate) mod chan;
 pub mod cma;
-// Visible to the routing device (`device::route`), which uses its `flock` and uid helpers.
-pub(crate) mod file;
-pub(crate) mod map;
 mod qp;
 mod ring;
 mod segment;
@@ -74,7 +70,7 @@ use std::path::{Path, PathBuf};
 /// channels and routing entries whose owners died (after a peer was found dead, so that what it
 /// left goes at once, not at the next device open). Returns how many.
 pub(crate) fn sweep_dir(dir: &Path, uid: u32) -> usize {
-    segment::sweep(dir, uid) + chan::sweep(dir, uid) + crate::device::route::dir::sweep(dir, uid)
+    segment::sweep(dir, uid) + sweep_chans(dir, uid) + crate::device::route::dir::sweep(dir, uid)
 }
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,6 +78,7 @@ use std::time::Duration;
 use crate::addr::Gid;
 use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
+use crate::shmem::{map, sweep_chans};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 /// Smallest MTU the device accepts, bytes.
@@ -292,7 +289,7 @@ impl ShmDevice {
                 .with_detail(format!("{} is not a directory", dir.display())));
         }
         let uid = map::uid();
-        let swept = segment::sweep(&dir, uid) + chan::sweep(&dir, uid);
+        let swept = segment::sweep(&dir, uid) + sweep_chans(&dir, uid);
         if swept > 0 {
             tracing::info!(dir = %dir.display(), swept, "shm: removed stale segments of dead processes");
         }
@@ -356,7 +353,7 @@ impl ShmDevice {
     /// this once.
     pub fn sweep(&self) -> usize {
         segment::sweep(&self.shared.dir, self.shared.uid)
-            + chan::sweep(&self.shared.dir, self.shared.uid)
+            + sweep_chans(&self.shared.dir, self.shared.uid)
     }
 }
 

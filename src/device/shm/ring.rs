@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use bytes::BytesMut;
 
-use super::file::{H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, SLOT_HDR};
-use super::map::{self, Mapping};
 use super::segment::Geometry;
+use crate::shmem::file::{H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, SLOT_HDR};
+use crate::shmem::map::{self, Mapping};
 
 // Slot offsets.
 const S_SEQ: usize = 0; // u64
@@ -174,7 +174,7 @@ impl<'a> Ring<'a> {
 
     /// Reserves a slot for `writer`; `None` when the ring is full (or unusable).
     pub(crate) fn reserve(&self, writer: u32) -> Option<u64> {
-        let pos = super::file::reserve(self.m, |p| self.g.slot(p) + S_SEQ)?;
+        let pos = crate::shmem::file::reserve(self.m, |p| self.g.slot(p) + S_SEQ)?;
         self.slot_w32(pos, S_WRITER)?
             .store(writer, Ordering::Relaxed);
         Some(pos)

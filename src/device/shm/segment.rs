@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub(crate) use super::file::{
+use crate::device::QpType;
+pub(crate) use crate::shmem::file::{
     H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_TOTAL, H_VERSION, HDR_SIZE, Liveness, MAX_SLOTS,
     SLOT_HDR,
 };
-use super::map::{self, Mapping};
-use crate::device::QpType;
+use crate::shmem::map::{self, Mapping};
 
 /// Every file of the device starts with this.
 pub(crate) const PREFIX: &str = "efa-shm-";
@@ -173,7 +173,7 @@ pub(crate) fn header_intact(m: &Mapping, g: &Geometry, id: &Identity) -> bool {
 /// Reads and validates a header against a mapping of `len` bytes.
 pub(crate) fn read_header(m: &Mapping, len: usize) -> Result<(Geometry, Identity), &'static str> {
     let g = |off| m.load32(off).ok_or("header truncated");
-    super::file::check_kind(m, MAGIC, VERSION)?;
+    crate::shmem::file::check_kind(m, MAGIC, VERSION)?;
     let qp_type = match g(H_QP_TYPE)? {
         1 => QpType::Srd,
         2 => QpType::Ud,
@@ -402,7 +402,7 @@ pub(crate) fn open_peer(dir: &Path, uid: u32, qpn: u16) -> Result<PeerSegment, O
 impl PeerSegment {
     /// The closed flag, then the owner's lock: a free lock means no process holds the segment.
     pub(crate) fn liveness(&self) -> Liveness {
-        super::file::liveness(&self.map, &self.file, &self.path, self.ino)
+        crate::shmem::file::liveness(&self.map, &self.file, &self.path, self.ino)
     }
 }
 

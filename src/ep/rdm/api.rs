@@ -293,7 +293,12 @@ impl Endpoint<Rdm> {
 
     /// Counters.
     pub fn stats(&self) -> EndpointStats {
-        self.core.state.lock().engine.stats()
+        let st = self.core.state.lock();
+        let mut s = st.engine.stats();
+        if let Some(l) = &st.local {
+            l.add_stats(&mut s);
+        }
+        s
     }
 
     /// What the protocol engine holds now (for leak checks).

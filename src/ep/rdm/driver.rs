@@ -50,7 +50,7 @@ impl RdmCore {
                 self.rematch_orphans(st, clock);
             }
             if let Some(l) = st.local.as_mut() {
-                busy |= l.progress(&mut st.engine, &st.ops, clock);
+                busy |= l.progress(&mut st.engine, clock);
             }
             // A pass that took local messages delivers them first and leaves the device to the
             // next pass (at most a few passes in a row).
@@ -70,7 +70,7 @@ impl RdmCore {
                 }
             }
             if !st.engine.transmit_pending() && !st.engine.has_events() {
-                let idle = st.local.as_ref().is_none_or(|l| l.events.is_empty());
+                let idle = st.local.as_ref().is_none_or(|l| !l.has_events());
                 if idle && !busy {
                     break;
                 }
@@ -87,8 +87,8 @@ impl RdmCore {
                 delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev, &mut direct);
             }
             if let Some(l) = st.local.as_mut() {
-                while !l.events.is_empty() && self.tx_cq.room() > 0 {
-                    let Some(ev) = l.events.pop_front() else {
+                while l.has_events() && self.tx_cq.room() > 0 {
+                    let Some(ev) = l.pop_event() else {
                         break;
                     };
                     busy = true;
@@ -103,7 +103,7 @@ impl RdmCore {
             }
             // One pass moves what is ready; another only when a batch limit left more behind
             // (what this pass set off, such as send completions, shows at the next poll).
-            let more = n >= st.cq_read_size || st.local.as_ref().is_some_and(|l| l.more);
+            let more = n >= st.cq_read_size || st.local.as_ref().is_some_and(LocalPath::more);
             if !busy || !more {
                 break;
             }
@@ -281,7 +281,7 @@ impl RdmCore {
     /// local channel file removed before the application goes on), not later on the local
     /// waiter's thread.
     pub(in crate::ep) fn handle_dropped(core: &Arc<RdmCore>) {
-        let gate = core.state.lock().local.as_ref().map(LocalPath::gate);
+        let gate = core.state.lock().local.as_ref().and_then(LocalPath::gate);
         if let Some(g) = gate {
             g.pause();
             if Arc::strong_count(core) > 1 {
@@ -332,8 +332,8 @@ impl Drop for RdmCore {
         st.qp.close();
         let mut local_events = Vec::new();
         if let Some(l) = st.local.as_mut() {
-            l.close(&mut st.engine);
-            local_events.extend(l.events.drain(..));
+            l.close();
+            local_events.extend(std::iter::from_fn(|| l.pop_event()));
         }
         let mut batch = Vec::new();
         while st.qp.poll(&mut batch, usize::MAX) > 0 {}

@@ -15,7 +15,6 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use super::buf::RecvTarget;
-use super::local::LocalPath;
 use super::pin::ProgressCpu;
 use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
@@ -27,7 +26,9 @@ use crate::cq::{
 use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
+use crate::local::{LocalPath, LocalSend};
 use crate::notify::Notifier;
+pub(super) use crate::progress::Clock;
 use crate::proto::engine::{
     Engine, EngineConfig, EngineSizes, Event, LocalMsg, Peeked, RecvDone, RecvOp, SendDone, SendOp,
     TransmitKind,
@@ -46,28 +47,6 @@ pub use future::{OpFuture, OpOutcome};
 
 /// Passes in a row that may leave the device alone because local messages came.
 const MAX_DEVICE_SKIPS: u32 = 4;
-
-/// The time of one progress pass, read from the system clock only if something needs it (an
-/// idle busy poll then reads no clock at all).
-#[derive(Default)]
-pub(super) struct Clock(Option<Instant>);
-
-impl Clock {
-    /// A clock already read.
-    pub(super) fn at(now: Instant) -> Clock {
-        Clock(Some(now))
-    }
-
-    /// The time if it was read already.
-    pub(super) fn cached(&self) -> Option<Instant> {
-        self.0
-    }
-
-    /// The pass's time (read once, at the first call).
-    pub(super) fn now(&mut self) -> Instant {
-        *self.0.get_or_insert_with(Instant::now)
-    }
-}
 
 /// Options of one send (`fi_sendmsg` flags): tag, remote CQ data, delivery completion.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -44,7 +44,7 @@ impl RdmCore {
         let st = &mut *st;
         if let Some(l) = st.local.as_mut() {
             if let Some(p) = l.route(&mut st.engine, &dest) {
-                if l.inject(&mut st.engine, p, &o, data) {
+                if l.inject(p, o.tag, o.data, data) {
                     return Ok(());
                 }
             }
@@ -179,7 +179,19 @@ impl RdmCore {
             rma: None,
         });
         if let (Some((peer, _)), Some(l)) = (local, st.local.as_mut()) {
-            l.send(&mut st.engine, &st.ops, key, peer, &o, data, len);
+            let region = st.ops.get(key).and_then(|x| x.region.as_ref());
+            l.send(
+                peer,
+                LocalSend {
+                    context: key as u64,
+                    tag: o.tag,
+                    data: o.data,
+                    delivery_complete: o.delivery_complete,
+                    buf: data,
+                    region: region.map(|r| r.mem().clone()),
+                    len,
+                },
+            );
             return Ok(());
         }
         let op = SendOp {
@@ -421,7 +433,8 @@ impl RdmCore {
             };
             let _ = st
                 .engine
-                .local_first(&mut || clock.now(), src, &m, n, &mut copy);
+                .same_host()
+                .first(&mut || clock.now(), src, &m, n, &mut copy);
         }
     }
 

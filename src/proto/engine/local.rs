@@ -1,5 +1,5 @@
-//! Messages from peers on this host that bypass the packet protocol (the endpoint's local fast
-//! path, `ep/local`): they arrive whole and in order through a shared-memory ring, in chunks,
+//! Messages from peers on this host that bypass the packet protocol (the same-host path,
+//! `crate::local`, reaches the engine only through [`SameHost`]): they arrive whole and in order through a shared-memory ring, in chunks,
 //! and meet the same matching as packet-borne messages: the same posted receives (untagged,
 //! tagged, directed, multi-receive), the same unexpected queue (peek, claim, discard), the same
 //! completions and memory bounds. Only the transport differs, so a receive posted once is
@@ -30,7 +30,7 @@ pub struct LocalMsg {
     /// Remote CQ data.
     pub data: Option<u32>,
     /// Delivery complete: the token to acknowledge once the message is in its buffer
-    /// (see [`Engine::take_local_receipt`]).
+    /// (see [`SameHost::take_receipt`]).
     pub dc_token: Option<u32>,
     /// Length of the whole message.
     pub msg_len: usize,
@@ -49,7 +49,20 @@ fn place_local(sink: &mut Sink, off: usize, n: usize, copy: CopyFn<'_>) {
     }
 }
 
+/// The engine as the same-host path sees it ([`Engine::same_host`]): messages that arrive whole
+/// and in order through another transport go into the engine's matching, and peers met there
+/// get a handshake through the device. The path keeps its own send bookkeeping and counters.
+pub struct SameHost<'a>(&'a mut Engine);
+
 impl Engine {
+    /// The engine's interface for the same-host path.
+    #[inline]
+    pub fn same_host(&mut self) -> SameHost<'_> {
+        SameHost(self)
+    }
+}
+
+impl SameHost<'_> {
     /// The first chunk (`n` bytes) of a message from `src` on the local path. Returns the id to
     /// pass with the message's further chunks, `None` when this chunk was all of it (or the
     /// message was dropped for the memory bounds: its further chunks are then refused too).
@@ -57,7 +70,7 @@ impl Engine {
     /// `now`: the caller's clock, asked only when the time matters (a message that is not
     /// taken whole by a waiting receive); the engine never reads a clock itself, so the
     /// simulator can pass virtual time.
-    pub fn local_first(
+    pub fn first(
         &mut self,
         now: &mut dyn FnMut() -> Instant,
         src: RawAddr,
@@ -65,17 +78,18 @@ impl Engine {
         n: usize,
         copy: CopyFn<'_>,
     ) -> Option<u32> {
-        if self.closed || n > m.msg_len {
-            self.drop_pkt("local message: endpoint closed or chunk beyond its length");
+        if self.0.closed || n > m.msg_len {
+            self.0
+                .drop_pkt("local message: endpoint closed or chunk beyond its length");
             return None;
         }
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        self.stats.local_rx_msgs += 1;
-        let posted = self.matcher.find_posted(tagged, src, tag);
+        self.0.stats.local_rx_msgs += 1;
+        let posted = self.0.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
             // The common case: the whole message in one chunk, a receive waiting for it.
-            if let Some(mut sink) = posted.and_then(|i| self.take_posted(tagged, i, n)) {
+            if let Some(mut sink) = posted.and_then(|i| self.0.take_posted(tagged, i, n)) {
                 sink.buf.clear();
                 place_local(&mut sink, 0, n, copy);
                 let done = Done {
@@ -88,12 +102,12 @@ impl Engine {
                     data: m.data,
                     dc_send_id: m.dc_token,
                 };
-                self.finish_rx(sink, &done);
+                self.0.finish_rx(sink, &done);
                 return None;
             }
         }
         let now = now();
-        if posted.is_none() && self.buffered_msgs >= self.limits.max_buffered_msgs {
+        if posted.is_none() && self.0.buffered_msgs >= self.0.limits.max_buffered_msgs {
             // The local path asks `local_must_wait` first; a message past the bound anyway
             // (a re-matched one) is held, never dropped.
             tracing::debug!("over max_buffered_msgs: local message held");
@@ -108,22 +122,24 @@ impl Engine {
             seg_offset: 0,
             read: None,
         };
-        let rid = self.new_rx_from(now, LOCAL_PEER, src, &rtm, m.msg_len, RxState::Waiting);
-        match posted.and_then(|i| self.take_posted(tagged, i, m.msg_len)) {
-            Some(sink) => self.start_matched(now, rid, sink, None),
+        let rid = self
+            .0
+            .new_rx_from(now, LOCAL_PEER, src, &rtm, m.msg_len, RxState::Waiting);
+        match posted.and_then(|i| self.0.take_posted(tagged, i, m.msg_len)) {
+            Some(sink) => self.0.start_matched(now, rid, sink, None),
             None => {
-                self.stats.unexpected_msgs += 1;
-                self.queue_unexpected(rid);
+                self.0.stats.unexpected_msgs += 1;
+                self.0.queue_unexpected(rid);
             }
         }
-        self.local_data(now, rid, 0, n, copy);
-        self.rx.contains_key(&rid).then_some(rid)
+        self.0.local_data(now, rid, 0, n, copy);
+        self.0.rx.contains_key(&rid).then_some(rid)
     }
 
     /// A further chunk (`n` bytes at message offset `off`) of local message `rid` from `src`.
     /// False when no such message is in progress (dropped, aborted, or a chunk out of place):
     /// the chunk is then thrown away.
-    pub fn local_next(
+    pub fn next(
         &mut self,
         now: Instant,
         rid: u32,
@@ -132,20 +148,78 @@ impl Engine {
         n: usize,
         copy: CopyFn<'_>,
     ) -> bool {
-        let ok = self.rx.get(&rid).is_some_and(|e| {
+        let ok = self.0.rx.get(&rid).is_some_and(|e| {
             e.peer == LOCAL_PEER
                 && e.src == src
                 && e.received == off
                 && off.checked_add(n).is_some_and(|end| end <= e.msg_len)
         });
         if !ok {
-            self.drop_pkt("local chunk of no message in progress");
+            self.0.drop_pkt("local chunk of no message in progress");
             return false;
         }
-        self.local_data(now, rid, off, n, copy);
+        self.0.local_data(now, rid, off, n, copy);
         true
     }
 
+    /// True when a chunk of `n` bytes cannot be taken now: it would be held (no receive takes
+    /// it) beyond the memory bounds (`EngineLimits`). The caller leaves it where it is and
+    /// offers it again later: back-pressure, as receiver-not-ready is on the packet path.
+    /// `first`: the chunk starts message `first`; else it continues message `rid`.
+    pub fn must_wait(
+        &self,
+        src: RawAddr,
+        first: Option<&LocalMsg>,
+        rid: Option<u32>,
+        n: usize,
+    ) -> bool {
+        let room_msgs = first.is_none() || self.0.buffered_msgs < self.0.limits.max_buffered_msgs;
+        if room_msgs && self.0.fits(n) {
+            return false;
+        }
+        match (first, rid) {
+            (Some(m), _) => self
+                .0
+                .matcher
+                .find_posted(m.tag.is_some(), src, m.tag.unwrap_or(0))
+                .is_none(),
+            (None, Some(rid)) => self.0.rx.get(&rid).is_some_and(|e| !e.matched()),
+            (None, None) => false,
+        }
+    }
+
+    /// A peer first met on the local path: the engine makes sure it has the peer and sends it
+    /// its HANDSHAKE through the device, so one-sided operations (which stay on the device)
+    /// know the peer's features as if messages had gone that way too.
+    pub fn contact(&mut self, addr: RawAddr) {
+        if self.0.closed {
+            return;
+        }
+        if let Some(pid) = self.0.peer_for_send(addr) {
+            self.0.queue_handshake(pid);
+        }
+    }
+
+    /// Ends local message `rid` without the rest of its chunks: a matched receive fails with
+    /// `ConnectionAborted`, an unmatched message is forgotten.
+    pub fn abort(&mut self, rid: u32) {
+        if self.0.rx.get(&rid).is_some_and(|e| e.peer == LOCAL_PEER) {
+            self.0.abort_rx(
+                rid,
+                crate::error::ErrorKind::ConnectionAborted,
+                "the sender's message was cut short",
+            );
+        }
+    }
+
+    /// The next delivery-complete acknowledgement the local path owes: `(sender, token)` of a
+    /// local message flagged delivery complete that is now in its buffer.
+    pub fn take_receipt(&mut self) -> Option<(RawAddr, u32)> {
+        self.0.local_receipts.pop_front()
+    }
+}
+
+impl Engine {
     /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.
     fn local_data(&mut self, now: Instant, rid: u32, off: usize, n: usize, copy: CopyFn<'_>) {
         let fits = self.fits(n);
@@ -184,77 +258,5 @@ impl Engine {
                 }
             }
         }
-    }
-
-    /// True when a chunk of `n` bytes cannot be taken now: it would be held (no receive takes
-    /// it) beyond the memory bounds (`EngineLimits`). The caller leaves it where it is and
-    /// offers it again later: back-pressure, as receiver-not-ready is on the packet path.
-    /// `first`: the chunk starts message `first`; else it continues message `rid`.
-    pub fn local_must_wait(
-        &self,
-        src: RawAddr,
-        first: Option<&LocalMsg>,
-        rid: Option<u32>,
-        n: usize,
-    ) -> bool {
-        let room_msgs = first.is_none() || self.buffered_msgs < self.limits.max_buffered_msgs;
-        if room_msgs && self.fits(n) {
-            return false;
-        }
-        match (first, rid) {
-            (Some(m), _) => self
-                .matcher
-                .find_posted(m.tag.is_some(), src, m.tag.unwrap_or(0))
-                .is_none(),
-            (None, Some(rid)) => self.rx.get(&rid).is_some_and(|e| !e.matched()),
-            (None, None) => false,
-        }
-    }
-
-    /// Counts a message the local path sent.
-    pub fn local_sent(&mut self, len: usize) {
-        self.stats.local_tx_msgs += 1;
-        self.stats.tx_msgs += 1;
-        self.stats.tx_bytes += len as u64;
-    }
-
-    /// A peer first met on the local path: the engine makes sure it has the peer and sends it
-    /// its HANDSHAKE through the device, so one-sided operations (which stay on the device)
-    /// know the peer's features as if messages had gone that way too.
-    pub fn local_contact(&mut self, addr: RawAddr) {
-        if self.closed {
-            return;
-        }
-        if let Some(pid) = self.peer_for_send(addr) {
-            self.queue_handshake(pid);
-        }
-    }
-
-    /// Counts a local send that failed.
-    pub fn local_failed(&mut self) {
-        self.stats.errors += 1;
-    }
-
-    /// Counts a malformed slot of the local path (dropped).
-    pub fn local_malformed(&mut self, why: &'static str) {
-        self.drop_pkt(why);
-    }
-
-    /// Ends local message `rid` without the rest of its chunks: a matched receive fails with
-    /// `ConnectionAborted`, an unmatched message is forgotten.
-    pub fn local_abort(&mut self, rid: u32) {
-        if self.rx.get(&rid).is_some_and(|e| e.peer == LOCAL_PEER) {
-            self.abort_rx(
-                rid,
-                crate::error::ErrorKind::ConnectionAborted,
-                "the sender's message was cut short",
-            );
-        }
-    }
-
-    /// The next delivery-complete acknowledgement the local path owes: `(sender, token)` of a
-    /// local message flagged delivery complete that is now in its buffer.
-    pub fn take_local_receipt(&mut self) -> Option<(RawAddr, u32)> {
-        self.local_receipts.pop_front()
     }
 }

@@ -18,7 +18,6 @@ mod rx;
 mod tx;
 
 use super::DevShared;
-use super::map::{self, Mapping};
 use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
 use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
@@ -28,6 +27,7 @@ use crate::device::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
+use crate::shmem::map::{self, Mapping};
 use crate::stats::{self, DeviceCounters};
 
 /// Ring slots one application `poll` consumes at most.
@@ -819,7 +819,7 @@ mod tests {
             imm: None,
         })
         .unwrap();
-        let seg = segment::open_peer(dir.path(), crate::device::shm::map::uid(), b.addr().qpn)
+        let seg = segment::open_peer(dir.path(), crate::shmem::map::uid(), b.addr().qpn)
             .expect("b's segment");
         let ring = Ring::new(&seg.map, &seg.geo);
         let deadline = Instant::now() + Duration::from_secs(5);

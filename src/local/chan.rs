@@ -1,5 +1,5 @@
-//! Message channels: the shared-memory rings of the RDM endpoint's local fast path
-//! (`ep::local`), the counterpart of libfabric's shm provider under the EFA provider.
+//! Message channels: the shared-memory rings of the same-host path (`crate::local`), the
+//! counterpart of libfabric's shm provider under the EFA provider.
 //!
 //! Every RDM endpoint that can reach peers on this host owns one channel: a file
 //! `efa-chan-<uid>-<gid hex>-<qpn>-<qkey hex>` in the shm directory, named after the endpoint's
@@ -43,16 +43,17 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use bytes::BytesMut;
 
-pub(crate) use super::file::Liveness;
-use super::file::{
+use crate::addr::{Gid, RawAddr};
+pub(crate) use crate::shmem::file::Liveness;
+use crate::shmem::file::{
     H_BELL, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_SLEEPERS, H_TAIL, H_TOTAL, H_VERSION, HDR_SIZE,
     MAX_SLOTS, SLOT_HDR,
 };
-use super::map::{self, Mapping, remove_if_same, remove_if_stale};
-use crate::addr::{Gid, RawAddr};
+use crate::shmem::map::{self, Mapping, remove_if_same};
 
 /// Name prefix of channel files.
-pub(crate) const PREFIX: &str = "efa-chan-";
+pub(crate) use crate::shmem::CHAN_PREFIX as PREFIX;
+pub(crate) use crate::shmem::sweep_chans as sweep;
 const MAGIC: u64 = u64::from_le_bytes(*b"EFA-CHN\0");
 const VERSION: u32 = 1;
 /// Largest chunk a peer's header may declare.
@@ -75,7 +76,7 @@ const S_TOKEN: usize = 36;
 const S_SRC: usize = 40;
 
 /// Bytes of an encoded raw address (qkey, qpn, GID).
-const ADDR_LEN: usize = 24;
+pub(crate) const ADDR_LEN: usize = 24;
 
 /// Slot kinds.
 pub(crate) const K_MSG: u8 = 1;
@@ -96,7 +97,7 @@ pub(crate) fn encode_addr(a: &RawAddr) -> [u8; ADDR_LEN] {
     b
 }
 
-fn decode_addr(b: &[u8; ADDR_LEN]) -> Option<RawAddr> {
+pub(super) fn decode_addr(b: &[u8; ADDR_LEN]) -> Option<RawAddr> {
     let qkey = u32::from_le_bytes(b[..4].try_into().ok()?);
     let qpn = u16::try_from(u32::from_le_bytes(b[4..8].try_into().ok()?)).ok()?;
     let gid = Gid(b[8..].try_into().ok()?);
@@ -169,8 +170,8 @@ pub(crate) struct Head {
     pub hdr: SlotHdr,
     /// The sender (`None`: unreadable, the slot is malformed).
     pub src: Option<RawAddr>,
-    /// Where the data starts in the mapping.
-    data_off: usize,
+    /// Where the data starts: in the mapping (shm), the slot's index (in-memory rings).
+    pub(super) data_off: usize,
 }
 
 /// The state of the owner's ring the endpoint and its waiter thread share.
@@ -402,8 +403,6 @@ pub(crate) struct PeerChan {
     file: File,
     path: PathBuf,
     ino: u64,
-    /// The owner's pid.
-    pub pid: u32,
 }
 
 /// Why a peer's channel could not be used.
@@ -458,14 +457,12 @@ impl PeerChan {
         if read_header(&m, geo.total, netns, dest)? != geo {
             return Err(OpenError::Unusable("header changed while opening"));
         }
-        let pid = m.load32(H_PID).unwrap_or(0);
         Ok(PeerChan {
             map: m,
             geo,
             file,
             path,
             ino: meta.ino(),
-            pid,
         })
     }
 
@@ -481,7 +478,7 @@ impl PeerChan {
         if data.len() > self.geo.chunk() {
             return None;
         }
-        let pos = super::file::reserve(&self.map, |p| self.geo.slot(p) + S_SEQ)?;
+        let pos = crate::shmem::file::reserve(&self.map, |p| self.geo.slot(p) + S_SEQ)?;
         let off = self.geo.slot(pos);
         let m = &self.map;
         m.store32(
@@ -547,12 +544,105 @@ impl PeerChan {
 
     /// True when the owner closed its endpoint (a plain load: no system call).
     pub(crate) fn closed(&self) -> bool {
-        super::file::closed(&self.map)
+        crate::shmem::file::closed(&self.map)
     }
 
     /// The closed flag, then the owner's lock.
     pub(crate) fn liveness(&self) -> Liveness {
-        super::file::liveness(&self.map, &self.file, &self.path, self.ino)
+        crate::shmem::file::liveness(&self.map, &self.file, &self.path, self.ino)
+    }
+}
+
+/// The same-host path over shared-memory files: the own channel, and peers' channels opened
+/// by name from the shm directory.
+pub(crate) struct ShmChannels {
+    pub(super) own: OwnChan,
+    pub(super) dir: PathBuf,
+    pub(super) uid: u32,
+    pub(super) netns: u64,
+}
+
+impl super::ring::Channels for ShmChannels {
+    type Peer = PeerChan;
+
+    #[inline]
+    fn peek(&self) -> Option<Head> {
+        self.own.peek()
+    }
+
+    #[inline]
+    fn copy(&self, h: &Head, n: usize, buf: &mut BytesMut) -> bool {
+        self.own.copy(h, n, buf)
+    }
+
+    #[inline]
+    fn pop(&self) {
+        self.own.pop()
+    }
+
+    fn ready(&self) -> bool {
+        self.own.ring.ready()
+    }
+
+    fn reserved_head(&self) -> Option<u64> {
+        self.own.reserved_head()
+    }
+
+    fn skip_head(&self) {
+        self.own.skip_head()
+    }
+
+    fn close(&mut self) {
+        self.own.close()
+    }
+
+    fn quiet(&self) {
+        if let Some(w) = self.own.ring.sleepers() {
+            w.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn open_peer(&mut self, dest: &RawAddr) -> Result<PeerChan, OpenError> {
+        PeerChan::open(&self.dir, self.uid, self.netns, dest)
+    }
+
+    fn peer_died(&self) {
+        crate::device::shm::sweep_dir(&self.dir, self.uid);
+    }
+}
+
+impl super::ring::PeerRing for PeerChan {
+    #[inline]
+    fn chunk(&self) -> usize {
+        PeerChan::chunk(self)
+    }
+
+    #[inline]
+    fn push(&self, hdr: &SlotHdr, src: &[u8; ADDR_LEN], data: &[u8]) -> Option<u64> {
+        PeerChan::push(self, hdr, src, data)
+    }
+
+    #[inline]
+    fn consumed(&self, pos: u64) -> bool {
+        PeerChan::consumed(self, pos)
+    }
+
+    #[inline]
+    fn wake(&self) {
+        self.ring_bell_if_asleep()
+    }
+
+    #[inline]
+    fn nudge(&self) {
+        self.ring_bell_if_seen_asleep()
+    }
+
+    fn closed(&self) -> bool {
+        PeerChan::closed(self)
+    }
+
+    fn liveness(&self) -> Liveness {
+        PeerChan::liveness(self)
     }
 }
 
@@ -562,7 +652,7 @@ fn read_header(
     netns: u64,
     dest: &RawAddr,
 ) -> Result<Geometry, OpenError> {
-    super::file::check_kind(m, MAGIC, VERSION).map_err(OpenError::Unusable)?;
+    crate::shmem::file::check_kind(m, MAGIC, VERSION).map_err(OpenError::Unusable)?;
     if m.load64(H_NETNS).unwrap_or(0) != netns {
         return Err(OpenError::Unusable("another network namespace"));
     }
@@ -583,14 +673,6 @@ fn read_header(
         return Err(OpenError::Unusable("size does not match the geometry"));
     }
     Ok(geo)
-}
-
-/// Removes this user's stale channel files from `dir`: channels whose lock is free (owner
-/// gone) and temporary files of processes that no longer exist. Returns how many.
-pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
-    map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
-        map::remove_tmp_of_dead(path, rest).unwrap_or_else(|| remove_if_stale(path))
-    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,212 @@
+//! The same-host path's waiter thread: while the application does not poll, it sleeps on the
+//! own channel's doorbell and drives the endpoint when a chunk arrives or sends wait, so
+//! completions come and completion queues wake as they would with the device path.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::chan::OwnRing;
+use crate::cq::ProgressSource;
+use crate::notify::{Notifier, SleepHook};
+use crate::shmem::map;
+
+/// How long the waiter stays aside while the application busy-polls before it looks again
+/// (the application going to sleep on a completion queue wakes it at once, `WaiterHook`).
+const BUSY_WINDOW: Duration = Duration::from_millis(20);
+/// Polls per millisecond from which the application counts as busy-polling.
+pub(super) const BUSY_POLLS: u64 = 256;
+
+/// What the path and whatever drives it besides the application (the waiter thread; the
+/// simulator) share.
+#[derive(Default)]
+pub(super) struct Pace {
+    /// Progress passes so far (the waiter's busy-poll detector).
+    pub(super) polls: AtomicU64,
+    /// Sends wait for room or for the peer, or a message is partly here (the waiter progresses
+    /// the endpoint every millisecond).
+    pub(super) waiting: AtomicBool,
+    /// The application busy-polls (the waiter's finding).
+    pub(super) app_polls: AtomicBool,
+    /// A thread is about to sleep on the endpoint's completion queues (the sleep hook).
+    sleeping: AtomicBool,
+    stop: AtomicBool,
+    /// The endpoint, which the waiter drives while the application does not poll.
+    source: OnceLock<Weak<dyn ProgressSource>>,
+    /// The waiter holds the endpoint (a strong reference) for a progress pass.
+    pub(super) driving: AtomicBool,
+    /// The application's handle is being dropped: the waiter takes no strong reference.
+    paused: AtomicBool,
+}
+
+impl Pace {
+    /// One progress pass of the endpoint from the waiter, unless the handle is being dropped.
+    /// (Otherwise the waiter could end up with the last reference, and the endpoint would be
+    /// closed on its thread, after the application's thread went on — maybe out of `main`,
+    /// with the channel file still there.)
+    fn drive(&self) {
+        self.driving.store(true, Ordering::SeqCst);
+        if !self.paused.load(Ordering::SeqCst) {
+            if let Some(src) = self.source.get().and_then(Weak::upgrade) {
+                src.progress();
+            }
+        }
+        self.driving.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Lets the application's handle keep the waiter from holding the endpoint while it drops it.
+pub(crate) struct WaiterGate(Arc<Pace>);
+
+impl WaiterGate {
+    /// Stops the waiter from taking the endpoint and waits for a pass it is in to end.
+    pub(crate) fn pause(&self) {
+        self.0.paused.store(true, Ordering::SeqCst);
+        while self.0.driving.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Lets the waiter drive the endpoint again.
+    pub(crate) fn resume(&self) {
+        self.0.paused.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The waiter thread of one path.
+pub(super) struct Waiter {
+    pace: Arc<Pace>,
+    ring: Arc<OwnRing>,
+    /// Registered on the endpoint's notifier (kept alive here).
+    _hook: Arc<dyn SleepHook>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Waiter {
+    /// Starts the waiter of the channel `ring` (named after `qpn`).
+    pub(super) fn start(
+        pace: &Arc<Pace>,
+        ring: &Arc<OwnRing>,
+        qpn: u16,
+        notifier: &Notifier,
+    ) -> std::io::Result<Waiter> {
+        let (p, r) = (pace.clone(), ring.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("efa-local-{qpn}"))
+            .spawn(move || run(&p, &r))?;
+        let hook: Arc<dyn SleepHook> = Arc::new(WaiterHook {
+            pace: Arc::downgrade(pace),
+            ring: ring.clone(),
+        });
+        notifier.add_sleep_hook(Arc::downgrade(&hook));
+        Ok(Waiter {
+            pace: pace.clone(),
+            ring: ring.clone(),
+            _hook: hook,
+            thread: Some(thread),
+        })
+    }
+
+    /// The handle that keeps the waiter from the endpoint while the application drops it.
+    pub(super) fn gate(&self) -> WaiterGate {
+        WaiterGate(self.pace.clone())
+    }
+
+    /// The endpoint the waiter drives while the application does not poll.
+    pub(super) fn set_source(&self, source: Weak<dyn ProgressSource>) {
+        let _ = self.pace.source.set(source);
+    }
+
+    /// Stops the thread and waits for it (unless this is it).
+    pub(super) fn stop(&mut self) {
+        self.pace.stop.store(true, Ordering::Release);
+        if let Some(b) = self.ring.bell() {
+            b.fetch_add(1, Ordering::Release);
+            map::futex_wake(b);
+        }
+        if let Some(h) = self.thread.take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Tells the waiter that the application is about to sleep on a completion queue: it takes
+/// over at once instead of at the end of its busy window.
+struct WaiterHook {
+    pace: Weak<Pace>,
+    ring: Arc<OwnRing>,
+}
+
+impl SleepHook for WaiterHook {
+    fn before_sleep(&self) {
+        if let Some(s) = self.pace.upgrade() {
+            if s.app_polls.load(Ordering::Relaxed) {
+                s.sleeping.store(true, Ordering::SeqCst);
+                if let Some(b) = self.ring.bell() {
+                    b.fetch_add(1, Ordering::Release);
+                    map::futex_wake(b);
+                }
+            }
+        }
+    }
+}
+
+/// The waiter thread: stands aside while the application polls; otherwise sleeps on the
+/// channel's doorbell (as a sleeper, so peers ring it when they write to the ring or consume
+/// what this endpoint sent) and drives the endpoint when there is something to do, as the shm
+/// device's thread does for the device path: chunks are consumed, sends complete, completion
+/// queues are woken. While sends wait it looks every millisecond.
+fn run(s: &Pace, ring: &OwnRing) {
+    let (Some(bell), Some(sleepers)) = (ring.bell(), ring.sleepers()) else {
+        return;
+    };
+    while !s.stop.load(Ordering::Acquire) {
+        let before = s.polls.load(Ordering::Relaxed);
+        let seen = bell.load(Ordering::Acquire);
+        let window = if s.app_polls.load(Ordering::Relaxed) {
+            BUSY_WINDOW
+        } else {
+            Duration::from_millis(1)
+        };
+        map::futex_wait(bell, seen, window);
+        let polls = s.polls.load(Ordering::Relaxed).wrapping_sub(before);
+        let busy = polls >= BUSY_POLLS && !s.sleeping.swap(false, Ordering::SeqCst);
+        if s.app_polls.load(Ordering::Relaxed) != busy {
+            s.app_polls.store(busy, Ordering::Relaxed);
+        }
+        if busy || s.stop.load(Ordering::Acquire) {
+            continue;
+        }
+        sleepers.store(1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let seen = bell.load(Ordering::Acquire);
+        if !ring.ready() {
+            let nap = if s.waiting.load(Ordering::Relaxed) {
+                1
+            } else {
+                20
+            };
+            map::futex_wait(bell, seen, Duration::from_millis(nap));
+        }
+        sleepers.store(0, Ordering::Relaxed);
+        if s.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if ring.ready()
+            || s.waiting.load(Ordering::Relaxed)
+            || bell.load(Ordering::Acquire) != seen
+            || ring.stuck()
+        {
+            s.drive();
+        }
+    }
+}
