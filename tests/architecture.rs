@@ -211,5 +211,8 @@ fn the_engine_reads_no_clock() {
             }
         }
     }
-    assert!(found.is_empty(), "the engine or the same-host path reads a clock: {found:?}");
+    assert!(
+        found.is_empty(),
+        "the engine or the same-host path reads a clock: {found:?}"
+    );
 }

@@ -32,6 +32,7 @@ use crate::proto::matching::Matcher;
 use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
+mod budget;
 mod local;
 mod peer;
 mod read;
@@ -584,7 +585,6 @@ impl Default for EngineLimits {
 #[derive(Debug)]
 pub struct Engine {
     cfg: EngineConfig,
-    limits: EngineLimits,
     local: RawAddr,
     rng: Rng,
     closed: bool,
@@ -617,13 +617,7 @@ pub struct Engine {
     /// Application receives posted or in progress (multi-receive buffers count once).
     user_rx_ops: usize,
     /// Messages and bytes held without a receive.
-    buffered_msgs: usize,
-    buffered_bytes: usize,
-    /// Peers to hold back (true) or release (false) at the device, for [`Engine::poll_hold`].
-    hold_changes: VecDeque<(RawAddr, bool)>,
-    /// Messages held as unexpected (or claimed) and their bytes.
-    unexp_msgs: usize,
-    unexp_bytes: usize,
+    budget: budget::Budget,
     /// Matched receives waiting for more packets.
     rx_in_progress: usize,
     /// When to look for stalled receives next.
@@ -655,7 +649,6 @@ impl Engine {
         let (max_tx, max_rx) = (cfg.max_tx_ops, cfg.max_rx_ops);
         Engine {
             cfg,
-            limits: EngineLimits::default(),
             local,
             rng,
             closed: false,
@@ -676,11 +669,7 @@ impl Engine {
             claimed: IdMap::default(),
             next_claim: 1,
             user_rx_ops: 0,
-            buffered_msgs: 0,
-            buffered_bytes: 0,
-            hold_changes: VecDeque::new(),
-            unexp_msgs: 0,
-            unexp_bytes: 0,
+            budget: budget::Budget::new(EngineLimits::default()),
             rx_in_progress: 0,
             stall_check: None,
             events: VecDeque::new(),
@@ -702,12 +691,12 @@ impl Engine {
 
     /// Replaces the memory bounds (an addition to the declared API).
     pub fn set_limits(&mut self, limits: EngineLimits) {
-        self.limits = limits;
+        self.budget.limits = limits;
     }
 
     /// The memory bounds in force.
     pub fn limits(&self) -> EngineLimits {
-        self.limits
+        self.budget.limits
     }
 
     /// The configuration.
@@ -999,7 +988,7 @@ impl Engine {
     /// Messages and bytes held without a receive now (what [`Engine::resources`] reports as
     /// `buffered_msgs` and `buffered_bytes`, without its walk over the peers).
     pub fn buffered(&self) -> (usize, usize) {
-        (self.buffered_msgs, self.buffered_bytes)
+        self.budget.held()
     }
 
     /// The next change of which peers the device should hold back: `(peer, true)` when a peer
@@ -1010,12 +999,12 @@ impl Engine {
     /// ([`QueuePair::hold_source`](crate::device::QueuePair::hold_source)), so one flooding peer
     /// cannot use up the budget that holds every peer back (issue 17, defect 2).
     pub fn poll_hold(&mut self) -> Option<(RawAddr, bool)> {
-        self.hold_changes.pop_front()
+        self.budget.poll_change()
     }
 
     /// True when messages wait without a receive (unexpected or claimed).
     pub fn has_unexpected(&self) -> bool {
-        self.unexp_msgs > 0
+        self.budget.unexpected().0 > 0
     }
 
     /// True when [`Engine::poll_event`] has a completion.
@@ -1076,11 +1065,11 @@ impl Engine {
         Resources {
             tx_ops: self.tx.len() + self.rd_ops() + self.ema_ops(),
             rx_ops: self.user_rx_ops,
-            unexpected_msgs: self.unexp_msgs,
-            unexpected_bytes: self.unexp_bytes,
+            unexpected_msgs: self.budget.unexpected().0,
+            unexpected_bytes: self.budget.unexpected().1,
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
-            buffered_msgs: self.buffered_msgs,
-            buffered_bytes: self.buffered_bytes,
+            buffered_msgs: self.budget.held().0,
+            buffered_bytes: self.budget.held().1,
             queued_pkts: self.queued_pkts + self.rd_queued_wrs(),
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
@@ -1177,10 +1166,7 @@ impl Engine {
         self.ready.clear();
         self.backoff.clear();
         self.queued_pkts = 0;
-        self.buffered_msgs = 0;
-        self.buffered_bytes = 0;
-        self.unexp_msgs = 0;
-        self.unexp_bytes = 0;
+        self.budget.reset();
         self.user_rx_ops = 0;
         self.stall_check = None;
         self.rx_in_progress = 0;

@@ -107,7 +107,7 @@ impl SameHost<'_> {
             }
         }
         let now = now();
-        if posted.is_none() && self.0.buffered_msgs >= self.0.limits.max_buffered_msgs {
+        if posted.is_none() && !self.0.budget.room_for_msg() {
             // The local path asks `local_must_wait` first; a message past the bound anyway
             // (a re-matched one) is held, never dropped.
             tracing::debug!("over max_buffered_msgs: local message held");
@@ -173,8 +173,8 @@ impl SameHost<'_> {
         rid: Option<u32>,
         n: usize,
     ) -> bool {
-        let room_msgs = first.is_none() || self.0.buffered_msgs < self.0.limits.max_buffered_msgs;
-        if room_msgs && self.0.fits(n) {
+        let room_msgs = first.is_none() || self.0.budget.room_for_msg();
+        if room_msgs && self.0.budget.fits(n) {
             return false;
         }
         match (first, rid) {
@@ -222,7 +222,7 @@ impl SameHost<'_> {
 impl Engine {
     /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.
     fn local_data(&mut self, now: Instant, rid: u32, off: usize, n: usize, copy: CopyFn<'_>) {
-        let fits = self.fits(n);
+        let fits = self.budget.fits(n);
         let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
@@ -252,10 +252,7 @@ impl Engine {
                 let unexp = !matches!(e.state, RxState::Waiting);
                 e.held.push((off, b.freeze()));
                 e.held_bytes += n;
-                self.buffered_bytes += n;
-                if unexp {
-                    self.unexp_bytes += n;
-                }
+                self.budget.add_bytes(n, unexp);
             }
         }
     }

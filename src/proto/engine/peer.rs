@@ -249,7 +249,7 @@ impl Engine {
 
     /// A new peer for `addr`; `None` (counted) when the peer table is full.
     fn new_peer(&mut self, addr: RawAddr) -> Option<u64> {
-        if self.peers.len() >= self.limits.max_peers {
+        if self.peers.len() >= self.budget.limits.max_peers {
             self.drop_pkt("peer table full");
             return None;
         }
@@ -292,7 +292,7 @@ impl Engine {
         if let Some(id) = self.peer_by_addr(&dest) {
             return Some(id);
         }
-        if self.peers.len() >= self.limits.max_peers {
+        if self.peers.len() >= self.budget.limits.max_peers {
             return None;
         }
         self.new_peer(dest)
@@ -327,7 +327,7 @@ impl Engine {
             tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
             self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
             self.index
-                .retire(addr.gid, addr.qpn, qkey, self.limits.max_peers);
+                .retire(addr.gid, addr.qpn, qkey, self.budget.limits.max_peers);
         }
     }
 
@@ -532,7 +532,7 @@ impl Engine {
         };
         tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
         if p.held_back {
-            self.hold_changes.push_back((p.addr, false));
+            self.budget.hold_change(p.addr, false);
         }
         self.index.remove(p.addr, pid);
         self.queued_pkts = self

@@ -730,7 +730,7 @@ impl Engine {
             w
         };
         let n = w.held_bytes();
-        if self.ema.retry_bytes.saturating_add(n) > self.limits.max_buffered_bytes {
+        if self.ema.retry_bytes.saturating_add(n) > self.budget.limits.max_buffered_bytes {
             tracing::debug!("emulated RMA: too much work waits for locked regions; refused");
             return self.ema_refuse(&w, Status::RemoteAbort);
         }

@@ -294,10 +294,6 @@ impl Engine {
         }
     }
 
-    pub(super) fn fits(&self, bytes: usize) -> bool {
-        self.buffered_bytes.saturating_add(bytes) <= self.limits.max_buffered_bytes
-    }
-
     /// An RTM packet (eager, medium segment, long-CTS first chunk) from peer `pid`.
     pub(super) fn handle_rtm(&mut self, now: Instant, pid: u64, pkt: &Packet<'_>, data: &[u8]) {
         if let Packet::LongCtsRtm {
@@ -361,7 +357,7 @@ impl Engine {
         // kept by the caller, which posts no more device receive buffers than the budget left
         // (receiver-not-ready pushes the senders back), so an excess is at most the buffers
         // already posted (issue 17, defect 2).
-        if !ready && self.buffered_msgs >= self.limits.max_buffered_msgs {
+        if !ready && !self.budget.room_for_msg() {
             tracing::debug!("over max_buffered_msgs: held (the device is held back)");
         }
         let rid = self.new_rx(now, pid, &m, msg_len, RxState::Waiting);
@@ -469,7 +465,7 @@ impl Engine {
         if let Some(p) = self.peers.get_mut(&pid) {
             p.inbound.insert(m.msg_id, rid);
         }
-        self.buffered_msgs += 1;
+        self.budget.add_msg();
         self.peer_held(pid, 1, 0, true);
         rid
     }
@@ -477,10 +473,7 @@ impl Engine {
     /// Counts (`add`) or releases messages and bytes peer `pid` holds without a receive, and
     /// records when it crosses its share of the budget ([`Engine::poll_hold`]).
     pub(super) fn peer_held(&mut self, pid: u64, msgs: usize, bytes: usize, add: bool) {
-        let (cap_msgs, cap_bytes) = (
-            (self.limits.max_buffered_msgs / 2).max(1),
-            (self.limits.max_buffered_bytes / 2).max(1),
-        );
+        let (cap_msgs, cap_bytes) = self.budget.share();
         let Some(p) = self.peers.get_mut(&pid) else {
             return;
         };
@@ -496,10 +489,10 @@ impl Engine {
         if over && !p.held_back {
             p.held_back = true;
             tracing::debug!(peer = %p.addr, msgs = p.held_msgs, bytes = p.held_bytes, "peer over its buffering share: held back");
-            self.hold_changes.push_back((p.addr, true));
+            self.budget.hold_change(p.addr, true);
         } else if under && p.held_back {
             p.held_back = false;
-            self.hold_changes.push_back((p.addr, false));
+            self.budget.hold_change(p.addr, false);
         }
     }
 
@@ -511,7 +504,7 @@ impl Engine {
         if data.is_empty() {
             return;
         }
-        let fits = self.fits(data.len());
+        let fits = self.budget.fits(data.len());
         let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
@@ -521,10 +514,8 @@ impl Engine {
         let n = data.len();
         e.held.push((off, Bytes::copy_from_slice(data)));
         e.held_bytes += n;
-        self.buffered_bytes += n;
-        if matches!(e.state, RxState::Unexpected | RxState::Claimed) {
-            self.unexp_bytes += n;
-        }
+        self.budget
+            .add_bytes(n, matches!(e.state, RxState::Unexpected | RxState::Claimed));
         let pid = e.peer;
         self.peer_held(pid, 0, n, true);
     }
@@ -669,7 +660,7 @@ impl Engine {
         }
         // Unexpected.
         self.stats.unexpected_msgs += 1;
-        if self.buffered_msgs > self.limits.max_buffered_msgs {
+        if self.budget.over_msgs() {
             tracing::debug!(
                 "over max_buffered_msgs: unexpected message held (the device is held back)"
             );
@@ -690,8 +681,7 @@ impl Engine {
         };
         e.state = RxState::Unexpected;
         let (tagged, src, tag) = (e.tagged, e.src, e.tag);
-        self.unexp_msgs += 1;
-        self.unexp_bytes += e.held_bytes;
+        self.budget.became_unexpected(e.held_bytes);
         self.matcher.push_unexpected(
             tagged,
             Unexpected {
@@ -714,16 +704,12 @@ impl Engine {
         let Some(e) = self.rx.get_mut(&rid) else {
             return;
         };
-        match e.state {
-            RxState::Unexpected | RxState::Claimed => {
-                self.unexp_msgs = self.unexp_msgs.saturating_sub(1);
-                self.unexp_bytes = self.unexp_bytes.saturating_sub(e.held_bytes);
-            }
-            RxState::Waiting => {}
+        let unexp = match e.state {
+            RxState::Unexpected | RxState::Claimed => true,
+            RxState::Waiting => false,
             RxState::Matched(_) | RxState::Dropped => return,
-        }
-        self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
-        self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
+        };
+        self.budget.release(e.held_bytes, unexp);
         let (pid, released) = (e.peer, e.held_bytes);
         sink.buf.clear();
         for (off, bytes) in std::mem::take(&mut e.held) {
@@ -832,12 +818,10 @@ impl Engine {
                 p.inbound.remove(&e.msg_id);
             }
         }
-        self.buffered_msgs = self.buffered_msgs.saturating_sub(1);
-        self.buffered_bytes = self.buffered_bytes.saturating_sub(e.held_bytes);
-        if matches!(e.state, RxState::Unexpected | RxState::Claimed) {
-            self.unexp_msgs = self.unexp_msgs.saturating_sub(1);
-            self.unexp_bytes = self.unexp_bytes.saturating_sub(e.held_bytes);
-        }
+        self.budget.release(
+            e.held_bytes,
+            matches!(e.state, RxState::Unexpected | RxState::Claimed),
+        );
         self.peer_held(e.peer, 1, e.held_bytes, false);
     }
 
