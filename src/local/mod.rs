@@ -58,7 +58,7 @@ use crate::cq::ProgressSource;
 use crate::device::Status;
 use crate::mem::RegionMem;
 use crate::notify::Notifier;
-use crate::progress::Clock;
+use crate::progress::{Clock, busy_polling};
 use crate::proto::engine::{Engine, Event};
 use crate::shmem::map;
 use crate::stats::EndpointStats;
@@ -83,11 +83,10 @@ const CHECK_EVERY: Duration = Duration::from_millis(10);
 const STUCK_PASSES: u32 = 64;
 /// A busy-polling endpoint looks whether its sends were consumed every this many passes.
 const REAP_EVERY: u64 = 32;
-/// The application finds by itself that it busy-polls when this many of its passes take less
-/// than `APP_SAMPLE_SPAN` (the rate of `waiter::BUSY_POLLS`): the waiter then stands aside at
-/// once, instead of after its next look, and peers stop ringing its doorbell.
+/// The application finds by itself that it busy-polls when this many of its passes come at the
+/// busy-poll rate (`progress::busy_polling`): the waiter then stands aside at once, instead of
+/// after its next look, and peers stop ringing its doorbell.
 const APP_SAMPLE: u64 = 64;
-const APP_SAMPLE_SPAN: Duration = Duration::from_micros(1000 * APP_SAMPLE / waiter::BUSY_POLLS);
 
 /// The path's own counters; the endpoint's statistics add them in ([`LocalPath::add_stats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -440,10 +439,7 @@ impl<C: Channels> LocalPath<C> {
     /// One progress step: reads the own ring into the engine, answers delivery-complete
     /// messages, retries waiting sends and checks on peers. True when anything moved.
     pub(crate) fn progress(&mut self, engine: &mut Engine, clock: &mut Clock) -> bool {
-        let polls = self.pace.polls.load(Ordering::Relaxed);
-        self.pace
-            .polls
-            .store(polls.wrapping_add(1), Ordering::Relaxed);
+        let polls = self.pace.polls.count();
         if polls % APP_SAMPLE == 0 && !self.pace.app_polls.load(Ordering::Relaxed) {
             self.sample_app_polls(clock);
         }
@@ -518,7 +514,7 @@ impl<C: Channels> LocalPath<C> {
         let now = clock.now();
         if self
             .app_mark
-            .is_some_and(|t| now.saturating_duration_since(t) < APP_SAMPLE_SPAN)
+            .is_some_and(|t| busy_polling(APP_SAMPLE, now.saturating_duration_since(t)))
         {
             self.pace.app_polls.store(true, Ordering::Relaxed);
             self.chans.quiet();

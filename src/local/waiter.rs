@@ -2,28 +2,26 @@
 //! own channel's doorbell and drives the endpoint when a chunk arrives or sends wait, so
 //! completions come and completion queues wake as they would with the device path.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::chan::OwnRing;
 use crate::cq::ProgressSource;
 use crate::notify::{Notifier, SleepHook};
+use crate::progress::{Background, PollMark, Polls};
 use crate::shmem::map;
 
 /// How long the waiter stays aside while the application busy-polls before it looks again
 /// (the application going to sleep on a completion queue wakes it at once, `WaiterHook`).
 const BUSY_WINDOW: Duration = Duration::from_millis(20);
-/// Polls per millisecond from which the application counts as busy-polling.
-pub(super) const BUSY_POLLS: u64 = 256;
 
 /// What the path and whatever drives it besides the application (the waiter thread; the
 /// simulator) share.
 #[derive(Default)]
 pub(super) struct Pace {
     /// Progress passes so far (the waiter's busy-poll detector).
-    pub(super) polls: AtomicU64,
+    pub(super) polls: Polls,
     /// Sends wait for room or for the peer, or a message is partly here (the waiter progresses
     /// the endpoint every millisecond).
     pub(super) waiting: AtomicBool,
@@ -31,7 +29,7 @@ pub(super) struct Pace {
     pub(super) app_polls: AtomicBool,
     /// A thread is about to sleep on the endpoint's completion queues (the sleep hook).
     sleeping: AtomicBool,
-    stop: AtomicBool,
+    stop: Arc<AtomicBool>,
     /// The endpoint, which the waiter drives while the application does not poll.
     source: OnceLock<Weak<dyn ProgressSource>>,
     /// The waiter holds the endpoint (a strong reference) for a progress pass.
@@ -77,10 +75,9 @@ impl WaiterGate {
 /// The waiter thread of one path.
 pub(super) struct Waiter {
     pace: Arc<Pace>,
-    ring: Arc<OwnRing>,
     /// Registered on the endpoint's notifier (kept alive here).
     _hook: Arc<dyn SleepHook>,
-    thread: Option<JoinHandle<()>>,
+    thread: Background,
 }
 
 impl Waiter {
@@ -92,9 +89,18 @@ impl Waiter {
         notifier: &Notifier,
     ) -> std::io::Result<Waiter> {
         let (p, r) = (pace.clone(), ring.clone());
-        let thread = std::thread::Builder::new()
-            .name(format!("efa-local-{qpn}"))
-            .spawn(move || run(&p, &r))?;
+        let bell = ring.clone();
+        let thread = Background::spawn(
+            format!("efa-local-{qpn}"),
+            &pace.stop,
+            move || {
+                if let Some(b) = bell.bell() {
+                    b.fetch_add(1, Ordering::Release);
+                    map::futex_wake(b);
+                }
+            },
+            move || run(&p, &r),
+        )?;
         let hook: Arc<dyn SleepHook> = Arc::new(WaiterHook {
             pace: Arc::downgrade(pace),
             ring: ring.clone(),
@@ -102,9 +108,8 @@ impl Waiter {
         notifier.add_sleep_hook(Arc::downgrade(&hook));
         Ok(Waiter {
             pace: pace.clone(),
-            ring: ring.clone(),
             _hook: hook,
-            thread: Some(thread),
+            thread,
         })
     }
 
@@ -120,22 +125,7 @@ impl Waiter {
 
     /// Stops the thread and waits for it (unless this is it).
     pub(super) fn stop(&mut self) {
-        self.pace.stop.store(true, Ordering::Release);
-        if let Some(b) = self.ring.bell() {
-            b.fetch_add(1, Ordering::Release);
-            map::futex_wake(b);
-        }
-        if let Some(h) = self.thread.take() {
-            if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
-            }
-        }
-    }
-}
-
-impl Drop for Waiter {
-    fn drop(&mut self) {
-        self.stop();
+        self.thread.stop();
     }
 }
 
@@ -169,8 +159,8 @@ fn run(s: &Pace, ring: &OwnRing) {
     let (Some(bell), Some(sleepers)) = (ring.bell(), ring.sleepers()) else {
         return;
     };
+    let mut mark = PollMark::new(&s.polls);
     while !s.stop.load(Ordering::Acquire) {
-        let before = s.polls.load(Ordering::Relaxed);
         let seen = bell.load(Ordering::Acquire);
         let window = if s.app_polls.load(Ordering::Relaxed) {
             BUSY_WINDOW
@@ -178,8 +168,7 @@ fn run(s: &Pace, ring: &OwnRing) {
             Duration::from_millis(1)
         };
         map::futex_wait(bell, seen, window);
-        let polls = s.polls.load(Ordering::Relaxed).wrapping_sub(before);
-        let busy = polls >= BUSY_POLLS && !s.sleeping.swap(false, Ordering::SeqCst);
+        let busy = mark.judge(&s.polls) && !s.sleeping.swap(false, Ordering::SeqCst);
         if s.app_polls.load(Ordering::Relaxed) != busy {
             s.app_polls.store(busy, Ordering::Relaxed);
         }

@@ -6,7 +6,6 @@ use std::os::raw::c_int;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
 use rdma_sys::{
     ibv_comp_channel, ibv_cq, ibv_cq_ex, ibv_cq_init_attr_ex, ibv_gid, ibv_poll_cq_attr,
@@ -35,7 +34,7 @@ struct Channel {
     stop: Arc<AtomicBool>,
     /// The CQ is armed; the thread clears it on each event.
     armed: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<crate::progress::Background>,
     _ctx: Arc<Context>,
 }
 
@@ -79,18 +78,21 @@ impl Channel {
         let ch = ChannelPtr(self.ch.as_ptr());
         let stop = self.stop.clone();
         let armed = self.armed.clone();
-        let t = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || channel_thread(ch, stop, armed, notifier))
-            .map_err(|e| Error::io("efa_completion_thread", e))?;
+        // The thread looks at its flag every `CHANNEL_POLL_MS`: nothing to wake.
+        let t = crate::progress::Background::spawn(
+            name,
+            &self.stop,
+            || {},
+            move || channel_thread(ch, stop, armed, notifier),
+        )
+        .map_err(|e| Error::io("efa_completion_thread", e))?;
         self.thread = Some(t);
         Ok(())
     }
 
     fn stop_thread(&mut self) {
-        if let Some(t) = self.thread.take() {
-            self.stop.store(true, Ordering::Release);
-            let _ = t.join();
+        if let Some(mut t) = self.thread.take() {
+            t.stop();
         }
     }
 }

@@ -7,7 +7,9 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::{JoinHandle, Thread};
+use std::thread::Thread;
+
+use crate::progress::Background;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -931,7 +933,7 @@ impl State {
 /// What the application handle and the NIC thread share.
 pub(super) struct Shared {
     state: Mutex<State>,
-    stop: AtomicBool,
+    stop: Arc<AtomicBool>,
     waker: Waker,
     notifier: Arc<Notifier>,
     busy: Busy,
@@ -1108,7 +1110,7 @@ pub(crate) struct UdpQp {
     shared: Arc<Shared>,
     /// Registered (weakly) on the notifier; lives as long as the queue pair.
     _hook: Arc<dyn SleepHook>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<Background>,
     addr: RawAddr,
     qp_type: QpType,
 }
@@ -1218,19 +1220,27 @@ impl UdpQp {
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
-            stop: AtomicBool::new(false),
+            stop: Arc::new(AtomicBool::new(false)),
             waker,
             notifier: attr.notifier,
             busy: Busy::new(),
         });
         let hook: Arc<dyn SleepHook> = Arc::new(NicHook(Arc::downgrade(&shared)));
         shared.notifier.add_sleep_hook(Arc::downgrade(&hook));
-        let s2 = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("efa-udp-{}", local.port()))
-            .spawn(move || nic_thread(s2, poll))
-            .map_err(|e| Error::io("create_qp", e))?;
-        let _ = shared.busy.nic.set(thread.thread().clone());
+        let (s2, s3) = (shared.clone(), shared.clone());
+        let thread = Background::spawn(
+            format!("efa-udp-{}", local.port()),
+            &shared.stop,
+            move || {
+                let _ = s3.waker.wake();
+                s3.busy.unpark();
+            },
+            move || nic_thread(s2, poll),
+        )
+        .map_err(|e| Error::io("create_qp", e))?;
+        if let Some(t) = thread.thread() {
+            let _ = shared.busy.nic.set(t.clone());
+        }
         tracing::debug!(%addr, %local, qp_type = ?attr.qp_type, "udp: queue pair created");
         Ok(UdpQp {
             shared,
@@ -1242,11 +1252,8 @@ impl UdpQp {
     }
 
     fn stop_thread(&mut self) {
-        if let Some(t) = self.thread.take() {
-            self.shared.stop.store(true, Ordering::Release);
-            let _ = self.shared.waker.wake();
-            t.thread().unpark();
-            let _ = t.join();
+        if let Some(mut t) = self.thread.take() {
+            t.stop();
         }
     }
 }

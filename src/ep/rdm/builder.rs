@@ -2,6 +2,7 @@
 //! local path, the receive buffers; and the optional progress thread.
 
 use super::*;
+use crate::progress::Background;
 
 impl EndpointBuilder<Rdm> {
     /// Starts a progress thread that drives the endpoint while the application does not poll
@@ -165,20 +166,24 @@ impl EndpointBuilder<Rdm> {
             let notifier = core.notifier.clone();
             let cpu = crate::ep::pin::resolve(self.progress_cpu, attr.numa_node);
             let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
-            let handle = std::thread::Builder::new()
-                .name(format!("efa-progress-{}", addr.qpn))
-                .spawn(move || {
+            let wake = notifier.clone();
+            let handle = Background::spawn(
+                format!("efa-progress-{}", addr.qpn),
+                &core.stop,
+                move || wake.notify(),
+                move || {
                     let pinned = cpu.map_or(Ok(()), crate::ep::pin::pin_current);
                     let ok = pinned.is_ok();
                     let _ = pinned_tx.send(pinned);
                     if ok {
                         progress_thread(w, stop, notifier)
                     }
-                })
-                .map_err(|e| Error::io("ep_open", e))?;
+                },
+            )
+            .map_err(|e| Error::io("ep_open", e))?;
             let pinned = pinned_rx.recv().unwrap_or(Ok(()));
             if let Err(e) = pinned {
-                let _ = handle.join();
+                drop(handle);
                 return Err(e);
             }
             if let Some(c) = cpu {

@@ -318,12 +318,8 @@ pub(super) fn push_ok(cq: &CompletionQueue, c: Completion, direct: &mut Option<&
 
 impl Drop for RdmCore {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        self.notifier.notify();
-        if let Some(h) = self.thread.get_mut().take() {
-            if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
-            }
+        if let Some(mut t) = self.thread.get_mut().take() {
+            t.stop();
         }
         let now = Instant::now();
         let st = self.state.get_mut();

@@ -192,7 +192,7 @@ pub struct RdmCore {
     notifier: Arc<Notifier>,
     pub(super) state: Mutex<State>,
     stop: Arc<AtomicBool>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    thread: Mutex<Option<crate::progress::Background>>,
     /// Messages received for `recv_async` futures dropped before they finished: they go back
     /// into matching, for the next receive (see [`OpFuture`]'s `Drop`).
     orphans: Mutex<Vec<RecvDone>>,

@@ -2,13 +2,13 @@
 //! mapped, its state behind one lock, its background "NIC" thread and the [`QueuePair`] handle.
 
 use crate::device::queues::{WrSlots, flush_recvs};
+use crate::progress::{Background, PollMark, Polls};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -55,11 +55,6 @@ const CMA_MIN_READ: usize = 16 << 10;
 const RNR_INFINITE: u8 = crate::device::RNR_RETRY_FOREVER;
 /// The NIC thread judges over windows of this length whether the application busy-polls.
 const SPIN_WINDOW: Duration = Duration::from_millis(1);
-/// Application polls per [`SPIN_WINDOW`] from which it counts as busy-polling: its polls then
-/// make all the progress, and the NIC thread leaves the doorbell (peers ring it without a
-/// system call) until the rate drops. A thread that polls once and then sleeps on its
-/// notifier polls a few times per completion, far below this.
-const SPIN_POLLS: u64 = 256;
 /// Every this many application polls one takes the full pass (with the clock, for timers)
 /// even when [`Shared::idle`] says there is nothing to do.
 const TIMER_POLLS: u64 = 64;
@@ -408,10 +403,10 @@ pub(super) struct Shared {
     /// The own segment's mapping (for the doorbell, without the lock).
     map: Arc<Mapping>,
     geo: Geometry,
-    stop: AtomicBool,
+    stop: Arc<AtomicBool>,
     notifier: Arc<Notifier>,
     /// Application `poll` calls so far (written by the polling thread, read by the NIC thread).
-    app_polls: AtomicU64,
+    app_polls: Polls,
     /// Copies of what the lock guards, for [`Shared::idle`]: completions ready, the ring head,
     /// the doorbell value the last pass saw. Stored by every lock holder before it unlocks.
     cq_len: AtomicUsize,
@@ -481,23 +476,14 @@ impl Shared {
     /// Counts one application poll (one polling thread at a time: the handle is `&mut`);
     /// returns the count.
     fn count_poll(&self) -> u64 {
-        let n = self.app_polls.load(Ordering::Relaxed).wrapping_add(1);
-        self.app_polls.store(n, Ordering::Relaxed);
-        n
+        self.app_polls.count().wrapping_add(1)
     }
-}
-
-/// Whether the application busy-polls: at least [`SPIN_POLLS`] polls per [`SPIN_WINDOW`]
-/// between two marks.
-fn busy_polling(polls: u64, elapsed: Duration) -> bool {
-    let windows = elapsed.as_nanos() / SPIN_WINDOW.as_nanos();
-    u128::from(polls) >= u128::from(SPIN_POLLS) * windows.max(1)
 }
 
 /// The background "NIC": drains the ring into posted buffers, completes acknowledged sends and
 /// runs the timers; sleeps on the own doorbell (a futex) in between.
 ///
-/// While the application busy-polls (see [`SPIN_POLLS`]) its polls do all of this in its own
+/// While the application busy-polls (`progress::busy_polling`) its polls do all of this in its own
 /// thread, so the NIC thread stays out of the way: it neither takes the lock nor counts as a
 /// sleeper on the doorbell (so senders and acknowledgers skip `FUTEX_WAKE`), and only looks
 /// once per [`SPIN_WINDOW`] whether the application still polls. When it stopped, the thread
@@ -509,21 +495,19 @@ fn nic_thread(shared: Arc<Shared>) {
     let Some((bell, sleepers)) = ring.bell() else {
         return;
     };
-    let mut mark = (shared.app_polls.load(Ordering::Relaxed), Instant::now());
+    let mut mark = PollMark::new(&shared.app_polls);
     let mut spinning = false;
     loop {
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
         if spinning {
-            let left = (mark.1 + SPIN_WINDOW).saturating_duration_since(Instant::now());
+            let left = (mark.at() + SPIN_WINDOW).saturating_duration_since(Instant::now());
             if !left.is_zero() {
                 map::futex_wait(bell, bell.load(Ordering::SeqCst), left);
                 continue;
             }
-            let polls = shared.app_polls.load(Ordering::Relaxed);
-            spinning = busy_polling(polls.wrapping_sub(mark.0), mark.1.elapsed());
-            mark = (polls, Instant::now());
+            spinning = mark.judge(&shared.app_polls);
             if spinning {
                 continue;
             }
@@ -533,11 +517,8 @@ fn nic_thread(shared: Arc<Shared>) {
         if more {
             continue;
         }
-        let since = mark.1.elapsed();
-        if since >= SPIN_WINDOW {
-            let polls = shared.app_polls.load(Ordering::Relaxed);
-            spinning = busy_polling(polls.wrapping_sub(mark.0), since);
-            mark = (polls, Instant::now());
+        if mark.at().elapsed() >= SPIN_WINDOW {
+            spinning = mark.judge(&shared.app_polls);
             if spinning {
                 continue;
             }
@@ -563,7 +544,7 @@ fn nic_thread(shared: Arc<Shared>) {
 /// A queue pair of the shm device.
 pub(crate) struct ShmQp {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<Background>,
     addr: RawAddr,
     qp_type: QpType,
 }
@@ -641,18 +622,21 @@ impl ShmQp {
             state: Mutex::new(state),
             map,
             geo,
-            stop: AtomicBool::new(false),
+            stop: Arc::new(AtomicBool::new(false)),
             notifier: attr.notifier,
-            app_polls: AtomicU64::new(0),
+            app_polls: Polls::default(),
             cq_len: AtomicUsize::new(0),
             head: AtomicU64::new(0),
             seen_bell: AtomicU32::new(0),
         });
-        let s2 = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("efa-shm-{}", addr.qpn))
-            .spawn(move || nic_thread(s2))
-            .map_err(|e| Error::io("create_qp", e))?;
+        let (s2, s3) = (shared.clone(), shared.clone());
+        let thread = Background::spawn(
+            format!("efa-shm-{}", addr.qpn),
+            &shared.stop,
+            move || s3.wake_thread(),
+            move || nic_thread(s2),
+        )
+        .map_err(|e| Error::io("create_qp", e))?;
         tracing::debug!(%addr, qp_type = ?attr.qp_type, "shm: queue pair created");
         Ok(ShmQp {
             shared,
@@ -663,10 +647,8 @@ impl ShmQp {
     }
 
     fn stop_thread(&mut self) {
-        if let Some(t) = self.thread.take() {
-            self.shared.stop.store(true, Ordering::Release);
-            self.shared.wake_thread();
-            let _ = t.join();
+        if let Some(mut t) = self.thread.take() {
+            t.stop();
         }
     }
 }
