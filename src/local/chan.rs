@@ -39,15 +39,15 @@ use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::BytesMut;
 
 use crate::addr::{Gid, RawAddr};
 pub(crate) use crate::shmem::file::Liveness;
 use crate::shmem::file::{
-    H_BELL, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_SLEEPERS, H_TAIL, H_TOTAL, H_VERSION, HDR_SIZE,
-    MAX_SLOTS, SLOT_HDR,
+    self, Doorbell, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_TOTAL, H_VERSION, HDR_SIZE, MAX_SLOTS,
+    SLOT_HDR,
 };
 use crate::shmem::map::{self, Mapping, remove_if_same};
 
@@ -190,29 +190,19 @@ impl OwnRing {
     /// True when the head slot is published (the waiter thread's check; no side effects).
     pub(crate) fn ready(&self) -> bool {
         let head = self.head.load(Ordering::Relaxed);
-        self.word(self.geo.slot(head) + S_SEQ)
-            .is_some_and(|w| w.load(Ordering::Acquire) == head.wrapping_add(1))
+        file::published(&self.map, self.geo.slot(head) + S_SEQ, head)
     }
 
-    /// True when a producer reserved the head slot and has not published it (the waiter's
+    /// The head position when a producer reserved it and has not published it (the waiter's
     /// occasional check; reads the producers' tail line).
-    pub(crate) fn stuck(&self) -> bool {
+    pub(crate) fn stuck(&self) -> Option<u64> {
         let head = self.head.load(Ordering::Relaxed);
-        let tail = self
-            .map
-            .u64(H_TAIL)
-            .map_or(head, |w| w.load(Ordering::Acquire));
-        tail.wrapping_sub(head) as i64 > 0 && !self.ready()
+        file::reserved_unpublished(&self.map, self.geo.slot(head) + S_SEQ, head).then_some(head)
     }
 
-    /// The doorbell word and its current value.
-    pub(crate) fn bell(&self) -> Option<&AtomicU32> {
-        self.map.u32(H_BELL)
-    }
-
-    /// The sleepers word: non-zero while the owner's waiter thread sleeps on the doorbell.
-    pub(crate) fn sleepers(&self) -> Option<&AtomicU32> {
-        self.map.u32(H_SLEEPERS)
+    /// The owner's doorbell (its waiter thread sleeps on it).
+    pub(crate) fn bell(&self) -> Option<Doorbell<'_>> {
+        Doorbell::of(&self.map)
     }
 }
 
@@ -350,9 +340,7 @@ impl OwnChan {
     pub(crate) fn pop(&self) {
         let r = &*self.ring;
         let head = r.head.load(Ordering::Relaxed);
-        if let Some(w) = r.word(r.geo.slot(head) + S_SEQ) {
-            w.store(head.wrapping_add(u64::from(r.geo.slots)), Ordering::Release);
-        }
+        file::release(&r.map, r.geo.slot(head) + S_SEQ, head, r.geo.slots);
         r.head.store(head.wrapping_add(1), Ordering::Relaxed);
     }
 
@@ -360,14 +348,7 @@ impl OwnChan {
     /// published it yet; `None` when the head is published or the ring is empty. Reads the
     /// tail's cache line, which the producers write: for the occasional check of a stuck ring.
     pub(crate) fn reserved_head(&self) -> Option<u64> {
-        let r = &*self.ring;
-        let head = r.head.load(Ordering::Relaxed);
-        let tail = r.map.u64(H_TAIL)?.load(Ordering::Acquire);
-        let reserved = tail.wrapping_sub(head) as i64 > 0;
-        let published = r
-            .word(r.geo.slot(head) + S_SEQ)
-            .is_some_and(|w| w.load(Ordering::Acquire) == head.wrapping_add(1));
-        (reserved && !published).then_some(head)
+        self.ring.stuck()
     }
 
     /// Gives up on the reserved, never published head slot (its producer died between reserving
@@ -478,7 +459,7 @@ impl PeerChan {
         if data.len() > self.geo.chunk() {
             return None;
         }
-        let pos = crate::shmem::file::reserve(&self.map, |p| self.geo.slot(p) + S_SEQ)?;
+        let pos = file::reserve(&self.map, |p| self.geo.slot(p) + S_SEQ)?;
         let off = self.geo.slot(pos);
         let m = &self.map;
         m.store32(
@@ -507,28 +488,19 @@ impl PeerChan {
             .is_none_or(|w| w.load(Ordering::Acquire).wrapping_sub(pos.wrapping_add(1)) as i64 > 0)
     }
 
-    /// Wakes the owner's waiter thread if it sleeps (after one or more [`Self::push`]es). The
-    /// fence orders the pushes before the look at the sleepers word, against the owner's
-    /// sleepers store before its last look at the ring: either it sees the slot or this sees it
-    /// asleep.
+    /// Wakes the owner's waiter thread if it sleeps (after one or more [`Self::push`]es).
     pub(crate) fn ring_bell_if_asleep(&self) {
-        fence(Ordering::SeqCst);
-        self.ring_bell_if_seen_asleep();
+        if let Some(d) = Doorbell::of(&self.map) {
+            d.ring_if_asleep();
+        }
     }
 
     /// Wakes the owner's waiter thread if it is seen asleep, without a fence: for news the
     /// owner also finds by itself within a millisecond (its waiter naps that long while it waits
     /// for its sends to be consumed), so a missed wake-up costs at most that.
     pub(crate) fn ring_bell_if_seen_asleep(&self) {
-        let asleep = self
-            .map
-            .u32(H_SLEEPERS)
-            .is_some_and(|w| w.load(Ordering::Relaxed) != 0);
-        if asleep {
-            if let Some(b) = self.map.u32(H_BELL) {
-                b.fetch_add(1, Ordering::Release);
-                map::futex_wake(b);
-            }
+        if let Some(d) = Doorbell::of(&self.map) {
+            d.ring_if_seen_asleep();
         }
     }
 
@@ -536,7 +508,7 @@ impl PeerChan {
     /// leaves behind).
     #[cfg(test)]
     fn reserve_only(&self) -> Option<u64> {
-        let tail = self.map.u64(H_TAIL)?;
+        let tail = self.map.u64(file::H_TAIL)?;
         let pos = tail.load(Ordering::Relaxed);
         tail.compare_exchange(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
             .ok()
@@ -544,12 +516,12 @@ impl PeerChan {
 
     /// True when the owner closed its endpoint (a plain load: no system call).
     pub(crate) fn closed(&self) -> bool {
-        crate::shmem::file::closed(&self.map)
+        file::closed(&self.map)
     }
 
     /// The closed flag, then the owner's lock.
     pub(crate) fn liveness(&self) -> Liveness {
-        crate::shmem::file::liveness(&self.map, &self.file, &self.path, self.ino)
+        file::liveness(&self.map, &self.file, &self.path, self.ino)
     }
 }
 
@@ -597,8 +569,8 @@ impl super::ring::Channels for ShmChannels {
     }
 
     fn quiet(&self) {
-        if let Some(w) = self.own.ring.sleepers() {
-            w.store(0, Ordering::Relaxed);
+        if let Some(d) = self.own.ring.bell() {
+            d.sleepers.store(0, Ordering::Relaxed);
         }
     }
 
@@ -652,7 +624,7 @@ fn read_header(
     netns: u64,
     dest: &RawAddr,
 ) -> Result<Geometry, OpenError> {
-    crate::shmem::file::check_kind(m, MAGIC, VERSION).map_err(OpenError::Unusable)?;
+    file::check_kind(m, MAGIC, VERSION).map_err(OpenError::Unusable)?;
     if m.load64(H_NETNS).unwrap_or(0) != netns {
         return Err(OpenError::Unusable("another network namespace"));
     }

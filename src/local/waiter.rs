@@ -10,6 +10,7 @@ use super::chan::OwnRing;
 use crate::cq::ProgressSource;
 use crate::notify::{Notifier, SleepHook};
 use crate::progress::{Background, PollMark, Polls};
+use crate::shmem::file::Doorbell;
 use crate::shmem::map;
 
 /// How long the waiter stays aside while the application busy-polls before it looks again
@@ -94,9 +95,8 @@ impl Waiter {
             format!("efa-local-{qpn}"),
             &pace.stop,
             move || {
-                if let Some(b) = bell.bell() {
-                    b.fetch_add(1, Ordering::Release);
-                    map::futex_wake(b);
+                if let Some(d) = bell.bell() {
+                    d.wake();
                 }
             },
             move || run(&p, &r),
@@ -141,9 +141,8 @@ impl SleepHook for WaiterHook {
         if let Some(s) = self.pace.upgrade() {
             if s.app_polls.load(Ordering::Relaxed) {
                 s.sleeping.store(true, Ordering::SeqCst);
-                if let Some(b) = self.ring.bell() {
-                    b.fetch_add(1, Ordering::Release);
-                    map::futex_wake(b);
+                if let Some(d) = self.ring.bell() {
+                    d.wake();
                 }
             }
         }
@@ -156,7 +155,7 @@ impl SleepHook for WaiterHook {
 /// device's thread does for the device path: chunks are consumed, sends complete, completion
 /// queues are woken. While sends wait it looks every millisecond.
 fn run(s: &Pace, ring: &OwnRing) {
-    let (Some(bell), Some(sleepers)) = (ring.bell(), ring.sleepers()) else {
+    let Some(Doorbell { bell, sleepers }) = ring.bell() else {
         return;
     };
     let mut mark = PollMark::new(&s.polls);
@@ -193,7 +192,7 @@ fn run(s: &Pace, ring: &OwnRing) {
         if ring.ready()
             || s.waiting.load(Ordering::Relaxed)
             || bell.load(Ordering::Acquire) != seen
-            || ring.stuck()
+            || ring.stuck().is_some()
         {
             s.drive();
         }

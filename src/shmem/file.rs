@@ -16,7 +16,7 @@
 
 use std::fs::File;
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering, fence};
 
 // Every ring slot starts with its sequence word (Vyukov's bounded queue): position `p` is free
 // for a producer when the word is `p`, published when it is `p + 1`, and handed to the producer
@@ -125,4 +125,78 @@ pub(crate) fn reserve(m: &Mapping, slot: impl Fn(u64) -> usize) -> Option<u64> {
         std::hint::spin_loop();
     }
     None
+}
+
+/// The doorbell of a file's owner: a futex word (`H_BELL`) it sleeps on and the count of its
+/// sleepers (`H_SLEEPERS`). One implementation, so the orderings that make a wake-up never
+/// lost are written once: a producer publishes, then (`ring_if_asleep`) fences and looks at the
+/// sleepers word; the owner counts itself a sleeper, fences and looks at the ring once more
+/// before it sleeps. Either the owner sees the slot, or the producer sees it asleep.
+#[derive(Clone, Copy)]
+pub(crate) struct Doorbell<'a> {
+    pub(crate) bell: &'a AtomicU32,
+    pub(crate) sleepers: &'a AtomicU32,
+}
+
+impl<'a> Doorbell<'a> {
+    /// The doorbell in `m`'s header.
+    pub(crate) fn of(m: &'a Mapping) -> Option<Doorbell<'a>> {
+        Some(Doorbell {
+            bell: m.u32(H_BELL)?,
+            sleepers: m.u32(H_SLEEPERS)?,
+        })
+    }
+
+    /// Rings: the bell moves (an owner about to sleep sees it moved and does not), and a
+    /// sleeping owner is woken.
+    pub(crate) fn ring(&self) {
+        self.bell.fetch_add(1, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) != 0 {
+            map::futex_wake(self.bell);
+        }
+    }
+
+    /// Rings and wakes whoever waits on the bell, counted as a sleeper or not (the owner is to
+    /// look now: stop, its application going to sleep on a completion queue).
+    pub(crate) fn wake(&self) {
+        self.bell.fetch_add(1, Ordering::SeqCst);
+        map::futex_wake(self.bell);
+    }
+
+    /// After publishing: rings only if the owner sleeps (or is about to).
+    pub(crate) fn ring_if_asleep(&self) {
+        fence(Ordering::SeqCst);
+        self.ring_if_seen_asleep();
+    }
+
+    /// Rings if the owner is seen asleep, without the fence: for news the owner also finds by
+    /// itself soon (it naps briefly while it waits for it), so a missed wake-up costs a nap.
+    pub(crate) fn ring_if_seen_asleep(&self) {
+        if self.sleepers.load(Ordering::Relaxed) != 0 {
+            self.ring();
+        }
+    }
+}
+
+/// Whether the slot of position `pos` (sequence word at `seq`) is published: the consumer's
+/// look at its head.
+pub(crate) fn published(m: &Mapping, seq: usize, pos: u64) -> bool {
+    m.u64(seq)
+        .is_some_and(|w| w.load(Ordering::Acquire) == pos.wrapping_add(1))
+}
+
+/// Frees the consumed slot of position `pos` (sequence word at `seq`) of a ring of `slots`
+/// slots for the producer of the next lap.
+pub(crate) fn release(m: &Mapping, seq: usize, pos: u64, slots: u32) {
+    if let Some(w) = m.u64(seq) {
+        w.store(pos.wrapping_add(u64::from(slots)), Ordering::Release);
+    }
+}
+
+/// Whether a producer reserved the head position `head` (the tail is past it) and has not
+/// published it: the consumer's occasional look for a producer that died between the two.
+/// Reads the tail's cache line, which the producers write.
+pub(crate) fn reserved_unpublished(m: &Mapping, seq: usize, head: u64) -> bool {
+    let tail = m.u64(H_TAIL).map_or(head, |t| t.load(Ordering::Acquire));
+    tail.wrapping_sub(head) as i64 > 0 && !published(m, seq, head)
 }

@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use bytes::BytesMut;
 
 use super::segment::Geometry;
-use crate::shmem::file::{H_BELL, H_CLOSED, H_SLEEPERS, H_TAIL, SLOT_HDR};
-use crate::shmem::map::{self, Mapping};
+use crate::shmem::file::{self, Doorbell, H_CLOSED, H_TAIL, SLOT_HDR};
+use crate::shmem::map::Mapping;
 
 // Slot offsets.
 const S_SEQ: usize = 0; // u64
@@ -140,18 +140,15 @@ impl<'a> Ring<'a> {
         }
     }
 
-    /// The doorbell (futex word) and the count of sleepers on it.
-    pub(crate) fn bell(&self) -> Option<(&'a AtomicU32, &'a AtomicU32)> {
-        Some((self.w32(H_BELL)?, self.w32(H_SLEEPERS)?))
+    /// The owner's doorbell.
+    pub(crate) fn bell(&self) -> Option<Doorbell<'a>> {
+        Doorbell::of(self.m)
     }
 
     /// Rings the doorbell: wakes the owner's thread if it sleeps.
     pub(crate) fn ring_bell(&self) {
-        if let Some((bell, sleepers)) = self.bell() {
-            bell.fetch_add(1, Ordering::SeqCst);
-            if sleepers.load(Ordering::SeqCst) != 0 {
-                map::futex_wake(bell);
-            }
+        if let Some(d) = self.bell() {
+            d.ring();
         }
     }
 
@@ -159,14 +156,8 @@ impl<'a> Ring<'a> {
     /// The owner's polls and its thread's last look before sleeping find datagrams through the
     /// ring tail, so a busy receiver is not made to re-scan anything by a bell that moved.
     pub(crate) fn ring_bell_if_asleep(&self) {
-        if let Some((bell, sleepers)) = self.bell() {
-            // Pairs with the fence in the owner's thread between counting itself a sleeper and
-            // its last look at the tail: either it sees this datagram, or this sees it asleep.
-            std::sync::atomic::fence(Ordering::SeqCst);
-            if sleepers.load(Ordering::SeqCst) != 0 {
-                bell.fetch_add(1, Ordering::SeqCst);
-                map::futex_wake(bell);
-            }
+        if let Some(d) = self.bell() {
+            d.ring_if_asleep();
         }
     }
 
@@ -174,7 +165,7 @@ impl<'a> Ring<'a> {
 
     /// Reserves a slot for `writer`; `None` when the ring is full (or unusable).
     pub(crate) fn reserve(&self, writer: u32) -> Option<u64> {
-        let pos = crate::shmem::file::reserve(self.m, |p| self.g.slot(p) + S_SEQ)?;
+        let pos = file::reserve(self.m, |p| self.g.slot(p) + S_SEQ)?;
         self.slot_w32(pos, S_WRITER)?
             .store(writer, Ordering::Relaxed);
         Some(pos)
@@ -290,15 +281,12 @@ impl<'a> Ring<'a> {
         if let Some(w) = self.slot_w64(pos, S_STATE) {
             w.store(state_word(pos, ST_FREE), Ordering::Relaxed);
         }
-        if let Some(w) = self.slot_w64(pos, S_SEQ) {
-            w.store(pos.wrapping_add(u64::from(self.g.slots)), Ordering::Release);
-        }
+        file::release(self.m, self.g.slot(pos) + S_SEQ, pos, self.g.slots);
     }
 
     /// Is the slot of `pos` published (sequence `pos + 1`)?
     pub(crate) fn is_published(&self, pos: u64) -> bool {
-        self.slot_w64(pos, S_SEQ)
-            .is_some_and(|w| w.load(Ordering::Acquire) == pos.wrapping_add(1))
+        file::published(self.m, self.g.slot(pos) + S_SEQ, pos)
     }
 
     // ---- acknowledgement table ------------------------------------------------------------

@@ -27,6 +27,7 @@ use crate::device::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
+use crate::shmem::file::Doorbell;
 use crate::shmem::map::{self, Mapping};
 use crate::stats::{self, DeviceCounters};
 
@@ -218,7 +219,7 @@ impl State {
         self.flush_rdma(now);
         let bell = Ring::new(&self.own.map, &self.own.geo)
             .bell()
-            .map_or(0, |(b, _)| b.load(Ordering::SeqCst));
+            .map_or(0, |d| d.bell.load(Ordering::SeqCst));
         if bell != self.last_bell || due {
             self.last_bell = bell;
             if self.n_inflight > 0 {
@@ -460,16 +461,15 @@ impl Shared {
             return false;
         }
         let tail = ring.tail().map_or(0, |t| t.load(Ordering::Acquire));
-        let bell = ring.bell().map_or(0, |(b, _)| b.load(Ordering::Acquire));
+        let bell = ring.bell().map_or(0, |d| d.bell.load(Ordering::Acquire));
         tail == head && bell == self.seen_bell.load(Ordering::Relaxed)
     }
 
     /// Wakes the NIC thread whether it sleeps on the doorbell or out of it (busy application).
     fn wake_thread(&self) {
         let ring = Ring::new(&self.map, &self.geo);
-        ring.ring_bell();
-        if let Some((bell, _)) = ring.bell() {
-            map::futex_wake(bell);
+        if let Some(d) = ring.bell() {
+            d.wake();
         }
     }
 
@@ -492,7 +492,7 @@ fn nic_thread(shared: Arc<Shared>) {
     let map = shared.map.clone();
     let geo = shared.geo;
     let ring = Ring::new(&map, &geo);
-    let Some((bell, sleepers)) = ring.bell() else {
+    let Some(Doorbell { bell, sleepers }) = ring.bell() else {
         return;
     };
     let mut mark = PollMark::new(&shared.app_polls);
