@@ -103,3 +103,53 @@ pub(crate) fn flush_recvs(
         complete(c);
     }
 }
+
+/// A software queue pair's completion queue: completions in the order they happened, and
+/// whether any came since the waiters were last woken.
+#[derive(Debug, Default)]
+pub(crate) struct Completions {
+    q: VecDeque<DeviceCompletion>,
+    new: bool,
+}
+
+impl Completions {
+    /// Queues a completion (the waiters are to be woken).
+    pub(crate) fn push(&mut self, c: DeviceCompletion) {
+        self.q.push_back(c);
+        self.new = true;
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// The queued completions, oldest first (to amend one before it is polled).
+    pub(crate) fn iter_mut(&mut self) -> impl DoubleEndedIterator<Item = &mut DeviceCompletion> {
+        self.q.iter_mut()
+    }
+
+    /// Moves up to `max` completions into `out`, freeing their work requests' slots; returns
+    /// how many. When the queue is left empty the poller holds every completion, so nobody is
+    /// to be woken for them.
+    pub(crate) fn poll_into(
+        &mut self,
+        slots: &mut WrSlots,
+        out: &mut Vec<DeviceCompletion>,
+        max: usize,
+    ) -> usize {
+        let n = max.min(self.q.len());
+        for c in self.q.drain(..n) {
+            slots.polled(&c);
+            out.push(c);
+        }
+        if self.q.is_empty() {
+            self.new = false;
+        }
+        n
+    }
+
+    /// Whether completions came since the last call (the caller then wakes the waiters).
+    pub(crate) fn take_new(&mut self) -> bool {
+        std::mem::take(&mut self.new)
+    }
+}

@@ -1,5 +1,6 @@
 //! Loopback queue pairs and the per-device QPN table.
 
+use crate::device::queues::Completions;
 use crate::device::queues::{WrSlots, flush_recvs};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -88,13 +89,13 @@ pub(super) struct QpState {
     /// Posted receive buffers, consumed in posting order.
     pub(super) recvs: VecDeque<(u64, BytesMut)>,
     /// Completions not yet polled.
-    pub(super) comps: VecDeque<DeviceCompletion>,
+    pub(super) comps: Completions,
 }
 
 impl QpShared {
     /// Queues a completion and schedules the notifier.
     pub(super) fn push(&self, c: DeviceCompletion, wake: &mut Wake) {
-        self.state.lock().comps.push_back(c);
+        self.state.lock().comps.push(c);
         self.pending.fetch_add(1, Ordering::Release);
         wake.add(&self.notifier);
     }
@@ -269,12 +270,8 @@ impl QueuePair for LoopbackQp {
             return 0;
         }
         let mut st = self.shared.state.lock();
-        let n = max.min(st.comps.len());
+        let n = st.comps.poll_into(&mut self.slots, out, max);
         self.shared.pending.fetch_sub(n, Ordering::AcqRel);
-        for c in st.comps.drain(..n) {
-            self.slots.polled(&c);
-            out.push(c);
-        }
         n
     }
 
@@ -296,12 +293,12 @@ impl QueuePair for LoopbackQp {
                 if c.opcode == Opcode::Send {
                     inc(&shared.dev.counters.send_errors);
                 }
-                st.comps.push_back(c);
+                st.comps.push(c);
                 shared.pending.fetch_add(1, Ordering::Release);
             }
             let comps = &mut st.comps;
             flush_recvs(&mut st.recvs, |c| {
-                comps.push_back(c);
+                comps.push(c);
                 shared.pending.fetch_add(1, Ordering::Release);
             });
         }

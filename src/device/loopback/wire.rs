@@ -702,7 +702,7 @@ impl WireState {
         } else {
             Status::LocalBadLength
         };
-        st.comps.push_back(DeviceCompletion {
+        st.comps.push(DeviceCompletion {
             wr_id,
             status,
             opcode: Opcode::Recv,

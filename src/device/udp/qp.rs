@@ -22,7 +22,7 @@ use super::srd::Srd;
 use super::wire::{self, Packet};
 use super::{UdpConfig, sockaddr_for};
 use crate::addr::{Gid, RawAddr};
-use crate::device::queues::{WrSlots, flush_recvs};
+use crate::device::queues::{Completions, WrSlots, flush_recvs};
 use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, Served, Src};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status, random_qkey,
@@ -519,8 +519,7 @@ pub(super) struct Ctx {
     pub cfg: Arc<UdpConfig>,
     pub qkey: u32,
     pub rnr_retry: u8,
-    cq: VecDeque<DeviceCompletion>,
-    new_comps: bool,
+    cq: Completions,
     recvs: VecDeque<(u64, BytesMut)>,
     /// One-sided RDMA (`rdma.rs`).
     pub rdma: Rdma,
@@ -556,8 +555,7 @@ impl Ctx {
 
     /// Queues a completion.
     pub fn complete(&mut self, c: DeviceCompletion) {
-        self.cq.push_back(c);
-        self.new_comps = true;
+        self.cq.push(c);
     }
 
     /// Queues a send completion.
@@ -1035,7 +1033,7 @@ impl Shared {
         st.run_timers(now);
         st.end_batch();
         let acks_left = st.srd.acks_delayed();
-        let notify = std::mem::take(&mut st.ctx.new_comps);
+        let notify = st.ctx.cq.take_new();
         drop(st);
         if notify {
             self.notifier.notify();
@@ -1056,7 +1054,7 @@ impl Shared {
                 }
             }
         }
-        let notify = std::mem::take(&mut st.ctx.new_comps);
+        let notify = st.ctx.cq.take_new();
         drop(st);
         if wake {
             let _ = self.waker.wake();
@@ -1195,8 +1193,7 @@ impl UdpQp {
                 cfg: cfg.clone(),
                 qkey,
                 rnr_retry: attr.rnr_retry,
-                cq: VecDeque::new(),
-                new_comps: false,
+                cq: Completions::default(),
                 recvs: VecDeque::new(),
                 held: Vec::new(),
                 rdma: Rdma::new(
@@ -1383,16 +1380,8 @@ impl QueuePair for UdpQp {
         let (_, acks_left) = self.shared.progress(APP_BUDGET, false, now);
         self.shared.busy.polled(now, acks_left);
         let mut st = self.shared.state.lock();
-        let mut n = 0;
-        while n < max {
-            let Some(c) = st.ctx.cq.pop_front() else {
-                break;
-            };
-            st.slots.polled(&c);
-            out.push(c);
-            n += 1;
-        }
-        n
+        let st = &mut *st;
+        st.ctx.cq.poll_into(&mut st.slots, out, max)
     }
 
     fn close(&mut self) {
@@ -1403,7 +1392,7 @@ impl QueuePair for UdpQp {
                 st.flush();
                 tracing::debug!(addr = %self.addr, "udp: queue pair closed");
             }
-            st.ctx.new_comps = false;
+            st.ctx.cq.take_new();
         }
         self.stop_thread();
         self.shared.notifier.notify();

@@ -1,7 +1,7 @@
 //! An shm queue pair: its own segment (receive ring and acknowledgement table), the peers it has
 //! mapped, its state behind one lock, its background "NIC" thread and the [`QueuePair`] handle.
 
-use crate::device::queues::{WrSlots, flush_recvs};
+use crate::device::queues::{Completions, WrSlots, flush_recvs};
 use crate::progress::{Background, PollMark, Polls};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -139,8 +139,7 @@ pub(super) struct State {
     /// Work requests posted and not yet reaped by `poll`, against the depths.
     slots: WrSlots,
     recvs: VecDeque<(u64, BytesMut)>,
-    cq: VecDeque<DeviceCompletion>,
-    new_comps: bool,
+    cq: Completions,
     /// The consumer's next ring position.
     head: u64,
     /// Ring positions below this were already marked RNR.
@@ -187,8 +186,7 @@ impl State {
     }
 
     fn complete(&mut self, c: DeviceCompletion) {
-        self.cq.push_back(c);
-        self.new_comps = true;
+        self.cq.push(c);
     }
 
     fn complete_send(&mut self, wr_id: u64, status: Status, n: usize) {
@@ -430,7 +428,7 @@ impl Shared {
 
     fn after(&self, mut st: parking_lot::MutexGuard<'_, State>) {
         self.mirror(&st);
-        let notify = std::mem::take(&mut st.new_comps);
+        let notify = st.cq.take_new();
         drop(st);
         if notify {
             self.notifier.notify();
@@ -598,8 +596,7 @@ impl ShmQp {
             closed: false,
             slots: WrSlots::new(send_depth, recv_depth),
             recvs: VecDeque::new(),
-            cq: VecDeque::new(),
-            new_comps: false,
+            cq: Completions::default(),
             head: 0,
             rnr_marked: 0,
             stuck: None,
@@ -699,19 +696,8 @@ impl QueuePair for ShmQp {
         if !st.closed {
             st.progress(Instant::now(), APP_BUDGET);
         }
-        let mut n = 0;
-        while n < max {
-            let Some(c) = st.cq.pop_front() else {
-                break;
-            };
-            st.slots.polled(&c);
-            out.push(c);
-            n += 1;
-        }
-        if st.cq.is_empty() {
-            // The caller holds every completion this pass produced: nobody to wake for them.
-            st.new_comps = false;
-        }
+        let st2 = &mut *st;
+        let n = st2.cq.poll_into(&mut st2.slots, out, max);
         self.shared.after(st);
         n
     }
@@ -756,7 +742,7 @@ impl QueuePair for ShmQp {
                 st.peers.clear();
                 tracing::debug!(addr = %self.addr, "shm: queue pair closed");
             }
-            st.new_comps = false;
+            st.cq.take_new();
             self.shared.mirror(&st);
         }
         self.stop_thread();
