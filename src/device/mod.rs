@@ -154,6 +154,23 @@ impl DeviceAttr {
             numa_node: None,
         }
     }
+
+    /// A software device's attributes with its one-sided RDMA on (`rdma`): reads and writes up
+    /// to `max_rdma_size` bytes, unsolicited write-recv as configured.
+    pub(crate) fn with_soft_rdma(
+        mut self,
+        rdma: bool,
+        unsolicited_write_recv: bool,
+        max_rdma_size: u64,
+    ) -> DeviceAttr {
+        if rdma {
+            self.caps.rdma_read = true;
+            self.caps.rdma_write = true;
+            self.caps.unsolicited_write_recv = unsolicited_write_recv;
+            self.max_rdma_size = max_rdma_size;
+        }
+        self
+    }
 }
 
 /// Queue pair type.
@@ -249,7 +266,7 @@ pub(crate) fn check_limits(
     what: &'static str,
     mtu: usize,
     mtus: std::ops::RangeInclusive<usize>,
-    depths: [(&str, usize); 2],
+    (max_send_wr, max_recv_wr): (usize, usize),
     max_depth: usize,
 ) -> Result<()> {
     let bad =
@@ -261,7 +278,7 @@ pub(crate) fn check_limits(
             mtus.end()
         ));
     }
-    for (name, v) in depths {
+    for (name, v) in [("max_send_wr", max_send_wr), ("max_recv_wr", max_recv_wr)] {
         if !(1..=max_depth).contains(&v) {
             return bad(format!("{name} {v} outside 1..={max_depth}"));
         }

@@ -91,10 +91,16 @@ pub(crate) trait RdmaHost {
     fn rdma(&mut self) -> &mut Rdma;
     /// Queues a completion for the application.
     fn complete(&mut self, c: DeviceCompletion);
+    /// The posted receive buffers, oldest first.
+    fn recvs(&mut self) -> &mut std::collections::VecDeque<(u64, BytesMut)>;
     /// Takes the posted receive buffer at the head.
-    fn take_recv(&mut self) -> Option<(u64, BytesMut)>;
+    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
+        self.recvs().pop_front()
+    }
     /// Puts it back.
-    fn untake_recv(&mut self, r: (u64, BytesMut));
+    fn untake_recv(&mut self, r: (u64, BytesMut)) {
+        self.recvs().push_front(r);
+    }
     /// The device's counters.
     fn counters(&self) -> &DeviceCounters;
     /// Largest datagram (header + payload).

@@ -244,17 +244,7 @@ impl OwnChan {
         addr: &RawAddr,
         geo: Geometry,
     ) -> io::Result<Option<OwnChan>> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(tmp)?;
-        map::lock_shared(&file)?;
-        file.set_len(geo.total as u64)?;
-        map::allocate(&file, geo.total)?;
-        let ino = file.metadata()?.ino();
+        let (file, ino) = file::create_owned(tmp, geo.total)?;
         let m = Mapping::map_populated(&file, geo.total)?;
         for i in 0..u64::from(geo.slots) {
             m.store64(geo.slot(i) + S_SEQ, i);

@@ -127,6 +127,26 @@ pub(crate) fn reserve(m: &Mapping, slot: impl Fn(u64) -> usize) -> Option<u64> {
     None
 }
 
+/// Creates the temporary file `tmp` of a new segment or channel of `size` bytes: this user's
+/// only (mode 0600 whatever the umask; peers refuse anything else), no symlink followed,
+/// locked shared (the owner's mark of life) and allocated. Returns it with its inode.
+pub(crate) fn create_owned(tmp: &Path, size: usize) -> std::io::Result<(File, u64)> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(tmp)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    map::lock_shared(&file)?;
+    file.set_len(size as u64)?;
+    map::allocate(&file, size)?;
+    let ino = file.metadata()?.ino();
+    Ok((file, ino))
+}
+
 /// The doorbell of a file's owner: a futex word (`H_BELL`) it sleeps on and the count of its
 /// sleepers (`H_SLEEPERS`). One implementation, so the orderings that make a wake-up never
 /// lost are written once: a producer publishes, then (`ring_if_asleep`) fences and looks at the

@@ -105,16 +105,9 @@ impl LoopbackConfig {
         let bad = |detail: String| {
             Err(Error::new(ErrorKind::InvalidArgument, "loopback_config").with_detail(detail))
         };
-        crate::device::check_limits(
-            "loopback_config",
-            self.mtu,
-            MIN_MTU..=MAX_MTU,
-            [
-                ("max_send_wr", self.max_send_wr),
-                ("max_recv_wr", self.max_recv_wr),
-            ],
-            MAX_QUEUE_DEPTH,
-        )?;
+        let depths = (self.max_send_wr, self.max_recv_wr);
+        let mtus = MIN_MTU..=MAX_MTU;
+        crate::device::check_limits("loopback_config", self.mtu, mtus, depths, MAX_QUEUE_DEPTH)?;
         if self.max_rdma_size == 0 {
             return bad("max_rdma_size must be at least 1".into());
         }
@@ -298,20 +291,15 @@ impl LoopbackDevice {
             })
         };
         let gid = shared.gid;
-        let mut attr = DeviceAttr::software(
+        let attr = DeviceAttr::software(
             DeviceKind::Loopback,
             format!("loopback{n}"),
             gid,
             cfg.mtu,
             cfg.max_send_wr,
             cfg.max_recv_wr,
-        );
-        if cfg.rdma {
-            attr.caps.rdma_read = true;
-            attr.caps.rdma_write = true;
-            attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
-            attr.max_rdma_size = cfg.max_rdma_size;
-        }
+        )
+        .with_soft_rdma(cfg.rdma, cfg.unsolicited_write_recv, cfg.max_rdma_size);
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
         tracing::debug!(name = %attr.name, %gid, network = network.id(), "loopback device opened");
         Ok(Arc::new(LoopbackDevice { attr, shared }))

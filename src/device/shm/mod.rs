@@ -172,16 +172,9 @@ impl ShmConfig {
         let bad = |detail: String| {
             Err(Error::new(ErrorKind::InvalidArgument, "shm_config").with_detail(detail))
         };
-        crate::device::check_limits(
-            "shm_config",
-            self.mtu,
-            MIN_MTU..=MAX_MTU,
-            [
-                ("max_send_wr", self.max_send_wr),
-                ("max_recv_wr", self.max_recv_wr),
-            ],
-            MAX_QUEUE_DEPTH,
-        )?;
+        let depths = (self.max_send_wr, self.max_recv_wr);
+        let mtus = MIN_MTU..=MAX_MTU;
+        crate::device::check_limits("shm_config", self.mtu, mtus, depths, MAX_QUEUE_DEPTH)?;
         if !(2..=MAX_RING_SLOTS).contains(&self.ring_slots) || !self.ring_slots.is_power_of_two() {
             return bad(format!(
                 "ring_slots {} is not a power of two in 2..={MAX_RING_SLOTS}",
@@ -303,13 +296,7 @@ impl ShmDevice {
             cfg.max_recv_wr,
         );
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
-        let mut attr = attr;
-        if cfg.rdma {
-            attr.caps.rdma_read = true;
-            attr.caps.rdma_write = true;
-            attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
-            attr.max_rdma_size = 1 << 30;
-        }
+        let attr = attr.with_soft_rdma(cfg.rdma, cfg.unsolicited_write_recv, 1 << 30);
         let keys = cfg.rdma.then(crate::device::soft_rdma::KeyTable::default);
         tracing::debug!(%gid, dir = %dir.display(), "shm device opened");
         Ok(Arc::new(ShmDevice {

@@ -7,7 +7,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -256,19 +256,7 @@ impl OwnSegment {
         qkey: u32,
         geo: Geometry,
     ) -> io::Result<OwnSegment> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(tmp)?;
-        // The mode must be 0600 whatever the umask (peers refuse anything else).
-        file.set_permissions(fs::Permissions::from_mode(0o600))?;
-        map::lock_shared(&file)?;
-        file.set_len(geo.total as u64)?;
-        map::allocate(&file, geo.total)?;
-        let ino = file.metadata()?.ino();
+        let (file, ino) = crate::shmem::file::create_owned(tmp, geo.total)?;
         let map = Mapping::map(&file, geo.total)?;
         // Ring: slot i starts with sequence i (free for the producer of position i).
         for i in 0..u64::from(geo.slots) {
@@ -433,6 +421,7 @@ pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn own(dir: &Path) -> OwnSegment {
         let geo = Geometry::new(QpType::Srd, 8, 256, 8).unwrap();

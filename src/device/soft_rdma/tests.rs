@@ -21,6 +21,8 @@ struct Host {
     memory: Vec<u8>,
     base: u64,
     failed: bool,
+    /// No receive buffers are ever posted.
+    no_recvs: std::collections::VecDeque<(u64, BytesMut)>,
     cookie: Option<(u64, u64)>,
 }
 
@@ -35,6 +37,7 @@ impl Host {
             memory: Vec::new(),
             base: 0,
             failed: false,
+            no_recvs: Default::default(),
             cookie: None,
         }
     }
@@ -59,10 +62,9 @@ impl RdmaHost for Host {
     fn complete(&mut self, c: DeviceCompletion) {
         self.comps.push(c);
     }
-    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
-        None
+    fn recvs(&mut self) -> &mut std::collections::VecDeque<(u64, BytesMut)> {
+        &mut self.no_recvs
     }
-    fn untake_recv(&mut self, _r: (u64, BytesMut)) {}
     fn counters(&self) -> &DeviceCounters {
         &self.counters
     }

@@ -270,13 +270,7 @@ impl UdpDevice {
             cfg.max_recv_wr,
         );
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
-        let mut attr = attr;
-        if cfg.rdma {
-            attr.caps.rdma_read = true;
-            attr.caps.rdma_write = true;
-            attr.caps.unsolicited_write_recv = cfg.unsolicited_write_recv;
-            attr.max_rdma_size = MAX_RDMA_SIZE;
-        }
+        let attr = attr.with_soft_rdma(cfg.rdma, cfg.unsolicited_write_recv, MAX_RDMA_SIZE);
         let keys = cfg.rdma.then(crate::device::soft_rdma::KeyTable::default);
         Ok(Arc::new(UdpDevice {
             cfg: Arc::new(cfg),

@@ -534,11 +534,8 @@ impl RdmaHost for Ctx {
     fn complete(&mut self, c: DeviceCompletion) {
         Ctx::complete(self, c)
     }
-    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
-        self.recvs.pop_front()
-    }
-    fn untake_recv(&mut self, r: (u64, BytesMut)) {
-        self.recvs.push_front(r);
+    fn recvs(&mut self) -> &mut VecDeque<(u64, BytesMut)> {
+        &mut self.recvs
     }
     fn counters(&self) -> &DeviceCounters {
         &self.io.counters
@@ -1108,7 +1105,7 @@ pub(crate) struct UdpQp {
     shared: Arc<Shared>,
     /// Registered (weakly) on the notifier; lives as long as the queue pair.
     _hook: Arc<dyn SleepHook>,
-    thread: Option<Background>,
+    thread: Background,
     addr: RawAddr,
     qp_type: QpType,
 }
@@ -1242,16 +1239,10 @@ impl UdpQp {
         Ok(UdpQp {
             shared,
             _hook: hook,
-            thread: Some(thread),
+            thread,
             addr,
             qp_type: attr.qp_type,
         })
-    }
-
-    fn stop_thread(&mut self) {
-        if let Some(mut t) = self.thread.take() {
-            t.stop();
-        }
     }
 }
 
@@ -1394,7 +1385,7 @@ impl QueuePair for UdpQp {
             }
             st.ctx.cq.take_new();
         }
-        self.stop_thread();
+        self.thread.stop();
         self.shared.notifier.notify();
     }
 }
@@ -1409,7 +1400,7 @@ impl Drop for UdpQp {
             st.srd.flush_acks(&mut st.ctx, now, true);
         }
         drop(st);
-        self.stop_thread();
+        self.thread.stop();
     }
 }
 

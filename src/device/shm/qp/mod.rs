@@ -333,11 +333,8 @@ impl RdmaHost for State {
     fn complete(&mut self, c: DeviceCompletion) {
         State::complete(self, c)
     }
-    fn take_recv(&mut self) -> Option<(u64, BytesMut)> {
-        self.recvs.pop_front()
-    }
-    fn untake_recv(&mut self, r: (u64, BytesMut)) {
-        self.recvs.push_front(r);
+    fn recvs(&mut self) -> &mut VecDeque<(u64, BytesMut)> {
+        &mut self.recvs
     }
     fn counters(&self) -> &DeviceCounters {
         &self.dev.counters
@@ -542,7 +539,7 @@ fn nic_thread(shared: Arc<Shared>) {
 /// A queue pair of the shm device.
 pub(crate) struct ShmQp {
     shared: Arc<Shared>,
-    thread: Option<Background>,
+    thread: Background,
     addr: RawAddr,
     qp_type: QpType,
 }
@@ -637,16 +634,10 @@ impl ShmQp {
         tracing::debug!(%addr, qp_type = ?attr.qp_type, "shm: queue pair created");
         Ok(ShmQp {
             shared,
-            thread: Some(thread),
+            thread,
             addr,
             qp_type: attr.qp_type,
         })
-    }
-
-    fn stop_thread(&mut self) {
-        if let Some(mut t) = self.thread.take() {
-            t.stop();
-        }
     }
 }
 
@@ -745,7 +736,7 @@ impl QueuePair for ShmQp {
             st.cq.take_new();
             self.shared.mirror(&st);
         }
-        self.stop_thread();
+        self.thread.stop();
         self.shared.notifier.notify();
     }
 }
