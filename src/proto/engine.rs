@@ -21,7 +21,6 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use slab::Slab;
 
 use crate::addr::RawAddr;
 use crate::device::{RemoteIov, Source, Status};
@@ -602,8 +601,7 @@ pub struct Engine {
     tx: SeqMap<TxEntry>,
     next_tx_id: u32,
     /// Packets handed out, by the low 32 bits of their `wr_id`.
-    outstanding: Slab<Pkt>,
-    wr_seq: u32,
+    outstanding: util::WrTable<Pkt, 0>,
     queued_pkts: usize,
 
     /// Inbound messages by `recv_id`, from the first packet to completion.
@@ -658,8 +656,7 @@ impl Engine {
             backoff: Vec::new(),
             tx: SeqMap::new(2 * max_tx),
             next_tx_id: 1,
-            outstanding: Slab::new(),
-            wr_seq: 0,
+            outstanding: util::WrTable::default(),
             queued_pkts: 0,
             rx: SeqMap::new((2 * max_rx).max(4096)),
             next_rx_id: 1,

@@ -19,8 +19,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use super::util::WrTable;
 use bytes::{Bytes, BytesMut};
-use slab::Slab;
 
 use super::peer::peer_fatal;
 use super::rx::{Kind, RxEntry, RxState};
@@ -276,7 +276,6 @@ struct Wr {
     rnr: u8,
     /// `UnknownPeer` (EFA status 14: the target holds no AH for us) completions met.
     no_ah: u8,
-    wr_id: u64,
 }
 
 /// How often a device RDMA work request is posted again after the target said it holds no AH
@@ -292,9 +291,8 @@ pub(super) struct ReadState {
     waiting: usize,
     /// Work requests waiting for room on the device.
     wrs: VecDeque<Wr>,
-    /// Work requests on the device, by the low 32 bits of their `wr_id`.
-    outstanding: Slab<Wr>,
-    seq: u32,
+    /// Work requests on the device.
+    outstanding: WrTable<Wr, RDMA_WR>,
     rtw: IdMap<u32, RtwTarget>,
     next_rtw: u32,
     /// Our read-based messages whose EOR or READ_NACK has not come (libfabric's
@@ -424,8 +422,8 @@ impl Engine {
             let on_device = self
                 .rd
                 .outstanding
-                .iter()
-                .any(|(_, w)| w.owner == WrOwner::Op(id));
+                .values()
+                .any(|w| w.owner == WrOwner::Op(id));
             if on_device {
                 self.withdraw_queued(id, status.unwrap_or(Status::UnresponsiveRemote));
             } else {
@@ -537,14 +535,8 @@ impl Engine {
                     (Bytes::new(), kind)
                 }
             };
-            self.rd.seq = self.rd.seq.wrapping_add(1);
-            let entry = self.rd.outstanding.vacant_entry();
-            let wr_id = RDMA_WR
-                | (u64::from(self.rd.seq & 0x7fff_ffff) << 32)
-                | (entry.key() as u64 & 0xffff_ffff);
-            w.wr_id = wr_id;
             let dest = w.dest;
-            entry.insert(w);
+            let wr_id = self.rd.outstanding.insert(w);
             return Some(Transmit {
                 wr_id,
                 dest,
@@ -566,18 +558,10 @@ impl Engine {
         if self.closed {
             return;
         }
-        let key = (wr_id & 0xffff_ffff) as usize;
-        if wr_id & RDMA_WR == 0
-            || self
-                .rd
-                .outstanding
-                .get(key)
-                .is_none_or(|w| w.wr_id != wr_id)
-        {
+        let Some(mut w) = self.rd.outstanding.take(wr_id) else {
             tracing::debug!(wr_id, "RDMA completion for an unknown work request");
             return;
-        }
-        let mut w = self.rd.outstanding.remove(key);
+        };
         if status == Status::RnrRetryExceeded
             && matches!(w.what, WrWhat::Write { .. })
             && self.peers.contains_key(&w.peer)

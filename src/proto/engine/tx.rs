@@ -45,7 +45,6 @@ pub(super) enum Owner {
 pub(super) struct Pkt {
     pub(super) peer: u64,
     pub(super) owner: Owner,
-    pub(super) wr_id: u64,
     pub(super) hdr: Hdr,
     /// The payload: bytes `off..end` of the buffer of send `owner` (none for other owners).
     pub(super) off: usize,
@@ -65,7 +64,6 @@ impl Pkt {
         Pkt {
             peer,
             owner,
-            wr_id: 0,
             hdr,
             off,
             end,
@@ -442,7 +440,7 @@ impl Engine {
             if p.backoff_until.is_some() {
                 continue;
             }
-            let Some(mut pkt) = p.ctrl_q.pop_front().or_else(|| p.data_q.pop_front()) else {
+            let Some(pkt) = p.ctrl_q.pop_front().or_else(|| p.data_q.pop_front()) else {
                 continue;
             };
             if !(p.ctrl_q.is_empty() && p.data_q.is_empty()) {
@@ -465,11 +463,7 @@ impl Engine {
                 }
             };
             let hdr = self.hdr.copy(pkt.hdr.bytes());
-            self.wr_seq = self.wr_seq.wrapping_add(1);
-            let entry = self.outstanding.vacant_entry();
-            let wr_id = (u64::from(self.wr_seq) << 32) | (entry.key() as u64 & 0xffff_ffff);
-            pkt.wr_id = wr_id;
-            entry.insert(pkt);
+            let wr_id = self.outstanding.insert(pkt);
             return Some(Transmit {
                 wr_id,
                 dest,
@@ -485,12 +479,10 @@ impl Engine {
         if self.closed {
             return;
         }
-        let key = (wr_id & 0xffff_ffff) as usize;
-        if self.outstanding.get(key).is_none_or(|p| p.wr_id != wr_id) {
+        let Some(pkt) = self.outstanding.take(wr_id) else {
             tracing::debug!(wr_id, "send completion for an unknown work request");
             return;
-        }
-        let pkt = self.outstanding.remove(key);
+        };
         if status == Status::Success
             && let Some(p) = self.peers.get_mut(&pkt.peer)
         {

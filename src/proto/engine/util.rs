@@ -689,3 +689,63 @@ mod tests {
         assert_eq!(s.ranges(), 1, "seed {seed}");
     }
 }
+
+/// Work requests on the device, by id: the slab key in the low 32 bits and a sequence number
+/// above it (so the id of a completed request, or a forged one, finds nothing), with the bits
+/// of `TAG` set (what tells the packets' table from the RDMA table; a tagged table's sequence
+/// keeps clear of the tag).
+#[derive(Debug)]
+pub(super) struct WrTable<T, const TAG: u64> {
+    slab: slab::Slab<(u64, T)>,
+    seq: u32,
+}
+
+impl<T, const TAG: u64> Default for WrTable<T, TAG> {
+    fn default() -> Self {
+        WrTable {
+            slab: slab::Slab::new(),
+            seq: 0,
+        }
+    }
+}
+
+impl<T, const TAG: u64> WrTable<T, TAG> {
+    /// Stores `v`; returns its work request id.
+    pub(super) fn insert(&mut self, v: T) -> u64 {
+        self.seq = self.seq.wrapping_add(1);
+        let seq = if TAG == 0 {
+            self.seq
+        } else {
+            self.seq & 0x7fff_ffff
+        };
+        let entry = self.slab.vacant_entry();
+        let wr_id = TAG | (u64::from(seq) << 32) | (entry.key() as u64 & 0xffff_ffff);
+        entry.insert((wr_id, v));
+        wr_id
+    }
+
+    /// Takes the work request `wr_id` completed; `None` when it is not one of this table's.
+    pub(super) fn take(&mut self, wr_id: u64) -> Option<T> {
+        if wr_id & TAG != TAG {
+            return None;
+        }
+        let key = (wr_id & 0xffff_ffff) as usize;
+        if self.slab.get(key).is_none_or(|(id, _)| *id != wr_id) {
+            return None;
+        }
+        Some(self.slab.remove(key).1)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.slab.len()
+    }
+
+    /// The requests on the device.
+    pub(super) fn values(&self) -> impl Iterator<Item = &T> {
+        self.slab.iter().map(|(_, (_, v))| v)
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.slab.clear();
+    }
+}

@@ -255,7 +255,6 @@ impl Engine {
             what,
             rnr: 0,
             no_ah: 0,
-            wr_id: 0,
         };
         let piece = |off: usize, n: usize| RemoteIov {
             addr: remote.addr.wrapping_add(off as u64),

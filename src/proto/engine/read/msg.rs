@@ -381,7 +381,6 @@ impl Engine {
                 what,
                 rnr: 0,
                 no_ah: 0,
-                wr_id: 0,
             });
         }
     }

@@ -119,7 +119,6 @@ impl Engine {
                 },
                 rnr: 0,
                 no_ah: 0,
-                wr_id: 0,
             });
         }
         let t = RtwTarget {
