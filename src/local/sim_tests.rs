@@ -28,24 +28,25 @@ fn sim(cfg: SimConfig, slots: usize, chunk: usize) -> (Sim, MemHost, Vec<SimLoca
 
 type SimLocalStats = std::sync::Arc<parking_lot::Mutex<super::LocalStats>>;
 
+/// The send and the receive completions among `events`.
+fn split(events: &[Event]) -> (Vec<&SendDone>, Vec<&RecvDone>) {
+    let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+    for e in events {
+        match e {
+            Event::Send(s) => sends.push(s),
+            Event::Recv(r) => recvs.push(r),
+            _ => {}
+        }
+    }
+    (sends, recvs)
+}
+
 fn sends(events: &[Event]) -> Vec<&SendDone> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Send(s) => Some(s),
-            _ => None,
-        })
-        .collect()
+    split(events).0
 }
 
 fn recvs(events: &[Event]) -> Vec<&RecvDone> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Recv(r) => Some(r),
-            _ => None,
-        })
-        .collect()
+    split(events).1
 }
 
 /// Random traffic from a same-host peer and a remote one, with receives posted before and
