@@ -27,7 +27,6 @@ use crate::device::{RemoteIov, Source, Status};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::Rng;
 use crate::mem::RegionSlice;
-use crate::proto::matching::Matcher;
 use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
@@ -45,9 +44,8 @@ pub use local::{CopyFn, LocalMsg, SameHost};
 use peer::{Peer, PeerIndex};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
-use rx::RxEntry;
-use tx::{Pkt, TxEntry};
-use util::{GenSlab, Hdr, HeaderArena, IdMap, SeqMap};
+use tx::Pkt;
+use util::{GenSlab, Hdr, HeaderArena};
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -598,28 +596,12 @@ pub struct Engine {
     backoff: Vec<u64>,
 
     /// Send operations by `send_id`.
-    tx: SeqMap<TxEntry>,
-    next_tx_id: u32,
-    /// Packets handed out, by the low 32 bits of their `wr_id`.
-    outstanding: util::WrTable<Pkt, 0>,
-    queued_pkts: usize,
+    tx: tx::TxSide,
 
-    /// Inbound messages by `recv_id`, from the first packet to completion.
-    rx: SeqMap<RxEntry>,
-    next_rx_id: u32,
-    matcher: Matcher<RawAddr, PostedItem, u32>,
-    multi: IdMap<u32, MultiRecv>,
-    next_multi_id: u32,
-    claimed: IdMap<u64, u32>,
-    next_claim: u64,
-    /// Application receives posted or in progress (multi-receive buffers count once).
-    user_rx_ops: usize,
+    /// The receive side: inbound messages, matching, multi-receive buffers, claimed messages.
+    rx: rx::RxSide,
     /// Messages and bytes held without a receive.
     budget: budget::Budget,
-    /// Matched receives waiting for more packets.
-    rx_in_progress: usize,
-    /// When to look for stalled receives next.
-    stall_check: Option<Instant>,
 
     events: VecDeque<Event>,
     /// `Event::RemoteWrite`s in `events`: peers cause them, so they are capped
@@ -654,21 +636,9 @@ impl Engine {
             index: PeerIndex::default(),
             ready: VecDeque::new(),
             backoff: Vec::new(),
-            tx: SeqMap::new(2 * max_tx),
-            next_tx_id: 1,
-            outstanding: util::WrTable::default(),
-            queued_pkts: 0,
-            rx: SeqMap::new((2 * max_rx).max(4096)),
-            next_rx_id: 1,
-            matcher: Matcher::default(),
-            multi: IdMap::default(),
-            next_multi_id: 1,
-            claimed: IdMap::default(),
-            next_claim: 1,
-            user_rx_ops: 0,
+            tx: tx::TxSide::new(2 * max_tx),
+            rx: rx::RxSide::new((2 * max_rx).max(4096)),
             budget: budget::Budget::new(EngineLimits::default()),
-            rx_in_progress: 0,
-            stall_check: None,
             events: VecDeque::new(),
             remote_write_events: 0,
             stats: EndpointStats::default(),
@@ -962,7 +932,7 @@ impl Engine {
             return;
         }
         self.expire_backoffs(now);
-        if self.stall_check.is_some_and(|t| t <= now) {
+        if self.rx.stall_check.is_some_and(|t| t <= now) {
             self.check_stalls(now);
         }
         if self.rd.timer.is_some_and(|t| t <= now) {
@@ -1034,7 +1004,7 @@ impl Engine {
             .iter()
             .filter_map(|p| self.peers.get(p)?.backoff_until)
             .min();
-        let t = match (backoff, self.stall_check) {
+        let t = match (backoff, self.rx.stall_check) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -1060,14 +1030,14 @@ impl Engine {
     /// What the engine holds now.
     pub fn resources(&self) -> Resources {
         Resources {
-            tx_ops: self.tx.len() + self.rd_ops() + self.ema_ops(),
-            rx_ops: self.user_rx_ops,
+            tx_ops: self.tx.ops.len() + self.rd_ops() + self.ema_ops(),
+            rx_ops: self.rx.user_ops,
             unexpected_msgs: self.budget.unexpected().0,
             unexpected_bytes: self.budget.unexpected().1,
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
             buffered_msgs: self.budget.held().0,
             buffered_bytes: self.budget.held().1,
-            queued_pkts: self.queued_pkts + self.rd_queued_wrs(),
+            queued_pkts: self.tx.queued + self.rd_queued_wrs(),
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
             target_ops: self.ema_target_ops() + self.rd_targets(),
@@ -1116,23 +1086,23 @@ impl Engine {
 
     fn close_impl(&mut self) {
         self.closed = true;
-        self.matcher.remove_unexpected_where(|_| true);
+        self.rx.matcher.remove_unexpected_where(|_| true);
         // Receives first (pieces of multi-receive buffers before the buffers themselves).
-        let ids = self.rx.sorted_keys();
+        let ids = self.rx.ops.sorted_keys();
         for id in ids {
             self.abort_rx(id, ErrorKind::Canceled, "close");
         }
-        for (_, p) in self.matcher.drain_posted() {
+        for (_, p) in self.rx.matcher.drain_posted() {
             match p.item {
                 PostedItem::One(op) => self.cancel_event(op),
                 PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
             }
         }
-        let mids: Vec<u32> = self.multi.keys().copied().collect();
+        let mids: Vec<u32> = self.rx.multi.keys().copied().collect();
         for mid in mids {
             self.retire_multi(mid, Some(ErrorKind::Canceled));
         }
-        let tids = self.tx.sorted_keys();
+        let tids = self.tx.ops.sorted_keys();
         for id in tids {
             self.fail_tx(
                 id,
@@ -1146,8 +1116,8 @@ impl Engine {
             &Engine::closed_error("rma").with_detail("endpoint closed"),
             None,
         );
-        self.claimed.clear();
-        self.outstanding.clear();
+        self.rx.claimed.clear();
+        self.tx.wrs.clear();
         for p in self.peers.values_mut() {
             p.ctrl_q.clear();
             p.data_q.clear();
@@ -1162,19 +1132,19 @@ impl Engine {
         }
         self.ready.clear();
         self.backoff.clear();
-        self.queued_pkts = 0;
+        self.tx.queued = 0;
         self.budget.reset();
-        self.user_rx_ops = 0;
-        self.stall_check = None;
-        self.rx_in_progress = 0;
+        self.rx.user_ops = 0;
+        self.rx.stall_check = None;
+        self.rx.in_progress = 0;
     }
 
     /// A matched receive left (completed or failed): when none is in progress, no stall timer.
     fn rx_left(&mut self, in_progress: bool) {
         if in_progress {
-            self.rx_in_progress = self.rx_in_progress.saturating_sub(1);
-            if self.rx_in_progress == 0 {
-                self.stall_check = None;
+            self.rx.in_progress = self.rx.in_progress.saturating_sub(1);
+            if self.rx.in_progress == 0 {
+                self.rx.stall_check = None;
             }
         }
     }

@@ -86,7 +86,7 @@ impl SameHost<'_> {
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
         self.0.stats.local_rx_msgs += 1;
-        let posted = self.0.matcher.find_posted(tagged, src, tag);
+        let posted = self.0.rx.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
             // The common case: the whole message in one chunk, a receive waiting for it.
             if let Some(mut sink) = posted.and_then(|i| self.0.take_posted(tagged, i, n)) {
@@ -133,7 +133,7 @@ impl SameHost<'_> {
             }
         }
         self.0.local_data(now, rid, 0, n, copy);
-        self.0.rx.contains_key(&rid).then_some(rid)
+        self.0.rx.ops.contains_key(&rid).then_some(rid)
     }
 
     /// A further chunk (`n` bytes at message offset `off`) of local message `rid` from `src`.
@@ -148,7 +148,7 @@ impl SameHost<'_> {
         n: usize,
         copy: CopyFn<'_>,
     ) -> bool {
-        let ok = self.0.rx.get(&rid).is_some_and(|e| {
+        let ok = self.0.rx.ops.get(&rid).is_some_and(|e| {
             e.peer == LOCAL_PEER
                 && e.src == src
                 && e.received == off
@@ -180,10 +180,11 @@ impl SameHost<'_> {
         match (first, rid) {
             (Some(m), _) => self
                 .0
+                .rx
                 .matcher
                 .find_posted(m.tag.is_some(), src, m.tag.unwrap_or(0))
                 .is_none(),
-            (None, Some(rid)) => self.0.rx.get(&rid).is_some_and(|e| !e.matched()),
+            (None, Some(rid)) => self.0.rx.ops.get(&rid).is_some_and(|e| !e.matched()),
             (None, None) => false,
         }
     }
@@ -203,7 +204,13 @@ impl SameHost<'_> {
     /// Ends local message `rid` without the rest of its chunks: a matched receive fails with
     /// `ConnectionAborted`, an unmatched message is forgotten.
     pub fn abort(&mut self, rid: u32) {
-        if self.0.rx.get(&rid).is_some_and(|e| e.peer == LOCAL_PEER) {
+        if self
+            .0
+            .rx
+            .ops
+            .get(&rid)
+            .is_some_and(|e| e.peer == LOCAL_PEER)
+        {
             self.0.abort_rx(
                 rid,
                 crate::error::ErrorKind::ConnectionAborted,
@@ -223,7 +230,7 @@ impl Engine {
     /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.
     fn local_data(&mut self, now: Instant, rid: u32, off: usize, n: usize, copy: CopyFn<'_>) {
         let fits = self.budget.fits(n);
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         e.received += n;

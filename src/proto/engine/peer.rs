@@ -441,7 +441,7 @@ impl Engine {
         } else {
             q.push_back(pkt);
         }
-        self.queued_pkts += 1;
+        self.tx.queued += 1;
         if !p.in_ready && p.backoff_until.is_none() {
             p.in_ready = true;
             self.ready.push_back(pid);
@@ -535,11 +535,12 @@ impl Engine {
             self.budget.hold_change(p.addr, false);
         }
         self.index.remove(p.addr, pid);
-        self.queued_pkts = self
-            .queued_pkts
+        self.tx.queued = self
+            .tx
+            .queued
             .saturating_sub(p.ctrl_q.len() + p.data_q.len());
         let addr = p.addr;
-        self.matcher.remove_unexpected_where(|u| u.src == addr);
+        self.rx.matcher.remove_unexpected_where(|u| u.src == addr);
         let mut rids: Vec<u32> = p.inbound.values().copied().collect();
         rids.sort_unstable();
         for rid in rids {
@@ -547,6 +548,7 @@ impl Engine {
         }
         let mut tids: Vec<u32> = self
             .tx
+            .ops
             .iter()
             .filter(|(_, t)| t.peer == pid)
             .map(|(id, _)| id)

@@ -346,7 +346,7 @@ impl Engine {
 
     /// Packets and RDMA work requests on the device (bounded by `max_outstanding_tx`).
     pub(super) fn wrs_outstanding(&self) -> usize {
-        self.outstanding.len() + self.rd.outstanding.len()
+        self.tx.wrs.len() + self.rd.outstanding.len()
     }
 
     fn segment(&self, limit: u64) -> usize {

@@ -37,19 +37,19 @@ pub(super) struct MultiRecv {
 impl Engine {
     /// Takes (or carves a piece off) the posted receive at `idx` for a message of `msg_len`.
     pub(super) fn take_posted(&mut self, tagged: bool, idx: usize, msg_len: usize) -> Option<Sink> {
-        let mid = match &self.matcher.posted_mut(tagged, idx)?.item {
+        let mid = match &self.rx.matcher.posted_mut(tagged, idx)?.item {
             PostedItem::One(_) => None,
             PostedItem::Multi(mid) => Some(*mid),
         };
         match mid {
-            None => match self.matcher.take_posted(tagged, idx)?.item {
+            None => match self.rx.matcher.take_posted(tagged, idx)?.item {
                 PostedItem::One(op) => Some(Sink::of(op, msg_len)),
                 PostedItem::Multi(_) => None,
             },
             Some(mid) => {
                 let (sink, retired) = self.carve(mid, msg_len)?;
                 if retired {
-                    self.matcher.take_posted(tagged, idx);
+                    self.rx.matcher.take_posted(tagged, idx);
                 }
                 Some(sink)
             }
@@ -59,7 +59,7 @@ impl Engine {
     /// A piece of multi-receive buffer `mid` for a message of `msg_len`; true when the buffer
     /// is retired by it (less than `min_free` left).
     pub(super) fn carve(&mut self, mid: u32, msg_len: usize) -> Option<(Sink, bool)> {
-        let m = self.multi.get_mut(&mid)?;
+        let m = self.rx.multi.get_mut(&mid)?;
         let place = msg_len.min(m.buf.capacity());
         let rest = m.buf.split_off(place);
         let piece = std::mem::replace(&mut m.buf, rest);
@@ -84,9 +84,9 @@ impl Engine {
     /// retired multi-receive buffer may release it.
     pub(super) fn piece_done(&mut self, multi: Option<u32>) {
         match multi {
-            None => self.user_rx_ops = self.user_rx_ops.saturating_sub(1),
+            None => self.rx.user_ops = self.rx.user_ops.saturating_sub(1),
             Some(mid) => {
-                if let Some(m) = self.multi.get_mut(&mid) {
+                if let Some(m) = self.rx.multi.get_mut(&mid) {
                     m.pieces = m.pieces.saturating_sub(1);
                     if m.retired && m.pieces == 0 {
                         let err = m.error;
@@ -100,7 +100,7 @@ impl Engine {
     /// Retires multi-receive buffer `mid`: its final completion (`multi_recv_done`) hands back
     /// what is left, once the pieces in progress have completed.
     pub(super) fn retire_multi(&mut self, mid: u32, error: Option<ErrorKind>) {
-        let Some(m) = self.multi.get_mut(&mid) else {
+        let Some(m) = self.rx.multi.get_mut(&mid) else {
             return;
         };
         m.retired = true;
@@ -110,10 +110,10 @@ impl Engine {
         if m.pieces > 0 {
             return;
         }
-        let Some(m) = self.multi.remove(&mid) else {
+        let Some(m) = self.rx.multi.remove(&mid) else {
             return;
         };
-        self.user_rx_ops = self.user_rx_ops.saturating_sub(1);
+        self.rx.user_ops = self.rx.user_ops.saturating_sub(1);
         if let Some(k) = m.error {
             self.stats.errors += 1;
             if k == ErrorKind::Canceled {
@@ -136,7 +136,7 @@ impl Engine {
 
     /// A posted receive's `Canceled` completion.
     pub(super) fn cancel_event(&mut self, op: RecvOp) {
-        self.user_rx_ops = self.user_rx_ops.saturating_sub(1);
+        self.rx.user_ops = self.rx.user_ops.saturating_sub(1);
         self.stats.errors += 1;
         self.stats.canceled += 1;
         self.events.push_back(Event::Recv(RecvDone {
@@ -165,26 +165,26 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("recv"), op));
         }
-        if self.user_rx_ops >= self.cfg.max_rx_ops {
+        if self.rx.user_ops >= self.cfg.max_rx_ops {
             self.stats.again += 1;
             return Err((
                 Error::new(ErrorKind::Again, "recv").with_detail("max_rx_ops receives posted"),
                 op,
             ));
         }
-        self.user_rx_ops += 1;
+        self.rx.user_ops += 1;
         let tagged = op.tag.is_some();
         let (tag, ignore) = op.tag.unwrap_or((0, 0));
         let src = op.src;
         let Some(min_free) = op.multi_recv else {
-            if let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
-                if let Some(u) = self.matcher.take_unexpected(tagged, idx) {
-                    let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
+            if let Some(idx) = self.rx.matcher.find_unexpected(tagged, src, tag, ignore) {
+                if let Some(u) = self.rx.matcher.take_unexpected(tagged, idx) {
+                    let msg_len = self.rx.ops.get(&u.item).map_or(0, |e| e.msg_len);
                     self.start_matched(now, u.item, Sink::of(op, msg_len), None);
                     return Ok(());
                 }
             }
-            self.matcher.post(
+            self.rx.matcher.post(
                 tagged,
                 Posted {
                     src,
@@ -195,11 +195,11 @@ impl Engine {
             );
             return Ok(());
         };
-        let mid = self.next_multi_id;
-        self.next_multi_id = self.next_multi_id.wrapping_add(1);
+        let mid = self.rx.next_multi_id;
+        self.rx.next_multi_id = self.rx.next_multi_id.wrapping_add(1);
         op.buf.clear();
         let retired = op.buf.capacity() < min_free;
-        self.multi.insert(
+        self.rx.multi.insert(
             mid,
             MultiRecv {
                 context: op.context,
@@ -214,17 +214,18 @@ impl Engine {
             self.retire_multi(mid, None);
             return Ok(());
         }
-        while let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
-            let Some(u) = self.matcher.take_unexpected(tagged, idx) else {
+        while let Some(idx) = self.rx.matcher.find_unexpected(tagged, src, tag, ignore) {
+            let Some(u) = self.rx.matcher.take_unexpected(tagged, idx) else {
                 break;
             };
-            let msg_len = self.rx.get(&u.item).map_or(0, |e| e.msg_len);
+            let msg_len = self.rx.ops.get(&u.item).map_or(0, |e| e.msg_len);
             let Some((sink, retired)) = self.carve(mid, msg_len) else {
                 break;
             };
             self.start_matched(now, u.item, sink, None);
             if retired {
                 let (err, pieces) = self
+                    .rx
                     .multi
                     .get(&mid)
                     .map_or((None, 1), |m| (m.error, m.pieces));
@@ -234,7 +235,7 @@ impl Engine {
                 return Ok(());
             }
         }
-        self.matcher.post(
+        self.rx.matcher.post(
             tagged,
             Posted {
                 src,
@@ -250,8 +251,8 @@ impl Engine {
         if self.closed {
             return false;
         }
-        let multi = &self.multi;
-        let found = self.matcher.cancel_posted(|it| match it {
+        let multi = &self.rx.multi;
+        let found = self.rx.matcher.cancel_posted(|it| match it {
             PostedItem::One(op) => op.context == context,
             PostedItem::Multi(mid) => multi.get(mid).is_some_and(|m| m.context == context),
         });
@@ -268,7 +269,7 @@ impl Engine {
     }
 
     pub(super) fn peeked(&self, rid: u32) -> Option<Peeked> {
-        let e = self.rx.get(&rid)?;
+        let e = self.rx.ops.get(&rid)?;
         Some(Peeked {
             len: e.msg_len,
             tag: e.tag,
@@ -296,10 +297,12 @@ impl Engine {
         }
         let none = || Engine::no_message(op);
         let idx = self
+            .rx
             .matcher
             .find_unexpected(true, src, tag, ignore)
             .ok_or_else(none)?;
         let rid = self
+            .rx
             .matcher
             .unexpected(true, idx)
             .map(|u| u.item)
@@ -317,13 +320,13 @@ impl Engine {
     ) -> super::Result<Peeked> {
         let (idx, rid, mut p) = self.tagged_unexpected("peek", tag, ignore, src)?;
         if claim {
-            self.matcher.take_unexpected(true, idx);
-            if let Some(e) = self.rx.get_mut(&rid) {
+            self.rx.matcher.take_unexpected(true, idx);
+            if let Some(e) = self.rx.ops.get_mut(&rid) {
                 e.state = RxState::Claimed;
             }
-            let token = self.next_claim;
-            self.next_claim = self.next_claim.wrapping_add(1);
-            self.claimed.insert(token, rid);
+            let token = self.rx.next_claim;
+            self.rx.next_claim = self.rx.next_claim.wrapping_add(1);
+            self.rx.claimed.insert(token, rid);
             p.claim = Some(token);
         }
         Ok(p)
@@ -342,19 +345,19 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("recv_claimed"), op));
         }
-        let Some(&rid) = self.claimed.get(&claim) else {
+        let Some(&rid) = self.rx.claimed.get(&claim) else {
             return Err((
                 Engine::no_message("recv_claimed").with_detail("unknown claim"),
                 op,
             ));
         };
-        if self.user_rx_ops >= self.cfg.max_rx_ops {
+        if self.rx.user_ops >= self.cfg.max_rx_ops {
             self.stats.again += 1;
             return Err((Error::new(ErrorKind::Again, "recv_claimed"), op));
         }
-        self.claimed.remove(&claim);
-        self.user_rx_ops += 1;
-        let msg_len = self.rx.get(&rid).map_or(0, |e| e.msg_len);
+        self.rx.claimed.remove(&claim);
+        self.rx.user_ops += 1;
+        let msg_len = self.rx.ops.get(&rid).map_or(0, |e| e.msg_len);
         self.start_matched(now, rid, Sink::of(op, msg_len), None);
         Ok(())
     }
@@ -366,8 +369,8 @@ impl Engine {
         src: Option<RawAddr>,
     ) -> super::Result<Peeked> {
         let (idx, rid, p) = self.tagged_unexpected("discard", tag, ignore, src)?;
-        self.matcher.take_unexpected(true, idx);
-        let now = self.rx.get(&rid).map(|e| e.last);
+        self.rx.matcher.take_unexpected(true, idx);
+        let now = self.rx.ops.get(&rid).map(|e| e.last);
         if let Some(now) = now {
             // Received and thrown away, so that the sender completes normally.
             self.start_matched(now, rid, Sink::discard(), None);
@@ -380,7 +383,7 @@ impl Engine {
         let stall = self.cfg.rx_stall_timeout;
         let mut stalled = Vec::new();
         let mut next: Option<Instant> = None;
-        for (rid, e) in self.rx.iter() {
+        for (rid, e) in self.rx.ops.iter() {
             // A receive whose reads are on the device is not stalled: the device completes them.
             if !e.matched() || e.read.as_ref().is_some_and(|r| r.reading()) {
                 continue;
@@ -395,11 +398,11 @@ impl Engine {
         stalled.sort_unstable();
         for rid in stalled {
             self.stall_rx(rid, now);
-            if self.rx.contains_key(&rid) {
+            if self.rx.ops.contains_key(&rid) {
                 let due = now.checked_add(stall).unwrap_or(now);
                 next = Some(next.map_or(due, |n| n.min(due)));
             }
         }
-        self.stall_check = if self.rx_in_progress > 0 { next } else { None };
+        self.rx.stall_check = if self.rx.in_progress > 0 { next } else { None };
     }
 }

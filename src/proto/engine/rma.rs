@@ -187,7 +187,7 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("rma"), op));
         }
-        if self.tx.len() + self.rd_ops() + self.ema.ops.len() >= self.cfg.max_tx_ops {
+        if self.tx.ops.len() + self.rd_ops() + self.ema.ops.len() >= self.cfg.max_tx_ops {
             return Err((
                 Error::new(ErrorKind::Again, "rma").with_detail("max_tx_ops operations in flight"),
                 op,

@@ -6,10 +6,12 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::util::RangeSet;
+use super::util::{IdMap, RangeSet, SeqMap};
 use super::{Engine, Error, ErrorKind, Event, RecvDone, RecvOp};
+use super::{MultiRecv, PostedItem};
 use crate::addr::RawAddr;
 use crate::mem::RegionSlice;
+use crate::proto::matching::Matcher;
 use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
 use crate::proto::wire::Packet;
@@ -90,6 +92,43 @@ pub(super) enum RxState {
     Matched(Sink),
     /// Dropped (memory bounds, or a type not implemented): the id only advances the window.
     Dropped,
+}
+
+/// The receive side of the engine: inbound messages by `recv_id` (from their first packet to
+/// completion), the matching of posted receives and unexpected messages, multi-receive buffers,
+/// claimed messages, and the stall accounting.
+#[derive(Debug)]
+pub(super) struct RxSide {
+    pub(super) ops: SeqMap<RxEntry>,
+    pub(super) next_id: u32,
+    pub(super) matcher: Matcher<RawAddr, PostedItem, u32>,
+    pub(super) multi: IdMap<u32, MultiRecv>,
+    pub(super) next_multi_id: u32,
+    pub(super) claimed: IdMap<u64, u32>,
+    pub(super) next_claim: u64,
+    /// Application receives posted or in progress (multi-receive buffers count once).
+    pub(super) user_ops: usize,
+    /// Matched receives waiting for more packets.
+    pub(super) in_progress: usize,
+    /// When to look for stalled receives next.
+    pub(super) stall_check: Option<Instant>,
+}
+
+impl RxSide {
+    pub(super) fn new(cap: usize) -> RxSide {
+        RxSide {
+            ops: SeqMap::new(cap),
+            next_id: 1,
+            matcher: Matcher::default(),
+            multi: IdMap::default(),
+            next_multi_id: 1,
+            claimed: IdMap::default(),
+            next_claim: 1,
+            user_ops: 0,
+            in_progress: 0,
+            stall_check: None,
+        }
+    }
 }
 
 /// An inbound message, from its first packet to its completion.
@@ -285,10 +324,10 @@ fn place(sink: &mut Sink, off: usize, data: &[u8]) {
 impl Engine {
     pub(super) fn alloc_rx_id(&mut self) -> u32 {
         loop {
-            let id = self.next_rx_id;
-            self.next_rx_id = self.next_rx_id.wrapping_add(1);
+            let id = self.rx.next_id;
+            self.rx.next_id = self.rx.next_id.wrapping_add(1);
             // Unique among the ids peers echo in CTSDATA (the emulation's long-CTS ones too).
-            if !self.rx.contains_key(&id) && !self.ema_owns_recv_id(id) {
+            if !self.rx.ops.contains_key(&id) && !self.ema_owns_recv_id(id) {
                 return id;
             }
         }
@@ -361,7 +400,7 @@ impl Engine {
             tracing::debug!("over max_buffered_msgs: held (the device is held back)");
         }
         let rid = self.new_rx(now, pid, &m, msg_len, RxState::Waiting);
-        if let Some(e) = self.rx.get_mut(&rid) {
+        if let Some(e) = self.rx.ops.get_mut(&rid) {
             e.received = n;
             if n > 0 {
                 e.ranges.insert(off as u64, (off + n) as u64);
@@ -436,7 +475,7 @@ impl Engine {
         state: RxState,
     ) -> u32 {
         let rid = self.alloc_rx_id();
-        self.rx.insert(
+        self.rx.ops.insert(
             rid,
             RxEntry {
                 peer: pid,
@@ -505,7 +544,7 @@ impl Engine {
             return;
         }
         let fits = self.budget.fits(data.len());
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         if !fits {
@@ -522,7 +561,7 @@ impl Engine {
 
     /// A further packet of a message whose first packet arrived (medium segments).
     fn continue_rtm(&mut self, now: Instant, rid: u32, m: &Rtm, data: &[u8]) {
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let same_kind = match (m.kind, e.kind) {
@@ -594,7 +633,7 @@ impl Engine {
     ) -> bool {
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        let Some(idx) = self.matcher.find_posted(tagged, src, tag) else {
+        let Some(idx) = self.rx.matcher.find_posted(tagged, src, tag) else {
             return false;
         };
         let Some(mut sink) = self.take_posted(tagged, idx, data.len()) else {
@@ -639,7 +678,9 @@ impl Engine {
         fresh: Option<(usize, &[u8])>,
         unmatched: bool,
     ) {
-        let Some(e) = self.rx.get(&rid) else { return };
+        let Some(e) = self.rx.ops.get(&rid) else {
+            return;
+        };
         if matches!(e.state, RxState::Dropped) {
             // Its later packets are stale now; nothing more to keep. An emulated atomic's
             // placeholder: its turn to be applied.
@@ -651,7 +692,7 @@ impl Engine {
         let posted = if unmatched {
             None
         } else {
-            self.matcher.find_posted(tagged, src, tag)
+            self.rx.matcher.find_posted(tagged, src, tag)
         };
         if let Some(idx) = posted {
             if let Some(sink) = self.take_posted(tagged, idx, msg_len) {
@@ -676,13 +717,13 @@ impl Engine {
     /// Puts message `rid` on the unexpected queue (no receive matched it); false when there is
     /// no such message.
     pub(super) fn queue_unexpected(&mut self, rid: u32) -> bool {
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return false;
         };
         e.state = RxState::Unexpected;
         let (tagged, src, tag) = (e.tagged, e.src, e.tag);
         self.budget.became_unexpected(e.held_bytes);
-        self.matcher.push_unexpected(
+        self.rx.matcher.push_unexpected(
             tagged,
             Unexpected {
                 src,
@@ -701,7 +742,7 @@ impl Engine {
         mut sink: Sink,
         fresh: Option<(usize, &[u8])>,
     ) {
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let unexp = match e.state {
@@ -732,14 +773,14 @@ impl Engine {
         if long_cts {
             self.send_cts(rid);
         }
-        if let Some(e) = self.rx.get_mut(&rid) {
+        if let Some(e) = self.rx.ops.get_mut(&rid) {
             e.in_progress = true;
         }
-        self.rx_in_progress += 1;
-        if self.stall_check.is_none() {
-            self.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
+        self.rx.in_progress += 1;
+        if self.rx.stall_check.is_none() {
+            self.rx.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
         }
-        if self.rx.get(&rid).is_some_and(|e| e.read.is_some()) {
+        if self.rx.ops.get(&rid).is_some_and(|e| e.read.is_some()) {
             self.start_rx_read(now, rid);
         }
     }
@@ -748,7 +789,7 @@ impl Engine {
     pub(super) fn send_cts(&mut self, rid: u32) {
         let credit = self.cts_credit();
         let qkey = self.local.qkey;
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let Kind::LongCts { send_id } = e.kind else {
@@ -777,7 +818,7 @@ impl Engine {
         seg_offset: u64,
         data: &[u8],
     ) {
-        let Some(e) = self.rx.get_mut(&recv_id) else {
+        let Some(e) = self.rx.ops.get_mut(&recv_id) else {
             return self.drop_pkt("CTSDATA for an unknown recv_id");
         };
         if e.peer != pid || !matches!(e.kind, Kind::LongCts { .. }) || !e.matched() {
@@ -810,7 +851,7 @@ impl Engine {
     /// Removes an entry that has no buffer (waiting, unexpected, claimed, dropped) without a
     /// completion, releasing what it held.
     pub(super) fn remove_unmatched(&mut self, rid: u32) {
-        let Some(e) = self.rx.remove(&rid) else {
+        let Some(e) = self.rx.ops.remove(&rid) else {
             return;
         };
         if let Some(p) = self.peers.get_mut(&e.peer) {
@@ -827,7 +868,7 @@ impl Engine {
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
     pub(super) fn take_entry(&mut self, rid: u32) -> Option<RxEntry> {
-        let mut e = self.rx.remove(&rid)?;
+        let mut e = self.rx.ops.remove(&rid)?;
         if e.read.is_some() {
             self.read_entry_removed(rid, &mut e);
         }
@@ -909,10 +950,12 @@ impl Engine {
     /// A receive ends without its message (peer failure, stall, close): an error completion
     /// for a matched receive, nothing for a message without one.
     pub(super) fn abort_rx(&mut self, rid: u32, kind: ErrorKind, why: &'static str) {
-        let Some(e) = self.rx.get(&rid) else { return };
+        let Some(e) = self.rx.ops.get(&rid) else {
+            return;
+        };
         if !e.matched() {
             if matches!(e.state, RxState::Claimed) {
-                self.claimed.retain(|_, r| *r != rid);
+                self.rx.claimed.retain(|_, r| *r != rid);
             }
             return self.remove_unmatched(rid);
         }
@@ -959,7 +1002,7 @@ impl Engine {
     /// slow (long RNR backoffs) still completes (no RECEIPT is sent for it, though). A message
     /// that is already being thrown away and stalls again is forgotten.
     pub(super) fn stall_rx(&mut self, rid: u32, now: Instant) {
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let RxState::Matched(sink) = &mut e.state else {

@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::peer::peer_fatal;
 use super::read::ReadProto;
-use super::util::Hdr;
+use super::util::{Hdr, SeqMap, WrTable};
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
 use crate::proto::wire::{
@@ -40,6 +40,29 @@ pub(super) enum Owner {
 ///
 /// It holds no reference-counted buffer: its headers are inline and its payload is a range of
 /// its send's buffer, turned into the `Transmit`'s `Bytes` when it goes to the device (and
+/// The transmit side of the engine: send operations by id, the packets on the device, and
+/// how many packets wait in peers' queues.
+#[derive(Debug)]
+pub(super) struct TxSide {
+    pub(super) ops: SeqMap<TxEntry>,
+    pub(super) next_id: u32,
+    /// Packets handed to the device.
+    pub(super) wrs: WrTable<Pkt, 0>,
+    /// Packets queued at peers, not handed out yet.
+    pub(super) queued: usize,
+}
+
+impl TxSide {
+    pub(super) fn new(cap: usize) -> TxSide {
+        TxSide {
+            ops: SeqMap::new(cap),
+            next_id: 1,
+            wrs: WrTable::default(),
+            queued: 0,
+        }
+    }
+}
+
 /// again if an RNR sends it once more).
 #[derive(Debug)]
 pub(super) struct Pkt {
@@ -226,9 +249,10 @@ impl Engine {
     /// one space, so a CTS, CTSDATA or RECEIPT finds its owner by its id alone.
     pub(super) fn alloc_tx_id(&mut self) -> u32 {
         loop {
-            let id = self.next_tx_id;
-            self.next_tx_id = self.next_tx_id.wrapping_add(1);
-            if !self.tx.contains_key(&id) && !self.rd_owns_id(id) && !self.ema_owns_send_id(id) {
+            let id = self.tx.next_id;
+            self.tx.next_id = self.tx.next_id.wrapping_add(1);
+            if !self.tx.ops.contains_key(&id) && !self.rd_owns_id(id) && !self.ema_owns_send_id(id)
+            {
                 return id;
             }
         }
@@ -249,7 +273,7 @@ impl Engine {
         if !self.backoff.is_empty() {
             self.expire_backoffs(now);
         }
-        if self.tx.len() >= self.cfg.max_tx_ops {
+        if self.tx.ops.len() >= self.cfg.max_tx_ops {
             return self.again(op, "max_tx_ops operations in flight", "send");
         }
         let Some(pid) = self.peer_for_send(op.dest) else {
@@ -306,7 +330,7 @@ impl Engine {
         if let Some(p) = self.peers.get_mut(&pid) {
             p.next_msg_id = p.next_msg_id.wrapping_add(1);
         }
-        self.tx.insert(
+        self.tx.ops.insert(
             send_id,
             TxEntry {
                 peer: pid,
@@ -448,9 +472,9 @@ impl Engine {
                 self.ready.push_back(pid);
             }
             let dest = p.addr;
-            self.queued_pkts = self.queued_pkts.saturating_sub(1);
+            self.tx.queued = self.tx.queued.saturating_sub(1);
             let payload = match pkt.owner {
-                Owner::Tx(id) => match self.tx.get(&id) {
+                Owner::Tx(id) => match self.tx.ops.get(&id) {
                     Some(t) => t.buf.slice(pkt.off..pkt.end),
                     None => continue,
                 },
@@ -463,7 +487,7 @@ impl Engine {
                 }
             };
             let hdr = self.hdr.copy(pkt.hdr.bytes());
-            let wr_id = self.outstanding.insert(pkt);
+            let wr_id = self.tx.wrs.insert(pkt);
             return Some(Transmit {
                 wr_id,
                 dest,
@@ -479,7 +503,7 @@ impl Engine {
         if self.closed {
             return;
         }
-        let Some(pkt) = self.outstanding.take(wr_id) else {
+        let Some(pkt) = self.tx.wrs.take(wr_id) else {
             tracing::debug!(wr_id, "send completion for an unknown work request");
             return;
         };
@@ -507,7 +531,7 @@ impl Engine {
                 }
                 if let Owner::Tx(id) = pkt.owner {
                     self.read_pkt_done(id, &pkt);
-                    if let Some(t) = self.tx.get_mut(&id) {
+                    if let Some(t) = self.tx.ops.get_mut(&id) {
                         t.pending = t.pending.saturating_sub(1);
                         self.maybe_complete_tx(id);
                     }
@@ -537,7 +561,7 @@ impl Engine {
             return;
         }
         if let Owner::Tx(id) = pkt.owner {
-            if !self.tx.contains_key(&id) {
+            if !self.tx.ops.contains_key(&id) {
                 return;
             }
         }
@@ -556,7 +580,7 @@ impl Engine {
     /// complete) its RECEIPT arrived.
     pub(super) fn maybe_complete_tx(&mut self, id: u32) {
         // Read-based messages are delivery complete by nature (EOR), without RECEIPT.
-        let done = self.tx.get(&id).is_some_and(|t| {
+        let done = self.tx.ops.get(&id).is_some_and(|t| {
             t.pending == 0
                 && t.scheduled == t.len
                 && (!t.dc || t.receipt || matches!(t.proto, Proto::LongRead | Proto::RuntRead))
@@ -564,7 +588,9 @@ impl Engine {
         if !done {
             return;
         }
-        let Some(t) = self.tx.remove(&id) else { return };
+        let Some(t) = self.tx.ops.remove(&id) else {
+            return;
+        };
         self.read_tx_gone(id, t.peer);
         let len = t.len;
         self.stats.tx_msgs += 1;
@@ -581,13 +607,15 @@ impl Engine {
 
     /// Fails a send at once; its packets still on the device complete unnoticed.
     pub(super) fn fail_tx(&mut self, id: u32, error: Error, status: Option<Status>) {
-        let Some(t) = self.tx.remove(&id) else { return };
+        let Some(t) = self.tx.ops.remove(&id) else {
+            return;
+        };
         self.read_tx_gone(id, t.peer);
         if let Some(p) = self.peers.get_mut(&t.peer) {
             p.blocked.retain(|&x| x != id);
             let before = p.data_q.len();
             p.data_q.retain(|k| k.owner != Owner::Tx(id));
-            self.queued_pkts = self.queued_pkts.saturating_sub(before - p.data_q.len());
+            self.tx.queued = self.tx.queued.saturating_sub(before - p.data_q.len());
         }
         self.stats.errors += 1;
         tracing::debug!(error = %error, "send failed");
@@ -604,7 +632,7 @@ impl Engine {
     /// A CTS: the receiver grants `recv_length` more bytes of a long-CTS send (a CTS with
     /// READ_REQ goes to the emulation, `rma/cts.rs`).
     pub(super) fn handle_cts(&mut self, pid: u64, send_id: u32, recv_id: u32, recv_length: u64) {
-        let Some(t) = self.tx.get_mut(&send_id) else {
+        let Some(t) = self.tx.ops.get_mut(&send_id) else {
             return self.drop_pkt("CTS for an unknown send_id");
         };
         if t.peer != pid || t.proto != Proto::LongCts {
@@ -679,7 +707,9 @@ impl Engine {
 
     /// Queues the CTSDATA packets of the window granted to send `id`.
     pub(super) fn schedule_ctsdata(&mut self, id: u32) {
-        let Some(t) = self.tx.get(&id) else { return };
+        let Some(t) = self.tx.ops.get(&id) else {
+            return;
+        };
         let (pid, recv_id, off, end) = (t.peer, t.recv_id, t.scheduled, t.window_end);
         let mut pkts = std::mem::take(&mut self.pkt_scratch);
         if self.push_ctsdata(&mut pkts, pid, Owner::Tx(id), recv_id, off, end, 0) != end {
@@ -688,7 +718,7 @@ impl Engine {
             let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
             return self.fail_tx(id, e, None);
         }
-        if let Some(t) = self.tx.get_mut(&id) {
+        if let Some(t) = self.tx.ops.get_mut(&id) {
             t.scheduled = end;
             t.pending += pkts.len();
         }
@@ -700,7 +730,7 @@ impl Engine {
 
     /// A RECEIPT: the data of delivery-complete send `send_id` is in the receiver's buffer.
     pub(super) fn handle_receipt(&mut self, pid: u64, send_id: u32, msg_id: u32) {
-        let Some(t) = self.tx.get_mut(&send_id) else {
+        let Some(t) = self.tx.ops.get_mut(&send_id) else {
             return self.drop_pkt("RECEIPT for an unknown send_id");
         };
         if t.peer != pid || !t.dc || t.msg_id != msg_id || t.receipt {

@@ -203,7 +203,7 @@ impl Engine {
         if let Err(e) = Self::validate_rma(&op) {
             return Err((e, op));
         }
-        if self.tx.len() + self.rd.ops.len() >= self.cfg.max_tx_ops {
+        if self.tx.ops.len() + self.rd.ops.len() >= self.cfg.max_tx_ops {
             return self.rma_again(op, "max_tx_ops operations in flight");
         }
         if backoff {

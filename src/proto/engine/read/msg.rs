@@ -230,7 +230,7 @@ impl Engine {
 
     /// EOR: the receiver read a message (or the target of LONGREAD_RTW placed a write).
     pub(super) fn handle_eor(&mut self, pid: u64, send_id: u32) {
-        if let Some(t) = self.tx.get_mut(&send_id) {
+        if let Some(t) = self.tx.ops.get_mut(&send_id) {
             let reading = matches!(t.proto, Proto::LongRead | Proto::RuntRead);
             if t.peer != pid || !reading || t.scheduled >= t.len {
                 return self.drop_pkt("EOR that does not match its send");
@@ -261,7 +261,7 @@ impl Engine {
     /// the READ_NACK flag and no data, then CTS / CTSDATA from where the runt ended); a
     /// LONGREAD_RTW starts again as an emulated write.
     pub(super) fn handle_read_nack(&mut self, now: Instant, pid: u64, send_id: u32, recv_id: u32) {
-        if let Some(t) = self.tx.get(&send_id) {
+        if let Some(t) = self.tx.ops.get(&send_id) {
             let reading = matches!(t.proto, Proto::LongRead | Proto::RuntRead);
             if t.peer != pid || !reading || t.scheduled >= t.len {
                 return self.drop_pkt("READ_NACK that does not match its send");
@@ -271,14 +271,14 @@ impl Engine {
             if let Some((key, addr)) = region.filter(|_| t.buf.len() < t.len) {
                 match self.region_bytes(key, addr, t.len) {
                     Ok(b) => {
-                        if let Some(t) = self.tx.get_mut(&send_id) {
+                        if let Some(t) = self.tx.ops.get_mut(&send_id) {
                             t.buf = b;
                         }
                     }
                     Err(e) => return self.fail_tx(send_id, e, None),
                 }
             }
-            let Some(t) = self.tx.get(&send_id) else {
+            let Some(t) = self.tx.ops.get(&send_id) else {
                 return;
             };
             let hs = self.peers.get(&pid).is_some_and(|p| p.hs_received);
@@ -306,7 +306,7 @@ impl Engine {
                 return self.fail_tx(send_id, e, None);
             };
             self.read_msg_answered(send_id);
-            if let Some(t) = self.tx.get_mut(&send_id) {
+            if let Some(t) = self.tx.ops.get_mut(&send_id) {
                 tracing::debug!(send_id, "READ_NACK: the message goes on as long-CTS");
                 t.proto = Proto::LongCts;
                 t.window_end = t.scheduled;
@@ -333,7 +333,7 @@ impl Engine {
     pub(in crate::proto::engine) fn start_rx_read(&mut self, now: Instant, rid: u32) {
         let seg = self.read_segment();
         let can = self.cfg.device_rdma_read;
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let (pid, dest, msg_len) = (e.peer, e.src, e.msg_len);
@@ -389,7 +389,7 @@ impl Engine {
         let WrWhat::Read { piece, buf, region } = w.what else {
             return;
         };
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         e.last = now;
@@ -420,8 +420,8 @@ impl Engine {
                 sink.buf = pieces.join(head, start);
             }
         }
-        if self.stall_check.is_none() && self.rx_in_progress > 0 {
-            self.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
+        if self.rx.stall_check.is_none() && self.rx.in_progress > 0 {
+            self.rx.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
         }
         if failed {
             tracing::debug!(rid, "RDMA read of a message failed: READ_NACK");
@@ -436,7 +436,7 @@ impl Engine {
     /// the runt is in too.
     pub(super) fn rx_read_finished(&mut self, rid: u32) {
         let qkey = self.local.qkey;
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let Some(r) = e.read.as_mut() else {
@@ -462,7 +462,7 @@ impl Engine {
     /// the last RUNTREAD packet: the long-CTS part then starts where the runt ends).
     pub(super) fn maybe_nack(&mut self, rid: u32) {
         let qkey = self.local.qkey;
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
         };
         let (received, msg_len, pid) = (e.received, e.msg_len, e.peer);
@@ -499,7 +499,7 @@ impl Engine {
         let Some(&rid) = self.peers.get(&pid).and_then(|p| p.inbound.get(&msg_id)) else {
             return self.drop_pkt("read-NACK REQ without a long-read message");
         };
-        let Some(e) = self.rx.get_mut(&rid) else {
+        let Some(e) = self.rx.ops.get_mut(&rid) else {
             return self.drop_pkt("read-NACK REQ without a long-read message");
         };
         let nacked = e
