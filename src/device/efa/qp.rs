@@ -662,15 +662,9 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         mut local: BytesMut,
         remote: RemoteIov,
     ) -> Result<()> {
-        self.check_open("post_read")?;
-        if !self.limits.caps.rdma_read || self.qp_type != QpType::Srd {
-            return Err(Error::new(ErrorKind::NotSupported, "post_read")
-                .with_detail("no device RDMA read on this queue pair"));
-        }
+        self.rdma_allowed("post_read", false)?;
         let len = self.rdma_len("post_read", remote, local.capacity() as u64)?;
-        let rkey = rkey_of("post_read", remote.key)?;
-        self.send_room("post_read")?;
-        let ah = self.nic.address_handle(&dest.gid)?;
+        let (rkey, ah) = self.rdma_target("post_read", remote, &dest)?;
         local.clear();
         let mr = if len > 0 {
             let ptr = local.spare_capacity_mut().as_mut_ptr().cast::<u8>();
@@ -700,18 +694,11 @@ impl<N: Nic> QueuePair for EfaQp<N> {
                 len,
             },
         );
-        let wqe = SendWqe {
-            wr_id: token,
-            op: SendOp::Read {
-                rkey,
-                raddr: remote.addr,
-            },
-            ah: &*ah,
-            remote_qpn: u32::from(dest.qpn),
-            remote_qkey: dest.qkey,
-            payload,
+        let op = SendOp::Read {
+            rkey,
+            raddr: remote.addr,
         };
-        self.post(&wqe, "ibv_wr_rdma_read")
+        self.post_rdma(token, op, &ah, dest, payload, "ibv_wr_rdma_read")
     }
 
     fn post_write(
@@ -722,11 +709,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         remote: RemoteIov,
         imm: Option<u32>,
     ) -> Result<()> {
-        self.check_open("post_write")?;
-        if !self.limits.caps.rdma_write || self.qp_type != QpType::Srd {
-            return Err(Error::new(ErrorKind::NotSupported, "post_write")
-                .with_detail("no device RDMA write on this queue pair"));
-        }
+        self.rdma_allowed("post_write", true)?;
         let len = local.len();
         if len as u64 > remote.len {
             return Err(Error::new(ErrorKind::InvalidArgument, "post_write")
@@ -740,9 +723,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
             },
             len as u64,
         )?;
-        let rkey = rkey_of("post_write", remote.key)?;
-        self.send_room("post_write")?;
-        let ah = self.nic.address_handle(&dest.gid)?;
+        let (rkey, ah) = self.rdma_target("post_write", remote, &dest)?;
         let mr = if len > 0 {
             // SAFETY: `local` is kept by the work request until its completion, which drops
             // the registration (deregistering it unless the MR cache keeps it, together with
@@ -778,19 +759,12 @@ impl<N: Nic> QueuePair for EfaQp<N> {
                 len,
             },
         );
-        let wqe = SendWqe {
-            wr_id: token,
-            op: SendOp::Write {
-                rkey,
-                raddr: remote.addr,
-                imm,
-            },
-            ah: &*ah,
-            remote_qpn: u32::from(dest.qpn),
-            remote_qkey: dest.qkey,
-            payload,
+        let op = SendOp::Write {
+            rkey,
+            raddr: remote.addr,
+            imm,
         };
-        self.post(&wqe, "ibv_wr_rdma_write")
+        self.post_rdma(token, op, &ah, dest, payload, "ibv_wr_rdma_write")
     }
 
     fn region_rdma(&self) -> bool {
@@ -835,15 +809,7 @@ impl<N: Nic> EfaQp<N> {
             None => ("post_read_region", "ibv_wr_rdma_read"),
             Some(_) => ("post_write_region", "ibv_wr_rdma_write"),
         };
-        self.check_open(op)?;
-        let can = match write {
-            None => self.limits.caps.rdma_read,
-            Some(_) => self.limits.caps.rdma_write,
-        };
-        if !can || self.qp_type != QpType::Srd {
-            return Err(Error::new(ErrorKind::NotSupported, op)
-                .with_detail("no device RDMA of this kind on this queue pair"));
-        }
+        self.rdma_allowed(op, write.is_some())?;
         let len = match write {
             None => self.rdma_len(op, remote, local.len as u64)?,
             Some(_) if remote.len != local.len as u64 => {
@@ -856,9 +822,7 @@ impl<N: Nic> EfaQp<N> {
             }
             Some(_) => self.rdma_len(op, remote, local.len as u64)?,
         };
-        let rkey = rkey_of(op, remote.key)?;
-        self.send_room(op)?;
-        let ah = self.nic.address_handle(&dest.gid)?;
+        let (rkey, ah) = self.rdma_target(op, remote, &dest)?;
         let keys = self.local_keys.clone();
         let table = keys.0.lock();
         let lkey = table
@@ -900,17 +864,60 @@ impl<N: Nic> EfaQp<N> {
                 imm,
             },
         };
+        let r = self.post_rdma(token, send_op, &ah, dest, payload, verb);
+        drop(table);
+        r
+    }
+
+    /// The first checks of every RDMA post: the queue pair is open, SRD, and its device does
+    /// this kind of RDMA (`write` or read).
+    fn rdma_allowed(&self, op: &'static str, write: bool) -> Result<()> {
+        self.check_open(op)?;
+        let (can, what) = if write {
+            (self.limits.caps.rdma_write, "write")
+        } else {
+            (self.limits.caps.rdma_read, "read")
+        };
+        if !can || self.qp_type != QpType::Srd {
+            return Err(Error::new(ErrorKind::NotSupported, op)
+                .with_detail(format!("no device RDMA {what} on this queue pair")));
+        }
+        Ok(())
+    }
+
+    /// The far side of an RDMA post, after its length checks: the remote key, room in the send
+    /// queue, the address handle of `dest`.
+    fn rdma_target(
+        &self,
+        op: &'static str,
+        remote: RemoteIov,
+        dest: &RawAddr,
+    ) -> Result<(u32, Arc<N::Ah>)> {
+        let rkey = rkey_of(op, remote.key)?;
+        self.send_room(op)?;
+        let ah = self.nic.address_handle(&dest.gid)?;
+        Ok((rkey, ah))
+    }
+
+    /// Posts the RDMA work request recorded under `token` to `dest`.
+    fn post_rdma(
+        &mut self,
+        token: u64,
+        op: SendOp,
+        ah: &N::Ah,
+        dest: RawAddr,
+        payload: Payload<'_>,
+        verb: &'static str,
+    ) -> Result<()> {
         let wqe = SendWqe {
             wr_id: token,
-            op: send_op,
-            ah: &*ah,
+            op,
+            ah,
             remote_qpn: u32::from(dest.qpn),
             remote_qkey: dest.qkey,
             payload,
         };
-        let r = self.post(&wqe, verb);
-        drop(table);
-        r
+        self.post(&wqe, verb)
     }
 
     /// The payload of a zero-byte RDMA operation: one zero-length SGE in the registered send
