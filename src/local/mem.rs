@@ -77,8 +77,9 @@ impl MemRing {
         }
     }
 
-    /// Writes and publishes a slot (no checks of the content: a peer may write anything).
-    fn put(&self, hdr: &SlotHdr, src: &[u8; ADDR_LEN], data: &[u8]) -> Option<u64> {
+    /// Writes and publishes a slot as given (no checks of the content: a peer may write
+    /// anything, its `len` too); `None` when the ring is full.
+    fn put(&self, hdr: SlotHdr, src: [u8; ADDR_LEN], data: &[u8]) -> Option<u64> {
         let mut st = self.st.lock();
         let n = st.seq.len() as u64;
         let pos = st.tail;
@@ -87,11 +88,9 @@ impl MemRing {
             return None;
         }
         st.tail += 1;
-        let mut hdr = *hdr;
-        hdr.len = data.len() as u32;
         st.slots[i] = Some(Slot {
             hdr,
-            src: *src,
+            src,
             bytes: data.to_vec(),
         });
         st.seq[i] = pos + 1;
@@ -151,19 +150,7 @@ impl MemHost {
     /// `len` too, which may lie), from `src`.
     pub(crate) fn plant(&self, addr: &RawAddr, hdr: SlotHdr, src: [u8; ADDR_LEN], data: &[u8]) {
         if let Some(r) = self.ring(addr) {
-            let mut st = r.st.lock();
-            let n = st.seq.len() as u64;
-            let pos = st.tail;
-            let i = (pos % n) as usize;
-            if st.seq[i] == pos {
-                st.tail += 1;
-                st.slots[i] = Some(Slot {
-                    hdr,
-                    src,
-                    bytes: data.to_vec(),
-                });
-                st.seq[i] = pos + 1;
-            }
+            r.put(hdr, src, data);
         }
     }
 
@@ -276,7 +263,11 @@ impl PeerRing for MemPeer {
         if data.len() > self.ring.chunk || self.host.refused() {
             return None;
         }
-        self.ring.put(hdr, src, data)
+        let hdr = SlotHdr {
+            len: data.len() as u32,
+            ..*hdr
+        };
+        self.ring.put(hdr, *src, data)
     }
 
     fn consumed(&self, pos: u64) -> bool {
