@@ -216,3 +216,34 @@ fn the_engine_reads_no_clock() {
         "the engine or the same-host path reads a clock: {found:?}"
     );
 }
+
+/// The udp device's protocol side is sans-I/O, as the engine is: `device/udp/link.rs` (the
+/// queue pair's protocol state and its outbox), `srd.rs` (the SRD rules) and `wire.rs` (the
+/// codec) read no clock and touch no socket, so the simulator (`device/udp/sim.rs`) drives
+/// them with virtual time and a simulated network; `qp.rs` owns the socket and the clock.
+#[test]
+fn the_udp_protocol_side_is_sans_io() {
+    let udp = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/device/udp");
+    let mut found = Vec::new();
+    for f in ["link.rs", "srd.rs", "wire.rs"] {
+        let c = code(&std::fs::read_to_string(udp.join(f)).unwrap());
+        for pat in [
+            "Instant::now",
+            "SystemTime::now",
+            "UdpSocket",
+            "send_to",
+            "recv_from",
+            "mio::",
+            "socket2::",
+            "libc::",
+        ] {
+            if c.contains(pat) {
+                found.push(format!("{f}: {pat}"));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the udp protocol side does I/O: {found:?}"
+    );
+}

@@ -58,8 +58,11 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fault::FaultConfig;
 use crate::stats::{DeviceCounters, DeviceStats};
 
+mod link;
 mod mmsg;
 mod qp;
+#[cfg(test)]
+mod sim;
 mod srd;
 mod wire;
 

@@ -12,23 +12,19 @@ use std::thread::Thread;
 use crate::progress::Background;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
+use super::UdpConfig;
+use super::link::{Ctx, Link, LinkAttr, Outbox, Queued, Tag};
 use super::mmsg;
-use super::srd::Srd;
-use super::wire::{self, Packet};
-use super::{UdpConfig, sockaddr_for};
 use crate::addr::{Gid, RawAddr};
-use crate::device::queues::{Completions, WrSlots, flush_recvs};
-use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, Served, Src};
-use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Source, Status, random_qkey,
-};
+use crate::device::queues::WrSlots;
+use crate::device::soft_rdma::{KeyTable, RdmaOps};
+use crate::device::{DeviceCompletion, QpAttr, QpType, QueuePair, SendWr, Source, random_qkey};
 use crate::error::{Error, ErrorKind, Result};
-use crate::fault::FaultInjector;
 use crate::notify::{Notifier, SleepHook};
 use crate::stats::{self, DeviceCounters};
 
@@ -44,11 +40,6 @@ const APP_BUDGET: usize = 64;
 const NIC_BUDGET: usize = 1024;
 /// Datagrams read before pending SRD acknowledgements go out, within one batch.
 const ACK_BATCH: usize = 32;
-/// How long a datagram held back for reordering waits for a later one, when `max_delay` is zero.
-const DEFAULT_REORDER_HOLD: Duration = Duration::from_millis(1);
-/// User bytes up to this size are copied behind the device header and sent with `sendto`;
-/// larger ones are gathered by the kernel from their buffers (`sendmsg`), without a copy here.
-const GATHER_MIN: usize = 2048;
 /// After an application poll read datagrams and emptied the socket, its polls leave the socket
 /// alone this long: the application is busy with what arrived (and its reply should not wait
 /// for a few more empty reads), and the next datagram is unlikely to be there already.
@@ -65,80 +56,24 @@ const BUSY_WINDOW: Duration = Duration::from_millis(1);
 /// default) even if the application stopped polling right then.
 const ACK_GUARD_WINDOW: Duration = Duration::from_micros(150);
 
-/// The socket and the fault layer every outgoing datagram goes through.
-pub(super) struct Io {
-    pub sock: UdpSocket,
-    /// The socket is IPv6 (IPv4 destinations are sent as IPv4-mapped addresses).
-    pub v6: bool,
-    /// Scratch buffer of the datagram being sent.
-    pub tx: Vec<u8>,
-    pub faults: Option<Faults>,
-    pub counters: Arc<DeviceCounters>,
-    /// Datagrams held for one `sendmmsg` while a batch is open ([`Io::begin_batch`]).
-    out: TxBatch,
-    /// Unit tests: `(errno, n)` makes every `n`-th datagram's send fail with `errno`, as if the
-    /// kernel had refused it.
-    #[cfg(test)]
-    pub inject: Option<(i32, u64, u64)>,
-}
-
-/// Whom a datagram sent in a batch belongs to, so that a permanent failure the kernel reports
-/// only when the batch goes out reaches the right work request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Tag {
-    /// Acknowledgements, NAKs and other datagrams no work request waits for.
-    None,
-    /// The UD send with this work request id.
-    Ud(u64),
-    /// The SRD packet `seq` towards connection `conn`.
-    Srd { conn: u32, seq: u64 },
-}
-
-/// One datagram waiting in a batch: its device header (and, when small, everything) in the
-/// batch's arena, and the user's segments, sent from where they are.
-struct Queued {
-    dest: socket2::SockAddr,
-    head: std::ops::Range<usize>,
-    hdr: Bytes,
-    payload: Bytes,
-    tag: Tag,
-}
-
-/// The datagrams of an open batch.
-struct TxBatch {
-    open: bool,
-    arena: Vec<u8>,
-    queued: Vec<Queued>,
-    /// Datagrams of flushed batches the kernel refused for good (not a transient loss).
-    failed: Vec<Tag>,
-    /// The messages of a flush: ranges of `queued` (several datagrams: one GSO message).
+/// What sends an outbox's datagrams on the socket: GSO and `sendmmsg` batching, and the
+/// failures the kernel reports.
+pub(super) struct Sender {
+    /// The messages of a send: ranges of the outbox's datagrams (several datagrams: one GSO
+    /// message).
     groups: Vec<std::ops::Range<usize>>,
+    /// The destinations of the datagrams, as socket addresses.
+    dests: Vec<socket2::SockAddr>,
     scratch: mmsg::SendScratch,
     /// Largest datagram sent in GSO messages (`UDP_SEGMENT`); 0: GSO off. Lowered when the
     /// kernel refuses a GSO message.
     gso_limit: usize,
-}
-
-impl TxBatch {
-    fn new(gso: bool) -> TxBatch {
-        TxBatch {
-            open: false,
-            arena: Vec::new(),
-            queued: Vec::new(),
-            failed: Vec::new(),
-            groups: Vec::new(),
-            scratch: mmsg::SendScratch::default(),
-            gso_limit: if gso { mmsg::GSO_MAX_BYTES } else { 0 },
-        }
-    }
-}
-
-/// Fault-injection state: the seeded injector and the datagrams it holds back.
-pub(super) struct Faults {
-    inj: FaultInjector,
-    hold: Duration,
-    held: Vec<(SocketAddr, Vec<u8>, Instant)>,
-    delayed: Vec<(Instant, SocketAddr, Vec<u8>)>,
+    /// Datagrams the kernel refused for good (not a transient loss), for their owners to fail.
+    failed: Vec<Tag>,
+    /// Unit tests: `(errno, n)` makes every `n`-th datagram's send fail with `errno`, as if the
+    /// kernel had refused it.
+    #[cfg(test)]
+    pub inject: Option<(i32, u64, u64)>,
 }
 
 /// A send failure that is a loss on the wire, for SRD to recover from by retransmission (until
@@ -185,209 +120,106 @@ fn lost_if_transient(r: io::Result<usize>, dest: SocketAddr) -> io::Result<()> {
     }
 }
 
-/// One `sendto`: transient failures count as a loss on the wire.
-fn raw_send(sock: &UdpSocket, buf: &[u8], dest: SocketAddr) -> io::Result<()> {
-    lost_if_transient(sock.send_to(buf, dest), dest)
-}
-
-/// One `sendto` (one `sendmsg` gathering the parts when there are several, so that user bytes
-/// are not copied into a staging buffer): transient failures count as a loss on the wire.
-fn raw_send_parts(
-    sock: &UdpSocket,
-    head: &mut Vec<u8>,
-    hdr: &[u8],
-    payload: &[u8],
-    dest: SocketAddr,
-) -> io::Result<()> {
-    let r = if hdr.len() + payload.len() <= GATHER_MIN {
-        // Small: one copy is cheaper than the kernel importing three segments.
-        head.extend_from_slice(hdr);
-        head.extend_from_slice(payload);
-        sock.send_to(head, dest)
+/// One datagram by itself: a plain `sendto` when it is in one piece, else one `sendmsg`
+/// gathering its parts (so that user bytes are not copied into a staging buffer). Transient
+/// failures are losses on the wire; an error is permanent.
+fn send_one(sock: &UdpSocket, head: &[u8], q: &Queued) -> io::Result<()> {
+    let r = if q.hdr.is_empty() && q.payload.is_empty() {
+        sock.send_to(head, q.dest)
     } else {
         let parts = [
             io::IoSlice::new(head),
-            io::IoSlice::new(hdr),
-            io::IoSlice::new(payload),
+            io::IoSlice::new(&q.hdr),
+            io::IoSlice::new(&q.payload),
         ];
-        socket2::SockRef::from(sock).send_to_vectored(&parts, &dest.into())
+        socket2::SockRef::from(sock).send_to_vectored(&parts, &q.dest.into())
     };
-    lost_if_transient(r, dest)
+    lost_if_transient(r, q.dest)
 }
 
-/// Sends one queued datagram by itself (`sendmsg` gathering its parts); transient failures are
-/// losses, an error is permanent.
-fn send_one(sock: &UdpSocket, head: &[u8], q: &Queued) -> io::Result<()> {
-    let parts = [
-        io::IoSlice::new(head),
-        io::IoSlice::new(&q.hdr),
-        io::IoSlice::new(&q.payload),
-    ];
-    let r = socket2::SockRef::from(sock).send_to_vectored(&parts, &q.dest);
-    match q.dest.as_socket() {
-        Some(dest) => lost_if_transient(r, dest),
-        None => r.map(|_| ()),
-    }
-}
-
-impl Io {
-    /// Sends the datagram in `self.tx` to `dest` through the fault layer. An error is a permanent
-    /// failure of the first copy (e.g. an address of the wrong family); transient ones are losses.
-    pub fn emit(&mut self, dest: SocketAddr, now: Instant) -> io::Result<()> {
-        self.emit_parts(dest, now, &Bytes::new(), &Bytes::new(), Tag::None)
+impl Sender {
+    fn new(gso: bool) -> Sender {
+        Sender {
+            groups: Vec::new(),
+            dests: Vec::new(),
+            scratch: mmsg::SendScratch::default(),
+            gso_limit: if gso { mmsg::GSO_MAX_BYTES } else { 0 },
+            failed: Vec::new(),
+            #[cfg(test)]
+            inject: None,
+        }
     }
 
-    /// Sends the datagram `self.tx` + `hdr` + `payload` to `dest` through the fault layer, as
-    /// [`Io::emit`]; the parts are gathered by the kernel, not copied here (unless a fault holds
-    /// the datagram back). While a batch is open the datagram waits for
-    /// [`Io::end_batch`], and a permanent failure is reported then, with `tag`.
-    pub fn emit_parts(
-        &mut self,
-        dest: SocketAddr,
-        now: Instant,
-        hdr: &Bytes,
-        payload: &Bytes,
-        tag: Tag,
-    ) -> io::Result<()> {
-        let Some(f) = self.faults.as_mut() else {
-            return self.out(dest, hdr, payload, tag);
-        };
-        let fate = f.inj.next_fate();
-        if fate.drop {
-            stats::inc(&self.counters.faults_dropped);
-            return Ok(());
-        }
-        let copies = if fate.duplicate {
-            stats::inc(&self.counters.faults_duplicated);
-            2
-        } else {
-            1
-        };
-        let whole = || [&self.tx[..], hdr, payload].concat();
-        if fate.reorder {
-            stats::inc(&self.counters.faults_reordered);
-            for _ in 0..copies {
-                f.held.push((dest, whole(), now + f.hold));
-            }
-            return Ok(());
-        }
-        if !fate.delay.is_zero() {
-            stats::inc(&self.counters.faults_reordered);
-            for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, whole()));
-            }
-            return Ok(());
-        }
-        let held = std::mem::take(&mut f.held);
-        let head = self.tx.len();
-        let r = self.out(dest, hdr, payload, tag);
-        if copies > 1 {
-            self.tx.truncate(head);
-            let _ = self.out(dest, hdr, payload, Tag::None);
-        }
-        // Held-back datagrams go out after this later one: that is the reordering.
-        for (d, b, _) in held {
-            let _ = self.out_owned(d, &b, Tag::None);
-        }
-        r
-    }
-
-    /// Sends (or, in a batch, queues) the datagram `self.tx` + `hdr` + `payload`.
-    fn out(&mut self, dest: SocketAddr, hdr: &Bytes, payload: &Bytes, tag: Tag) -> io::Result<()> {
+    /// Sends every datagram of `out` and empties it: a lone one with one system call, more with
+    /// one `sendmmsg` per [`mmsg::MAX_BATCH`] messages. Returns the datagrams the kernel refused
+    /// for good, for their owners to fail (transient refusals are losses on the wire).
+    fn send(&mut self, sock: &UdpSocket, out: &mut Outbox) -> Vec<Tag> {
         #[cfg(test)]
-        if let Some((errno, every, count)) = self.inject.as_mut() {
-            *count += 1;
-            if *count % *every == 0 {
-                return lost_if_transient(Err(io::Error::from_raw_os_error(*errno)), dest);
+        if self.inject.is_some() {
+            self.send_injected(sock, out);
+            out.clear();
+            return std::mem::take(&mut self.failed);
+        }
+        match out.queued() {
+            [] => {}
+            [q] => {
+                if let Err(e) = send_one(sock, out.head(q), q) {
+                    tracing::debug!(dest = %q.dest, error = %e, "udp: send failed");
+                    self.failed.push(q.tag);
+                }
+            }
+            _ => self.send_batch(sock, out),
+        }
+        out.clear();
+        std::mem::take(&mut self.failed)
+    }
+
+    /// Unit tests: [`Sender::send`], one datagram at a time, every `n`-th refused as if by the
+    /// kernel (see [`Sender::inject`]).
+    #[cfg(test)]
+    fn send_injected(&mut self, sock: &UdpSocket, out: &Outbox) {
+        for q in out.queued() {
+            if let Some((errno, every, count)) = self.inject.as_mut() {
+                *count += 1;
+                if *count % *every == 0 {
+                    let e = io::Error::from_raw_os_error(*errno);
+                    if !transient(&e) {
+                        self.failed.push(q.tag);
+                    }
+                    continue;
+                }
+            }
+            if send_one(sock, out.head(q), q).is_err() {
+                self.failed.push(q.tag);
             }
         }
-        if !self.out.open {
-            return raw_send_parts(&self.sock, &mut self.tx, hdr, payload, dest);
-        }
-        let b = &mut self.out;
-        let start = b.arena.len();
-        b.arena.extend_from_slice(&self.tx);
-        let (hdr, payload) = if hdr.len() + payload.len() <= GATHER_MIN {
-            b.arena.extend_from_slice(hdr);
-            b.arena.extend_from_slice(payload);
-            (Bytes::new(), Bytes::new())
-        } else {
-            (hdr.clone(), payload.clone())
-        };
-        b.queued.push(Queued {
-            dest: dest.into(),
-            head: start..b.arena.len(),
-            hdr,
-            payload,
-            tag,
-        });
-        if b.queued.len() >= mmsg::MAX_BATCH {
-            self.send_queued();
-        }
-        Ok(())
     }
 
-    /// [`Io::out`] for a datagram the fault layer built in one piece.
-    fn out_owned(&mut self, dest: SocketAddr, whole: &[u8], tag: Tag) -> io::Result<()> {
-        if !self.out.open {
-            return raw_send(&self.sock, whole, dest);
-        }
-        let tx = std::mem::take(&mut self.tx);
-        self.tx.extend_from_slice(whole);
-        let r = self.out(dest, &Bytes::new(), &Bytes::new(), tag);
-        self.tx = tx;
-        r
-    }
-
-    /// From now on datagrams wait, to leave together at [`Io::end_batch`] (`sendmmsg`).
-    pub fn begin_batch(&mut self) {
-        self.out.open = true;
-    }
-
-    /// Sends the datagrams of the open batch and closes it. Returns the datagrams the kernel
-    /// refused for good, for their owners to fail (transient refusals are losses on the wire).
-    pub fn end_batch(&mut self) -> Vec<Tag> {
-        self.send_queued();
-        self.out.open = false;
-        std::mem::take(&mut self.out.failed)
-    }
-
-    /// Sends what the batch holds: one `sendmmsg` per [`mmsg::MAX_BATCH`] messages (a plain
-    /// `sendmsg` for a lone datagram).
-    fn send_queued(&mut self) {
-        let TxBatch {
-            arena,
-            queued,
-            failed,
+    /// Sends several datagrams: runs of datagrams to one address, all of one size but the last
+    /// (which may be shorter), become one GSO message the kernel cuts; the others go alone.
+    fn send_batch(&mut self, sock: &UdpSocket, out: &Outbox) {
+        let Sender {
             groups,
+            dests,
             scratch,
             gso_limit,
+            failed,
             ..
-        } = &mut self.out;
-        if let [q] = &queued[..] {
-            let head = arena.get(q.head.clone()).unwrap_or_default();
-            if let Err(e) = send_one(&self.sock, head, q) {
-                tracing::debug!(error = %e, "udp: send failed");
-                failed.push(q.tag);
-            }
-            queued.clear();
-            arena.clear();
-            return;
-        }
-        let len_of = |q: &Queued| q.head.len() + q.hdr.len() + q.payload.len();
-        // Messages: runs of datagrams to one address, all of one size but the last (which
-        // may be shorter), become one GSO message the kernel cuts; the others go alone.
+        } = self;
+        let queued = out.queued();
+        dests.clear();
+        dests.extend(queued.iter().map(|q| socket2::SockAddr::from(q.dest)));
         groups.clear();
         let mut i = 0;
         while i < queued.len() {
             let first = &queued[i];
-            let seg = len_of(first);
+            let seg = first.len();
             let mut end = i + 1;
             let mut total = seg;
             if seg <= *gso_limit {
                 while let Some(q) = queued.get(end) {
-                    let len = len_of(q);
-                    let prev_full = queued.get(end - 1).is_some_and(|p| len_of(p) == seg);
+                    let len = q.len();
+                    let prev_full = queued.get(end - 1).is_some_and(|p| p.len() == seg);
                     if q.dest != first.dest
                         || !prev_full
                         || len > seg
@@ -405,13 +237,13 @@ impl Io {
         }
         let mut batch = scratch.batch();
         for g in groups.iter() {
-            let Some(first) = queued.get(g.start) else {
+            let (Some(first), Some(dest)) = (queued.get(g.start), dests.get(g.start)) else {
                 continue;
             };
-            let seg = (g.len() > 1).then(|| len_of(first) as u16);
-            batch.message(&first.dest, seg);
+            let seg = (g.len() > 1).then(|| first.len() as u16);
+            batch.message(dest, seg);
             for q in queued.get(g.clone()).unwrap_or_default() {
-                batch.part(arena.get(q.head.clone()).unwrap_or_default());
+                batch.part(out.head(q));
                 batch.part(&q.hdr);
                 batch.part(&q.payload);
             }
@@ -420,7 +252,7 @@ impl Io {
         let mut calls = 0;
         while m < batch.len() {
             calls += 1;
-            match batch.send(&self.sock, m) {
+            match batch.send(sock, m) {
                 Ok(k) => m += k.max(1),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     // The socket buffer is full: what is left is lost on the wire.
@@ -435,12 +267,11 @@ impl Io {
                     } else if g.len() > 1 {
                         // The kernel (or the route's MTU) refuses GSO messages this large: no
                         // more of them, and these datagrams go one by one.
-                        let seg = queued.get(g.start).map_or(0, len_of);
+                        let seg = queued.get(g.start).map_or(0, Queued::len);
                         tracing::debug!(error = %e, seg, "udp: GSO refused, sending one by one");
                         *gso_limit = (*gso_limit).min(seg.saturating_sub(1));
                         for q in queued.get(g).unwrap_or_default() {
-                            let head = arena.get(q.head.clone()).unwrap_or_default();
-                            if send_one(&self.sock, head, q).is_err() {
+                            if send_one(sock, out.head(q), q).is_err() {
                                 failed.push(q.tag);
                             }
                         }
@@ -452,197 +283,15 @@ impl Io {
                 }
             }
         }
-        if queued.len() > 1 {
-            stats::add(&self.counters.tx_batches, calls);
-        }
-        queued.clear();
-        arena.clear();
-    }
-
-    /// Sends held-back and delayed datagrams whose time has come.
-    fn run_timers(&mut self, now: Instant) {
-        let Some(f) = self.faults.as_mut() else {
-            return;
-        };
-        let mut due = Vec::new();
-        if f.held.iter().any(|h| h.2 <= now) {
-            due.extend(f.held.drain(..).map(|(d, b, _)| (d, b)));
-        }
-        let mut i = 0;
-        while i < f.delayed.len() {
-            if f.delayed.get(i).is_some_and(|d| d.0 <= now) {
-                let (_, d, b) = f.delayed.swap_remove(i);
-                due.push((d, b));
-            } else {
-                i += 1;
-            }
-        }
-        for (d, b) in due {
-            let _ = self.out_owned(d, &b, Tag::None);
-        }
-    }
-
-    fn next_deadline(&self) -> Option<Instant> {
-        let f = self.faults.as_ref()?;
-        let held = f.held.iter().map(|h| h.2).min();
-        let delayed = f.delayed.iter().map(|d| d.0).min();
-        min_opt(held, delayed)
+        stats::add(&out.counters.tx_batches, calls);
     }
 }
 
-pub(super) fn min_opt(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, None) => a,
-        (None, b) => b,
-    }
-}
-
-/// What happened to a datagram offered to the receive queue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Delivery {
-    /// Copied into a posted buffer.
-    Ok,
-    /// No buffer posted.
-    NoBuffer,
-    /// The buffer at the head was too short; it completed with `LocalBadLength`.
-    BadLength,
-    /// An RDMA access refused: bad key, range or right (`rdma.rs`).
-    Denied,
-    /// An RDMA access refused: no address handle for the initiator (an emulated EFA NIC).
-    NoAh,
-}
-
-/// The parts of a queue pair's state both modes use.
-pub(super) struct Ctx {
-    pub io: Io,
-    pub cfg: Arc<UdpConfig>,
-    pub qkey: u32,
-    pub rnr_retry: u8,
-    cq: Completions,
-    recvs: VecDeque<(u64, BytesMut)>,
-    /// One-sided RDMA (`rdma.rs`).
-    pub rdma: Rdma,
-    /// Senders held back ([`QueuePair::hold_source`]): their new messages get RNR.
-    held: Vec<Source>,
-}
-
-impl RdmaHost for Ctx {
-    fn rdma(&mut self) -> &mut Rdma {
-        &mut self.rdma
-    }
-    fn complete(&mut self, c: DeviceCompletion) {
-        Ctx::complete(self, c)
-    }
-    fn recvs(&mut self) -> &mut VecDeque<(u64, BytesMut)> {
-        &mut self.recvs
-    }
-    fn counters(&self) -> &DeviceCounters {
-        &self.io.counters
-    }
-    fn mtu(&self) -> usize {
-        self.cfg.mtu
-    }
-}
-
-impl Ctx {
-    pub fn counters(&self) -> &DeviceCounters {
-        &self.io.counters
-    }
-
-    /// Queues a completion.
-    pub fn complete(&mut self, c: DeviceCompletion) {
-        self.cq.push(c);
-    }
-
-    /// Queues a send completion.
-    pub fn complete_send(&mut self, wr_id: u64, status: Status, byte_len: usize) {
-        if wr_id & rdma::INTERNAL != 0 {
-            return self.rdma_send_done(wr_id, status);
-        }
-        if !status.is_ok() && status != Status::Flushed {
-            stats::inc(&self.io.counters.send_errors);
-        }
-        self.complete(DeviceCompletion::new(wr_id, status, Opcode::Send, byte_len));
-    }
-
-    /// A UD send completed `Success` when it was queued in a batch, and the kernel refused it
-    /// for good when the batch went out: its completion (still queued, as the lock was held
-    /// throughout) becomes `UnreachableRemote`.
-    fn fail_batched_ud(&mut self, wr_id: u64) {
-        let c = self
-            .cq
-            .iter_mut()
-            .rev()
-            .find(|c| c.wr_id == wr_id && c.opcode == Opcode::Send && c.status.is_ok());
-        if let Some(c) = c {
-            c.status = Status::UnreachableRemote;
-            c.byte_len = 0;
-            stats::inc(&self.io.counters.send_errors);
-        }
-    }
-
-    /// An RDMA message from the SRD path (`soft_rdma`).
-    pub fn deliver_rdma_udp(
-        &mut self,
-        src: SocketAddr,
-        src_qkey: u32,
-        imm: Option<u32>,
-        data: &[u8],
-    ) -> Delivery {
-        match self.deliver_rdma(Src::udp(src), src_qkey, imm, data) {
-            Served::Ok => Delivery::Ok,
-            Served::NotReady => Delivery::NoBuffer,
-            Served::Denied => Delivery::Denied,
-            Served::NoAh => Delivery::NoAh,
-        }
-    }
-
-    /// Offers a received datagram to the head of the receive queue.
-    pub fn deliver(&mut self, src: SocketAddr, imm: Option<u32>, data: &[u8]) -> Delivery {
-        if !self.held.is_empty() {
-            let from = Source {
-                gid: Gid::from_ip(src.ip()),
-                qpn: src.port(),
-            };
-            if self.held.contains(&from) {
-                return Delivery::NoBuffer;
-            }
-        }
-        let Some((wr_id, mut buf)) = self.recvs.pop_front() else {
-            return Delivery::NoBuffer;
-        };
-        let cap = buf.capacity();
-        buf.clear();
-        let (status, res) = if data.len() > cap {
-            buf.extend_from_slice(data.get(..cap).unwrap_or_default());
-            (Status::LocalBadLength, Delivery::BadLength)
-        } else {
-            buf.extend_from_slice(data);
-            stats::inc(&self.io.counters.rx_pkts);
-            stats::add(&self.io.counters.rx_bytes, data.len() as u64);
-            (Status::Success, Delivery::Ok)
-        };
-        self.complete(DeviceCompletion {
-            wr_id,
-            status,
-            opcode: Opcode::Recv,
-            byte_len: data.len(),
-            src: Some(Source {
-                gid: Gid::from_ip(src.ip()),
-                qpn: src.port(),
-            }),
-            imm,
-            buf: Some(buf),
-        });
-        res
-    }
-}
-
-/// Everything behind the queue pair's lock.
+/// Everything behind the queue pair's lock: the protocol state and the socket it runs on.
 pub(super) struct State {
-    ctx: Ctx,
-    qp_type: QpType,
+    link: Link,
+    sock: UdpSocket,
+    sender: Sender,
     closed: bool,
     /// Work requests posted and not yet reaped by `poll`, against the depths.
     slots: WrSlots,
@@ -653,7 +302,6 @@ pub(super) struct State {
     /// Receive buffers for `recvmmsg`, allocated when the first burst arrives (a queue pair
     /// that only ever sees one datagram at a time does not pay for them).
     rx_batch: Option<mmsg::RxBatch>,
-    srd: Srd,
     /// When the NIC thread will wake up by itself (`None`: only on a datagram or a wake-up).
     thread_deadline: Option<Instant>,
     /// The application's polls do not read the socket before this (see [`RX_QUIET`]).
@@ -700,15 +348,15 @@ impl State {
             // Without `UDP_GRO` a single read is a plain `recvfrom` (cheaper than a
             // `recvmmsg` of one, which the latency of a lone datagram feels).
             let r = if use_burst || self.gro {
-                mmsg::recv_batch(&self.ctx.io.sock, b, want)
+                mmsg::recv_batch(&self.sock, b, want)
             } else {
-                b.recv_plain(&self.ctx.io.sock)
+                b.recv_plain(&self.sock)
             };
             match r {
                 Ok(k) => {
                     reads += k;
                     if k > 1 {
-                        stats::inc(&self.ctx.counters().rx_batches);
+                        stats::inc(&self.link.ctx.counters().rx_batches);
                     }
                     for i in 0..k {
                         let Some(m) = b.got.get(i).copied() else {
@@ -716,18 +364,21 @@ impl State {
                         };
                         let Some(src) = m.src.filter(|_| !m.truncated) else {
                             n += 1;
-                            stats::inc(&self.ctx.counters().malformed_dropped);
+                            stats::inc(&self.link.ctx.counters().malformed_dropped);
                             tracing::debug!(?m, "udp: dropped a cut-off or non-IP datagram");
                             continue;
                         };
                         if m.seg != 0 {
-                            stats::inc(&self.ctx.counters().rx_batches);
+                            stats::inc(&self.link.ctx.counters().rx_batches);
                         }
                         for d in b.datagrams(i) {
                             n += 1;
-                            self.handle(d, src, now);
-                            if n % ACK_BATCH == 0 && self.qp_type == QpType::Srd {
-                                self.srd.flush_acks(&mut self.ctx, now, nic);
+                            self.link.handle(d, src, now);
+                            if n % ACK_BATCH == 0 {
+                                self.link.flush_acks(now, nic);
+                            }
+                            if self.link.ctx.out.len() >= mmsg::MAX_BATCH {
+                                self.send_out(now);
                             }
                         }
                     }
@@ -751,63 +402,18 @@ impl State {
         }
         self.rx = one;
         self.rx_batch = burst;
-        if self.qp_type == QpType::Srd {
-            self.srd.flush_acks(&mut self.ctx, now, nic);
-        }
+        self.link.flush_acks(now, nic);
         self.idle = n == 0;
         self.quiet_until = (n > 0 && !more).then(|| now + RX_QUIET);
         more || (lone && n > 0)
     }
 
-    /// Handles one datagram from `src`.
-    fn handle(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
-        let (dst_qkey, pkt) = match wire::decode(data) {
-            Ok(x) => x,
-            Err(why) => {
-                stats::inc(&self.ctx.counters().malformed_dropped);
-                tracing::debug!(%src, len = data.len(), why, "udp: dropped malformed datagram");
-                return;
-            }
-        };
-        let srd = self.qp_type == QpType::Srd;
-        if srd == matches!(pkt, Packet::Ud { .. }) {
-            stats::inc(&self.ctx.counters().malformed_dropped);
-            tracing::debug!(%src, "udp: dropped a datagram of the other queue pair type");
-            return;
-        }
-        if dst_qkey != self.ctx.qkey {
-            stats::inc(&self.ctx.counters().stale_dropped);
-            tracing::trace!(%src, dst_qkey, qkey = self.ctx.qkey, "udp: dropped datagram with a stale QKEY");
-            return;
-        }
-        match pkt {
-            Packet::Ud { imm, payload } => {
-                if self.ctx.deliver(src, imm, payload) == Delivery::NoBuffer {
-                    stats::inc(&self.ctx.counters().rnr_events);
-                    tracing::trace!(%src, "udp: UD datagram dropped, no receive buffer");
-                }
-            }
-            Packet::Data(h, payload) => self.srd.on_data(&mut self.ctx, src, &h, payload, now),
-            Packet::DataAck(h, a, bitmap, payload) => {
-                // Deliver first, so that what the acknowledgement releases carries the newest
-                // acknowledgement back.
-                self.srd.on_data(&mut self.ctx, src, &h, payload, now);
-                self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now);
-            }
-            Packet::Ack(a, bitmap) => self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now),
-            Packet::Nak(n) => self.srd.on_nak(&mut self.ctx, src, &n, now),
-        }
-        self.flush_rdma(now);
-    }
-
-    /// Puts the RDMA messages the last step produced on the SRD path.
-    fn flush_rdma(&mut self, now: Instant) {
-        while !self.ctx.rdma.outbox.is_empty() {
-            let batch = std::mem::take(&mut self.ctx.rdma.outbox);
-            for (to, wr) in batch {
-                let to =
-                    to.unwrap_or_else(|| sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6));
-                self.srd.post_flagged(&mut self.ctx, to, wr, now, true);
+    /// Sends what the protocol queued, and fails the work requests whose datagrams the kernel
+    /// refused for good (which may queue more: the next pending sends).
+    fn send_out(&mut self, now: Instant) {
+        while !self.link.ctx.out.is_empty() {
+            for tag in self.sender.send(&self.sock, &mut self.link.ctx.out) {
+                self.link.send_failed(tag, now);
             }
         }
     }
@@ -823,105 +429,41 @@ impl State {
         if self.closed {
             return Err(Error::new(ErrorKind::Closed, op));
         }
-        if self.qp_type != QpType::Srd || self.ctx.rdma.keys.is_none() {
+        if self.link.qp_type != QpType::Srd || self.link.ctx.rdma.keys.is_none() {
             return Err(Error::new(ErrorKind::NotSupported, op)
                 .with_detail("RDMA needs an SRD queue pair on a device with RDMA"));
         }
         self.slots.take_send(op)?;
-        let to = sockaddr_for(&dest.gid, dest.qpn, self.ctx.io.v6);
-        let chunk = self.ctx.cfg.mtu.saturating_sub(rdma::HDR).max(1);
-        if let Err(e) = start(&mut self.ctx, Some(to), chunk) {
+        if let Err(e) = self.link.start_rdma(now, start, dest) {
             self.slots.release_send();
             return Err(e);
         }
-        self.flush_rdma(now);
+        self.send_out(now);
         Ok(())
     }
 
-    /// Opens a batch: datagrams wait to leave together ([`State::end_batch`]).
-    fn begin_batch(&mut self) {
-        self.ctx.io.begin_batch();
-    }
-
-    /// Sends the open batch and fails the work requests whose datagrams the kernel refused.
-    fn end_batch(&mut self) {
-        for tag in self.ctx.io.end_batch() {
-            match tag {
-                Tag::None => {}
-                Tag::Ud(wr_id) => self.ctx.fail_batched_ud(wr_id),
-                Tag::Srd { conn, seq } => self.srd.send_failed(&mut self.ctx, conn, seq),
-            }
-        }
-    }
-
-    fn run_timers(&mut self, now: Instant) {
-        self.ctx.io.run_timers(now);
-        if self.qp_type == QpType::Srd {
-            self.srd.run_timers(&mut self.ctx, now);
-            self.flush_rdma(now);
-        }
-    }
-
-    fn next_deadline(&mut self) -> Option<Instant> {
-        min_opt(self.ctx.io.next_deadline(), self.srd.next_deadline())
-    }
-
-    /// Completes every outstanding work request with `Flushed`.
-    fn flush(&mut self) {
-        let ctx = &mut self.ctx;
-        let mut recvs = std::mem::take(&mut ctx.recvs);
-        flush_recvs(&mut recvs, |c| ctx.complete(c));
-        // Acknowledgements still held back (delayed, to ride on data) go now: a peer whose
-        // last packet we received must not wait for an ack that never comes.
-        if self.qp_type == QpType::Srd {
-            self.srd.flush_acks(&mut self.ctx, Instant::now(), true);
-        }
-        self.srd.flush(&mut self.ctx);
-        self.ctx.rdma_flush();
-        if let Some(f) = self.ctx.io.faults.as_mut() {
-            f.held.clear();
-            f.delayed.clear();
-        }
-    }
-
+    /// Checks and takes the slot of a send, and hands it to the protocol; what it queues goes
+    /// out at the caller's [`State::send_out`].
     fn post_send(&mut self, wr: SendWr, now: Instant) -> Result<()> {
         if self.closed {
             return Err(Error::new(ErrorKind::Closed, "post_send"));
         }
         let len = wr.len();
-        if len > self.ctx.cfg.mtu {
+        let mtu = self.link.ctx.cfg.mtu;
+        if len > mtu {
             return Err(Error::new(ErrorKind::MsgSize, "post_send")
-                .with_detail(format!("{len} bytes > MTU {}", self.ctx.cfg.mtu)));
+                .with_detail(format!("{len} bytes > MTU {mtu}")));
         }
         self.slots.take_send("post_send")?;
-        let dest = sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.io.v6);
-        if dest.is_ipv6() && !self.ctx.io.v6 {
-            tracing::debug!(%dest, "udp: IPv6 destination on an IPv4 device");
-            self.ctx
-                .complete_send(wr.wr_id, Status::UnreachableRemote, 0);
-            return Ok(());
-        }
-        match self.qp_type {
-            QpType::Ud => {
-                wire::encode_ud(&mut self.ctx.io.tx, wr.dest.qkey, wr.imm, &[], &[]);
-                let tag = Tag::Ud(wr.wr_id);
-                let status = match self.ctx.io.emit_parts(dest, now, &wr.hdr, &wr.payload, tag) {
-                    Ok(()) => {
-                        stats::inc(&self.ctx.counters().tx_pkts);
-                        stats::add(&self.ctx.counters().tx_bytes, len as u64);
-                        Status::Success
-                    }
-                    Err(e) => {
-                        tracing::debug!(%dest, error = %e, "udp: send failed");
-                        Status::UnreachableRemote
-                    }
-                };
-                let n = if status.is_ok() { len } else { 0 };
-                self.ctx.complete_send(wr.wr_id, status, n);
-            }
-            QpType::Srd => self.srd.post(&mut self.ctx, dest, wr, now),
-        }
+        self.link.post_send(wr, now);
         Ok(())
+    }
+
+    /// Completes every outstanding work request with `Flushed` (held-back acknowledgements
+    /// go out first).
+    fn flush(&mut self, now: Instant) {
+        self.link.flush(now);
+        self.send_out(now);
     }
 }
 
@@ -1025,12 +567,11 @@ impl Shared {
         }
         // What this pass sends (acknowledgements, packets an acknowledgement let go,
         // retransmissions) leaves together.
-        st.begin_batch();
         let more = st.drain(budget, now, nic);
-        st.run_timers(now);
-        st.end_batch();
-        let acks_left = st.srd.acks_delayed();
-        let notify = st.ctx.cq.take_new();
+        st.link.run_timers(now);
+        st.send_out(now);
+        let acks_left = st.link.srd.acks_delayed();
+        let notify = st.link.ctx.cq.take_new();
         drop(st);
         if notify {
             self.notifier.notify();
@@ -1044,14 +585,14 @@ impl Shared {
         let mut wake = false;
         // A parked NIC thread leaves the timers to the polling application.
         if !st.closed && !self.busy.parked.load(Ordering::Relaxed) {
-            if let Some(next) = st.next_deadline() {
+            if let Some(next) = st.link.next_deadline() {
                 if st.thread_deadline.is_none_or(|d| next < d) {
                     st.thread_deadline = Some(next);
                     wake = true;
                 }
             }
         }
-        let notify = st.ctx.cq.take_new();
+        let notify = st.link.ctx.cq.take_new();
         drop(st);
         if wake {
             let _ = self.waker.wake();
@@ -1087,7 +628,7 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
             if st.closed {
                 break;
             }
-            let d = st.next_deadline();
+            let d = st.link.next_deadline();
             st.thread_deadline = d;
             d.map(|d| d.saturating_duration_since(Instant::now()))
         };
@@ -1164,41 +705,25 @@ impl UdpQp {
             .map_err(|e| Error::io("create_qp", e))?;
         let waker = Waker::new(poll.registry(), WAKE).map_err(|e| Error::io("create_qp", e))?;
         let qkey = attr.qkey.unwrap_or_else(random_qkey);
-        let faults = (!cfg.faults.is_none()).then(|| Faults {
-            inj: FaultInjector::new(cfg.faults.clone()),
-            hold: if cfg.faults.max_delay.is_zero() {
-                DEFAULT_REORDER_HOLD
-            } else {
-                cfg.faults.max_delay
-            },
-            held: Vec::new(),
-            delayed: Vec::new(),
-        });
         let addr = RawAddr::new(Gid::from_ip(cfg.bind), local.port(), qkey);
-        let state = State {
-            ctx: Ctx {
-                io: Io {
-                    sock,
-                    v6: local.is_ipv6(),
-                    tx: Vec::with_capacity(cfg.mtu + wire::MAX_OVERHEAD),
-                    faults,
-                    counters,
-                    out: TxBatch::new(cfg.gso),
-                    #[cfg(test)]
-                    inject: None,
-                },
-                cfg: cfg.clone(),
+        let link = Link::new(
+            cfg.clone(),
+            counters,
+            LinkAttr {
+                qp_type: attr.qp_type,
                 qkey,
                 rnr_retry: attr.rnr_retry,
-                cq: Completions::default(),
-                recvs: VecDeque::new(),
-                held: Vec::new(),
-                rdma: Rdma::new(
-                    keys,
-                    cfg.unsolicited_write_recv && attr.unsolicited_write_recv.unwrap_or(true),
-                ),
+                v6: local.is_ipv6(),
+                keys,
+                unsolicited_write_recv: cfg.unsolicited_write_recv
+                    && attr.unsolicited_write_recv.unwrap_or(true),
             },
-            qp_type: attr.qp_type,
+            Instant::now(),
+        );
+        let state = State {
+            link,
+            sock,
+            sender: Sender::new(cfg.gso),
             closed: false,
             slots: WrSlots::new(
                 attr.send_depth.clamp(1, cfg.max_send_wr),
@@ -1207,7 +732,6 @@ impl UdpQp {
             gro,
             rx: Some(mmsg::RxBatch::new(RX_SCRATCH, 1)),
             rx_batch: None,
-            srd: Srd::new(Instant::now(), &cfg),
             thread_deadline: None,
             quiet_until: None,
             idle: true,
@@ -1295,15 +819,15 @@ impl QueuePair for UdpQp {
     }
 
     fn unsolicited_write_recv(&self) -> bool {
-        self.shared.state.lock().ctx.rdma.unsolicited
+        self.shared.state.lock().link.ctx.rdma.unsolicited
     }
 
     fn hold_source(&mut self, src: Source, hold: bool) -> bool {
         let mut st = self.shared.state.lock();
-        if st.qp_type != QpType::Srd {
+        if st.link.qp_type != QpType::Srd {
             return false;
         }
-        let held = &mut st.ctx.held;
+        let held = &mut st.link.ctx.held;
         held.retain(|s| *s != src);
         if hold {
             held.push(src);
@@ -1317,18 +841,20 @@ impl QueuePair for UdpQp {
             return Err(Error::new(ErrorKind::Closed, "modify_qp"));
         }
         if let Some(qkey) = m.qkey {
-            st.ctx.qkey = qkey;
+            st.link.ctx.qkey = qkey;
             self.addr = RawAddr::new(self.addr.gid, self.addr.qpn, qkey);
         }
         if let Some(r) = m.rnr_retry {
-            st.ctx.rnr_retry = r;
+            st.link.ctx.rnr_retry = r;
         }
         Ok(())
     }
 
     fn post_send(&mut self, wr: SendWr) -> Result<()> {
         let mut st = self.shared.state.lock();
-        st.post_send(wr, Instant::now())?;
+        let now = Instant::now();
+        st.post_send(wr, now)?;
+        st.send_out(now);
         self.shared.after_post(st);
         Ok(())
     }
@@ -1342,7 +868,6 @@ impl QueuePair for UdpQp {
         }
         let mut st = self.shared.state.lock();
         let now = Instant::now();
-        st.begin_batch();
         let mut r = Ok(());
         while let Some(wr) = wrs.pop_front() {
             let wr_id = wr.wr_id;
@@ -1351,7 +876,7 @@ impl QueuePair for UdpQp {
                 break;
             }
         }
-        st.end_batch();
+        st.send_out(now);
         self.shared.after_post(st);
         r
     }
@@ -1362,7 +887,7 @@ impl QueuePair for UdpQp {
             return Err(Error::new(ErrorKind::Closed, "post_recv"));
         }
         st.slots.take_recv()?;
-        st.ctx.recvs.push_back((wr_id, buf));
+        st.link.ctx.recvs.push_back((wr_id, buf));
         Ok(())
     }
 
@@ -1372,7 +897,7 @@ impl QueuePair for UdpQp {
         self.shared.busy.polled(now, acks_left);
         let mut st = self.shared.state.lock();
         let st = &mut *st;
-        st.ctx.cq.poll_into(&mut st.slots, out, max)
+        st.link.ctx.cq.poll_into(&mut st.slots, out, max)
     }
 
     fn close(&mut self) {
@@ -1380,10 +905,10 @@ impl QueuePair for UdpQp {
             let mut st = self.shared.state.lock();
             if !st.closed {
                 st.closed = true;
-                st.flush();
+                st.flush(Instant::now());
                 tracing::debug!(addr = %self.addr, "udp: queue pair closed");
             }
-            st.ctx.cq.take_new();
+            st.link.ctx.cq.take_new();
         }
         self.thread.stop();
         self.shared.notifier.notify();
@@ -1394,10 +919,10 @@ impl Drop for UdpQp {
     fn drop(&mut self) {
         // As `close`: held-back acknowledgements go out before the socket does.
         let mut st = self.shared.state.lock();
-        if !st.closed && st.qp_type == QpType::Srd {
+        if !st.closed {
             let now = Instant::now();
-            let st = &mut *st;
-            st.srd.flush_acks(&mut st.ctx, now, true);
+            st.link.flush_acks(now, true);
+            st.send_out(now);
         }
         drop(st);
         self.thread.stop();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::UdpConfig;
-use super::qp::{Ctx, Delivery, Tag};
+use super::link::{Ctx, Delivery, Tag, min_opt};
 use super::wire::{self, AckHdr, DataHdr, NakHdr, NakReason, WINDOW};
 use crate::device::{SendWr, Status};
 use crate::stats;
@@ -395,17 +395,14 @@ impl Srd {
                 },
             );
             let rev = reverse(rx, rx_conn, p);
-            if transmit(cx, p, seq, rev, bitmap, limit, now) {
-                stats::inc(&cx.counters().tx_pkts);
-                stats::add(&cx.counters().tx_bytes, len as u64);
-                timers.push(Reverse(Timer {
-                    at: now + p.rto(&cx.cfg, 0),
-                    conn,
-                    kind: TimerKind::Packet { seq, epoch: *epoch },
-                }));
-            } else if let Some(inf) = p.inflight.remove(&seq) {
-                cx.complete_send(inf.op.wr_id, Status::UnreachableRemote, 0);
-            }
+            transmit(cx, p, seq, rev, bitmap, limit, now);
+            stats::inc(&cx.counters().tx_pkts);
+            stats::add(&cx.counters().tx_bytes, len as u64);
+            timers.push(Reverse(Timer {
+                at: now + p.rto(&cx.cfg, 0),
+                conn,
+                kind: TimerKind::Packet { seq, epoch: *epoch },
+            }));
         }
     }
 
@@ -595,10 +592,8 @@ impl Srd {
             }
             self.acks.swap_remove(i);
             let a = rx.take_ack(cx.qkey, &mut bitmap);
-            wire::encode_ack(&mut cx.io.tx, key.1, &a, &bitmap);
-            if let Err(e) = cx.io.emit(key.0, now) {
-                tracing::debug!(dest = %key.0, error = %e, "udp: ack not sent");
-            }
+            wire::encode_ack(&mut cx.out.tx, key.1, &a, &bitmap);
+            cx.out.emit(key.0, now);
             stats::inc(&cx.counters().acks_sent);
         }
         self.bitmap = bitmap;
@@ -752,7 +747,7 @@ impl Srd {
     /// The earliest live timer (dropping dead ones from the top of the heap).
     pub fn next_deadline(&mut self) -> Option<Instant> {
         let ack = self.ack_deadline;
-        super::qp::min_opt(ack, self.next_timer())
+        min_opt(ack, self.next_timer())
     }
 
     fn next_timer(&mut self) -> Option<Instant> {
@@ -825,27 +820,26 @@ impl Srd {
         let retries = inf.retries;
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
         let rev = reverse(&mut self.rx, &self.rx_conn, p);
-        if transmit(cx, p, seq, rev, &mut self.bitmap, limit, now) {
-            let at = now + p.rto(&cx.cfg, retries);
-            self.timers.push(Reverse(Timer {
-                at,
-                conn,
-                kind: TimerKind::Packet {
-                    seq,
-                    epoch: self.epoch,
-                },
-            }));
-        } else if let Some(inf) = p.inflight.remove(&seq) {
-            cx.complete_send(inf.op.wr_id, Status::UnreachableRemote, 0);
-        }
+        transmit(cx, p, seq, rev, &mut self.bitmap, limit, now);
+        let at = now + p.rto(&cx.cfg, retries);
+        self.timers.push(Reverse(Timer {
+            at,
+            conn,
+            kind: TimerKind::Packet {
+                seq,
+                epoch: self.epoch,
+            },
+        }));
     }
 
-    /// Packet `seq` of connection `conn` went out in a batch the kernel refused for good (not a
-    /// transient loss): its send completes `UnreachableRemote`, as an unbatched one does at once.
-    pub fn send_failed(&mut self, cx: &mut Ctx, conn: u32, seq: u64) {
+    /// Packet `seq` of connection `conn` could not be sent, for good (the kernel refused it, not
+    /// a transient loss): its send completes `UnreachableRemote`, and the window slot it held
+    /// goes to the next pending send.
+    pub fn send_failed(&mut self, cx: &mut Ctx, conn: u32, seq: u64, now: Instant) {
         let inf = self.tx.get_mut(&conn).and_then(|p| p.inflight.remove(&seq));
         if let Some(inf) = inf {
             cx.complete_send(inf.op.wr_id, Status::UnreachableRemote, 0);
+            self.pump(cx, conn, now);
         }
     }
 
@@ -946,8 +940,8 @@ impl Srd {
     }
 }
 
-/// Encodes and sends packet `seq` of `p`, with the acknowledgement due to the same peer riding
-/// along; false on a permanent send failure. `limit` is the sender's current window.
+/// Encodes and queues packet `seq` of `p`, with the acknowledgement due to the same peer riding
+/// along. `limit` is the sender's current window.
 fn transmit(
     cx: &mut Ctx,
     p: &TxPeer,
@@ -956,9 +950,9 @@ fn transmit(
     bitmap: &mut Vec<u8>,
     limit: usize,
     now: Instant,
-) -> bool {
+) {
     let Some(inf) = p.inflight.get(&seq) else {
-        return false;
+        return;
     };
     let base = p.base();
     // Ask for an acknowledgement at once when the window is full, more waits, or this is a
@@ -983,23 +977,15 @@ fn transmit(
     };
     let len = inf.op.len();
     wire::encode_data_header(
-        &mut cx.io.tx,
+        &mut cx.out.tx,
         p.qkey,
         &h,
         ack.as_ref().map(|a| (a, &bitmap[..])),
         len,
     );
     let tag = Tag::Srd { conn: p.conn, seq };
-    match cx
-        .io
-        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag)
-    {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::debug!(dest = %p.addr, error = %e, "udp: send failed");
-            false
-        }
-    }
+    cx.out
+        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag);
 }
 
 /// The receive state of the reverse direction of `p` (whose acknowledgement may ride along).
@@ -1020,10 +1006,8 @@ fn send_nak(cx: &mut Ctx, src: SocketAddr, h: &DataHdr, reason: NakReason, now: 
         seq: h.seq,
         reason,
     };
-    wire::encode_nak(&mut cx.io.tx, h.src_qkey, &n);
-    if let Err(e) = cx.io.emit(src, now) {
-        tracing::debug!(dest = %src, error = %e, "udp: NAK not sent");
-    }
+    wire::encode_nak(&mut cx.out.tx, h.src_qkey, &n);
+    cx.out.emit(src, now);
 }
 
 /// A packet was acknowledged: complete its send, sample the round trip, open the window.

@@ -21,7 +21,7 @@ fn srd_qp(inject: Option<(i32, u64)>) -> UdpQp {
         None,
     )
     .expect("create qp");
-    qp.shared.state.lock().ctx.io.inject = inject.map(|(e, n)| (e, n, 0));
+    qp.shared.state.lock().sender.inject = inject.map(|(e, n)| (e, n, 0));
     qp
 }
 

@@ -1,0 +1,397 @@
+//! The udp device's SRD and UD rules on the simulated network: seeded faults, virtual time.
+//! Each test takes its seed from `EFA_TEST_SEED` (else the clock) and names it on failure.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+
+use super::{Net, NetConfig};
+use crate::device::udp::UdpConfig;
+use crate::device::{DeviceCompletion, Opcode, QpType, SendWr, Status};
+use crate::fault::{Rng, test_seed};
+
+/// Retry receiver-not-ready forever, as on EFA.
+const RNR_FOREVER: u8 = 7;
+
+fn udp_config() -> UdpConfig {
+    UdpConfig {
+        mtu: 1400,
+        ..UdpConfig::default()
+    }
+}
+
+/// The bytes of message `n` from host `from`: its header names both, its payload is a
+/// pattern of them, so a message delivered twice, to the wrong host or damaged is seen.
+fn message(from: usize, n: u32, len: usize) -> (Bytes, Bytes) {
+    let mut hdr = Vec::with_capacity(8);
+    hdr.extend_from_slice(&(from as u32).to_le_bytes());
+    hdr.extend_from_slice(&n.to_le_bytes());
+    let payload = (0..len)
+        .map(|k| (k as u32).wrapping_mul(31).wrapping_add(n ^ from as u32) as u8)
+        .collect::<Vec<u8>>();
+    (Bytes::from(hdr), Bytes::from(payload))
+}
+
+/// Checks a received message against [`message`]; returns its `(from, n)`.
+fn check_message(c: &DeviceCompletion, seed: u64) -> (usize, u32) {
+    assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+    assert_eq!(c.opcode, Opcode::Recv, "seed {seed}");
+    let buf = c.buf.as_ref().expect("a receive has its buffer");
+    assert_eq!(buf.len(), c.byte_len, "seed {seed}");
+    assert!(buf.len() >= 8, "seed {seed}: short message");
+    let from = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
+    let n = u32::from_le_bytes(buf[4..8].try_into().unwrap());
+    let (hdr, payload) = message(from, n, buf.len() - 8);
+    assert_eq!(&buf[..8], &hdr[..], "seed {seed}");
+    assert!(
+        buf[8..] == payload[..],
+        "seed {seed}: message {n} from {from} damaged"
+    );
+    (from, n)
+}
+
+fn send(net: &mut Net, from: usize, to: usize, n: u32, len: usize, seed: u64) {
+    let (hdr, payload) = message(from, n, len);
+    let wr = SendWr {
+        wr_id: n as u64,
+        dest: net.addr(to),
+        hdr,
+        payload,
+        imm: Some(n),
+    };
+    net.post_send(from, wr)
+        .unwrap_or_else(|e| panic!("seed {seed}: post_send: {e}"));
+}
+
+/// Random traffic between three hosts, each sending to the others, on a network that drops,
+/// duplicates and reorders; receive buffers come late, so receivers also refuse (RNR). Every
+/// message arrives exactly once, intact, with its immediate data and its sender's address;
+/// every send completes once, `Success`.
+fn random_traffic(seed: u64) {
+    let cfg = udp_config();
+    let mut net = Net::new(NetConfig::faulty(seed));
+    let hosts: Vec<usize> = (0..3)
+        .map(|_| net.add(&cfg, QpType::Srd, RNR_FOREVER))
+        .collect();
+    let mut rng = Rng::new(seed ^ 0x5a5a);
+    let per_host = 150u32;
+    // Each host gets a third of its receive buffers now and the rest over time.
+    let mut sends_to = vec![0u32; hosts.len()];
+    let mut plan = Vec::new();
+    for &from in &hosts {
+        for n in 0..per_host {
+            let to = (from + 1 + rng.below(hosts.len() as u64 - 1) as usize) % hosts.len();
+            let len = rng.below(cfg.mtu as u64 - 8) as usize;
+            sends_to[to] += 1;
+            plan.push((from, to, n, len));
+        }
+    }
+    let mut recv_left = sends_to.clone();
+    let mut next_recv = 0u64;
+    let mut post_recvs = |net: &mut Net, to: usize, k: u32, left: &mut Vec<u32>| {
+        for _ in 0..k.min(left[to]) {
+            net.post_recv(to, next_recv, BytesMut::with_capacity(cfg.mtu))
+                .unwrap_or_else(|e| panic!("seed {seed}: post_recv: {e}"));
+            next_recv += 1;
+            left[to] -= 1;
+        }
+    };
+    for &h in &hosts {
+        post_recvs(&mut net, h, sends_to[h] / 3, &mut recv_left);
+    }
+    for &(from, to, n, len) in &plan {
+        send(&mut net, from, to, n, len, seed);
+        if rng.chance(0.3) {
+            net.step();
+        }
+    }
+    let mut sent: HashMap<(usize, u64), usize> = HashMap::new();
+    let mut got: HashMap<(usize, u32), usize> = HashMap::new();
+    let total = plan.len();
+    let done = net.run_until(Duration::from_secs(120), |net| {
+        for &h in &hosts {
+            for c in net.poll(h) {
+                if c.opcode == Opcode::Send {
+                    assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+                    *sent.entry((h, c.wr_id)).or_default() += 1;
+                } else {
+                    let (from, n) = check_message(&c, seed);
+                    assert_eq!(c.imm, Some(n), "seed {seed}");
+                    let src = c.src.expect("a receive names its source");
+                    assert_eq!(src.qpn, net.host(from).addr.port(), "seed {seed}");
+                    *got.entry((from, n)).or_default() += 1;
+                }
+            }
+        }
+        // Buffers trickle in: some receivers stay short of them for a while.
+        for &h in &hosts {
+            if recv_left[h] > 0 && rng.chance(0.02) {
+                post_recvs(net, h, 4, &mut recv_left);
+            }
+        }
+        sent.len() == total && got.len() == total
+    });
+    assert!(
+        done,
+        "seed {seed}: {} of {total} sends and {} of {total} messages done after {:?}; {:?}",
+        sent.len(),
+        got.len(),
+        net.elapsed(),
+        net.stats
+    );
+    for (k, n) in &sent {
+        assert_eq!(*n, 1, "seed {seed}: send {k:?} completed {n} times");
+    }
+    for (k, n) in &got {
+        assert_eq!(*n, 1, "seed {seed}: message {k:?} delivered {n} times");
+    }
+    // Nothing more comes: no late duplicate, no second completion.
+    net.run_until(Duration::from_secs(5), |_| false);
+    for &h in &hosts {
+        let late = net.poll(h);
+        assert!(late.is_empty(), "seed {seed}: late completions {late:?}");
+    }
+    let retransmits: u64 = hosts
+        .iter()
+        .map(|&h| net.host(h).counters.retransmits.load(Relaxed))
+        .sum();
+    assert!(net.stats.dropped > 0, "seed {seed}: {:?}", net.stats);
+    assert!(retransmits > 0, "seed {seed}: no retransmission");
+}
+
+#[test]
+fn srd_delivers_every_message_once_intact_on_a_faulty_network() {
+    let seed = test_seed();
+    for round in 0..4 {
+        random_traffic(seed.wrapping_add(round));
+    }
+}
+
+/// Sends to a host that vanished fail with `UnresponsiveRemote`, once each, within the
+/// unresponsive timeout (plus a retransmission timeout); a clean network loses nothing else.
+#[test]
+fn sends_to_a_vanished_host_fail_unresponsive_in_time() {
+    let seed = test_seed();
+    let cfg = udp_config();
+    let mut net = Net::new(NetConfig::clean(seed));
+    let a = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    let b = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    net.post_recv(b, 0, BytesMut::with_capacity(cfg.mtu))
+        .unwrap();
+    send(&mut net, a, b, 0, 100, seed);
+    let mut done = Vec::new();
+    assert!(net.run_until(Duration::from_secs(1), |net| {
+        done.extend(net.poll(a));
+        !done.is_empty()
+    }));
+    assert_eq!(done[0].status, Status::Success, "seed {seed}");
+    net.vanish(b);
+    let start = net.elapsed();
+    for n in 1..=5 {
+        send(&mut net, a, b, n, 100, seed);
+    }
+    let mut failed = Vec::new();
+    net.run_until(cfg.unresponsive_timeout * 3, |net| {
+        failed.extend(net.poll(a));
+        false
+    });
+    let took = net.elapsed() - start;
+    assert_eq!(failed.len(), 5, "seed {seed}: {failed:?}");
+    let mut ids: Vec<u64> = failed.iter().map(|c| c.wr_id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5], "seed {seed}");
+    for c in &failed {
+        assert_eq!(c.status, Status::UnresponsiveRemote, "seed {seed}: {c:?}");
+    }
+    assert!(took >= cfg.unresponsive_timeout, "seed {seed}: {took:?}");
+}
+
+/// With a finite RNR retry count, sends to a host that never posts a receive fail with
+/// `RnrRetryExceeded`; with the count at 7 (forever) they wait, and arrive once buffers come.
+#[test]
+fn rnr_retries_run_out_or_wait_for_a_buffer() {
+    let seed = test_seed();
+    let cfg = udp_config();
+    let mut net = Net::new(NetConfig::faulty(seed));
+    let finite = net.add(&cfg, QpType::Srd, 2);
+    let forever = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    let rx = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    for n in 0..4 {
+        send(&mut net, finite, rx, n, 64, seed);
+        send(&mut net, forever, rx, n, 64, seed);
+    }
+    let mut out = Vec::new();
+    assert!(
+        net.run_until(Duration::from_secs(60), |net| {
+            out.extend(net.poll(finite));
+            out.len() == 4
+        }),
+        "seed {seed}: {out:?}"
+    );
+    for c in &out {
+        assert_eq!(c.status, Status::RnrRetryExceeded, "seed {seed}: {c:?}");
+    }
+    assert!(
+        net.poll(forever).is_empty(),
+        "seed {seed}: a retry-forever send gave up"
+    );
+    assert!(net.poll(rx).is_empty(), "seed {seed}");
+    for n in 0..4 {
+        net.post_recv(rx, n, BytesMut::with_capacity(cfg.mtu))
+            .unwrap();
+    }
+    let (mut sent, mut got) = (Vec::new(), Vec::new());
+    assert!(
+        net.run_until(Duration::from_secs(60), |net| {
+            sent.extend(net.poll(forever));
+            got.extend(net.poll(rx));
+            sent.len() == 4 && got.len() == 4
+        }),
+        "seed {seed}: {sent:?} {got:?}"
+    );
+    for c in &sent {
+        assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
+    }
+    let mut from: Vec<(usize, u32)> = got.iter().map(|c| check_message(c, seed)).collect();
+    from.sort_unstable();
+    assert_eq!(
+        from,
+        (0..4).map(|n| (forever, n)).collect::<Vec<_>>(),
+        "seed {seed}"
+    );
+}
+
+/// UD sends complete at once and are sent once: on a clean network each arrives once, intact;
+/// with no buffer posted a datagram is dropped and counted, not retried.
+#[test]
+fn ud_sends_once_and_drops_without_a_buffer() {
+    let seed = test_seed();
+    let cfg = udp_config();
+    let mut net = Net::new(NetConfig::clean(seed));
+    let a = net.add(&cfg, QpType::Ud, 0);
+    let b = net.add(&cfg, QpType::Ud, 0);
+    for n in 0..3 {
+        net.post_recv(b, n, BytesMut::with_capacity(cfg.mtu))
+            .unwrap();
+    }
+    for n in 0..5 {
+        send(&mut net, a, b, n, 200, seed);
+    }
+    let sent = net.poll(a);
+    assert_eq!(sent.len(), 5, "seed {seed}");
+    assert!(
+        sent.iter().all(|c| c.status == Status::Success),
+        "seed {seed}"
+    );
+    net.run_until(Duration::from_secs(1), |_| false);
+    let got = net.poll(b);
+    let ns: Vec<u32> = got.iter().map(|c| check_message(c, seed).1).collect();
+    assert_eq!(ns, vec![0, 1, 2], "seed {seed}");
+    assert_eq!(
+        net.stats.sent, 5,
+        "seed {seed}: a UD datagram was sent again"
+    );
+    assert_eq!(
+        net.host(b).counters.rnr_events.load(Relaxed),
+        2,
+        "seed {seed}"
+    );
+}
+
+/// Hostile datagrams (random bytes, cut-off and replayed copies of real ones, datagrams of the
+/// other queue pair type) are dropped and counted while traffic goes on; nothing is delivered
+/// twice and no send completes twice.
+#[test]
+fn hostile_datagrams_are_dropped_and_traffic_goes_on() {
+    let seed = test_seed();
+    let cfg = udp_config();
+    let mut net = Net::new(NetConfig::faulty(seed));
+    let a = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    let b = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    let ud = net.add(&cfg, QpType::Ud, 0);
+    let mut rng = Rng::new(seed);
+    let n_msgs = 100u32;
+    for n in 0..n_msgs {
+        net.post_recv(b, n as u64, BytesMut::with_capacity(cfg.mtu))
+            .unwrap();
+    }
+    // A datagram of the other type, to b.
+    net.post_recv(ud, 0, BytesMut::with_capacity(cfg.mtu))
+        .unwrap();
+    let b_addr = net.addr(b);
+    let (hdr, payload) = message(ud, 0, 10);
+    net.post_send(
+        ud,
+        SendWr {
+            wr_id: 0,
+            dest: b_addr,
+            hdr,
+            payload,
+            imm: None,
+        },
+    )
+    .unwrap();
+    let attacker = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+    let mut seen: Vec<Vec<u8>> = Vec::new();
+    let (mut sent, mut got) = (Vec::new(), Vec::new());
+    let a_addr = net.host(a).addr;
+    for n in 0..n_msgs {
+        send(&mut net, a, b, n, rng.below(1000) as usize, seed);
+        // Keep a copy of what a sends, to replay it later and cut it off.
+        for q in net.hosts[a].link.ctx.out.queued() {
+            let out = &net.hosts[a].link.ctx.out;
+            seen.push([out.head(q), &q.hdr[..], &q.payload[..]].concat());
+        }
+        for _ in 0..3 {
+            net.step();
+        }
+        let junk_len = rng.below(200) as usize;
+        let junk: Vec<u8> = (0..junk_len).map(|_| rng.next_u64() as u8).collect();
+        net.inject(b, attacker, &junk);
+        if let Some(old) = seen
+            .get(rng.below(seen.len().max(1) as u64) as usize)
+            .cloned()
+        {
+            let cut = rng.below(old.len() as u64) as usize;
+            net.inject(b, a_addr, &old[..cut]);
+            net.inject(b, a_addr, &old);
+        }
+        sent.extend(net.poll(a));
+        got.extend(net.poll(b));
+    }
+    assert!(
+        net.run_until(Duration::from_secs(60), |net| {
+            sent.extend(net.poll(a));
+            got.extend(net.poll(b));
+            sent.len() == n_msgs as usize && got.len() == n_msgs as usize
+        }),
+        "seed {seed}: {} sends, {} messages",
+        sent.len(),
+        got.len()
+    );
+    net.run_until(Duration::from_secs(2), |_| false);
+    got.extend(net.poll(b));
+    sent.extend(net.poll(a));
+    assert_eq!(
+        sent.len(),
+        n_msgs as usize,
+        "seed {seed}: a send completed twice"
+    );
+    assert_eq!(
+        got.len(),
+        n_msgs as usize,
+        "seed {seed}: a message arrived twice"
+    );
+    assert!(
+        sent.iter().all(|c| c.status == Status::Success),
+        "seed {seed}"
+    );
+    let mut ns: Vec<u32> = got.iter().map(|c| check_message(c, seed).1).collect();
+    ns.sort_unstable();
+    assert_eq!(ns, (0..n_msgs).collect::<Vec<_>>(), "seed {seed}");
+    let c = &net.host(b).counters;
+    assert!(c.malformed_dropped.load(Relaxed) > 0, "seed {seed}");
+    assert!(c.duplicates_dropped.load(Relaxed) > 0, "seed {seed}");
+}
