@@ -41,11 +41,10 @@ mod tx;
 mod util;
 
 pub use local::{CopyFn, LocalMsg, SameHost};
-use peer::{Peer, PeerIndex};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
 use tx::Pkt;
-use util::{GenSlab, Hdr, HeaderArena};
+use util::{Hdr, HeaderArena};
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -586,14 +585,8 @@ pub struct Engine {
     rng: Rng,
     closed: bool,
 
-    /// Peers by engine-chosen id (never reused).
-    peers: GenSlab<Peer>,
-    /// Finding peers: by full address, by (GID, QPN), retired connids.
-    index: PeerIndex,
-    /// Peers with queued packets, served round-robin.
-    ready: VecDeque<u64>,
-    /// Peers in RNR backoff.
-    backoff: Vec<u64>,
+    /// The peers, finding them, their turns and backoffs.
+    peers: peer::Peers,
 
     /// Send operations by `send_id`.
     tx: tx::TxSide,
@@ -632,10 +625,7 @@ impl Engine {
             local,
             rng,
             closed: false,
-            peers: GenSlab::default(),
-            index: PeerIndex::default(),
-            ready: VecDeque::new(),
-            backoff: Vec::new(),
+            peers: peer::Peers::default(),
             tx: tx::TxSide::new(2 * max_tx),
             rx: rx::RxSide::new((2 * max_rx).max(4096)),
             budget: budget::Budget::new(EngineLimits::default()),
@@ -931,7 +921,7 @@ impl Engine {
         if self.closed {
             return;
         }
-        self.expire_backoffs(now);
+        self.peers.expire_backoffs(now);
         if self.rx.stall_check.is_some_and(|t| t <= now) {
             self.check_stalls(now);
         }
@@ -949,7 +939,7 @@ impl Engine {
     /// True when [`Engine::poll_transmit`] may have something (packets queued, peers in
     /// backoff, RDMA work requests waiting); false means it certainly has nothing.
     pub fn transmit_pending(&self) -> bool {
-        !self.ready.is_empty() || !self.backoff.is_empty() || self.rd.has_wrs()
+        self.peers.has_ready() || self.peers.in_backoff() || self.rd.has_wrs()
     }
 
     /// Messages and bytes held without a receive now (what [`Engine::resources`] reports as
@@ -999,11 +989,7 @@ impl Engine {
         if self.closed {
             return None;
         }
-        let backoff = self
-            .backoff
-            .iter()
-            .filter_map(|p| self.peers.get(p)?.backoff_until)
-            .min();
+        let backoff = self.peers.backoff_deadline();
         let t = match (backoff, self.rx.stall_check) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -1130,8 +1116,7 @@ impl Engine {
             p.in_ready = false;
             p.backoff_until = None;
         }
-        self.ready.clear();
-        self.backoff.clear();
+        self.peers.clear_turns();
         self.tx.queued = 0;
         self.budget.reset();
         self.rx.user_ops = 0;

@@ -5,6 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::tx::{Owner, Pkt};
+use super::util::GenSlab;
 use super::{Engine, ErrorKind};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};
@@ -13,6 +14,203 @@ use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
 
 /// Connids remembered per (GID, QPN) after their incarnation was replaced.
 const RETIRED_PER_QP: usize = 8;
+
+/// The engine's peers (a sub-state): the table by engine-chosen id (never reused), the ways to
+/// find one ([`PeerIndex`]), the peers with packets to send (served in turn) and those in RNR
+/// backoff. The engine reaches peer state through it; what touches other state too (the
+/// handshake, failing a peer's operations) stays on the engine.
+#[derive(Debug, Default)]
+pub(super) struct Peers {
+    table: GenSlab<Peer>,
+    index: PeerIndex,
+    /// Peers with queued packets, served round-robin.
+    ready: VecDeque<u64>,
+    /// Peers in RNR backoff.
+    backoff: Vec<u64>,
+}
+
+impl Peers {
+    pub(super) fn get(&self, id: &u64) -> Option<&Peer> {
+        self.table.get(id)
+    }
+
+    pub(super) fn get_mut(&mut self, id: &u64) -> Option<&mut Peer> {
+        self.table.get_mut(id)
+    }
+
+    pub(super) fn contains_key(&self, id: &u64) -> bool {
+        self.table.contains_key(id)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Peer> {
+        self.table.values()
+    }
+
+    pub(super) fn values_mut(&mut self) -> impl Iterator<Item = &mut Peer> {
+        self.table.values_mut()
+    }
+
+    /// Adds `p`, the newest incarnation at its (GID, QPN); returns its id.
+    fn add(&mut self, p: Peer) -> u64 {
+        let addr = p.addr;
+        let id = self.table.insert(p);
+        self.index.add(addr, id);
+        id
+    }
+
+    /// Forgets peer `id` (its ids left in the ready and backoff lists find nothing).
+    fn remove(&mut self, id: &u64) -> Option<Peer> {
+        let p = self.table.remove(id)?;
+        self.index.remove(p.addr, *id);
+        Some(p)
+    }
+
+    /// The peer at exactly `a`.
+    fn find(&mut self, a: &RawAddr) -> Option<u64> {
+        self.index.find(a)
+    }
+
+    /// The newest incarnation at (GID, QPN): the one packets without a connid are from.
+    pub(super) fn newest(&self, gid: Gid, qpn: u16) -> Option<u64> {
+        self.index.newest(gid, qpn)
+    }
+
+    /// Puts a packet on its peer's queue (at the front for a resend) and the peer on the ready
+    /// list; false when the peer is gone.
+    fn queue(&mut self, pkt: Pkt, ctrl: bool, front: bool) -> bool {
+        let pid = pkt.peer;
+        let Some(p) = self.table.get_mut(&pid) else {
+            return false;
+        };
+        let q = if ctrl { &mut p.ctrl_q } else { &mut p.data_q };
+        if front {
+            q.push_front(pkt);
+        } else {
+            q.push_back(pkt);
+        }
+        if !p.in_ready && p.backoff_until.is_none() {
+            p.in_ready = true;
+            self.ready.push_back(pid);
+        }
+        true
+    }
+
+    /// The next packet to send, from the next ready peer not in backoff (control packets
+    /// first), with its destination; the peer stays in turn while it has more.
+    pub(super) fn next_packet(&mut self) -> Option<(RawAddr, Pkt)> {
+        while let Some(pid) = self.ready.pop_front() {
+            let Some(p) = self.table.get_mut(&pid) else {
+                continue;
+            };
+            p.in_ready = false;
+            if p.backoff_until.is_some() {
+                continue;
+            }
+            let Some(pkt) = p.ctrl_q.pop_front().or_else(|| p.data_q.pop_front()) else {
+                continue;
+            };
+            if !(p.ctrl_q.is_empty() && p.data_q.is_empty()) {
+                p.in_ready = true;
+                self.ready.push_back(pid);
+            }
+            return Some((p.addr, pkt));
+        }
+        None
+    }
+
+    /// Packets wait for their turn.
+    pub(super) fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Some peer is in RNR backoff.
+    pub(super) fn in_backoff(&self) -> bool {
+        !self.backoff.is_empty()
+    }
+
+    /// When the first backoff ends.
+    pub(super) fn backoff_deadline(&self) -> Option<Instant> {
+        self.backoff
+            .iter()
+            .filter_map(|p| self.table.get(p)?.backoff_until)
+            .min()
+    }
+
+    /// Puts `p` (id `pid`) in turn if it has packets and is not in turn yet.
+    fn ready_if_queued(ready: &mut VecDeque<u64>, pid: u64, p: &mut Peer) {
+        let queued = !p.ctrl_q.is_empty() || !p.data_q.is_empty();
+        if !p.in_ready && queued {
+            p.in_ready = true;
+            ready.push_back(pid);
+        }
+    }
+
+    /// A packet to `pid` met RNR a second time: the peer backs off (new episode: the wait
+    /// doubles from `initial`, capped by `max`; already backing off: the wait restarts).
+    fn enter_backoff(&mut self, pid: u64, now: Instant, initial: Duration, max: Duration) {
+        let Some(p) = self.table.get_mut(&pid) else {
+            return;
+        };
+        if p.backoff_until.is_none() {
+            p.rnr_wait = if p.rnr_wait.is_zero() {
+                initial
+            } else {
+                p.rnr_wait.saturating_mul(2)
+            }
+            .min(max);
+            self.backoff.push(pid);
+            tracing::debug!(peer = %p.addr, wait = ?p.rnr_wait, "RNR backoff");
+        }
+        p.backoff_until = Some(now.checked_add(p.rnr_wait).unwrap_or(now));
+    }
+
+    /// A resent packet completed: the backoff of `pid` ends and its next one starts from the
+    /// initial wait again.
+    pub(super) fn reset_backoff(&mut self, pid: u64) {
+        let Some(p) = self.table.get_mut(&pid) else {
+            return;
+        };
+        p.rnr_wait = Duration::ZERO;
+        if p.backoff_until.take().is_some() {
+            self.backoff.retain(|&x| x != pid);
+            Self::ready_if_queued(&mut self.ready, pid, p);
+        }
+    }
+
+    /// Ends the backoffs that are due.
+    pub(super) fn expire_backoffs(&mut self, now: Instant) {
+        let mut i = 0;
+        while let Some(&pid) = self.backoff.get(i) {
+            let due = match self.table.get_mut(&pid) {
+                None => true,
+                Some(p) => match p.backoff_until {
+                    Some(t) if t > now => false,
+                    _ => {
+                        p.backoff_until = None;
+                        Self::ready_if_queued(&mut self.ready, pid, p);
+                        true
+                    }
+                },
+            };
+            if due {
+                self.backoff.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Nobody is in turn or in backoff any more (the engine closed; the peers' queues were
+    /// emptied).
+    pub(super) fn clear_turns(&mut self) {
+        self.ready.clear();
+        self.backoff.clear();
+    }
+}
 
 /// The ways to find a peer (a sub-state of the engine): by its full address (with a cache in
 /// front), the incarnations at a (GID, QPN) oldest first, and the connids of incarnations that
@@ -70,7 +268,7 @@ impl PeerIndex {
     }
 
     /// The newest incarnation at (`gid`, `qpn`).
-    pub(super) fn newest(&self, gid: Gid, qpn: u16) -> Option<u64> {
+    fn newest(&self, gid: Gid, qpn: u16) -> Option<u64> {
         self.incarnations(gid, qpn).last().copied()
     }
 
@@ -276,15 +474,14 @@ impl Engine {
             held_bytes: 0,
             held_back: false,
         };
-        let id = self.peers.insert(peer);
-        self.index.add(addr, id);
+        let id = self.peers.add(peer);
         tracing::debug!(peer = %addr, "new peer");
         Some(id)
     }
 
     /// The peer with address `a`, if known.
     fn peer_by_addr(&mut self, a: &RawAddr) -> Option<u64> {
-        self.index.find(a)
+        self.peers.find(a)
     }
 
     /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
@@ -308,7 +505,7 @@ impl Engine {
     /// replace each other instead of piling up.
     fn replace_incarnations(&mut self, addr: RawAddr, now: Instant) {
         let quiet = self.cfg.rx_stall_timeout;
-        let old: Vec<u64> = self.index.incarnations(addr.gid, addr.qpn).to_vec();
+        let old: Vec<u64> = self.peers.index.incarnations(addr.gid, addr.qpn).to_vec();
         for id in old {
             let Some(p) = self.peers.get(&id) else {
                 continue;
@@ -326,7 +523,8 @@ impl Engine {
             }
             tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
             self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
-            self.index
+            self.peers
+                .index
                 .retire(addr.gid, addr.qpn, qkey, self.budget.limits.max_peers);
         }
     }
@@ -343,7 +541,7 @@ impl Engine {
 
     fn identify_peer(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
         let qp = (src.gid, src.qpn);
-        let newest = |e: &Engine| e.index.newest(qp.0, qp.1);
+        let newest = |e: &Engine| e.peers.newest(qp.0, qp.1);
         if let Some(opt) = pkt.req_opt() {
             match opt.sender {
                 Sender::RawAddr(a) => {
@@ -356,7 +554,7 @@ impl Engine {
                     if let Some(id) = self.peer_by_addr(&a) {
                         return Some(id);
                     }
-                    if self.index.is_retired(&a) {
+                    if self.peers.index.is_retired(&a) {
                         self.drop_pkt("stale connid (replaced incarnation)");
                         return None;
                     }
@@ -431,20 +629,8 @@ impl Engine {
     /// Puts a packet on its peer's queue (at the front for a resend) and the peer on the ready
     /// list.
     pub(super) fn enqueue(&mut self, pkt: Pkt, ctrl: bool, front: bool) {
-        let pid = pkt.peer;
-        let Some(p) = self.peers.get_mut(&pid) else {
-            return;
-        };
-        let q = if ctrl { &mut p.ctrl_q } else { &mut p.data_q };
-        if front {
-            q.push_front(pkt);
-        } else {
-            q.push_back(pkt);
-        }
-        self.tx.queued += 1;
-        if !p.in_ready && p.backoff_until.is_none() {
-            p.in_ready = true;
-            self.ready.push_back(pid);
+        if self.peers.queue(pkt, ctrl, front) {
+            self.tx.queued += 1;
         }
     }
 
@@ -456,65 +642,8 @@ impl Engine {
         } else {
             self.cfg.timeout_interval
         };
-        let max = self.cfg.max_timeout;
-        let Some(p) = self.peers.get_mut(&pid) else {
-            return;
-        };
-        if p.backoff_until.is_none() {
-            p.rnr_wait = if p.rnr_wait.is_zero() {
-                initial
-            } else {
-                p.rnr_wait.saturating_mul(2)
-            }
-            .min(max);
-            self.backoff.push(pid);
-            tracing::debug!(peer = %p.addr, wait = ?p.rnr_wait, "RNR backoff");
-        }
-        p.backoff_until = Some(now.checked_add(p.rnr_wait).unwrap_or(now));
-    }
-
-    /// A resent packet completed: the backoff of `pid` ends and its next one starts from the
-    /// initial wait again.
-    pub(super) fn reset_backoff(&mut self, pid: u64) {
-        let Some(p) = self.peers.get_mut(&pid) else {
-            return;
-        };
-        p.rnr_wait = Duration::ZERO;
-        if p.backoff_until.take().is_some() {
-            self.backoff.retain(|&x| x != pid);
-            let queued = !p.ctrl_q.is_empty() || !p.data_q.is_empty();
-            if !p.in_ready && queued {
-                p.in_ready = true;
-                self.ready.push_back(pid);
-            }
-        }
-    }
-
-    /// Ends the backoffs that are due.
-    pub(super) fn expire_backoffs(&mut self, now: Instant) {
-        let mut i = 0;
-        while let Some(&pid) = self.backoff.get(i) {
-            let due = match self.peers.get_mut(&pid) {
-                None => true,
-                Some(p) => match p.backoff_until {
-                    Some(t) if t > now => false,
-                    _ => {
-                        p.backoff_until = None;
-                        let queued = !p.ctrl_q.is_empty() || !p.data_q.is_empty();
-                        if !p.in_ready && queued {
-                            p.in_ready = true;
-                            self.ready.push_back(pid);
-                        }
-                        true
-                    }
-                },
-            };
-            if due {
-                self.backoff.swap_remove(i);
-            } else {
-                i += 1;
-            }
-        }
+        self.peers
+            .enter_backoff(pid, now, initial, self.cfg.max_timeout);
     }
 
     /// The peer is gone (or replaced): its send operations and the receives in progress from
@@ -534,7 +663,6 @@ impl Engine {
         if p.held_back {
             self.budget.hold_change(p.addr, false);
         }
-        self.index.remove(p.addr, pid);
         self.tx.queued = self
             .tx
             .queued

@@ -459,8 +459,8 @@ impl Engine {
         if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
             return None;
         }
-        if !self.backoff.is_empty() {
-            self.expire_backoffs(now);
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now);
         }
         self.rd.turn = !self.rd.turn;
         if self.rd.turn {

@@ -270,8 +270,8 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
         }
-        if !self.backoff.is_empty() {
-            self.expire_backoffs(now);
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now);
         }
         if self.tx.ops.len() >= self.cfg.max_tx_ops {
             return self.again(op, "max_tx_ops operations in flight", "send");
@@ -453,25 +453,10 @@ impl Engine {
         if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
             return None;
         }
-        if !self.backoff.is_empty() {
-            self.expire_backoffs(now);
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now);
         }
-        while let Some(pid) = self.ready.pop_front() {
-            let Some(p) = self.peers.get_mut(&pid) else {
-                continue;
-            };
-            p.in_ready = false;
-            if p.backoff_until.is_some() {
-                continue;
-            }
-            let Some(pkt) = p.ctrl_q.pop_front().or_else(|| p.data_q.pop_front()) else {
-                continue;
-            };
-            if !(p.ctrl_q.is_empty() && p.data_q.is_empty()) {
-                p.in_ready = true;
-                self.ready.push_back(pid);
-            }
-            let dest = p.addr;
+        while let Some((dest, pkt)) = self.peers.next_packet() {
             self.tx.queued = self.tx.queued.saturating_sub(1);
             let payload = match pkt.owner {
                 Owner::Tx(id) => match self.tx.ops.get(&id) {
@@ -518,7 +503,7 @@ impl Engine {
             && !peer_fatal(status)
         {
             if status == Status::Success && pkt.rnr > 0 {
-                self.reset_backoff(pkt.peer);
+                self.peers.reset_backoff(pkt.peer);
             }
             return self.ema_pkt_done(&pkt.owner, status);
         }
@@ -527,7 +512,7 @@ impl Engine {
                 if pkt.rnr > 0 {
                     // A resent packet got through: the peer's backoff is over and its wait
                     // starts afresh (libfabric's `efa_rdm_pke_release_tx`).
-                    self.reset_backoff(pkt.peer);
+                    self.peers.reset_backoff(pkt.peer);
                 }
                 if let Owner::Tx(id) = pkt.owner {
                     self.read_pkt_done(id, &pkt);

@@ -185,8 +185,8 @@ impl Engine {
         if !self.rma_could_use_device(&op) {
             return Ok(Some(op));
         }
-        if !self.backoff.is_empty() {
-            self.expire_backoffs(now);
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now);
         }
         let Some(pid) = self.peer_for_send(op.dest) else {
             let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");
@@ -633,7 +633,7 @@ impl Engine {
             return;
         }
         let addr = self
-            .index
+            .peers
             .newest(src.gid, src.qpn)
             .and_then(|id| self.peers.get(&id))
             .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr);
