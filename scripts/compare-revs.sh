@@ -4,24 +4,28 @@
 # `shm` and over `udp` (FI_EFA_ENABLE_SHM_TRANSFER=0), 64 B (latency) and 1 MiB (bandwidth).
 # Prints every round and the medians, with the ratio new/old.
 #
-#   scripts/compare-revs.sh [-r ROUNDS] [-s SIZES] OLD_REV [NEW_REV]
+#   scripts/compare-revs.sh [-r ROUNDS] [-s SIZES] [-d DEVICES] OLD_REV [NEW_REV]
+#
+# SIZES and DEVICES are comma-separated (defaults: 64,1048576 and shm,udp).
 #
 # NEW_REV defaults to the working tree. Each revision builds in a worktree of its own under
 # $TMPDIR with its own target directory (kept for reruns: efa-revs-<rev>).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rounds=5 sizelist="64,1048576"
-while getopts "r:s:" o; do
+rounds=5 sizelist="64,1048576" devlist="shm,udp"
+while getopts "r:s:d:" o; do
     case $o in
     r) rounds=$OPTARG ;;
     s) sizelist=$OPTARG ;;
+    d) devlist=$OPTARG ;;
     *) exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -ge 1 ] || { echo "usage: $0 [-r ROUNDS] [-s SIZES] OLD_REV [NEW_REV]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 [-r ROUNDS] [-s SIZES] [-d DEVICES] OLD_REV [NEW_REV]" >&2; exit 2; }
 IFS=, read -r -a sizes <<<"$sizelist"
+IFS=, read -r -a devs <<<"$devlist"
 tmpbase=${TMPDIR:-/tmp}
 
 # build REV: prints the path of that revision's ping-pong binary.
@@ -65,7 +69,7 @@ run() {
 }
 
 for r in $(seq "$rounds"); do
-    for dev in shm udp; do
+    for dev in "${devs[@]}"; do
         for s in "${sizes[@]}"; do
             # Alternate which goes first, round by round.
             if [ $((r % 2)) -eq 1 ]; then order="old new"; else order="new old"; fi
@@ -81,7 +85,7 @@ done
 
 median() { sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "nan"}'; }
 printf "%-5s %-9s %12s %12s %10s %12s %12s %10s\n" dev size "old usec" "new usec" "lat new/old" "old MB/s" "new MB/s" "bw new/old"
-for dev in shm udp; do
+for dev in "${devs[@]}"; do
     for s in "${sizes[@]}"; do
         ol=$(cut -d' ' -f1 "$tmp/old-$dev-$s" | median); nl=$(cut -d' ' -f1 "$tmp/new-$dev-$s" | median)
         ob=$(cut -d' ' -f2 "$tmp/old-$dev-$s" | median); nb=$(cut -d' ' -f2 "$tmp/new-$dev-$s" | median)
