@@ -22,6 +22,23 @@ fn udp_config() -> UdpConfig {
     }
 }
 
+/// A network of `nc` with one host per `(queue pair type, RNR retry count)`, all on
+/// [`udp_config`]; returns it and the hosts' indices.
+fn network(nc: NetConfig, hosts: &[(QpType, u8)]) -> (Net, Vec<usize>) {
+    let cfg = udp_config();
+    let mut net = Net::new(nc);
+    let ids = hosts.iter().map(|&(t, r)| net.add(&cfg, t, r)).collect();
+    (net, ids)
+}
+
+/// Posts MTU-sized receive buffers with work request ids `ids` on `host`.
+fn post_recvs(net: &mut Net, host: usize, ids: std::ops::Range<u64>) {
+    for id in ids {
+        net.post_recv(host, id, BytesMut::with_capacity(udp_config().mtu))
+            .unwrap();
+    }
+}
+
 /// The bytes of message `n` from host `from`: its header names both, its payload is a
 /// pattern of them, so a message delivered twice, to the wrong host or damaged is seen.
 fn message(from: usize, n: u32, len: usize) -> (Bytes, Bytes) {
@@ -175,11 +192,10 @@ fn srd_delivers_every_message_once_intact_on_a_faulty_network() {
 fn sends_to_a_vanished_host_fail_unresponsive_in_time() {
     let seed = test_seed();
     let cfg = udp_config();
-    let mut net = Net::new(NetConfig::clean(seed));
-    let a = net.add(&cfg, QpType::Srd, RNR_FOREVER);
-    let b = net.add(&cfg, QpType::Srd, RNR_FOREVER);
-    net.post_recv(b, 0, BytesMut::with_capacity(cfg.mtu))
-        .unwrap();
+    let srd = (QpType::Srd, RNR_FOREVER);
+    let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
+    let (a, b) = (h[0], h[1]);
+    post_recvs(&mut net, b, 0..1);
     send(&mut net, a, b, 0, 100, seed);
     let mut done = Vec::new();
     assert!(net.run_until(Duration::from_secs(1), |net| {
@@ -213,11 +229,9 @@ fn sends_to_a_vanished_host_fail_unresponsive_in_time() {
 #[test]
 fn rnr_retries_run_out_or_wait_for_a_buffer() {
     let seed = test_seed();
-    let cfg = udp_config();
-    let mut net = Net::new(NetConfig::faulty(seed));
-    let finite = net.add(&cfg, QpType::Srd, 2);
-    let forever = net.add(&cfg, QpType::Srd, RNR_FOREVER);
-    let rx = net.add(&cfg, QpType::Srd, RNR_FOREVER);
+    let srd = (QpType::Srd, RNR_FOREVER);
+    let (mut net, h) = network(NetConfig::faulty(seed), &[(QpType::Srd, 2), srd, srd]);
+    let (finite, forever, rx) = (h[0], h[1], h[2]);
     for n in 0..4 {
         send(&mut net, finite, rx, n, 64, seed);
         send(&mut net, forever, rx, n, 64, seed);
@@ -238,10 +252,7 @@ fn rnr_retries_run_out_or_wait_for_a_buffer() {
         "seed {seed}: a retry-forever send gave up"
     );
     assert!(net.poll(rx).is_empty(), "seed {seed}");
-    for n in 0..4 {
-        net.post_recv(rx, n, BytesMut::with_capacity(cfg.mtu))
-            .unwrap();
-    }
+    post_recvs(&mut net, rx, 0..4);
     let (mut sent, mut got) = (Vec::new(), Vec::new());
     assert!(
         net.run_until(Duration::from_secs(60), |net| {
@@ -268,14 +279,10 @@ fn rnr_retries_run_out_or_wait_for_a_buffer() {
 #[test]
 fn ud_sends_once_and_drops_without_a_buffer() {
     let seed = test_seed();
-    let cfg = udp_config();
-    let mut net = Net::new(NetConfig::clean(seed));
-    let a = net.add(&cfg, QpType::Ud, 0);
-    let b = net.add(&cfg, QpType::Ud, 0);
-    for n in 0..3 {
-        net.post_recv(b, n, BytesMut::with_capacity(cfg.mtu))
-            .unwrap();
-    }
+    let ud = (QpType::Ud, 0);
+    let (mut net, h) = network(NetConfig::clean(seed), &[ud, ud]);
+    let (a, b) = (h[0], h[1]);
+    post_recvs(&mut net, b, 0..3);
     for n in 0..5 {
         send(&mut net, a, b, n, 200, seed);
     }
@@ -306,20 +313,14 @@ fn ud_sends_once_and_drops_without_a_buffer() {
 #[test]
 fn hostile_datagrams_are_dropped_and_traffic_goes_on() {
     let seed = test_seed();
-    let cfg = udp_config();
-    let mut net = Net::new(NetConfig::faulty(seed));
-    let a = net.add(&cfg, QpType::Srd, RNR_FOREVER);
-    let b = net.add(&cfg, QpType::Srd, RNR_FOREVER);
-    let ud = net.add(&cfg, QpType::Ud, 0);
+    let srd = (QpType::Srd, RNR_FOREVER);
+    let (mut net, h) = network(NetConfig::faulty(seed), &[srd, srd, (QpType::Ud, 0)]);
+    let (a, b, ud) = (h[0], h[1], h[2]);
     let mut rng = Rng::new(seed);
     let n_msgs = 100u32;
-    for n in 0..n_msgs {
-        net.post_recv(b, n as u64, BytesMut::with_capacity(cfg.mtu))
-            .unwrap();
-    }
+    post_recvs(&mut net, b, 0..n_msgs as u64);
     // A datagram of the other type, to b.
-    net.post_recv(ud, 0, BytesMut::with_capacity(cfg.mtu))
-        .unwrap();
+    post_recvs(&mut net, ud, 0..1);
     let b_addr = net.addr(b);
     let (hdr, payload) = message(ud, 0, 10);
     net.post_send(
