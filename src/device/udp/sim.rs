@@ -1,8 +1,8 @@
 //! A simulated network for the udp device's protocol side ([`Link`]): hosts whose queue pairs
 //! have no socket and no thread, a seeded network that drops, duplicates, delays and reorders
 //! datagrams, and virtual time. As `proto::sim` does for the engine, it lets the SRD rules
-//! (acknowledgements, retransmission, RNR, the unresponsive-peer timeout) be tested under
-//! faults, quickly and the same way every run of a seed.
+//! (acknowledgements, retransmission, RNR, the unresponsive-peer timeout, one-sided RDMA over
+//! them) be tested under faults, quickly and the same way every run of a seed.
 //!
 //! A host's link is driven as the queue pair drives it: datagrams are handed to
 //! [`Link::handle`], then the due acknowledgements are flushed (at random either as the polling
@@ -17,13 +17,14 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 
 use super::UdpConfig;
-use super::link::{Link, LinkAttr};
+use super::link::{Ctx, Link, LinkAttr};
 use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
-use crate::device::{DeviceCompletion, QpType, SendWr};
+use crate::device::soft_rdma::{KeyTable, RdmaOps};
+use crate::device::{DeviceCompletion, QpType, RemoteIov, SendWr};
 use crate::error::Result;
 use crate::fault::Rng;
 use crate::stats::DeviceCounters;
@@ -129,6 +130,22 @@ impl Net {
     /// address and fault layer are ignored: every host is `127.0.0.1`, on its own port, and
     /// the network makes the faults). Returns its index.
     pub fn add(&mut self, udp: &UdpConfig, qp_type: QpType, rnr_retry: u8) -> usize {
+        self.add_host(udp, qp_type, rnr_retry, None)
+    }
+
+    /// Adds a host with an SRD queue pair that serves RDMA on the regions of `keys` (and
+    /// retries receiver-not-ready forever); returns its index.
+    pub fn add_rdma(&mut self, udp: &UdpConfig, keys: KeyTable) -> usize {
+        self.add_host(udp, QpType::Srd, 7, Some(keys))
+    }
+
+    fn add_host(
+        &mut self,
+        udp: &UdpConfig,
+        qp_type: QpType,
+        rnr_retry: u8,
+        keys: Option<KeyTable>,
+    ) -> usize {
         let i = self.hosts.len();
         let mut udp = udp.clone();
         udp.faults = Default::default();
@@ -141,7 +158,7 @@ impl Net {
                 qkey: 0x1000 + i as u32,
                 rnr_retry,
                 v6: false,
-                keys: None,
+                keys,
                 unsolicited_write_recv: false,
             },
             self.now(),
@@ -182,6 +199,53 @@ impl Net {
         let h = &mut self.hosts[i];
         h.slots.take_send("post_send")?;
         h.link.post_send(wr, now);
+        Ok(())
+    }
+
+    /// Starts an RDMA write of `local` to `remote` at `dest` on host `i`, as the queue pair's
+    /// `post_write` does.
+    pub fn write(
+        &mut self,
+        i: usize,
+        wr_id: u64,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.start_rdma(i, &dest, |cx, to, chunk| {
+            cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk)
+        })
+    }
+
+    /// Starts an RDMA read of `remote` at `dest` into `local` on host `i`, as the queue pair's
+    /// `post_read` does.
+    pub fn read(
+        &mut self,
+        i: usize,
+        wr_id: u64,
+        dest: RawAddr,
+        local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.start_rdma(i, &dest, |cx, to, _| {
+            cx.rdma_read(wr_id, to, dest, local, remote)
+        })
+    }
+
+    fn start_rdma(
+        &mut self,
+        i: usize,
+        dest: &RawAddr,
+        start: impl FnOnce(&mut Ctx, Option<SocketAddr>, usize) -> Result<()>,
+    ) -> Result<()> {
+        let now = self.now();
+        let h = &mut self.hosts[i];
+        h.slots.take_send("post_rdma")?;
+        if let Err(e) = h.link.start_rdma(now, start, dest) {
+            h.slots.release_send();
+            return Err(e);
+        }
         Ok(())
     }
 
