@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use super::UdpConfig;
-use super::link::{Ctx, Link, LinkAttr};
+use super::link::{Link, LinkAttr};
 use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
 use crate::device::soft_rdma::{KeyTable, RdmaOps};
@@ -77,6 +77,14 @@ pub(super) struct NetStats {
     pub delivered: u64,
     /// Copies for an address no live host has.
     pub lost: u64,
+}
+
+/// A one-sided operation ([`Net::rdma`]).
+pub(super) enum RdmaOp {
+    /// `(wr_id, local bytes, remote range, immediate data)`.
+    Write(u64, Bytes, RemoteIov, Option<u32>),
+    /// `(wr_id, local buffer, remote range)`.
+    Read(u64, BytesMut, RemoteIov),
 }
 
 /// A datagram on its way.
@@ -202,51 +210,26 @@ impl Net {
         Ok(())
     }
 
-    /// Starts an RDMA write of `local` to `remote` at `dest` on host `i`, as the queue pair's
-    /// `post_write` does.
-    pub fn write(
-        &mut self,
-        i: usize,
-        wr_id: u64,
-        dest: RawAddr,
-        local: Bytes,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        self.start_rdma(i, &dest, |cx, to, chunk| {
-            cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk)
-        })
-    }
-
-    /// Starts an RDMA read of `remote` at `dest` into `local` on host `i`, as the queue pair's
-    /// `post_read` does.
-    pub fn read(
-        &mut self,
-        i: usize,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        self.start_rdma(i, &dest, |cx, to, _| {
-            cx.rdma_read(wr_id, to, dest, local, remote)
-        })
-    }
-
-    fn start_rdma(
-        &mut self,
-        i: usize,
-        dest: &RawAddr,
-        start: impl FnOnce(&mut Ctx, Option<SocketAddr>, usize) -> Result<()>,
-    ) -> Result<()> {
+    /// Starts an RDMA operation towards `dest` on host `i`, as the queue pair's `post_write`
+    /// and `post_read` do.
+    pub fn rdma(&mut self, i: usize, dest: RawAddr, op: RdmaOp) -> Result<()> {
         let now = self.now();
         let h = &mut self.hosts[i];
         h.slots.take_send("post_rdma")?;
-        if let Err(e) = h.link.start_rdma(now, start, dest) {
+        let r = h.link.start_rdma(
+            now,
+            |cx, to, chunk| match op {
+                RdmaOp::Write(wr_id, local, remote, imm) => {
+                    cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk)
+                }
+                RdmaOp::Read(wr_id, local, remote) => cx.rdma_read(wr_id, to, dest, local, remote),
+            },
+            &dest,
+        );
+        if r.is_err() {
             h.slots.release_send();
-            return Err(e);
         }
-        Ok(())
+        r
     }
 
     /// Posts a receive buffer on host `i`.

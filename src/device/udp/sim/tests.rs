@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
-use super::{Net, NetConfig};
+use super::{Net, NetConfig, RdmaOp};
 use crate::device::soft_rdma::KeyTable;
 use crate::device::udp::UdpConfig;
 use crate::device::{DeviceCompletion, Opcode, QpType, RemoteIov, SendWr, Status};
@@ -399,6 +399,14 @@ fn hostile_datagrams_are_dropped_and_traffic_goes_on() {
     assert!(c.duplicates_dropped.load(Relaxed) > 0, "seed {seed}");
 }
 
+/// Whether `region` holds exactly `model`.
+fn same(region: &RegionMem, model: &[u8]) -> bool {
+    let mut now = BytesMut::new();
+    region
+        .read_into(region.addr(), region.len() as u64, &mut now)
+        .is_ok_and(|()| now[..] == model[..])
+}
+
 /// One-sided RDMA over SRD on a faulty network: concurrent writes to disjoint ranges of a
 /// registered region land exactly (the region then equals its model byte for byte), concurrent
 /// reads of random ranges return exactly the model's bytes, a write with immediate data
@@ -452,20 +460,20 @@ fn rdma_writes_and_reads_are_exact_on_a_faulty_network() {
         let off = k as usize * slot + rng.below((slot - n + 1) as u64) as usize;
         let data: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
         model[off..off + n].copy_from_slice(&data);
-        net.write(a, k, dest, Bytes::from(data), remote(off, n, key), None)
-            .unwrap_or_else(|e| panic!("seed {seed}: write: {e}"));
+        net.rdma(
+            a,
+            dest,
+            RdmaOp::Write(k, Bytes::from(data), remote(off, n, key), None),
+        )
+        .unwrap_or_else(|e| panic!("seed {seed}: write: {e}"));
         ids.push(k);
     }
     for c in finish(&mut net, a, &ids) {
         assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
         assert_eq!(c.opcode, Opcode::RdmaWrite, "seed {seed}");
     }
-    let mut now = BytesMut::new();
-    region
-        .read_into(region.addr(), len as u64, &mut now)
-        .unwrap();
     assert!(
-        now[..] == model[..],
+        same(&region, &model),
         "seed {seed}: the region differs from its model"
     );
 
@@ -475,8 +483,12 @@ fn rdma_writes_and_reads_are_exact_on_a_faulty_network() {
     for k in 100..116u64 {
         let n = 1 + rng.below(6000) as usize;
         let off = rng.below((len - n) as u64) as usize;
-        net.read(a, k, dest, BytesMut::with_capacity(n), remote(off, n, key))
-            .unwrap_or_else(|e| panic!("seed {seed}: read: {e}"));
+        net.rdma(
+            a,
+            dest,
+            RdmaOp::Read(k, BytesMut::with_capacity(n), remote(off, n, key)),
+        )
+        .unwrap_or_else(|e| panic!("seed {seed}: read: {e}"));
         want.insert(k, model[off..off + n].to_vec());
         ids.push(k);
     }
@@ -494,15 +506,8 @@ fn rdma_writes_and_reads_are_exact_on_a_faulty_network() {
     // A write with immediate data consumes one receive at the target, which reports it.
     post_recvs(&mut net, b, 7..8);
     let data = Bytes::from_static(b"with immediate data");
-    net.write(
-        a,
-        200,
-        dest,
-        data.clone(),
-        remote(0, data.len(), key),
-        Some(77),
-    )
-    .unwrap();
+    let op = RdmaOp::Write(200, data.clone(), remote(0, data.len(), key), Some(77));
+    net.rdma(a, dest, op).unwrap();
     model[..data.len()].copy_from_slice(&data);
     assert_eq!(
         finish(&mut net, a, &[200])[0].status,
@@ -515,33 +520,16 @@ fn rdma_writes_and_reads_are_exact_on_a_faulty_network() {
 
     // Refused: a key that is not registered, a range past the region's end.
     let bad_key = if key == 1 { 2 } else { 1 };
-    net.write(
-        a,
-        300,
-        dest,
-        Bytes::from_static(b"x"),
-        remote(0, 1, bad_key),
-        None,
-    )
-    .unwrap();
-    net.write(
-        a,
-        301,
-        dest,
-        Bytes::from_static(b"xy"),
-        remote(len - 1, 2, key),
-        None,
-    )
-    .unwrap();
+    let x = Bytes::from_static(b"xy");
+    let op = RdmaOp::Write(300, x.slice(..1), remote(0, 1, bad_key), None);
+    net.rdma(a, dest, op).unwrap();
+    let op = RdmaOp::Write(301, x, remote(len - 1, 2, key), None);
+    net.rdma(a, dest, op).unwrap();
     for c in finish(&mut net, a, &[300, 301]) {
         assert_eq!(c.status, Status::RemoteBadAddress, "seed {seed}: {c:?}");
     }
-    let mut now = BytesMut::new();
-    region
-        .read_into(region.addr(), len as u64, &mut now)
-        .unwrap();
     assert!(
-        now[..] == model[..],
+        same(&region, &model),
         "seed {seed}: a refused write changed the region"
     );
     net.run_until(Duration::from_secs(2), |_| false);
