@@ -9,7 +9,8 @@
 //! application does, which lets them wait briefly for data to ride on, or as the NIC thread
 //! does, at once), and timers run when due. What a link queues goes on the network at the next
 //! step; the network never refuses a datagram (the socket side's refusals are tested in
-//! `qp/tests.rs`).
+//! `qp/tests.rs`). The links draw their SRD connection numbers from the seed too, so a seed
+//! replays a run exactly.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -158,7 +159,7 @@ impl Net {
         let mut udp = udp.clone();
         udp.faults = Default::default();
         let counters = Arc::new(DeviceCounters::default());
-        let link = Link::new(
+        let mut link = Link::new(
             Arc::new(udp.clone()),
             counters.clone(),
             LinkAttr {
@@ -171,6 +172,7 @@ impl Net {
             },
             self.now(),
         );
+        link.srd.seed_ids(self.cfg.seed ^ (i as u64 + 1));
         self.hosts.push(Host {
             link,
             addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10_000 + i as u16),

@@ -13,6 +13,7 @@ use super::UdpConfig;
 use super::link::{Ctx, Delivery, Tag, min_opt};
 use super::wire::{self, AckHdr, DataHdr, NakHdr, NakReason, WINDOW};
 use crate::device::{SendWr, Status};
+use crate::fault::Rng;
 use crate::stats;
 
 /// RNR retry count that means "retry forever", as on EFA.
@@ -266,6 +267,10 @@ pub(super) struct Srd {
     epoch: u64,
     next_sweep: Instant,
     bitmap: Vec<u8>,
+    /// Where connection numbers and first sequence numbers come from: the kernel's CSPRNG
+    /// (`None`; they defend against forged packets), or a seeded generator in the simulator, so
+    /// that a seed replays a run exactly.
+    ids: Option<Rng>,
 }
 
 impl Srd {
@@ -284,6 +289,21 @@ impl Srd {
             epoch: 0,
             next_sweep: now + cfg.peer_idle_timeout / 4,
             bitmap: Vec::with_capacity(wire::MAX_BITMAP),
+            ids: None,
+        }
+    }
+
+    /// Draws connection numbers and first sequence numbers from `seed` instead of the kernel's
+    /// CSPRNG (the simulator: a seed then replays a run exactly).
+    #[cfg(test)]
+    pub fn seed_ids(&mut self, seed: u64) {
+        self.ids = Some(Rng::new(seed));
+    }
+
+    fn random(&mut self) -> u64 {
+        match self.ids.as_mut() {
+            Some(r) => r.next_u64(),
+            None => crate::random::secure_u64(),
         }
     }
 
@@ -305,12 +325,12 @@ impl Srd {
         let conn = match self.tx_by_addr.get(&key) {
             Some(c) => *c,
             None => {
-                let mut conn = crate::random::secure_u64() as u32;
+                let mut conn = self.random() as u32;
                 while conn == 0 || self.tx.contains_key(&conn) {
-                    conn = crate::random::secure_u64() as u32;
+                    conn = self.random() as u32;
                 }
                 // Below 2^62: sequence numbers never wrap.
-                let first = crate::random::secure_u64() >> 2;
+                let first = self.random() >> 2;
                 self.tx.insert(
                     conn,
                     TxPeer {
