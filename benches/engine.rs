@@ -144,6 +144,7 @@ impl Direct {
                 multi_recv: None,
                 context: k as u64,
                 local_region: None,
+                room: None,
             };
             if self.e[1].post_recv(self.now, r).is_err() {
                 panic!("post_recv");

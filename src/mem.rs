@@ -334,12 +334,24 @@ impl RegionMem {
         self.len == 0
     }
 
-    /// The bytes, for reading, under the lock (a guard; waiting accesses are signalled when it
-    /// goes).
-    pub(crate) fn read(&self) -> ReadGuard<'_> {
+    /// The bytes at offsets `range` (a slice's), for reading, under the lock. The lock is taken
+    /// recursively: a thread may hold read guards of several slices of one region at once.
+    /// Empty when the range is not inside the region or the region is closed.
+    pub(crate) fn read_range(&self, range: Range<usize>) -> ReadGuard<'_> {
         ReadGuard {
-            guard: Some(self.data.read()),
+            guard: Some(self.data.read_recursive()),
             mem: self,
+            range,
+        }
+    }
+
+    /// The bytes at offsets `range`, for writing, under the lock (remote accesses wait for the
+    /// guard to go). Empty when the range is not inside the region or the region is closed.
+    pub(crate) fn write_range(&self, range: Range<usize>) -> WriteGuard<'_> {
+        WriteGuard {
+            guard: Some(self.data.write()),
+            mem: self,
+            range,
         }
     }
 
@@ -548,6 +560,17 @@ impl RegionSlice {
             .is_some_and(|end| end <= self.mem.len as u64)
     }
 
+    /// The slice's bytes under the region's read lock (empty when the region is closed).
+    pub(crate) fn read(&self) -> ReadGuard<'_> {
+        let off = self.addr.wrapping_sub(self.mem.addr) as usize;
+        let range = if self.in_bounds() {
+            off..off + self.len
+        } else {
+            0..0
+        };
+        self.mem.read_range(range)
+    }
+
     /// A copy of the slice's bytes, blocking while a write guard on the region is alive.
     /// `RemoteAccess` when the region is closed.
     pub fn to_bytes(&self) -> Result<Bytes> {
@@ -583,16 +606,21 @@ impl fmt::Debug for RegionMem {
     }
 }
 
-/// The guard [`MemoryRegion::read`](crate::mr::MemoryRegion::read) returns: releases the lock, then signals waiting accesses.
+/// The guard [`MemoryRegion::read`](crate::mr::MemoryRegion::read) returns: the bytes of one
+/// range of the region; releases the lock, then signals waiting accesses.
 pub(crate) struct ReadGuard<'a> {
-    pub(crate) guard: Option<RwLockReadGuard<'a, Store>>,
-    pub(crate) mem: &'a RegionMem,
+    guard: Option<RwLockReadGuard<'a, Store>>,
+    mem: &'a RegionMem,
+    range: Range<usize>,
 }
 
 impl Deref for ReadGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.guard.as_deref().map_or(&[], |b| &b[..])
+        self.guard
+            .as_deref()
+            .and_then(|b| b.get(self.range.clone()))
+            .unwrap_or(&[])
     }
 }
 
@@ -603,22 +631,31 @@ impl Drop for ReadGuard<'_> {
     }
 }
 
-/// The guard [`MemoryRegion::write`](crate::mr::MemoryRegion::write) returns: releases the lock, then signals waiting accesses.
+/// The guard [`MemoryRegion::write`](crate::mr::MemoryRegion::write) returns: the bytes of
+/// one range of the region; releases the lock, then signals waiting accesses.
 pub(crate) struct WriteGuard<'a> {
-    pub(crate) guard: Option<RwLockWriteGuard<'a, Store>>,
-    pub(crate) mem: &'a RegionMem,
+    guard: Option<RwLockWriteGuard<'a, Store>>,
+    mem: &'a RegionMem,
+    range: Range<usize>,
 }
 
 impl Deref for WriteGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.guard.as_deref().map_or(&[], |b| &b[..])
+        self.guard
+            .as_deref()
+            .and_then(|b| b.get(self.range.clone()))
+            .unwrap_or(&[])
     }
 }
 
 impl DerefMut for WriteGuard<'_> {
     fn deref_mut(&mut self) -> &mut [u8] {
-        self.guard.as_deref_mut().map_or(&mut [], |b| &mut b[..])
+        let range = self.range.clone();
+        self.guard
+            .as_deref_mut()
+            .and_then(|b| b.get_mut(range))
+            .unwrap_or(&mut [])
     }
 }
 

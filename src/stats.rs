@@ -111,6 +111,9 @@ counters!(
         mr_cache_hits,
         /// dmabuf regions registered with the NIC as dmabufs (`ibv_reg_dmabuf_mr`; efa device).
         dmabuf_registrations,
+        /// Regions the device registered for one-sided RDMA (`Device::register_mem`): one per
+        /// `Domain::register`, however many slices of it operations use.
+        mem_registrations,
     }
 );
 

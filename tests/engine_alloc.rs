@@ -170,6 +170,7 @@ impl Pair {
                     multi_recv: None,
                     context: ctx,
                     local_region: None,
+                    room: None,
                 };
                 if self.e[1].post_recv(self.now, r).is_err() {
                     panic!("post_recv refused");

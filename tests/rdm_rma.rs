@@ -1145,3 +1145,6 @@ fn unregistered_regions_are_never_offered_for_device_reads() {
     );
     assert_eq!(a.ep.stats().errors + b.ep.stats().errors, 0);
 }
+
+#[path = "rdm_rma/slices.rs"]
+mod slices;

@@ -6,17 +6,24 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::BytesMut;
 
 use super::Domain;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{Access, RegionMem, RemoteKey, WriteGuard};
+use crate::mem::{Access, RegionMem, RegionSlice, RemoteKey};
 
-/// A registered memory region that owns its buffer.
+/// A registered memory region that owns its buffer, or an owned slice of one.
 ///
-/// Move it into an operation (`Endpoint::recv`, `Endpoint::send`) and get it back from the
-/// completion. Read and write its bytes with the [`read`](MemoryRegion::read) and
+/// Move it into an operation (`Endpoint::recv`, `Endpoint::send`, `write`, `read`, ...) and get
+/// it back from the completion. A region registers once and splits into owned, non-overlapping
+/// slices ([`split_to`](MemoryRegion::split_to), [`split_off`](MemoryRegion::split_off),
+/// [`chunks`](MemoryRegion::chunks)) as a `BytesMut` does: each slice carries the region's
+/// registration and key, every operation that takes a region takes a slice at its offset, and
+/// many operations on different slices run at once with no registration per operation. Slices
+/// rejoin with [`unsplit`](MemoryRegion::unsplit). A slice is not `Clone` and is moved into its
+/// operation, so two operations in flight can never hold the same bytes. Read and write its bytes with the [`read`](MemoryRegion::read) and Read and write its bytes with the [`read`](MemoryRegion::read) and
 /// [`write`](MemoryRegion::write) guards: remote accesses (RDMA by a peer's device, or emulated
 /// RMA) take the same lock, so a guard never sees a remote write half done. Do not hold a guard
 /// while this thread posts an RDMA operation that targets the same region (the device would wait
@@ -50,15 +57,70 @@ use crate::mem::{Access, RegionMem, RemoteKey, WriteGuard};
 /// assert_eq!(bytes[0], 0);
 /// # drop(buf); Ok(()) }
 /// ```
+///
+/// A slice moved into one operation cannot be given to a second one while the first holds it
+/// (slices do not overlap, and a slice is not `Clone`):
+///
+/// ```compile_fail,E0382
+/// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector, Access};
+/// # fn main() -> efa::Result<()> {
+/// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+/// # let domain = Domain::open(&info)?;
+/// # let cq = CompletionQueue::new(&domain, 64)?;
+/// # let av = AddressVector::new(&domain);
+/// # let ep = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+/// # let peer = av.insert(ep.addr())?;
+/// # let target = domain.register(vec![0u8; 8192], Access::REMOTE_WRITE)?;
+/// # let rk = target.remote_key()?;
+/// let mut region = domain.register(vec![0u8; 8192], Access::WRITE)?;
+/// let page = region.split_to(4096)?;
+/// ep.write(peer, page, rk.at(0), 1)?;
+/// ep.write(peer, page, rk.at(4096), 2)?; // error: use of moved value: `page`
+/// # Ok(()) }
+/// ```
 pub struct MemoryRegion {
+    /// The registration this is a slice of (shared by every slice of it).
+    reg: Arc<Registration>,
+    /// Offset of the slice's first byte in the registered memory.
+    off: usize,
+    /// Length of the slice.
+    len: usize,
+}
+
+/// One registration with the domain and its device: the memory, its key and rights. Every
+/// slice of a region holds it; the key is revoked, and the memory released, when the last slice
+/// goes (or at once by [`MemoryRegion::close`]).
+struct Registration {
     mem: Arc<RegionMem>,
     key: u64,
     access: Access,
     domain: Domain,
-    revoked: bool,
+    revoked: AtomicBool,
     /// The device registered the region itself (its key is the device's): peers' device RDMA
     /// can reach it. Without, the key is the domain's alone and only emulated RMA serves it.
     device_registered: bool,
+}
+
+impl Registration {
+    fn revoke(&self) {
+        if !self.revoked.swap(true, Ordering::AcqRel) {
+            self.domain.mr_table().lock().remove(self.key);
+            self.domain.device().deregister_mem(self.key);
+            tracing::debug!(key = self.key, "mr_close");
+        }
+    }
+
+    fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.revoke();
+        // Leave nothing for a remote access that looked the key up before the revocation.
+        drop(self.mem.take());
+    }
 }
 
 impl MemoryRegion {
@@ -120,116 +182,245 @@ impl MemoryRegion {
             device_key = device_key.is_some(),
             "mr_reg"
         );
+        let len = mem.len;
         Ok(MemoryRegion {
-            mem,
-            key,
-            access,
-            domain: domain.clone(),
-            revoked: false,
-            device_registered: device_key.is_some(),
+            reg: Arc::new(Registration {
+                mem,
+                key,
+                access,
+                domain: domain.clone(),
+                revoked: AtomicBool::new(false),
+                device_registered: device_key.is_some(),
+            }),
+            off: 0,
+            len,
         })
     }
 
-    /// The key a peer's device RDMA read may use on this region, with its address: `Some` only
-    /// for a region with `REMOTE_READ` that the device registered itself. The read-based
-    /// protocols (long-read, runting read, LONGREAD_RTW) advertise only such keys: a libfabric
-    /// 1.17 peer cannot refuse a read that fails (it has no READ_NACK), so a key the NIC does
-    /// not know must never reach it; such regions go by long-CTS from the start.
+    /// The address of the slice's first byte (in the registration's address space).
+    fn addr(&self) -> u64 {
+        self.reg.mem.addr + self.off as u64
+    }
+
+    /// The key a peer's device RDMA read may use on this slice, with the slice's address:
+    /// `Some` only for a region with `REMOTE_READ` that the device registered itself. The
+    /// read-based protocols (long-read, runting read, LONGREAD_RTW) advertise only such keys: a
+    /// libfabric 1.17 peer cannot refuse a read that fails (it has no READ_NACK), so a key the
+    /// NIC does not know must never reach it; such regions go by long-CTS from the start.
     pub(crate) fn device_read_key(&self) -> Option<(u64, u64)> {
-        (self.device_registered && self.access.contains(Access::REMOTE_READ) && !self.revoked)
-            .then_some((self.key, self.mem.addr))
+        let r = &self.reg;
+        (r.device_registered && r.access.contains(Access::REMOTE_READ) && !r.is_revoked())
+            .then_some((r.key, self.addr()))
     }
 
-    /// The whole region as its device registered it, for device RDMA straight to and from its
-    /// memory (`QueuePair::post_read_region` / `post_write_region`): `Some` only when the
-    /// device registered the region itself and it is not revoked.
-    pub(crate) fn device_slice(&self) -> Option<crate::mem::RegionSlice> {
-        (self.device_registered && !self.revoked).then(|| crate::mem::RegionSlice {
-            mem: self.mem.clone(),
-            key: self.key,
-            addr: self.mem.addr,
-            len: self.mem.len,
-        })
+    /// The slice as its device registered it, for device RDMA straight to and from its memory
+    /// (`QueuePair::post_read_region` / `post_write_region`): `Some` only when the device
+    /// registered the region itself and it is not revoked.
+    pub(crate) fn device_slice(&self) -> Option<RegionSlice> {
+        (self.reg.device_registered && !self.reg.is_revoked()).then(|| self.as_slice())
+    }
+
+    /// The slice's memory (what the same-host path reads a send from).
+    pub(crate) fn as_slice(&self) -> RegionSlice {
+        RegionSlice {
+            mem: self.reg.mem.clone(),
+            key: self.reg.key,
+            addr: self.addr(),
+            len: self.len,
+        }
     }
 
     /// True for a region over a dmabuf ([`Domain::register_dmabuf`]): its memory is a mapping
     /// of the dmabuf, and [`close`](MemoryRegion::close) gives back an empty buffer.
     pub fn is_dmabuf(&self) -> bool {
-        self.mem.dmabuf_fd().is_some()
+        self.reg.mem.dmabuf_fd().is_some()
     }
 
-    /// The key.
+    /// The key (the same for every slice of a region).
     pub fn key(&self) -> u64 {
-        self.key
+        self.reg.key
     }
 
     /// The access rights.
     pub fn access(&self) -> Access {
-        self.access
+        self.reg.access
     }
 
     /// The domain it is registered with.
     pub fn domain(&self) -> &Domain {
-        &self.domain
+        &self.reg.domain
     }
 
-    /// The registered length, bytes.
+    /// The length of this slice, bytes (of the whole region until it is split).
     pub fn len(&self) -> usize {
-        self.mem.len
+        self.len
     }
 
-    /// Always false: a region is never empty (registration refuses empty buffers).
+    /// True for a slice of no bytes (a region is never registered empty; a split can leave an
+    /// empty slice).
     pub fn is_empty(&self) -> bool {
-        self.mem.len == 0
+        self.len == 0
     }
 
-    /// The region's bytes, for reading, under the region's lock (shared with remote reads).
+    /// Where this slice starts in the registered memory, bytes (0 for a whole region).
+    pub fn offset(&self) -> usize {
+        self.off
+    }
+
+    /// The length of the whole registration this slice belongs to, bytes.
+    pub fn registered_len(&self) -> usize {
+        self.reg.mem.len
+    }
+
+    /// The slice's bytes, for reading, under the region's lock (shared with remote reads). A
+    /// thread may hold read guards of several slices of one region at once.
     pub fn read(&self) -> impl Deref<Target = [u8]> + '_ {
-        self.mem.read()
+        self.reg.mem.read_range(self.off..self.off + self.len)
     }
 
-    /// The region's memory (what devices and the same-host path reach).
-    pub(crate) fn mem(&self) -> &Arc<RegionMem> {
-        &self.mem
-    }
-
-    /// The region's bytes, for writing, under the region's lock (remote accesses wait for the
-    /// guard to go).
+    /// The slice's bytes, for writing, under the region's lock: remote accesses to any part of
+    /// the region wait for the guard to go. The lock is the region's, not the slice's: do not
+    /// hold a guard of one slice while taking a guard of another slice of the same region in
+    /// the same thread (it would wait for itself); write one slice at a time.
     pub fn write(&mut self) -> impl DerefMut<Target = [u8]> + '_ {
-        WriteGuard {
-            guard: Some(self.mem.data.write()),
-            mem: &self.mem,
-        }
+        self.reg.mem.write_range(self.off..self.off + self.len)
     }
 
-    /// The description a peer needs for remote access. `InvalidArgument` unless the region was
-    /// registered with `REMOTE_READ` or `REMOTE_WRITE`.
+    /// The description a peer needs for remote access to this slice: its address and length,
+    /// and the region's key. `InvalidArgument` unless the region was registered with
+    /// `REMOTE_READ` or `REMOTE_WRITE`. The key itself grants the whole registration, as a
+    /// libfabric key does: hand a peer only what it may touch.
     pub fn remote_key(&self) -> Result<RemoteKey> {
-        if !self.access.is_remote() {
+        if !self.reg.access.is_remote() {
             return Err(Error::new(ErrorKind::InvalidArgument, "mr_remote_key")
                 .with_detail("region was not registered for remote access"));
         }
         Ok(RemoteKey {
-            addr: self.mem.addr,
-            len: self.mem.len as u64,
-            key: self.key,
+            addr: self.addr(),
+            len: self.len as u64,
+            key: self.reg.key,
         })
     }
 
-    /// Revokes the key (in the domain and the device), then hands the buffer back. A remote
-    /// access still in flight either landed before or fails with `RemoteAccess`.
-    pub fn close(mut self) -> BytesMut {
-        self.revoke();
-        self.mem.take()
+    /// Revokes the region's key (in the domain and the device), then hands the buffer back. A
+    /// remote access still in flight either landed before or fails with `RemoteAccess`.
+    ///
+    /// On a slice while other slices of the region live, the key is revoked for all of them
+    /// (peers reach none of it any more; local operations on the others still work) and the
+    /// buffer is empty: the memory goes when the last slice goes. [`unsplit`](Self::unsplit)
+    /// the slices first to get the buffer back; drop a slice to let it go without revoking.
+    pub fn close(self) -> BytesMut {
+        self.reg.revoke();
+        let whole = self.off == 0 && self.len == self.reg.mem.len;
+        if whole && Arc::strong_count(&self.reg) == 1 {
+            self.reg.mem.take()
+        } else {
+            BytesMut::new()
+        }
     }
 
-    fn revoke(&mut self) {
-        if !self.revoked {
-            self.revoked = true;
-            self.domain.mr_table().lock().remove(self.key);
-            self.domain.device().deregister_mem(self.key);
-            tracing::debug!(key = self.key, "mr_close");
+    /// Splits the slice in two at `at`: this keeps `[0, at)`, the returned slice has
+    /// `[at, len)`, as [`BytesMut::split_off`] does. Both carry the region's registration (no
+    /// new registration); operations on them may run at once. `InvalidArgument` when `at` is
+    /// past the end.
+    pub fn split_off(&mut self, at: usize) -> Result<MemoryRegion> {
+        self.check_split(at, "split_off")?;
+        let tail = MemoryRegion {
+            reg: self.reg.clone(),
+            off: self.off + at,
+            len: self.len - at,
+        };
+        self.len = at;
+        Ok(tail)
+    }
+
+    /// Splits the slice in two at `at`: the returned slice has `[0, at)`, this keeps
+    /// `[at, len)`, as [`BytesMut::split_to`] does. `InvalidArgument` when `at` is past the end.
+    ///
+    /// ```
+    /// # use efa::Access;
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// let mut region = domain.register(vec![0u8; 3 * 4096], Access::SEND | Access::RECV)?;
+    /// let mut page = region.split_to(4096)?;
+    /// page.write().fill(7);
+    /// assert_eq!((page.offset(), page.len()), (0, 4096));
+    /// assert_eq!((region.offset(), region.len()), (4096, 8192));
+    /// assert_eq!(page.key(), region.key()); // one registration
+    /// page.unsplit(region).expect("adjacent slices of one region");
+    /// assert_eq!(page.len(), 3 * 4096);
+    /// assert_eq!(page.close()[4095], 7);
+    /// # Ok(()) }
+    /// ```
+    pub fn split_to(&mut self, at: usize) -> Result<MemoryRegion> {
+        self.check_split(at, "split_to")?;
+        let head = MemoryRegion {
+            reg: self.reg.clone(),
+            off: self.off,
+            len: at,
+        };
+        self.off += at;
+        self.len -= at;
+        Ok(head)
+    }
+
+    /// Cuts the slice into consecutive slices of `size` bytes (the last may be shorter): the
+    /// pages of a transfer. `InvalidArgument` for `size` 0.
+    ///
+    /// ```
+    /// # use efa::Access;
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// let region = domain.register(vec![0u8; 10_000], Access::WRITE)?;
+    /// let pages = region.chunks(4096)?;
+    /// let lens: Vec<usize> = pages.iter().map(|p| p.len()).collect();
+    /// assert_eq!(lens, [4096, 4096, 1808]);
+    /// # Ok(()) }
+    /// ```
+    pub fn chunks(mut self, size: usize) -> Result<Vec<MemoryRegion>> {
+        if size == 0 {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "chunks").with_detail("chunk size is 0")
+            );
         }
+        let mut out = Vec::with_capacity(self.len.div_ceil(size));
+        while self.len > size {
+            out.push(self.split_to(size)?);
+        }
+        out.push(self);
+        Ok(out)
+    }
+
+    /// Joins `other` back onto this slice when both are slices of the same region and `other`
+    /// lies right after (or right before) this one, as [`BytesMut::unsplit`] does; an empty
+    /// slice takes `other`'s place. Otherwise `other` is handed back untouched.
+    pub fn unsplit(&mut self, other: MemoryRegion) -> std::result::Result<(), MemoryRegion> {
+        if !Arc::ptr_eq(&self.reg, &other.reg) {
+            return Err(other);
+        }
+        if self.off + self.len == other.off {
+            self.len += other.len;
+        } else if other.off + other.len == self.off {
+            self.off = other.off;
+            self.len += other.len;
+        } else if self.len == 0 {
+            (self.off, self.len) = (other.off, other.len);
+        } else if other.len != 0 {
+            return Err(other);
+        }
+        Ok(())
+    }
+
+    fn check_split(&self, at: usize, op: &'static str) -> Result<()> {
+        if at > self.len {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
+                    "split at {at} is past the end of a slice of {} bytes",
+                    self.len
+                )),
+            );
+        }
+        Ok(())
     }
 
     /// Checks that this region may serve as `needed` for an operation of `op`.
@@ -239,11 +430,11 @@ impl MemoryRegion {
         needed: Access,
         op: &'static str,
     ) -> Result<()> {
-        if !domain.same(&self.domain) {
+        if !domain.same(&self.reg.domain) {
             return Err(Error::new(ErrorKind::InvalidArgument, op)
                 .with_detail("memory region belongs to another domain"));
         }
-        if !self.access.contains(needed) {
+        if !self.reg.access.contains(needed) {
             return Err(Error::new(ErrorKind::InvalidArgument, op)
                 .with_detail(format!("memory region lacks {needed:?} access")));
         }
@@ -254,20 +445,11 @@ impl MemoryRegion {
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryRegion")
-            .field("key", &self.key)
-            .field("len", &self.mem.len)
-            .field("access", &self.access)
+            .field("key", &self.reg.key)
+            .field("offset", &self.off)
+            .field("len", &self.len)
+            .field("access", &self.reg.access)
             .field("dmabuf", &self.is_dmabuf())
             .finish()
-    }
-}
-
-impl Drop for MemoryRegion {
-    fn drop(&mut self) {
-        if !self.revoked {
-            self.revoke();
-            // Leave nothing for a remote access that looked the key up before the revocation.
-            drop(self.mem.take());
-        }
     }
 }

@@ -44,11 +44,15 @@ pub(crate) enum RecvTarget {
 
 impl RecvTarget {
     /// Splits a receive buffer into what goes down and what stays, reserving `prefix` bytes at
-    /// the front (DGRAM `FI_MSG_PREFIX` mode). Refusals hand the buffer back.
+    /// the front (DGRAM `FI_MSG_PREFIX` mode). A region's data goes down into a scratch buffer
+    /// that is copied into it at completion: of the region's room (`lazy` false, for a device
+    /// that needs the room up front), or empty (`lazy`: the protocol engine grows it as data
+    /// arrives, up to [`room`](RecvTarget::room)). Refusals hand the buffer back.
     pub(crate) fn prepare(
         buf: RecvBuf,
         domain: &Domain,
         prefix: usize,
+        lazy: bool,
         op: &'static str,
     ) -> Result<(BytesMut, RecvTarget), PostError> {
         let refuse = |detail: String, buf: Buffer| PostError {
@@ -83,8 +87,9 @@ impl RecvTarget {
                         Buffer::Region(r),
                     ));
                 }
+                let scratch = if lazy { 0 } else { r.len() - prefix };
                 Ok((
-                    BytesMut::with_capacity(r.len() - prefix),
+                    BytesMut::with_capacity(scratch),
                     RecvTarget::Region {
                         region: r,
                         offset: prefix,
@@ -102,6 +107,15 @@ impl RecvTarget {
                 let whole = region.device_slice()?;
                 whole.sub(*offset, whole.len.checked_sub(*offset)?)
             }
+            _ => None,
+        }
+    }
+
+    /// The room of a region receive whose scratch buffer grows as data arrives (`None`: the
+    /// buffer that went down has it as its capacity).
+    pub(crate) fn room(&self) -> Option<usize> {
+        match self {
+            RecvTarget::Region { region, offset } => Some(region.len().saturating_sub(*offset)),
             _ => None,
         }
     }

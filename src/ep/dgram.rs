@@ -342,7 +342,7 @@ impl DgramCore {
         } else {
             0
         };
-        let (device_buf, target) = RecvTarget::prepare(buf, &self.domain, prefix, "recv")?;
+        let (device_buf, target) = RecvTarget::prepare(buf, &self.domain, prefix, false, "recv")?;
         let mut st = self.state.lock();
         let key = st.ops.vacant_entry().key() as u64;
         match st.qp.post_recv(key, device_buf) {

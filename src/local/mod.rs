@@ -56,7 +56,7 @@ use self::waiter::{Pace, Waiter};
 use crate::addr::RawAddr;
 use crate::cq::ProgressSource;
 use crate::device::Status;
-use crate::mem::RegionMem;
+use crate::mem::RegionSlice;
 use crate::notify::Notifier;
 use crate::progress::{Clock, busy_polling};
 use crate::proto::engine::{Engine, Event};
@@ -108,9 +108,9 @@ pub(crate) struct LocalSend {
     pub tag: Option<u64>,
     pub data: Option<u32>,
     pub delivery_complete: bool,
-    /// The bytes; empty when they are read from `region` (which then has `len` bytes).
+    /// The bytes; empty when they are read from `region` (a slice of `len` bytes).
     pub buf: Bytes,
-    pub region: Option<Arc<RegionMem>>,
+    pub region: Option<RegionSlice>,
     pub len: usize,
 }
 
@@ -128,7 +128,7 @@ struct OutMsg {
     dc: Option<u32>,
     /// The bytes (empty when they are read from the region).
     buf: Bytes,
-    region: Option<Arc<RegionMem>>,
+    region: Option<RegionSlice>,
     len: usize,
     /// Bytes in the ring so far.
     sent: usize,

@@ -188,7 +188,7 @@ impl<C: Channels> LocalPath<C> {
                     while !m.started || m.sent < m.len {
                         let n = (m.len - m.sent).min(chunk);
                         let Some(data) = src.get(m.sent..m.sent + n) else {
-                            // The region shrank? Cannot happen (regions keep their length).
+                            // The region was closed under the send (its slice reads empty).
                             m.sent = m.len;
                             break;
                         };

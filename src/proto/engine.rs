@@ -209,6 +209,11 @@ pub struct RecvOp {
     /// with device RDMA lands in the region directly (no copy, no registration), the rest in
     /// `buf` ([`RecvDone::in_region`] says where the split is).
     pub local_region: Option<RegionSlice>,
+    /// The room when it is not `buf.capacity()`: a region slice's length, whose bytes the
+    /// endpoint copies into the slice at completion. `buf` then grows only as data arrives, so
+    /// a small message into a large slice takes a buffer of its own size. Not for
+    /// multi-receive buffers.
+    pub room: Option<usize>,
 }
 
 /// A work request to post on the device: a datagram (two segments) to `dest`, or a one-sided

@@ -26,7 +26,7 @@
 //! let mut sim = Sim::new(SimConfig::default(), 2);
 //! let dest = sim.addr(1);
 //! sim.post_recv(1, RecvOp { buf: BytesMut::with_capacity(64), tag: None, src: None, multi_recv: None,
-//!     context: 7, local_region: None }).unwrap();
+//!     context: 7, local_region: None, room: None }).unwrap();
 //! sim.send(0, SendOp { dest, buf: Bytes::from_static(b"hello"), tag: None, data: None,
 //!     delivery_complete: false, context: 1, read_key: None, region_len: None }).unwrap();
 //! assert!(sim.run());
@@ -89,6 +89,7 @@ pub fn recv_op(cap: usize, context: u64) -> RecvOp {
         multi_recv: None,
         context,
         local_region: None,
+        room: None,
     }
 }
 

@@ -486,6 +486,7 @@ impl Device for EfaDevice {
             dmabuf = mem.dmabuf_fd().is_some(),
             "efa: region registered with the NIC"
         );
+        stats::inc(&self.counters.mem_registrations);
         if mem.dmabuf_fd().is_some() {
             stats::inc(&self.counters.dmabuf_registrations);
         }

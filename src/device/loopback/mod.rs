@@ -349,6 +349,7 @@ impl Device for LoopbackDevice {
         if !self.shared.mrs.lock().insert_as(key, mem, access) {
             return Err(Error::new(ErrorKind::Io, "mr_reg").with_detail("device key reused"));
         }
+        crate::stats::inc(&self.shared.counters.mem_registrations);
         Ok(Some(key))
     }
 

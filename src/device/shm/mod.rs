@@ -375,11 +375,15 @@ impl Device for ShmDevice {
         mem: &Arc<crate::mem::RegionMem>,
         access: crate::mem::Access,
     ) -> Result<Option<u64>> {
-        Ok(self
+        let key = self
             .shared
             .keys
             .as_ref()
-            .map(|k| k.lock().register(mem, access)))
+            .map(|k| k.lock().register(mem, access));
+        if key.is_some() {
+            crate::stats::inc(&self.shared.counters.mem_registrations);
+        }
+        Ok(key)
     }
 
     fn deregister_mem(&self, key: u64) {

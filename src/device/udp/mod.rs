@@ -344,7 +344,11 @@ impl Device for UdpDevice {
         mem: &Arc<crate::mem::RegionMem>,
         access: crate::mem::Access,
     ) -> Result<Option<u64>> {
-        Ok(self.keys.as_ref().map(|k| k.lock().register(mem, access)))
+        let key = self.keys.as_ref().map(|k| k.lock().register(mem, access));
+        if key.is_some() {
+            crate::stats::inc(&self.counters.mem_registrations);
+        }
+        Ok(key)
     }
 
     fn deregister_mem(&self, key: u64) {

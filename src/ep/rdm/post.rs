@@ -188,7 +188,7 @@ impl RdmCore {
                     data: o.data,
                     delivery_complete: o.delivery_complete,
                     buf: data,
-                    region: region.map(|r| r.mem().clone()),
+                    region: region.map(|r| r.as_slice()),
                     len,
                 },
             );
@@ -323,7 +323,7 @@ impl RdmCore {
         sink: Sink,
         src: Option<RawAddr>,
     ) -> Result<(), PostError> {
-        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv")?;
+        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, true, "recv")?;
         let mut clock = Clock::default();
         let mut st = self.state.lock();
         if st.closed {
@@ -332,6 +332,7 @@ impl RdmCore {
                 target.finish(down, false),
             ));
         }
+        let room = target.room();
         let key = st.ops.insert(OpState {
             sink,
             target: Some(target),
@@ -346,6 +347,7 @@ impl RdmCore {
             multi_recv: o.multi_recv,
             context: key as u64,
             local_region: self.recv_region(&st, key),
+            room,
         };
         // The engine needs the time only to match an unexpected message; otherwise no clock.
         let now = if st.engine.has_unexpected() {
@@ -380,7 +382,7 @@ impl RdmCore {
         buf: RecvBuf,
         context: u64,
     ) -> Result<(), PostError> {
-        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, "recv_claimed")?;
+        let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, true, "recv_claimed")?;
         let now = Instant::now();
         let mut st = self.state.lock();
         if !st.pending.remove(&claim) {
@@ -388,6 +390,7 @@ impl RdmCore {
                 Error::new(ErrorKind::InvalidArgument, "recv_claimed").with_detail("unknown claim");
             return Err(refuse(e, target.finish(down, false)));
         }
+        let room = target.room();
         let key = st.ops.insert(OpState {
             sink: Sink::Cq(context),
             target: Some(target),
@@ -402,6 +405,7 @@ impl RdmCore {
             multi_recv: None,
             context: key as u64,
             local_region: self.recv_region(&st, key),
+            room,
         };
         match st.engine.recv_claimed(now, claim, op) {
             Ok(()) => {

@@ -58,7 +58,7 @@ impl Sink {
     pub(super) fn of(op: RecvOp, msg_len: usize) -> Sink {
         Sink {
             context: Some(op.context),
-            place: msg_len.min(op.buf.capacity()),
+            place: msg_len.min(op.room.unwrap_or(op.buf.capacity())),
             buf: op.buf,
             multi: None,
             region: op.local_region,

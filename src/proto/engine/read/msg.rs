@@ -356,7 +356,13 @@ impl Engine {
             // Nothing of the read part fits (truncated, discarded): EOR at once.
             return self.rx_read_finished(rid);
         }
-        let ranges = if can && sink.buf.capacity() >= end {
+        let region_holds = sink.region.as_ref().is_some_and(|g| g.len >= end);
+        if can && !region_holds && sink.buf.capacity() < end {
+            // A receive whose room is not its capacity (a region slice) gets the room now.
+            let have = sink.buf.len();
+            sink.buf.reserve(end - have);
+        }
+        let ranges = if can && (region_holds || sink.buf.capacity() >= end) {
             carve(r.iovs.as_slice(), start, end, seg)
         } else {
             None
