@@ -1,10 +1,12 @@
 //! What posting in batches buys: the message rate of small sends posted one call at a time
 //! (`Endpoint::send`) against the same sends posted as batches (`Endpoint::send_batch`, like
-//! `FI_MORE` chains), over the same endpoints, back to back.
+//! `FI_MORE` chains), over the same endpoints, back to back; with `-o write`, RMA writes
+//! (`Endpoint::write` against `Endpoint::write_batch`) into a region the server hands out.
 //!
 //! ```text
 //! cargo run --release --example batch                         # both ends in this process
 //! cargo run --release --example batch -- -S 64 -b 32 -I 200000
+//! cargo run --release --example batch -- -o write -p udp      # writes, udp device
 //! cargo run --release --example batch -- -l                   # server
 //! cargo run --release --example batch -- 127.0.0.1            # client
 //! ```
@@ -23,13 +25,19 @@ use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use common::{Conn, Role, Side, launch, open_domain, parse_size, poll_cq, print_header, print_row};
 use efa::{
-    AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType, ErrorKind,
-    PeerId, Rdm, SendOptions, SendRequest,
+    Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType,
+    ErrorKind, PeerId, Rdm, RemoteKey, SendOptions, SendRequest, WriteOptions, WriteRequest,
 };
+
+/// The tag of the message that ends a mode of writes.
+const DONE_TAG: u64 = 0xd0e;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Batched vs single posting of small sends over efa RDM endpoints")]
 struct Args {
+    /// Operation: send (messages) or write (RMA writes).
+    #[arg(short = 'o', default_value = "send")]
+    op: String,
     /// Message size.
     #[arg(short = 'S', default_value = "64")]
     size: String,
@@ -103,6 +111,38 @@ fn session(args: &Args, side: Side) -> Res<()> {
         .exchange_addr(ep.addr())
         .map_err(|e| format!("address exchange: {e}"))?;
     let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    let writes = match args.op.as_str() {
+        "send" => false,
+        "write" => true,
+        o => return Err(format!("-o {o}: send or write")),
+    };
+    // Writes land in a region of the server's, one slot per write of the window.
+    let mut _region = None;
+    let mut rk = None;
+    if writes {
+        match role {
+            Role::Server => {
+                let mr = domain
+                    .register(vec![0u8; size.max(1) * args.window], Access::REMOTE_WRITE)
+                    .map_err(|e| e.to_string())?;
+                let line = serde_json::to_string(&mr.remote_key().map_err(|e| e.to_string())?)
+                    .map_err(|e| e.to_string())?;
+                oob.send_line(&line).map_err(|e| e.to_string())?;
+                _region = Some(mr);
+            }
+            Role::Client => {
+                let line = oob.recv_line().map_err(|e| format!("remote key: {e}"))?;
+                let k: RemoteKey =
+                    serde_json::from_str(&line).map_err(|e| format!("remote key: {e}"))?;
+                rk = Some(k);
+            }
+        }
+    }
+    let (single, batch) = if writes {
+        ("write", "write_batch")
+    } else {
+        ("send", "send_batch")
+    };
     if print && role == Role::Client {
         print_header();
     }
@@ -113,18 +153,21 @@ fn session(args: &Args, side: Side) -> Res<()> {
         match role {
             Role::Client => {
                 let start = Instant::now();
-                send_all(&ep, &cq, peer, size, args, batched)?;
+                match rk {
+                    Some(rk) => write_all(&ep, &cq, peer, rk, size, args, batched)?,
+                    None => send_all(&ep, &cq, peer, size, args, batched)?,
+                }
                 let elapsed = start.elapsed();
                 // The server confirms it got everything before the next mode starts.
                 oob.recv_line().map_err(|e| e.to_string())?;
                 if print {
                     print_row(size, args.iters, 1, elapsed);
                     println!(
-                        "# {}: {:.0} messages/s",
+                        "# {}: {:.0} operations/s",
                         if batched {
-                            format!("send_batch, {} per batch", args.batch)
+                            format!("{batch}, {} per batch", args.batch)
                         } else {
-                            "send, one call per message".to_string()
+                            format!("{single}, one call per operation")
                         },
                         args.iters as f64 / elapsed.as_secs_f64()
                     );
@@ -136,7 +179,11 @@ fn session(args: &Args, side: Side) -> Res<()> {
                 }
             }
             Role::Server => {
-                recv_all(&ep, &cq, size, args)?;
+                if writes {
+                    await_done(&ep, &cq)?;
+                } else {
+                    recv_all(&ep, &cq, size, args)?;
+                }
                 if args.verbose {
                     println!("# server {:?}", ep.stats());
                     print_device(&domain, &dev_before, "server");
@@ -146,7 +193,7 @@ fn session(args: &Args, side: Side) -> Res<()> {
         }
     }
     if print && role == Role::Client {
-        println!("# send_batch / send: {:.2}x", rates[1] / rates[0]);
+        println!("# {batch} / {single}: {:.2}x", rates[1] / rates[0]);
     }
     oob.sync().map_err(|e| e.to_string())?;
     Ok(())
@@ -204,6 +251,92 @@ fn send_all(
         }
     }
     Ok(())
+}
+
+/// `send_all` for RMA writes into the server's region (one slot per write of the window), then
+/// the message that tells the server the mode is over.
+fn write_all(
+    ep: &Endpoint<Rdm>,
+    cq: &CompletionQueue,
+    peer: PeerId,
+    rk: RemoteKey,
+    size: usize,
+    args: &Args,
+    batched: bool,
+) -> Res<()> {
+    let msg = Bytes::from(vec![0x5au8; size]);
+    let mut done: Vec<Completion> = Vec::new();
+    let (mut posted, mut completed) = (0usize, 0usize);
+    let mut reqs: VecDeque<WriteRequest> = VecDeque::with_capacity(args.batch);
+    let slot = |i: usize| rk.at(((i % args.window) * size) as u64);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while completed < args.iters {
+        let room = args.window - (posted - completed);
+        if batched {
+            while reqs.len() < args.batch.min(room).min(args.iters - posted) {
+                reqs.push_back(WriteRequest {
+                    peer,
+                    buf: msg.clone().into(),
+                    to: slot(posted + reqs.len()),
+                    options: WriteOptions::default(),
+                    context: 0,
+                });
+            }
+            if !reqs.is_empty() {
+                posted += ep.write_batch(&mut reqs).map_err(|e| e.to_string())?;
+                reqs.clear();
+            }
+        } else {
+            for _ in 0..room.min(args.iters - posted) {
+                match ep.write(peer, msg.clone(), slot(posted), 0) {
+                    Ok(()) => posted += 1,
+                    Err(e) if e.kind() == ErrorKind::Again => break,
+                    Err(e) => return Err(format!("write: {e}")),
+                }
+            }
+        }
+        poll_cq(cq, &mut done, 256)?;
+        completed += done
+            .drain(..)
+            .filter(|c| c.flags.contains(CompletionFlags::WRITE))
+            .count();
+        if Instant::now() > deadline {
+            return Err(format!(
+                "only {completed} of {} writes completed",
+                args.iters
+            ));
+        }
+    }
+    ep.tsend(peer, Bytes::from_static(b"done"), DONE_TAG, 1)
+        .map_err(|e| format!("tsend: {e}"))?;
+    wait_for(cq, |c| {
+        c.flags.contains(CompletionFlags::SEND) && c.context == 1
+    })
+}
+
+/// Drives the endpoint (emulated writes need the target's progress) until the client says
+/// the mode is over.
+fn await_done(ep: &Endpoint<Rdm>, cq: &CompletionQueue) -> Res<()> {
+    ep.trecv(BytesMut::with_capacity(8), DONE_TAG, 0, 2)
+        .map_err(|e| format!("trecv: {e}"))?;
+    wait_for(cq, |c| {
+        c.flags.contains(CompletionFlags::RECV) && c.context == 2
+    })
+}
+
+fn wait_for(cq: &CompletionQueue, pred: impl Fn(&Completion) -> bool) -> Res<()> {
+    let mut done: Vec<Completion> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        poll_cq(cq, &mut done, 64)?;
+        if done.iter().any(&pred) {
+            return Ok(());
+        }
+        done.clear();
+        if Instant::now() > deadline {
+            return Err("no completion within five minutes".into());
+        }
+    }
 }
 
 fn recv_all(ep: &Endpoint<Rdm>, cq: &CompletionQueue, size: usize, args: &Args) -> Res<()> {

@@ -128,8 +128,11 @@ pub enum Buffer {
     Send(Bytes),
     /// The `BytesMut` a receive was given; its `len()` is what arrived.
     Recv(BytesMut),
-    /// The memory region an operation was given.
+    /// The memory region (or slice of one) an operation was given.
     Region(MemoryRegion),
+    /// The buffers of a scatter-gather operation (`send_iov`, `recv_iov`, `write_iov`,
+    /// `read_iov`), in the order given, each filled as its part of the data.
+    Iov(Vec<Buffer>),
 }
 
 impl Buffer {
@@ -170,6 +173,22 @@ impl Buffer {
     pub fn into_region(self) -> Option<MemoryRegion> {
         match self {
             Buffer::Region(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The buffers of a scatter-gather operation.
+    pub fn as_iov(&self) -> Option<&[Buffer]> {
+        match self {
+            Buffer::Iov(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Takes the buffers of a scatter-gather operation out.
+    pub fn into_iov(self) -> Option<Vec<Buffer>> {
+        match self {
+            Buffer::Iov(v) => Some(v),
             _ => None,
         }
     }
@@ -261,6 +280,7 @@ impl fmt::Debug for Buffer {
             Buffer::Send(b) => f.debug_tuple("Send").field(&Short(b)).finish(),
             Buffer::Recv(b) => f.debug_tuple("Recv").field(&ShortMut(b)).finish(),
             Buffer::Region(r) => f.debug_tuple("Region").field(r).finish(),
+            Buffer::Iov(v) => f.debug_tuple("Iov").field(v).finish(),
         }
     }
 }

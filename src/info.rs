@@ -46,7 +46,7 @@ const RDM_MAX_HDR_SIZE: usize = 168;
 /// The shm provider's inject limit, which bounds RDM inject when shm transfer is on.
 const SHM_MAX_INJECT_SIZE: usize = 4096;
 /// RDM endpoints accept this many iovs per operation (segmentation in software).
-const RDM_IOV_LIMIT: usize = 4;
+pub(crate) const RDM_IOV_LIMIT: usize = 4;
 /// `FI_TAG_GENERIC`.
 const TAG_GENERIC: u64 = 0xaaaa_aaaa_aaaa_aaaa;
 

@@ -81,7 +81,8 @@ pub use cq::{
 pub use domain::Domain;
 pub use ep::{
     AtomicRequest, BatchError, Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome,
-    ProgressCpu, Rdm, RecvOptions, RmaAddr, RmaEmulation, SendOptions, SendRequest, WriteOptions,
+    ProgressCpu, Rdm, ReadRequest, RecvOptions, RmaAddr, RmaEmulation, SendOptions, SendRequest,
+    WriteOptions, WriteRequest,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;

@@ -271,7 +271,7 @@ fn flooding_sender_waits_in_the_ring_and_nothing_is_dropped() {
     let dir = shm_test_dir("efa-local-test-");
     let (d, _) = shm_domain(dir.path());
     let (a, b) = (Node::new(&d), Node::new(&d));
-    let held = flood_then_receive(&a, &b);
+    let held = flood_then_receive(&a, &b, Some(48 << 20));
     assert!(
         held.buffered_bytes >= 48 << 20,
         "the receiver held what it may: {held:?}"

@@ -577,7 +577,7 @@ fn flooding_sender_is_throttled_not_dropped() {
     let net = efa::device::loopback::LoopbackNetwork::new(FaultConfig::default());
     let d = loopback_domain(&net);
     let (a, b) = (Node::new(&d), Node::new(&d));
-    flood_then_receive(&a, &b);
+    flood_then_receive(&a, &b, None);
 }
 
 #[test]

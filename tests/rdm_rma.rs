@@ -1148,3 +1148,6 @@ fn unregistered_regions_are_never_offered_for_device_reads() {
 
 #[path = "rdm_rma/slices.rs"]
 mod slices;
+
+#[path = "rdm_rma/batch.rs"]
+mod batch;

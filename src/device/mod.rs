@@ -513,6 +513,56 @@ pub struct RemoteIov {
     pub key: u64,
 }
 
+/// One one-sided operation of a list ([`QueuePair::post_rdma_list`]).
+#[derive(Debug)]
+pub struct RdmaWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The target queue pair.
+    pub dest: RawAddr,
+    /// What to do.
+    pub kind: RdmaKind,
+}
+
+/// The operation of an [`RdmaWr`]: the arguments of [`QueuePair::post_write`],
+/// [`post_read`](QueuePair::post_read), [`post_write_region`](QueuePair::post_write_region) or
+/// [`post_read_region`](QueuePair::post_read_region).
+#[derive(Debug)]
+pub enum RdmaKind {
+    /// `post_write`.
+    Write {
+        /// The bytes.
+        local: Bytes,
+        /// Where they go.
+        remote: RemoteIov,
+        /// Immediate data.
+        imm: Option<u32>,
+    },
+    /// `post_read`.
+    Read {
+        /// The buffer the bytes land in.
+        local: BytesMut,
+        /// Where they come from.
+        remote: RemoteIov,
+    },
+    /// `post_write_region`.
+    WriteRegion {
+        /// The slice of a registered region.
+        local: RegionSlice,
+        /// Where it goes.
+        remote: RemoteIov,
+        /// Immediate data.
+        imm: Option<u32>,
+    },
+    /// `post_read_region`.
+    ReadRegion {
+        /// The slice of a registered region the bytes land in.
+        local: RegionSlice,
+        /// Where they come from.
+        remote: RemoteIov,
+    },
+}
+
 /// A NIC.
 pub trait Device: Send + Sync + fmt::Debug {
     /// Attributes.
@@ -697,6 +747,33 @@ pub trait QueuePair: Send + fmt::Debug {
         _imm: Option<u32>,
     ) -> Result<()> {
         Err(Error::new(ErrorKind::NotSupported, "post_write_region"))
+    }
+    /// Posts the one-sided operations at the front of `wrs` as one list, popping each one
+    /// posted, like a chain of work requests behind one doorbell (`FI_MORE`): a device that can
+    /// rings its doorbell, or makes its system call, once for the list (the udp device sends all
+    /// their datagrams with one `sendmmsg` where the socket takes them). The first refusal stops
+    /// the list: its `wr_id` and error come back, the rest stay in `wrs`. The default posts
+    /// them one by one.
+    fn post_rdma_list(
+        &mut self,
+        wrs: &mut VecDeque<RdmaWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        while let Some(RdmaWr { wr_id, dest, kind }) = wrs.pop_front() {
+            match kind {
+                RdmaKind::Write { local, remote, imm } => {
+                    self.post_write(wr_id, dest, local, remote, imm)
+                }
+                RdmaKind::Read { local, remote } => self.post_read(wr_id, dest, local, remote),
+                RdmaKind::WriteRegion { local, remote, imm } => {
+                    self.post_write_region(wr_id, dest, local, remote, imm)
+                }
+                RdmaKind::ReadRegion { local, remote } => {
+                    self.post_read_region(wr_id, dest, local, remote)
+                }
+            }
+            .map_err(|e| (wr_id, e))?;
+        }
+        Ok(())
     }
 }
 

@@ -40,6 +40,9 @@ pub(crate) enum RecvTarget {
     Prefixed { head: BytesMut },
     /// A registered region: a scratch buffer went down and its data is copied in.
     Region { region: MemoryRegion, offset: usize },
+    /// Scatter: a scratch buffer of the parts' total room went down; its data is cut into the
+    /// parts in order at completion.
+    Iov { parts: Vec<RecvBuf> },
 }
 
 impl RecvTarget {
@@ -99,6 +102,41 @@ impl RecvTarget {
         }
     }
 
+    /// A scatter receive (or read) into `parts` (at most `limit`; `BytesMut` parts offer their
+    /// capacity, regions their length and need `need` access): the target, and the room.
+    pub(crate) fn prepare_iov(
+        parts: Vec<RecvBuf>,
+        domain: &Domain,
+        need: Access,
+        limit: usize,
+        op: &'static str,
+    ) -> Result<(RecvTarget, usize), PostError> {
+        let refuse = |error: Error, parts: Vec<RecvBuf>| PostError {
+            error,
+            buf: Buffer::Iov(parts.into_iter().map(RecvBuf::into_buffer).collect()),
+        };
+        if parts.len() > limit {
+            let e = Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
+                "{} buffers is more than iov_limit {limit}",
+                parts.len()
+            ));
+            return Err(refuse(e, parts));
+        }
+        let mut room = 0;
+        for p in &parts {
+            room += match p {
+                RecvBuf::Bytes(b) => b.capacity(),
+                RecvBuf::Region(r) => {
+                    if let Err(e) = r.check_local(domain, need, op) {
+                        return Err(refuse(e, parts));
+                    }
+                    r.len()
+                }
+            };
+        }
+        Ok((RecvTarget::Iov { parts }, room))
+    }
+
     /// The part of a device-registered region the data goes to, for the device to read into
     /// directly (`RecvOp::local_region`).
     pub(crate) fn device_slice(&self) -> Option<crate::mem::RegionSlice> {
@@ -116,6 +154,7 @@ impl RecvTarget {
     pub(crate) fn room(&self) -> Option<usize> {
         match self {
             RecvTarget::Region { region, offset } => Some(region.len().saturating_sub(*offset)),
+            RecvTarget::Iov { parts } => Some(parts.iter().map(part_room).sum()),
             _ => None,
         }
     }
@@ -123,7 +162,7 @@ impl RecvTarget {
     /// Bytes in front of the data (added to the completion's length).
     pub(crate) fn prefix(&self) -> usize {
         match self {
-            RecvTarget::Direct => 0,
+            RecvTarget::Direct | RecvTarget::Iov { .. } => 0,
             RecvTarget::Prefixed { head } => head.len(),
             RecvTarget::Region { offset, .. } => *offset,
         }
@@ -160,6 +199,31 @@ impl RecvTarget {
                 }
                 Buffer::Region(region)
             }
+            RecvTarget::Iov { parts } => {
+                let mut rest = if filled { &down[..] } else { &[][..] };
+                let parts = parts
+                    .into_iter()
+                    .map(|p| {
+                        let n = part_room(&p).min(rest.len());
+                        let (mine, after) = rest.split_at(n);
+                        rest = after;
+                        match p {
+                            RecvBuf::Bytes(mut b) => {
+                                if filled {
+                                    b.clear();
+                                    b.extend_from_slice(mine);
+                                }
+                                Buffer::Recv(b)
+                            }
+                            RecvBuf::Region(mut r) => {
+                                r.write()[..n].copy_from_slice(mine);
+                                Buffer::Region(r)
+                            }
+                        }
+                    })
+                    .collect();
+                Buffer::Iov(parts)
+            }
         }
     }
 
@@ -169,6 +233,68 @@ impl RecvTarget {
             RecvTarget::Direct => Buffer::None,
             RecvTarget::Prefixed { head } => Buffer::Recv(head),
             RecvTarget::Region { region, .. } => Buffer::Region(region),
+            RecvTarget::Iov { parts } => {
+                Buffer::Iov(parts.into_iter().map(RecvBuf::into_buffer).collect())
+            }
         }
     }
+}
+
+/// The room one part of a scatter offers.
+fn part_room(p: &RecvBuf) -> usize {
+    match p {
+        RecvBuf::Bytes(b) => b.capacity(),
+        RecvBuf::Region(r) => r.len(),
+    }
+}
+
+/// The bytes of a gather (`send_iov`, `write_iov`): the parts copied one after another (a region
+/// needs `need` access), or `InvalidArgument` for more than `limit` parts. Refusals hand the
+/// parts back.
+pub(crate) fn gather(
+    parts: Vec<SendBuf>,
+    domain: &Domain,
+    need: Access,
+    limit: usize,
+    op: &'static str,
+) -> Result<(Bytes, Vec<Buffer>), PostError> {
+    let back = |parts: Vec<SendBuf>| -> Buffer {
+        Buffer::Iov(parts.into_iter().map(SendBuf::into_buffer).collect())
+    };
+    if parts.len() > limit {
+        let e = Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
+            "{} buffers is more than iov_limit {limit}",
+            parts.len()
+        ));
+        return Err(PostError {
+            error: e,
+            buf: back(parts),
+        });
+    }
+    let mut total = 0;
+    for p in &parts {
+        total += match p {
+            SendBuf::Bytes(b) => b.len(),
+            SendBuf::Region(r) => {
+                if let Err(error) = r.check_local(domain, need, op) {
+                    return Err(PostError {
+                        error,
+                        buf: back(parts),
+                    });
+                }
+                r.len()
+            }
+        };
+    }
+    let mut out = BytesMut::with_capacity(total);
+    for p in &parts {
+        match p {
+            SendBuf::Bytes(b) => out.extend_from_slice(b),
+            SendBuf::Region(r) => out.extend_from_slice(&r.read()),
+        }
+    }
+    Ok((
+        out.freeze(),
+        parts.into_iter().map(SendBuf::into_buffer).collect(),
+    ))
 }

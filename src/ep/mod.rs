@@ -19,11 +19,13 @@ mod dgram;
 mod pin;
 mod rdm;
 mod rma;
+mod rma_batch;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
 pub use pin::ProgressCpu;
 pub use rdm::{BatchError, OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions, SendRequest};
 pub use rma::{AtomicRequest, RmaAddr, RmaEmulation, WriteOptions};
+pub use rma_batch::{ReadRequest, WriteRequest};
 
 mod sealed {
     pub trait Sealed {}

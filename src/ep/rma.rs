@@ -271,8 +271,16 @@ fn readable(r: &MemoryRegion) -> Option<(u64, u64)> {
     r.device_read_key()
 }
 
+/// An RMA operation checked and ready for the engine: what the endpoint tracks, and what the
+/// engine gets.
+pub(super) struct PreparedRma {
+    state: OpState,
+    op: RmaOp,
+    name: &'static str,
+}
+
 impl RdmCore {
-    fn post_write(
+    pub(super) fn post_write(
         &self,
         peer: PeerId,
         buf: SendBuf,
@@ -280,9 +288,28 @@ impl RdmCore {
         o: WriteOptions,
         sink: Sink,
     ) -> Result<(), PostError> {
+        let p = self.write_op(peer, buf, None, to, o, sink)?;
+        self.start_rma(p)
+    }
+
+    /// The checks of a write of `buf` (the gathered bytes of `iov` when it is given: the
+    /// completion hands `iov` back instead).
+    pub(super) fn write_op(
+        &self,
+        peer: PeerId,
+        buf: SendBuf,
+        iov: Option<Vec<Buffer>>,
+        to: RmaAddr,
+        o: WriteOptions,
+        sink: Sink,
+    ) -> Result<PreparedRma, PostError> {
+        let give = |buf: SendBuf, iov: Option<Vec<Buffer>>| match iov {
+            Some(v) => Buffer::Iov(v),
+            None => buf.into_buffer(),
+        };
         let dest = match self.av.lookup(peer) {
             Ok(a) => a,
-            Err(e) => return Err(refuse(e, buf.into_buffer())),
+            Err(e) => return Err(refuse(e, give(buf, iov))),
         };
         // A device-registered region goes to the device as it is (no copy); the engine copies
         // it only if the write is emulated.
@@ -298,7 +325,7 @@ impl RdmCore {
         };
         let data = match data {
             Ok(d) => d,
-            Err(e) => return Err(refuse(e, buf.into_buffer())),
+            Err(e) => return Err(refuse(e, give(buf, iov))),
         };
         let len = local_region.as_ref().map_or(data.len(), |r| r.len);
         let (region, local_key) = match buf {
@@ -316,7 +343,7 @@ impl RdmCore {
         let state = OpState {
             sink,
             target: None,
-            region,
+            keep: iov.map(Buffer::Iov).or(region.map(Buffer::Region)),
             multi: false,
             rma: Some(CompletionFlags::RMA | CompletionFlags::WRITE),
         };
@@ -332,10 +359,14 @@ impl RdmCore {
             context: 0,
             local_region,
         };
-        self.start_rma(state, op, "write")
+        Ok(PreparedRma {
+            state,
+            op,
+            name: "write",
+        })
     }
 
-    fn post_read(
+    pub(super) fn post_read(
         &self,
         peer: PeerId,
         buf: RecvBuf,
@@ -343,11 +374,38 @@ impl RdmCore {
         from: RmaAddr,
         sink: Sink,
     ) -> Result<(), PostError> {
+        let p = self.read_op(peer, ReadInto::Buf(buf), len, from, sink)?;
+        self.start_rma(p)
+    }
+
+    /// The checks of a read of `len` bytes into `into`.
+    pub(super) fn read_op(
+        &self,
+        peer: PeerId,
+        into: ReadInto,
+        len: usize,
+        from: RmaAddr,
+        sink: Sink,
+    ) -> Result<PreparedRma, PostError> {
         let dest = match self.av.lookup(peer) {
             Ok(a) => a,
-            Err(e) => return Err(refuse(e, buf.into_buffer())),
+            Err(e) => return Err(refuse(e, into.into_buffer())),
         };
         let mut local_region = None;
+        let buf = match into {
+            ReadInto::Buf(b) => b,
+            ReadInto::Scatter(t) => {
+                return Ok(self.read_prepared(
+                    dest,
+                    BytesMut::with_capacity(len),
+                    Some(t),
+                    None,
+                    len,
+                    from,
+                    sink,
+                ));
+            }
+        };
         let (down, target) = match buf {
             RecvBuf::Bytes(mut b) => {
                 b.clear();
@@ -376,6 +434,20 @@ impl RdmCore {
                 (BytesMut::with_capacity(room), Some(target))
             }
         };
+        Ok(self.read_prepared(dest, down, target, local_region, len, from, sink))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_prepared(
+        &self,
+        dest: crate::addr::RawAddr,
+        down: BytesMut,
+        target: Option<super::buf::RecvTarget>,
+        local_region: Option<crate::mem::RegionSlice>,
+        len: usize,
+        from: RmaAddr,
+        sink: Sink,
+    ) -> PreparedRma {
         let remote = RemoteIov {
             addr: from.addr,
             len: len as u64,
@@ -384,7 +456,7 @@ impl RdmCore {
         let state = OpState {
             sink,
             target,
-            region: None,
+            keep: None,
             multi: false,
             rma: Some(CompletionFlags::RMA | CompletionFlags::READ),
         };
@@ -397,7 +469,11 @@ impl RdmCore {
             context: 0,
             local_region,
         };
-        self.start_rma(state, op, "read")
+        PreparedRma {
+            state,
+            op,
+            name: "read",
+        }
     }
 
     fn post_atomic(
@@ -469,7 +545,7 @@ impl RdmCore {
         let state = OpState {
             sink,
             target: None,
-            region: None,
+            keep: None,
             multi: false,
             rma: Some(flags),
         };
@@ -492,18 +568,35 @@ impl RdmCore {
             context: 0,
             local_region: None,
         };
-        self.start_rma(state, op, "atomic")
+        self.start_rma(PreparedRma {
+            state,
+            op,
+            name: "atomic",
+        })
     }
 
-    /// Hands an RMA operation to the engine, tracking `state` under the operation's context.
-    fn start_rma(
-        &self,
-        state: OpState,
-        mut op: RmaOp,
-        name: &'static str,
-    ) -> Result<(), PostError> {
+    /// Hands an RMA operation to the engine, tracking its state under the operation's context,
+    /// and makes progress.
+    pub(super) fn start_rma(&self, p: PreparedRma) -> Result<(), PostError> {
         let now = Instant::now();
         let mut st = self.state.lock();
+        self.start_rma_locked(&mut st, now, p)?;
+        self.pump(&mut st, now);
+        Ok(())
+    }
+
+    /// [`Self::start_rma`] under the caller's lock, without progress (the caller pumps).
+    pub(super) fn start_rma_locked(
+        &self,
+        st: &mut super::rdm::State,
+        now: Instant,
+        p: PreparedRma,
+    ) -> Result<(), PostError> {
+        let PreparedRma {
+            state,
+            mut op,
+            name,
+        } = p;
         if st.closed {
             let b = give_back(state, RmaBuf::from_kind(op.kind));
             return Err(refuse(Error::new(ErrorKind::Closed, name), b));
@@ -511,10 +604,7 @@ impl RdmCore {
         let key = st.ops.insert(state);
         op.context = key as u64;
         match st.engine.rma(now, op) {
-            Ok(()) => {
-                self.pump(&mut st, now);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err((e, op)) => {
                 let s = st.ops.remove(key);
                 Err(refuse(e, give_back(s, RmaBuf::from_kind(op.kind))))
@@ -531,13 +621,13 @@ impl RdmCore {
     ) -> std::result::Result<Completion, CompletionError> {
         let flags = op.rma.unwrap_or(CompletionFlags::RMA);
         let ok = r.error.is_none();
-        let buf = match (r.buf, op.target, op.region) {
+        let buf = match (r.buf, op.target, op.keep) {
             (RmaBuf::InRegion, Some(t), _) => t.finish(BytesMut::new(), false),
-            (RmaBuf::InRegion, None, Some(region)) => Buffer::Region(region),
+            (RmaBuf::InRegion, None, Some(keep)) => keep,
             (RmaBuf::InRegion, None, None) => Buffer::None,
             (RmaBuf::Read(b), Some(t), _) => t.finish(b, ok),
             (RmaBuf::Read(b), None, _) => Buffer::Recv(b),
-            (RmaBuf::Write(_), _, Some(region)) => Buffer::Region(region),
+            (RmaBuf::Write(_), _, Some(keep)) => keep,
             (RmaBuf::Write(b), _, None) => Buffer::Send(b),
             (RmaBuf::Atomic { fetch: Some(f), .. }, _, _) => Buffer::Recv(f),
             (RmaBuf::Atomic { operand, .. }, _, _) => Buffer::Send(operand),
@@ -586,11 +676,26 @@ impl RdmCore {
     }
 }
 
+/// Where a read lands: one buffer, or a scatter over several (`read_iov`).
+pub(super) enum ReadInto {
+    Buf(RecvBuf),
+    Scatter(super::buf::RecvTarget),
+}
+
+impl ReadInto {
+    fn into_buffer(self) -> Buffer {
+        match self {
+            ReadInto::Buf(b) => b.into_buffer(),
+            ReadInto::Scatter(t) => t.abandon(),
+        }
+    }
+}
+
 /// The user's buffer of a refused RMA operation.
 fn give_back(state: OpState, buf: RmaBuf) -> Buffer {
-    match (buf, state.target, state.region) {
+    match (buf, state.target, state.keep) {
         (_, Some(t), _) => t.abandon(),
-        (_, None, Some(r)) => Buffer::Region(r),
+        (_, None, Some(keep)) => keep,
         (RmaBuf::Write(b), None, None) => Buffer::Send(b),
         (RmaBuf::Read(b), None, None) => Buffer::Recv(b),
         (RmaBuf::Atomic { fetch: Some(f), .. }, None, None) => Buffer::Recv(f),

@@ -351,14 +351,24 @@ pub type Shared<T> = Arc<T>;
 /// seconds or until everything is sent: past the cap the sender must be held back (`Again`),
 /// never served by dropping. Then posts the receives and checks that every message arrives
 /// intact, nothing was dropped and nothing stays held. Returns what `b` held after the flood.
-pub fn flood_then_receive(a: &Node, b: &Node) -> efa::proto::engine::Resources {
+pub fn flood_then_receive(
+    a: &Node,
+    b: &Node,
+    until_held: Option<usize>,
+) -> efa::proto::engine::Resources {
     let pb = a.insert(b.ep.addr());
     let (n, size) = (1200usize, 64 << 10);
     let deadline = Instant::now() + DEADLINE;
     let mut sent = 0;
     let mut out = Vec::new();
-    let phase = Instant::now() + Duration::from_secs(2);
-    while sent < n && Instant::now() < phase {
+    // Flood for 2 s, or with `until_held` until the receiver holds that much (at most 20 s): a
+    // fixed time alone fills less on a loaded machine.
+    let start = Instant::now();
+    let phase = |held: usize| match until_held {
+        None => start.elapsed() < Duration::from_secs(2),
+        Some(h) => held < h && start.elapsed() < Duration::from_secs(20),
+    };
+    while sent < n && phase(b.ep.resources().buffered_bytes) {
         match a.ep.tsend(pb, payload(9, sent, size), 77, sent as u64) {
             Ok(()) => sent += 1,
             Err(e) if e.kind() == ErrorKind::Again => {}

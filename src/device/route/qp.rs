@@ -11,7 +11,7 @@ use super::dir::{self, Entry, Lookup};
 use super::{HDR_LEN, HDR_MAGIC, RouteShared};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{
-    DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Source, Status,
+    DeviceCompletion, Opcode, QpType, QueuePair, RdmaWr, RemoteIov, SendWr, Source, Status,
     UNSOLICITED_WR_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -507,6 +507,20 @@ impl QueuePair for RoutedQp {
 
     fn region_rdma(&self) -> bool {
         self.primary.region_rdma()
+    }
+
+    fn post_rdma_list(
+        &mut self,
+        wrs: &mut VecDeque<RdmaWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        let targets: Vec<(u64, RawAddr)> = wrs.iter().map(|w| (w.wr_id, w.dest)).collect();
+        let r = self.primary.post_rdma_list(wrs);
+        // Posted: those no longer in the list, but for a refused one.
+        let posted = targets.len() - wrs.len() - usize::from(r.is_err());
+        for &(wr_id, dest) in &targets[..posted] {
+            self.note_rdma(wr_id, dest);
+        }
+        r
     }
 
     fn post_read_region(

@@ -23,7 +23,9 @@ use super::mmsg;
 use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
 use crate::device::soft_rdma::{KeyTable, RdmaOps};
-use crate::device::{DeviceCompletion, QpAttr, QpType, QueuePair, SendWr, Source, random_qkey};
+use crate::device::{
+    DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, random_qkey,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::{Notifier, SleepHook};
 use crate::stats::{self, DeviceCounters};
@@ -438,8 +440,31 @@ impl State {
             self.slots.release_send();
             return Err(e);
         }
-        self.send_out(now);
         Ok(())
+    }
+
+    /// Starts one RDMA operation of a list (its datagrams go out at the caller's
+    /// [`State::send_out`]).
+    fn post_rdma_wr(&mut self, now: Instant, wr: RdmaWr) -> Result<()> {
+        let RdmaWr { wr_id, dest, kind } = wr;
+        match kind {
+            RdmaKind::Write { local, remote, imm } => self.post_rdma(
+                now,
+                |cx, to, chunk| cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk),
+                &dest,
+                "post_write",
+            ),
+            RdmaKind::Read { local, remote } => self.post_rdma(
+                now,
+                |cx, to, _| cx.rdma_read(wr_id, to, dest, local, remote),
+                &dest,
+                "post_read",
+            ),
+            RdmaKind::WriteRegion { .. } | RdmaKind::ReadRegion { .. } => {
+                Err(Error::new(ErrorKind::NotSupported, "post_rdma_list")
+                    .with_detail("the udp device has no region RDMA"))
+            }
+        }
     }
 
     /// Checks and takes the slot of a send, and hands it to the protocol; what it queues goes
@@ -783,16 +808,8 @@ impl QueuePair for UdpQp {
         remote: crate::device::RemoteIov,
         imm: Option<u32>,
     ) -> Result<()> {
-        let mut st = self.shared.state.lock();
-        let now = Instant::now();
-        st.post_rdma(
-            now,
-            |cx, to, chunk| cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk),
-            &dest,
-            "post_write",
-        )?;
-        self.shared.after_post(st);
-        Ok(())
+        let kind = RdmaKind::Write { local, remote, imm };
+        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
     }
 
     fn post_read(
@@ -802,16 +819,31 @@ impl QueuePair for UdpQp {
         local: BytesMut,
         remote: crate::device::RemoteIov,
     ) -> Result<()> {
+        let kind = RdmaKind::Read { local, remote };
+        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
+    }
+
+    /// One system call (or as few as the socket allows) for the whole list.
+    fn post_rdma_list(
+        &mut self,
+        wrs: &mut VecDeque<RdmaWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
         let mut st = self.shared.state.lock();
         let now = Instant::now();
-        st.post_rdma(
-            now,
-            |cx, to, _| cx.rdma_read(wr_id, to, dest, local, remote),
-            &dest,
-            "post_read",
-        )?;
+        let mut r = Ok(());
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = wr.wr_id;
+            if let Err(e) = st.post_rdma_wr(now, wr) {
+                r = Err((wr_id, e));
+                break;
+            }
+        }
+        st.send_out(now);
         self.shared.after_post(st);
-        Ok(())
+        r
     }
 
     fn qp_type(&self) -> QpType {
@@ -912,6 +944,19 @@ impl QueuePair for UdpQp {
         }
         self.thread.stop();
         self.shared.notifier.notify();
+    }
+}
+
+impl UdpQp {
+    fn post_one_rdma(&mut self, wr: RdmaWr) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        let now = Instant::now();
+        let r = st.post_rdma_wr(now, wr);
+        if r.is_ok() {
+            st.send_out(now);
+        }
+        self.shared.after_post(st);
+        r
     }
 }
 

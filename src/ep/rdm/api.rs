@@ -21,8 +21,13 @@ impl Endpoint<Rdm> {
         buf: impl Into<SendBuf>,
         context: u64,
     ) -> Result<(), PostError> {
-        self.core
-            .post_send(peer, buf.into(), SendOptions::default(), Sink::Cq(context))
+        self.core.post_send(
+            peer,
+            buf.into(),
+            None,
+            SendOptions::default(),
+            Sink::Cq(context),
+        )
     }
 
     /// Sends a message with 4 bytes of remote CQ data (`fi_senddata`).
@@ -37,7 +42,8 @@ impl Endpoint<Rdm> {
             data: Some(data),
             ..Default::default()
         };
-        self.core.post_send(peer, buf.into(), o, Sink::Cq(context))
+        self.core
+            .post_send(peer, buf.into(), None, o, Sink::Cq(context))
     }
 
     /// Sends a tagged message (`fi_tsend`).
@@ -52,7 +58,8 @@ impl Endpoint<Rdm> {
             tag: Some(tag),
             ..Default::default()
         };
-        self.core.post_send(peer, buf.into(), o, Sink::Cq(context))
+        self.core
+            .post_send(peer, buf.into(), None, o, Sink::Cq(context))
     }
 
     /// Sends with explicit options (`fi_sendmsg` / `fi_tsendmsg`).
@@ -64,7 +71,80 @@ impl Endpoint<Rdm> {
         context: u64,
     ) -> Result<(), PostError> {
         self.core
-            .post_send(peer, buf.into(), options, Sink::Cq(context))
+            .post_send(peer, buf.into(), None, options, Sink::Cq(context))
+    }
+
+    /// Sends the parts of `iov` as one message (`fi_sendv`, `fi_tsendv` and `fi_sendmsg` with
+    /// several iovs: `options` carries the tag and remote CQ data): each part is `Bytes` or a
+    /// region (slice) with `SEND` access, at most [`iov_limit`](crate::TxAttr::iov_limit) (4)
+    /// of them (`InvalidArgument` beyond). The parts are gathered into one buffer (a copy, as
+    /// libfabric's EFA provider copies iovs into its packets); the completion hands them back
+    /// as [`Buffer::Iov`](crate::Buffer::Iov), in order.
+    ///
+    /// ```
+    /// # use bytes::{Bytes, BytesMut};
+    /// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector, Access, RecvOptions, SendOptions};
+    /// # fn main() -> efa::Result<()> {
+    /// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+    /// # let domain = Domain::open(&info)?;
+    /// # let tx = CompletionQueue::new(&domain, 64)?;
+    /// # let rx = CompletionQueue::new(&domain, 64)?;
+    /// # let av = AddressVector::new(&domain);
+    /// # let a = Endpoint::<Rdm>::builder(&domain).cq(&tx).av(&av).build()?;
+    /// # let b = Endpoint::<Rdm>::builder(&domain).cq(&rx).av(&av).build()?;
+    /// let peer = av.insert(b.addr())?;
+    /// // A header in a registered page, a body as bytes, one message; a scatter receive.
+    /// let mut header = domain.register(vec![0u8; 4], Access::SEND)?;
+    /// header.write().copy_from_slice(b"HEAD");
+    /// let body = Bytes::from_static(b"the body");
+    /// b.recv_iov(vec![BytesMut::with_capacity(4).into(), BytesMut::with_capacity(64).into()],
+    ///     RecvOptions::default(), 2)?;
+    /// a.send_iov(peer, vec![header.into(), body.into()], SendOptions::default(), 1)?;
+    /// let mut got = Vec::new();
+    /// while got.is_empty() {
+    ///     a.progress();
+    ///     rx.poll(&mut got, 1)?;
+    /// }
+    /// assert_eq!(got[0].len, 12);
+    /// let parts = got.remove(0).buf.into_iov().unwrap();
+    /// assert_eq!(parts[0].as_recv(), Some(&b"HEAD"[..]));
+    /// assert_eq!(parts[1].as_recv(), Some(&b"the body"[..]));
+    /// # Ok(()) }
+    /// ```
+    pub fn send_iov(
+        &self,
+        peer: PeerId,
+        iov: Vec<SendBuf>,
+        options: SendOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let limit = crate::info::RDM_IOV_LIMIT;
+        let (data, parts) = crate::ep::buf::gather(
+            iov,
+            &self.core.domain,
+            crate::mem::Access::SEND,
+            limit,
+            "sendv",
+        )?;
+        let buf = SendBuf::Bytes(data);
+        self.core
+            .post_send(peer, buf, Some(parts), options, Sink::Cq(context))
+    }
+
+    /// Receives one message into the parts of `iov`, one after another (`fi_recvv`,
+    /// `fi_trecvv`, `fi_recvmsg` with several iovs; `options` carries the tag and the source):
+    /// a `BytesMut` offers its capacity, a region (slice) with `RECV` access its length, at most
+    /// 4 parts. The message fills them in order (a longer one is truncated at their total); the
+    /// completion hands them back as [`Buffer::Iov`](crate::Buffer::Iov), each holding its part
+    /// (a `BytesMut` as long as its part, a region its part in its first bytes). Not a
+    /// multi-receive buffer (`InvalidArgument`).
+    pub fn recv_iov(
+        &self,
+        iov: Vec<RecvBuf>,
+        options: RecvOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
+        self.core.post_recv_iov(iov, options, context)
     }
 
     /// Sends a small message and forgets it (`fi_inject`): the bytes are copied before this
@@ -255,9 +335,9 @@ impl Endpoint<Rdm> {
         options: SendOptions,
     ) -> OpFuture {
         let slot = Arc::new(Slot::default());
-        let posted = self
-            .core
-            .post_send(peer, buf.into(), options, Sink::Future(slot.clone()));
+        let posted =
+            self.core
+                .post_send(peer, buf.into(), None, options, Sink::Future(slot.clone()));
         OpFuture {
             core: self.core.clone(),
             slot,

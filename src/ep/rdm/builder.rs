@@ -121,6 +121,7 @@ impl EndpointBuilder<Rdm> {
                 ops: Slab::new(),
                 scratch: Vec::new(),
                 sends: VecDeque::new(),
+                rdma: VecDeque::new(),
                 pending: Default::default(),
                 closed: false,
                 rx_free: Vec::new(),

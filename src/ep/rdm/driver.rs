@@ -110,52 +110,54 @@ impl RdmCore {
         }
     }
 
-    /// Hands the engine's output to the device: datagrams as one post list (one doorbell; one
-    /// system call on the udp device), RDMA operations one by one. True when anything went.
+    /// Hands the engine's output to the device: datagrams as one post list and one-sided
+    /// operations as another (one doorbell each; one system call each on the udp device). True
+    /// when anything went.
     #[inline(never)]
     pub(super) fn transmit(st: &mut State, clock: &mut Clock) -> bool {
         let mut busy = false;
         let now = clock.now();
         let mut sends = std::mem::take(&mut st.sends);
+        let mut rdma = std::mem::take(&mut st.rdma);
         while let Some(t) = st.engine.poll_transmit(now) {
             busy = true;
-            let wr_id = t.wr_id;
-            let posted = match t.kind {
+            let (wr_id, dest) = (t.wr_id, t.dest);
+            let kind = match t.kind {
                 TransmitKind::Send => {
                     sends.push_back(SendWr {
                         wr_id,
-                        dest: t.dest,
+                        dest,
                         hdr: t.hdr,
                         payload: t.payload,
                         imm: None,
                     });
                     continue;
                 }
-                TransmitKind::RdmaWrite { remote, imm } => {
-                    Self::post_sends(st, now, &mut sends);
-                    st.qp.post_write(wr_id, t.dest, t.payload, remote, imm)
-                }
-                TransmitKind::RdmaRead { remote, buf } => {
-                    Self::post_sends(st, now, &mut sends);
-                    st.qp.post_read(wr_id, t.dest, buf, remote)
-                }
+                TransmitKind::RdmaWrite { remote, imm } => RdmaKind::Write {
+                    local: t.payload,
+                    remote,
+                    imm,
+                },
+                TransmitKind::RdmaRead { remote, buf } => RdmaKind::Read { local: buf, remote },
                 TransmitKind::RdmaWriteRegion { remote, imm, local } => {
-                    Self::post_sends(st, now, &mut sends);
-                    st.qp.post_write_region(wr_id, t.dest, local, remote, imm)
+                    RdmaKind::WriteRegion { local, remote, imm }
                 }
                 TransmitKind::RdmaReadRegion { remote, local } => {
-                    Self::post_sends(st, now, &mut sends);
-                    st.qp.post_read_region(wr_id, t.dest, local, remote)
+                    RdmaKind::ReadRegion { local, remote }
                 }
             };
-            if let Err(e) = posted {
+            rdma.push_back(RdmaWr { wr_id, dest, kind });
+        }
+        Self::post_sends(st, now, &mut sends);
+        while !rdma.is_empty() {
+            if let Err((wr_id, e)) = st.qp.post_rdma_list(&mut rdma) {
                 tracing::warn!(error = %e, "device refused a work request");
                 st.engine
                     .handle_rdma_completion(now, wr_id, refused_status(&e), None);
             }
         }
-        Self::post_sends(st, now, &mut sends);
         st.sends = sends;
+        st.rdma = rdma;
         busy
     }
 

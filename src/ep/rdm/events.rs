@@ -28,14 +28,14 @@ impl RdmCore {
         let Some(OpState {
             sink: Sink::Cq(ctx),
             target,
-            region,
+            keep,
             ..
         }) = ops.try_remove(key)
         else {
             return false;
         };
         match ev {
-            Event::Send(s) => match self.send_completion(s, ctx, region) {
+            Event::Send(s) => match self.send_completion(s, ctx, keep) {
                 Ok(c) => push_ok(&self.tx_cq, c, direct),
                 Err(e) => self.tx_cq.push_err(e),
             },
@@ -89,7 +89,7 @@ impl RdmCore {
         // The usual cases, straight into the queue.
         if let (&Sink::Cq(ctx), true) = (&op.sink, matches!(ev, Event::Send(_) | Event::Recv(_))) {
             match ev {
-                Event::Send(s) => match self.send_completion(s, ctx, op.region) {
+                Event::Send(s) => match self.send_completion(s, ctx, op.keep) {
                     Ok(c) => self.tx_cq.push(c),
                     Err(e) => self.tx_cq.push_err(e),
                 },
@@ -116,20 +116,20 @@ impl RdmCore {
             *slot.src.lock() = r.src;
         }
         let (sink, result) = match ev {
-            Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.region)),
+            Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.keep)),
             Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target, cache)),
             Event::Rma(r) => {
                 let OpState {
                     sink,
                     target,
-                    region,
+                    keep,
                     multi,
                     rma,
                 } = op;
                 let rest = OpState {
                     sink: Sink::Cq(0),
                     target,
-                    region,
+                    keep,
                     multi,
                     rma,
                 };
@@ -171,7 +171,7 @@ impl RdmCore {
         &self,
         s: SendDone,
         context: u64,
-        region: Option<crate::mr::MemoryRegion>,
+        keep: Option<Buffer>,
     ) -> std::result::Result<Completion, CompletionError> {
         let mut flags = CompletionFlags::SEND;
         flags |= if s.tag.is_some() {
@@ -179,7 +179,7 @@ impl RdmCore {
         } else {
             CompletionFlags::MSG
         };
-        let buf = region.map_or(Buffer::Send(s.buf), Buffer::Region);
+        let buf = keep.unwrap_or(Buffer::Send(s.buf));
         match s.error {
             None => Ok(Completion {
                 context,

@@ -23,7 +23,9 @@ use crate::cq::{
     Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, Direct, PostError,
     ProgressSource, RecvBuf, SendBuf,
 };
-use crate::device::{DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status};
+use crate::device::{
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Status,
+};
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::local::{LocalPath, LocalSend};
@@ -87,7 +89,7 @@ pub struct SendRequest {
 /// A batch stopped by an error other than `Again`: how many sends before it were posted, and
 /// the refused one's error with its buffer.
 #[derive(Debug, thiserror::Error)]
-#[error("batch stopped after {posted} sends: {error}")]
+#[error("batch stopped after {posted} operations: {error}")]
 pub struct BatchError {
     /// Sends posted before the refusal (they complete as usual).
     pub posted: usize,
@@ -101,6 +103,8 @@ struct PreparedSend {
     dest: RawAddr,
     data: Bytes,
     region: Option<crate::mr::MemoryRegion>,
+    /// The parts of a gather (`send_iov`), handed back instead of `data`.
+    iov: Option<Vec<Buffer>>,
     /// `(key, address)` of a region peers may read.
     read_key: Option<(u64, u64)>,
     /// The region's bytes were not copied into `data` (`SendOp::region_len`).
@@ -125,7 +129,9 @@ pub(super) enum Sink {
 pub(super) struct OpState {
     pub(super) sink: Sink,
     pub(super) target: Option<RecvTarget>,
-    pub(super) region: Option<crate::mr::MemoryRegion>,
+    /// What the completion hands back instead of the engine's buffer: the region (slice) a
+    /// send or write came from, or the parts of a gather (`Buffer::Iov`).
+    pub(super) keep: Option<Buffer>,
     /// A multi-receive buffer: it completes once per message and stays until retired.
     pub(super) multi: bool,
     /// An RMA or atomic operation: its completion flags.
@@ -139,6 +145,8 @@ pub(super) struct State {
     scratch: Vec<DeviceCompletion>,
     /// The sends of one pump pass, posted as one list (kept for its capacity).
     sends: VecDeque<SendWr>,
+    /// The one-sided operations of one pump pass, posted as one list.
+    rdma: VecDeque<RdmaWr>,
     /// Claimed unexpected messages (`FI_CLAIM`) by token.
     pending: HashSet<u64>,
     pub(super) closed: bool,

@@ -8,16 +8,22 @@ impl RdmCore {
         from.map(|p| self.av.lookup(p)).transpose()
     }
 
+    /// Posts a send of `buf` (the gathered bytes of `iov` when it is given: the completion
+    /// hands `iov` back instead).
     pub(super) fn post_send(
         &self,
         peer: PeerId,
         buf: SendBuf,
+        iov: Option<Vec<Buffer>>,
         o: SendOptions,
         sink: Sink,
     ) -> Result<(), PostError> {
         let mut clock = Clock::default();
         let mut st = self.state.lock();
-        let prepared = self.prepare_send(&mut st.dest_cache, peer, buf)?;
+        let prepared = match self.prepare_send(&mut st.dest_cache, peer, buf) {
+            Ok(p) => PreparedSend { iov, ..p },
+            Err(e) => return Err(refuse(e.error, iov.map_or(e.buf, Buffer::Iov))),
+        };
         self.enqueue_send(&mut st, &mut clock, prepared, o, sink)?;
         // A send on the local path is in the peer's ring (or queued for it) already; only the
         // engine's sends need a pass to reach the device.
@@ -53,6 +59,7 @@ impl RdmCore {
             dest,
             data: Bytes::copy_from_slice(data),
             region: None,
+            iov: None,
             read_key: None,
             region_len: None,
             copy_region: false,
@@ -121,6 +128,7 @@ impl RdmCore {
             dest,
             data,
             region,
+            iov: None,
             read_key,
             region_len,
             copy_region,
@@ -140,12 +148,15 @@ impl RdmCore {
             dest,
             mut data,
             region,
+            iov,
             read_key,
             region_len,
             copy_region,
         } = p;
+        // What the completion (or a refusal) hands back instead of `data`.
+        let keep = iov.map(Buffer::Iov).or(region.map(Buffer::Region));
         if st.closed {
-            let b = region.map_or(Buffer::Send(data), Buffer::Region);
+            let b = keep.unwrap_or(Buffer::Send(data));
             return Err(refuse(Error::new(ErrorKind::Closed, "send"), b));
         }
         // A peer on this host goes through the local path (which reads a region's bytes from
@@ -157,29 +168,36 @@ impl RdmCore {
             None => None,
         };
         if let Some((_, false)) = local {
-            let b = region.map_or(Buffer::Send(data), Buffer::Region);
+            let b = keep.unwrap_or(Buffer::Send(data));
             let e =
                 Error::new(ErrorKind::Again, "send").with_detail("tx_size local sends in flight");
             return Err(refuse(e, b));
         }
+        let region = match &keep {
+            Some(Buffer::Region(r)) => Some(r),
+            _ => None,
+        };
         if local.is_none() && copy_region {
-            if let Some(r) = &region {
+            if let Some(r) = region {
                 data = Bytes::copy_from_slice(&r.read());
             }
         }
-        let len = match &region {
+        let len = match region {
             Some(r) if copy_region || region_len.is_some() => r.len(),
             _ => data.len(),
         };
         let key = st.ops.insert(OpState {
             sink,
             target: None,
-            region,
+            keep,
             multi: false,
             rma: None,
         });
         if let (Some((peer, _)), Some(l)) = (local, st.local.as_mut()) {
-            let region = st.ops.get(key).and_then(|x| x.region.as_ref());
+            let region = match st.ops.get(key).and_then(|x| x.keep.as_ref()) {
+                Some(Buffer::Region(r)) => Some(r),
+                _ => None,
+            };
             l.send(
                 peer,
                 LocalSend {
@@ -208,10 +226,7 @@ impl RdmCore {
             Ok(()) => Ok(()),
             Err((e, op)) => {
                 let s = st.ops.remove(key);
-                Err(refuse(
-                    e,
-                    s.region.map_or(Buffer::Send(op.buf), Buffer::Region),
-                ))
+                Err(refuse(e, s.keep.unwrap_or(Buffer::Send(op.buf))))
             }
         }
     }
@@ -324,6 +339,42 @@ impl RdmCore {
         src: Option<RawAddr>,
     ) -> Result<(), PostError> {
         let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, true, "recv")?;
+        self.post_recv_target(down, target, o, sink, src)
+    }
+
+    /// Posts a scatter receive (`recv_iov`).
+    pub(super) fn post_recv_iov(
+        &self,
+        iov: Vec<RecvBuf>,
+        o: RecvOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let limit = crate::info::RDM_IOV_LIMIT;
+        let (target, _) =
+            RecvTarget::prepare_iov(iov, &self.domain, crate::mem::Access::RECV, limit, "recvv")?;
+        let why = if o.multi_recv.is_some() {
+            Some(Error::new(ErrorKind::InvalidArgument, "recvv").with_detail(
+                "a multi-receive buffer must be one BytesMut (FI_MULTI_RECV), not an iov",
+            ))
+        } else {
+            self.resolve_src(o.from).err()
+        };
+        if let Some(e) = why {
+            return Err(refuse(e, target.abandon()));
+        }
+        let src = self.resolve_src(o.from).ok().flatten();
+        self.post_recv_target(BytesMut::new(), target, o, Sink::Cq(context), src)
+    }
+
+    /// Posts a receive of `down` into `target`.
+    fn post_recv_target(
+        &self,
+        down: BytesMut,
+        target: RecvTarget,
+        o: RecvOptions,
+        sink: Sink,
+        src: Option<RawAddr>,
+    ) -> Result<(), PostError> {
         let mut clock = Clock::default();
         let mut st = self.state.lock();
         if st.closed {
@@ -336,7 +387,7 @@ impl RdmCore {
         let key = st.ops.insert(OpState {
             sink,
             target: Some(target),
-            region: None,
+            keep: None,
             multi: o.multi_recv.is_some(),
             rma: None,
         });
@@ -394,7 +445,7 @@ impl RdmCore {
         let key = st.ops.insert(OpState {
             sink: Sink::Cq(context),
             target: Some(target),
-            region: None,
+            keep: None,
             multi: false,
             rma: None,
         });

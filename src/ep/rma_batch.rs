@@ -1,0 +1,337 @@
+//! RMA in batches, scatter-gather and inject: `write_batch` / `read_batch` (chains of
+//! `fi_writemsg` / `fi_readmsg` with `FI_MORE`), `write_iov` / `read_iov` (`fi_writev`,
+//! `fi_readv`), `inject_write` / `inject_write_data` (`fi_inject_write`,
+//! `fi_inject_writedata`).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::Endpoint;
+use super::buf::{RecvTarget, gather};
+use super::rdm::{BatchError, RdmCore, Sink};
+use super::rma::{PreparedRma, ReadInto, RmaAddr, WriteOptions};
+use crate::Rdm;
+use crate::av::PeerId;
+use crate::cq::{Buffer, PostError, RecvBuf, SendBuf};
+use crate::error::{Error, ErrorKind, Result};
+use crate::info::RDM_IOV_LIMIT;
+use crate::mr::Access;
+
+/// One write of a batch ([`Endpoint::write_batch`]).
+#[derive(Debug)]
+pub struct WriteRequest {
+    /// The target.
+    pub peer: PeerId,
+    /// The data: `Bytes`, or a region (slice) with `WRITE` access.
+    pub buf: SendBuf,
+    /// Where it lands.
+    pub to: RmaAddr,
+    /// Immediate data, delivery complete.
+    pub options: WriteOptions,
+    /// Returned in the completion.
+    pub context: u64,
+}
+
+/// One read of a batch ([`Endpoint::read_batch`]).
+#[derive(Debug)]
+pub struct ReadRequest {
+    /// The target.
+    pub peer: PeerId,
+    /// Where the bytes land: a `BytesMut` or a region (slice) with `READ` access.
+    pub buf: RecvBuf,
+    /// How many bytes.
+    pub len: usize,
+    /// Where they come from.
+    pub from: RmaAddr,
+    /// Returned in the completion.
+    pub context: u64,
+}
+
+impl Endpoint<Rdm> {
+    /// Posts the writes at the front of `reqs` together, like a chain of `fi_writemsg` calls
+    /// with `FI_MORE` ending in one without: the endpoint is locked once, the engine takes them
+    /// all, and one progress pass hands their work requests to the device as one list (one
+    /// doorbell; one system call on the udp device where the socket takes the datagrams).
+    /// Posted requests are removed from the front of `reqs`; when the endpoint is full
+    /// (`Again`) the rest stay there, to be posted again after completions. Returns how many
+    /// were posted; another refusal stops the batch with a [`BatchError`] that hands that
+    /// write's buffer back. Each write completes on its own, as [`write_with`](Self::write_with)
+    /// does.
+    ///
+    /// ```
+    /// # use std::collections::VecDeque;
+    /// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector, Access, WriteRequest, WriteOptions};
+    /// # fn main() -> efa::Result<()> {
+    /// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+    /// # let domain = Domain::open(&info)?;
+    /// # let cq = CompletionQueue::new(&domain, 64)?;
+    /// # let av = AddressVector::new(&domain);
+    /// # let a = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// # let b = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// let target = domain.register(vec![0u8; 4 * 4096], Access::REMOTE_WRITE)?;
+    /// let rk = target.remote_key()?;
+    /// let peer = av.insert(b.addr())?;
+    /// // Four pages of one region, each to the page after it at the target.
+    /// let mut source = domain.register(vec![7u8; 4 * 4096], Access::WRITE)?;
+    /// source.write()[4096..].fill(8);
+    /// let mut reqs: VecDeque<WriteRequest> = source
+    ///     .chunks(4096)?
+    ///     .into_iter()
+    ///     .enumerate()
+    ///     .map(|(i, page)| WriteRequest {
+    ///         peer,
+    ///         buf: page.into(),
+    ///         to: rk.at(((i + 1) % 4 * 4096) as u64),
+    ///         options: WriteOptions::default(),
+    ///         context: i as u64,
+    ///     })
+    ///     .collect();
+    /// assert_eq!(a.write_batch(&mut reqs)?, 4);
+    /// let mut done = Vec::new();
+    /// while done.len() < 4 {
+    ///     cq.wait(&mut done, 8, Some(std::time::Duration::from_secs(5)))?;
+    /// }
+    /// assert_eq!(target.read()[4095], 8); // page 3 went to page 0
+    /// assert_eq!(target.read()[4096], 7); // page 0 to page 1
+    /// # Ok(()) }
+    /// ```
+    pub fn write_batch(&self, reqs: &mut VecDeque<WriteRequest>) -> Result<usize, BatchError> {
+        self.core.post_rma_batch(reqs)
+    }
+
+    /// Posts the reads at the front of `reqs` together, as [`write_batch`](Self::write_batch)
+    /// posts writes. Each read completes on its own, as [`read`](Self::read) does.
+    pub fn read_batch(&self, reqs: &mut VecDeque<ReadRequest>) -> Result<usize, BatchError> {
+        self.core.post_rma_batch(reqs)
+    }
+
+    /// Writes the parts of `iov` one after another to the peer's memory at `to` (`fi_writev`):
+    /// each part is `Bytes` or a region (slice) with `WRITE` access, at most
+    /// [`iov_limit`](crate::TxAttr::iov_limit) (4) of them. The parts are gathered into one
+    /// buffer (a copy) and written as one operation; the completion hands them back as
+    /// [`Buffer::Iov`], in order. To move several slices without a copy, write each one
+    /// ([`write_batch`](Self::write_batch)).
+    pub fn write_iov(
+        &self,
+        peer: PeerId,
+        iov: Vec<SendBuf>,
+        to: RmaAddr,
+        options: WriteOptions,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let (data, parts) = gather(
+            iov,
+            &self.core.domain,
+            Access::WRITE,
+            RDM_IOV_LIMIT,
+            "writev",
+        )?;
+        let sink = Sink::Cq(context);
+        let p = self
+            .core
+            .write_op(peer, SendBuf::Bytes(data), Some(parts), to, options, sink)?;
+        self.core.start_rma(p)
+    }
+
+    /// Reads the peer's memory at `from` into the parts of `iov` one after another
+    /// (`fi_readv`): as many bytes as the parts hold (a `BytesMut` its capacity, a region (slice)
+    /// with `READ` access its length), at most 4 parts. The completion hands them back as
+    /// [`Buffer::Iov`], in order, each with its part of the data.
+    ///
+    /// ```
+    /// # use bytes::BytesMut;
+    /// # use efa::{getinfo, Hints, EpType, Domain, Endpoint, Rdm, CompletionQueue, AddressVector, Access};
+    /// # fn main() -> efa::Result<()> {
+    /// # let info = getinfo(&Hints::new().provider("loopback").ep_type(EpType::Rdm))?.remove(0);
+    /// # let domain = Domain::open(&info)?;
+    /// # let cq = CompletionQueue::new(&domain, 64)?;
+    /// # let av = AddressVector::new(&domain);
+    /// # let a = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// # let b = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+    /// let source = domain.register(b"headbody".to_vec(), Access::REMOTE_READ)?;
+    /// let rk = source.remote_key()?;
+    /// let peer = av.insert(b.addr())?;
+    /// let page = domain.register(vec![0u8; 4], Access::READ)?;
+    /// a.read_iov(peer, vec![page.into(), BytesMut::with_capacity(4).into()], rk.start(), 1)?;
+    /// let mut done = Vec::new();
+    /// while done.is_empty() {
+    ///     cq.wait(&mut done, 8, Some(std::time::Duration::from_secs(5)))?;
+    /// }
+    /// let parts = done.remove(0).buf.into_iov().unwrap();
+    /// assert_eq!(&parts[0].as_region().unwrap().read()[..], b"head");
+    /// assert_eq!(parts[1].as_recv(), Some(&b"body"[..]));
+    /// # Ok(()) }
+    /// ```
+    pub fn read_iov(
+        &self,
+        peer: PeerId,
+        iov: Vec<RecvBuf>,
+        from: RmaAddr,
+        context: u64,
+    ) -> Result<(), PostError> {
+        let (target, room) =
+            RecvTarget::prepare_iov(iov, &self.core.domain, Access::READ, RDM_IOV_LIMIT, "readv")?;
+        let into = ReadInto::Scatter(target);
+        let p = self
+            .core
+            .read_op(peer, into, room, from, Sink::Cq(context))?;
+        self.core.start_rma(p)
+    }
+
+    /// Writes `data` to the peer's memory at `to` and forgets it (`fi_inject_write`): the bytes
+    /// are copied before this returns, and a write that succeeds writes no completion; one that
+    /// fails later writes an error completion with context 0. At most
+    /// [`inject_rma_size`](Self::inject_rma_size) bytes (`InvalidArgument` beyond); `Again`
+    /// when the endpoint is full.
+    pub fn inject_write(&self, peer: PeerId, data: &[u8], to: RmaAddr) -> Result<()> {
+        self.inject_write_with(peer, data, to, None)
+    }
+
+    /// [`inject_write`](Self::inject_write) with 4 bytes of immediate data
+    /// (`fi_inject_writedata`): the target gets one completion carrying `imm`.
+    pub fn inject_write_data(
+        &self,
+        peer: PeerId,
+        data: &[u8],
+        to: RmaAddr,
+        imm: u32,
+    ) -> Result<()> {
+        self.inject_write_with(peer, data, to, Some(imm))
+    }
+
+    /// The largest [`inject_write`](Self::inject_write) (libfabric's `inject_rma_size`; the
+    /// same as [`inject_size`](Self::inject_size)).
+    pub fn inject_rma_size(&self) -> usize {
+        self.inject_size()
+    }
+
+    fn inject_write_with(
+        &self,
+        peer: PeerId,
+        data: &[u8],
+        to: RmaAddr,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        if data.len() > self.inject_rma_size() {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "inject_write").with_detail(format!(
+                    "{} bytes is more than inject_rma_size {}",
+                    data.len(),
+                    self.inject_rma_size()
+                )),
+            );
+        }
+        let o = WriteOptions {
+            data: imm,
+            delivery_complete: false,
+        };
+        let buf = SendBuf::Bytes(Bytes::copy_from_slice(data));
+        self.core
+            .post_write(peer, buf, to, o, Sink::Inject)
+            .map_err(|e| e.error)
+    }
+}
+
+/// A request of an RMA batch: what stays of it when its buffer is refused, and how it is
+/// prepared.
+pub(super) trait RmaRequest: Sized {
+    /// The request without its buffer.
+    type Meta: Copy;
+    fn meta(&self) -> Self::Meta;
+    fn prepare(self, core: &RdmCore) -> Result<PreparedRma, PostError>;
+    /// The request again, with the buffer a refusal handed back.
+    fn rebuild(meta: Self::Meta, buf: Buffer) -> Self;
+}
+
+impl RmaRequest for WriteRequest {
+    type Meta = (PeerId, RmaAddr, WriteOptions, u64);
+    fn meta(&self) -> Self::Meta {
+        (self.peer, self.to, self.options, self.context)
+    }
+    fn prepare(self, core: &RdmCore) -> Result<PreparedRma, PostError> {
+        let sink = Sink::Cq(self.context);
+        core.write_op(self.peer, self.buf, None, self.to, self.options, sink)
+    }
+    fn rebuild((peer, to, options, context): Self::Meta, buf: Buffer) -> Self {
+        let buf = match buf {
+            Buffer::Region(m) => SendBuf::Region(m),
+            Buffer::Send(b) => SendBuf::Bytes(b),
+            _ => SendBuf::Bytes(Bytes::new()),
+        };
+        WriteRequest {
+            peer,
+            buf,
+            to,
+            options,
+            context,
+        }
+    }
+}
+
+impl RmaRequest for ReadRequest {
+    type Meta = (PeerId, usize, RmaAddr, u64);
+    fn meta(&self) -> Self::Meta {
+        (self.peer, self.len, self.from, self.context)
+    }
+    fn prepare(self, core: &RdmCore) -> Result<PreparedRma, PostError> {
+        let sink = Sink::Cq(self.context);
+        core.read_op(
+            self.peer,
+            ReadInto::Buf(self.buf),
+            self.len,
+            self.from,
+            sink,
+        )
+    }
+    fn rebuild((peer, len, from, context): Self::Meta, buf: Buffer) -> Self {
+        let buf = match buf {
+            Buffer::Region(m) => RecvBuf::Region(m),
+            Buffer::Recv(b) => RecvBuf::Bytes(b),
+            _ => RecvBuf::Bytes(BytesMut::new()),
+        };
+        ReadRequest {
+            peer,
+            buf,
+            len,
+            from,
+            context,
+        }
+    }
+}
+
+impl RdmCore {
+    /// Posts the requests at the front of `reqs` under one lock and one progress pass.
+    fn post_rma_batch<R: RmaRequest>(&self, reqs: &mut VecDeque<R>) -> Result<usize, BatchError> {
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        let mut posted = 0;
+        let mut failure = None;
+        while let Some(r) = reqs.pop_front() {
+            let meta = r.meta();
+            let res = r
+                .prepare(self)
+                .and_then(|p| self.start_rma_locked(&mut st, now, p));
+            match res {
+                Ok(()) => posted += 1,
+                Err(e) if e.kind() == ErrorKind::Again => {
+                    // Full: leave it (and the rest) for the caller to post later.
+                    reqs.push_front(R::rebuild(meta, e.buf));
+                    break;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if posted > 0 {
+            self.pump(&mut st, now);
+        }
+        match failure {
+            None => Ok(posted),
+            Some(error) => Err(BatchError { posted, error }),
+        }
+    }
+}
