@@ -199,6 +199,52 @@ fn session(args: &Args, side: Side) -> Res<()> {
     Ok(())
 }
 
+/// Keeps `args.window` operations in flight until `args.iters` have completed with `flag`:
+/// `post(first, n)` posts up to `n` operations numbered from `first` (as one batch or one call
+/// each) and says how many went.
+fn run_window(
+    cq: &CompletionQueue,
+    args: &Args,
+    flag: CompletionFlags,
+    what: &str,
+    mut post: impl FnMut(usize, usize) -> Res<usize>,
+) -> Res<()> {
+    let mut done: Vec<Completion> = Vec::new();
+    let (mut posted, mut completed) = (0usize, 0usize);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while completed < args.iters {
+        let room = (args.window - (posted - completed)).min(args.iters - posted);
+        if room > 0 {
+            posted += post(posted, room)?;
+        }
+        poll_cq(cq, &mut done, 256)?;
+        completed += done.drain(..).filter(|c| c.flags.contains(flag)).count();
+        if Instant::now() > deadline {
+            return Err(format!(
+                "only {completed} of {} {what} completed",
+                args.iters
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Posts `n` operations, one call each, until the endpoint says `Again`.
+fn each(
+    n: usize,
+    what: &str,
+    mut post: impl FnMut(usize) -> Result<(), efa::PostError>,
+) -> Res<usize> {
+    for i in 0..n {
+        match post(i) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::Again => return Ok(i),
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+    }
+    Ok(n)
+}
+
 fn send_all(
     ep: &Endpoint<Rdm>,
     cq: &CompletionQueue,
@@ -208,49 +254,21 @@ fn send_all(
     batched: bool,
 ) -> Res<()> {
     let msg = Bytes::from(vec![0x5au8; size]);
-    let mut done: Vec<Completion> = Vec::new();
-    let (mut posted, mut completed) = (0usize, 0usize);
     let mut reqs: VecDeque<SendRequest> = VecDeque::with_capacity(args.batch);
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while completed < args.iters {
-        let room = args.window - (posted - completed);
-        if batched {
-            while reqs.len() < args.batch.min(room).min(args.iters - posted) {
-                reqs.push_back(SendRequest {
-                    peer,
-                    buf: msg.clone().into(),
-                    options: SendOptions::default(),
-                    context: 0,
-                });
-            }
-            if !reqs.is_empty() {
-                let n = ep.send_batch(&mut reqs).map_err(|e| e.to_string())?;
-                posted += n;
-                // Unposted requests are rebuilt next round with the current room.
-                reqs.clear();
-            }
-        } else {
-            for _ in 0..room.min(args.iters - posted) {
-                match ep.send(peer, msg.clone(), 0) {
-                    Ok(()) => posted += 1,
-                    Err(e) if e.kind() == ErrorKind::Again => break,
-                    Err(e) => return Err(format!("send: {e}")),
-                }
-            }
+    run_window(cq, args, CompletionFlags::SEND, "sends", |_, room| {
+        if !batched {
+            return each(room, "send", |_| ep.send(peer, msg.clone(), 0));
         }
-        poll_cq(cq, &mut done, 256)?;
-        completed += done
-            .drain(..)
-            .filter(|c| c.flags.contains(CompletionFlags::SEND))
-            .count();
-        if Instant::now() > deadline {
-            return Err(format!(
-                "only {completed} of {} sends completed",
-                args.iters
-            ));
-        }
-    }
-    Ok(())
+        reqs.clear();
+        reqs.extend((0..args.batch.min(room)).map(|_| SendRequest {
+            peer,
+            buf: msg.clone().into(),
+            options: SendOptions::default(),
+            context: 0,
+        }));
+        // Unposted requests are rebuilt next round with the current room.
+        ep.send_batch(&mut reqs).map_err(|e| e.to_string())
+    })
 }
 
 /// `send_all` for RMA writes into the server's region (one slot per write of the window), then
@@ -265,48 +283,24 @@ fn write_all(
     batched: bool,
 ) -> Res<()> {
     let msg = Bytes::from(vec![0x5au8; size]);
-    let mut done: Vec<Completion> = Vec::new();
-    let (mut posted, mut completed) = (0usize, 0usize);
     let mut reqs: VecDeque<WriteRequest> = VecDeque::with_capacity(args.batch);
     let slot = |i: usize| rk.at(((i % args.window) * size) as u64);
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while completed < args.iters {
-        let room = args.window - (posted - completed);
-        if batched {
-            while reqs.len() < args.batch.min(room).min(args.iters - posted) {
-                reqs.push_back(WriteRequest {
-                    peer,
-                    buf: msg.clone().into(),
-                    to: slot(posted + reqs.len()),
-                    options: WriteOptions::default(),
-                    context: 0,
-                });
-            }
-            if !reqs.is_empty() {
-                posted += ep.write_batch(&mut reqs).map_err(|e| e.to_string())?;
-                reqs.clear();
-            }
-        } else {
-            for _ in 0..room.min(args.iters - posted) {
-                match ep.write(peer, msg.clone(), slot(posted), 0) {
-                    Ok(()) => posted += 1,
-                    Err(e) if e.kind() == ErrorKind::Again => break,
-                    Err(e) => return Err(format!("write: {e}")),
-                }
-            }
+    run_window(cq, args, CompletionFlags::WRITE, "writes", |first, room| {
+        if !batched {
+            return each(room, "write", |i| {
+                ep.write(peer, msg.clone(), slot(first + i), 0)
+            });
         }
-        poll_cq(cq, &mut done, 256)?;
-        completed += done
-            .drain(..)
-            .filter(|c| c.flags.contains(CompletionFlags::WRITE))
-            .count();
-        if Instant::now() > deadline {
-            return Err(format!(
-                "only {completed} of {} writes completed",
-                args.iters
-            ));
-        }
-    }
+        reqs.clear();
+        reqs.extend((0..args.batch.min(room)).map(|i| WriteRequest {
+            peer,
+            buf: msg.clone().into(),
+            to: slot(first + i),
+            options: WriteOptions::default(),
+            context: 0,
+        }));
+        ep.write_batch(&mut reqs).map_err(|e| e.to_string())
+    })?;
     ep.tsend(peer, Bytes::from_static(b"done"), DONE_TAG, 1)
         .map_err(|e| format!("tsend: {e}"))?;
     wait_for(cq, |c| {
