@@ -488,6 +488,22 @@ impl PeerWatch {
         matches!(r, Ok(0))
             || matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
     }
+
+    /// True when the peer sent something (a line waits to be read) or closed the connection:
+    /// for a side that expects nothing from the peer for a while, so that a peer's failure
+    /// report is read at once. Reads nothing.
+    pub fn has_news(&self) -> bool {
+        if self.0.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        let r = self.0.peek(&mut b);
+        let _ = self.0.set_nonblocking(false);
+        match r {
+            Ok(_) => true,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
 }
 
 /// The connection options every example shares (fabtests' `-p -l -B -P -s <server>`).
