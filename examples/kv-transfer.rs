@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use common::{
     Conn, Oob, Role, Side, check_pattern, cnt_str, fill_pattern, launch, open_domain, parse_size,
-    poll_cq, print_header, print_row,
+    perf_header, perf_row, poll_cq,
 };
 use efa::{
     Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Domain, Endpoint, EpType,
@@ -88,6 +88,13 @@ struct Args {
     /// Seed of both page permutations.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Give up after this many seconds without a completion (sender) or notification
+    /// (receiver).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    timeout_secs: u64,
+    /// For tests: the sender corrupts a page, notifies a batch twice or skips a notification.
+    #[arg(long, hide = true)]
+    fault: Option<Fault>,
     /// Print the registration counters before and after, the endpoint's and the device's
     /// counters.
     #[arg(short = 'v')]
@@ -112,8 +119,16 @@ const HDR: usize = 16;
 /// carry the transfer page number.
 const BELL_CTX: u64 = 1 << 63;
 
-/// How long either side waits without progress before it gives up.
-const STALL: Duration = Duration::from_secs(60);
+/// A fault the sender injects in round 0 (`--fault`, for the tests of the receiver's checks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Fault {
+    /// One byte of transfer page 1 is flipped after the fill.
+    Corrupt,
+    /// Batch 0 is notified twice.
+    Duplicate,
+    /// The last batch is not notified.
+    Skip,
+}
 
 /// What the sender (client) asks for.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -222,21 +237,62 @@ fn seq(j: usize, round: usize) -> u64 {
     (j as u64).wrapping_mul(7).wrapping_add(round as u64)
 }
 
-fn fill_page(buf: &mut [u8], j: usize, round: usize) {
-    buf[..8].copy_from_slice(&(j as u64).to_le_bytes());
-    buf[8..HDR].copy_from_slice(&(round as u64).to_le_bytes());
-    fill_pattern(&mut buf[HDR..], seq(j, round));
+/// The examples' `fill_pattern` bytes at memory speed: byte `i` of message `seq` is
+/// `(31 seq + 7 i) mod 251`, which is byte `i + 112 seq mod 251` of message 0 (`7 * 112` is 31
+/// modulo 251), so every message's bytes are one slice of a buffer of message 0's bytes: a page
+/// is filled with one `memcpy` and checked with one `memcmp`.
+struct Pattern {
+    base: Vec<u8>,
 }
 
-fn check_page(buf: &[u8], j: usize, round: usize) -> Res<()> {
-    let word = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
-    let (got_j, got_r) = (word(0), word(8));
-    if (got_j, got_r) != (j as u64, round as u64) {
-        return Err(format!(
-            "header says page {got_j} of round {got_r}, want page {j} of round {round}"
-        ));
+impl Pattern {
+    fn new(len: usize) -> Res<Pattern> {
+        let mut base = vec![0u8; len + 251];
+        fill_pattern(&mut base, 0);
+        let p = Pattern { base };
+        // The same bytes as fill_pattern (a few messages, once).
+        for s in [1u64, 7, 250, 251, 1000] {
+            let n = len.min(4096);
+            let mut want = vec![0u8; n];
+            fill_pattern(&mut want, s);
+            if p.of(s, n) != &want[..] {
+                return Err(format!(
+                    "pattern of message {s} differs from fill_pattern's"
+                ));
+            }
+        }
+        Ok(p)
     }
-    check_pattern(&buf[HDR..], seq(j, round)).map_err(|e| format!("{e} (after the header)"))
+
+    /// The first `len` bytes of message `seq`.
+    fn of(&self, seq: u64, len: usize) -> &[u8] {
+        let k = ((seq % 251) * 112 % 251) as usize;
+        &self.base[k..k + len]
+    }
+
+    fn fill_page(&self, buf: &mut [u8], j: usize, round: usize) {
+        buf[..8].copy_from_slice(&(j as u64).to_le_bytes());
+        buf[8..HDR].copy_from_slice(&(round as u64).to_le_bytes());
+        let body = &mut buf[HDR..];
+        body.copy_from_slice(self.of(seq(j, round), body.len()));
+    }
+
+    fn check_page(&self, buf: &[u8], j: usize, round: usize) -> Res<()> {
+        let word = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
+        let (got_j, got_r) = (word(0), word(8));
+        if (got_j, got_r) != (j as u64, round as u64) {
+            return Err(format!(
+                "header says page {got_j} of round {got_r}, want page {j} of round {round}"
+            ));
+        }
+        let body = &buf[HDR..];
+        if body == self.of(seq(j, round), body.len()) {
+            return Ok(());
+        }
+        // Where, and what: check_pattern says it.
+        check_pattern(body, seq(j, round)).map_err(|e| format!("{e} (after the header)"))?;
+        Err("data mismatch".into())
+    }
 }
 
 /// The registration counters that must not grow after start-up.
@@ -284,6 +340,8 @@ fn session(args: &Args, side: Side) -> Res<()> {
     };
     let mut k = Kv {
         plan: &plan,
+        stall: Duration::from_secs(args.timeout_secs),
+        fault: args.fault,
         ep: &ep,
         cq: &cq,
         peer,
@@ -352,38 +410,41 @@ fn session(args: &Args, side: Side) -> Res<()> {
     };
     let (elapsed, before) = result?;
     let after = registrations(&domain);
+    // One print of the whole report: with both ends in this process, their lines do not mix.
+    let mut out = String::new();
     if args.verbose {
-        println!(
-            "# {who}: mem_registrations {} -> {}, mr_registrations {} -> {}",
+        out += &format!(
+            "# {who}: mem_registrations {} -> {}, mr_registrations {} -> {}\n",
             before.0, after.0, before.1, after.1
         );
     }
     if print {
         let moved = plan.pages() * plan.rounds;
         let secs = elapsed.as_secs_f64();
-        println!("# {who}:");
-        print_header();
-        print_row(plan.page, moved, 1, elapsed);
-        println!(
-            "# {who}: {:.2} GB/sec, {} pages/sec, {} notifications, {} registrations after \
-             start-up",
+        let s = ep.stats();
+        out += &format!(
+            "# {who}:\n{}\n{}\n# {who}: {:.2} GB/sec, {} pages/sec, {} notifications, {} \
+             registrations after start-up\n# {who}: rma bytes on the device {}, emulated {}; \
+             messages to the peer: {}\n",
+            perf_header(),
+            perf_row(plan.page, moved, 1, elapsed),
             (moved * plan.page) as f64 / secs / 1e9,
             cnt_str((moved as f64 / secs) as u64),
             plan.batches_per_round() * plan.rounds,
-            (after.0 - before.0) + (after.1 - before.1)
-        );
-        let s = ep.stats();
-        println!(
-            "# {who}: rma bytes on the device {}, emulated {}; messages to the peer: {}",
+            after.0.saturating_sub(before.0) + after.1.saturating_sub(before.1),
             s.device_rma_bytes,
             s.emulated_rma_bytes,
             common::path_taken(Some(&s), ep.domain().device())
         );
     }
     if args.verbose {
-        println!("# {who} endpoint: {:?}", ep.stats());
-        println!("# {who} device: {:?}", domain.device_stats());
+        out += &format!(
+            "# {who} endpoint: {:?}\n# {who} device: {:?}\n",
+            ep.stats(),
+            domain.device_stats()
+        );
     }
+    print!("{out}");
     if after != before {
         return Err(format!(
             "{who}: registrations grew during the transfer: mem_registrations {} -> {}, \
@@ -431,6 +492,9 @@ fn check_table(plan: &Plan, t: &PageTable) -> Res<()> {
 /// One side of the transfer.
 struct Kv<'a> {
     plan: &'a Plan,
+    /// How long to wait without progress before giving up.
+    stall: Duration,
+    fault: Option<Fault>,
     ep: &'a Endpoint<Rdm>,
     cq: &'a CompletionQueue,
     peer: PeerId,
@@ -443,8 +507,35 @@ impl Kv<'_> {
     }
 
     /// The sender: every round writes every page, notifies each batch once its writes
-    /// completed, and waits for the receiver to have checked the round.
+    /// completed, and waits for the receiver to have checked the round. When something fails
+    /// because the receiver failed first (its region gone: `RemoteAccess`), the receiver's own
+    /// report is the error.
     fn send(
+        &mut self,
+        oob: &mut Oob,
+        pages: Vec<MemoryRegion>,
+        bells: Vec<MemoryRegion>,
+        table: &PageTable,
+    ) -> Res<Duration> {
+        let r = self.send_rounds(oob, pages, bells, table);
+        if r.is_err()
+            && let Ok(w) = oob.watch()
+        {
+            let until = Instant::now() + Duration::from_millis(500);
+            while !w.has_news() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if w.has_news()
+                && let Ok(line) = oob.recv_line()
+                && let Some(why) = line.strip_prefix("fail ")
+            {
+                return Err(format!("the receiver failed: {why}"));
+            }
+        }
+        r
+    }
+
+    fn send_rounds(
         &mut self,
         oob: &mut Oob,
         pages: Vec<MemoryRegion>,
@@ -454,6 +545,7 @@ impl Kv<'_> {
         let plan = self.plan;
         let n = plan.pages();
         let bpr = plan.batches_per_round();
+        let pattern = Pattern::new(plan.page - HDR)?;
         // Transfer page j comes from page src[j] of this side.
         let src = permutation(n, plan.seed ^ 0x5eed_5eed_5eed_5eed);
         let mut pages: Vec<Option<MemoryRegion>> = pages.into_iter().map(Some).collect();
@@ -464,6 +556,7 @@ impl Kv<'_> {
         };
         let watch = oob.watch().ok();
         let mut spins = 0u32;
+        let mut twice = false; // --fault duplicate: batch 0 notified a second time
         oob.sync().map_err(|e| e.to_string())?;
         let start = Instant::now();
         for round in 0..plan.rounds {
@@ -488,7 +581,10 @@ impl Kv<'_> {
                     let mut page = pages[src[j]].take().ok_or_else(|| {
                         format!("page {} is still in flight from the last round", src[j])
                     })?;
-                    fill_page(&mut page.write(), j, round);
+                    pattern.fill_page(&mut page.write(), j, round);
+                    if self.fault == Some(Fault::Corrupt) && round == 0 && j == 1 {
+                        page.write()[HDR + 100] ^= 0xff;
+                    }
                     let to = table.key.at(table.offsets[j]);
                     match self.ep.write_with(self.peer, page, to, data_opts, j as u64) {
                         Ok(()) => {
@@ -504,6 +600,11 @@ impl Kv<'_> {
                 }
                 // Notifications of the batches whose writes all completed.
                 while let Some(&kb) = ring.front() {
+                    if self.fault == Some(Fault::Skip) && round == 0 && kb == bpr - 1 {
+                        ring.pop_front();
+                        bells_done += 1;
+                        continue;
+                    }
                     let mut bell = bells[kb].take().ok_or("doorbell slot in use")?;
                     let number = (round * bpr + kb) as u64;
                     bell.write().copy_from_slice(&number.to_le_bytes());
@@ -526,11 +627,11 @@ impl Kv<'_> {
                     }
                 }
                 if self.poll()? == 0 {
-                    if last_progress.elapsed() > STALL {
+                    if last_progress.elapsed() > self.stall {
                         return Err(format!(
                             "round {round}: no completion for {}s ({in_flight} writes in flight, \
                              {bells_done} of {bpr} notifications done)",
-                            STALL.as_secs()
+                            self.stall.as_secs()
                         ));
                     }
                     continue;
@@ -550,7 +651,12 @@ impl Kv<'_> {
                     if c.context & BELL_CTX != 0 {
                         let kb = (c.context & !BELL_CTX) as usize;
                         bells[kb] = Some(slice);
-                        bells_done += 1;
+                        if self.fault == Some(Fault::Duplicate) && round == 0 && kb == 0 && !twice {
+                            twice = true;
+                            ring.push_back(kb);
+                        } else {
+                            bells_done += 1;
+                        }
                     } else {
                         let j = c.context as usize;
                         let p = slice.offset() / plan.page;
@@ -595,6 +701,7 @@ impl Kv<'_> {
         let plan = self.plan;
         let bpr = plan.batches_per_round();
         let total = bpr * plan.rounds;
+        let pattern = Pattern::new(plan.page - HDR)?;
         let mut seen = vec![false; total];
         let watch = oob.watch().ok();
         oob.sync().map_err(|e| e.to_string())?;
@@ -606,7 +713,7 @@ impl Kv<'_> {
             while got < bpr {
                 if self.poll()? == 0 {
                     spins = spins.wrapping_add(1);
-                    if spins % 1024 == 0 && last_progress.elapsed() > STALL {
+                    if spins % 1024 == 0 && last_progress.elapsed() > self.stall {
                         let missing: Vec<usize> = (round * bpr..(round + 1) * bpr)
                             .filter(|&b| !seen[b])
                             .take(8)
@@ -614,7 +721,7 @@ impl Kv<'_> {
                         return Err(format!(
                             "round {round}: missing notifications: {got} of {bpr} in {}s \
                              (missing batches {missing:?}...)",
-                            STALL.as_secs()
+                            self.stall.as_secs()
                         ));
                     }
                     if spins % (64 << 10) == 0 && watch.as_ref().is_some_and(|w| w.gone()) {
@@ -649,7 +756,7 @@ impl Kv<'_> {
                     // a guard held long would hold off the sender's writes to other pages).
                     for j in plan.batch_pages(kb) {
                         let p = &pages[order[j]];
-                        check_page(&p.read(), j, round).map_err(|e| {
+                        pattern.check_page(&p.read(), j, round).map_err(|e| {
                             format!(
                                 "round {round}, batch {b}: page {j} at offset {}: {e}",
                                 p.offset()
