@@ -137,7 +137,10 @@ fn kv_transfer_moves_pages_and_reports_what_went_wrong() {
     let out = Command::new(&kv).args(small).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("MB/sec") && text.contains("pages/sec"), "{text}");
+    assert!(
+        text.contains("MB/sec") && text.contains("pages/sec"),
+        "{text}"
+    );
     assert!(text.contains("0 registrations after start-up"), "{text}");
 
     let port = free_port().to_string();
