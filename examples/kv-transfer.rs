@@ -6,13 +6,20 @@
 //! start-up, every write moves one page slice that its completion hands back for the next one.
 //!
 //! ```text
-//! cargo run --release --example kv-transfer                         # both ends in this process
+//! cargo run --release --example kv-transfer                         # both ends in this process (udp)
 //! cargo run --release --example kv-transfer -- -M 1g -S 16k -b 64   # 1 GiB of 16 KiB pages
 //! cargo run --release --example kv-transfer -- -l                   # receiver (server)
 //! cargo run --release --example kv-transfer -- 127.0.0.1           # sender (client)
 //! FI_EFA_USE_DEVICE_RDMA=0 cargo run --release --example kv-transfer   # the emulated protocols
+//! cargo build -p efa-emu && cargo build --release --features efa --example kv-transfer
 //! target/debug/efa-emu run -- target/release/examples/kv-transfer -p efa   # efa device, emulated NIC
 //! ```
+//!
+//! The connection options are ping-pong's (`-p` device, `-l`/`-B` server, `-P` and the server's
+//! address for the client); with neither `-l` nor an address both ends run in this process.
+//! Two processes on one host (the default device, `udp`) reach each other's endpoints over the
+//! same-host path for messages, but one-sided RDMA always goes over the device itself (its
+//! keys), so the page writes take the udp device's RDMA either way.
 //!
 //! How it goes:
 //!
@@ -39,17 +46,25 @@
 //!   slot; then every page of the batch is compared with its pattern. When a round's batches
 //!   are all in and checked, it tells the sender on the out-of-band connection, and only then
 //!   does the next round overwrite the pages. Wrong contents, a duplicate, out-of-range or early
-//!   notification, a missing one (nothing for 60 seconds) end both sides with an error.
+//!   notification, a missing one (nothing for `--timeout-secs`, 60) end both sides with an
+//!   error (tests inject each with the hidden `--fault corrupt|duplicate|skip`).
 //! * No registration after start-up: both sides read `mem_registrations` (regions the device
 //!   registered) and `mr_registrations` (registrations per operation, efa device) of
 //!   `Domain::device_stats` before and after the transfer and fail if either grew (`-v` prints
-//!   them).
+//!   them). The region's memory is touched at start-up, so the transfer does not time the
+//!   kernel's first-touch page faults either.
 //!
 //! Output: fabtests' columns (`bytes` is the page size, `iters` the pages moved), then a line
 //! with GB/sec and pages/sec. Both sides print (only the sender when both run in this process).
 //! Delivery complete costs nothing extra on device RDMA (a device write completes when the
 //! target acknowledged the bytes in its memory) and the emulated writes are always delivery
 //! complete (docs/rma.md).
+//!
+//! Against `rma-bw -o write -S 64k` this does more per byte: the sender fills every page (the
+//! pattern changes each round), the receiver compares every page, the memory is 256 MiB of
+//! distinct pages instead of one buffer that stays in the cache, and on the software devices a
+//! write from a region slice is copied into a buffer of its own when posted (the `efa` device
+//! writes from the region's registration).
 
 mod common;
 
@@ -59,8 +74,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{
-    Conn, Oob, Role, Side, check_pattern, cnt_str, fill_pattern, launch, open_domain, parse_size,
-    perf_header, perf_row, poll_cq,
+    Conn, MAX_SIZE, Oob, Role, Side, check_pattern, cnt_str, fill_pattern, launch, open_domain,
+    parse_size, perf_header, perf_row, poll_cq, size_str,
 };
 use efa::{
     Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Domain, Endpoint, EpType,
@@ -159,6 +174,32 @@ impl Plan {
     fn bell_bytes(&self) -> usize {
         self.batches_per_round() * BELL
     }
+
+    /// The options' limits (the receiver checks the plan it is sent, too).
+    fn check(&self) -> Res<()> {
+        if !(MIN_PAGE..=MAX_PAGE).contains(&self.page) {
+            return Err(format!(
+                "-S {}: pages are 16k to 256k",
+                size_str(self.page as u64)
+            ));
+        }
+        if self.region < self.page || self.region % self.page != 0 || self.region > MAX_SIZE {
+            return Err(format!(
+                "-M {}: the region must be a whole number (at least one) of {}-byte pages, at \
+                 most 1 GiB",
+                size_str(self.region as u64),
+                self.page
+            ));
+        }
+        if self.window == 0 || self.batch == 0 || self.rounds == 0 {
+            return Err("-W, -b and -I must be at least 1".into());
+        }
+        // The immediate data is the global batch number: 32 bits.
+        if (self.rounds as u64) * (self.batches_per_round() as u64) > u32::MAX as u64 {
+            return Err("-I: too many batches for 32-bit immediate data".into());
+        }
+        Ok(())
+    }
 }
 
 /// What the receiver hands the sender: where the pages are, in the order they are written.
@@ -187,29 +228,15 @@ fn main() -> ExitCode {
 }
 
 fn plan_of(args: &Args) -> Res<Plan> {
-    let region = parse_size(&args.region).map_err(|e| format!("-M: {e}"))?;
-    let page = parse_size(&args.page).map_err(|e| format!("-S: {e}"))?;
-    if !(MIN_PAGE..=MAX_PAGE).contains(&page) {
-        return Err(format!("-S {}: pages are 16k to 256k", args.page));
-    }
-    if region < page || region % page != 0 {
-        return Err(format!(
-            "-M {}: the region must be a whole number (at least one) of {}-byte pages",
-            args.region, page
-        ));
-    }
     let plan = Plan {
-        region,
-        page,
+        region: parse_size(&args.region).map_err(|e| format!("-M: {e}"))?,
+        page: parse_size(&args.page).map_err(|e| format!("-S: {e}"))?,
         window: args.window as usize,
         batch: args.batch as usize,
         rounds: args.rounds as usize,
         seed: args.seed,
     };
-    // The immediate data is the global batch number: 32 bits.
-    if (plan.rounds as u64) * (plan.batches_per_round() as u64) > u32::MAX as u64 {
-        return Err("-I: too many batches for 32-bit immediate data".into());
-    }
+    plan.check()?;
     Ok(plan)
 }
 
@@ -318,7 +345,10 @@ fn session(args: &Args, side: Side) -> Res<()> {
         }
         Role::Server => {
             let line = oob.recv_line().map_err(|e| format!("plan: {e}"))?;
-            serde_json::from_str(&line).map_err(|e| format!("plan: {e}"))?
+            let plan: Plan = serde_json::from_str(&line).map_err(|e| format!("plan: {e}"))?;
+            plan.check()
+                .map_err(|e| format!("the sender's plan: {e}"))?;
+            plan
         }
     };
     let domain = open_domain(&args.conn, EpType::Rdm, bind)?;
@@ -393,9 +423,9 @@ fn session(args: &Args, side: Side) -> Res<()> {
                 println!(
                     "# kv-transfer: {} region, {} pages of {}, {} writes in flight, batches of {} \
                      pages ({} notifications a round), {} rounds; writes {}",
-                    common::size_str(plan.region as u64),
+                    size_str(plan.region as u64),
                     plan.pages(),
-                    common::size_str(plan.page as u64),
+                    size_str(plan.page as u64),
                     plan.window,
                     plan.batch,
                     plan.batches_per_round(),
@@ -553,6 +583,12 @@ impl Kv<'_> {
         let src = permutation(n, plan.seed ^ 0x5eed_5eed_5eed_5eed);
         let mut pages: Vec<Option<MemoryRegion>> = pages.into_iter().map(Some).collect();
         let mut bells: Vec<Option<MemoryRegion>> = bells.into_iter().map(Some).collect();
+        // Delivery complete: a page write completes only once its bytes are in the receiver's
+        // memory, so the batch's doorbell, posted after its writes completed, never overtakes
+        // them. Both paths give it (docs/rma.md): the emulated writes are delivery complete
+        // always (DC_EAGER_RTW / DC_LONGCTS_RTW, RECEIPT), and a device RDMA write completes
+        // when the target's device acknowledged its bytes in memory (the engine passes the
+        // flag on to nothing there: there is nothing to add).
         let data_opts = WriteOptions {
             data: None,
             delivery_complete: true,
