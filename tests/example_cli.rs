@@ -124,3 +124,59 @@ fn the_server_takes_ipv6_and_ipv4_clients_and_notices_a_vanished_one() {
     // in the control exchange ("closed the oob connection").
     assert!(err.contains("closed the"), "{err}");
 }
+
+/// examples/kv-transfer, small: both ends in one process, then in two processes (the same-host
+/// path), with the receiver's checks (a corrupted page, a duplicate or missing notification
+/// fail both sides with a clear message) and its option checks.
+#[test]
+fn kv_transfer_moves_pages_and_reports_what_went_wrong() {
+    let Some(kv) = common::example_bin("kv-transfer") else {
+        return;
+    };
+    let small = ["-M", "4m", "-I", "2", "-S", "64k", "-b", "8"];
+    let out = Command::new(&kv).args(small).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("MB/sec") && text.contains("pages/sec"),
+        "{text}"
+    );
+    assert!(text.contains("0 registrations after start-up"), "{text}");
+
+    let port = free_port().to_string();
+    let server = Command::new(&kv)
+        .args(["-l", "-B", &port])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let client = Command::new(&kv)
+        .args(small)
+        .args(["-P", &port, "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(client.status.success(), "{client:?}");
+    let server = server.wait_with_output().unwrap();
+    assert!(server.status.success(), "{server:?}");
+    assert!(String::from_utf8_lossy(&server.stdout).contains("# receiver:"));
+
+    for (fault, says) in [
+        ("corrupt", "data mismatch"),
+        ("duplicate", "duplicate notification of batch 0"),
+        ("skip", "missing notifications"),
+    ] {
+        let out = Command::new(&kv)
+            .args(small)
+            .args(["--timeout-secs", "2", "--fault", fault])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{fault}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{fault}: {err}");
+    }
+
+    let out = Command::new(&kv).args(["-S", "4k"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("16k to 256k"));
+}

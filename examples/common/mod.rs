@@ -108,19 +108,29 @@ pub fn all_sizes(max: usize) -> Vec<usize> {
 
 /// The header of fabtests' `show_perf`.
 pub fn print_header() {
-    println!(
+    println!("{}", perf_header());
+}
+
+/// [`print_header`]'s line, without printing it.
+pub fn perf_header() -> String {
+    format!(
         "{:<8}{:<8}{:<8}{:>8} {:>10}{:>13}{:>13}",
         "bytes", "iters", "total", "time", "MB/sec", "usec/xfer", "Mxfers/sec"
-    );
+    )
 }
 
 /// One row of fabtests' `show_perf`: `xfers_per_iter` is 2 for ping-pong (so usec/xfer is the
 /// one-way latency) and 1 for bandwidth tests.
 pub fn print_row(size: usize, iters: usize, xfers_per_iter: usize, elapsed: Duration) {
+    println!("{}", perf_row(size, iters, xfers_per_iter, elapsed));
+}
+
+/// [`print_row`]'s line, without printing it.
+pub fn perf_row(size: usize, iters: usize, xfers_per_iter: usize, elapsed: Duration) -> String {
     let usec = elapsed.as_secs_f64() * 1e6;
     let total = (size * iters * xfers_per_iter) as u64;
     let xfers = (iters * xfers_per_iter) as f64;
-    println!(
+    format!(
         "{:<8}{:<8}{:<8}{:>8.2}s{:>10.2}{:>11.2}{:>11.2}",
         size_str(size as u64),
         cnt_str(iters as u64),
@@ -129,7 +139,7 @@ pub fn print_row(size: usize, iters: usize, xfers_per_iter: usize, elapsed: Dura
         total as f64 / usec,
         usec / xfers,
         xfers / usec
-    );
+    )
 }
 
 /// A deterministic pattern for data verification (`-c`): byte `i` of message `seq`.
@@ -487,6 +497,22 @@ impl PeerWatch {
         let _ = self.0.set_nonblocking(false);
         matches!(r, Ok(0))
             || matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+    }
+
+    /// True when the peer sent something (a line waits to be read) or closed the connection:
+    /// for a side that expects nothing from the peer for a while, so that a peer's failure
+    /// report is read at once. Reads nothing.
+    pub fn has_news(&self) -> bool {
+        if self.0.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        let r = self.0.peek(&mut b);
+        let _ = self.0.set_nonblocking(false);
+        match r {
+            Ok(_) => true,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
     }
 }
 

@@ -23,7 +23,9 @@ use crate::mem::{Access, RegionMem, RegionSlice, RemoteKey};
 /// registration and key, every operation that takes a region takes a slice at its offset, and
 /// many operations on different slices run at once with no registration per operation. Slices
 /// rejoin with [`unsplit`](MemoryRegion::unsplit). A slice is not `Clone` and is moved into its
-/// operation, so two operations in flight can never hold the same bytes. Read and write its bytes with the [`read`](MemoryRegion::read) and Read and write its bytes with the [`read`](MemoryRegion::read) and
+/// operation, so two operations in flight can never hold the same bytes.
+///
+/// Read and write its bytes with the [`read`](MemoryRegion::read) and
 /// [`write`](MemoryRegion::write) guards: remote accesses (RDMA by a peer's device, or emulated
 /// RMA) take the same lock, so a guard never sees a remote write half done. Do not hold a guard
 /// while this thread posts an RDMA operation that targets the same region (the device would wait

@@ -70,7 +70,10 @@ pub struct WriteOptions {
     /// 4 bytes of immediate data (`fi_writedata`): the target gets one completion carrying them
     /// (`FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA`) once all the bytes are in its memory.
     pub data: Option<u32>,
-    /// Complete only once the data is in the target's memory (`FI_DELIVERY_COMPLETE`).
+    /// Complete only once the data is in the target's memory (`FI_DELIVERY_COMPLETE`). A
+    /// device RDMA write completes that way anyway (its completion comes after the target's
+    /// device placed the bytes), and so does an emulated write; the flag changes nothing there
+    /// and is kept for libfabric's meaning.
     pub delivery_complete: bool,
 }
 
