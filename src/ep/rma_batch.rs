@@ -88,7 +88,7 @@ impl Endpoint<Rdm> {
     ///         context: i as u64,
     ///     })
     ///     .collect();
-    /// assert_eq!(a.write_batch(&mut reqs)?, 4);
+    /// assert_eq!(a.write_batch(&mut reqs).map_err(|e| e.error)?, 4);
     /// let mut done = Vec::new();
     /// while done.len() < 4 {
     ///     cq.wait(&mut done, 8, Some(std::time::Duration::from_secs(5)))?;
