@@ -23,10 +23,12 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use clap::Parser;
-use common::{Conn, Role, Side, launch, open_domain, parse_size, poll_cq, print_header, print_row};
+use common::{
+    Conn, RdmPeer, Role, Side, launch, parse_size, poll_cq, print_header, print_row, rdm_peer,
+};
 use efa::{
-    Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType,
-    ErrorKind, PeerId, Rdm, RemoteKey, SendOptions, SendRequest, WriteOptions, WriteRequest,
+    Access, Completion, CompletionFlags, CompletionQueue, Endpoint, ErrorKind, PeerId, Rdm,
+    RemoteKey, SendOptions, SendRequest, WriteOptions, WriteRequest,
 };
 
 /// The tag of the message that ends a mode of writes.
@@ -97,20 +99,15 @@ fn session(args: &Args, side: Side) -> Res<()> {
         print,
         bind,
     } = side;
-    let domain = open_domain(&args.conn, EpType::Rdm, bind)?;
-    let cq = CompletionQueue::new(&domain, 4 * args.window + 64).map_err(|e| e.to_string())?;
-    let av = AddressVector::new(&domain);
-    let ep = Endpoint::<Rdm>::builder(&domain)
-        .cq(&cq)
-        .av(&av)
-        .tx_size(args.window.max(args.batch))
-        .rx_size(args.window)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let peer_addr = oob
-        .exchange_addr(ep.addr())
-        .map_err(|e| format!("address exchange: {e}"))?;
-    let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    let RdmPeer {
+        domain,
+        cq,
+        ep,
+        peer,
+        ..
+    } = rdm_peer(&args.conn, bind, &mut oob, 4 * args.window + 64, |b| {
+        b.tx_size(args.window.max(args.batch)).rx_size(args.window)
+    })?;
     let writes = match args.op.as_str() {
         "send" => false,
         "write" => true,

@@ -74,12 +74,12 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{
-    Conn, MAX_SIZE, Oob, Role, Side, check_pattern, cnt_str, fill_pattern, launch, open_domain,
-    parse_size, perf_header, perf_row, poll_cq, size_str,
+    Conn, MAX_SIZE, Oob, RdmPeer, Role, Side, check_pattern, cnt_str, fill_pattern, launch,
+    parse_size, perf_header, perf_row, poll_cq, rdm_peer, size_str,
 };
 use efa::{
-    Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Domain, Endpoint, EpType,
-    ErrorKind, MemoryRegion, PeerId, Rdm, RemoteKey, WriteOptions,
+    Access, Completion, CompletionFlags, CompletionQueue, Domain, Endpoint, ErrorKind,
+    MemoryRegion, PeerId, Rdm, RemoteKey, WriteOptions,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -351,19 +351,14 @@ fn session(args: &Args, side: Side) -> Res<()> {
             plan
         }
     };
-    let domain = open_domain(&args.conn, EpType::Rdm, bind)?;
-    let cq = CompletionQueue::new(&domain, 2 * plan.window + plan.batches_per_round() + 64)
-        .map_err(|e| e.to_string())?;
-    let av = AddressVector::new(&domain);
-    let ep = Endpoint::<Rdm>::builder(&domain)
-        .cq(&cq)
-        .av(&av)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let peer_addr = oob
-        .exchange_addr(ep.addr())
-        .map_err(|e| format!("address exchange: {e}"))?;
-    let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    let cq_size = 2 * plan.window + plan.batches_per_round() + 64;
+    let RdmPeer {
+        domain,
+        cq,
+        ep,
+        peer,
+        ..
+    } = rdm_peer(&args.conn, bind, &mut oob, cq_size, |b| b)?;
     let who = match role {
         Role::Client => "sender",
         Role::Server => "receiver",

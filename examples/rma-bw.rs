@@ -26,12 +26,12 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use common::{
-    Conn, Role, Side, check_pattern, fill_pattern, launch, open_domain, parse_size, poll_cq,
-    print_header, print_row,
+    Conn, RdmPeer, Role, Side, check_pattern, fill_pattern, launch, parse_size, poll_cq,
+    print_header, print_row, rdm_peer,
 };
 use efa::{
-    Access, AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType,
-    ErrorKind, PeerId, Rdm, RemoteKey,
+    Access, Completion, CompletionFlags, CompletionQueue, Endpoint, ErrorKind, PeerId, Rdm,
+    RemoteKey,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -153,18 +153,13 @@ fn session(args: &Args, side: Side) -> Res<()> {
         }
     };
     let max = plan.sizes.iter().copied().max().unwrap_or(1);
-    let domain = open_domain(&args.conn, EpType::Rdm, bind)?;
-    let cq = CompletionQueue::new(&domain, 4 * plan.window + 16).map_err(|e| e.to_string())?;
-    let av = AddressVector::new(&domain);
-    let ep = Endpoint::<Rdm>::builder(&domain)
-        .cq(&cq)
-        .av(&av)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let peer_addr = oob
-        .exchange_addr(ep.addr())
-        .map_err(|e| format!("address exchange: {e}"))?;
-    let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    let RdmPeer {
+        domain,
+        cq,
+        ep,
+        peer,
+        ..
+    } = rdm_peer(&args.conn, bind, &mut oob, 4 * plan.window + 16, |b| b)?;
     let mut t = Bw {
         ep: &ep,
         cq: &cq,

@@ -16,13 +16,10 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use clap::Parser;
 use common::{
-    Conn, Role, Side, check_pattern, fill_pattern, launch, open_domain, parse_size, poll_cq,
-    print_header, print_row,
+    Conn, RdmPeer, Role, Side, check_pattern, fill_pattern, launch, parse_size, poll_cq,
+    print_header, print_row, rdm_peer,
 };
-use efa::{
-    AddressVector, Completion, CompletionFlags, CompletionQueue, Endpoint, EpType, ErrorKind,
-    PeerId, Rdm,
-};
+use efa::{Completion, CompletionFlags, CompletionQueue, Endpoint, ErrorKind, PeerId, Rdm};
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -88,24 +85,19 @@ fn session(args: &Args, side: Side) -> Res<()> {
         .split(',')
         .map(parse_size)
         .collect::<Result<_, _>>()?;
-    let domain = open_domain(&args.conn, EpType::Rdm, side.bind)?;
-    let cq = CompletionQueue::new(&domain, 4 * args.window + 16).map_err(|e| e.to_string())?;
-    let av = AddressVector::new(&domain);
-    let ep = Endpoint::<Rdm>::builder(&domain)
-        .cq(&cq)
-        .av(&av)
-        .build()
-        .map_err(|e| e.to_string())?;
     let Side {
         role,
         mut oob,
         print,
-        ..
+        bind,
     } = side;
-    let peer_addr = oob
-        .exchange_addr(ep.addr())
-        .map_err(|e| format!("address exchange: {e}"))?;
-    let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    let RdmPeer {
+        domain,
+        cq,
+        ep,
+        peer,
+        ..
+    } = rdm_peer(&args.conn, bind, &mut oob, 4 * args.window + 16, |b| b)?;
     if print && role == Role::Client {
         print_header();
     }

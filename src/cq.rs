@@ -226,6 +226,23 @@ impl From<MemoryRegion> for SendBuf {
 }
 
 impl SendBuf {
+    /// The buffer a refused send or write hands back, as given (`Bytes` or a region).
+    pub(crate) fn from_returned(buf: Buffer) -> SendBuf {
+        match buf {
+            Buffer::Region(r) => SendBuf::Region(r),
+            Buffer::Send(b) => SendBuf::Bytes(b),
+            _ => SendBuf::Bytes(Bytes::new()),
+        }
+    }
+
+    /// Its length in bytes (a region's: the slice's).
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            SendBuf::Bytes(b) => b.len(),
+            SendBuf::Region(r) => r.len(),
+        }
+    }
+
     pub(crate) fn into_buffer(self) -> Buffer {
         match self {
             SendBuf::Bytes(b) => Buffer::Send(b),
@@ -256,6 +273,15 @@ impl From<MemoryRegion> for RecvBuf {
 }
 
 impl RecvBuf {
+    /// The buffer a refused receive or read hands back, as given (`BytesMut` or a region).
+    pub(crate) fn from_returned(buf: Buffer) -> RecvBuf {
+        match buf {
+            Buffer::Region(r) => RecvBuf::Region(r),
+            Buffer::Recv(b) => RecvBuf::Bytes(b),
+            _ => RecvBuf::Bytes(BytesMut::new()),
+        }
+    }
+
     pub(crate) fn into_buffer(self) -> Buffer {
         match self {
             RecvBuf::Bytes(b) => Buffer::Recv(b),

@@ -651,6 +651,44 @@ where
     }
 }
 
+/// An RDM endpoint, its completion queue and address vector, and the peer met through the
+/// out-of-band address exchange ([`rdm_peer`]).
+pub struct RdmPeer {
+    pub domain: efa::Domain,
+    pub cq: efa::CompletionQueue,
+    pub av: efa::AddressVector,
+    pub ep: efa::Endpoint<efa::Rdm>,
+    pub peer: efa::PeerId,
+}
+
+/// Opens `conn`'s device bound to `bind`, makes an RDM endpoint with a completion queue of
+/// `cq_size` entries (`tune` sets other builder options), and exchanges addresses over `oob`.
+pub fn rdm_peer(
+    conn: &Conn,
+    bind: Option<IpAddr>,
+    oob: &mut Oob,
+    cq_size: usize,
+    tune: impl FnOnce(efa::EndpointBuilder<efa::Rdm>) -> efa::EndpointBuilder<efa::Rdm>,
+) -> Result<RdmPeer, String> {
+    let domain = open_domain(conn, efa::EpType::Rdm, bind)?;
+    let cq = efa::CompletionQueue::new(&domain, cq_size).map_err(|e| e.to_string())?;
+    let av = efa::AddressVector::new(&domain);
+    let ep = tune(efa::Endpoint::<efa::Rdm>::builder(&domain).cq(&cq).av(&av))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let peer_addr = oob
+        .exchange_addr(ep.addr())
+        .map_err(|e| format!("address exchange: {e}"))?;
+    let peer = av.insert(peer_addr).map_err(|e| e.to_string())?;
+    Ok(RdmPeer {
+        domain,
+        cq,
+        av,
+        ep,
+        peer,
+    })
+}
+
 /// Opens the device `conn.provider` for `ep_type`, bound to `bind` (a `udp` device with
 /// `conn.mtu`'s MTU when given).
 pub fn open_domain(

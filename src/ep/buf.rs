@@ -103,38 +103,28 @@ impl RecvTarget {
     }
 
     /// A scatter receive (or read) into `parts` (at most `limit`; `BytesMut` parts offer their
-    /// capacity, regions their length and need `need` access): the target, and the room.
+    /// capacity, regions their length and need `need` access). Its room is
+    /// [`room`](RecvTarget::room).
     pub(crate) fn prepare_iov(
         parts: Vec<RecvBuf>,
         domain: &Domain,
         need: Access,
         limit: usize,
         op: &'static str,
-    ) -> Result<(RecvTarget, usize), PostError> {
-        let refuse = |error: Error, parts: Vec<RecvBuf>| PostError {
-            error,
-            buf: Buffer::Iov(parts.into_iter().map(RecvBuf::into_buffer).collect()),
-        };
-        if parts.len() > limit {
-            let e = Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
-                "{} buffers is more than iov_limit {limit}",
-                parts.len()
-            ));
-            return Err(refuse(e, parts));
+    ) -> Result<RecvTarget, PostError> {
+        let checked = check_iov(parts.len(), limit, op).and_then(|()| {
+            parts.iter().try_for_each(|p| match p {
+                RecvBuf::Bytes(_) => Ok(()),
+                RecvBuf::Region(r) => r.check_local(domain, need, op),
+            })
+        });
+        match checked {
+            Ok(()) => Ok(RecvTarget::Iov { parts }),
+            Err(error) => Err(PostError {
+                error,
+                buf: Buffer::Iov(parts.into_iter().map(RecvBuf::into_buffer).collect()),
+            }),
         }
-        let mut room = 0;
-        for p in &parts {
-            room += match p {
-                RecvBuf::Bytes(b) => b.capacity(),
-                RecvBuf::Region(r) => {
-                    if let Err(e) = r.check_local(domain, need, op) {
-                        return Err(refuse(e, parts));
-                    }
-                    r.len()
-                }
-            };
-        }
-        Ok((RecvTarget::Iov { parts }, room))
     }
 
     /// The part of a device-registered region the data goes to, for the device to read into
@@ -248,6 +238,15 @@ fn part_room(p: &RecvBuf) -> usize {
     }
 }
 
+/// `InvalidArgument` for more than `limit` parts of a scatter or gather.
+fn check_iov(n: usize, limit: usize, op: &'static str) -> Result<()> {
+    if n > limit {
+        return Err(Error::new(ErrorKind::InvalidArgument, op)
+            .with_detail(format!("{n} buffers is more than iov_limit {limit}")));
+    }
+    Ok(())
+}
+
 /// The bytes of a gather (`send_iov`, `write_iov`): the parts copied one after another (a region
 /// needs `need` access), or `InvalidArgument` for more than `limit` parts. Refusals hand the
 /// parts back.
@@ -258,43 +257,28 @@ pub(crate) fn gather(
     limit: usize,
     op: &'static str,
 ) -> Result<(Bytes, Vec<Buffer>), PostError> {
-    let back = |parts: Vec<SendBuf>| -> Buffer {
-        Buffer::Iov(parts.into_iter().map(SendBuf::into_buffer).collect())
-    };
-    if parts.len() > limit {
-        let e = Error::new(ErrorKind::InvalidArgument, op).with_detail(format!(
-            "{} buffers is more than iov_limit {limit}",
-            parts.len()
-        ));
-        return Err(PostError {
-            error: e,
-            buf: back(parts),
-        });
-    }
-    let mut total = 0;
-    for p in &parts {
-        total += match p {
-            SendBuf::Bytes(b) => b.len(),
-            SendBuf::Region(r) => {
-                if let Err(error) = r.check_local(domain, need, op) {
-                    return Err(PostError {
-                        error,
-                        buf: back(parts),
-                    });
-                }
-                r.len()
+    let checked = check_iov(parts.len(), limit, op).and_then(|()| {
+        parts.iter().try_for_each(|p| match p {
+            SendBuf::Bytes(_) => Ok(()),
+            SendBuf::Region(r) => r.check_local(domain, need, op),
+        })
+    });
+    let mut out = BytesMut::new();
+    if checked.is_ok() {
+        out.reserve(parts.iter().map(SendBuf::len).sum());
+        for p in &parts {
+            match p {
+                SendBuf::Bytes(b) => out.extend_from_slice(b),
+                SendBuf::Region(r) => out.extend_from_slice(&r.read()),
             }
-        };
-    }
-    let mut out = BytesMut::with_capacity(total);
-    for p in &parts {
-        match p {
-            SendBuf::Bytes(b) => out.extend_from_slice(b),
-            SendBuf::Region(r) => out.extend_from_slice(&r.read()),
         }
     }
-    Ok((
-        out.freeze(),
-        parts.into_iter().map(SendBuf::into_buffer).collect(),
-    ))
+    let parts: Vec<Buffer> = parts.into_iter().map(SendBuf::into_buffer).collect();
+    match checked {
+        Ok(()) => Ok((out.freeze(), parts)),
+        Err(error) => Err(PostError {
+            error,
+            buf: Buffer::Iov(parts),
+        }),
+    }
 }

@@ -395,27 +395,15 @@ impl RdmCore {
             Err(e) => return Err(refuse(e, into.into_buffer())),
         };
         let mut local_region = None;
-        let buf = match into {
-            ReadInto::Buf(b) => b,
-            ReadInto::Scatter(t) => {
-                return Ok(self.read_prepared(
-                    dest,
-                    BytesMut::with_capacity(len),
-                    Some(t),
-                    None,
-                    len,
-                    from,
-                    sink,
-                ));
-            }
-        };
-        let (down, target) = match buf {
-            RecvBuf::Bytes(mut b) => {
+        let (down, target) = match into {
+            // A scatter reads into one buffer that is cut into the parts at completion.
+            ReadInto::Scatter(t) => (BytesMut::with_capacity(len), Some(t)),
+            ReadInto::Buf(RecvBuf::Bytes(mut b)) => {
                 b.clear();
                 b.reserve(len);
                 (b, None)
             }
-            RecvBuf::Region(r) => {
+            ReadInto::Buf(RecvBuf::Region(r)) => {
                 if let Err(e) = r.check_local(&self.domain, Access::READ, "read") {
                     return Err(refuse(e, Buffer::Region(r)));
                 }
@@ -437,20 +425,6 @@ impl RdmCore {
                 (BytesMut::with_capacity(room), Some(target))
             }
         };
-        Ok(self.read_prepared(dest, down, target, local_region, len, from, sink))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn read_prepared(
-        &self,
-        dest: crate::addr::RawAddr,
-        down: BytesMut,
-        target: Option<super::buf::RecvTarget>,
-        local_region: Option<crate::mem::RegionSlice>,
-        len: usize,
-        from: RmaAddr,
-        sink: Sink,
-    ) -> PreparedRma {
         let remote = RemoteIov {
             addr: from.addr,
             len: len as u64,
@@ -472,11 +446,11 @@ impl RdmCore {
             context: 0,
             local_region,
         };
-        PreparedRma {
+        Ok(PreparedRma {
             state,
             op,
             name: "read",
-        }
+        })
     }
 
     fn post_atomic(

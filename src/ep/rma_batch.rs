@@ -4,14 +4,13 @@
 //! `fi_inject_writedata`).
 
 use std::collections::VecDeque;
-use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use super::Endpoint;
 use super::buf::{RecvTarget, gather};
-use super::rdm::{BatchError, RdmCore, Sink};
-use super::rma::{PreparedRma, ReadInto, RmaAddr, WriteOptions};
+use super::rdm::{BatchError, BatchRequest, Clock, RdmCore, Sink, State};
+use super::rma::{ReadInto, RmaAddr, WriteOptions};
 use crate::Rdm;
 use crate::av::PeerId;
 use crate::cq::{Buffer, PostError, RecvBuf, SendBuf};
@@ -98,13 +97,13 @@ impl Endpoint<Rdm> {
     /// # Ok(()) }
     /// ```
     pub fn write_batch(&self, reqs: &mut VecDeque<WriteRequest>) -> Result<usize, BatchError> {
-        self.core.post_rma_batch(reqs)
+        self.core.post_batch(reqs)
     }
 
     /// Posts the reads at the front of `reqs` together, as [`write_batch`](Self::write_batch)
     /// posts writes. Each read completes on its own, as [`read`](Self::read) does.
     pub fn read_batch(&self, reqs: &mut VecDeque<ReadRequest>) -> Result<usize, BatchError> {
-        self.core.post_rma_batch(reqs)
+        self.core.post_batch(reqs)
     }
 
     /// Writes the parts of `iov` one after another to the peer's memory at `to` (`fi_writev`):
@@ -171,8 +170,9 @@ impl Endpoint<Rdm> {
         from: RmaAddr,
         context: u64,
     ) -> Result<(), PostError> {
-        let (target, room) =
+        let target =
             RecvTarget::prepare_iov(iov, &self.core.domain, Access::READ, RDM_IOV_LIMIT, "readv")?;
+        let room = target.room().unwrap_or(0);
         let into = ReadInto::Scatter(target);
         let p = self
             .core
@@ -234,35 +234,20 @@ impl Endpoint<Rdm> {
     }
 }
 
-/// A request of an RMA batch: what stays of it when its buffer is refused, and how it is
-/// prepared.
-pub(super) trait RmaRequest: Sized {
-    /// The request without its buffer.
-    type Meta: Copy;
-    fn meta(&self) -> Self::Meta;
-    fn prepare(self, core: &RdmCore) -> Result<PreparedRma, PostError>;
-    /// The request again, with the buffer a refusal handed back.
-    fn rebuild(meta: Self::Meta, buf: Buffer) -> Self;
-}
-
-impl RmaRequest for WriteRequest {
+impl BatchRequest for WriteRequest {
     type Meta = (PeerId, RmaAddr, WriteOptions, u64);
     fn meta(&self) -> Self::Meta {
         (self.peer, self.to, self.options, self.context)
     }
-    fn prepare(self, core: &RdmCore) -> Result<PreparedRma, PostError> {
+    fn post(self, core: &RdmCore, st: &mut State, clock: &mut Clock) -> Result<(), PostError> {
         let sink = Sink::Cq(self.context);
-        core.write_op(self.peer, self.buf, None, self.to, self.options, sink)
+        let p = core.write_op(self.peer, self.buf, None, self.to, self.options, sink)?;
+        core.start_rma_locked(st, clock.now(), p)
     }
     fn rebuild((peer, to, options, context): Self::Meta, buf: Buffer) -> Self {
-        let buf = match buf {
-            Buffer::Region(m) => SendBuf::Region(m),
-            Buffer::Send(b) => SendBuf::Bytes(b),
-            _ => SendBuf::Bytes(Bytes::new()),
-        };
         WriteRequest {
             peer,
-            buf,
+            buf: SendBuf::from_returned(buf),
             to,
             options,
             context,
@@ -270,68 +255,29 @@ impl RmaRequest for WriteRequest {
     }
 }
 
-impl RmaRequest for ReadRequest {
+impl BatchRequest for ReadRequest {
     type Meta = (PeerId, usize, RmaAddr, u64);
     fn meta(&self) -> Self::Meta {
         (self.peer, self.len, self.from, self.context)
     }
-    fn prepare(self, core: &RdmCore) -> Result<PreparedRma, PostError> {
+    fn post(self, core: &RdmCore, st: &mut State, clock: &mut Clock) -> Result<(), PostError> {
         let sink = Sink::Cq(self.context);
-        core.read_op(
+        let p = core.read_op(
             self.peer,
             ReadInto::Buf(self.buf),
             self.len,
             self.from,
             sink,
-        )
+        )?;
+        core.start_rma_locked(st, clock.now(), p)
     }
     fn rebuild((peer, len, from, context): Self::Meta, buf: Buffer) -> Self {
-        let buf = match buf {
-            Buffer::Region(m) => RecvBuf::Region(m),
-            Buffer::Recv(b) => RecvBuf::Bytes(b),
-            _ => RecvBuf::Bytes(BytesMut::new()),
-        };
         ReadRequest {
             peer,
-            buf,
+            buf: RecvBuf::from_returned(buf),
             len,
             from,
             context,
-        }
-    }
-}
-
-impl RdmCore {
-    /// Posts the requests at the front of `reqs` under one lock and one progress pass.
-    fn post_rma_batch<R: RmaRequest>(&self, reqs: &mut VecDeque<R>) -> Result<usize, BatchError> {
-        let now = Instant::now();
-        let mut st = self.state.lock();
-        let mut posted = 0;
-        let mut failure = None;
-        while let Some(r) = reqs.pop_front() {
-            let meta = r.meta();
-            let res = r
-                .prepare(self)
-                .and_then(|p| self.start_rma_locked(&mut st, now, p));
-            match res {
-                Ok(()) => posted += 1,
-                Err(e) if e.kind() == ErrorKind::Again => {
-                    // Full: leave it (and the rest) for the caller to post later.
-                    reqs.push_front(R::rebuild(meta, e.buf));
-                    break;
-                }
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        if posted > 0 {
-            self.pump(&mut st, now);
-        }
-        match failure {
-            None => Ok(posted),
-            Some(error) => Err(BatchError { posted, error }),
         }
     }
 }

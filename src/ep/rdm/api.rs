@@ -249,7 +249,7 @@ impl Endpoint<Rdm> {
     /// # Ok(()) }
     /// ```
     pub fn send_batch(&self, reqs: &mut VecDeque<SendRequest>) -> Result<usize, BatchError> {
-        self.core.post_send_batch(reqs)
+        self.core.post_batch(reqs)
     }
 
     /// Posts a receive for an untagged message from any peer.

@@ -43,6 +43,7 @@ mod driver;
 mod events;
 mod future;
 mod post;
+pub(super) use post::BatchRequest;
 
 use driver::push_ok;
 pub use future::{OpFuture, OpOutcome};

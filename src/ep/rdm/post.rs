@@ -186,6 +186,8 @@ impl RdmCore {
             Some(r) if copy_region || region_len.is_some() => r.len(),
             _ => data.len(),
         };
+        // The local path reads a region's bytes from its slice.
+        let slice = local.and(region).map(crate::mr::MemoryRegion::as_slice);
         let key = st.ops.insert(OpState {
             sink,
             target: None,
@@ -194,10 +196,6 @@ impl RdmCore {
             rma: None,
         });
         if let (Some((peer, _)), Some(l)) = (local, st.local.as_mut()) {
-            let region = match st.ops.get(key).and_then(|x| x.keep.as_ref()) {
-                Some(Buffer::Region(r)) => Some(r),
-                _ => None,
-            };
             l.send(
                 peer,
                 LocalSend {
@@ -206,7 +204,7 @@ impl RdmCore {
                     data: o.data,
                     delivery_complete: o.delivery_complete,
                     buf: data,
-                    region: region.map(|r| r.as_slice()),
+                    region: slice,
                     len,
                 },
             );
@@ -231,43 +229,24 @@ impl RdmCore {
         }
     }
 
-    /// Posts the sends at the front of `reqs` under one lock and one progress pass.
-    pub(in crate::ep) fn post_send_batch(
+    /// Posts the requests at the front of `reqs` (sends, writes or reads) under one lock and
+    /// one progress pass; `Again` leaves the refused request and the rest in `reqs`, any other
+    /// refusal stops the batch with that request's buffer.
+    pub(in crate::ep) fn post_batch<R: BatchRequest>(
         &self,
-        reqs: &mut VecDeque<SendRequest>,
+        reqs: &mut VecDeque<R>,
     ) -> Result<usize, BatchError> {
         let mut clock = Clock::default();
         let mut st = self.state.lock();
         let mut posted = 0;
         let mut failure = None;
         while let Some(r) = reqs.pop_front() {
-            let prepared = match self.prepare_send(&mut st.dest_cache, r.peer, r.buf) {
-                Ok(p) => p,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            };
-            match self.enqueue_send(
-                &mut st,
-                &mut clock,
-                prepared,
-                r.options,
-                Sink::Cq(r.context),
-            ) {
+            let meta = r.meta();
+            match r.post(self, &mut st, &mut clock) {
                 Ok(()) => posted += 1,
                 Err(e) if e.kind() == ErrorKind::Again => {
                     // Full: leave it (and the rest) for the caller to post later.
-                    reqs.push_front(SendRequest {
-                        peer: r.peer,
-                        buf: match e.buf {
-                            Buffer::Region(m) => SendBuf::Region(m),
-                            Buffer::Send(b) => SendBuf::Bytes(b),
-                            _ => SendBuf::Bytes(Bytes::new()),
-                        },
-                        options: r.options,
-                        context: r.context,
-                    });
+                    reqs.push_front(R::rebuild(meta, e.buf));
                     break;
                 }
                 Err(e) => {
@@ -350,20 +329,19 @@ impl RdmCore {
         context: u64,
     ) -> Result<(), PostError> {
         let limit = crate::info::RDM_IOV_LIMIT;
-        let (target, _) =
+        let target =
             RecvTarget::prepare_iov(iov, &self.domain, crate::mem::Access::RECV, limit, "recvv")?;
-        let why = if o.multi_recv.is_some() {
-            Some(Error::new(ErrorKind::InvalidArgument, "recvv").with_detail(
+        let src = if o.multi_recv.is_some() {
+            Err(Error::new(ErrorKind::InvalidArgument, "recvv").with_detail(
                 "a multi-receive buffer must be one BytesMut (FI_MULTI_RECV), not an iov",
             ))
         } else {
-            self.resolve_src(o.from).err()
+            self.resolve_src(o.from)
         };
-        if let Some(e) = why {
-            return Err(refuse(e, target.abandon()));
+        match src {
+            Ok(src) => self.post_recv_target(BytesMut::new(), target, o, Sink::Cq(context), src),
+            Err(e) => Err(refuse(e, target.abandon())),
         }
-        let src = self.resolve_src(o.from).ok().flatten();
-        self.post_recv_target(BytesMut::new(), target, o, Sink::Cq(context), src)
     }
 
     /// Posts a receive of `down` into `target`.
@@ -519,5 +497,36 @@ impl RdmCore {
             None => Buffer::Recv(op.buf),
         };
         refuse(e, b)
+    }
+}
+
+/// A request of a batch ([`RdmCore::post_batch`]): posted under the endpoint's lock, and
+/// rebuilt from the buffer a refusal hands back.
+pub(in crate::ep) trait BatchRequest: Sized {
+    /// The request without its buffer.
+    type Meta: Copy;
+    fn meta(&self) -> Self::Meta;
+    /// Hands the request to the engine (the batch makes progress once at its end).
+    fn post(self, core: &RdmCore, st: &mut State, clock: &mut Clock) -> Result<(), PostError>;
+    /// The request again, with the buffer a refusal handed back.
+    fn rebuild(meta: Self::Meta, buf: Buffer) -> Self;
+}
+
+impl BatchRequest for SendRequest {
+    type Meta = (PeerId, SendOptions, u64);
+    fn meta(&self) -> Self::Meta {
+        (self.peer, self.options, self.context)
+    }
+    fn post(self, core: &RdmCore, st: &mut State, clock: &mut Clock) -> Result<(), PostError> {
+        let prepared = core.prepare_send(&mut st.dest_cache, self.peer, self.buf)?;
+        core.enqueue_send(st, clock, prepared, self.options, Sink::Cq(self.context))
+    }
+    fn rebuild((peer, options, context): Self::Meta, buf: Buffer) -> Self {
+        SendRequest {
+            peer,
+            buf: SendBuf::from_returned(buf),
+            options,
+            context,
+        }
     }
 }

@@ -357,12 +357,12 @@ impl Engine {
             return self.rx_read_finished(rid);
         }
         let region_holds = sink.region.as_ref().is_some_and(|g| g.len >= end);
-        if can && !region_holds && sink.buf.capacity() < end {
-            // A receive whose room is not its capacity (a region slice) gets the room now.
-            let have = sink.buf.len();
-            sink.buf.reserve(end - have);
+        if can && !region_holds {
+            // The read part goes into the buffer: a receive whose room is not its capacity (a
+            // region slice, `RecvOp::room`) gets it now.
+            sink.buf.reserve(end.saturating_sub(sink.buf.len()));
         }
-        let ranges = if can && (region_holds || sink.buf.capacity() >= end) {
+        let ranges = if can {
             carve(r.iovs.as_slice(), start, end, seg)
         } else {
             None
