@@ -108,7 +108,7 @@ impl Endpoint<Rdm> {
 
     /// Writes the parts of `iov` one after another to the peer's memory at `to` (`fi_writev`):
     /// each part is `Bytes` or a region (slice) with `WRITE` access, at most
-    /// [`iov_limit`](crate::TxAttr::iov_limit) (4) of them. The parts are gathered into one
+    /// [`iov_limit`](crate::info::TxAttr::iov_limit) (4) of them. The parts are gathered into one
     /// buffer (a copy) and written as one operation; the completion hands them back as
     /// [`Buffer::Iov`], in order. To move several slices without a copy, write each one
     /// ([`write_batch`](Self::write_batch)).

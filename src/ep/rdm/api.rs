@@ -76,10 +76,10 @@ impl Endpoint<Rdm> {
 
     /// Sends the parts of `iov` as one message (`fi_sendv`, `fi_tsendv` and `fi_sendmsg` with
     /// several iovs: `options` carries the tag and remote CQ data): each part is `Bytes` or a
-    /// region (slice) with `SEND` access, at most [`iov_limit`](crate::TxAttr::iov_limit) (4)
+    /// region (slice) with `SEND` access, at most [`iov_limit`](crate::info::TxAttr::iov_limit) (4)
     /// of them (`InvalidArgument` beyond). The parts are gathered into one buffer (a copy, as
     /// libfabric's EFA provider copies iovs into its packets); the completion hands them back
-    /// as [`Buffer::Iov`](crate::Buffer::Iov), in order.
+    /// as [`Buffer::Iov`], in order.
     ///
     /// ```
     /// # use bytes::{Bytes, BytesMut};
@@ -135,7 +135,7 @@ impl Endpoint<Rdm> {
     /// `fi_trecvv`, `fi_recvmsg` with several iovs; `options` carries the tag and the source):
     /// a `BytesMut` offers its capacity, a region (slice) with `RECV` access its length, at most
     /// 4 parts. The message fills them in order (a longer one is truncated at their total); the
-    /// completion hands them back as [`Buffer::Iov`](crate::Buffer::Iov), each holding its part
+    /// completion hands them back as [`Buffer::Iov`], each holding its part
     /// (a `BytesMut` as long as its part, a region its part in its first bytes). Not a
     /// multi-receive buffer (`InvalidArgument`).
     pub fn recv_iov(
