@@ -346,7 +346,8 @@ fn injected_writes_land_without_a_completion() {
     }
 }
 
-/// On the udp device a batch of 32 small writes leaves in one or two system calls (`sendmmsg`),
+/// On the udp device the datagrams of a batch of 32 small writes leave in one or two system
+/// calls (`sendmmsg`),
 /// where 32 calls of `write` make 32.
 #[test]
 fn a_write_batch_is_one_system_call_on_udp() {
@@ -378,13 +379,15 @@ fn a_write_batch_is_one_system_call_on_udp() {
         .collect();
     assert_eq!(a.ep.write_batch(&mut reqs).unwrap(), 32);
     let after = a.ep.domain().device_stats();
-    assert_eq!(
+    // What SRD's congestion window lets out goes at once (all 32 on a quiet start; after a loss
+    // the window, at least 2, holds the rest back until acknowledgements come): in one or two
+    // system calls, several datagrams each, where 32 `write` calls make one call per datagram.
+    let (sent, calls) = (
         after.tx_pkts - before.tx_pkts,
-        32,
-        "{before:?} -> {after:?}"
+        after.tx_batches - before.tx_batches,
     );
     assert!(
-        (1..=2).contains(&(after.tx_batches - before.tx_batches)),
+        (2..=32).contains(&sent) && (1..=2).contains(&calls),
         "{before:?} -> {after:?}"
     );
     let done = both(&a, &b, 32);
