@@ -93,7 +93,8 @@ counters!(
         /// Bytes of those datagrams (without the routing header).
         shm_route_rx_bytes,
         /// System calls that sent several datagrams at once (`sendmmsg`: post lists, bursts of
-        /// acknowledgements; udp device).
+        /// acknowledgements; udp device), or doorbells rung for lists of several work requests
+        /// (one `ibv_wr_start` .. `ibv_wr_complete` session; efa device).
         tx_batches,
         /// System calls that read several datagrams at once (`recvmmsg`; udp device).
         rx_batches,

@@ -81,6 +81,8 @@ pub struct FakeNic {
     factory: Factory,
     /// Fail the next post_send / post_recv with this errno.
     pub fail_send: Option<i32>,
+    /// Doorbells rung: send lists (of one or more work requests) posted.
+    pub doorbells: usize,
     pub fail_recv: Option<i32>,
     /// On `to_error`, complete every posted work request with a flush.
     pub flush_on_error: bool,
@@ -104,12 +106,42 @@ impl FakeNic {
                 next: Mutex::new(0),
             },
             fail_send: None,
+            doorbells: 0,
             fail_recv: None,
             flush_on_error: false,
             errored: false,
             destroyed: false,
             destroy_fails: false,
         }
+    }
+
+    /// Records one posted send work request.
+    fn push_send(&mut self, wqe: &SendWqe<'_, FakeAh>) {
+        let (inline, sge, data) = match wqe.payload {
+            Payload::Inline(segs) => (true, None, segs.concat()),
+            Payload::Sge(s) => {
+                let mut v = vec![0u8; s.len as usize];
+                if !matches!(wqe.op, SendOp::Read { .. }) {
+                    // SAFETY: the SGE names registered memory owned by the work request.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(s.addr as *const u8, v.as_mut_ptr(), v.len())
+                    };
+                }
+                (false, Some(s), v)
+            }
+            Payload::Empty => (false, None, Vec::new()),
+        };
+        self.next_key += 1;
+        self.sends.push(PostedSend {
+            wr_id: wqe.wr_id,
+            op: wqe.op,
+            gid: wqe.ah.gid,
+            qpn: wqe.remote_qpn,
+            qkey: wqe.remote_qkey,
+            inline,
+            sge,
+            data,
+        });
     }
 
     /// Live registrations.
@@ -213,39 +245,17 @@ impl Nic for FakeNic {
         self.ahs.lock().gid_of(ahn)
     }
 
-    fn post_send(&mut self, wqe: &SendWqe<'_, FakeAh>) -> std::result::Result<(), i32> {
+    fn post_send_list(&mut self, wqes: &[SendWqe<'_, FakeAh>]) -> std::result::Result<(), i32> {
         assert!(!self.destroyed, "post after destroy");
         if let Some(e) = self.fail_send.take() {
             return Err(e);
         }
-        let (inline, sge, data) = match wqe.payload {
-            Payload::Inline(segs) => (true, None, segs.concat()),
-            Payload::Sge(s) => {
-                let mut v = vec![0u8; s.len as usize];
-                if !matches!(wqe.op, SendOp::Read { .. }) {
-                    // SAFETY: the SGE names registered memory owned by the work request.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(s.addr as *const u8, v.as_mut_ptr(), v.len())
-                    };
-                }
-                (false, Some(s), v)
-            }
-            Payload::Empty => (false, None, Vec::new()),
-        };
-        self.next_key += 1;
-        self.sends.push(PostedSend {
-            wr_id: wqe.wr_id,
-            op: wqe.op,
-            gid: wqe.ah.gid,
-            qpn: wqe.remote_qpn,
-            qkey: wqe.remote_qkey,
-            inline,
-            sge,
-            data,
-        });
+        self.doorbells += 1;
+        for wqe in wqes {
+            self.push_send(wqe);
+        }
         Ok(())
     }
-
     fn post_recv(&mut self, wr_id: u64, sge: Sge) -> std::result::Result<(), i32> {
         assert!(!self.destroyed, "post after destroy");
         if let Some(e) = self.fail_recv.take() {

@@ -125,7 +125,12 @@ pub trait Nic: Send {
     /// The GID of the sender whose address handle number is `ahn`, if known.
     fn gid_of_ahn(&self, ahn: u16) -> Option<Gid>;
     /// Posts a send work request; `Err(errno)` when refused.
-    fn post_send(&mut self, wqe: &SendWqe<'_, Self::Ah>) -> std::result::Result<(), i32>;
+    fn post_send(&mut self, wqe: &SendWqe<'_, Self::Ah>) -> std::result::Result<(), i32> {
+        self.post_send_list(std::slice::from_ref(wqe))
+    }
+    /// Posts `wqes` as one chain behind one doorbell (one `ibv_wr_start` .. `ibv_wr_complete`
+    /// session): all of them, or, on `Err(errno)`, none.
+    fn post_send_list(&mut self, wqes: &[SendWqe<'_, Self::Ah>]) -> std::result::Result<(), i32>;
     /// Posts a receive work request; `Err(errno)` when refused.
     fn post_recv(&mut self, wr_id: u64, sge: Sge) -> std::result::Result<(), i32>;
     /// Appends up to `max` completions to `out`.

@@ -1,7 +1,7 @@
 //! [`EfaQp`]: the seam's [`QueuePair`] on a [`Nic`] — bounce-buffer copies, work-request
 //! bookkeeping, completion matching, UD GRH stripping, close and flush.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 
-use super::mr::{ACCESS_LOCAL_WRITE, LocalKeys, MrCache, SlotPool};
+use super::mr::{ACCESS_LOCAL_WRITE, LocalKey, LocalKeys, MrCache, SlotPool};
 use super::nic::{Nic, Payload, RawWc, Registration, SendOp, SendWqe};
 use super::status::status_from_wc;
 use super::verbs_error;
@@ -17,7 +17,8 @@ use super::wr::WrTable;
 use super::{GRH_LEN, UNSOLICITED_WR_ID};
 use crate::addr::RawAddr;
 use crate::device::{
-    DeviceCaps, DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Source, Status,
+    DeviceCaps, DeviceCompletion, Opcode, QpType, QueuePair, RdmaKind, RdmaWr, RemoteIov, SendWr,
+    Source, Status,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::RegionSlice;
@@ -122,6 +123,8 @@ pub struct EfaQp<N: Nic> {
     send_pool: Option<SlotPool<N::Mr>>,
     recv_pool: Option<SlotPool<N::Mr>>,
     sends: usize,
+    /// RDMA work requests recorded for a list not yet posted (they hold send-queue places).
+    staged: usize,
     recvs: usize,
     pending: VecDeque<DeviceCompletion>,
     raw: Vec<RawWc>,
@@ -186,6 +189,7 @@ impl<N: Nic> EfaQp<N> {
             send_pool: Some(send_pool),
             recv_pool: Some(recv_pool),
             sends: 0,
+            staged: 0,
             recvs: 0,
             pending: VecDeque::new(),
             raw: Vec::with_capacity(POLL_BATCH),
@@ -226,7 +230,7 @@ impl<N: Nic> EfaQp<N> {
     }
 
     fn send_room(&self, op: &'static str) -> Result<()> {
-        if self.sends >= self.limits.send_depth {
+        if self.sends + self.staged >= self.limits.send_depth {
             return Err(Error::new(ErrorKind::Again, op).with_detail(format!(
                 "send queue full ({} work requests)",
                 self.limits.send_depth
@@ -520,56 +524,32 @@ impl<N: Nic> QueuePair for EfaQp<N> {
     }
 
     fn post_send(&mut self, wr: SendWr) -> Result<()> {
-        self.check_open("post_send")?;
-        let len = wr.len();
-        if len > self.limits.mtu {
-            return Err(Error::new(ErrorKind::MsgSize, "post_send")
-                .with_detail(format!("{len} bytes > MTU {}", self.limits.mtu)));
-        }
-        self.send_room("post_send")?;
-        let ah = self.nic.address_handle(&wr.dest.gid)?;
-        let segs = [&wr.hdr[..], &wr.payload[..]];
-        let slot = if len <= self.limits.inline_size {
-            None
-        } else {
-            let pool = self
-                .send_pool
-                .as_mut()
-                .ok_or_else(|| Error::new(ErrorKind::Closed, "post_send"))?;
-            let s = pool.alloc().ok_or_else(|| {
-                Error::new(ErrorKind::Again, "post_send").with_detail("no free send buffer")
-            })?;
-            // SAFETY: a free slot is posted to nothing.
-            let bytes = unsafe { pool.slot_mut(s) };
-            let (h, p) = (wr.hdr.len(), wr.payload.len());
-            if let Some(dst) = bytes.get_mut(..h + p) {
-                let (dh, dp) = dst.split_at_mut(h);
-                dh.copy_from_slice(&wr.hdr);
-                dp.copy_from_slice(&wr.payload);
+        let wr = self.stage_send(wr)?;
+        self.post_staged(wr)
+    }
+
+    /// One doorbell for the list, as [`post_rdma_list`](QueuePair::post_rdma_list) does.
+    fn post_send_list(
+        &mut self,
+        wrs: &mut VecDeque<SendWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        let mut staged = Vec::with_capacity(wrs.len());
+        let mut refused = None;
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = wr.wr_id;
+            match self.stage_send(wr) {
+                Ok(w) => staged.push(w),
+                Err(e) => {
+                    refused = Some((wr_id, e));
+                    break;
+                }
             }
-            Some(s)
-        };
-        let payload = match (slot, self.send_pool.as_ref()) {
-            (Some(s), Some(p)) => Payload::Sge(p.sge(s, len)),
-            _ => Payload::Inline(&segs),
-        };
-        let token = self.table.insert(
-            wr.wr_id,
-            Res::Send {
-                slot,
-                _ah: ah.clone(),
-                len,
-            },
-        );
-        let wqe = SendWqe {
-            wr_id: token,
-            op: SendOp::Send { imm: wr.imm },
-            ah: &*ah,
-            remote_qpn: u32::from(wr.dest.qpn),
-            remote_qkey: wr.dest.qkey,
-            payload,
-        };
-        self.post(&wqe, "ibv_wr_send")
+        }
+        self.post_staged_list(staged);
+        match refused {
+            Some(r) => Err(r),
+            None => Ok(()),
+        }
     }
 
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
@@ -659,9 +639,174 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         &mut self,
         wr_id: u64,
         dest: RawAddr,
-        mut local: BytesMut,
+        local: BytesMut,
         remote: RemoteIov,
     ) -> Result<()> {
+        let wr = self.stage_read(wr_id, dest, local, remote)?;
+        self.post_staged(wr)
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let wr = self.stage_write(wr_id, dest, local, remote, imm)?;
+        self.post_staged(wr)
+    }
+
+    /// One doorbell for the list: every work request is checked and recorded, then all go to
+    /// the NIC in one `ibv_wr_start` .. `ibv_wr_complete` session. The first that cannot be
+    /// recorded ends the list (its error comes back; those before it are posted). Should the
+    /// NIC refuse the whole session, each is posted alone and one it refuses then completes
+    /// with an error: none is lost.
+    fn post_rdma_list(
+        &mut self,
+        wrs: &mut VecDeque<RdmaWr>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        // Region work requests name their registration's key: the device's key table stays
+        // locked until the NIC has them, so no registration goes away in between.
+        let keys = self.local_keys.clone();
+        let mut table = None;
+        let mut staged = Vec::with_capacity(wrs.len());
+        let mut refused = None;
+        while let Some(RdmaWr { wr_id, dest, kind }) = wrs.pop_front() {
+            let r = match kind {
+                RdmaKind::Write { local, remote, imm } => {
+                    self.stage_write(wr_id, dest, local, remote, imm)
+                }
+                RdmaKind::Read { local, remote } => self.stage_read(wr_id, dest, local, remote),
+                RdmaKind::WriteRegion { local, remote, imm } => {
+                    let t = table.get_or_insert_with(|| keys.0.lock());
+                    self.stage_region(t, wr_id, dest, local, remote, Some(imm))
+                }
+                RdmaKind::ReadRegion { local, remote } => {
+                    let t = table.get_or_insert_with(|| keys.0.lock());
+                    self.stage_region(t, wr_id, dest, local, remote, None)
+                }
+            };
+            match r {
+                Ok(w) => staged.push(w),
+                Err(e) => {
+                    refused = Some((wr_id, e));
+                    break;
+                }
+            }
+        }
+        self.post_staged_list(staged);
+        drop(table);
+        match refused {
+            Some(r) => Err(r),
+            None => Ok(()),
+        }
+    }
+
+    fn region_rdma(&self) -> bool {
+        self.qp_type == QpType::Srd && (self.limits.caps.rdma_read || self.limits.caps.rdma_write)
+    }
+
+    fn post_read_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+    ) -> Result<()> {
+        self.post_region(wr_id, dest, local, remote, None)
+    }
+
+    fn post_write_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        self.post_region(wr_id, dest, local, remote, Some(imm))
+    }
+}
+
+impl<N: Nic> EfaQp<N> {
+    /// `post_read_region` (`write` is `None`) and `post_write_region` (`Some(imm)`): the work
+    /// request names the region's own registration, looked up and posted under the lock of the
+    /// device's key table, so the registration cannot go away in between.
+    fn post_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: RegionSlice,
+        remote: RemoteIov,
+        write: Option<Option<u32>>,
+    ) -> Result<()> {
+        let keys = self.local_keys.clone();
+        let table = keys.0.lock();
+        let wr = self.stage_region(&table, wr_id, dest, local, remote, write)?;
+        let r = self.post_staged(wr);
+        drop(table);
+        r
+    }
+
+    /// Checks a send and records it: copied into a registered bounce slot, or kept for inline
+    /// posting when it fits the inline size.
+    fn stage_send(&mut self, wr: SendWr) -> Result<Staged<N::Ah>> {
+        self.check_open("post_send")?;
+        let len = wr.len();
+        if len > self.limits.mtu {
+            return Err(Error::new(ErrorKind::MsgSize, "post_send")
+                .with_detail(format!("{len} bytes > MTU {}", self.limits.mtu)));
+        }
+        self.send_room("post_send")?;
+        let ah = self.nic.address_handle(&wr.dest.gid)?;
+        let slot = if len <= self.limits.inline_size {
+            None
+        } else {
+            let pool = self
+                .send_pool
+                .as_mut()
+                .ok_or_else(|| Error::new(ErrorKind::Closed, "post_send"))?;
+            let s = pool.alloc().ok_or_else(|| {
+                Error::new(ErrorKind::Again, "post_send").with_detail("no free send buffer")
+            })?;
+            // SAFETY: a free slot is posted to nothing.
+            let bytes = unsafe { pool.slot_mut(s) };
+            let (h, p) = (wr.hdr.len(), wr.payload.len());
+            if let Some(dst) = bytes.get_mut(..h + p) {
+                let (dh, dp) = dst.split_at_mut(h);
+                dh.copy_from_slice(&wr.hdr);
+                dp.copy_from_slice(&wr.payload);
+            }
+            Some(s)
+        };
+        let (payload, inline) = match (slot, self.send_pool.as_ref()) {
+            (Some(s), Some(p)) => (Payload::Sge(p.sge(s, len)), None),
+            _ => (Payload::Empty, Some([wr.hdr, wr.payload])),
+        };
+        let res = Res::Send {
+            slot,
+            _ah: ah.clone(),
+            len,
+        };
+        let op = SendOp::Send { imm: wr.imm };
+        let mut staged = self.stage(wr.wr_id, res, op, ah, wr.dest, payload, "ibv_wr_send");
+        staged.inline = inline;
+        Ok(staged)
+    }
+
+    /// Checks an RDMA read into `local` (registered here for the operation) and records it.
+    fn stage_read(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        mut local: BytesMut,
+        remote: RemoteIov,
+    ) -> Result<Staged<N::Ah>> {
         self.rdma_allowed("post_read", false)?;
         let len = self.rdma_len("post_read", remote, local.capacity() as u64)?;
         let (rkey, ah) = self.rdma_target("post_read", remote, &dest)?;
@@ -685,30 +830,28 @@ impl<N: Nic> QueuePair for EfaQp<N> {
             }),
             None => self.empty_sge(),
         };
-        let token = self.table.insert(
-            wr_id,
-            Res::Read {
-                mr,
-                buf: local,
-                _ah: ah.clone(),
-                len,
-            },
-        );
         let op = SendOp::Read {
             rkey,
             raddr: remote.addr,
         };
-        self.post_rdma(token, op, &ah, dest, payload, "ibv_wr_rdma_read")
+        let res = Res::Read {
+            mr,
+            buf: local,
+            _ah: ah.clone(),
+            len,
+        };
+        Ok(self.stage(wr_id, res, op, ah, dest, payload, "ibv_wr_rdma_read"))
     }
 
-    fn post_write(
+    /// Checks an RDMA write of `local` (registered through the MR cache) and records it.
+    fn stage_write(
         &mut self,
         wr_id: u64,
         dest: RawAddr,
         local: Bytes,
         remote: RemoteIov,
         imm: Option<u32>,
-    ) -> Result<()> {
+    ) -> Result<Staged<N::Ah>> {
         self.rdma_allowed("post_write", true)?;
         let len = local.len();
         if len as u64 > remote.len {
@@ -750,61 +893,32 @@ impl<N: Nic> QueuePair for EfaQp<N> {
             }),
             None => self.empty_sge(),
         };
-        let token = self.table.insert(
-            wr_id,
-            Res::Write {
-                mr,
-                src: local,
-                _ah: ah.clone(),
-                len,
-            },
-        );
         let op = SendOp::Write {
             rkey,
             raddr: remote.addr,
             imm,
         };
-        self.post_rdma(token, op, &ah, dest, payload, "ibv_wr_rdma_write")
+        let res = Res::Write {
+            mr,
+            src: local,
+            _ah: ah.clone(),
+            len,
+        };
+        Ok(self.stage(wr_id, res, op, ah, dest, payload, "ibv_wr_rdma_write"))
     }
 
-    fn region_rdma(&self) -> bool {
-        self.qp_type == QpType::Srd && (self.limits.caps.rdma_read || self.limits.caps.rdma_write)
-    }
-
-    fn post_read_region(
+    /// Checks a region read (`write` is `None`) or write (`Some(imm)`) against the device's key
+    /// `table` (locked by the caller until the work request is posted) and records it.
+    #[allow(clippy::too_many_arguments)]
+    fn stage_region(
         &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: RegionSlice,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        self.post_region(wr_id, dest, local, remote, None)
-    }
-
-    fn post_write_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: RegionSlice,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        self.post_region(wr_id, dest, local, remote, Some(imm))
-    }
-}
-
-impl<N: Nic> EfaQp<N> {
-    /// `post_read_region` (`write` is `None`) and `post_write_region` (`Some(imm)`): the work
-    /// request names the region's own registration, looked up and posted under the lock of the
-    /// device's key table, so the registration cannot go away in between.
-    fn post_region(
-        &mut self,
+        table: &HashMap<u64, LocalKey>,
         wr_id: u64,
         dest: RawAddr,
         local: RegionSlice,
         remote: RemoteIov,
         write: Option<Option<u32>>,
-    ) -> Result<()> {
+    ) -> Result<Staged<N::Ah>> {
         let (op, verb) = match write {
             None => ("post_read_region", "ibv_wr_rdma_read"),
             Some(_) => ("post_write_region", "ibv_wr_rdma_write"),
@@ -823,8 +937,6 @@ impl<N: Nic> EfaQp<N> {
             Some(_) => self.rdma_len(op, remote, local.len as u64)?,
         };
         let (rkey, ah) = self.rdma_target(op, remote, &dest)?;
-        let keys = self.local_keys.clone();
-        let table = keys.0.lock();
         let lkey = table
             .get(&local.key)
             .and_then(|k| k.covering(local.addr, len))
@@ -844,15 +956,6 @@ impl<N: Nic> EfaQp<N> {
         } else {
             self.empty_sge()
         };
-        let token = self.table.insert(
-            wr_id,
-            Res::Region {
-                _local: local,
-                _ah: ah.clone(),
-                len,
-                read: write.is_none(),
-            },
-        );
         let send_op = match write {
             None => SendOp::Read {
                 rkey,
@@ -864,9 +967,83 @@ impl<N: Nic> EfaQp<N> {
                 imm,
             },
         };
-        let r = self.post_rdma(token, send_op, &ah, dest, payload, verb);
-        drop(table);
-        r
+        let res = Res::Region {
+            _local: local,
+            _ah: ah.clone(),
+            len,
+            read: write.is_none(),
+        };
+        Ok(self.stage(wr_id, res, send_op, ah, dest, payload, verb))
+    }
+
+    /// Records a checked RDMA work request; it holds a place in the send queue from now on.
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &mut self,
+        wr_id: u64,
+        res: Res<N>,
+        op: SendOp,
+        ah: Arc<N::Ah>,
+        dest: RawAddr,
+        payload: Payload<'static>,
+        verb: &'static str,
+    ) -> Staged<N::Ah> {
+        let token = self.table.insert(wr_id, res);
+        self.staged += 1;
+        Staged {
+            token,
+            op,
+            ah,
+            dest,
+            payload,
+            inline: None,
+            verb,
+        }
+    }
+
+    /// Posts one staged work request; a refusal takes its record back and is the error.
+    fn post_staged(&mut self, wr: Staged<N::Ah>) -> Result<()> {
+        self.staged = 0;
+        let segs = wr.segs();
+        let wqe = wr.wqe(&segs);
+        self.post(&wqe, wr.verb)
+    }
+
+    /// Posts staged work requests behind one doorbell. Should the NIC refuse the session, each
+    /// is posted alone, and one refused then completes with an error (`pending`).
+    fn post_staged_list(&mut self, list: Vec<Staged<N::Ah>>) {
+        self.staged = 0;
+        if list.is_empty() {
+            return;
+        }
+        let segs: Vec<[&[u8]; 2]> = list.iter().map(Staged::segs).collect();
+        let wqes: Vec<SendWqe<'_, N::Ah>> = list.iter().zip(&segs).map(|(w, g)| w.wqe(g)).collect();
+        match self.nic.post_send_list(&wqes) {
+            Ok(()) => {
+                self.sends += wqes.len();
+                if wqes.len() > 1 {
+                    stats::inc(&self.counters.tx_batches);
+                }
+                return;
+            }
+            Err(errno) => tracing::debug!(
+                errno,
+                n = wqes.len(),
+                "efa: a list post failed, posting one by one"
+            ),
+        }
+        for wqe in &wqes {
+            self.sends += 1;
+            if let Err(errno) = self.nic.post_send(wqe) {
+                tracing::warn!(errno, "efa: the NIC refused an RDMA work request");
+                if let Some((wr_id, res)) = self.table.cancel(wqe.wr_id) {
+                    // Completes it (handing back its buffer) and counts it out of the queue.
+                    let c =
+                        self.finish(wr_id, res, Status::LocalQpInternalError, &RawWc::default());
+                    self.pending.push_back(c);
+                }
+            }
+        }
     }
 
     /// The first checks of every RDMA post: the queue pair is open, SRD, and its device does
@@ -899,27 +1076,6 @@ impl<N: Nic> EfaQp<N> {
         Ok((rkey, ah))
     }
 
-    /// Posts the RDMA work request recorded under `token` to `dest`.
-    fn post_rdma(
-        &mut self,
-        token: u64,
-        op: SendOp,
-        ah: &N::Ah,
-        dest: RawAddr,
-        payload: Payload<'_>,
-        verb: &'static str,
-    ) -> Result<()> {
-        let wqe = SendWqe {
-            wr_id: token,
-            op,
-            ah,
-            remote_qpn: u32::from(dest.qpn),
-            remote_qkey: dest.qkey,
-            payload,
-        };
-        self.post(&wqe, verb)
-    }
-
     /// The payload of a zero-byte RDMA operation: one zero-length SGE in the registered send
     /// pool, as libfabric posts (a work request with no SGE at all is not what EFA expects).
     fn empty_sge(&self) -> Payload<'static> {
@@ -946,6 +1102,43 @@ impl<N: Nic> EfaQp<N> {
             )));
         }
         Ok(remote.len as usize)
+    }
+}
+
+/// A work request checked and recorded (under `token`), not yet given to the NIC.
+struct Staged<A> {
+    token: u64,
+    op: SendOp,
+    ah: Arc<A>,
+    dest: RawAddr,
+    payload: Payload<'static>,
+    /// A send posted inline: its header and payload (copied by the NIC at posting).
+    inline: Option<[Bytes; 2]>,
+    verb: &'static str,
+}
+
+impl<A> Staged<A> {
+    /// The inline segments (empty unless `inline`).
+    fn segs(&self) -> [&[u8]; 2] {
+        match &self.inline {
+            Some([h, p]) => [h, p],
+            None => [&[], &[]],
+        }
+    }
+
+    /// The work queue entry; `segs` is [`segs`](Staged::segs) of `self`.
+    fn wqe<'a>(&'a self, segs: &'a [&'a [u8]; 2]) -> SendWqe<'a, A> {
+        SendWqe {
+            wr_id: self.token,
+            op: self.op,
+            ah: &self.ah,
+            remote_qpn: u32::from(self.dest.qpn),
+            remote_qkey: self.dest.qkey,
+            payload: match self.inline {
+                Some(_) => Payload::Inline(segs),
+                None => self.payload,
+            },
+        }
     }
 }
 

@@ -686,6 +686,81 @@ fn region_rdma_uses_the_regions_registration() {
     drop(mr);
 }
 
+/// A list of work requests (RDMA or sends) rings one doorbell; the first that cannot be taken ends the
+/// list (those before it are posted, the rest stay with the caller); a list the NIC refuses
+/// whole is posted one by one, and none is lost.
+#[test]
+fn a_list_rings_one_doorbell() {
+    use crate::device::{RdmaKind, RdmaWr};
+    let mut q = qp_with(QpType::Srd, rdma());
+    let dest = RawAddr::new(gid(3), 4, 5);
+    let r = |addr| RemoteIov {
+        addr,
+        len: 4,
+        key: 0x42,
+    };
+    let write = |wr_id: u64, data: &'static [u8]| RdmaWr {
+        wr_id,
+        dest,
+        kind: RdmaKind::Write {
+            local: Bytes::from_static(data),
+            remote: r(0x1000 * wr_id),
+            imm: None,
+        },
+    };
+    let read = |wr_id: u64| RdmaWr {
+        wr_id,
+        dest,
+        kind: RdmaKind::Read {
+            local: BytesMut::with_capacity(4),
+            remote: r(0x1000 * wr_id),
+        },
+    };
+    let mut wrs: VecDeque<RdmaWr> = [write(1, b"aaaa"), read(2), write(3, b"cccc")].into();
+    q.post_rdma_list(&mut wrs).unwrap();
+    assert!(wrs.is_empty());
+    assert_eq!(
+        q.nic_mut().doorbells,
+        1,
+        "three work requests, one doorbell"
+    );
+    assert_eq!(q.nic_mut().sends.len(), 3);
+    // The send queue holds 4: the fifth work request is refused with Again, the fourth posted
+    // with the doorbell, the sixth stays in the list.
+    let mut wrs: VecDeque<RdmaWr> =
+        [write(4, b"dddd"), write(5, b"eeee"), write(6, b"ffff")].into();
+    let (wr_id, e) = q.post_rdma_list(&mut wrs).unwrap_err();
+    assert_eq!((wr_id, e.kind()), (5, ErrorKind::Again));
+    assert_eq!(wrs.len(), 1);
+    assert_eq!(q.nic_mut().doorbells, 2);
+    assert_eq!(q.nic_mut().sends.len(), 4);
+    for i in 0..4 {
+        q.nic_mut().complete_send(i, IBV_WC_SUCCESS, 0);
+    }
+    assert_eq!(
+        poll_all(&mut q).iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+        [1, 2, 3, 4]
+    );
+    // The NIC refuses the session: each goes alone, and every one completes once.
+    q.nic_mut().fail_send = Some(22);
+    let mut wrs: VecDeque<RdmaWr> = [write(7, b"gggg"), read(8)].into();
+    q.post_rdma_list(&mut wrs).unwrap();
+    assert_eq!(q.nic_mut().doorbells, 4, "one each after the refused list");
+    assert_eq!(q.nic_mut().sends.len(), 6);
+    q.nic_mut().complete_send(4, IBV_WC_SUCCESS, 0);
+    q.nic_mut().complete_send(5, IBV_WC_SUCCESS, 0);
+    let c = poll_all(&mut q);
+    assert_eq!(
+        c.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        [(7, Status::Success), (8, Status::Success)]
+    );
+    assert_eq!(
+        q.nic_mut().live_regs(),
+        2,
+        "only the bounce pools stay registered"
+    );
+}
+
 /// The MR cache: writing the same buffer again reuses its registration (kept alive with the
 /// buffer until evicted, least recently used first); a disabled cache registers per operation.
 #[test]

@@ -283,69 +283,21 @@ impl Nic for VerbsNic {
         self.shared.ahs.lock().gid_of(ahn)
     }
 
-    fn post_send(&mut self, wqe: &SendWqe<'_, Ah>) -> std::result::Result<(), i32> {
+    fn post_send_list(&mut self, wqes: &[SendWqe<'_, Ah>]) -> std::result::Result<(), i32> {
         let Some(q) = self.qp.as_ref() else {
             return Err(EINVAL);
         };
         let qpx = q.qpx.as_ptr();
         let f = &q.wr;
-        // SAFETY: live extended QP with checked builder functions; the SGE / inline data point to
-        // memory that stays valid until the call returns (inline data is copied by it) or until
-        // the completion (registered memory owned by the work request).
+        // SAFETY: live extended QP with checked builder functions; one session from `start` to
+        // `complete` (or `abort`, which drops every request of it).
         unsafe {
             (f.start)(qpx);
-            (*qpx).wr_id = wqe.wr_id;
-            (*qpx).wr_flags = rdma_sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
-            match wqe.op {
-                SendOp::Send { imm: None } => (f.send)(qpx),
-                SendOp::Send { imm: Some(i) } => (f.send_imm)(qpx, i.to_be()),
-                SendOp::Read { rkey, raddr } => match f.rdma_read {
-                    Some(g) => g(qpx, rkey, raddr),
-                    None => {
-                        (f.abort)(qpx);
-                        return Err(EOPNOTSUPP);
-                    }
-                },
-                SendOp::Write { rkey, raddr, imm } => match (imm, f.rdma_write, f.rdma_write_imm) {
-                    (None, Some(g), _) => g(qpx, rkey, raddr),
-                    (Some(i), _, Some(g)) => g(qpx, rkey, raddr, i.to_be()),
-                    _ => {
-                        (f.abort)(qpx);
-                        return Err(EOPNOTSUPP);
-                    }
-                },
-            }
-            (f.set_ud_addr)(qpx, wqe.ah.as_ptr(), wqe.remote_qpn, wqe.remote_qkey);
-            match wqe.payload {
-                Payload::Inline(segs) => {
-                    let mut bufs = [ibv_data_buf {
-                        addr: ptr::null_mut(),
-                        length: 0,
-                    }; 2];
-                    let mut n = 0;
-                    for s in segs.iter().filter(|s| !s.is_empty()) {
-                        let Some(b) = bufs.get_mut(n) else {
-                            (f.abort)(qpx);
-                            return Err(EINVAL);
-                        };
-                        // libefa only reads the inline data (the cast to `*mut` is the C API's).
-                        *b = ibv_data_buf {
-                            addr: s.as_ptr().cast_mut().cast(),
-                            length: s.len(),
-                        };
-                        n += 1;
-                    }
-                    (f.set_inline_data_list)(qpx, n, bufs.as_ptr());
+            for wqe in wqes {
+                if let Err(e) = build(qpx, f, wqe) {
+                    (f.abort)(qpx);
+                    return Err(e);
                 }
-                Payload::Sge(s) => {
-                    let sge = ibv_sge {
-                        addr: s.addr,
-                        length: s.len,
-                        lkey: s.lkey,
-                    };
-                    (f.set_sge_list)(qpx, 1, &sge);
-                }
-                Payload::Empty => (f.set_sge_list)(qpx, 0, ptr::null()),
             }
             match (f.complete)(qpx) {
                 0 => Ok(()),
@@ -417,4 +369,69 @@ impl Drop for VerbsNic {
 /// `EAGAIN`/`ENOMEM` from a post mean a full queue.
 pub fn is_queue_full(errno: i32) -> bool {
     errno == EAGAIN || errno == ENOMEM
+}
+
+/// Adds `wqe` to the session open on `qpx`; `Err(errno)` when the device cannot do it (the
+/// caller aborts the session).
+///
+/// # Safety
+///
+/// `qpx` is a live extended QP inside `ibv_wr_start`, `f` its checked builder functions; the
+/// SGE / inline data point to memory that stays valid until `ibv_wr_complete` returns (inline
+/// data is copied by it) or until the completion (registered memory owned by the work request).
+unsafe fn build(
+    qpx: *mut ibv_qp_ex,
+    f: &WrFns,
+    wqe: &SendWqe<'_, Ah>,
+) -> std::result::Result<(), i32> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        (*qpx).wr_id = wqe.wr_id;
+        (*qpx).wr_flags = rdma_sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        match wqe.op {
+            SendOp::Send { imm: None } => (f.send)(qpx),
+            SendOp::Send { imm: Some(i) } => (f.send_imm)(qpx, i.to_be()),
+            SendOp::Read { rkey, raddr } => match f.rdma_read {
+                Some(g) => g(qpx, rkey, raddr),
+                None => return Err(EOPNOTSUPP),
+            },
+            SendOp::Write { rkey, raddr, imm } => match (imm, f.rdma_write, f.rdma_write_imm) {
+                (None, Some(g), _) => g(qpx, rkey, raddr),
+                (Some(i), _, Some(g)) => g(qpx, rkey, raddr, i.to_be()),
+                _ => return Err(EOPNOTSUPP),
+            },
+        }
+        (f.set_ud_addr)(qpx, wqe.ah.as_ptr(), wqe.remote_qpn, wqe.remote_qkey);
+        match wqe.payload {
+            Payload::Inline(segs) => {
+                let mut bufs = [ibv_data_buf {
+                    addr: ptr::null_mut(),
+                    length: 0,
+                }; 2];
+                let mut n = 0;
+                for s in segs.iter().filter(|s| !s.is_empty()) {
+                    let Some(b) = bufs.get_mut(n) else {
+                        return Err(EINVAL);
+                    };
+                    // libefa only reads the inline data (the cast to `*mut` is the C API's).
+                    *b = ibv_data_buf {
+                        addr: s.as_ptr().cast_mut().cast(),
+                        length: s.len(),
+                    };
+                    n += 1;
+                }
+                (f.set_inline_data_list)(qpx, n, bufs.as_ptr());
+            }
+            Payload::Sge(s) => {
+                let sge = ibv_sge {
+                    addr: s.addr,
+                    length: s.len,
+                    lkey: s.lkey,
+                };
+                (f.set_sge_list)(qpx, 1, &sge);
+            }
+            Payload::Empty => (f.set_sge_list)(qpx, 0, ptr::null()),
+        }
+    }
+    Ok(())
 }
