@@ -30,11 +30,15 @@
 //! * The receiver sends its page table: its region's `RemoteKey`, the page size, the offsets of
 //!   its pages in a seeded random order, and where its doorbell area starts (JSON, as rma-bw
 //!   sends its key). Transfer page `j` lands at the `j`-th offset of that table.
-//! * Each round moves every page once. The sender takes its own pages in another seeded random
-//!   order (transfer page `j` comes from its page `perm[j]`), fills each with a pattern of
-//!   `(j, round)` (bytes 0..8: `j`, 8..16: the round, both little-endian; then the examples'
-//!   `fill_pattern`) and writes it with `WriteOptions { delivery_complete: true, .. }`, at most
-//!   `-W` writes in flight. A completion hands the page slice back; it is used again next round.
+//! * The sender's pages hold their content from start-up on, as a KV cache is there before it
+//!   moves: page `p` gets the examples' `fill_pattern` of message `p` once. Each round moves
+//!   every page once: transfer page `j` of round `r` comes from the sender's page
+//!   `(perm[j] + r) mod n`, `perm` another seeded random order that both sides compute, so each
+//!   page of the receiver gets another content each round than the round before (they differ at
+//!   every byte: a page half overwritten cannot pass). The sender writes the page's 16-byte
+//!   header (bytes 0..8: `j`, 8..16: the round, both little-endian) and writes the page with
+//!   `WriteOptions { delivery_complete: true, .. }`, at most `-W` writes in flight. A completion
+//!   hands the page slice back; it is used again next round.
 //! * Pages `j` go in batches of `-b`: batch `k` of round `r` is global batch number
 //!   `b = r * batches_per_round + k`. When the last write of a batch has completed at the
 //!   sender, it posts one `write_data` of an 8-byte record (the global batch number) from its
@@ -60,11 +64,11 @@
 //! target acknowledged the bytes in its memory) and the emulated writes are always delivery
 //! complete (docs/rma.md).
 //!
-//! Against `rma-bw -o write -S 64k` this does more per byte: the sender fills every page (the
-//! pattern changes each round), the receiver compares every page, the memory is 256 MiB of
-//! distinct pages instead of one buffer that stays in the cache, and on the software devices a
-//! write from a region slice is copied into a buffer of its own when posted (the `efa` device
-//! writes from the region's registration).
+//! Against `rma-bw -o write -S 64k` this does more per byte: the sender writes a header into
+//! every page, the receiver compares every page, the memory is 256 MiB of distinct pages instead
+//! of one buffer that stays in the cache, and on the software devices a write from a region slice
+//! is copied into a buffer of its own when posted (the `efa` device writes from the region's
+//! registration).
 
 mod common;
 
@@ -183,9 +187,10 @@ impl Plan {
                 size_str(self.page as u64)
             ));
         }
-        if self.region < self.page || self.region % self.page != 0 || self.region > MAX_SIZE {
+        if self.region < 2 * self.page || self.region % self.page != 0 || self.region > MAX_SIZE
+        {
             return Err(format!(
-                "-M {}: the region must be a whole number (at least one) of {}-byte pages, at \
+                "-M {}: the region must be a whole number (at least two) of {}-byte pages, at \
                  most 1 GiB",
                 size_str(self.region as u64),
                 self.page
@@ -258,10 +263,29 @@ fn permutation(n: usize, seed: u64) -> Vec<usize> {
     p
 }
 
-/// The pattern's sequence number of transfer page `j` in `round` (for the bytes after the
-/// header; the header names page and round exactly).
-fn seq(j: usize, round: usize) -> u64 {
-    (j as u64).wrapping_mul(7).wrapping_add(round as u64)
+/// Which page of the sender transfer page `j` comes from in round 0 (both sides know it).
+fn sources(plan: &Plan) -> Vec<usize> {
+    permutation(plan.pages(), plan.seed ^ 0x5eed_5eed_5eed_5eed)
+}
+
+/// The sender's page that transfer page `j` comes from in `round`: `src` (a seeded
+/// permutation both sides compute) turned by one page each round, so that every page of the
+/// receiver gets, each round, another page than the round before.
+fn source_of(src: &[usize], j: usize, round: usize) -> usize {
+    (src[j] + round) % src.len()
+}
+
+/// The pattern's sequence number of the bytes after the header of the sender's page `p` (of
+/// `n`), written once at start-up. Two pages one apart (`p`, `p + 1 mod n`: what one receiver
+/// page gets in two rounds in a row) differ mod 251, so their bytes differ at every offset: a
+/// page half written over last round's content cannot pass its check.
+fn body_seq(p: usize, n: usize) -> u64 {
+    if p == n - 1 && (n - 1) % 251 == 0 {
+        // n - 1 ≡ 0 would repeat page 0's bytes; page n - 2 has 250.
+        1
+    } else {
+        p as u64
+    }
 }
 
 /// The examples' `fill_pattern` bytes at memory speed: byte `i` of message `seq` is
@@ -297,14 +321,20 @@ impl Pattern {
         &self.base[k..k + len]
     }
 
-    fn fill_page(&self, buf: &mut [u8], j: usize, round: usize) {
-        buf[..8].copy_from_slice(&(j as u64).to_le_bytes());
-        buf[8..HDR].copy_from_slice(&(round as u64).to_le_bytes());
+    /// The bytes after the header of a page whose body is message `seq`.
+    fn fill_body(&self, buf: &mut [u8], seq: u64) {
         let body = &mut buf[HDR..];
-        body.copy_from_slice(self.of(seq(j, round), body.len()));
+        body.copy_from_slice(self.of(seq, body.len()));
     }
 
-    fn check_page(&self, buf: &[u8], j: usize, round: usize) -> Res<()> {
+    /// The header of transfer page `j` in `round`.
+    fn fill_header(buf: &mut [u8], j: usize, round: usize) {
+        buf[..8].copy_from_slice(&(j as u64).to_le_bytes());
+        buf[8..HDR].copy_from_slice(&(round as u64).to_le_bytes());
+    }
+
+    /// Transfer page `j` of `round`, whose body is message `seq`.
+    fn check_page(&self, buf: &[u8], j: usize, round: usize, seq: u64) -> Res<()> {
         let word = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
         let (got_j, got_r) = (word(0), word(8));
         if (got_j, got_r) != (j as u64, round as u64) {
@@ -313,11 +343,11 @@ impl Pattern {
             ));
         }
         let body = &buf[HDR..];
-        if body == self.of(seq(j, round), body.len()) {
+        if body == self.of(seq, body.len()) {
             return Ok(());
         }
         // Where, and what: check_pattern says it.
-        check_pattern(body, seq(j, round)).map_err(|e| format!("{e} (after the header)"))?;
+        check_pattern(body, seq).map_err(|e| format!("{e} (after the header)"))?;
         Err("data mismatch".into())
     }
 }
@@ -574,9 +604,16 @@ impl Kv<'_> {
         let n = plan.pages();
         let bpr = plan.batches_per_round();
         let pattern = Pattern::new(plan.page - HDR)?;
-        // Transfer page j comes from page src[j] of this side.
-        let src = permutation(n, plan.seed ^ 0x5eed_5eed_5eed_5eed);
+        // Transfer page j of round r comes from page source_of(&src, j, r) of this side. The
+        // pages hold their content from start-up on (a KV cache is there before it moves);
+        // each round only their 16-byte headers are written.
+        let src = sources(plan);
         let mut pages: Vec<Option<MemoryRegion>> = pages.into_iter().map(Some).collect();
+        for (p, page) in pages.iter_mut().enumerate() {
+            if let Some(page) = page {
+                pattern.fill_body(&mut page.write(), body_seq(p, n));
+            }
+        }
         let mut bells: Vec<Option<MemoryRegion>> = bells.into_iter().map(Some).collect();
         // Delivery complete: a page write completes only once its bytes are in the receiver's
         // memory, so the batch's doorbell, posted after its writes completed, never overtakes
@@ -613,10 +650,11 @@ impl Kv<'_> {
                 // Page writes, up to the window.
                 while next < n && in_flight < plan.window {
                     let j = next;
-                    let mut page = pages[src[j]].take().ok_or_else(|| {
-                        format!("page {} is still in flight from the last round", src[j])
-                    })?;
-                    pattern.fill_page(&mut page.write(), j, round);
+                    let p = source_of(&src, j, round);
+                    let mut page = pages[p]
+                        .take()
+                        .ok_or_else(|| format!("page {p} is still in flight from the last round"))?;
+                    Pattern::fill_header(&mut page.write(), j, round);
                     if self.fault == Some(Fault::Corrupt) && round == 0 && j == 1 {
                         page.write()[HDR + 100] ^= 0xff;
                     }
@@ -627,7 +665,7 @@ impl Kv<'_> {
                             next += 1;
                         }
                         Err(e) if e.kind() == ErrorKind::Again => {
-                            pages[src[j]] = e.into_buffer().into_region();
+                            pages[p] = e.into_buffer().into_region();
                             break;
                         }
                         Err(e) => return Err(format!("write of page {j}: {e}")),
@@ -695,7 +733,7 @@ impl Kv<'_> {
                     } else {
                         let j = c.context as usize;
                         let p = slice.offset() / plan.page;
-                        if p != src[j] || slice.len() != plan.page {
+                        if p != source_of(&src, j, round) || slice.len() != plan.page {
                             return Err(format!(
                                 "write of page {j} handed back the slice at {} ({} bytes)",
                                 slice.offset(),
@@ -745,6 +783,8 @@ impl Kv<'_> {
         let bpr = plan.batches_per_round();
         let total = bpr * plan.rounds;
         let pattern = Pattern::new(plan.page - HDR)?;
+        let src = sources(plan);
+        let n = plan.pages();
         let mut seen = vec![false; total];
         let watch = oob.watch().ok();
         oob.sync().map_err(|e| e.to_string())?;
@@ -806,7 +846,8 @@ impl Kv<'_> {
                     for j in plan.batch_pages(kb) {
                         self.poll()?;
                         let p = &pages[order[j]];
-                        pattern.check_page(&p.read(), j, round).map_err(|e| {
+                        let seq = body_seq(source_of(&src, j, round), n);
+                        pattern.check_page(&p.read(), j, round, seq).map_err(|e| {
                             format!(
                                 "round {round}, batch {b}: page {j} at offset {}: {e}",
                                 p.offset()
