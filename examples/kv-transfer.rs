@@ -187,8 +187,7 @@ impl Plan {
                 size_str(self.page as u64)
             ));
         }
-        if self.region < 2 * self.page || self.region % self.page != 0 || self.region > MAX_SIZE
-        {
+        if self.region < 2 * self.page || self.region % self.page != 0 || self.region > MAX_SIZE {
             return Err(format!(
                 "-M {}: the region must be a whole number (at least two) of {}-byte pages, at \
                  most 1 GiB",
@@ -651,9 +650,9 @@ impl Kv<'_> {
                 while next < n && in_flight < plan.window {
                     let j = next;
                     let p = source_of(&src, j, round);
-                    let mut page = pages[p]
-                        .take()
-                        .ok_or_else(|| format!("page {p} is still in flight from the last round"))?;
+                    let mut page = pages[p].take().ok_or_else(|| {
+                        format!("page {p} is still in flight from the last round")
+                    })?;
                     Pattern::fill_header(&mut page.write(), j, round);
                     if self.fault == Some(Fault::Corrupt) && round == 0 && j == 1 {
                         page.write()[HDR + 100] ^= 0xff;

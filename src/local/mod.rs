@@ -366,9 +366,9 @@ impl<C: Channels> LocalPath<C> {
                         None
                     }
                 };
-                if self.routes.len() >= 1 << 16 {
-                    self.routes.retain(|_, r| r.is_some());
-                }
+                // Kept for the endpoint's life, "remote" answers too (one entry per peer ever
+                // addressed, as the engine keeps one per peer): a peer that switched paths
+                // mid-stream could see a message overtake the ones before it.
                 self.routes.insert(*dest, r);
                 r
             }

@@ -271,3 +271,37 @@ fn planted_slots_are_dropped_and_counted() {
     assert_eq!(&r[0].buf[..r[0].len], b"real", "seed {seed}");
     assert_eq!(stats[1].lock().dropped, 4, "seed {seed}");
 }
+
+/// The route to a peer is chosen once for the endpoint's life: a peer found remote stays
+/// remote even when a channel of its address appears later and however many other peers were
+/// looked up since (the path used to forget "remote" answers after 65 536 of them, so a peer
+/// could switch paths mid-stream and a message overtake the ones before it; issue 30, point 14).
+#[test]
+fn a_route_once_chosen_never_changes() {
+    use std::net::Ipv4Addr;
+    use std::time::Instant;
+
+    use crate::addr::{Gid, RawAddr};
+    use crate::proto::engine::Engine;
+
+    let host = MemHost::new(4, 1024, 1);
+    let at = |i: u32| RawAddr::new(Gid::from(Ipv4Addr::from(0x0a00_0000 + i)), 1000, 7);
+    let (me, peer) = (at(1), at(2));
+    let mut path = super::LocalPath::new(host.channels(&me), &me, 16);
+    let mut engine = Engine::new(SimConfig::default_engine(), me, Instant::now());
+    assert_eq!(
+        path.route(&mut engine, &peer),
+        None,
+        "no channel yet: remote"
+    );
+    let _later = host.channels(&peer);
+    for i in 0..(1 << 16) + 10 {
+        assert_eq!(path.route(&mut engine, &at(1000 + i)), None);
+    }
+    assert_eq!(path.route(&mut engine, &peer), None, "still remote");
+    // A new path finds the channel.
+    let other = at(3);
+    let mut fresh = super::LocalPath::new(host.channels(&other), &other, 16);
+    let mut engine = Engine::new(SimConfig::default_engine(), other, Instant::now());
+    assert!(fresh.route(&mut engine, &peer).is_some());
+}
