@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign, Deref, DerefMut, Range};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::{Bytes, BytesMut};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -186,6 +187,8 @@ pub struct RegionMem {
     /// The dmabuf the memory maps ([`RegionMem::dmabuf`]): a duplicate of its descriptor and
     /// the offset, for devices that register dmabufs with their NIC.
     dmabuf: Option<(std::os::fd::OwnedFd, u64)>,
+    /// A device could not release its registration of this memory ([`RegionMem::leak`]).
+    leaked: AtomicBool,
 }
 
 /// The outcome of a non-blocking access to a [`RegionMem`].
@@ -210,6 +213,7 @@ impl RegionMem {
             len: buf.len(),
             data: RwLock::new(Store::Owned(buf)),
             waiters: Mutex::new(Vec::new()),
+            leaked: AtomicBool::new(false),
             dmabuf: None,
         })
     }
@@ -272,6 +276,7 @@ impl RegionMem {
             len,
             data: RwLock::new(Store::Mapped(mapped)),
             waiters: Mutex::new(Vec::new()),
+            leaked: AtomicBool::new(false),
             dmabuf: Some((std::os::fd::OwnedFd::from(file), offset)),
         }))
     }
@@ -308,6 +313,7 @@ impl RegionMem {
             len,
             data: RwLock::new(store),
             waiters: Mutex::new(Vec::new()),
+            leaked: AtomicBool::new(false),
             dmabuf: None,
         }))
     }
@@ -509,9 +515,21 @@ impl RegionMem {
         res
     }
 
-    /// The bytes of the region, leaving it empty (closed); a foreign region gives nothing back.
-    /// Blocks while a guard is alive.
+    /// A device could not release its registration of this memory (the NIC may still read or
+    /// write it): the memory is never freed, and [`take`](Self::take) hands back nothing.
+    #[cfg_attr(not(feature = "efa"), allow(dead_code))]
+    pub(crate) fn leak(self: Arc<Self>) {
+        self.leaked.store(true, Ordering::Release);
+        std::mem::forget(self);
+    }
+
+    /// The bytes of the region, leaving it empty (closed); a foreign region, or one whose
+    /// registration was leaked ([`leak`](Self::leak)), gives nothing back. Blocks while a guard
+    /// is alive.
     pub(crate) fn take(&self) -> BytesMut {
+        if self.leaked.load(Ordering::Acquire) {
+            return BytesMut::new();
+        }
         let old = std::mem::replace(&mut *self.data.write(), Store::Owned(BytesMut::new()));
         self.wake_waiters();
         match old {

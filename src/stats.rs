@@ -115,6 +115,10 @@ counters!(
         /// Regions the device registered for one-sided RDMA (`Device::register_mem`): one per
         /// `Domain::register`, however many slices of it operations use.
         mem_registrations,
+        /// Registrations the NIC refused to release (`ibv_dereg_mr` failed; efa device): the
+        /// memory each covers is leaked, never freed, reused or handed back (a region's
+        /// `close` gives an empty buffer), since the NIC may still use it.
+        dereg_failures,
     }
 );
 

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -19,17 +19,44 @@ use crate::error::{Error, ErrorKind, Result};
 pub struct FakeMr {
     key: u32,
     live: Arc<AtomicUsize>,
+    /// Deregistrations fail while set (the registration stays counted live).
+    fail: Arc<AtomicBool>,
+    dereg: Option<bool>,
+}
+
+impl FakeMr {
+    /// A registration of its own (not counted by any NIC), failing to deregister when `fail`.
+    pub fn detached(key: u32, fail: bool) -> FakeMr {
+        FakeMr {
+            key,
+            live: Arc::new(AtomicUsize::new(1)),
+            fail: Arc::new(AtomicBool::new(fail)),
+            dereg: None,
+        }
+    }
 }
 
 impl Registration for FakeMr {
     fn lkey(&self) -> u32 {
         self.key
     }
+
+    fn deregister(&mut self) -> bool {
+        if let Some(ok) = self.dereg {
+            return ok;
+        }
+        let ok = !self.fail.load(Ordering::SeqCst);
+        if ok {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+        }
+        self.dereg = Some(ok);
+        ok
+    }
 }
 
 impl Drop for FakeMr {
     fn drop(&mut self) {
-        self.live.fetch_sub(1, Ordering::SeqCst);
+        self.deregister();
     }
 }
 
@@ -83,6 +110,8 @@ pub struct FakeNic {
     pub fail_send: Option<i32>,
     /// Doorbells rung: send lists (of one or more work requests) posted.
     pub doorbells: usize,
+    /// Deregistrations fail while set.
+    pub fail_dereg: Arc<AtomicBool>,
     pub fail_recv: Option<i32>,
     /// On `to_error`, complete every posted work request with a flush.
     pub flush_on_error: bool,
@@ -107,6 +136,7 @@ impl FakeNic {
             },
             fail_send: None,
             doorbells: 0,
+            fail_dereg: Arc::default(),
             fail_recv: None,
             flush_on_error: false,
             errored: false,
@@ -234,6 +264,8 @@ impl Nic for FakeNic {
         Ok(FakeMr {
             key,
             live: self.regs.clone(),
+            fail: self.fail_dereg.clone(),
+            dereg: None,
         })
     }
 

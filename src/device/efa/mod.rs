@@ -426,7 +426,13 @@ impl Device for EfaDevice {
     }
 
     fn stats(&self) -> DeviceStats {
-        self.counters.snapshot()
+        let mut s = self.counters.snapshot();
+        s.dereg_failures = self
+            .shared
+            .pd
+            .dereg_failures
+            .load(std::sync::atomic::Ordering::Relaxed);
+        s
     }
 
     /// Registers a domain region with the NIC (iova = its address, as `RemoteKey::addr` names
@@ -504,6 +510,19 @@ impl Device for EfaDevice {
         // Forget the local key first (a queue pair posts under this lock), then drop the
         // registration: `ibv_dereg_mr`, after which the NIC serves the key no more.
         self.local_keys.0.lock().remove(&key);
-        drop(self.regions.lock().remove(&key));
+        let removed = self.regions.lock().remove(&key);
+        if let Some((mr, mem)) = removed {
+            release_region(mr, mem);
+        }
+    }
+}
+
+/// Deregisters a region's registration; when the NIC refuses (it may still use the memory), the
+/// region's memory is leaked: never freed, and `MemoryRegion::close` hands back nothing.
+fn release_region<M: nic::Registration>(mut mr: M, mem: Arc<RegionMem>) {
+    if mr.deregister() {
+        drop(mem);
+    } else {
+        mem.leak();
     }
 }

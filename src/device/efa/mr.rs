@@ -264,8 +264,13 @@ impl<M: Registration> SlotPool<M> {
 
 impl<M: Registration> Drop for SlotPool<M> {
     fn drop(&mut self) {
-        // Deregister first: after that the NIC cannot touch the memory, which can then be freed.
-        drop(self.mr.take());
+        // Deregister first: after that the NIC cannot touch the memory, which can then be freed;
+        // when the NIC refuses, the memory is leaked (it may still write it).
+        if let Some(mut mr) = self.mr.take() {
+            if !mr.deregister() {
+                return;
+            }
+        }
         // SAFETY: allocated in `new` as recorded; deregistered just above.
         unsafe { release(self.base, self.layout, self.huge) };
     }
@@ -410,12 +415,22 @@ impl MrCacheLimits {
     }
 }
 
-struct Cached<M> {
-    mr: Arc<M>,
+struct Cached<M: Registration> {
+    /// `None` only while dropped.
+    mr: Option<Arc<M>>,
     /// Keeps the registered memory allocated while the NIC knows it: the buffer cannot be freed
     /// (and its pages handed to other data) as long as the registration is cached.
-    _keep: Bytes,
+    keep: Bytes,
     used: u64,
+}
+
+impl<M: Registration> Drop for Cached<M> {
+    fn drop(&mut self) {
+        if let Some(mr) = self.mr.take() {
+            // The last holder deregisters; a refusal leaks the buffer.
+            super::nic::release_or_leak(mr, std::mem::take(&mut self.keep));
+        }
+    }
 }
 
 /// The device's cache of registrations of the buffers RDMA writes send from (`FI_EFA_MR_CACHE_*`):
@@ -435,7 +450,7 @@ pub struct MrCache<M: Registration> {
     inner: parking_lot::Mutex<CacheInner<M>>,
 }
 
-struct CacheInner<M> {
+struct CacheInner<M: Registration> {
     entries: std::collections::HashMap<(usize, usize), Cached<M>>,
     bytes: usize,
     tick: u64,
@@ -465,9 +480,11 @@ impl<M: Registration> MrCache<M> {
         let mut g = self.inner.lock();
         g.tick += 1;
         let tick = g.tick;
-        if let Some(e) = g.entries.get_mut(&key) {
+        if let Some(e) = g.entries.get_mut(&key)
+            && let Some(mr) = &e.mr
+        {
             e.used = tick;
-            return Ok((e.mr.clone(), true));
+            return Ok((mr.clone(), true));
         }
         let mr = Arc::new(register()?);
         while g.entries.len() >= self.limits.count || g.bytes + len > self.limits.bytes {
@@ -481,8 +498,8 @@ impl<M: Registration> MrCache<M> {
         g.entries.insert(
             key,
             Cached {
-                mr: mr.clone(),
-                _keep: buf.clone(),
+                mr: Some(mr.clone()),
+                keep: buf.clone(),
                 used: tick,
             },
         );

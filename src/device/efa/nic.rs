@@ -14,6 +14,26 @@ use crate::error::Result;
 pub trait Registration: Send + Sync {
     /// Local key.
     fn lkey(&self) -> u32;
+    /// Deregisters now (dropping it does, too, if this was not called); only drop it after.
+    /// False when the NIC refused (`ibv_dereg_mr` failed): it may still use the memory, which
+    /// must then never be freed or reused (see [`release_or_leak`]). Later calls give the same
+    /// answer without asking the NIC again.
+    fn deregister(&mut self) -> bool;
+}
+
+/// Deregisters `mr` when this is its last reference, then drops `mem`, the memory it covers
+/// (or a handle keeping it allocated); when the NIC refuses, `mem` is leaked instead, never freed
+/// or reused, since the NIC may still use it. Not the last reference: the other holder, who
+/// holds the memory too, decides later. False when `mem` was leaked.
+pub fn release_or_leak<M: Registration, T>(mut mr: Arc<M>, mem: T) -> bool {
+    let ok = Arc::get_mut(&mut mr).is_none_or(|m| m.deregister());
+    drop(mr);
+    if ok {
+        drop(mem);
+    } else {
+        std::mem::forget(mem);
+    }
+    ok
 }
 
 /// One scatter/gather entry (`struct ibv_sge`).

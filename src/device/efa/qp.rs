@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use super::mr::{ACCESS_LOCAL_WRITE, LocalKey, LocalKeys, MrCache, SlotPool};
-use super::nic::{Nic, Payload, RawWc, Registration, SendOp, SendWqe};
+use super::nic::{Nic, Payload, RawWc, Registration, SendOp, SendWqe, release_or_leak};
 use super::status::status_from_wc;
 use super::verbs_error;
 use super::wr::WrTable;
@@ -270,12 +270,16 @@ impl<N: Nic> EfaQp<N> {
                 }
             }
             Res::Read { mr, buf, .. } => {
-                drop(mr);
-                drop(buf);
+                if deregistered(mr) {
+                    drop(buf);
+                } else {
+                    std::mem::forget(buf);
+                }
             }
             Res::Write { mr, src, .. } => {
-                drop(mr);
-                drop(src);
+                if let Some(mr) = mr {
+                    release_or_leak(mr, src);
+                }
             }
             Res::Send { slot: None, .. } | Res::Region { .. } => {}
         }
@@ -397,7 +401,16 @@ impl<N: Nic> EfaQp<N> {
             } => {
                 self.sends = self.sends.saturating_sub(1);
                 // Deregister before the buffer is handed back: after this the NIC cannot write it.
-                drop(mr);
+                if !deregistered(mr) {
+                    // The NIC may still write the buffer: it is never handed back or freed.
+                    std::mem::forget(buf);
+                    return DeviceCompletion::new(
+                        wr_id,
+                        Status::LocalQpInternalError,
+                        Opcode::RdmaRead,
+                        0,
+                    );
+                }
                 if ok {
                     // SAFETY: a successful read wrote exactly `len` bytes at the start of the
                     // buffer's capacity (`len <= capacity` was checked at posting), so they are
@@ -419,8 +432,11 @@ impl<N: Nic> EfaQp<N> {
             }
             Res::Write { mr, src, len, .. } => {
                 self.sends = self.sends.saturating_sub(1);
-                drop(mr);
-                drop(src);
+                // The last reference deregisters; a refusal leaks the buffer (the NIC may
+                // still read it) and the write completes all the same: its data went or not.
+                if let Some(mr) = mr {
+                    release_or_leak(mr, src);
+                }
                 if ok {
                     stats::inc(&c.rdma_ops);
                     stats::add(&c.rdma_bytes, len as u64);
@@ -1140,6 +1156,12 @@ impl<A> Staged<A> {
             },
         }
     }
+}
+
+/// Deregisters a read buffer's own registration (if it has one): false when the NIC refused,
+/// and the buffer must then be leaked.
+fn deregistered<M: Registration>(mr: Option<M>) -> bool {
+    mr.is_none_or(|mut m| m.deregister())
 }
 
 fn rkey_of(op: &'static str, key: u64) -> Result<u32> {

@@ -929,3 +929,67 @@ fn deliver_never_reallocates() {
     assert_eq!(deliver(&mut b, b"ab"), Status::Success);
     assert_eq!(&b[..], b"ab");
 }
+
+/// A registration the NIC refuses to release leaks the memory it covers instead of handing it
+/// back or freeing it (issue 30, point 12): a read completes in error without its buffer, a
+/// written buffer is never freed, a region's memory is never handed back by `close`.
+#[test]
+fn a_refused_deregistration_leaks_the_memory() {
+    use std::sync::atomic::AtomicBool;
+
+    /// A buffer that says when it is freed.
+    struct Tracked(Vec<u8>, Arc<AtomicBool>);
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
+
+    let mut q = qp_with(QpType::Srd, rdma());
+    let dest = RawAddr::new(gid(3), 4, 5);
+    let r = RemoteIov {
+        addr: 0x10_0000,
+        len: 4,
+        key: 0x42,
+    };
+    let freed = Arc::new(AtomicBool::new(false));
+    let written = Bytes::from_owner(Tracked(b"data".to_vec(), freed.clone()));
+    q.post_write(1, dest, written, r, None).unwrap();
+    q.post_read(2, dest, BytesMut::with_capacity(4), r).unwrap();
+    let base = q.nic_mut().live_regs();
+    q.nic_mut().fail_dereg.store(true, Ordering::SeqCst);
+    q.nic_mut().fill_read(1, b"back");
+    q.nic_mut().complete_send(0, IBV_WC_SUCCESS, 0);
+    q.nic_mut().complete_send(1, IBV_WC_SUCCESS, 0);
+    let c = poll_all(&mut q);
+    assert_eq!(
+        (c[0].wr_id, c[0].status),
+        (1, Status::Success),
+        "the write went"
+    );
+    assert_eq!(
+        (c[1].wr_id, c[1].status, c[1].buf.is_none()),
+        (2, Status::LocalQpInternalError, true),
+        "the read's buffer is not handed back"
+    );
+    assert!(
+        !freed.load(Ordering::SeqCst),
+        "the written buffer is never freed"
+    );
+    assert_eq!(q.nic_mut().live_regs(), base, "both registrations stay");
+    // A region: its memory stays, and closing hands back nothing.
+    let mem = crate::mem::RegionMem::new(BytesMut::from(&b"region"[..]));
+    let other = mem.clone();
+    super::super::release_region(super::super::fake::FakeMr::detached(9, true), mem);
+    assert!(other.take().is_empty());
+    assert_eq!(Arc::strong_count(&other), 2, "one reference leaked");
+    let mem = crate::mem::RegionMem::new(BytesMut::from(&b"region"[..]));
+    let other = mem.clone();
+    super::super::release_region(super::super::fake::FakeMr::detached(9, false), mem);
+    assert_eq!(&other.take()[..], b"region", "released normally");
+}

@@ -11,6 +11,7 @@ use std::mem::MaybeUninit;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use rdma_sys::{
@@ -236,6 +237,8 @@ impl Drop for Context {
 pub struct Pd {
     pub(super) pd: NonNull<ibv_pd>,
     ctx: Arc<Context>,
+    /// Registrations of this PD the NIC refused to release (`DeviceStats::dereg_failures`).
+    pub dereg_failures: AtomicU64,
 }
 
 // SAFETY: PD verbs are thread-safe; the PD is only deallocated in `Drop`, after every child
@@ -253,6 +256,7 @@ impl Pd {
         Ok(Arc::new(Pd {
             pd,
             ctx: ctx.clone(),
+            dereg_failures: AtomicU64::new(0),
         }))
     }
 
@@ -282,7 +286,10 @@ impl Pd {
         })?;
         Ok(EfaMr {
             mr,
-            _pd: self.clone(),
+            // SAFETY: just registered; libibverbs fills the struct before returning it.
+            fields: unsafe { mr.as_ptr().read() },
+            pd: self.clone(),
+            dereg: None,
         })
     }
 
@@ -310,7 +317,10 @@ impl Pd {
         })?;
         Ok(EfaMr {
             mr,
-            _pd: self.clone(),
+            // SAFETY: just registered; libibverbs fills the struct before returning it.
+            fields: unsafe { mr.as_ptr().read() },
+            pd: self.clone(),
+            dereg: None,
         })
     }
 }
@@ -396,7 +406,11 @@ impl AhFactory for Arc<Pd> {
 /// [`EfaDevice::register`](super::EfaDevice::register).
 pub struct EfaMr {
     mr: NonNull<ibv_mr>,
-    _pd: Arc<Pd>,
+    /// `*mr` as registered (read once: a successful deregistration frees it).
+    fields: ibv_mr,
+    pd: Arc<Pd>,
+    /// Set by the first deregistration: whether it succeeded.
+    dereg: Option<bool>,
 }
 
 // SAFETY: a registration is immutable after creation and only deregistered in `Drop`.
@@ -406,8 +420,7 @@ unsafe impl Sync for EfaMr {}
 
 impl EfaMr {
     fn fields(&self) -> &ibv_mr {
-        // SAFETY: the registration is live while `self` is.
-        unsafe { self.mr.as_ref() }
+        &self.fields
     }
 
     /// Local key (for this side's work requests).
@@ -451,15 +464,29 @@ impl Registration for EfaMr {
     fn lkey(&self) -> u32 {
         EfaMr::lkey(self)
     }
+
+    fn deregister(&mut self) -> bool {
+        if let Some(ok) = self.dereg {
+            return ok;
+        }
+        // SAFETY: registered by `ibv_reg_mr`/`ibv_reg_dmabuf_mr`, deregistered once (`dereg`).
+        let rc = unsafe { rdma_sys::ibv_dereg_mr(self.mr.as_ptr()) };
+        let ok = rc == 0;
+        if !ok {
+            self.pd.dereg_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                rc,
+                "efa: ibv_dereg_mr failed; the memory it covers is leaked (the NIC may still use it)"
+            );
+        }
+        self.dereg = Some(ok);
+        ok
+    }
 }
 
 impl Drop for EfaMr {
     fn drop(&mut self) {
-        // SAFETY: registered by `ibv_reg_mr`/`ibv_reg_dmabuf_mr`, deregistered once.
-        let rc = unsafe { rdma_sys::ibv_dereg_mr(self.mr.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(rc, "efa: ibv_dereg_mr failed");
-        }
+        self.deregister();
     }
 }
 
