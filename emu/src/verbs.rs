@@ -905,6 +905,20 @@ pub unsafe fn new_qp(
     {
         return null(libc::EINVAL);
     }
+    // libefa rounds both depths up to a power of two and reports them back; the kernel then
+    // checks the rounded depths against the device's maxima: where a maximum is not a power of
+    // two, asking for it exactly is refused.
+    let (Some(sq), Some(rq)) = (
+        cap.max_send_wr.max(1).checked_next_power_of_two(),
+        cap.max_recv_wr.max(1).checked_next_power_of_two(),
+    ) else {
+        return null(libc::EINVAL);
+    };
+    if sq > cfg.max_sq_wr || rq > cfg.max_rq_wr {
+        return null(libc::EINVAL);
+    }
+    cap.max_send_wr = sq;
+    cap.max_recv_wr = rq;
     let supported = IBV_QP_EX_WITH_SEND
         | IBV_QP_EX_WITH_SEND_WITH_IMM
         | if cfg.caps.rdma_read {

@@ -351,8 +351,8 @@ impl Device for EfaDevice {
             return Err(Error::new(ErrorKind::InvalidArgument, "create_qp")
                 .with_detail(format!("QKEY {qkey:#x} has the high (controlled) bit set")));
         }
-        let send_depth = attr.send_depth.clamp(1, a.max_send_wr.max(1));
-        let mut recv_depth = attr.recv_depth.clamp(1, a.max_recv_wr.max(1));
+        let send_depth = fit_depth(attr.send_depth, a.max_send_wr);
+        let mut recv_depth = fit_depth(attr.recv_depth, a.max_recv_wr);
         // Both queues complete into one CQ, which must hold them all.
         let max_cqe = self.queried.device.max_cqe as usize;
         if max_cqe > 0 && send_depth + recv_depth > max_cqe {
@@ -524,5 +524,33 @@ fn release_region<M: nic::Registration>(mut mr: M, mem: Arc<RegionMem>) {
         drop(mem);
     } else {
         mem.leak();
+    }
+}
+
+/// A queue depth the NIC takes: libefa rounds a depth up to a power of two and the kernel checks
+/// the rounded depth against the device's maximum, so where the maximum is not a power of two,
+/// a depth that rounds past it becomes the largest power of two within it (as libfabric rounds
+/// its sizes down).
+fn fit_depth(want: usize, max: usize) -> usize {
+    let max = max.max(1);
+    let want = want.clamp(1, max);
+    match want.checked_next_power_of_two() {
+        Some(p) if p <= max => want,
+        _ => 1 << max.ilog2(),
+    }
+}
+
+#[cfg(test)]
+mod depth_tests {
+    #[test]
+    fn depths_round_down_only_past_a_maximum_that_is_no_power_of_two() {
+        use super::fit_depth;
+        assert_eq!(fit_depth(1000, 4096), 1000, "libefa's rounding (1024) fits");
+        assert_eq!(fit_depth(1000, 1000), 512);
+        assert_eq!(fit_depth(3000, 3000), 2048);
+        assert_eq!(fit_depth(1024, 1000), 512);
+        assert_eq!(fit_depth(0, 1000), 1);
+        assert_eq!(fit_depth(5, 0), 1);
+        assert_eq!(fit_depth(usize::MAX, usize::MAX), 1 << (usize::BITS - 1));
     }
 }
