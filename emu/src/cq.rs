@@ -44,6 +44,9 @@ struct CqState {
     overrun: bool,
 }
 
+/// Completions lost to full CQs, process-wide (`EFA_EMU_STATS`).
+pub static CQ_LOST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The shared part of a CQ.
 pub struct CqCore {
     state: Mutex<CqState>,
@@ -91,16 +94,18 @@ impl CqCore {
     pub fn push(&self, c: Cqe) {
         let mut st = self.state.lock();
         if st.queue.len() >= self.capacity {
-            // A real CQ overruns; the EFA device then moves the QPs to the error state. Count it
-            // and keep the completion (the emulator's CQ has room in memory), so nothing is
-            // lost silently, but say so once.
+            // A full CQ overruns as a NIC's does: the completion is lost (the program's
+            // buffers and work requests it stood for are never reported). Counted
+            // (`EFA_EMU_STATS`: cq_lost) and said once per CQ.
+            CQ_LOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if !st.overrun {
                 tracing::warn!(
                     capacity = self.capacity,
-                    "efa-emu: completion queue overrun (more completions than its depth)"
+                    "efa-emu: completion queue overrun (more completions than its depth): completions are lost"
                 );
                 st.overrun = true;
             }
+            return;
         }
         st.queue.push_back(c);
         let fire = st.armed;

@@ -91,9 +91,10 @@ extern "C" fn print_stats() {
     if let Some(Ok(n)) = NIC.get() {
         use std::sync::atomic::Ordering::Relaxed;
         eprintln!(
-            "efa-emu stats: rdma_reads_posted: {}, rdma_writes_posted: {}, device: {:?}",
+            "efa-emu stats: rdma_reads_posted: {}, rdma_writes_posted: {}, cq_lost: {}, device: {:?}",
             n.rdma_reads.load(Relaxed),
             n.rdma_writes.load(Relaxed),
+            crate::cq::CQ_LOST.load(Relaxed),
             n.dev.stats()
         );
     }

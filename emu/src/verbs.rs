@@ -680,6 +680,8 @@ pub unsafe fn new_cq(
     unsolicited: bool,
 ) -> *mut ibv_cq_ex {
     // SAFETY: as the caller promises.
+    // libefa rounds the depth up to a power of two; the kernel checks that against the maximum.
+    let cqe = cqe.checked_next_power_of_two().unwrap_or(u32::MAX);
     if unsafe { context(ctx) }.is_none() || cqe == 0 || cqe > 1 << 20 {
         return null(libc::EINVAL);
     }

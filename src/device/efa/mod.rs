@@ -131,6 +131,8 @@ pub struct EfaDevice {
     mr_cache: Arc<mr::MrCache<EfaMr>>,
     /// Queue pairs' bounce pools go on huge pages when there are any (`FI_EFA_USE_HUGE_PAGE`).
     huge_pages: bool,
+    /// Entries of a queue pair's CQ with unsolicited write-recv, at least (`FI_EFA_CQ_SIZE`).
+    cq_size: usize,
 }
 
 impl std::fmt::Debug for EfaDevice {
@@ -197,6 +199,7 @@ impl EfaDevice {
             local_keys: Arc::default(),
             mr_cache: Arc::new(mr::MrCache::new(cache_limits)),
             huge_pages: config.huge_pages(),
+            cq_size: config.cq_size,
         }))
     }
 
@@ -353,17 +356,22 @@ impl Device for EfaDevice {
         }
         let send_depth = fit_depth(attr.send_depth, a.max_send_wr);
         let mut recv_depth = fit_depth(attr.recv_depth, a.max_recv_wr);
-        // Both queues complete into one CQ, which must hold them all.
-        let max_cqe = self.queried.device.max_cqe as usize;
-        if max_cqe > 0 && send_depth + recv_depth > max_cqe {
-            let fit = max_cqe.saturating_sub(send_depth).max(1);
+        // Both queues complete into one CQ, which must hold them all (libefa rounds its depth up
+        // to a power of two, which the kernel checks against the maximum, as for queues).
+        let max_cqe = match self.queried.device.max_cqe as usize {
+            0 => usize::MAX,
+            m => m,
+        };
+        let fit = fit_depth(send_depth + recv_depth, max_cqe);
+        if send_depth + recv_depth > fit {
+            let lower = fit.saturating_sub(send_depth).max(1);
             tracing::debug!(
                 recv_depth,
-                fit,
+                lower,
                 max_cqe,
                 "efa: receive depth lowered to fit the CQ"
             );
-            recv_depth = fit;
+            recv_depth = lower;
         }
         let srd = attr.qp_type == QpType::Srd;
         let caps = if srd {
@@ -374,6 +382,9 @@ impl Device for EfaDevice {
                 ..Default::default()
             }
         };
+        let unsolicited = caps.unsolicited_write_recv
+            && caps.rdma_write
+            && attr.unsolicited_write_recv.unwrap_or(true);
         let spec = verbs_nic::QpSpec {
             qp_type: attr.qp_type,
             send_depth: u32::try_from(send_depth).unwrap_or(u32::MAX),
@@ -382,8 +393,14 @@ impl Device for EfaDevice {
             max_inline: u32::try_from(a.inline_size).unwrap_or(0),
             rdma_read: caps.rdma_read,
             rdma_write: caps.rdma_write,
-            unsolicited_write_recv: caps.unsolicited_write_recv
-                && attr.unsolicited_write_recv.unwrap_or(true),
+            unsolicited_write_recv: unsolicited,
+            cq_depth: u32::try_from(cq_depth(
+                send_depth,
+                recv_depth,
+                unsolicited.then_some(self.cq_size),
+                max_cqe,
+            ))
+            .unwrap_or(u32::MAX),
             cq_with_sgid: self.queried.efa.cq_with_sgid(),
             qkey,
             rnr_retry: attr.rnr_retry,
@@ -540,6 +557,16 @@ fn fit_depth(want: usize, max: usize) -> usize {
     }
 }
 
+/// The entries of a queue pair's CQ. Every send and every posted receive completes once into
+/// it; with unsolicited write-recv (`unsolicited`: the configured `FI_EFA_CQ_SIZE`), a peer's
+/// RDMA writes with immediate data complete into it too without taking a receive, so nothing
+/// bounds them but polling: the CQ gets at least `FI_EFA_CQ_SIZE` entries, as libfabric sizes
+/// its CQs, within the device's maximum. A real CQ that overflows loses completions.
+fn cq_depth(send: usize, recv: usize, unsolicited: Option<usize>, max_cqe: usize) -> usize {
+    let want = (send + recv).max(unsolicited.unwrap_or(0));
+    fit_depth(want, max_cqe)
+}
+
 #[cfg(test)]
 mod depth_tests {
     #[test]
@@ -552,5 +579,18 @@ mod depth_tests {
         assert_eq!(fit_depth(0, 1000), 1);
         assert_eq!(fit_depth(5, 0), 1);
         assert_eq!(fit_depth(usize::MAX, usize::MAX), 1 << (usize::BITS - 1));
+    }
+
+    #[test]
+    fn a_cq_with_unsolicited_writes_holds_at_least_the_configured_size() {
+        use super::cq_depth;
+        assert_eq!(cq_depth(8, 8, None, 32768), 16);
+        assert_eq!(cq_depth(8, 8, Some(8192), 32768), 8192);
+        assert_eq!(
+            cq_depth(8, 8, Some(8192), 5000),
+            4096,
+            "within the device's maximum"
+        );
+        assert_eq!(cq_depth(4096, 8192, Some(8192), 32768), 4096 + 8192);
     }
 }

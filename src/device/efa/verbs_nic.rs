@@ -102,6 +102,8 @@ pub struct QpSpec {
     pub rdma_write: bool,
     /// Ask for unsolicited write-recv (SRD with RDMA write only).
     pub unsolicited_write_recv: bool,
+    /// Entries of the CQ (at least `send_depth + recv_depth`).
+    pub cq_depth: u32,
     /// Ask the CQ for the GID of unknown senders.
     pub cq_with_sgid: bool,
     /// The QKEY.
@@ -135,7 +137,7 @@ impl VerbsNic {
         let want_uns = srd && spec.rdma_write && spec.unsolicited_write_recv;
         let cq = Cq::create(
             &ctx,
-            spec.send_depth.saturating_add(spec.recv_depth),
+            spec.cq_depth.max(1),
             spec.cq_with_sgid,
             want_uns,
             notifier,
