@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `EFA_EMU_ADDR` | `127.a.b.c` from the process id | IP address of this NIC: its GID and the address its queue pairs bind to |
 //! | `EFA_EMU_DEVICE` | `efa_0` | device name (libfabric's domain is `<name>-rdm` / `<name>-dgrm`) |
-//! | `EFA_EMU_CAPS` | `rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid` | `device_caps`, comma-separated; `none` for none (without `cq_with_sgid`, CQs cannot report unknown senders' GIDs, as on older kernels) |
+//! | `EFA_EMU_CAPS` | `rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid,cq_notifications` | `device_caps`, comma-separated; `none` for none (without `cq_with_sgid`, CQs cannot report unknown senders' GIDs, as on older kernels; without `cq_notifications`, a CQ with a completion channel is refused with `EOPNOTSUPP`, as on kernels without event queues) |
 //! | `EFA_EMU_MTU` | 8928 | port MTU = largest send |
 //! | `EFA_EMU_INLINE` | 32 | `inline_buf_size` |
 //! | `EFA_EMU_MAX_SQ_WR` / `EFA_EMU_MAX_RQ_WR` | 4096 / 32768 | queue depths |
@@ -31,10 +31,15 @@ pub struct Caps {
     pub unsolicited_write_recv: bool,
     /// CQs may report the GID of a sender the receiver holds no AH for.
     pub cq_with_sgid: bool,
+    /// CQs may have a completion channel (the kernel's `EFA_QUERY_DEVICE_CAPS_CQ_NOTIFICATIONS`,
+    /// reported only by kernels with event queues; not an `efadv` bit: libefa refuses a CQ with
+    /// a channel with `EOPNOTSUPP` without it).
+    pub cq_notifications: bool,
 }
 
 /// `EFA_EMU_CAPS` when unset: everything.
-const ALL_CAPS: &str = "rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid";
+const ALL_CAPS: &str =
+    "rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid,cq_notifications";
 
 impl Caps {
     /// The `EFADV_DEVICE_ATTR_CAPS_*` bits.
@@ -110,6 +115,7 @@ fn parse_caps(v: &str) -> Result<Caps, String> {
         rnr_retry: false,
         unsolicited_write_recv: false,
         cq_with_sgid: false,
+        cq_notifications: false,
     };
     for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         match item {
@@ -119,6 +125,7 @@ fn parse_caps(v: &str) -> Result<Caps, String> {
             "rnr_retry" => c.rnr_retry = true,
             "unsolicited_write_recv" => c.unsolicited_write_recv = true,
             "cq_with_sgid" => c.cq_with_sgid = true,
+            "cq_notifications" => c.cq_notifications = true,
             other => {
                 return Err(format!(
                     "EFA_EMU_CAPS: unknown capability {other:?} ({}, none)",

@@ -682,8 +682,16 @@ pub unsafe fn new_cq(
     // SAFETY: as the caller promises.
     // libefa rounds the depth up to a power of two; the kernel checks that against the maximum.
     let cqe = cqe.checked_next_power_of_two().unwrap_or(u32::MAX);
-    if unsafe { context(ctx) }.is_none() || cqe == 0 || cqe > 1 << 20 {
+    // SAFETY: as the caller promises.
+    let Some(c) = (unsafe { context(ctx) }) else {
         return null(libc::EINVAL);
+    };
+    if cqe == 0 || cqe > 1 << 20 {
+        return null(libc::EINVAL);
+    }
+    if !channel.is_null() && !c.nic.cfg.caps.cq_notifications {
+        // libefa: no completion channel without the kernel's CQ_NOTIFICATIONS.
+        return null(libc::EOPNOTSUPP);
     }
     // SAFETY: as the caller promises.
     let ch = unsafe { obj::<Channel, _>(channel) };

@@ -172,6 +172,8 @@ pub(super) struct Cq {
     armer: Option<Arc<Armer>>,
     /// Dropped after the CQ (field order).
     channel: Option<Channel>,
+    /// The wake source when there is no channel.
+    ticker: Option<Ticker>,
     _ctx: Arc<Context>,
 }
 
@@ -221,6 +223,94 @@ impl SleepHook for Armer {
         }
         // Completions that came before the arming raise no event: the waiter polls once more.
         self.notifier.notify();
+    }
+}
+
+/// How often a CQ without completion events wakes a sleeping waiter to poll again.
+pub(super) const POLL_TICK: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The wake source of a CQ without completion events (a device without CQ notifications, whose
+/// libefa refuses a completion channel): nothing would wake a waiter on the queue pair's
+/// notifier, so while one is about to sleep (a [`SleepHook`]) a thread signals the notifier
+/// after [`POLL_TICK`], and the waiter polls again. A program that busy-polls never arms it.
+pub(super) struct Ticker {
+    /// The hook (the notifier holds it weakly: it goes with the ticker).
+    _state: Arc<TickState>,
+    thread: Option<crate::progress::Background>,
+}
+
+struct TickState {
+    armed: parking_lot::Mutex<bool>,
+    cond: parking_lot::Condvar,
+    stop: Arc<AtomicBool>,
+    notifier: std::sync::Weak<Notifier>,
+}
+
+impl SleepHook for TickState {
+    fn before_sleep(&self) {
+        let mut a = self.armed.lock();
+        if !*a {
+            *a = true;
+            self.cond.notify_one();
+        }
+    }
+}
+
+impl Ticker {
+    /// Starts the thread and registers the hook on `notifier`.
+    fn start(notifier: &Arc<Notifier>, name: String) -> Result<Ticker> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let state = Arc::new(TickState {
+            armed: parking_lot::Mutex::new(false),
+            cond: parking_lot::Condvar::new(),
+            stop: stop.clone(),
+            notifier: Arc::downgrade(notifier),
+        });
+        let (s, w) = (state.clone(), state.clone());
+        let thread = crate::progress::Background::spawn(
+            name,
+            &stop,
+            move || {
+                let _g = w.armed.lock();
+                w.cond.notify_one();
+            },
+            move || tick_thread(&s),
+        )
+        .map_err(|e| Error::io("efa_poll_tick_thread", e))?;
+        let hook: std::sync::Weak<dyn SleepHook> = Arc::downgrade(&state) as _;
+        notifier.add_sleep_hook(hook);
+        Ok(Ticker {
+            _state: state,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn tick_thread(s: &TickState) {
+    loop {
+        {
+            let mut a = s.armed.lock();
+            while !*a && !s.stop.load(Ordering::Acquire) {
+                s.cond.wait(&mut a);
+            }
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+            *a = false;
+        }
+        std::thread::sleep(POLL_TICK);
+        match s.notifier.upgrade() {
+            Some(n) => n.notify(),
+            None => return,
+        }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        if let Some(mut t) = self.thread.take() {
+            t.stop();
+        }
     }
 }
 
@@ -279,6 +369,8 @@ impl Cq {
             notifier.add_sleep_hook(hook);
             cq.armer = Some(armer);
             cq.channel = Some(ch);
+        } else {
+            cq.ticker = Some(Ticker::start(notifier, format!("{thread_name}-tick"))?);
         }
         Ok(cq)
     }
@@ -370,6 +462,7 @@ impl Cq {
             sgid: sgid_ok,
             unsolicited: uns_ok,
             armer: None,
+            ticker: None,
             channel: None,
             _ctx: ctx.clone(),
         })
