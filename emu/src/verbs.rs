@@ -650,6 +650,14 @@ pub unsafe extern "C" fn emu_ibv_create_comp_channel(
     })
 }
 
+/// The number of CQs using a channel (`ibv_comp_channel::refcnt`), updated atomically: CQs of
+/// one channel are made and destroyed from any thread, and only this library touches it.
+fn channel_refs<'a>(ch: *mut ibv_comp_channel) -> &'a std::sync::atomic::AtomicI32 {
+    // SAFETY: a live channel this library made (callers checked); `c_int` and `AtomicI32` have
+    // the same size and alignment, and every access to the field goes through this.
+    unsafe { std::sync::atomic::AtomicI32::from_ptr(&raw mut (*ch).refcnt) }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
     guard(libc::EIO, || {
@@ -657,7 +665,7 @@ pub unsafe extern "C" fn emu_ibv_destroy_comp_channel(ch: *mut ibv_comp_channel)
         let Some(c) = (unsafe { obj::<Channel, _>(ch) }) else {
             return libc::EINVAL;
         };
-        if c.ch.refcnt > 0 {
+        if channel_refs(ch).load(Ordering::Acquire) > 0 {
             return libc::EBUSY;
         }
         c.core.close();
@@ -720,9 +728,8 @@ pub unsafe fn new_cq(
         wc_read_sgid: sgid.then_some(crate::poll::wc_read_sgid as ReadSgidFn),
         wc_is_unsolicited: unsolicited.then_some(crate::poll::wc_is_unsolicited as IsUnsolicitedFn),
     };
-    if let Some(c) = ch {
-        // SAFETY: the channel is ours; the program does not touch refcnt.
-        unsafe { (*(channel)).refcnt = c.ch.refcnt + 1 };
+    if ch.is_some() {
+        channel_refs(channel).fetch_add(1, Ordering::AcqRel);
     }
     core.ibv.store(0, Ordering::Relaxed);
     let keep = core.clone();
@@ -777,8 +784,7 @@ pub unsafe extern "C" fn emu_ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
             return libc::EBUSY;
         }
         if !c.cq.channel.is_null() {
-            // SAFETY: the CQ's channel outlives it (destroying it is refused while counted).
-            unsafe { (*c.cq.channel).refcnt -= 1 };
+            channel_refs(c.cq.channel).fetch_sub(1, Ordering::AcqRel);
         }
         // SAFETY: given back once.
         drop(unsafe { Box::from_raw(cq as *mut Cq) });
@@ -825,8 +831,16 @@ pub unsafe extern "C" fn emu_ibv_get_cq_event(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_ack_cq_events(cq: *mut ibv_cq, n: u32) {
     if !cq.is_null() {
-        // SAFETY: the program's CQ.
-        unsafe { (*cq).comp_events_completed = (*cq).comp_events_completed.wrapping_add(n) };
+        // As libibverbs: under the CQ's mutex (threads may acknowledge events of one CQ at
+        // once), signalling its condition.
+        // SAFETY: the program's CQ; its mutex and condition were zero-initialized (the
+        // initializers) when this library made it.
+        unsafe {
+            libc::pthread_mutex_lock(&raw mut (*cq).mutex.0);
+            (*cq).comp_events_completed = (*cq).comp_events_completed.wrapping_add(n);
+            libc::pthread_cond_signal(&raw mut (*cq).cond.0);
+            libc::pthread_mutex_unlock(&raw mut (*cq).mutex.0);
+        }
     }
 }
 
