@@ -26,10 +26,20 @@ use crate::mem::{Access, RegionMem, RegionSlice, RemoteKey};
 /// operation, so two operations in flight can never hold the same bytes.
 ///
 /// Read and write its bytes with the [`read`](MemoryRegion::read) and
-/// [`write`](MemoryRegion::write) guards: remote accesses (RDMA by a peer's device, or emulated
-/// RMA) take the same lock, so a guard never sees a remote write half done. Do not hold a guard
-/// while this thread posts an RDMA operation that targets the same region (the device would wait
-/// for the guard); a guard held in another thread only delays remote accesses.
+/// [`write`](MemoryRegion::write) guards. What a guard holds off depends on who serves remote
+/// access:
+///
+/// * **Emulated RMA and the software devices** (`udp`, `shm`, `loopback`) take the same lock,
+///   so there a guard never sees a remote write half done, and a remote access waits for it. Do
+///   not hold a guard while this thread posts an RDMA operation that targets the same region
+///   (the device would wait for the guard); a guard held in another thread only delays remote
+///   accesses.
+/// * **A NIC** (the `efa` device with device RDMA) reads and writes the registered memory by
+///   DMA, knowing nothing of the lock: a guard does not hold a peer's write or read off, and
+///   bytes a peer writes while a guard looks at them are unspecified (never other memory), as on
+///   any RDMA NIC. Order accesses by protocol instead: a write with immediate data, or a message
+///   sent after the write completed, tells the target its bytes are there; revoke the key
+///   ([`close`](MemoryRegion::close)) to stop remote access for good. See `docs/rma.md`.
 ///
 /// Dropping it (or [`MemoryRegion::close`]) revokes its key first; remote accesses that arrive
 /// later fail with `RemoteAccess` (`Status::RemoteBadAddress` on the device).
