@@ -51,7 +51,8 @@ lscpu | grep "Model name" || true
 # 1, client 2); elsewhere it just runs.
 on_nic() {
     local n=$1; shift
-    if [ -n "$emu" ]; then "$efa_emu" run --addr "127.0.9.$n" -- "$@"; else "$@"; fi
+    # Measured without the emulated NIC's default reordering (EFA_EMU_FAULTS=none).
+    if [ -n "$emu" ]; then EFA_EMU_FAULTS=${EFA_EMU_FAULTS:-none} "$efa_emu" run --addr "127.0.9.$n" -- "$@"; else "$@"; fi
 }
 port=$((40000 + RANDOM % 20000))
 tmp=$(mktemp -d)

@@ -34,6 +34,8 @@ pub const IBV_QP_PORT: c_int = 1 << 5;
 pub const IBV_QP_QKEY: c_int = 1 << 6;
 pub const IBV_QP_RNR_RETRY: c_int = 1 << 11;
 pub const IBV_QP_SQ_PSN: c_int = 1 << 16;
+pub const IBV_QP_CUR_STATE: c_int = 1 << 1;
+pub const IBV_QP_EN_SQD_ASYNC_NOTIFY: c_int = 1 << 2;
 
 // enum ibv_qp_init_attr_mask
 pub const IBV_QP_INIT_ATTR_PD: u32 = 1 << 0;
@@ -74,6 +76,8 @@ pub const IBV_WC_LOC_PROT_ERR: c_int = 4;
 pub const IBV_WC_WR_FLUSH_ERR: c_int = 5;
 pub const IBV_WC_BAD_RESP_ERR: c_int = 7;
 pub const IBV_WC_REM_INV_REQ_ERR: c_int = 9;
+pub const IBV_WC_REM_ACCESS_ERR: c_int = 10;
+pub const IBV_WC_REM_OP_ERR: c_int = 11;
 pub const IBV_WC_RNR_RETRY_EXC_ERR: c_int = 13;
 pub const IBV_WC_REM_INV_RD_REQ_ERR: c_int = 15;
 pub const IBV_WC_REM_ABORT_ERR: c_int = 16;

@@ -11,7 +11,7 @@
 //! | `EFA_EMU_MAX_SQ_SGE` / `EFA_EMU_MAX_RQ_SGE` | 2 / 3 | scatter/gather entries per work request |
 //! | `EFA_EMU_MAX_RDMA_SIZE` | 1 GiB | largest RDMA read or write |
 //! | `EFA_EMU_VENDOR_PART_ID` | `0xefa2` | `vendor_part_id` (libfabric 1.17 uses device RDMA only above 0xefa1) |
-//! | `EFA_EMU_FAULTS` | none | seeded faults on every outgoing datagram: `seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS` |
+//! | `EFA_EMU_FAULTS` | `seed=1,reorder=0.01` | seeded faults on every outgoing datagram: `seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS`, or `none` (SRD keeps no order, so by default 1% are held back behind a later datagram) |
 //! | `EFA_EMU_MEMLOCK` | `RLIMIT_MEMLOCK` | bytes a process may register; enforced even with `CAP_IPC_LOCK` when set |
 //! | `EFA_EMU_UNRESPONSIVE_MS` | 5000 | a peer silent this long fails sends with "unresponsive remote" (13) |
 //! | `EFA_EMU_STATS` | unset | print the NIC's counters to stderr at exit |
@@ -137,6 +137,10 @@ fn parse_caps(v: &str) -> Result<Caps, String> {
     Ok(c)
 }
 
+/// `EFA_EMU_FAULTS` when unset: SRD (and UD) keep no order, so 1% of datagrams are held back
+/// behind a later one (seeded; `EFA_EMU_FAULTS=none` for none).
+pub const DEFAULT_FAULTS: &str = "seed=1,reorder=0.01";
+
 /// `seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS`.
 pub fn parse_faults(v: &str) -> Result<FaultConfig, String> {
     let mut f = FaultConfig::seeded(0);
@@ -206,8 +210,11 @@ impl EmuConfig {
             }
         };
         let faults = match get("EFA_EMU_FAULTS") {
+            Some(v) if v.trim() == "none" => FaultConfig::default(),
             Some(v) => parse_faults(&v)?,
-            None => FaultConfig::default(),
+            // SRD delivers in any order: a little reordering unless told otherwise, so that
+            // nothing comes to rely on an order a NIC does not keep.
+            None => parse_faults(DEFAULT_FAULTS)?,
         };
         Ok(EmuConfig {
             addr,
@@ -259,7 +266,12 @@ mod tests {
         assert_eq!(c.vendor_part_id, 0xefa2);
         assert!(c.caps.rdma_read && c.caps.rdma_write && c.caps.rnr_retry);
         assert!(c.addr.is_loopback());
-        assert!(c.faults.is_none());
+        assert!(
+            !c.faults.is_none() && c.faults.reorder > 0.0,
+            "a little reordering"
+        );
+        assert_eq!(c.faults.drop, 0.0);
+        assert!(cfg(&[("EFA_EMU_FAULTS", "none")]).unwrap().faults.is_none());
     }
 
     #[test]

@@ -52,11 +52,24 @@ pub unsafe extern "C" fn emu_efadv_create_qp_ex(
         let (Some(a), Some(e)) = (unsafe { attr.as_mut() }, unsafe { efa_attr.as_ref() }) else {
             return null(libc::EINVAL);
         };
-        if (inlen as usize) < std::mem::offset_of!(efadv_qp_init_attr, flags)
-            || e.driver_qp_type != EFADV_QP_DRIVER_TYPE_SRD
-            || a.comp_mask & IBV_QP_INIT_ATTR_PD == 0
+        // As libefa: the fields it knows of an `inlen` it understands, nothing in `comp_mask`
+        // or `reserved`, and zeros in any tail it does not know.
+        let len = inlen as usize;
+        if len < std::mem::offset_of!(efadv_qp_init_attr, flags)
+            || e.comp_mask != 0
+            || (len > std::mem::offset_of!(efadv_qp_init_attr, reserved) && e.reserved != 0)
+            // SAFETY: the program gave `inlen` bytes.
+            || !unsafe { ext_cleared(efa_attr.cast(), std::mem::size_of::<efadv_qp_init_attr>(), len) }
             || a.qp_type != IBV_QPT_DRIVER
         {
+            return null(libc::EINVAL);
+        }
+        if e.driver_qp_type != EFADV_QP_DRIVER_TYPE_SRD
+            || a.comp_mask & !(IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) != 0
+        {
+            return null(libc::EOPNOTSUPP);
+        }
+        if a.comp_mask & IBV_QP_INIT_ATTR_PD == 0 || !a.srq.is_null() {
             return null(libc::EINVAL);
         }
         let flags = if inlen as usize >= std::mem::offset_of!(efadv_qp_init_attr, sl) {
@@ -152,18 +165,26 @@ pub unsafe extern "C" fn emu_efadv_create_cq(
         let (Some(a), Some(e)) = (unsafe { attr.as_ref() }, unsafe { efa_attr.as_ref() }) else {
             return null(libc::EINVAL);
         };
-        let wc_flags = if inlen as usize >= std::mem::size_of::<efadv_cq_init_attr>() {
-            e.wc_flags
-        } else {
-            0
-        };
-        // SAFETY: the program's context (null is refused by new_cq below).
-        let no_sgid =
-            unsafe { crate::verbs::context(ctx) }.is_some_and(|c| !c.nic.cfg.caps.cq_with_sgid);
-        if a.wc_flags & !IBV_WC_STANDARD_FLAGS != 0
-            || wc_flags & !(EFADV_WC_EX_WITH_SGID | EFADV_WC_EX_WITH_IS_UNSOLICITED) != 0
-            || (no_sgid && wc_flags & EFADV_WC_EX_WITH_SGID != 0)
+        // As libefa: `wc_flags` within `inlen`, nothing in `comp_mask`, zeros in an unknown tail.
+        let len = inlen as usize;
+        if len < std::mem::size_of::<efadv_cq_init_attr>()
+            || e.comp_mask != 0
+            // SAFETY: the program gave `inlen` bytes.
+            || !unsafe { ext_cleared(efa_attr.cast(), std::mem::size_of::<efadv_cq_init_attr>(), len) }
         {
+            return null(libc::EINVAL);
+        }
+        let wc_flags = e.wc_flags;
+        // SAFETY: the program's context (null is refused by new_cq below).
+        let caps = unsafe { crate::verbs::context(ctx) }.map(|c| c.nic.cfg.caps);
+        let mut supported = 0;
+        if caps.is_some_and(|c| c.cq_with_sgid) {
+            supported |= EFADV_WC_EX_WITH_SGID;
+        }
+        if caps.is_some_and(|c| c.unsolicited_write_recv) {
+            supported |= EFADV_WC_EX_WITH_IS_UNSOLICITED;
+        }
+        if a.wc_flags & !IBV_WC_STANDARD_FLAGS != 0 || wc_flags & !supported != 0 {
             return null(libc::EOPNOTSUPP);
         }
         // SAFETY: the program's context and channel.
@@ -188,4 +209,20 @@ pub unsafe extern "C" fn emu_efadv_cq_from_ibv_cq_ex(cq: *mut ibv_cq_ex) -> *mut
     let off = std::mem::offset_of!(crate::verbs::Cq, dv);
     // SAFETY: every ibv_cq_ex this library hands out is the first field of a `Cq`.
     unsafe { (cq as *mut u8).add(off) as *mut efadv_cq }
+}
+
+/// Whether the bytes of a `len`-byte argument past the `known` bytes of its struct are all zero
+/// (libibverbs' `is_ext_cleared`: a newer caller's fields this version does not know must be
+/// unset).
+///
+/// # Safety
+///
+/// `p` points to `len` readable bytes.
+unsafe fn ext_cleared(p: *const u8, known: usize, len: usize) -> bool {
+    if len <= known {
+        return true;
+    }
+    // SAFETY: the caller's contract.
+    let tail = unsafe { std::slice::from_raw_parts(p.add(known), len - known) };
+    tail.iter().all(|&b| b == 0)
 }

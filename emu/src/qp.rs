@@ -105,7 +105,10 @@ fn status_of(s: Status) -> (c_int, u32) {
         Status::BadDestQpn => IBV_WC_REM_INV_RD_REQ_ERR,
         Status::RemoteBadStatus => IBV_WC_BAD_RESP_ERR,
         Status::RemoteBadLength => IBV_WC_REM_INV_REQ_ERR,
-        Status::UnresponsiveRemote => IBV_WC_RESP_TIMEOUT_ERR,
+        Status::UnresponsiveRemote | Status::UnreachableRemote => IBV_WC_RESP_TIMEOUT_ERR,
+        Status::RemoteBadAddress => IBV_WC_REM_ACCESS_ERR,
+        Status::UnknownPeer => IBV_WC_REM_OP_ERR,
+        Status::FeatureMismatch => IBV_WC_REM_INV_REQ_ERR,
         _ => IBV_WC_GENERAL_ERR,
     };
     (st, code)
@@ -434,8 +437,14 @@ impl QpCore {
                     tracing::debug!(wr_id = c.wr_id, "efa-emu: completion of an unknown send");
                     return;
                 };
-                // EFA reports every send-queue completion as a send, with no length.
-                e.opcode = IBV_WC_SEND;
+                // As rdma-core (v46 on) reads EFA's completions: an RDMA write is
+                // `IBV_WC_RDMA_WRITE`, every other send-queue completion a send (RDMA reads
+                // too); no length.
+                e.opcode = if c.opcode == Opcode::RdmaWrite {
+                    IBV_WC_RDMA_WRITE
+                } else {
+                    IBV_WC_SEND
+                };
                 match p {
                     Pending::Send { wr_id } => e.wr_id = wr_id,
                     Pending::Read { wr_id, sges } => {

@@ -1084,6 +1084,48 @@ unsafe extern "C" fn emu_create_qp_ex(
     })
 }
 
+/// The attribute masks the EFA kernel driver takes for a transition (`efa_modify_qp_validate`:
+/// its supported mask, then the IB core's table for UD, `ib_modify_qp_is_ok`, with
+/// `IBV_QP_RNR_RETRY` allowed on SRD where the device has the capability): `EOPNOTSUPP` for an
+/// attribute EFA never takes, `EINVAL` for one the transition does not take or a required one
+/// missing.
+fn modify_mask_ok(
+    cur: c_int,
+    next: c_int,
+    mask: c_int,
+    qp_type: QpType,
+    cfg: &crate::config::EmuConfig,
+) -> Result<(), c_int> {
+    let supported = IBV_QP_STATE
+        | IBV_QP_CUR_STATE
+        | IBV_QP_EN_SQD_ASYNC_NOTIFY
+        | IBV_QP_PKEY_INDEX
+        | IBV_QP_PORT
+        | IBV_QP_QKEY
+        | IBV_QP_SQ_PSN
+        | IBV_QP_RNR_RETRY;
+    if mask & !supported != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    if mask & IBV_QP_RNR_RETRY != 0 && (qp_type != QpType::Srd || !cfg.caps.rnr_retry) {
+        return Err(libc::EOPNOTSUPP);
+    }
+    let mask = mask & !IBV_QP_RNR_RETRY & !IBV_QP_STATE;
+    let (required, optional) = match (cur, next) {
+        (_, IBV_QPS_RESET) | (_, IBV_QPS_ERR) => (0, 0),
+        (IBV_QPS_RESET, IBV_QPS_INIT) => (IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY, 0),
+        (IBV_QPS_INIT, IBV_QPS_INIT) => (0, IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY),
+        (IBV_QPS_INIT, IBV_QPS_RTR) => (0, IBV_QP_PKEY_INDEX | IBV_QP_QKEY),
+        (IBV_QPS_RTR, IBV_QPS_RTS) => (IBV_QP_SQ_PSN, IBV_QP_CUR_STATE | IBV_QP_QKEY),
+        (IBV_QPS_RTS, IBV_QPS_RTS) => (0, IBV_QP_CUR_STATE | IBV_QP_QKEY),
+        _ => return Err(libc::EINVAL),
+    };
+    if mask & required != required || mask & !(required | optional) != 0 {
+        return Err(libc::EINVAL);
+    }
+    Ok(())
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_modify_qp(
     qp: *mut ibv_qp,
@@ -1096,6 +1138,14 @@ pub unsafe extern "C" fn emu_ibv_modify_qp(
             return libc::EINVAL;
         };
         let mut state = q.core.state.lock();
+        let next = if mask & IBV_QP_STATE != 0 {
+            a.qp_state
+        } else {
+            *state
+        };
+        if let Err(e) = modify_mask_ok(*state, next, mask, q.core.qp_type, &q.core.nic.cfg) {
+            return e;
+        }
         let mut m = QpModify::default();
         if mask & IBV_QP_QKEY != 0 {
             m.qkey = Some(a.qkey);
@@ -1109,11 +1159,6 @@ pub unsafe extern "C" fn emu_ibv_modify_qp(
         if mask & IBV_QP_PORT != 0 && a.port_num != 1 {
             return libc::EINVAL;
         }
-        let next = if mask & IBV_QP_STATE != 0 {
-            a.qp_state
-        } else {
-            *state
-        };
         // The verbs state machine (RESET -> INIT -> RTR -> RTS; any -> RESET or ERR).
         let ok = match (*state, next) {
             (s, n) if s == n => true,

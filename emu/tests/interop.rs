@@ -687,3 +687,155 @@ fn rdma_from_an_initiator_without_an_ah_is_refused_with_14() {
     let c = read(&mut u, 2);
     assert!(c.status.is_ok(), "{c:?}");
 }
+
+/// Posts one RDMA write (or read) of `len` bytes at `off` of `from`'s buffer to `rkey`/`raddr`
+/// at `to`, through the `ibv_wr_*` table.
+fn post_rdma(from: &EmuQp, ah: *mut ibv_ah, to: &EmuQp, write: bool, rkey: u32, raddr: u64) {
+    // SAFETY: our queue pair, its registered buffer and an AH for the target.
+    unsafe {
+        let q = &*from.qpx;
+        q.wr_start.unwrap()(from.qpx);
+        (*from.qpx).wr_id = 9;
+        if write {
+            q.wr_rdma_write.unwrap()(from.qpx, rkey, raddr);
+        } else {
+            q.wr_rdma_read.unwrap()(from.qpx, rkey, raddr);
+        }
+        q.wr_set_ud_addr.unwrap()(from.qpx, ah, u32::from(to.qpn()), to.qkey);
+        q.wr_set_sge.unwrap()(from.qpx, (*from.mr).lkey, from.buf.as_ptr() as u64, 8);
+        assert_eq!(q.wr_complete.unwrap()(from.qpx), 0);
+    }
+}
+
+/// As rdma-core reads EFA's completions (issue 30, point 8): an RDMA write completes as
+/// `IBV_WC_RDMA_WRITE` (rdma-core 46 on), a read as a send; a bad remote address (EFA status 7)
+/// is `IBV_WC_REM_ACCESS_ERR`, not `IBV_WC_GENERAL_ERR`.
+#[test]
+fn rdma_opcodes_and_statuses_as_rdma_core_reports_them() {
+    let a = emu_qp();
+    let b = emu_qp();
+    let (ah, _) = create_ah(a.pd, b.gid);
+    let _back = create_ah(b.pd, a.gid);
+    // SAFETY: reading the registration's fields.
+    let (rkey, base) = unsafe { ((*b.mr).rkey, (*b.mr).addr as u64) };
+    post_rdma(&a, ah, &b, true, rkey, base);
+    let (_, status, opcode, ..) = a.poll_until("write");
+    assert_eq!((status, opcode), (IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE));
+    post_rdma(&a, ah, &b, false, rkey, base);
+    let (_, status, opcode, ..) = a.poll_until("read");
+    assert_eq!((status, opcode), (IBV_WC_SUCCESS, IBV_WC_SEND));
+    post_rdma(&a, ah, &b, true, rkey ^ 0x0100_0000, base);
+    let (_, status, ..) = a.poll_until("bad key");
+    assert_eq!(status, IBV_WC_REM_ACCESS_ERR, "EFA status 7, remote bad address");
+}
+
+/// What libefa and the EFA kernel driver refuse, the emulated NIC refuses (issue 30, point 8):
+/// a `comp_mask`, a short `inlen` or an unknown non-zero tail in the efadv attributes, a
+/// `ibv_modify_qp` mask a transition does not take; a CQ's depth is rounded up to a power of two.
+#[test]
+fn create_and_modify_refuse_what_libefa_and_the_kernel_refuse() {
+    let errno = || std::io::Error::last_os_error().raw_os_error();
+    // SAFETY: the verbs API; every pointer comes from the previous call.
+    unsafe {
+        let mut n = 0;
+        let list = emu_ibv_get_device_list(&mut n);
+        let ctx = emu_ibv_open_device(*list);
+        emu_ibv_free_device_list(list);
+        let pd = emu_ibv_alloc_pd(ctx);
+        let mut cq_attr: ibv_cq_init_attr_ex = std::mem::zeroed();
+        cq_attr.cqe = 200;
+        cq_attr.wc_flags = IBV_WC_STANDARD_FLAGS;
+        let size = std::mem::size_of::<efadv_cq_init_attr>() as u32;
+        let mut e = efadv_cq_init_attr {
+            comp_mask: 1,
+            wc_flags: 0,
+        };
+        assert!(emu_efadv_create_cq(ctx, &mut cq_attr, &mut e, size).is_null());
+        assert_eq!(errno(), Some(libc::EINVAL), "comp_mask");
+        e.comp_mask = 0;
+        assert!(emu_efadv_create_cq(ctx, &mut cq_attr, &mut e, 8).is_null());
+        assert_eq!(errno(), Some(libc::EINVAL), "inlen short of wc_flags");
+        let mut longer = [0u64; 3];
+        longer[2] = 1;
+        assert!(emu_efadv_create_cq(ctx, &mut cq_attr, longer.as_mut_ptr().cast(), 24).is_null());
+        assert_eq!(errno(), Some(libc::EINVAL), "an unknown non-zero tail");
+        let cq = emu_efadv_create_cq(ctx, &mut cq_attr, &mut e, size);
+        assert!(!cq.is_null());
+        assert_eq!((*cq).cqe, 256, "rounded up to a power of two");
+        let mut qa: ibv_qp_init_attr_ex = std::mem::zeroed();
+        qa.send_cq = cq as *mut ibv_cq;
+        qa.recv_cq = cq as *mut ibv_cq;
+        qa.cap = ibv_qp_cap {
+            max_send_wr: 8,
+            max_recv_wr: 8,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        qa.qp_type = IBV_QPT_DRIVER;
+        qa.comp_mask = IBV_QP_INIT_ATTR_PD;
+        qa.pd = pd;
+        let qsize = std::mem::size_of::<efadv_qp_init_attr>() as u32;
+        let mut ea = efadv_qp_init_attr {
+            comp_mask: 1,
+            driver_qp_type: EFADV_QP_DRIVER_TYPE_SRD,
+            flags: 0,
+            sl: 0,
+            reserved: 0,
+        };
+        assert!(emu_efadv_create_qp_ex(ctx, &mut qa, &mut ea, qsize).is_null());
+        assert_eq!(errno(), Some(libc::EINVAL), "comp_mask");
+        ea.comp_mask = 0;
+        ea.reserved = 1;
+        assert!(emu_efadv_create_qp_ex(ctx, &mut qa, &mut ea, qsize).is_null());
+        assert_eq!(errno(), Some(libc::EINVAL), "reserved");
+        ea.reserved = 0;
+        qa.comp_mask = IBV_QP_INIT_ATTR_PD | 1 << 1;
+        assert!(emu_efadv_create_qp_ex(ctx, &mut qa, &mut ea, qsize).is_null());
+        assert_eq!(
+            errno(),
+            Some(libc::EOPNOTSUPP),
+            "an init attribute EFA does not take"
+        );
+        qa.comp_mask = IBV_QP_INIT_ATTR_PD;
+        let qp = emu_efadv_create_qp_ex(ctx, &mut qa, &mut ea, qsize);
+        assert!(!qp.is_null());
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = IBV_QPS_INIT;
+        a.qkey = 0x11;
+        a.port_num = 1;
+        assert_eq!(
+            emu_ibv_modify_qp(qp, &mut a, IBV_QP_STATE | IBV_QP_QKEY),
+            libc::EINVAL,
+            "RESET to INIT needs PKEY_INDEX, PORT and QKEY"
+        );
+        assert_eq!(
+            emu_ibv_modify_qp(
+                qp,
+                &mut a,
+                IBV_QP_STATE | IBV_QP_QKEY | IBV_QP_PORT | IBV_QP_PKEY_INDEX | 1 << 7
+            ),
+            libc::EOPNOTSUPP,
+            "IBV_QP_AV: EFA takes no address vector"
+        );
+        let init = IBV_QP_STATE | IBV_QP_QKEY | IBV_QP_PORT | IBV_QP_PKEY_INDEX;
+        assert_eq!(emu_ibv_modify_qp(qp, &mut a, init), 0);
+        a.qp_state = IBV_QPS_RTR;
+        assert_eq!(
+            emu_ibv_modify_qp(qp, &mut a, IBV_QP_STATE | IBV_QP_PORT),
+            libc::EINVAL
+        );
+        assert_eq!(emu_ibv_modify_qp(qp, &mut a, IBV_QP_STATE), 0);
+        a.qp_state = IBV_QPS_RTS;
+        assert_eq!(
+            emu_ibv_modify_qp(qp, &mut a, IBV_QP_STATE),
+            libc::EINVAL,
+            "RTR to RTS needs SQ_PSN"
+        );
+        assert_eq!(
+            emu_ibv_modify_qp(qp, &mut a, IBV_QP_STATE | IBV_QP_SQ_PSN),
+            0
+        );
+        assert_eq!(emu_ibv_destroy_qp(qp), 0);
+    }
+}

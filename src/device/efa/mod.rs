@@ -40,15 +40,19 @@
 //! * **Waiting**: each CQ gets a completion channel where the device supports CQ notifications;
 //!   a small thread turns its events into [`Notifier`](crate::notify::Notifier) signals, so
 //!   blocking and async waits on completion queues wake up. On devices without CQ notifications
-//!   waiting is by polling: [`QueuePair::poll`] signals the notifier when it finds completions, but
-//!   nothing wakes a sleeping waiter (poll with a timeout, or busy-poll as `examples/ping-pong` does).
+//!   (libefa refuses a channel) a thread per queue pair signals the notifier every millisecond
+//!   while a waiter sleeps, so the waiter polls again: waits return within about a millisecond of
+//!   a completion. A busy-polling program arms neither.
 //!
 //! # Linking
 //!
 //! `rdma-sys` links `libibverbs` (found with pkg-config); the `efadv_*` functions, which `rdma-sys`
 //! does not bind, are declared here and link `libefa` (`#[link(name = "efa")]`), which rdma-core
-//! installs next to `libibverbs`. Struct layouts follow the oldest `efadv.h` (rdma-core v28+) and are
-//! passed with that size, so both old and new libefa accept them.
+//! installs next to `libibverbs`. The crate needs **rdma-core 43 or newer**: it links
+//! `efadv_create_cq` and `efadv_cq_from_ibv_cq_ex` (symbol version `EFA_1.2`, rdma-core 43) and
+//! `ibv_reg_dmabuf_mr` (`IBVERBS_1.12`, rdma-core 34); an older libefa fails at load time, naming
+//! the missing symbol. Struct layouts follow the `efadv.h` of that version and are passed with
+//! their size, so newer libefa accepts them too.
 //!
 //! Nothing here has run on a NIC: the data path is unit-tested against a fake NIC. See
 //! `docs/efa-hardware.md`.
