@@ -189,6 +189,53 @@ pub struct RegionMem {
     dmabuf: Option<(std::os::fd::OwnedFd, u64)>,
     /// A device could not release its registration of this memory ([`RegionMem::leak`]).
     leaked: AtomicBool,
+    /// The file range a dmabuf region maps, claimed for it alone in this process.
+    _claim: Option<DmabufClaim>,
+}
+
+/// The file ranges the dmabuf regions of this process map, by the file's (device, inode):
+/// two regions over overlapping bytes of one file would let two write guards alias them.
+static DMABUF_CLAIMS: Mutex<Vec<((u64, u64), u64, u64)>> = Mutex::new(Vec::new());
+
+/// Bytes `start..end` of one file, mapped by one dmabuf region; released when it goes.
+#[derive(Debug)]
+struct DmabufClaim {
+    file: (u64, u64),
+    start: u64,
+    end: u64,
+}
+
+impl DmabufClaim {
+    /// Claims `start..end` of `file`; `InvalidArgument` when a live region maps any of it.
+    fn take(file: (u64, u64), start: u64, end: u64) -> Result<DmabufClaim> {
+        let mut c = DMABUF_CLAIMS.lock();
+        if let Some(&(_, s, e)) = c
+            .iter()
+            .find(|(f, s, e)| *f == file && *s < end && start < *e)
+        {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "register_dmabuf").with_detail(format!(
+                    "bytes {start}..{end} of this file overlap {s}..{e}, which another live \
+                     region maps: two regions over the same bytes would alias their guards \
+                     (split one region into slices instead)"
+                )),
+            );
+        }
+        c.push((file, start, end));
+        Ok(DmabufClaim { file, start, end })
+    }
+}
+
+impl Drop for DmabufClaim {
+    fn drop(&mut self) {
+        let mut c = DMABUF_CLAIMS.lock();
+        if let Some(i) = c
+            .iter()
+            .position(|x| *x == (self.file, self.start, self.end))
+        {
+            c.swap_remove(i);
+        }
+    }
 }
 
 /// The outcome of a non-blocking access to a [`RegionMem`].
@@ -214,6 +261,7 @@ impl RegionMem {
             data: RwLock::new(Store::Owned(buf)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
+            _claim: None,
             dmabuf: None,
         })
     }
@@ -266,6 +314,10 @@ impl RegionMem {
                 "range {offset}..{end} is past the end of the file ({size} bytes)"
             )));
         }
+        let claim = {
+            use std::os::unix::fs::MetadataExt;
+            DmabufClaim::take((meta.dev(), meta.ino()), offset, end)?
+        };
         let mapped = store::SharedMapping::map(fd, offset, len).map_err(|e| {
             Error::new(ErrorKind::NotSupported, "register_dmabuf").with_detail(format!(
                 "cannot map the dmabuf for the CPU ({e}); the crate needs a CPU mapping of it"
@@ -277,6 +329,7 @@ impl RegionMem {
             data: RwLock::new(Store::Mapped(mapped)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
+            _claim: Some(claim),
             dmabuf: Some((std::os::fd::OwnedFd::from(file), offset)),
         }))
     }
@@ -314,6 +367,7 @@ impl RegionMem {
             data: RwLock::new(store),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
+            _claim: None,
             dmabuf: None,
         }))
     }

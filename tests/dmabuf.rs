@@ -289,6 +289,48 @@ fn bad_dmabuf_registrations_are_refused() {
     );
 }
 
+/// Two regions over the same bytes of one file would hand out write guards that alias them
+/// (`&mut [u8]` twice): the second registration of overlapping bytes is refused, in this or any
+/// domain, until the first region goes; disjoint ranges of one file are fine (issue 30, point
+/// 10).
+#[test]
+fn overlapping_dmabuf_registrations_are_refused() {
+    let net = LoopbackNetwork::new(FaultConfig::default());
+    let d = loopback_domain(&net);
+    let d2 = loopback_domain(&net);
+    let file = memfd("efa-dmabuf-alias", 4 * PAGE);
+    let rw = Access::REMOTE_WRITE;
+    let first = d
+        .register_dmabuf(file.as_fd(), PAGE, 2 * PAGE as usize, rw)
+        .unwrap();
+    for (dom, off, len) in [
+        (&d, PAGE, PAGE),
+        (&d2, PAGE, PAGE),
+        (&d, 0, 2 * PAGE),
+        (&d, 2 * PAGE, 100),
+    ] {
+        let e = dom
+            .register_dmabuf(file.as_fd(), off, len as usize, rw)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{off}+{len}: {e}");
+        assert!(e.to_string().contains("alias"), "{e}");
+    }
+    // Another descriptor of the same file is the same file.
+    let dup = file.try_clone().unwrap();
+    assert!(d.register_dmabuf(dup.as_fd(), PAGE, 4096, rw).is_err());
+    let before = d
+        .register_dmabuf(file.as_fd(), 0, PAGE as usize, rw)
+        .unwrap();
+    let after = d
+        .register_dmabuf(file.as_fd(), 3 * PAGE, PAGE as usize, rw)
+        .unwrap();
+    drop(first);
+    let again = d
+        .register_dmabuf(file.as_fd(), PAGE, 2 * PAGE as usize, rw)
+        .expect("free again once the first region went");
+    drop((before, after, again));
+}
+
 fn maps() -> String {
     std::fs::read_to_string("/proc/self/maps").unwrap()
 }

@@ -726,7 +726,10 @@ fn rdma_opcodes_and_statuses_as_rdma_core_reports_them() {
     assert_eq!((status, opcode), (IBV_WC_SUCCESS, IBV_WC_SEND));
     post_rdma(&a, ah, &b, true, rkey ^ 0x0100_0000, base);
     let (_, status, ..) = a.poll_until("bad key");
-    assert_eq!(status, IBV_WC_REM_ACCESS_ERR, "EFA status 7, remote bad address");
+    assert_eq!(
+        status, IBV_WC_REM_ACCESS_ERR,
+        "EFA status 7, remote bad address"
+    );
 }
 
 /// What libefa and the EFA kernel driver refuse, the emulated NIC refuses (issue 30, point 8):

@@ -111,7 +111,9 @@ impl Domain {
     /// the crate's).
     ///
     /// Errors: `InvalidArgument` for `len` 0, empty access flags, an `offset` that is not a
-    /// multiple of the page size or a range past the end of the file; `NotSupported` when the
+    /// multiple of the page size, a range past the end of the file, or bytes of the file that
+    /// another live dmabuf region of this process maps (two regions over the same bytes would
+    /// alias their guards: split one region into slices instead); `NotSupported` when the
     /// descriptor cannot be mapped for the CPU (the crate needs a CPU mapping for now, see
     /// docs/rma.md); the device's error if it refuses the registration.
     ///
