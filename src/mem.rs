@@ -193,46 +193,49 @@ pub struct RegionMem {
     _claim: Option<DmabufClaim>,
 }
 
-/// The file ranges the dmabuf regions of this process map, by the file's (device, inode):
-/// two regions over overlapping bytes of one file would let two write guards alias them.
-static DMABUF_CLAIMS: Mutex<Vec<((u64, u64), u64, u64)>> = Mutex::new(Vec::new());
+/// The file ranges the dmabuf regions of this process map: two regions over overlapping bytes
+/// of one file would let two write guards alias them.
+static DMABUF_CLAIMS: Mutex<Vec<ClaimedRange>> = Mutex::new(Vec::new());
 
-/// Bytes `start..end` of one file, mapped by one dmabuf region; released when it goes.
-#[derive(Debug)]
-struct DmabufClaim {
+/// Bytes `start..end` of the file whose (device, inode) is `file`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ClaimedRange {
     file: (u64, u64),
     start: u64,
     end: u64,
 }
 
+/// A range mapped by one dmabuf region; released when the region's memory goes.
+#[derive(Debug)]
+struct DmabufClaim(ClaimedRange);
+
 impl DmabufClaim {
     /// Claims `start..end` of `file`; `InvalidArgument` when a live region maps any of it.
     fn take(file: (u64, u64), start: u64, end: u64) -> Result<DmabufClaim> {
         let mut c = DMABUF_CLAIMS.lock();
-        if let Some(&(_, s, e)) = c
+        if let Some(o) = c
             .iter()
-            .find(|(f, s, e)| *f == file && *s < end && start < *e)
+            .find(|o| o.file == file && o.start < end && start < o.end)
         {
             return Err(
                 Error::new(ErrorKind::InvalidArgument, "register_dmabuf").with_detail(format!(
-                    "bytes {start}..{end} of this file overlap {s}..{e}, which another live \
+                    "bytes {start}..{end} of this file overlap {}..{}, which another live \
                      region maps: two regions over the same bytes would alias their guards \
-                     (split one region into slices instead)"
+                     (split one region into slices instead)",
+                    o.start, o.end
                 )),
             );
         }
-        c.push((file, start, end));
-        Ok(DmabufClaim { file, start, end })
+        let r = ClaimedRange { file, start, end };
+        c.push(r);
+        Ok(DmabufClaim(r))
     }
 }
 
 impl Drop for DmabufClaim {
     fn drop(&mut self) {
         let mut c = DMABUF_CLAIMS.lock();
-        if let Some(i) = c
-            .iter()
-            .position(|x| *x == (self.file, self.start, self.end))
-        {
+        if let Some(i) = c.iter().position(|x| *x == self.0) {
             c.swap_remove(i);
         }
     }
