@@ -761,11 +761,18 @@ pub(crate) enum Refused {
 }
 
 impl KeyTable {
-    /// Registers `mem` under a fresh key: random bits from the kernel's CSPRNG within `mask`
-    /// (not 0, never a live key), so a peer holding one key learns nothing about the others.
-    pub(crate) fn insert_random(&mut self, mem: &Arc<RegionMem>, access: Access, mask: u64) -> u64 {
+    /// Registers `mem` under a fresh key: random bits from the kernel's CSPRNG within `mask`,
+    /// with the bits of `set` set (not 0, never a live key), so a peer holding one key learns
+    /// nothing about the others.
+    pub(crate) fn insert_random(
+        &mut self,
+        mem: &Arc<RegionMem>,
+        access: Access,
+        mask: u64,
+        set: u64,
+    ) -> u64 {
         let key = loop {
-            let k = crate::random::secure_u64() & mask;
+            let k = (crate::random::secure_u64() & mask) | set;
             if k != 0 && !self.live.contains_key(&k) {
                 break k;
             }

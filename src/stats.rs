@@ -112,6 +112,10 @@ counters!(
         mr_cache_hits,
         /// dmabuf regions registered with the NIC as dmabufs (`ibv_reg_dmabuf_mr`; efa device).
         dmabuf_registrations,
+        /// dmabuf regions the NIC refused (`ibv_reg_dmabuf_mr` takes only a real dma-buf, with a
+        /// peer-to-peer path to its memory): served through their CPU mapping with emulated RMA
+        /// instead, and said once each with a warning (efa device).
+        dmabuf_fallbacks,
         /// Regions the device registered for one-sided RDMA (`Device::register_mem`): one per
         /// `Domain::register`, however many slices of it operations use.
         mem_registrations,

@@ -10,11 +10,10 @@ mod common;
 use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use common::{Node, loopback_domain, shm_domain, shm_test_dir, udp_domain};
+use common::{DeviceMemory, Node, loopback_domain, shm_domain, shm_test_dir, udp_domain};
 use efa::device::loopback::LoopbackNetwork;
 use efa::fault::test_seed;
 use efa::info::{Caps, EpType};
@@ -83,7 +82,7 @@ fn dmabuf_regions_are_targets_of_writes_reads_and_atomics() {
     let seed = test_seed();
     for (name, d, _keep) in setups() {
         let (a, b, pb, _) = pair(&d);
-        let file = memfd(&format!("efa-dmabuf-target-{name}"), 4 * PAGE);
+        let file = DeviceMemory::new(&format!("target-{name}"), 4 * PAGE);
         let len = 2 * PAGE as usize;
         let mr = d
             .register_dmabuf(
@@ -156,8 +155,8 @@ fn dmabuf_regions_send_and_receive() {
     for (name, d, _keep) in setups() {
         let (a, b, pb, _) = pair(&d);
         for len in [100usize, 70_000] {
-            let src_file = memfd(&format!("efa-dmabuf-src-{name}"), 32 * PAGE);
-            let dst_file = memfd(&format!("efa-dmabuf-dst-{name}"), 32 * PAGE);
+            let src_file = DeviceMemory::new(&format!("src-{name}"), 32 * PAGE);
+            let dst_file = DeviceMemory::new(&format!("dst-{name}"), 32 * PAGE);
             let data = pattern(seed ^ len as u64, len);
             src_file.write_all_at(&data, 0).unwrap();
             let src = d
@@ -197,7 +196,7 @@ fn dmabuf_regions_are_sources_of_writes_and_destinations_of_reads() {
             .register(vec![0u8; len], Access::REMOTE_WRITE | Access::REMOTE_READ)
             .unwrap();
         let rk = target.remote_key().unwrap();
-        let src_file = memfd(&format!("efa-dmabuf-wsrc-{name}"), len as u64);
+        let src_file = DeviceMemory::new(&format!("wsrc-{name}"), len as u64);
         let data = pattern(seed, len);
         src_file.write_all_at(&data, 0).unwrap();
         let src = d
@@ -214,7 +213,7 @@ fn dmabuf_regions_are_sources_of_writes_and_destinations_of_reads() {
             target.read()[..] == data[..],
             "{name} seed {seed}: written from the dmabuf"
         );
-        let dst_file = memfd(&format!("efa-dmabuf-rdst-{name}"), len as u64);
+        let dst_file = DeviceMemory::new(&format!("rdst-{name}"), len as u64);
         let dst = d
             .register_dmabuf(dst_file.as_fd(), 0, len, Access::READ)
             .unwrap();
@@ -298,7 +297,7 @@ fn overlapping_dmabuf_registrations_are_refused() {
     let net = LoopbackNetwork::new(FaultConfig::default());
     let d = loopback_domain(&net);
     let d2 = loopback_domain(&net);
-    let file = memfd("efa-dmabuf-alias", 4 * PAGE);
+    let file = DeviceMemory::new("alias", 4 * PAGE);
     let rw = Access::REMOTE_WRITE;
     let first = d
         .register_dmabuf(file.as_fd(), PAGE, 2 * PAGE as usize, rw)
@@ -331,6 +330,40 @@ fn overlapping_dmabuf_registrations_are_refused() {
     drop((before, after, again));
 }
 
+/// A descriptor the NIC will not register as a dma-buf (a plain memfd: the kernel takes only
+/// dma-bufs) still makes a working region, served through its CPU mapping, and the fallback is
+/// counted (`dmabuf_fallbacks`) where it was silent (issue 30, point 2). On the software devices
+/// there is no NIC and nothing falls back.
+#[test]
+fn a_dmabuf_the_nic_refuses_falls_back_visibly() {
+    for (name, d, _keep) in setups() {
+        let (a, b, pb, _) = pair(&d);
+        let file = memfd(&format!("efa-plain-{name}"), PAGE);
+        let mr = d
+            .register_dmabuf(file.as_fd(), 0, PAGE as usize, Access::REMOTE_WRITE)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(mr.is_dmabuf());
+        let s = d.device_stats();
+        let want = u64::from(name == "efa");
+        assert_eq!(
+            (s.dmabuf_fallbacks, s.dmabuf_registrations),
+            (want, 0),
+            "{name}: {s:?}"
+        );
+        a.ep.write(
+            pb,
+            Bytes::from_static(b"served"),
+            mr.remote_key().unwrap().at(0),
+            1,
+        )
+        .unwrap();
+        until(&a, &b, 1, name);
+        let mut v = [0u8; 6];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut v, 0).unwrap();
+        assert_eq!(&v, b"served", "{name}");
+    }
+}
+
 fn maps() -> String {
     std::fs::read_to_string("/proc/self/maps").unwrap()
 }
@@ -342,7 +375,7 @@ fn closing_a_dmabuf_region_unmaps_and_revokes() {
     for (name, d, _keep) in setups() {
         let (a, b, pb, _) = pair(&d);
         let tag = format!("efa-dmabuf-close-{name}");
-        let file = memfd(&tag, PAGE);
+        let file = DeviceMemory::stand_in(&tag, PAGE);
         let mr = d
             .register_dmabuf(file.as_fd(), 0, PAGE as usize, Access::REMOTE_WRITE)
             .unwrap();

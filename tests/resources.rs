@@ -254,16 +254,16 @@ fn dgram_endpoint_is_send_not_sync() {
     // `Endpoint<Dgram>: !Sync` is checked by the compile-fail doctest in `src/ep/mod.rs`.
 }
 
-/// Remote keys are unpredictable bits from the kernel's CSPRNG on every software device (32 on
-/// udp and shm, an EFA rkey's width, which libfabric peers truncate to; 64 on loopback and for
-/// the domain's own keys): no counter a peer could step through to reach another region
-/// (issue 17, defect 6).
+/// Remote keys are unpredictable bits from the kernel's CSPRNG on every software device (32, an
+/// EFA rkey's width, which libfabric peers truncate to; 63 for the domain's own keys, which have
+/// bit 63 set so that peers emulate RMA to them): no counter a peer could step through to reach
+/// another region (issue 17, defect 6).
 #[test]
 fn remote_keys_are_unpredictable() {
-    for (p, ep) in [
-        ("loopback", EpType::Dgram),
-        ("udp", EpType::Dgram),
-        ("loopback", EpType::Rdm),
+    for (p, ep, bits) in [
+        ("loopback", EpType::Dgram, 32),
+        ("udp", EpType::Dgram, 32),
+        ("loopback", EpType::Rdm, 32),
     ] {
         let d = Domain::open(&getinfo(&Hints::new().provider(p).ep_type(ep)).unwrap()[0]).unwrap();
         let regions: Vec<_> = (0..64)
@@ -272,9 +272,8 @@ fn remote_keys_are_unpredictable() {
         let keys: Vec<u64> = regions.iter().map(|r| r.key()).collect();
         let distinct: std::collections::HashSet<u64> = keys.iter().copied().collect();
         assert_eq!(distinct.len(), keys.len(), "{p}");
-        // udp's software-RDMA keys are 32 bits (an EFA rkey: libfabric peers truncate to it);
-        // spread over the whole range all the same.
-        let bits = if p == "udp" { 32 } else { 64 };
+        // Device keys are 32 bits (an EFA rkey: libfabric peers truncate to it), spread over
+        // the whole range all the same.
         // No two consecutive keys within `near` of each other (a counter, or a counter with
         // small random steps). For random 32-bit keys two land within 2^20 with probability
         // 2^-11 per pair (about 3% of runs over 63 pairs): there the window is 2^8, a false

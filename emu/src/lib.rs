@@ -13,6 +13,7 @@
 pub mod abi;
 pub mod config;
 pub mod cq;
+pub mod dmabuf;
 pub mod efadv;
 pub mod nic;
 pub mod poll;

@@ -549,6 +549,11 @@ pub unsafe extern "C" fn emu_ibv_reg_dmabuf_mr(
         if len == 0 || fd < 0 {
             return null(libc::EINVAL);
         }
+        // The kernel takes only a dma-buf (`dma_buf_get`: `EINVAL` for any other file, a memfd
+        // too); the emulated NIC also takes the marked stand-in where the kernel exports none.
+        if !crate::dmabuf::accepted(fd) {
+            return null(libc::EINVAL);
+        }
         // SAFETY: the program's descriptor, valid for this call.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         let map = match efa::mem::SharedMapping::map(fd, offset, len) {

@@ -509,13 +509,41 @@ fn completion_channel_wakes_a_blocked_program() {
 
 /// dmabuf registration of a memfd (standing in for GPU memory): remote reads name it by its
 /// I/O virtual address and see what was written through the descriptor.
+/// The kernel registers only dma-bufs: a plain memfd (or any other file) is refused with
+/// `EINVAL`, as `dma_buf_get` refuses it (issue 30, point 2).
+#[test]
+fn dmabuf_registration_refuses_what_is_not_a_dmabuf() {
+    let e = emu_qp();
+    // SAFETY: a fresh memfd.
+    let fd = unsafe { libc::memfd_create(c"not-a-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: our descriptor; the verbs API.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd, 8192), 0);
+        let mr = emu_ibv_reg_dmabuf_mr(e.pd, 0, 4096, 0x1000, fd, IBV_ACCESS_LOCAL_WRITE);
+        assert!(mr.is_null());
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EINVAL)
+        );
+        libc::close(fd);
+    }
+}
+
+/// The stand-in (a memfd named `efa-emu-dmabuf-stand-in...`, which only the emulated NIC takes
+/// for a dma-buf) is registered by its I/O virtual address.
 #[test]
 fn dmabuf_registration_of_a_memfd() {
     let e = emu_qp();
     let (_dev, mut u) = udp_qp();
     let len = 1 << 16;
     // SAFETY: a fresh memfd, sized and filled through its descriptor.
-    let fd = unsafe { libc::memfd_create(c"efa-emu-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe {
+        libc::memfd_create(
+            c"efa-emu-dmabuf-stand-in-interop".as_ptr(),
+            libc::MFD_CLOEXEC,
+        )
+    };
     assert!(fd >= 0);
     let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 256) as u8).collect();
     // SAFETY: our descriptor and buffer.

@@ -203,7 +203,7 @@ impl Keys {
     /// write into the 32-bit rkey of its work request (`ibv_wr_rdma_read`), so a wider key would
     /// reach this device truncated and be refused.
     pub(crate) fn register(&mut self, mem: &Arc<RegionMem>, access: Access) -> u64 {
-        self.live.insert_random(mem, access, 0xffff_ffff)
+        self.live.insert_random(mem, access, 0xffff_ffff, 0)
     }
 
     /// Registers `mem` under `key`, a key its caller chose (an emulated NIC hands out 32-bit

@@ -102,6 +102,12 @@ pub struct MemoryRegion {
 /// One registration with the domain and its device: the memory, its key and rights. Every
 /// slice of a region holds it; the key is revoked, and the memory released, when the last slice
 /// goes (or at once by [`MemoryRegion::close`]).
+/// Set in every key the domain makes up for a region its device did not register (no device
+/// RDMA, or a dmabuf the NIC refused). Device keys (a NIC's 32-bit rkey, the software devices'
+/// 32-bit keys) never have it: peers' RMA to a key above 32 bits is emulated, never device
+/// RDMA.
+pub(crate) const SOFTWARE_KEY_BIT: u64 = 1 << 63;
+
 struct Registration {
     mem: Arc<RegionMem>,
     key: u64,
@@ -175,7 +181,9 @@ impl MemoryRegion {
             let mut table = domain.mr_table().lock();
             match device_key {
                 Some(k) => table.insert_as(k, &mem, access).then_some(k),
-                None => Some(table.insert_random(&mem, access, u64::MAX)),
+                // Bit 63 set: no device key (a NIC's rkey is 32 bits) looks like it, so an
+                // initiator knows to emulate RMA to it.
+                None => Some(table.insert_random(&mem, access, u64::MAX, SOFTWARE_KEY_BIT)),
             }
         };
         let Some(key) = key else {

@@ -491,3 +491,114 @@ pub fn example_bin(name: &str) -> Option<std::path::PathBuf> {
         None
     }
 }
+
+/// Memory standing for a GPU's, for dmabuf regions (`Domain::register_dmabuf`): a real dma-buf
+/// where the kernel exports one (`/dev/udmabuf`, made from a sealed memfd), else a **stand-in**,
+/// a memfd named `efa-emu-dmabuf-stand-in-<name>`, which only the emulated NIC takes for a
+/// dma-buf (a real NIC refuses it, like any memfd, and the crate then serves the region through
+/// its CPU mapping; the software devices map either). The bytes are read and written through
+/// the memfd; registrations take [`as_fd`](DeviceMemory::as_fd).
+pub struct DeviceMemory {
+    memfd: std::fs::File,
+    dmabuf: Option<std::os::fd::OwnedFd>,
+}
+
+impl DeviceMemory {
+    /// `len` bytes (a whole number of pages for a real dma-buf), zeroed.
+    pub fn new(name: &str, len: u64) -> DeviceMemory {
+        let memfd = Self::memfd(name, len, true);
+        match udmabuf(&memfd, len) {
+            Some(d) => DeviceMemory {
+                memfd,
+                dmabuf: Some(d),
+            },
+            None => DeviceMemory {
+                memfd: Self::memfd(name, len, false),
+                dmabuf: None,
+            },
+        }
+    }
+
+    /// Always the stand-in memfd (its name shows in `/proc/self/maps` while mapped).
+    pub fn stand_in(name: &str, len: u64) -> DeviceMemory {
+        DeviceMemory {
+            memfd: Self::memfd(name, len, false),
+            dmabuf: None,
+        }
+    }
+
+    fn memfd(name: &str, len: u64, sealable: bool) -> std::fs::File {
+        use std::os::fd::FromRawFd;
+        let cname = std::ffi::CString::new(format!("efa-emu-dmabuf-stand-in-{name}")).unwrap();
+        let flags = libc::MFD_CLOEXEC | if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
+        // SAFETY: a valid C string; the descriptor is owned by the File below.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: a fresh descriptor nobody else owns.
+        let f = std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+        f.set_len(len).unwrap();
+        f
+    }
+
+    /// Whether this is a real dma-buf (else the stand-in).
+    pub fn is_real(&self) -> bool {
+        self.dmabuf.is_some()
+    }
+
+    /// The descriptor to register.
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        match &self.dmabuf {
+            Some(d) => d.as_fd(),
+            None => self.memfd.as_fd(),
+        }
+    }
+
+    /// Another descriptor of the same memory.
+    pub fn try_clone(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.as_fd().try_clone_to_owned()
+    }
+
+    pub fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(&self.memfd, buf, off)
+    }
+
+    pub fn write_all_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.memfd, buf, off)
+    }
+}
+
+/// A dma-buf of the first `len` bytes of `memfd` from the kernel's udmabuf driver, if it has
+/// one (`/dev/udmabuf`): the memfd is sealed against shrinking, as the driver requires.
+fn udmabuf(memfd: &std::fs::File, len: u64) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    #[repr(C)]
+    struct UdmabufCreate {
+        memfd: u32,
+        flags: u32,
+        offset: u64,
+        size: u64,
+    }
+    // _IOW('u', 0x42, struct udmabuf_create)
+    const UDMABUF_CREATE: libc::c_ulong = 0x4018_7542;
+    const UDMABUF_FLAGS_CLOEXEC: u32 = 1;
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/udmabuf")
+        .ok()?;
+    // SAFETY: fcntl on our descriptor.
+    if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
+        return None;
+    }
+    let arg = UdmabufCreate {
+        memfd: memfd.as_raw_fd() as u32,
+        flags: UDMABUF_FLAGS_CLOEXEC,
+        offset: 0,
+        size: len,
+    };
+    // SAFETY: the driver's ioctl with its argument struct; it returns a new descriptor.
+    let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
+    // SAFETY: a fresh descriptor nobody else owns.
+    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}

@@ -500,7 +500,8 @@ impl Device for EfaDevice {
                 // No peer-to-peer path from the NIC to this memory (libfabric's non-p2p HMEM):
                 // the domain gives the region a software key and serves it through the CPU
                 // mapping with the emulated protocols; no read key of it is ever advertised.
-                tracing::warn!(error = %e, "efa: the NIC cannot register this dmabuf; it is served through its CPU mapping");
+                stats::inc(&self.counters.dmabuf_fallbacks);
+                tracing::warn!(error = %e, "efa: the NIC cannot register this dmabuf (ibv_reg_dmabuf_mr takes only a dma-buf, and needs a peer-to-peer path to its memory); it is served through its CPU mapping with emulated RMA (DeviceStats::dmabuf_fallbacks)");
                 return Ok(None);
             }
             Err(e) => return Err(e),

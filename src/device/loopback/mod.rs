@@ -345,10 +345,18 @@ impl Device for LoopbackDevice {
         if !self.shared.cfg.rdma {
             return Ok(None);
         }
-        let key = self.shared.net.wire.new_key();
-        if !self.shared.mrs.lock().insert_as(key, mem, access) {
-            return Err(Error::new(ErrorKind::Io, "mr_reg").with_detail("device key reused"));
-        }
+        // A fresh key (32 bits: a live one is drawn again, a few times at most).
+        let mut tries = 0;
+        let key = loop {
+            let key = self.shared.net.wire.new_key();
+            if key != 0 && self.shared.mrs.lock().insert_as(key, mem, access) {
+                break key;
+            }
+            tries += 1;
+            if tries == 8 {
+                return Err(Error::new(ErrorKind::Io, "mr_reg").with_detail("no free device key"));
+            }
+        };
         crate::stats::inc(&self.shared.counters.mem_registrations);
         Ok(Some(key))
     }

@@ -117,12 +117,12 @@ impl Wire {
         self.held.load(Ordering::Acquire)
     }
 
-    /// A memory key: 64 bits from the kernel's CSPRNG, as the other software devices' (a peer
-    /// cannot step from its key to another region's), made unique on this network by mixing in
-    /// a counter of keys handed out (low 16 bits).
+    /// A memory key of 32 bits from the kernel's CSPRNG, as a NIC's rkey and the other software
+    /// devices' keys (a domain's own keys are wider, and peers emulate RMA to those): a peer
+    /// cannot step from its key to another region's. The device draws again while it is live.
     pub(super) fn new_key(&self) -> u64 {
-        let n = self.next_key.fetch_add(1, Ordering::Relaxed);
-        (crate::random::secure_u64() & !0xffff) | (n & 0xffff) | 1 << 63
+        self.next_key.fetch_add(1, Ordering::Relaxed);
+        crate::random::secure_u64() & 0xffff_ffff
     }
 
     /// Runs `f` under the network lock with the current time, then publishes the held count;

@@ -56,10 +56,20 @@ pub(super) fn dev_error(s: Status) -> Error {
     Error::new(s.error_kind(), "rma").with_detail(format!("device status {s}"))
 }
 
+/// Whether a device could have made `key`: NIC rkeys and the software devices' keys are 32
+/// bits; a domain's own keys (regions its device did not register: no device RDMA, or a dmabuf
+/// the NIC refused) have bit 63 set, and only the emulated protocols reach them.
+fn device_key(key: u64) -> bool {
+    key <= u64::from(u32::MAX)
+}
+
 impl Engine {
     /// Where `op` goes, once the peer's HANDSHAKE is known.
     pub(super) fn rma_route(&self, pid: u64, op: &RmaOp) -> Route {
         let len = op.local_len();
+        if !device_key(op.remote.key) {
+            return Route::Emulated;
+        }
         match &op.kind {
             RmaKind::Write { data, .. } => {
                 if self.both_write(pid) && (data.is_none() || self.imm_ok(pid)) {
@@ -82,6 +92,9 @@ impl Engine {
     /// Whether this side could run `op` with the device (or LONGREAD_RTW) at all.
     pub(super) fn rma_could_use_device(&self, op: &RmaOp) -> bool {
         let len = op.local_len();
+        if !device_key(op.remote.key) {
+            return false;
+        }
         match &op.kind {
             RmaKind::Write { .. } => {
                 self.cfg.device_rdma_write
