@@ -149,9 +149,12 @@ impl<M: Registration> SlotPool<M> {
                 (base, layout, false)
             }
         };
+        // Only the slots are registered: a huge-page mapping rounds up to 2 MiB, and registering
+        // all of it would pin (and count against RLIMIT_MEMLOCK, which the kernel charges by the
+        // registered range) up to twice what the slots need.
         // SAFETY: the allocation stays valid and in place until `Drop`, which drops the
         // registration first; no reference to it exists until a slot is handed out.
-        let mr = match unsafe { nic.register(base.as_ptr(), layout.size(), ACCESS_LOCAL_WRITE) } {
+        let mr = match unsafe { nic.register(base.as_ptr(), total, ACCESS_LOCAL_WRITE) } {
             Ok(mr) => mr,
             Err(e) => {
                 // SAFETY: allocated above as recorded, never registered.
