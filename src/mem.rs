@@ -189,8 +189,17 @@ pub struct RegionMem {
     dmabuf: Option<(std::os::fd::OwnedFd, u64)>,
     /// A device could not release its registration of this memory ([`RegionMem::leak`]).
     leaked: AtomicBool,
+    /// Unique in the process: tells two registrations apart that a recycled key and the same
+    /// address would name alike.
+    id: u64,
     /// The file range a dmabuf region maps, claimed for it alone in this process.
     _claim: Option<DmabufClaim>,
+}
+
+/// A fresh [`RegionMem::id`].
+fn next_region_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// The file ranges the dmabuf regions of this process map: two regions over overlapping bytes
@@ -264,6 +273,7 @@ impl RegionMem {
             data: RwLock::new(Store::Owned(buf)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
+            id: next_region_id(),
             _claim: None,
             dmabuf: None,
         })
@@ -332,6 +342,7 @@ impl RegionMem {
             data: RwLock::new(Store::Mapped(mapped)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
+            id: next_region_id(),
             _claim: Some(claim),
             dmabuf: Some((std::os::fd::OwnedFd::from(file), offset)),
         }))
@@ -370,6 +381,7 @@ impl RegionMem {
             data: RwLock::new(store),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
+            id: next_region_id(),
             _claim: None,
             dmabuf: None,
         }))
@@ -570,6 +582,13 @@ impl RegionMem {
         drop(data);
         self.wake_waiters();
         res
+    }
+
+    /// This memory's identity, unique in the process (never 0): a key names it only while it
+    /// is registered, and a key may come back for another registration at the same address
+    /// (NICs recycle theirs), so code that checks "still the region it was" compares this.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// A device could not release its registration of this memory (the NIC may still read or

@@ -827,7 +827,10 @@ fn hw_memlock_child() {
                 .register(vec![0u8; 1 << 20], efa::Access::REMOTE_WRITE)
                 .unwrap_or_else(|e| panic!("a 1 MiB region after the endpoint ({s:?}): {e}"));
             drop(region);
-            println!("memlock child: fits (huge page bytes {})", s.huge_page_bytes);
+            println!(
+                "memlock child: fits (huge page bytes {})",
+                s.huge_page_bytes
+            );
         }
         ("refused", Err(e)) => {
             let text = format!("{e}");

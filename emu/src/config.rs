@@ -15,6 +15,7 @@
 //! | `EFA_EMU_MEMLOCK` | `RLIMIT_MEMLOCK` | bytes a process may register; enforced even with `CAP_IPC_LOCK` when set |
 //! | `EFA_EMU_UNRESPONSIVE_MS` | 5000 | a peer silent this long fails sends with "unresponsive remote" (13) |
 //! | `EFA_EMU_STATS` | unset | print the NIC's counters to stderr at exit |
+//! | `EFA_EMU_KEYS` | `recycle` | `recycle`: a registration's keys are the smallest indices no live registration holds, so a closed region's keys come back (as EFA's); `unique`: random, never reused in the process |
 //! | `EFA_EMU_FORK` | `unneeded` | `disabled`: fork support as on kernels before 5.13 (`ibv_fork_init` needed, before any registration) |
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -80,6 +81,8 @@ pub struct EmuConfig {
     pub max_rdma_size: u32,
     pub vendor_part_id: u32,
     pub faults: FaultConfig,
+    /// Keys of closed regions come back (`EFA_EMU_KEYS=recycle`, the default).
+    pub recycle_keys: bool,
     pub memlock: Option<u64>,
     pub unresponsive: Duration,
 }
@@ -216,7 +219,15 @@ impl EmuConfig {
             // nothing comes to rely on an order a NIC does not keep.
             None => parse_faults(DEFAULT_FAULTS)?,
         };
+        let recycle_keys = match get("EFA_EMU_KEYS").as_deref().map(str::trim) {
+            None | Some("recycle") => true,
+            Some("unique") => false,
+            Some(other) => {
+                return Err(format!("EFA_EMU_KEYS={other:?}: recycle or unique"));
+            }
+        };
         Ok(EmuConfig {
+            recycle_keys,
             addr,
             device: get("EFA_EMU_DEVICE").unwrap_or_else(|| "efa_0".into()),
             caps,

@@ -42,8 +42,10 @@ pub struct MrEntry {
 #[derive(Default)]
 struct Mrs {
     by_lkey: HashMap<u32, MrEntry>,
-    /// Every key ever handed out: keys are never reused within a process.
+    /// Every key ever handed out (with `EFA_EMU_KEYS=unique`: never reused in the process).
     used: HashSet<u32>,
+    /// The lkeys and rkeys of live registrations.
+    live: HashSet<u32>,
     pinned: u64,
 }
 
@@ -226,7 +228,16 @@ impl Nic {
         self.ahs.lock().by_gid.get(&(pd, gid)).map(|(ahn, _)| *ahn)
     }
 
-    fn fresh_key(&self, used: &HashSet<u32>) -> u32 {
+    /// A key for a new registration. As a NIC (`EFA_EMU_KEYS=recycle`, the default): the
+    /// smallest index no live registration holds, so a key of a closed region comes back for
+    /// the next one, as EFA's lkey/rkey indices do. With `unique`: random, never reused in the
+    /// process.
+    fn fresh_key(&self, used: &HashSet<u32>, live: &Mrs) -> u32 {
+        if self.cfg.recycle_keys {
+            return (1..=u32::MAX)
+                .find(|k| !live.live.contains(k) && !used.contains(k))
+                .unwrap_or(0);
+        }
         let mut rng = self.rng.lock();
         loop {
             let k = rng.next_u64() as u32;
@@ -300,12 +311,27 @@ impl Nic {
                 return Err(libc::ENOMEM);
             }
         }
-        let lkey = self.fresh_key(&m.used);
-        m.used.insert(lkey);
+        // Keys taken by this registration so far (recycled keys are free again after dereg).
+        let mut mine = HashSet::new();
+        let lkey = if self.cfg.recycle_keys {
+            self.fresh_key(&mine, &m)
+        } else {
+            self.fresh_key(&m.used, &m)
+        };
+        mine.insert(lkey);
+        if !self.cfg.recycle_keys {
+            m.used.insert(lkey);
+        }
         let remote = required & (IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE) != 0;
         let rkey = if remote {
-            let k = self.fresh_key(&m.used);
-            m.used.insert(k);
+            let k = if self.cfg.recycle_keys {
+                self.fresh_key(&mine, &m)
+            } else {
+                self.fresh_key(&m.used, &m)
+            };
+            if !self.cfg.recycle_keys {
+                m.used.insert(k);
+            }
             k
         } else {
             lkey
@@ -329,6 +355,8 @@ impl Nic {
             None
         };
         m.pinned += pinned;
+        m.live.insert(lkey);
+        m.live.insert(rkey);
         m.by_lkey.insert(
             lkey,
             MrEntry {
@@ -352,6 +380,8 @@ impl Nic {
             let mut m = self.mrs.lock();
             let e = m.by_lkey.remove(&lkey).ok_or(libc::EINVAL)?;
             m.pinned -= e.pinned;
+            m.live.remove(&lkey);
+            m.live.remove(&e.rkey);
             e
         };
         if let Some(mem) = &e.mem {

@@ -33,9 +33,11 @@
 //!   The initiator reads the cookie from the process it believes is the target: on a match it
 //!   copies the whole range straight into the read's buffer, then sends READ_DONE (4; tag, key,
 //!   address, length). The target checks the key once more: the read completes with the status
-//!   of READ_DONE's acknowledgement, `Success` when the region was registered before and after
-//!   the copy (keys are never reused, so it was registered throughout), else
-//!   `RemoteBadAddress`. On a cookie mismatch or a failed copy the initiator asks again without
+//!   of READ_DONE's acknowledgement, `Success` when the same registration is live before and
+//!   after the copy, else `RemoteBadAddress`. Keys may come back (random keys may repeat, a NIC
+//!   recycles its indices), so the grant's last field names the registration (its
+//!   `RegionMem::id`), READ_DONE echoes it, and the target confirms only that registration (an
+//!   echo of 0, from an older initiator, checks the key alone). On a cookie mismatch or a failed copy the initiator asks again without
 //!   `F_CMA` (chunks through the device). Targets that do not know `F_CMA` ignore it.
 //! * A region the application holds locked (`Again`) is treated like a missing receive buffer:
 //!   receiver-not-ready, retried by the sender's SRD layer.
@@ -566,7 +568,7 @@ pub(crate) trait RdmaOps: RdmaHost {
             OP_WRITE => self.serve_write(src, flags, key, a, b, c, imm, body),
             OP_READ_REQ => self.serve_read(src, src_qkey, flags, tag, key, a, b),
             OP_READ_RESP if flags & F_CMA != 0 => {
-                self.read_grant(tag, b, key, a);
+                self.read_grant(tag, b, key, a, c);
                 Served::Ok
             }
             OP_READ_RESP => {
@@ -577,8 +579,13 @@ pub(crate) trait RdmaOps: RdmaHost {
                 let Some(keys) = self.rdma().keys.clone() else {
                     return Served::Denied;
                 };
-                let live = keys.lock().check(key, Access::REMOTE_READ, a, b).is_some();
-                if live { Served::Ok } else { Served::Denied }
+                // Still registered, and (when the grant said which) the same registration: a
+                // key may have come back for another region at the same address meanwhile.
+                let same = keys
+                    .lock()
+                    .check(key, Access::REMOTE_READ, a, b)
+                    .is_some_and(|m| c == 0 || m.id() == c);
+                if same { Served::Ok } else { Served::Denied }
             }
             _ => {
                 stats::inc(&self.counters().malformed_dropped);
@@ -697,7 +704,9 @@ pub(crate) trait RdmaOps: RdmaHost {
             let wr = SendWr {
                 wr_id: INTERNAL | REPLY | tag,
                 dest,
-                hdr: header(OP_READ_RESP, F_CMA, tag, value, at, len, 0),
+                // The region's identity travels back in READ_DONE: a key recycled meanwhile
+                // for another registration at the same address does not confirm the read.
+                hdr: header(OP_READ_RESP, F_CMA, tag, value, at, len, mem.id()),
                 payload: Bytes::new(),
                 imm: None,
             };
@@ -761,7 +770,7 @@ pub(crate) trait RdmaOps: RdmaHost {
     /// The target granted a direct copy (`F_CMA` READ_RESP): check the cookie, copy, then ask
     /// the target to confirm the region is still registered (READ_DONE). Any failure asks again
     /// without CMA.
-    fn read_grant(&mut self, tag: u64, total: u64, cookie: u64, cookie_at: u64) {
+    fn read_grant(&mut self, tag: u64, total: u64, cookie: u64, cookie_at: u64, region: u64) {
         let Some(Op::Read {
             buf,
             total: want,
@@ -807,7 +816,15 @@ pub(crate) trait RdmaOps: RdmaHost {
             let wr = SendWr {
                 wr_id: INTERNAL | DONE | tag,
                 dest,
-                hdr: header(OP_READ_DONE, 0, tag, remote.key, remote.addr, remote.len, 0),
+                hdr: header(
+                    OP_READ_DONE,
+                    0,
+                    tag,
+                    remote.key,
+                    remote.addr,
+                    remote.len,
+                    region,
+                ),
                 payload: Bytes::new(),
                 imm: None,
             };

@@ -225,7 +225,7 @@ pub(crate) struct DevShared {
     cfg: LoopbackConfig,
     counters: DeviceCounters,
     qpns: Mutex<QpnTable>,
-    /// Regions peers may reach by RDMA, by key (keys are unique per network, never reused).
+    /// Regions peers may reach by RDMA, by key (32 random bits, unique among the live ones).
     mrs: Mutex<KeyTable>,
 }
 

@@ -59,7 +59,7 @@ pub(super) struct Wire {
     clock: Clock,
     /// Mirror of `WireState::in_flight()`, so that `poll` skips the network lock when nothing is held.
     held: AtomicUsize,
-    /// The next memory key of this network (keys are never reused).
+    /// Keys handed out on this network (a count; keys themselves are random).
     next_key: AtomicU64,
     pub(super) state: Mutex<WireState>,
 }

@@ -180,6 +180,27 @@ fn a_region_revoked_during_the_copy_fails_the_read() {
     );
 }
 
+/// Keys come back (a NIC recycles its indices; random keys may repeat): a region revoked during
+/// the copy and another registered meanwhile under the same key at the same address must not
+/// confirm the read (the grant names the registration it was for; issue 30, point 5).
+#[test]
+#[allow(unsafe_code)]
+fn a_key_recycled_during_the_copy_fails_the_read() {
+    let (mut a, mut b, mem, key, remote) = setup(10_000);
+    let (wr_id, done) = until_done(&mut a, &mut b, remote);
+    let keys = b.rdma.keys.clone().unwrap();
+    keys.lock().deregister(key);
+    let mut other = vec![0u8; 10_000];
+    // SAFETY: `other` outlives the registration (dropped at the end of the test).
+    let newer = unsafe { RegionMem::foreign(other.as_mut_ptr(), other.len(), mem.addr()) }.unwrap();
+    assert!(keys.lock().register_as(&newer, Access::REMOTE_READ, key));
+    assert_eq!(b.deliver_rdma(src(1), 7, None, &done), Served::Denied);
+    a.rdma_send_done(wr_id, Status::RemoteBadAddress);
+    assert_eq!(a.comps[0].status, Status::RemoteBadAddress);
+    newer.close_foreign();
+    drop(other);
+}
+
 #[test]
 fn a_failed_or_misdirected_copy_asks_again_for_the_data() {
     for outcome in [CmaCopy::WrongProcess, CmaCopy::Failed] {
