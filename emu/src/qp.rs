@@ -26,8 +26,13 @@ pub const GRH_LEN: usize = 40;
 enum Pending {
     /// A send or an RDMA write: nothing to copy back.
     Send { wr_id: u64 },
-    /// An RDMA read: the data goes to these buffers.
-    Read { wr_id: u64, sges: Vec<ibv_sge> },
+    /// An RDMA read: the data goes to these buffers (`sges`: where in this process; `named`:
+    /// as the program named them, lkey and iova, checked again when the data arrives).
+    Read {
+        wr_id: u64,
+        sges: Vec<ibv_sge>,
+        named: Vec<ibv_sge>,
+    },
     /// A receive: the data goes to these buffers (after the GRH slot on UD).
     Recv { wr_id: u64, sges: Vec<ibv_sge> },
 }
@@ -113,6 +118,9 @@ fn status_of(s: Status) -> (c_int, u32) {
     };
     (st, code)
 }
+
+/// `post_one`'s "too long" (completed with `LOCAL_ERROR_BAD_LENGTH`, not refused).
+const EBADLEN: i32 = -1;
 
 /// Total bytes of a scatter/gather list.
 fn total(sges: &[ibv_sge]) -> usize {
@@ -296,22 +304,37 @@ impl QpCore {
     }
 
     /// Posts checked send requests in order; the index and errno of the first refused one.
+    ///
+    /// As a NIC, a request whose scatter/gather entries name no live registration of the queue
+    /// pair's PD (a bad lkey, a range outside it, a read into memory without local write) is
+    /// taken and completes with status 5 (`LOCAL_ERROR_INVALID_LKEY`), and one too long for the
+    /// port or for RDMA with status 6 (`LOCAL_ERROR_BAD_LENGTH`): errors the NIC finds when it
+    /// processes the work request are completions, not refusals of the post.
     pub fn post_sends(&self, mut reqs: Vec<SendReq>) -> Result<(), (usize, i32)> {
         self.validate(&reqs)?;
-        for (i, r) in reqs.iter_mut().enumerate() {
+        let mut named = Vec::with_capacity(reqs.len());
+        let mut good = Vec::with_capacity(reqs.len());
+        for r in reqs.iter_mut() {
             // A read writes its local buffers; sends and writes read them.
             let write = matches!(r.op, SendOp::Read { .. });
-            if r.inline.is_none() && !self.translate(&mut r.sges, write) {
-                return Err((i, libc::EINVAL));
-            }
+            named.push(r.sges.clone());
+            good.push(r.inline.is_some() || self.translate(&mut r.sges, write));
         }
-        for (i, r) in reqs.into_iter().enumerate() {
-            self.post_one(r).map_err(|e| (i, e))?;
+        for (i, ((r, ok), named)) in reqs.into_iter().zip(good).zip(named).enumerate() {
+            if !ok {
+                self.complete_local(r.wr_id, Status::InvalidLkey);
+                continue;
+            }
+            let wr_id = r.wr_id;
+            match self.post_one(r, named) {
+                Err(e) if e == EBADLEN => self.complete_local(wr_id, Status::LocalBadLength),
+                r => r.map_err(|e| (i, e))?,
+            }
         }
         Ok(())
     }
 
-    fn post_one(&self, r: SendReq) -> Result<(), i32> {
+    fn post_one(&self, r: SendReq, named: Vec<ibv_sge>) -> Result<(), i32> {
         let Some((gid, qpn, qkey)) = r.dest else {
             return Err(libc::EINVAL);
         };
@@ -321,7 +344,7 @@ impl QpCore {
             SendOp::Send { imm } => {
                 let payload = self.gather(&r)?;
                 if payload.len() > self.nic.cfg.mtu {
-                    return Err(libc::EINVAL);
+                    return Err(EBADLEN);
                 }
                 if dest_qpn.is_err() {
                     // No such queue pair anywhere: the device reports a bad destination.
@@ -341,7 +364,7 @@ impl QpCore {
             SendOp::Write { rkey, addr, imm } => {
                 let data = self.gather(&r)?;
                 if data.len() as u64 > u64::from(self.nic.cfg.max_rdma_size) {
-                    return Err(libc::EINVAL);
+                    return Err(EBADLEN);
                 }
                 let remote = RemoteIov {
                     addr,
@@ -358,7 +381,7 @@ impl QpCore {
             SendOp::Read { rkey, addr } => {
                 let len = total(&r.sges);
                 if len as u64 > u64::from(self.nic.cfg.max_rdma_size) {
-                    return Err(libc::EINVAL);
+                    return Err(EBADLEN);
                 }
                 let remote = RemoteIov {
                     addr,
@@ -371,6 +394,7 @@ impl QpCore {
                 let pending = Pending::Read {
                     wr_id: r.wr_id,
                     sges: r.sges,
+                    named,
                 };
                 self.post_tracked(pending, |dev, key| {
                     dev.post_read(key, dest, BytesMut::with_capacity(len), remote)
@@ -447,10 +471,24 @@ impl QpCore {
                 };
                 match p {
                     Pending::Send { wr_id } => e.wr_id = wr_id,
-                    Pending::Read { wr_id, sges } => {
+                    Pending::Read {
+                        wr_id,
+                        sges,
+                        mut named,
+                    } => {
                         e.wr_id = wr_id;
                         if c.status.is_ok() {
-                            if let Some(buf) = &c.buf {
+                            // The data lands by DMA when it arrives: only into memory that is
+                            // still registered (the program may have deregistered, and freed,
+                            // it meanwhile); otherwise nothing is written and the read fails
+                            // with LOCAL_ERROR_INVALID_LKEY (5).
+                            let live = self.translate(&mut named, true)
+                                && named.iter().zip(&sges).all(|(n, s)| n.addr == s.addr);
+                            if !live {
+                                let (status, vendor_err) = status_of(Status::InvalidLkey);
+                                e.status = status;
+                                e.vendor_err = vendor_err;
+                            } else if let Some(buf) = &c.buf {
                                 scatter(&sges, 0, buf);
                             }
                         }

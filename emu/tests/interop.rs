@@ -873,3 +873,54 @@ fn create_and_modify_refuse_what_libefa_and_the_kernel_refuse() {
         assert_eq!(emu_ibv_destroy_qp(qp), 0);
     }
 }
+
+/// Errors a NIC finds while processing a work request are completions, not refused posts
+/// (issue 30, point 7): a bad lkey completes with EFA status 5 (`IBV_WC_LOC_PROT_ERR`), a send
+/// longer than the MTU with 6 (`IBV_WC_LOC_LEN_ERR`); and the data of an RDMA read lands only
+/// in memory still registered when it arrives: deregistered meanwhile, nothing is written and
+/// the read fails with status 5.
+#[test]
+fn processing_errors_complete_and_reads_need_a_live_registration() {
+    let mut a = emu_qp();
+    let b = emu_qp();
+    let (ah, _) = create_ah(a.pd, b.gid);
+    let _back = create_ah(b.pd, a.gid);
+    // SAFETY: our queue pair, its registered buffer and an AH for the target; one work request
+    // per session, named by the program's own (possibly bad) lkey and length.
+    let post = |from: &EmuQp, lkey: u32, len: u32, read: Option<(u32, u64)>| unsafe {
+        let q = &*from.qpx;
+        q.wr_start.unwrap()(from.qpx);
+        (*from.qpx).wr_id = 5;
+        match read {
+            Some((rkey, raddr)) => q.wr_rdma_read.unwrap()(from.qpx, rkey, raddr),
+            None => q.wr_send.unwrap()(from.qpx),
+        }
+        q.wr_set_ud_addr.unwrap()(from.qpx, ah, u32::from(b.qpn()), b.qkey);
+        q.wr_set_sge.unwrap()(from.qpx, lkey, from.buf.as_ptr() as u64, len);
+        q.wr_complete.unwrap()(from.qpx)
+    };
+    // SAFETY: reading our registration's fields.
+    let lkey = unsafe { (*a.mr).lkey };
+    assert_eq!(post(&a, lkey ^ 0x00ff_0000, 8, None), 0, "taken");
+    let (wr_id, status, ..) = a.poll_until("bad lkey");
+    assert_eq!((wr_id, status), (5, IBV_WC_LOC_PROT_ERR));
+    assert_eq!(post(&a, lkey, 9000, None), 0, "taken");
+    let (_, status, ..) = a.poll_until("too long");
+    assert_eq!(status, IBV_WC_LOC_LEN_ERR);
+    // A read whose local registration goes before the data arrives.
+    // SAFETY: reading the target registration's fields.
+    let (rkey, base) = unsafe { ((*b.mr).rkey, (*b.mr).addr as u64) };
+    a.buf[..8].copy_from_slice(b"untouch!");
+    assert_eq!(post(&a, lkey, 8, Some((rkey, base))), 0);
+    // SAFETY: our registration, deregistered once (the read's data has not been taken yet: a
+    // completion is only taken when the CQ is polled).
+    assert_eq!(unsafe { emu_ibv_dereg_mr(a.mr) }, 0);
+    a.mr = std::ptr::null_mut();
+    let (_, status, ..) = a.poll_until("read into a deregistered buffer");
+    assert_eq!(status, IBV_WC_LOC_PROT_ERR);
+    assert_eq!(
+        &a.buf[..8],
+        b"untouch!",
+        "nothing written after deregistration"
+    );
+}
