@@ -490,6 +490,46 @@ fn hw_unsolicited_writes_do_not_overrun_the_cq() {
     assert_eq!(count, n, "notifications at the target");
 }
 
+/// An idle queue pair costs no wake-ups: its completion-channel thread sleeps until an event or
+/// its stop (it woke every 20 ms to look at its stop flag, 50 times a second per queue pair;
+/// issue 30, point 9).
+#[test]
+#[ignore = "needs an EFA device"]
+fn hw_an_idle_queue_pair_never_wakes_its_thread() {
+    let dev = hw_device();
+    let _qp = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+    let switches = || -> Vec<u64> {
+        let mut v = Vec::new();
+        for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if !comm.starts_with("efa-cq-") {
+                continue;
+            }
+            let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+            if let Some(n) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            {
+                v.push(n.trim().parse().unwrap());
+            }
+        }
+        v
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let before = switches();
+    if before.is_empty() {
+        eprintln!("skipped: no completion channel (no CQ notifications on this device)");
+        return;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let after = switches();
+    let woke: u64 = after.iter().zip(&before).map(|(a, b)| a - b).sum();
+    assert!(
+        woke <= 1,
+        "the idle channel thread woke {woke} times in 300 ms"
+    );
+}
+
 #[test]
 #[ignore = "needs an EFA device"]
 fn hw_discovery() {

@@ -87,16 +87,13 @@ impl<A> AhCache<A> {
 
     /// A reference to the handle of `gid`, created with `factory` on a miss. When the cache is
     /// full or the device is out of handles (`NoMemory`), the least recently used idle handles
-    /// are evicted (then the creation is tried once more).
+    /// are evicted (then the creation is tried once more). (The device uses [`get_shared`].)
+    #[cfg(test)]
     pub fn get<F: AhFactory<Ah = A>>(&mut self, gid: &Gid, factory: &F) -> Result<Arc<A>> {
-        let now = self.tick();
-        if let Some(e) = self.map.get_mut(gid) {
-            e.used = now;
-            return Ok(e.ah.clone());
+        if let Some(a) = self.lookup(gid) {
+            return Ok(a);
         }
-        if self.map.len() >= self.max_cached {
-            self.evict_lru(self.batch());
-        }
+        self.make_room();
         let (ah, ahn) = match factory.create_ah(gid) {
             Ok(x) => x,
             Err(e) if e.kind() == ErrorKind::NoMemory && self.evict_lru(self.batch()) > 0 => {
@@ -104,6 +101,31 @@ impl<A> AhCache<A> {
             }
             Err(e) => return Err(e),
         };
+        Ok(self.insert(gid, ah, ahn))
+    }
+
+    /// The cached handle of `gid` (counted as a use).
+    fn lookup(&mut self, gid: &Gid) -> Option<Arc<A>> {
+        let now = self.tick();
+        let e = self.map.get_mut(gid)?;
+        e.used = now;
+        Some(e.ah.clone())
+    }
+
+    /// Evicts a batch of idle handles when the cache is full.
+    fn make_room(&mut self) {
+        if self.map.len() >= self.max_cached {
+            self.evict_lru(self.batch());
+        }
+    }
+
+    /// Caches a handle just created for `gid`, or, when another thread cached one meanwhile,
+    /// keeps that one (the new handle is destroyed).
+    fn insert(&mut self, gid: &Gid, ah: A, ahn: u16) -> Arc<A> {
+        if let Some(a) = self.lookup(gid) {
+            return a;
+        }
+        let now = self.tick();
         self.created += 1;
         let ah = Arc::new(ah);
         if let Some(old) = self.by_ahn.insert(ahn, *gid) {
@@ -118,7 +140,7 @@ impl<A> AhCache<A> {
                 used: now,
             },
         );
-        Ok(ah)
+        ah
     }
 
     /// Destroys every handle no work request references; returns how many.
@@ -178,6 +200,40 @@ impl<A> AhCache<A> {
     pub fn counts(&self) -> (u64, u64) {
         (self.created, self.evicted)
     }
+}
+
+/// [`AhCache::get`] on a shared cache, holding its lock only to look up and to insert: creating
+/// a handle (`ibv_create_ah`) is a kernel command on a NIC, and under the device-wide lock it
+/// stalled every queue pair's sends (and completions from unknown senders) meanwhile. Two
+/// threads that miss at once both create one; the second is destroyed.
+pub fn get_shared<A, F: AhFactory<Ah = A>>(
+    cache: &parking_lot::Mutex<AhCache<A>>,
+    gid: &Gid,
+    factory: &F,
+) -> Result<Arc<A>> {
+    {
+        let mut c = cache.lock();
+        if let Some(a) = c.lookup(gid) {
+            return Ok(a);
+        }
+        c.make_room();
+    }
+    let (ah, ahn) = match factory.create_ah(gid) {
+        Ok(x) => x,
+        Err(e) if e.kind() == ErrorKind::NoMemory => {
+            let evicted = {
+                let mut c = cache.lock();
+                let n = c.batch();
+                c.evict_lru(n)
+            };
+            if evicted == 0 {
+                return Err(e);
+            }
+            factory.create_ah(gid)?
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(cache.lock().insert(gid, ah, ahn))
 }
 
 #[cfg(test)]
@@ -358,5 +414,41 @@ mod tests {
         let e = c.get(&gid(4), &f).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::NoMemory);
         drop((a, b));
+    }
+
+    /// Creating a handle (a kernel command on a NIC) happens outside the shared cache's lock:
+    /// another thread's lookups of other peers go on meanwhile (issue 30, point 9); a handle
+    /// made twice by racing threads is cached once.
+    #[test]
+    fn handles_are_created_outside_the_shared_lock() {
+        struct Probe<'a> {
+            cache: &'a Mutex<AhCache<u8>>,
+            held: Cell<bool>,
+        }
+        impl AhFactory for Probe<'_> {
+            type Ah = u8;
+            fn create_ah(&self, gid: &Gid) -> Result<(u8, u16)> {
+                if self.cache.try_lock().is_none() {
+                    self.held.set(true);
+                }
+                Ok((gid.0[15], u16::from(gid.0[15])))
+            }
+        }
+        let cache = Mutex::new(AhCache::new(8));
+        let p = Probe {
+            cache: &cache,
+            held: Cell::new(false),
+        };
+        let g = |n: u8| {
+            let mut b = [0u8; 16];
+            b[15] = n;
+            Gid(b)
+        };
+        let a = get_shared(&cache, &g(1), &p).unwrap();
+        assert!(!p.held.get(), "ibv_create_ah ran under the device-wide lock");
+        // A handle another thread cached meanwhile wins; the new one is dropped.
+        let again = cache.lock().insert(&g(1), 99, 1);
+        assert!(Arc::ptr_eq(&a, &again));
+        assert_eq!(*get_shared(&cache, &g(1), &p).unwrap(), 1);
     }
 }

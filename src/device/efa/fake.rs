@@ -270,7 +270,7 @@ impl Nic for FakeNic {
     }
 
     fn address_handle(&self, gid: &Gid) -> Result<Arc<FakeAh>> {
-        self.ahs.lock().get(gid, &self.factory)
+        super::ah::get_shared(&self.ahs, gid, &self.factory)
     }
 
     fn gid_of_ahn(&self, ahn: u16) -> Option<Gid> {

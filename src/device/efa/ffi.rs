@@ -131,17 +131,6 @@ unsafe extern "C" {
     pub fn efadv_cq_from_ibv_cq_ex(ibvcqx: *mut ibv_cq_ex) -> *mut efadv_cq;
 }
 
-/// The C library's `struct pollfd`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct pollfd {
-    pub fd: c_int,
-    pub events: i16,
-    pub revents: i16,
-}
-
-/// `POLLIN`.
-pub const POLLIN: i16 = 0x1;
 /// `F_GETFL`.
 pub const F_GETFL: c_int = 3;
 /// `F_SETFL`.
@@ -149,10 +138,8 @@ pub const F_SETFL: c_int = 4;
 /// `O_NONBLOCK` (Linux).
 pub const O_NONBLOCK: c_int = 0o4000;
 
-// The C library is always linked (std uses it); these two are not in std's public API.
+// The C library is always linked (std uses it); this one is not in std's public API.
 unsafe extern "C" {
-    /// `poll(2)`.
-    pub fn poll(fds: *mut pollfd, nfds: std::os::raw::c_ulong, timeout: c_int) -> c_int;
     /// `fcntl(2)` (variadic).
     pub fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
 }
@@ -274,7 +261,6 @@ const _: () = {
     assert!(std::mem::size_of::<efadv_cq_init_attr>() == 16);
     assert!(std::mem::offset_of!(efadv_device_attr, device_caps) == 24);
     assert!(std::mem::offset_of!(efadv_device_attr, max_rdma_size) == 28);
-    assert!(std::mem::size_of::<pollfd>() == 8);
 };
 
 // ---------------------------------------------------------------------------------------------

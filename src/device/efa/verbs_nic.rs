@@ -278,7 +278,7 @@ impl Nic for VerbsNic {
     }
 
     fn address_handle(&self, gid: &Gid) -> Result<Arc<Ah>> {
-        self.shared.ahs.lock().get(gid, &self.shared.pd)
+        super::ah::get_shared(&self.shared.ahs, gid, &self.shared.pd)
     }
 
     fn gid_of_ahn(&self, ahn: u16) -> Option<Gid> {
