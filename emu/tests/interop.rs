@@ -924,3 +924,46 @@ fn processing_errors_complete_and_reads_need_a_live_registration() {
         "nothing written after deregistration"
     );
 }
+
+/// A completion channel counts the CQs using it atomically: CQs made and destroyed from many
+/// threads at once leave the count at 0, so the channel can then be destroyed (issue 30, point
+/// 13: the count was updated with a plain read and write).
+#[test]
+fn a_channel_counts_its_cqs_across_threads() {
+    struct Ptr<T>(*mut T);
+    // SAFETY: the pointers are used through the thread-safe verbs calls only.
+    unsafe impl<T> Send for Ptr<T> {}
+    unsafe impl<T> Sync for Ptr<T> {}
+    // SAFETY: the verbs API; every pointer comes from the previous call.
+    unsafe {
+        let mut n = 0;
+        let list = emu_ibv_get_device_list(&mut n);
+        let ctx = emu_ibv_open_device(*list);
+        emu_ibv_free_device_list(list);
+        let ch = emu_ibv_create_comp_channel(ctx);
+        assert!(!ch.is_null());
+        let (ctx, ch) = (Ptr(ctx), Ptr(ch));
+        let (c, h) = (&ctx, &ch);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(move || {
+                    for _ in 0..300 {
+                        let mut a: ibv_cq_init_attr_ex = std::mem::zeroed();
+                        a.cqe = 4;
+                        a.channel = h.0;
+                        a.wc_flags = IBV_WC_STANDARD_FLAGS;
+                        let mut e = efadv_cq_init_attr {
+                            comp_mask: 0,
+                            wc_flags: 0,
+                        };
+                        let cq = emu_efadv_create_cq(c.0, &mut a, &mut e, 16);
+                        assert!(!cq.is_null());
+                        assert_eq!(emu_ibv_destroy_cq(cq as *mut ibv_cq), 0);
+                    }
+                });
+            }
+        });
+        assert_eq!((*ch.0).refcnt, 0, "every CQ counted in and out");
+        assert_eq!(emu_ibv_destroy_comp_channel(ch.0), 0);
+    }
+}

@@ -445,7 +445,10 @@ mod tests {
             Gid(b)
         };
         let a = get_shared(&cache, &g(1), &p).unwrap();
-        assert!(!p.held.get(), "ibv_create_ah ran under the device-wide lock");
+        assert!(
+            !p.held.get(),
+            "ibv_create_ah ran under the device-wide lock"
+        );
         // A handle another thread cached meanwhile wins; the new one is dropped.
         let again = cache.lock().insert(&g(1), 99, 1);
         assert!(Arc::ptr_eq(&a, &again));
