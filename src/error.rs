@@ -68,7 +68,7 @@ impl ErrorKind {
             ErrorKind::MsgSize => 90,
             ErrorKind::Truncated => 265,
             ErrorKind::Canceled => 125,
-            ErrorKind::NoRx => 270,
+            ErrorKind::NoRx => 269,
             ErrorKind::NotConnected => 107,
             ErrorKind::Unreachable => 113,
             ErrorKind::ConnectionAborted => 103,
@@ -271,5 +271,17 @@ impl From<Error> for std::io::Error {
             _ => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The values libfabric's `fi_errno.h` gives the `FI_E*` codes with no errno of their own
+    /// (`FI_ETRUNC` 265, `FI_ENORX` 269: 270 was a slip, issue 28).
+    #[test]
+    fn libfabric_specific_errno_values() {
+        use super::ErrorKind;
+        assert_eq!(ErrorKind::Truncated.fi_errno(), 265);
+        assert_eq!(ErrorKind::NoRx.fi_errno(), 269);
     }
 }
