@@ -409,6 +409,58 @@ const VARS: &[Var] = &[
     var!("FI_EFA_TRACK_MR", track_mr, parse_bool, show_bool),
 ];
 
+/// Warns about an unknown `FI_EFA_*` variable, once per name in the process (a configuration is
+/// read for every domain and device), naming the known variable it most likely meant.
+fn warn_unknown(name: &str) {
+    static SAID: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
+    {
+        let mut said = SAID.lock();
+        if said.iter().any(|n| n == name) {
+            return;
+        }
+        said.push(name.to_string());
+    }
+    match meant(name) {
+        Some(known) => tracing::warn!(
+            variable = name,
+            "unknown FI_EFA_* environment variable ignored; did you mean {known}?"
+        ),
+        None => tracing::warn!(variable = name, "unknown FI_EFA_* environment variable ignored"),
+    }
+}
+
+/// The known variable `name` most likely misspells: the same but for underscores or case, or
+/// at most two letters off.
+fn meant(name: &str) -> Option<&'static str> {
+    let squash = |s: &str| s.replace('_', "").to_ascii_uppercase();
+    let want = squash(name);
+    let known = VARS.iter().map(|v| v.name);
+    if let Some(k) = known.clone().find(|k| squash(k) == want) {
+        return Some(k);
+    }
+    known
+        .map(|k| (edit_distance(&squash(k), &want), k))
+        .filter(|(d, _)| *d <= 2)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+/// Levenshtein distance of two short ASCII strings.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, &ca) in a.iter().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 impl Config {
     /// The largest accepted [`max_timeout`](Config::max_timeout): `INT_MAX / 2 − 1` µs
     /// (about 17.9 minutes), libfabric's cap, so that doubling the backoff never overflows.
@@ -433,12 +485,9 @@ impl Config {
                         "the value is not valid UTF-8; expected text",
                     ));
                 }
-                (Err(_), None) => {
-                    tracing::warn!(
-                        variable = k,
-                        "unknown FI_EFA_* environment variable ignored"
-                    )
-                }
+                // Not valid UTF-8 and unknown: said by `from_vars`' warning would need the value;
+                // say it here, once.
+                (Err(_), None) => warn_unknown(k),
             }
         }
         Config::from_vars(vars)
@@ -493,11 +542,7 @@ impl Config {
             } else if let Some((name, why)) = IGNORED.iter().find(|(n, _)| *n == k) {
                 tracing::warn!(variable = name, value = v, "{name} is {why}; ignored");
             } else {
-                tracing::warn!(
-                    variable = k,
-                    value = v,
-                    "unknown FI_EFA_* environment variable ignored"
-                );
+                warn_unknown(k);
             }
         }
         c.validate()?;
@@ -829,5 +874,19 @@ mod micros {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         u64::deserialize(d).map(Duration::from_micros)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A misspelt variable is named with the one it most likely meant (issue 28: the
+    /// `FI_EFA_TXSIZE` warning named nothing).
+    #[test]
+    fn a_typo_names_the_variable_meant() {
+        use super::meant;
+        assert_eq!(meant("FI_EFA_TXSIZE"), Some("FI_EFA_TX_SIZE"));
+        assert_eq!(meant("FI_EFA_RECVWIN_SIZ"), Some("FI_EFA_RECVWIN_SIZE"));
+        assert_eq!(meant("fi_efa_cq_size"), Some("FI_EFA_CQ_SIZE"));
+        assert_eq!(meant("FI_EFA_SOMETHING_ELSE_ENTIRELY"), None);
     }
 }
