@@ -425,7 +425,10 @@ fn warn_unknown(name: &str) {
             variable = name,
             "unknown FI_EFA_* environment variable ignored; did you mean {known}?"
         ),
-        None => tracing::warn!(variable = name, "unknown FI_EFA_* environment variable ignored"),
+        None => tracing::warn!(
+            variable = name,
+            "unknown FI_EFA_* environment variable ignored"
+        ),
     }
 }
 

@@ -176,10 +176,32 @@ fn no_import_cycle_between_top_level_modules() {
             }
         }
     }
-    // The layering this check keeps (printed with --nocapture).
-    for (m, d) in &deps {
-        eprintln!("{m} -> {}", d.iter().cloned().collect::<Vec<_>>().join(" "));
+    // The layering this check keeps (printed with --nocapture), and the one docs/architecture.md
+    // draws: the same lines, so the drawing cannot go stale (issue 31).
+    let lines: Vec<String> = deps
+        .iter()
+        .map(|(m, d)| format!("{m} -> {}", d.iter().cloned().collect::<Vec<_>>().join(" ")))
+        .collect();
+    for l in &lines {
+        eprintln!("{l}");
     }
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/architecture.md"))
+            .unwrap();
+    let drawn: Vec<String> = doc
+        .split("**Layering.**")
+        .nth(1)
+        .and_then(|rest| rest.split("```").nth(1))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(" -> "))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    assert_eq!(
+        drawn, lines,
+        "docs/architecture.md's layering block differs from the code's imports: paste the lines \
+         `cargo test --test architecture -- --nocapture` prints"
+    );
 }
 
 /// The protocol engine never reads a clock (DESIGN's rule; time is passed in, so the simulator

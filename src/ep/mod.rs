@@ -1,4 +1,6 @@
-//! Typed endpoints: [`Endpoint<Dgram>`](Dgram) now; `Endpoint<Rdm>` comes with the protocol engine.
+//! Typed endpoints: [`Endpoint<Dgram>`](Dgram) (datagrams, on the device directly) and
+//! [`Endpoint<Rdm>`](Rdm) (reliable datagrams, through the protocol engine and the same-host
+//! path).
 //!
 //! Endpoint kinds are types, so a method a kind does not support does not exist on it.
 
