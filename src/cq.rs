@@ -483,6 +483,12 @@ impl CompletionQueue {
         if capacity == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "cq_open").with_detail("capacity 0"));
         }
+        // The descriptor programs may wait on (`wait_fd`), made now: it is the queue's for life.
+        let notifier = Arc::new(Notifier::new());
+        if notifier.fd().is_none() {
+            return Err(Error::io("cq_open", std::io::Error::last_os_error())
+                .with_detail("no eventfd for the queue's wait descriptor"));
+        }
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 domain: domain.clone(),
@@ -492,7 +498,7 @@ impl CompletionQueue {
                     err: VecDeque::new(),
                 }),
                 count: AtomicUsize::new(0),
-                notifier: Arc::new(Notifier::new()),
+                notifier,
                 sources: Mutex::new(Vec::new()),
                 overruns: AtomicUsize::new(0),
             }),
@@ -625,6 +631,47 @@ impl CompletionQueue {
         Ready { cq: self }
     }
 
+    /// Whether the program may block on [`wait_fd`](Self::wait_fd) now (libfabric's
+    /// `fi_trywait`): `Ok` when nothing is ready, after which the descriptor becomes readable at
+    /// the next completion (the devices' threads take over the progress meanwhile); `Again`
+    /// when completions (or errors) are ready or something just happened: poll instead of
+    /// blocking. Call it right before every block on the descriptor.
+    ///
+    /// ```
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// use std::os::fd::AsRawFd;
+    /// let cq = efa::CompletionQueue::new(&domain, 16)?;
+    /// let mut out = Vec::new();
+    /// cq.poll(&mut out, 16)?;
+    /// if cq.trywait().is_ok() {
+    ///     // Nothing ready: block in poll(2) (epoll, mio, tokio's AsyncFd) until readable.
+    ///     let mut p = libc::pollfd { fd: cq.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    ///     unsafe { libc::poll(&mut p, 1, 10) };
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[doc(alias = "fi_trywait")]
+    pub fn trywait(&self) -> Result<()> {
+        let n = &self.inner.notifier;
+        let seen = n.generation();
+        if self.has_entries() || n.arm_fd(seen) {
+            return Err(Error::new(ErrorKind::Again, "trywait")
+                .with_detail("completions are ready (or something happened): poll them"));
+        }
+        Ok(())
+    }
+
+    /// The descriptor to block on (an eventfd, `FI_WAIT_FD`; also `AsFd` and `AsRawFd`):
+    /// readable after a successful [`trywait`](Self::trywait) once a completion may be ready.
+    /// Usable with epoll, mio and `tokio::io::unix::AsyncFd`; it is the queue's for its life.
+    #[doc(alias = "fi_control")]
+    #[doc(alias = "FI_GETWAIT")]
+    pub fn wait_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.as_fd()
+    }
+
     /// Awaits and reads at least one completion (see [`Self::ready`]).
     pub async fn next_batch(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         loop {
@@ -752,6 +799,24 @@ impl CompletionQueue {
     fn has_entries(&self) -> bool {
         self.progress();
         self.inner.count.load(Ordering::Acquire) != 0
+    }
+}
+
+impl std::os::fd::AsFd for CompletionQueue {
+    /// [`CompletionQueue::wait_fd`].
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.inner
+            .notifier
+            .fd()
+            .expect("the wait descriptor is made by CompletionQueue::new, which fails without it")
+    }
+}
+
+impl std::os::fd::AsRawFd for CompletionQueue {
+    /// [`CompletionQueue::wait_fd`].
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsFd;
+        self.as_fd().as_raw_fd()
     }
 }
 

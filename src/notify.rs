@@ -21,6 +21,10 @@ pub struct Notifier {
     forward: Vec<std::sync::Arc<Notifier>>,
     /// Told when a waiter is about to sleep (see [`Notifier::add_sleep_hook`]).
     hooks: Mutex<Vec<Weak<dyn SleepHook>>>,
+    /// An eventfd made readable by the next notification once armed ([`Notifier::arm_fd`]),
+    /// for programs that wait with epoll, mio or an async runtime's fd readiness.
+    fd: std::sync::OnceLock<std::os::fd::OwnedFd>,
+    fd_armed: std::sync::atomic::AtomicBool,
 }
 
 /// Something that must know when a waiter goes to sleep on a notifier: a device whose background
@@ -57,6 +61,9 @@ impl Notifier {
         // (both sequentially consistent): either the waiter sees the new generation, or this
         // sees the waiter.
         self.generation.fetch_add(1, Ordering::SeqCst);
+        if self.fd_armed.load(Ordering::SeqCst) && self.fd_armed.swap(false, Ordering::SeqCst) {
+            self.signal_fd();
+        }
         if self.waiting.load(Ordering::SeqCst) != 0 {
             let wakers = {
                 let mut w = self.lock.lock();
@@ -124,6 +131,55 @@ impl Notifier {
         };
         self.waiting.fetch_sub(1, Ordering::SeqCst);
         moved
+    }
+
+    /// This notifier's eventfd (made on first use): readable once a notification came after
+    /// [`arm_fd`](Notifier::arm_fd). `None` when the system has no eventfd to give.
+    #[allow(unsafe_code)]
+    pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+        if let Some(f) = self.fd.get() {
+            return Some(f.as_fd());
+        }
+        // SAFETY: eventfd with valid flags; the descriptor is owned below.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return None;
+        }
+        // SAFETY: a fresh descriptor nobody else owns (a racing creator's is dropped).
+        let _ = self.fd.set(unsafe { OwnedFd::from_raw_fd(raw) });
+        self.fd.get().map(AsFd::as_fd)
+    }
+
+    /// Prepares the eventfd for a program about to block on it (libfabric's `fi_trywait`):
+    /// empties it, arms it to be written at the next notification, and tells the sleep hooks
+    /// (devices hand their progress to their threads). True when the generation moved past
+    /// `seen` meanwhile: something happened, poll again instead of blocking.
+    #[allow(unsafe_code)]
+    pub fn arm_fd(&self, seen: u64) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(fd) = self.fd().map(|f| f.as_raw_fd()) else {
+            return true;
+        };
+        let mut v = 0u64;
+        // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when already empty).
+        unsafe { libc::read(fd, (&raw mut v).cast(), 8) };
+        if self.generation() != seen {
+            return true;
+        }
+        self.before_sleep();
+        self.fd_armed.store(true, Ordering::SeqCst);
+        self.generation() != seen
+    }
+
+    #[allow(unsafe_code)]
+    fn signal_fd(&self) {
+        use std::os::fd::AsRawFd;
+        if let Some(f) = self.fd.get() {
+            let one = 1u64;
+            // SAFETY: an 8-byte write to our eventfd.
+            unsafe { libc::write(f.as_raw_fd(), (&raw const one).cast(), 8) };
+        }
     }
 
     /// Registers `waker` to be woken at the next notification unless the generation already moved

@@ -128,6 +128,30 @@ fn the_server_takes_ipv6_and_ipv4_clients_and_notices_a_vanished_one() {
 /// examples/kv-transfer, small: both ends in one process, then in two processes (the same-host
 /// path), with the receiver's checks (a corrupted page, a duplicate or missing notification
 /// fail both sides with a clear message) and its option checks.
+/// examples/wait-fd, small, on each software device: every task gets its messages while blocked on
+/// its queue's descriptor, and the program does not busy-poll while idle (it fails itself past
+/// half a CPU).
+#[test]
+fn wait_fd_delivers_to_tasks_blocked_on_descriptors() {
+    let Some(bin) = common::example_bin("wait-fd") else {
+        return;
+    };
+    for p in ["udp", "shm", "loopback"] {
+        let out = Command::new(&bin)
+            .args(["-p", p, "-n", "4", "-m", "20", "--idle-secs", "0.5"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{p}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("80 messages of 80 delivered"), "{p}: {text}");
+        assert!(text.contains("idle CPU"), "{p}: {text}");
+    }
+}
+
 #[test]
 fn kv_transfer_moves_pages_and_reports_what_went_wrong() {
     let Some(kv) = common::example_bin("kv-transfer") else {

@@ -1,0 +1,178 @@
+//! Many endpoints in one tokio program that never busy-polls: each completion queue's descriptor
+//! (`CompletionQueue::wait_fd`, libfabric's `FI_WAIT_FD`) sits in tokio's reactor through
+//! `AsyncFd`, and a task blocks on it after `trywait` (libfabric's `fi_trywait`) says nothing is
+//! ready. While idle the process uses next to no CPU; then every endpoint sends to the next one
+//! and each task wakes for its messages.
+//!
+//! ```text
+//! cargo run --release --example wait-fd -- [-n ENDPOINTS] [-m MESSAGES] [--idle-secs S] [-p udp|shm|loopback|efa]
+//! ```
+//!
+//! It prints the CPU time the process used while idle (user + system, from `getrusage`, as a
+//! share of one CPU) and fails when that is over half a CPU: a program that busy-polls uses all
+//! of one.
+
+mod common;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use clap::Parser;
+use efa::{AddressVector, CompletionQueue, Domain, Endpoint, EpType, Hints, Rdm, getinfo};
+use tokio::io::unix::AsyncFd;
+
+#[derive(Parser, Debug)]
+#[command(about = "Many endpoints waiting on their completion queues' descriptors under tokio")]
+struct Args {
+    /// Endpoints (each with its own completion queue and task)
+    #[arg(short = 'n', default_value_t = 16)]
+    endpoints: usize,
+    /// Messages each endpoint sends to the next one
+    #[arg(short = 'm', default_value_t = 100)]
+    messages: usize,
+    /// Seconds of idling measured before the messages
+    #[arg(long, default_value_t = 2.0)]
+    idle_secs: f64,
+    /// Device (provider): udp, shm, loopback, or efa (cargo feature `efa`)
+    #[arg(short = 'p', default_value = "udp")]
+    provider: String,
+}
+
+/// CPU time this process used so far (user + system).
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct it is given.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// Receives `want` messages on `ep`, blocking on the queue's descriptor whenever nothing is
+/// ready; returns how many it got.
+async fn receiver(
+    ep: Arc<Endpoint<Rdm>>,
+    cq: Arc<CompletionQueue>,
+    want: usize,
+) -> efa::Result<usize> {
+    // The queue is `AsFd`: tokio's reactor watches its descriptor.
+    // SAFETY: the descriptor is the queue's for its whole life (`CompletionQueue::wait_fd`), and
+    // the `AsyncFd` holds the queue (an `Arc`) until it is dropped; nothing closes it meanwhile.
+    let fd = unsafe { AsyncFd::register_with_interest(cq.clone(), tokio::io::Interest::READABLE) }
+        .map_err(|e| efa::Error::io("AsyncFd", std::io::Error::other(e.to_string())))?;
+    for i in 0..want.min(64) {
+        ep.recv(BytesMut::with_capacity(64), i as u64)?;
+    }
+    let (mut got, mut posted) = (0, want.min(64));
+    let mut out = Vec::new();
+    while got < want {
+        out.clear();
+        cq.poll(&mut out, 64)?;
+        for c in &out {
+            if c.flags.contains(efa::CompletionFlags::RECV) {
+                got += 1;
+                if posted < want {
+                    ep.recv(BytesMut::with_capacity(64), posted as u64)?;
+                    posted += 1;
+                }
+            }
+        }
+        if out.is_empty() && cq.trywait().is_ok() {
+            let mut guard = fd
+                .readable()
+                .await
+                .map_err(|e| efa::Error::io("readable", e))?;
+            guard.clear_ready();
+        }
+    }
+    Ok(got)
+}
+
+fn main() -> ExitCode {
+    common::init_tracing();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("wait-fd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> efa::Result<bool> {
+    let n = args.endpoints.max(2);
+    let info = getinfo(&Hints::new().provider(&args.provider).ep_type(EpType::Rdm))?.remove(0);
+    let domain = Domain::open(&info)?;
+    let av = AddressVector::new(&domain);
+    let mut eps = Vec::new();
+    for _ in 0..n {
+        let cq = Arc::new(CompletionQueue::new(&domain, 256)?);
+        let ep = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&av).build()?;
+        eps.push((Arc::new(ep), cq));
+    }
+    let peers: Vec<_> = eps
+        .iter()
+        .map(|(ep, _)| av.insert(ep.addr()))
+        .collect::<efa::Result<_>>()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| efa::Error::io("tokio", e))?;
+    let m = args.messages;
+    let idle = Duration::from_secs_f64(args.idle_secs);
+    rt.block_on(async {
+        let tasks: Vec<_> = eps
+            .iter()
+            .map(|(ep, cq)| tokio::spawn(receiver(ep.clone(), cq.clone(), m)))
+            .collect();
+        // Idle: every task blocks on its descriptor.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (t0, c0) = (Instant::now(), cpu_time());
+        tokio::time::sleep(idle).await;
+        let share = (cpu_time() - c0).as_secs_f64() / t0.elapsed().as_secs_f64();
+        println!(
+            "# {n} endpoints on {}, each waiting on its completion queue's descriptor: idle \
+             CPU {:.1}% of one CPU over {:.1} s",
+            args.provider,
+            share * 100.0,
+            idle.as_secs_f64()
+        );
+        // Every endpoint sends `m` messages to the next one.
+        let start = Instant::now();
+        for (i, (ep, cq)) in eps.iter().enumerate() {
+            let to = peers[(i + 1) % n];
+            let mut sent = 0;
+            let mut out = Vec::new();
+            while sent < m {
+                match ep.send(to, Bytes::from(vec![i as u8; 32]), 1_000_000 + sent as u64) {
+                    Ok(()) => sent += 1,
+                    Err(e) if e.kind() == efa::ErrorKind::Again => {
+                        out.clear();
+                        let _ = cq.poll(&mut out, 64);
+                        tokio::task::yield_now().await;
+                    }
+                    Err(e) => return Err(e.error),
+                }
+            }
+        }
+        let mut got = 0;
+        for t in tasks {
+            got += tokio::time::timeout(Duration::from_secs(60), t)
+                .await
+                .map_err(|_| efa::Error::new(efa::ErrorKind::TimedOut, "receive"))?
+                .map_err(|e| efa::Error::io("join", std::io::Error::other(e)))??;
+        }
+        println!(
+            "# {got} messages of {} delivered to {n} waiting tasks in {:.1} ms",
+            n * m,
+            start.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(got == n * m && share < 0.5)
+    })
+}
