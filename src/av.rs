@@ -100,6 +100,7 @@ struct AvInner {
 
 impl AddressVector {
     /// An empty address vector on `domain`.
+    #[doc(alias = "fi_av_open")]
     pub fn new(domain: &Domain) -> AddressVector {
         AddressVector {
             inner: Arc::new(AvInner {
@@ -120,13 +121,52 @@ impl AddressVector {
     /// process on the same queue pair number) and becomes the target of reverse lookups.
     ///
     /// Errors: `InvalidArgument` for QPN 0 (no device hands it out).
+    #[doc(alias = "fi_av_insert")]
     pub fn insert(&self, addr: RawAddr) -> Result<PeerId> {
+        Self::check_insert(&addr)?;
+        let mut t = self.inner.table.write();
+        self.inner.generation.fetch_add(1, Ordering::AcqRel);
+        Self::insert_locked(&mut t, addr)
+    }
+
+    /// Inserts many raw addresses under one lock (`fi_av_insert` with a count), as a program
+    /// that learned a whole job's addresses at once does; the ids come back in the same order.
+    /// An invalid address (QPN 0) refuses the whole list before any is inserted (`NoMemory`, past
+    /// 2^32 entries, leaves those before it inserted).
+    ///
+    /// ```
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// use efa::{AddressVector, Gid, RawAddr};
+    /// let av = AddressVector::new(&domain);
+    /// let addrs: Vec<RawAddr> = (1..=4).map(|q| RawAddr::new(Gid::default(), q, 7)).collect();
+    /// let ids = av.insert_many(&addrs)?;
+    /// assert_eq!(ids.len(), 4);
+    /// assert_eq!(av.lookup(ids[2])?, addrs[2]);
+    /// # Ok(()) }
+    /// ```
+    #[doc(alias = "fi_av_insert")]
+    pub fn insert_many(&self, addrs: &[RawAddr]) -> Result<Vec<PeerId>> {
+        for a in addrs {
+            Self::check_insert(a)?;
+        }
+        let mut t = self.inner.table.write();
+        self.inner.generation.fetch_add(1, Ordering::AcqRel);
+        addrs
+            .iter()
+            .map(|a| Self::insert_locked(&mut t, *a))
+            .collect()
+    }
+
+    fn check_insert(addr: &RawAddr) -> Result<()> {
         if addr.qpn == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "av_insert")
                 .with_detail(format!("{addr}: QPN 0")));
         }
-        let mut t = self.inner.table.write();
-        self.inner.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn insert_locked(t: &mut Table, addr: RawAddr) -> Result<PeerId> {
         if let Some(&id) = t.by_addr.get(&addr) {
             return Ok(id);
         }
@@ -150,6 +190,7 @@ impl AddressVector {
     }
 
     /// Inserts a raw address in its 32-byte wire form.
+    #[doc(alias = "fi_av_insert")]
     pub fn insert_bytes(&self, raw: &[u8]) -> Result<PeerId> {
         if raw.len() != crate::addr::RAW_ADDR_LEN {
             return Err(
@@ -164,6 +205,7 @@ impl AddressVector {
     }
 
     /// Removes a peer. `UnknownPeer` if it is not (or no longer) present.
+    #[doc(alias = "fi_av_remove")]
     pub fn remove(&self, peer: PeerId) -> Result<()> {
         let mut t = self.inner.table.write();
         self.inner.generation.fetch_add(1, Ordering::AcqRel);
@@ -185,11 +227,13 @@ impl AddressVector {
     }
 
     /// The raw address of a peer. `UnknownPeer` if it is not present.
+    #[doc(alias = "fi_av_lookup")]
     pub fn lookup(&self, peer: PeerId) -> Result<RawAddr> {
         Self::get(&self.inner.table.read(), peer, "av_lookup")
     }
 
     /// The peer a datagram from (`gid`, `qpn`) came from, if it is in the table (`FI_SOURCE`).
+    #[doc(alias = "FI_SOURCE")]
     pub fn reverse_lookup(&self, gid: Gid, qpn: u16) -> Option<PeerId> {
         self.inner.table.read().by_qp.get(&(gid, qpn)).copied()
     }

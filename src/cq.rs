@@ -479,6 +479,7 @@ impl CompletionQueue {
     /// full, endpoints leave further completions in the device until it is read.
     ///
     /// Errors: `InvalidArgument` for capacity 0.
+    #[doc(alias = "fi_cq_open")]
     pub fn new(domain: &Domain, capacity: usize) -> Result<CompletionQueue> {
         if capacity == 0 {
             return Err(Error::new(ErrorKind::InvalidArgument, "cq_open").with_detail("capacity 0"));
@@ -547,6 +548,7 @@ impl CompletionQueue {
     /// returns `Err` of kind [`ErrorKind::ErrorAvailable`] whose detail describes that error
     /// completion (its context, flags and error), so `?` reports the cause; take it (and its
     /// buffer) with [`Self::read_err`].
+    #[doc(alias = "fi_cq_read")]
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         let before = out.len();
         if max > 0 && self.inner.count.load(Ordering::Acquire) == 0 {
@@ -583,6 +585,7 @@ impl CompletionQueue {
     }
 
     /// Takes the oldest error completion (`fi_cq_readerr`).
+    #[doc(alias = "fi_cq_readerr")]
     pub fn read_err(&self) -> Option<CompletionError> {
         self.progress();
         let mut s = self.inner.state.lock();
@@ -593,6 +596,7 @@ impl CompletionQueue {
 
     /// Like [`Self::poll`], but sleeps until at least one completion (or an error) is ready or
     /// `timeout` passes (`None`: forever). A timeout is `Err` of kind [`ErrorKind::TimedOut`].
+    #[doc(alias = "fi_cq_sread")]
     pub fn wait(
         &self,
         out: &mut Vec<Completion>,

@@ -1096,6 +1096,7 @@ fn rounddown_pow2(n: usize) -> usize {
 /// `FI_EFA_*` value is returned as its `Config` error. Devices not allowed by `FI_EFA_IFACE` or
 /// the domain hint, and endpoint types lacking a requested capability, are left out; when
 /// nothing is left the error is `NoData`, naming what was asked.
+#[doc(alias = "fi_getinfo")]
 pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     let config = match &hints.config {
         Some(c) => {

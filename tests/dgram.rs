@@ -651,3 +651,25 @@ fn injected_datagrams_arrive_without_send_completions() {
         assert_eq!(e.kind(), ErrorKind::UnknownPeer, "{p}: {e}");
     }
 }
+
+/// Many addresses at once (`fi_av_insert` with a count, issue 28): ids in order, lookups agree,
+/// a known address keeps its id; an invalid one refuses the whole list with nothing inserted.
+#[test]
+fn insert_many_is_in_order_and_all_or_nothing() {
+    let d = domain("loopback", None);
+    let av = AddressVector::new(&d);
+    let gid = efa::Gid::default();
+    let first = av.insert(efa::RawAddr::new(gid, 9, 1)).unwrap();
+    let addrs: Vec<efa::RawAddr> = (7..=10).map(|q| efa::RawAddr::new(gid, q, 1)).collect();
+    let ids = av.insert_many(&addrs).unwrap();
+    assert_eq!(ids.len(), 4);
+    for (id, a) in ids.iter().zip(&addrs) {
+        assert_eq!(av.lookup(*id).unwrap(), *a);
+    }
+    assert_eq!(ids[2], first, "an address already there keeps its id");
+    assert_eq!(av.len(), 4);
+    let bad = [efa::RawAddr::new(gid, 20, 1), efa::RawAddr::new(gid, 0, 1)];
+    let e = av.insert_many(&bad).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(av.len(), 4, "nothing inserted");
+}

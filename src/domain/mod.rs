@@ -38,6 +38,8 @@ impl Domain {
     /// (`FI_EFA_ENABLE_SHM_TRANSFER`, the default) gets a
     /// [`RoutedDevice`](crate::device::route::RoutedDevice): peers on this host are reached
     /// over shared memory (`/dev/shm`). [`Domain::with_device`] never wraps.
+    #[doc(alias = "fi_domain")]
+    #[doc(alias = "fi_fabric")]
     pub fn open(info: &Info) -> Result<Domain> {
         let device = info.open_device()?;
         #[cfg(target_os = "linux")]
@@ -97,6 +99,7 @@ impl Domain {
     ///
     /// Errors: `InvalidArgument` for an empty buffer or empty access flags; the device's error
     /// if it refuses the registration.
+    #[doc(alias = "fi_mr_reg")]
     pub fn register(&self, buf: impl IntoRegionBuf, access: Access) -> Result<MemoryRegion> {
         MemoryRegion::register(self, buf.into_region_buf(), access)
     }
@@ -134,6 +137,8 @@ impl Domain {
     /// assert!(mr.close().is_empty());
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "fi_mr_regattr")]
+    #[doc(alias = "FI_HMEM")]
     pub fn register_dmabuf(
         &self,
         fd: std::os::fd::BorrowedFd<'_>,

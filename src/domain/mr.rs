@@ -310,6 +310,7 @@ impl MemoryRegion {
     /// and the region's key. `InvalidArgument` unless the region was registered with
     /// `REMOTE_READ` or `REMOTE_WRITE`. The key itself grants the whole registration, as a
     /// libfabric key does: hand a peer only what it may touch.
+    #[doc(alias = "fi_mr_key")]
     pub fn remote_key(&self) -> Result<RemoteKey> {
         if !self.reg.access.is_remote() {
             return Err(Error::new(ErrorKind::InvalidArgument, "mr_remote_key")
@@ -329,6 +330,7 @@ impl MemoryRegion {
     /// (peers reach none of it any more; local operations on the others still work) and the
     /// buffer is empty: the memory goes when the last slice goes. [`unsplit`](Self::unsplit)
     /// the slices first to get the buffer back; drop a slice to let it go without revoking.
+    #[doc(alias = "fi_close")]
     pub fn close(self) -> BytesMut {
         self.reg.revoke();
         let whole = self.off == 0 && self.len == self.reg.mem.len;

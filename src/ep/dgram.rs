@@ -142,6 +142,7 @@ impl fmt::Debug for DgramCore {
 
 impl Endpoint<Dgram> {
     /// This endpoint's raw address; give it to peers (they insert it into their address vector).
+    #[doc(alias = "fi_getname")]
     pub fn addr(&self) -> RawAddr {
         self.core.addr
     }
@@ -162,6 +163,7 @@ impl Endpoint<Dgram> {
     /// address vector, `MsgSize` when the datagram exceeds the MTU, `Again` when the send queue is
     /// full (poll the completion queue and retry), `InvalidArgument` for a region without `SEND`
     /// access or a prefix-mode buffer shorter than the prefix.
+    #[doc(alias = "fi_send")]
     pub fn send(
         &self,
         peer: PeerId,
@@ -173,6 +175,7 @@ impl Endpoint<Dgram> {
 
     /// Sends one datagram carrying 4 bytes of immediate data (`fi_senddata`); the receiver's
     /// completion has `data: Some(data)` and the `REMOTE_CQ_DATA` flag.
+    #[doc(alias = "fi_senddata")]
     pub fn send_data(
         &self,
         peer: PeerId,
@@ -189,6 +192,7 @@ impl Endpoint<Dgram> {
     /// beyond; in prefix mode, not counting the prefix `data` starts with).
     ///
     /// Errors: as [`Self::send`].
+    #[doc(alias = "fi_inject")]
     pub fn inject(&self, peer: PeerId, data: &[u8]) -> Result<()> {
         self.core.post_inject(peer, data, None)
     }
@@ -218,6 +222,7 @@ impl Endpoint<Dgram> {
     /// Errors (the buffer comes back inside [`PostError`]): `Again` when the receive queue is full,
     /// `InvalidArgument` for a region without `RECV` access or a prefix-mode buffer with less
     /// capacity than the prefix.
+    #[doc(alias = "fi_recv")]
     pub fn recv(&self, buf: impl Into<RecvBuf>, context: u64) -> Result<(), PostError> {
         self.core.post_recv(buf.into(), context)
     }

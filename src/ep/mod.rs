@@ -103,6 +103,9 @@ impl<K: EndpointKind> fmt::Debug for Endpoint<K> {
 
 impl<K: EndpointKind> Endpoint<K> {
     /// A builder for an endpoint of this kind on `domain`.
+    #[doc(alias = "fi_endpoint")]
+    #[doc(alias = "fi_enable")]
+    #[doc(alias = "fi_ep_bind")]
     pub fn builder(domain: &Domain) -> EndpointBuilder<K> {
         EndpointBuilder {
             domain: domain.clone(),

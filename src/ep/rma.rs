@@ -131,6 +131,7 @@ impl Endpoint<Rdm> {
     /// assert_eq!(&region.read()[100..105], b"hello");
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "fi_write")]
     pub fn write(
         &self,
         peer: PeerId,
@@ -143,6 +144,7 @@ impl Endpoint<Rdm> {
 
     /// Writes `buf` with 4 bytes of immediate data (`fi_writedata`): the target gets exactly one
     /// completion carrying `data` once all the bytes are in its memory.
+    #[doc(alias = "fi_writedata")]
     pub fn write_data(
         &self,
         peer: PeerId,
@@ -159,6 +161,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Writes with options (`fi_writemsg`).
+    #[doc(alias = "fi_writemsg")]
     pub fn write_with(
         &self,
         peer: PeerId,
@@ -175,6 +178,7 @@ impl Endpoint<Rdm> {
     /// whose contents are replaced (its capacity grows if needed), or a region with `READ`
     /// access whose first `len` bytes are replaced. The completion (`FI_RMA | FI_READ`) hands
     /// `buf` back.
+    #[doc(alias = "fi_read")]
     pub fn read(
         &self,
         peer: PeerId,
@@ -189,6 +193,7 @@ impl Endpoint<Rdm> {
 
     /// Applies an atomic to the peer's elements at `to` (`fi_atomic`); the completion
     /// (`FI_ATOMIC | FI_WRITE`) hands the operand back.
+    #[doc(alias = "fi_atomic")]
     pub fn atomic(
         &self,
         peer: PeerId,
@@ -203,6 +208,8 @@ impl Endpoint<Rdm> {
     /// Applies an atomic and fetches the elements' previous values into `result`
     /// (`fi_fetch_atomic`, `fi_compare_atomic` when `req.op` is a compare operation); the
     /// completion (`FI_ATOMIC | FI_READ`) hands `result` back filled.
+    #[doc(alias = "fi_fetch_atomic")]
+    #[doc(alias = "fi_compare_atomic")]
     pub fn fetch_atomic(
         &self,
         peer: PeerId,

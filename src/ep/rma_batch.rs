@@ -96,12 +96,14 @@ impl Endpoint<Rdm> {
     /// assert_eq!(target.read()[4096], 7); // page 0 to page 1
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "FI_MORE")]
     pub fn write_batch(&self, reqs: &mut VecDeque<WriteRequest>) -> Result<usize, BatchError> {
         self.core.post_batch(reqs)
     }
 
     /// Posts the reads at the front of `reqs` together, as [`write_batch`](Self::write_batch)
     /// posts writes. Each read completes on its own, as [`read`](Self::read) does.
+    #[doc(alias = "FI_MORE")]
     pub fn read_batch(&self, reqs: &mut VecDeque<ReadRequest>) -> Result<usize, BatchError> {
         self.core.post_batch(reqs)
     }
@@ -112,6 +114,7 @@ impl Endpoint<Rdm> {
     /// buffer (a copy) and written as one operation; the completion hands them back as
     /// [`Buffer::Iov`], in order. To move several slices without a copy, write each one
     /// ([`write_batch`](Self::write_batch)).
+    #[doc(alias = "fi_writev")]
     pub fn write_iov(
         &self,
         peer: PeerId,
@@ -163,6 +166,7 @@ impl Endpoint<Rdm> {
     /// assert_eq!(parts[1].as_recv(), Some(&b"body"[..]));
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "fi_readv")]
     pub fn read_iov(
         &self,
         peer: PeerId,
@@ -185,12 +189,14 @@ impl Endpoint<Rdm> {
     /// fails later writes an error completion with context 0. At most
     /// [`inject_rma_size`](Self::inject_rma_size) bytes (`InvalidArgument` beyond); `Again`
     /// when the endpoint is full.
+    #[doc(alias = "fi_inject_write")]
     pub fn inject_write(&self, peer: PeerId, data: &[u8], to: RmaAddr) -> Result<()> {
         self.inject_write_with(peer, data, to, None)
     }
 
     /// [`inject_write`](Self::inject_write) with 4 bytes of immediate data
     /// (`fi_inject_writedata`): the target gets one completion carrying `imm`.
+    #[doc(alias = "fi_inject_writedata")]
     pub fn inject_write_data(
         &self,
         peer: PeerId,

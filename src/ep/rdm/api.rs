@@ -5,6 +5,7 @@ use super::*;
 
 impl Endpoint<Rdm> {
     /// This endpoint's raw address.
+    #[doc(alias = "fi_getname")]
     pub fn addr(&self) -> RawAddr {
         self.core.addr
     }
@@ -15,6 +16,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Sends a message of any size to `peer`; the buffer is handed back in the completion.
+    #[doc(alias = "fi_send")]
     pub fn send(
         &self,
         peer: PeerId,
@@ -31,6 +33,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Sends a message with 4 bytes of remote CQ data (`fi_senddata`).
+    #[doc(alias = "fi_senddata")]
     pub fn send_data(
         &self,
         peer: PeerId,
@@ -47,6 +50,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Sends a tagged message (`fi_tsend`).
+    #[doc(alias = "fi_tsend")]
     pub fn tsend(
         &self,
         peer: PeerId,
@@ -63,6 +67,8 @@ impl Endpoint<Rdm> {
     }
 
     /// Sends with explicit options (`fi_sendmsg` / `fi_tsendmsg`).
+    #[doc(alias = "fi_sendmsg")]
+    #[doc(alias = "fi_tsendmsg")]
     pub fn send_with(
         &self,
         peer: PeerId,
@@ -111,6 +117,7 @@ impl Endpoint<Rdm> {
     /// assert_eq!(parts[1].as_recv(), Some(&b"the body"[..]));
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "fi_sendv")]
     pub fn send_iov(
         &self,
         peer: PeerId,
@@ -138,6 +145,7 @@ impl Endpoint<Rdm> {
     /// completion hands them back as [`Buffer::Iov`], each holding its part
     /// (a `BytesMut` as long as its part, a region its part in its first bytes). Not a
     /// multi-receive buffer (`InvalidArgument`).
+    #[doc(alias = "fi_recvv")]
     pub fn recv_iov(
         &self,
         iov: Vec<RecvBuf>,
@@ -172,11 +180,13 @@ impl Endpoint<Rdm> {
     /// assert_eq!(out[0].buf.as_recv(), Some(&b"hello"[..]));
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "fi_inject")]
     pub fn inject(&self, peer: PeerId, data: &[u8]) -> Result<()> {
         self.core.post_inject(peer, data, SendOptions::default())
     }
 
     /// A tagged [`inject`](Self::inject) (`fi_tinject`).
+    #[doc(alias = "fi_tinject")]
     pub fn tinject(&self, peer: PeerId, data: &[u8], tag: u64) -> Result<()> {
         let o = SendOptions {
             tag: Some(tag),
@@ -186,6 +196,7 @@ impl Endpoint<Rdm> {
     }
 
     /// An [`inject`](Self::inject) with 4 bytes of remote CQ data (`fi_injectdata`).
+    #[doc(alias = "fi_injectdata")]
     pub fn inject_data(&self, peer: PeerId, data: &[u8], imm: u32) -> Result<()> {
         let o = SendOptions {
             data: Some(imm),
@@ -248,6 +259,7 @@ impl Endpoint<Rdm> {
     /// }
     /// # Ok(()) }
     /// ```
+    #[doc(alias = "FI_MORE")]
     pub fn send_batch(&self, reqs: &mut VecDeque<SendRequest>) -> Result<usize, BatchError> {
         self.core.post_batch(reqs)
     }
@@ -261,6 +273,7 @@ impl Endpoint<Rdm> {
     /// buf.len(); // error[E0382]: borrow of moved value: `buf`
     /// # }
     /// ```
+    #[doc(alias = "fi_recv")]
     pub fn recv(&self, buf: impl Into<RecvBuf>, context: u64) -> Result<(), PostError> {
         self.core
             .post_recv(buf.into(), RecvOptions::default(), Sink::Cq(context))
@@ -268,6 +281,7 @@ impl Endpoint<Rdm> {
 
     /// Posts a tagged receive: matches messages whose tag equals `tag` on every bit not set in
     /// `ignore` (`fi_trecv`).
+    #[doc(alias = "fi_trecv")]
     pub fn trecv(
         &self,
         buf: impl Into<RecvBuf>,
@@ -283,6 +297,8 @@ impl Endpoint<Rdm> {
     }
 
     /// Posts a receive with explicit options (`fi_recvmsg` / `fi_trecvmsg`).
+    #[doc(alias = "fi_recvmsg")]
+    #[doc(alias = "fi_trecvmsg")]
     pub fn recv_with(
         &self,
         buf: impl Into<RecvBuf>,
@@ -294,12 +310,14 @@ impl Endpoint<Rdm> {
 
     /// Cancels the oldest posted receive with `context` (`fi_cancel`): it completes with a
     /// `Canceled` error completion that hands its buffer back. `NoMessage` if none is pending.
+    #[doc(alias = "fi_cancel")]
     pub fn cancel(&self, context: u64) -> Result<()> {
         self.core.cancel(context)
     }
 
     /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim`, reserves it for
     /// [`Endpoint::recv_claimed`] (`FI_CLAIM`). `NoMessage` when none matches.
+    #[doc(alias = "FI_PEEK")]
     pub fn peek(&self, tag: u64, ignore: u64, from: Option<PeerId>, claim: bool) -> Result<Peeked> {
         let src = self.core.resolve_src(from)?;
         let mut st = self.core.state.lock();
@@ -311,6 +329,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Receives a message claimed by [`Endpoint::peek`].
+    #[doc(alias = "FI_CLAIM")]
     pub fn recv_claimed(
         &self,
         claim: u64,
@@ -321,6 +340,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Discards an unexpected tagged message (`FI_DISCARD`). `NoMessage` when none matches.
+    #[doc(alias = "FI_DISCARD")]
     pub fn discard(&self, tag: u64, ignore: u64, from: Option<PeerId>) -> Result<Peeked> {
         let src = self.core.resolve_src(from)?;
         self.core.state.lock().engine.discard(tag, ignore, src)
@@ -367,6 +387,7 @@ impl Endpoint<Rdm> {
     }
 
     /// Drives the endpoint once (polling a bound completion queue does this too).
+    #[doc(alias = "FI_PROGRESS_MANUAL")]
     pub fn progress(&self) {
         self.core.progress_once();
     }
