@@ -68,7 +68,7 @@ fn main() -> ExitCode {
     match launch(&conn, move |side| session(&args, side)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("batch: {e}");
+            eprintln!("batch: {e:#}");
             ExitCode::FAILURE
         }
     }

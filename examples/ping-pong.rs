@@ -265,7 +265,7 @@ fn main() -> ExitCode {
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ping-pong: {e}");
+            eprintln!("ping-pong: {e:#}");
             ExitCode::FAILURE
         }
     }

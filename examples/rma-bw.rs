@@ -88,7 +88,7 @@ fn main() -> ExitCode {
     match launch(&conn, move |side| session(&args, side)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("rma-bw: {e}");
+            eprintln!("rma-bw: {e:#}");
             ExitCode::FAILURE
         }
     }

@@ -58,7 +58,7 @@ fn main() -> ExitCode {
     match launch(&conn, move |side| session(&args, side)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tagged-bw: {e}");
+            eprintln!("tagged-bw: {e:#}");
             ExitCode::FAILURE
         }
     }

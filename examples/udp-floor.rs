@@ -45,7 +45,7 @@ fn main() -> ExitCode {
     match launch(&conn, move |side| session(&args, side)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("udp-floor: {e}");
+            eprintln!("udp-floor: {e:#}");
             ExitCode::FAILURE
         }
     }

@@ -99,7 +99,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("wait-fd: {e}");
+            eprintln!("wait-fd: {e:#}");
             ExitCode::FAILURE
         }
     }

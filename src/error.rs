@@ -134,6 +134,18 @@ impl fmt::Display for ErrorKind {
 /// assert_eq!(e.to_string(), "send: message too long (9000 bytes > MTU 8192)");
 /// ```
 ///
+/// `{}` prints the operation, the kind and the detail; the underlying error (an OS error, say)
+/// is [`source`](std::error::Error::source)'s, so error reporters print it once. `{:#}` prints
+/// the whole chain:
+///
+/// ```
+/// use efa::{Error, ErrorKind};
+/// let os = std::io::Error::from_raw_os_error(12);
+/// let e = Error::io("ibv_reg_mr", os).with_detail("1 MiB");
+/// assert!(!e.to_string().contains("os error 12"));
+/// assert!(format!("{e:#}").ends_with("(os error 12)"));
+/// ```
+///
 /// It is one pointer wide (the parts live in a box), so `Result<T>` stays small on hot paths.
 pub struct Error {
     inner: Box<Inner>,
@@ -175,8 +187,14 @@ impl fmt::Display for Error {
         if let Some(d) = &i.detail {
             write!(f, " ({d})")?;
         }
-        if let Some(s) = &i.source {
-            write!(f, ": {s}")?;
+        // The source is `source()`'s: a chain printer (anyhow, eyre, `{:#}` below) prints it
+        // once. The alternate form prints the chain itself.
+        if f.alternate() {
+            let mut s = std::error::Error::source(self);
+            while let Some(e) = s {
+                write!(f, ": {e}")?;
+                s = e.source();
+            }
         }
         Ok(())
     }

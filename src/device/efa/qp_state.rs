@@ -335,7 +335,7 @@ mod tests {
             assert_eq!(e.kind(), ErrorKind::InvalidArgument);
             assert!(e.detail().unwrap().contains(masks), "{e}");
             assert_eq!(f.calls.len(), i + 1, "no step after the failing one");
-            let text = e.to_string();
+            let text = format!("{e:#}");
             assert!(
                 text.contains(op) && text.contains("Invalid argument"),
                 "{text}"
