@@ -586,3 +586,30 @@ fn peer_death_fails_operations() {
     // The dead child's segment and entry were removed by the survivor, and its own by closing.
     assert_eq!(files(dir.path()), Vec::<String>::new(), "files left behind");
 }
+
+/// Closing hands every receive buffer back with the room it was posted with, also those waiting
+/// on the shm path (which posts them with the routing header's room in front; issue 31: they
+/// came back 24 bytes larger, which the device contract refuses).
+#[test]
+fn flushed_receive_buffers_keep_their_room() {
+    let dir = test_dir();
+    let dev = routed(dir.path());
+    let n = Arc::new(Notifier::new());
+    let mut q = dev.create_qp(attr(&n, 3)).unwrap();
+    for i in 0..6u64 {
+        q.post_recv(i, BytesMut::with_capacity(16 + i as usize))
+            .unwrap();
+    }
+    q.close();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while out.len() < 6 && Instant::now() < deadline {
+        q.poll(&mut out, 16);
+    }
+    assert_eq!(out.len(), 6, "{out:?}");
+    for c in &out {
+        assert_eq!((c.opcode, c.status), (Opcode::Recv, Status::Flushed));
+        let b = c.buf.as_ref().expect("the buffer handed back");
+        assert_eq!(b.capacity(), 16 + c.wr_id as usize, "{c:?}");
+    }
+}

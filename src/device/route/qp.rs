@@ -233,6 +233,13 @@ impl RoutedQp {
             Opcode::Recv => {
                 local.posted[idx(Path::Shm)] = local.posted[idx(Path::Shm)].saturating_sub(1);
                 if c.status == Status::Flushed {
+                    // Handed back with the room it was posted with: the routing header's room
+                    // in front goes (the buffer is empty).
+                    if let Some(b) = c.buf.as_mut() {
+                        if b.is_empty() && b.capacity() >= HDR_LEN {
+                            *b = b.split_off(HDR_LEN);
+                        }
+                    }
                     return c;
                 }
                 let has_data = matches!(c.status, Status::Success | Status::LocalBadLength);
