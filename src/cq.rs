@@ -375,6 +375,12 @@ pub struct Completion {
     pub tag: u64,
     /// The sender of a received message, when it is in the address vector (`FI_SOURCE`).
     pub source: Option<PeerId>,
+    /// The sender's raw address when it is **not** in the address vector (`FI_SOURCE_ERR`, as a
+    /// field instead of libfabric's error completion): insert it
+    /// ([`AddressVector::insert`](crate::AddressVector::insert)) to answer, and its later
+    /// messages carry the `PeerId`. RDM receives and remote writes with data; `None` otherwise.
+    #[doc(alias = "FI_SOURCE_ERR")]
+    pub source_addr: Option<crate::addr::RawAddr>,
     /// The operation's buffer, handed back.
     pub buf: Buffer,
 }
@@ -880,6 +886,7 @@ mod debug_tests {
             data: None,
             tag: 0,
             source: None,
+            source_addr: None,
             buf: Buffer::Recv(m),
         };
         let s = format!("{c:?}");

@@ -768,3 +768,48 @@ fn a_server_gets_messages_from_a_client_it_never_inserted() {
     let r = back.iter().find(|c| c.context == 9).unwrap();
     assert_eq!(r.buf.as_recv().unwrap(), &b"reply"[..]);
 }
+
+/// A message from a sender the receiver's address vector does not hold carries the sender's raw
+/// address (`Completion::source_addr`, `FI_SOURCE_ERR`); once inserted, its messages carry the
+/// `PeerId` instead (issue 28).
+#[test]
+fn a_message_from_an_unknown_sender_carries_its_address() {
+    let net = faulty_net(test_seed());
+    let d = loopback_domain(&net);
+    for local_path in [true, false] {
+        let a = Node::with_local_path(&d, local_path);
+        let b = Node::with_local_path(&d, local_path);
+        let pb = a.av.insert(b.ep.addr()).unwrap();
+        b.ep.recv(BytesMut::with_capacity(16), 1).unwrap();
+        a.ep.send(pb, Bytes::from_static(b"who am I"), 2).unwrap();
+        let got = wait_recv(&b, &a, 1);
+        assert_eq!(got.source, None, "local_path {local_path}");
+        assert_eq!(
+            got.source_addr,
+            Some(a.ep.addr()),
+            "local_path {local_path}"
+        );
+        let pa = b.av.insert(got.source_addr.unwrap()).unwrap();
+        b.ep.recv(BytesMut::with_capacity(16), 3).unwrap();
+        a.ep.send(pb, Bytes::from_static(b"known now"), 4).unwrap();
+        let got = wait_recv(&b, &a, 3);
+        assert_eq!((got.source, got.source_addr), (Some(pa), None));
+    }
+}
+
+/// The receive completion of context `ctx` at `b`, progressing `a` meanwhile.
+fn wait_recv(b: &Node, a: &Node, ctx: u64) -> efa::Completion {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    loop {
+        let _ = a.cq.poll(&mut out, 16);
+        let _ = b.cq.poll(&mut out, 16);
+        if let Some(i) = out
+            .iter()
+            .position(|c| c.context == ctx && c.flags.contains(CompletionFlags::RECV))
+        {
+            return out.swap_remove(i);
+        }
+        assert!(Instant::now() < deadline, "no receive completion {ctx}");
+    }
+}

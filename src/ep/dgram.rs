@@ -391,6 +391,7 @@ impl DgramCore {
                         data: None,
                         tag: 0,
                         source: None,
+                        source_addr: None,
                         buf,
                     });
                 } else {
@@ -436,6 +437,7 @@ impl DgramCore {
                     data: c.imm,
                     tag: 0,
                     source,
+                    source_addr: None,
                     buf,
                 });
             }

@@ -624,6 +624,7 @@ impl RdmCore {
                 data: None,
                 tag: 0,
                 source: None,
+                source_addr: None,
                 buf,
             }),
             Some(error) => Err(CompletionError {
@@ -654,6 +655,7 @@ impl RdmCore {
             len: w.len,
             data: Some(w.data),
             tag: 0,
+            source_addr: Some(w.src).filter(|_| source.is_none()),
             source,
             buf: Buffer::None,
         }

@@ -188,6 +188,7 @@ impl RdmCore {
                 data: None,
                 tag: s.tag.unwrap_or(0),
                 source: None,
+                source_addr: None,
                 buf,
             }),
             Some(error) => Err(CompletionError {
@@ -253,6 +254,7 @@ impl RdmCore {
                 data: r.data,
                 tag: r.tag.unwrap_or(0),
                 source,
+                source_addr: r.src.filter(|_| source.is_none()),
                 buf,
             }),
             Some(error) => Err(CompletionError {
