@@ -339,24 +339,18 @@ impl Device for LoopbackDevice {
         self.shared.counters.snapshot()
     }
 
-    /// With RDMA on, enters `mem` in the device's key table under a key no region of this network
-    /// ever had; without, `Ok(None)`.
+    /// With RDMA on, enters `mem` in the device's key table under 32 random bits from the
+    /// kernel's CSPRNG that no live region of the device holds, as a NIC's rkey is wide (a
+    /// domain's own keys are wider, and peers emulate RMA to those); without, `Ok(None)`.
     fn register_mem(&self, mem: &Arc<RegionMem>, access: Access) -> Result<Option<u64>> {
         if !self.shared.cfg.rdma {
             return Ok(None);
         }
-        // A fresh key (32 bits: a live one is drawn again, a few times at most).
-        let mut tries = 0;
-        let key = loop {
-            let key = self.shared.net.wire.new_key();
-            if key != 0 && self.shared.mrs.lock().insert_as(key, mem, access) {
-                break key;
-            }
-            tries += 1;
-            if tries == 8 {
-                return Err(Error::new(ErrorKind::Io, "mr_reg").with_detail("no free device key"));
-            }
-        };
+        let key = self
+            .shared
+            .mrs
+            .lock()
+            .insert_random(mem, access, 0xffff_ffff, 0);
         crate::stats::inc(&self.shared.counters.mem_registrations);
         Ok(Some(key))
     }

@@ -59,8 +59,6 @@ pub(super) struct Wire {
     clock: Clock,
     /// Mirror of `WireState::in_flight()`, so that `poll` skips the network lock when nothing is held.
     held: AtomicUsize,
-    /// Keys handed out on this network (a count; keys themselves are random).
-    next_key: AtomicU64,
     pub(super) state: Mutex<WireState>,
 }
 
@@ -74,7 +72,6 @@ impl Wire {
                 Clock::Real(Instant::now())
             },
             held: AtomicUsize::new(0),
-            next_key: AtomicU64::new(1),
             state: Mutex::new(WireState {
                 faults: FaultInjector::new(faults),
                 next_dev: 0,
@@ -115,14 +112,6 @@ impl Wire {
 
     pub(super) fn in_flight(&self) -> usize {
         self.held.load(Ordering::Acquire)
-    }
-
-    /// A memory key of 32 bits from the kernel's CSPRNG, as a NIC's rkey and the other software
-    /// devices' keys (a domain's own keys are wider, and peers emulate RMA to those): a peer
-    /// cannot step from its key to another region's. The device draws again while it is live.
-    pub(super) fn new_key(&self) -> u64 {
-        self.next_key.fetch_add(1, Ordering::Relaxed);
-        crate::random::secure_u64() & 0xffff_ffff
     }
 
     /// Runs `f` under the network lock with the current time, then publishes the held count;
