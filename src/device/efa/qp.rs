@@ -549,23 +549,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         &mut self,
         wrs: &mut VecDeque<SendWr>,
     ) -> std::result::Result<(), (u64, Error)> {
-        let mut staged = Vec::with_capacity(wrs.len());
-        let mut refused = None;
-        while let Some(wr) = wrs.pop_front() {
-            let wr_id = wr.wr_id;
-            match self.stage_send(wr) {
-                Ok(w) => staged.push(w),
-                Err(e) => {
-                    refused = Some((wr_id, e));
-                    break;
-                }
-            }
-        }
-        self.post_staged_list(staged);
-        match refused {
-            Some(r) => Err(r),
-            None => Ok(()),
-        }
+        self.post_list(wrs, |w| w.wr_id, Self::stage_send)
     }
 
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
@@ -690,37 +674,26 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         // locked until the NIC has them, so no registration goes away in between.
         let keys = self.local_keys.clone();
         let mut table = None;
-        let mut staged = Vec::with_capacity(wrs.len());
-        let mut refused = None;
-        while let Some(RdmaWr { wr_id, dest, kind }) = wrs.pop_front() {
-            let r = match kind {
+        let r = self.post_list(
+            wrs,
+            |w| w.wr_id,
+            |qp, RdmaWr { wr_id, dest, kind }| match kind {
                 RdmaKind::Write { local, remote, imm } => {
-                    self.stage_write(wr_id, dest, local, remote, imm)
+                    qp.stage_write(wr_id, dest, local, remote, imm)
                 }
-                RdmaKind::Read { local, remote } => self.stage_read(wr_id, dest, local, remote),
+                RdmaKind::Read { local, remote } => qp.stage_read(wr_id, dest, local, remote),
                 RdmaKind::WriteRegion { local, remote, imm } => {
                     let t = table.get_or_insert_with(|| keys.0.lock());
-                    self.stage_region(t, wr_id, dest, local, remote, Some(imm))
+                    qp.stage_region(t, wr_id, dest, local, remote, Some(imm))
                 }
                 RdmaKind::ReadRegion { local, remote } => {
                     let t = table.get_or_insert_with(|| keys.0.lock());
-                    self.stage_region(t, wr_id, dest, local, remote, None)
+                    qp.stage_region(t, wr_id, dest, local, remote, None)
                 }
-            };
-            match r {
-                Ok(w) => staged.push(w),
-                Err(e) => {
-                    refused = Some((wr_id, e));
-                    break;
-                }
-            }
-        }
-        self.post_staged_list(staged);
+            },
+        );
         drop(table);
-        match refused {
-            Some(r) => Err(r),
-            None => Ok(()),
-        }
+        r
     }
 
     fn region_rdma(&self) -> bool {
@@ -1015,6 +988,31 @@ impl<N: Nic> EfaQp<N> {
             inline: None,
             verb,
         }
+    }
+
+    /// A list of `post_send_list` / `post_rdma_list`: stages the work requests at the front of
+    /// `wrs` (popping each) until one is refused, posts those staged behind one doorbell, and
+    /// returns the refused one's `wr_id` (by `id`) and error; the rest stay in `wrs`.
+    fn post_list<W>(
+        &mut self,
+        wrs: &mut VecDeque<W>,
+        id: impl Fn(&W) -> u64,
+        mut stage: impl FnMut(&mut Self, W) -> Result<Staged<N::Ah>>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        let mut staged = Vec::with_capacity(wrs.len());
+        let mut refused = None;
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = id(&wr);
+            match stage(self, wr) {
+                Ok(w) => staged.push(w),
+                Err(e) => {
+                    refused = Some((wr_id, e));
+                    break;
+                }
+            }
+        }
+        self.post_staged_list(staged);
+        refused.map_or(Ok(()), Err)
     }
 
     /// Posts one staged work request; a refusal takes its record back and is the error.
