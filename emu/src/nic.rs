@@ -232,16 +232,19 @@ impl Nic {
     /// smallest index no live registration holds, so a key of a closed region comes back for
     /// the next one, as EFA's lkey/rkey indices do. With `unique`: random, never reused in the
     /// process.
-    fn fresh_key(&self, used: &HashSet<u32>, live: &Mrs) -> u32 {
+    /// The key is not `other` (the registration's lkey, when this is its rkey); with `unique`
+    /// it is recorded in `m.used`.
+    fn fresh_key(&self, m: &mut Mrs, other: Option<u32>) -> u32 {
+        let free = |k: &u32| *k != 0 && Some(*k) != other;
         if self.cfg.recycle_keys {
             return (1..=u32::MAX)
-                .find(|k| !live.live.contains(k) && !used.contains(k))
+                .find(|k| free(k) && !m.live.contains(k))
                 .unwrap_or(0);
         }
         let mut rng = self.rng.lock();
         loop {
             let k = rng.next_u64() as u32;
-            if k != 0 && !used.contains(&k) {
+            if free(&k) && m.used.insert(k) {
                 return k;
             }
         }
@@ -311,28 +314,10 @@ impl Nic {
                 return Err(libc::ENOMEM);
             }
         }
-        // Keys taken by this registration so far (recycled keys are free again after dereg).
-        let mut mine = HashSet::new();
-        let lkey = if self.cfg.recycle_keys {
-            self.fresh_key(&mine, &m)
-        } else {
-            self.fresh_key(&m.used, &m)
-        };
-        mine.insert(lkey);
-        if !self.cfg.recycle_keys {
-            m.used.insert(lkey);
-        }
+        let lkey = self.fresh_key(&mut m, None);
         let remote = required & (IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE) != 0;
         let rkey = if remote {
-            let k = if self.cfg.recycle_keys {
-                self.fresh_key(&mine, &m)
-            } else {
-                self.fresh_key(&m.used, &m)
-            };
-            if !self.cfg.recycle_keys {
-                m.used.insert(k);
-            }
-            k
+            self.fresh_key(&mut m, Some(lkey))
         } else {
             lkey
         };
