@@ -8,12 +8,11 @@
 mod common;
 
 use std::fs::File;
-use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use common::{DeviceMemory, Node, loopback_domain, shm_domain, shm_test_dir, udp_domain};
+use common::{DeviceMemory, Node, loopback_domain};
 use efa::device::loopback::LoopbackNetwork;
 use efa::fault::test_seed;
 use efa::info::{Caps, EpType};
@@ -26,14 +25,7 @@ const PAGE: u64 = 4096;
 
 /// A memfd of `len` bytes named `name` (unique per test: the name shows in /proc/self/maps).
 fn memfd(name: &str, len: u64) -> File {
-    let cname = std::ffi::CString::new(name).unwrap();
-    // SAFETY: a valid C string; the returned descriptor is owned by the File below.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-    // SAFETY: a fresh descriptor nobody else owns.
-    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-    f.set_len(len).unwrap();
-    f
+    common::memfd(name, len, 0)
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -43,17 +35,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// The devices of this run, each a domain with what keeps it alive.
 fn setups() -> Vec<(&'static str, Domain, Box<dyn std::any::Any>)> {
-    let net = LoopbackNetwork::new(FaultConfig::default());
-    let lo = loopback_domain(&net);
-    let dir = shm_test_dir("efa-dmabuf-");
-    let (shm, _) = shm_domain(dir.path());
-    let udp = udp_domain(IpAddr::V4(Ipv4Addr::LOCALHOST), FaultConfig::default());
-    let udp_name = if common::on_efa() { "efa" } else { "udp" };
-    vec![
-        ("loopback", lo, Box::new(net)),
-        (udp_name, udp, Box::new(())),
-        ("shm", shm, Box::new(dir)),
-    ]
+    common::device_domains("efa-dmabuf-")
 }
 
 /// Polls both nodes until `a` has `n` completions; an error completion fails the test.

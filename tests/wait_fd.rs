@@ -5,31 +5,19 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use common::{Node, loopback_domain, shm_domain, shm_test_dir, udp_domain};
-use efa::device::loopback::LoopbackNetwork;
-use efa::{Domain, ErrorKind, FaultConfig};
+use common::Node;
+use efa::{Domain, ErrorKind};
 
 /// How long a readable descriptor may take at most (a deadline, far above the milliseconds it
 /// takes: a descriptor nothing makes readable runs into it).
 const DEADLINE: Duration = Duration::from_secs(20);
 
 fn setups() -> Vec<(&'static str, Domain, Box<dyn std::any::Any>)> {
-    let net = LoopbackNetwork::new(FaultConfig::default());
-    let lo = loopback_domain(&net);
-    let udp = udp_domain(IpAddr::V4(Ipv4Addr::LOCALHOST), FaultConfig::default());
-    let name = if common::on_efa() { "efa" } else { "udp" };
-    let dir = shm_test_dir("efa-wait-fd-");
-    let (shm, _) = shm_domain(dir.path());
-    vec![
-        ("loopback", lo, Box::new(net)),
-        (name, udp, Box::new(())),
-        ("shm", shm, Box::new(dir)),
-    ]
+    common::device_domains("efa-wait-fd-")
 }
 
 /// Blocks in poll(2) on `fd` until readable or `limit`; true when readable.

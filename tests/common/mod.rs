@@ -492,6 +492,37 @@ pub fn example_bin(name: &str) -> Option<std::path::PathBuf> {
     }
 }
 
+/// A memfd of `len` bytes named `name` (the name shows in /proc/self/maps), made with
+/// `MFD_CLOEXEC` and `flags`.
+pub fn memfd(name: &str, len: u64, flags: libc::c_uint) -> std::fs::File {
+    use std::os::fd::FromRawFd;
+    let cname = std::ffi::CString::new(name).unwrap();
+    // SAFETY: a valid C string; the descriptor is owned by the File below.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | flags) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh descriptor nobody else owns.
+    let f = std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    f.set_len(len).unwrap();
+    f
+}
+
+/// A domain on each network device this run tests, with what keeps it alive: loopback, udp
+/// (the efa device with `EFA_TEST_DEVICE=efa`, named so) and shm (in a fresh directory whose
+/// name begins with `shm_prefix`).
+pub fn device_domains(shm_prefix: &str) -> Vec<(&'static str, Domain, Box<dyn std::any::Any>)> {
+    let net = LoopbackNetwork::new(FaultConfig::default());
+    let lo = loopback_domain(&net);
+    let udp = udp_domain(IpAddr::V4(Ipv4Addr::LOCALHOST), FaultConfig::default());
+    let name = if on_efa() { "efa" } else { "udp" };
+    let dir = shm_test_dir(shm_prefix);
+    let (shm, _) = shm_domain(dir.path());
+    vec![
+        ("loopback", lo, Box::new(net)),
+        (name, udp, Box::new(())),
+        ("shm", shm, Box::new(dir)),
+    ]
+}
+
 /// Memory standing for a GPU's, for dmabuf regions (`Domain::register_dmabuf`): a real dma-buf
 /// where the kernel exports one (`/dev/udmabuf`, made from a sealed memfd), else a **stand-in**,
 /// a memfd named `efa-emu-dmabuf-stand-in-<name>`, which only the emulated NIC takes for a
@@ -528,16 +559,8 @@ impl DeviceMemory {
     }
 
     fn memfd(name: &str, len: u64, sealable: bool) -> std::fs::File {
-        use std::os::fd::FromRawFd;
-        let cname = std::ffi::CString::new(format!("efa-emu-dmabuf-stand-in-{name}")).unwrap();
-        let flags = libc::MFD_CLOEXEC | if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
-        // SAFETY: a valid C string; the descriptor is owned by the File below.
-        let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
-        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-        // SAFETY: a fresh descriptor nobody else owns.
-        let f = std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
-        f.set_len(len).unwrap();
-        f
+        let seal = if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
+        memfd(&format!("efa-emu-dmabuf-stand-in-{name}"), len, seal)
     }
 
     /// Whether this is a real dma-buf (else the stand-in).
