@@ -719,23 +719,39 @@ fn rdma_from_an_initiator_without_an_ah_is_refused_with_14() {
     assert!(c.status.is_ok(), "{c:?}");
 }
 
-/// Posts one RDMA write (or read) of `len` bytes at `off` of `from`'s buffer to `rkey`/`raddr`
-/// at `to`, through the `ibv_wr_*` table.
-fn post_rdma(from: &EmuQp, ah: *mut ibv_ah, to: &EmuQp, write: bool, rkey: u32, raddr: u64) {
-    // SAFETY: our queue pair, its registered buffer and an AH for the target.
+/// What [`post_one`] posts.
+#[derive(Clone, Copy)]
+enum Wr {
+    Send,
+    Write { rkey: u32, raddr: u64 },
+    Read { rkey: u32, raddr: u64 },
+}
+
+/// Posts one work request (`wr_id` 9) of `len` bytes at the start of `from`'s buffer, named by
+/// `lkey`, to `to` through `ah`, in one `ibv_wr_*` session; `ibv_wr_complete`'s answer.
+fn post_one(from: &EmuQp, ah: *mut ibv_ah, to: &EmuQp, wr: Wr, lkey: u32, len: u32) -> i32 {
+    // SAFETY: our queue pair and an AH for the target; the SGE names our buffer (a bad lkey is
+    // the NIC's to report).
     unsafe {
         let q = &*from.qpx;
         q.wr_start.unwrap()(from.qpx);
         (*from.qpx).wr_id = 9;
-        if write {
-            q.wr_rdma_write.unwrap()(from.qpx, rkey, raddr);
-        } else {
-            q.wr_rdma_read.unwrap()(from.qpx, rkey, raddr);
+        match wr {
+            Wr::Send => q.wr_send.unwrap()(from.qpx),
+            Wr::Write { rkey, raddr } => q.wr_rdma_write.unwrap()(from.qpx, rkey, raddr),
+            Wr::Read { rkey, raddr } => q.wr_rdma_read.unwrap()(from.qpx, rkey, raddr),
         }
         q.wr_set_ud_addr.unwrap()(from.qpx, ah, u32::from(to.qpn()), to.qkey);
-        q.wr_set_sge.unwrap()(from.qpx, (*from.mr).lkey, from.buf.as_ptr() as u64, 8);
-        assert_eq!(q.wr_complete.unwrap()(from.qpx), 0);
+        q.wr_set_sge.unwrap()(from.qpx, lkey, from.buf.as_ptr() as u64, len);
+        q.wr_complete.unwrap()(from.qpx)
     }
+}
+
+/// [`post_one`] of 8 bytes under `from`'s own lkey, which must be taken.
+fn post_rdma(from: &EmuQp, ah: *mut ibv_ah, to: &EmuQp, wr: Wr) {
+    // SAFETY: reading our registration's fields.
+    let lkey = unsafe { (*from.mr).lkey };
+    assert_eq!(post_one(from, ah, to, wr, lkey, 8), 0);
 }
 
 /// As rdma-core reads EFA's completions (issue 30, point 8): an RDMA write completes as
@@ -749,13 +765,21 @@ fn rdma_opcodes_and_statuses_as_rdma_core_reports_them() {
     let _back = create_ah(b.pd, a.gid);
     // SAFETY: reading the registration's fields.
     let (rkey, base) = unsafe { ((*b.mr).rkey, (*b.mr).addr as u64) };
-    post_rdma(&a, ah, &b, true, rkey, base);
+    post_rdma(&a, ah, &b, Wr::Write { rkey, raddr: base });
     let (_, status, opcode, ..) = a.poll_until("write");
     assert_eq!((status, opcode), (IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE));
-    post_rdma(&a, ah, &b, false, rkey, base);
+    post_rdma(&a, ah, &b, Wr::Read { rkey, raddr: base });
     let (_, status, opcode, ..) = a.poll_until("read");
     assert_eq!((status, opcode), (IBV_WC_SUCCESS, IBV_WC_SEND));
-    post_rdma(&a, ah, &b, true, rkey ^ 0x0100_0000, base);
+    post_rdma(
+        &a,
+        ah,
+        &b,
+        Wr::Write {
+            rkey: rkey ^ 0x0100_0000,
+            raddr: base,
+        },
+    );
     let (_, status, ..) = a.poll_until("bad key");
     assert_eq!(
         status, IBV_WC_REM_ACCESS_ERR,
@@ -885,33 +909,20 @@ fn processing_errors_complete_and_reads_need_a_live_registration() {
     let b = emu_qp();
     let (ah, _) = create_ah(a.pd, b.gid);
     let _back = create_ah(b.pd, a.gid);
-    // SAFETY: our queue pair, its registered buffer and an AH for the target; one work request
-    // per session, named by the program's own (possibly bad) lkey and length.
-    let post = |from: &EmuQp, lkey: u32, len: u32, read: Option<(u32, u64)>| unsafe {
-        let q = &*from.qpx;
-        q.wr_start.unwrap()(from.qpx);
-        (*from.qpx).wr_id = 5;
-        match read {
-            Some((rkey, raddr)) => q.wr_rdma_read.unwrap()(from.qpx, rkey, raddr),
-            None => q.wr_send.unwrap()(from.qpx),
-        }
-        q.wr_set_ud_addr.unwrap()(from.qpx, ah, u32::from(b.qpn()), b.qkey);
-        q.wr_set_sge.unwrap()(from.qpx, lkey, from.buf.as_ptr() as u64, len);
-        q.wr_complete.unwrap()(from.qpx)
-    };
+    let post = |from: &EmuQp, lkey: u32, len: u32, wr: Wr| post_one(from, ah, &b, wr, lkey, len);
     // SAFETY: reading our registration's fields.
     let lkey = unsafe { (*a.mr).lkey };
-    assert_eq!(post(&a, lkey ^ 0x00ff_0000, 8, None), 0, "taken");
+    assert_eq!(post(&a, lkey ^ 0x00ff_0000, 8, Wr::Send), 0, "taken");
     let (wr_id, status, ..) = a.poll_until("bad lkey");
-    assert_eq!((wr_id, status), (5, IBV_WC_LOC_PROT_ERR));
-    assert_eq!(post(&a, lkey, 9000, None), 0, "taken");
+    assert_eq!((wr_id, status), (9, IBV_WC_LOC_PROT_ERR));
+    assert_eq!(post(&a, lkey, 9000, Wr::Send), 0, "taken");
     let (_, status, ..) = a.poll_until("too long");
     assert_eq!(status, IBV_WC_LOC_LEN_ERR);
     // A read whose local registration goes before the data arrives.
     // SAFETY: reading the target registration's fields.
     let (rkey, base) = unsafe { ((*b.mr).rkey, (*b.mr).addr as u64) };
     a.buf[..8].copy_from_slice(b"untouch!");
-    assert_eq!(post(&a, lkey, 8, Some((rkey, base))), 0);
+    assert_eq!(post(&a, lkey, 8, Wr::Read { rkey, raddr: base }), 0);
     // SAFETY: our registration, deregistered once (the read's data has not been taken yet: a
     // completion is only taken when the CQ is polled).
     assert_eq!(unsafe { emu_ibv_dereg_mr(a.mr) }, 0);
