@@ -135,19 +135,13 @@ impl Notifier {
 
     /// This notifier's eventfd (made on first use): readable once a notification came after
     /// [`arm_fd`](Notifier::arm_fd). `None` when the system has no eventfd to give.
-    #[allow(unsafe_code)]
     pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+        use std::os::fd::AsFd;
         if let Some(f) = self.fd.get() {
             return Some(f.as_fd());
         }
-        // SAFETY: eventfd with valid flags; the descriptor is owned below.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if raw < 0 {
-            return None;
-        }
-        // SAFETY: a fresh descriptor nobody else owns (a racing creator's is dropped).
-        let _ = self.fd.set(unsafe { OwnedFd::from_raw_fd(raw) });
+        // A racing creator's descriptor is dropped.
+        let _ = self.fd.set(new_eventfd().ok()?);
         self.fd.get().map(AsFd::as_fd)
     }
 
@@ -172,13 +166,9 @@ impl Notifier {
         self.generation() != seen
     }
 
-    #[allow(unsafe_code)]
     fn signal_fd(&self) {
-        use std::os::fd::AsRawFd;
         if let Some(f) = self.fd.get() {
-            let one = 1u64;
-            // SAFETY: an 8-byte write to our eventfd.
-            unsafe { libc::write(f.as_raw_fd(), (&raw const one).cast(), 8) };
+            signal_eventfd(f);
         }
     }
 
@@ -201,4 +191,25 @@ impl Notifier {
         w.push(waker.clone());
         false
     }
+}
+
+/// A new non-blocking, close-on-exec eventfd.
+#[allow(unsafe_code)]
+pub(crate) fn new_eventfd() -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: eventfd with valid flags.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) })
+}
+
+/// Makes the eventfd `fd` readable (adds 1 to its counter).
+#[allow(unsafe_code)]
+pub(crate) fn signal_eventfd(fd: &impl std::os::fd::AsRawFd) {
+    let one = 1u64;
+    // SAFETY: an 8-byte write of a live u64 to an eventfd.
+    unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
 }

@@ -80,24 +80,12 @@ impl Channel {
         let ch = ChannelPtr(self.ch.as_ptr());
         let stop = self.stop.clone();
         let armed = self.armed.clone();
-        // SAFETY: eventfd with valid flags; the descriptor is owned below.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if efd < 0 {
-            return Err(Error::io("eventfd", std::io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let efd =
-            Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(efd) });
+        let efd = Arc::new(crate::notify::new_eventfd().map_err(|e| Error::io("eventfd", e))?);
         let waker = efd.clone();
         let t = crate::progress::Background::spawn(
             name,
             &self.stop,
-            move || {
-                use std::os::fd::AsRawFd;
-                let one = 1u64;
-                // SAFETY: an 8-byte write to our eventfd.
-                unsafe { libc::write(waker.as_raw_fd(), (&raw const one).cast(), 8) };
-            },
+            move || crate::notify::signal_eventfd(&*waker),
             move || channel_thread(ch, stop, armed, notifier, &efd),
         )
         .map_err(|e| Error::io("efa_completion_thread", e))?;
