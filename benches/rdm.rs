@@ -59,6 +59,14 @@ fn udp() -> Domain {
     )
 }
 
+/// The default same-host path: a udp device routed through an shm directory in `dir`, as
+/// `getinfo` builds it, so RDM endpoints reach each other through their local channels.
+fn udp_local(dir: &std::path::Path) -> Domain {
+    let udp = UdpDevice::open(UdpConfig::default()).unwrap();
+    let routed = efa::device::route::RoutedDevice::open(udp, ShmConfig::in_dir(dir)).unwrap();
+    Domain::with_device(routed, Config::default())
+}
+
 /// Sends `n` messages of `size` from a to b, with b's receives posted as they complete.
 fn stream(p: &Pair, n: usize, size: usize, out: &mut Vec<Completion>) {
     let msg = Bytes::from(vec![7u8; size]);
@@ -208,7 +216,11 @@ fn idle_poll(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(300));
-    for (name, d) in [("loopback", loopback()), ("shm-local", shm(dir.path()))] {
+    for (name, d) in [
+        ("loopback", loopback()),
+        ("shm-local", shm(dir.path())),
+        ("udp-local", udp_local(dir.path())),
+    ] {
         let p = pair(&d);
         // One message each way first, so that the peers know each other.
         p.b.2.recv(BytesMut::with_capacity(8), 0).unwrap();

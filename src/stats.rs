@@ -98,6 +98,10 @@ counters!(
         tx_batches,
         /// System calls that read several datagrams at once (`recvmmsg`; udp device).
         rx_batches,
+        /// Reads of a socket that found it empty (udp device): what waiting costs in system
+        /// calls. A queue pair with nothing in flight and no datagram for 200 µs is read only
+        /// every 5 µs and every 16th poll (docs/udp-device.md).
+        rx_empty_reads,
         /// Bytes of bounce pools on huge pages (`FI_EFA_USE_HUGE_PAGE`; efa device).
         huge_page_bytes,
         /// Bounce pools that asked for huge pages and got ordinary ones (none reserved,

@@ -936,3 +936,42 @@ fn busy_polling_request_response_piggybacks_acks_and_hands_off() {
     // Without piggybacking every data packet would be acknowledged by a datagram of its own.
     assert!(s.acks_sent < 2 * N, "{s:?}");
 }
+
+/// A queue pair with nothing in flight that nothing reached for a while is polled without a
+/// system call per poll (it reads its socket only every 16th poll at most), and a datagram
+/// that then reaches it is still received, once.
+#[test]
+fn an_idle_queue_pair_reads_its_socket_rarely_and_still_receives() {
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    let mut a = qp(&dev, QpType::Srd, &n);
+    let mut b = qp(&dev, QpType::Srd, &n);
+    b.post_recv(7, BytesMut::with_capacity(64)).unwrap();
+    // Longer than the 200 µs after which a queue pair with nothing in flight is cold.
+    std::thread::sleep(Duration::from_millis(5));
+    let polls = 20_000u64;
+    let before = dev.stats().rx_empty_reads;
+    let mut out = Vec::new();
+    for _ in 0..polls {
+        b.poll(&mut out, 16);
+    }
+    let empty = dev.stats().rx_empty_reads - before;
+    assert!(out.is_empty(), "{out:?}");
+    // One poll in 16 may read; a few more while the NIC thread hands over to the polls.
+    assert!(
+        empty <= polls / 16 + 64,
+        "{empty} empty reads of the socket in {polls} idle polls"
+    );
+    a.post_send(wr(1, b.addr(), b"", b"after the quiet", None))
+        .unwrap();
+    let got = poll_until(
+        &mut [&mut a, &mut b],
+        &n,
+        "a datagram to a cold queue pair",
+        |c| c.len() >= 2,
+    );
+    let recvs: Vec<_> = got.iter().filter(|(q, _)| *q == 1).collect();
+    assert_eq!(recvs.len(), 1, "{got:?}");
+    assert_eq!(recvs[0].1.status, Status::Success, "{got:?}");
+    assert_eq!(&recvs[0].1.buf.as_ref().unwrap()[..], b"after the quiet");
+}

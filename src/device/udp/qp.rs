@@ -46,6 +46,19 @@ const ACK_BATCH: usize = 32;
 /// alone this long: the application is busy with what arrived (and its reply should not wait
 /// for a few more empty reads), and the next datagram is unlikely to be there already.
 const RX_QUIET: Duration = Duration::from_micros(4);
+/// A queue pair whose socket brought nothing for this long, with nothing of its own in flight
+/// (no unacknowledged packet, no delayed acknowledgement, no RDMA), is cold: the application's
+/// polls read its socket only every [`COLD_READ_EVERY`]. An empty read is a system call (about
+/// half a microsecond), which a routed queue pair would otherwise pay on every poll although its
+/// same-host peers never use the socket.
+const COLD_AFTER: Duration = Duration::from_micros(200);
+/// How often the application's polls read a cold queue pair's socket: what a datagram to an idle
+/// queue pair may wait at most (the NIC thread, when the application sleeps, waits on the
+/// socket itself and is never late).
+const COLD_READ_EVERY: Duration = Duration::from_micros(5);
+/// Of the application's polls of a cold queue pair, one in this many runs its progress (reads
+/// the clock, runs timers, maybe reads the socket); the others only take completions.
+const COLD_POLLS: u32 = 16;
 /// The application counts as busy-polling for this long after its last `poll`: meanwhile the NIC
 /// thread stands aside (parked, not waiting on the socket), and takes over when it passes or when
 /// the application goes to sleep on its notifier. Every check costs the NIC thread a wake-up
@@ -310,6 +323,10 @@ pub(super) struct State {
     quiet_until: Option<Instant>,
     /// The last read of the socket found it empty.
     idle: bool,
+    /// When a datagram was last read or work was last posted (see [`COLD_AFTER`]).
+    warm_at: Instant,
+    /// The application's polls do not read a cold socket before this (see [`COLD_READ_EVERY`]).
+    cold_next: Option<Instant>,
 }
 
 impl State {
@@ -319,6 +336,14 @@ impl State {
     fn drain(&mut self, budget: usize, now: Instant, nic: bool) -> bool {
         if !nic && self.quiet_until.is_some_and(|q| now < q) {
             return false;
+        }
+        if !nic && self.cold(now) {
+            if self.cold_next.is_some_and(|t| now < t) {
+                return false;
+            }
+            self.cold_next = Some(now + COLD_READ_EVERY);
+        } else {
+            self.cold_next = None;
         }
         let mut one = self.rx.take();
         let mut burst = self.rx_batch.take();
@@ -393,7 +418,12 @@ impl State {
                         burst = Some(mmsg::RxBatch::new(RX_SCRATCH, RX_BATCH));
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if reads == 0 {
+                        stats::inc(&self.link.ctx.counters().rx_empty_reads);
+                    }
+                    break;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     // E.g. a queued ICMP error; it is consumed by reading it.
@@ -406,8 +436,23 @@ impl State {
         self.rx_batch = burst;
         self.link.flush_acks(now, nic);
         self.idle = n == 0;
+        if n > 0 {
+            self.warm_at = now;
+        }
         self.quiet_until = (n > 0 && !more).then(|| now + RX_QUIET);
         more || (lone && n > 0)
+    }
+
+    /// Work was posted at `now`: the queue pair is warm.
+    fn warm(&mut self, now: Instant) {
+        self.warm_at = now;
+        self.cold_next = None;
+    }
+
+    /// True when nothing came for [`COLD_AFTER`] and nothing of this queue pair is in flight.
+    fn cold(&mut self, now: Instant) -> bool {
+        now.saturating_duration_since(self.warm_at) >= COLD_AFTER
+            && self.link.next_deadline().is_none()
     }
 
     /// Sends what the protocol queued, and fails the work requests whose datagrams the kernel
@@ -436,6 +481,7 @@ impl State {
                 .with_detail("RDMA needs an SRD queue pair on a device with RDMA"));
         }
         self.slots.take_send(op)?;
+        self.warm(now);
         if let Err(e) = self.link.start_rdma(now, start, dest) {
             self.slots.release_send();
             return Err(e);
@@ -473,6 +519,8 @@ impl State {
         if self.closed {
             return Err(Error::new(ErrorKind::Closed, "post_send"));
         }
+        // A reply may follow (a datagram queue pair has no acknowledgement to keep it warm).
+        self.warm(now);
         let len = wr.len();
         let mtu = self.link.ctx.cfg.mtu;
         if len > mtu {
@@ -674,6 +722,8 @@ pub(crate) struct UdpQp {
     thread: Background,
     addr: RawAddr,
     qp_type: QpType,
+    /// Polls in a row that only took completions of a cold queue pair (see [`COLD_POLLS`]).
+    cold_skips: u32,
 }
 
 impl fmt::Debug for UdpQp {
@@ -760,6 +810,8 @@ impl UdpQp {
             thread_deadline: None,
             quiet_until: None,
             idle: true,
+            warm_at: Instant::now(),
+            cold_next: None,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
@@ -791,6 +843,7 @@ impl UdpQp {
             thread,
             addr,
             qp_type: attr.qp_type,
+            cold_skips: 0,
         })
     }
 }
@@ -924,6 +977,16 @@ impl QueuePair for UdpQp {
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        if self.cold_skips + 1 < COLD_POLLS && !self.shared.busy.sleeping.load(Ordering::Relaxed) {
+            let mut st = self.shared.state.lock();
+            // Cold at the last progress, and nothing posted since.
+            if st.cold_next.is_some() {
+                self.cold_skips += 1;
+                let st = &mut *st;
+                return st.link.ctx.cq.poll_into(&mut st.slots, out, max);
+            }
+        }
+        self.cold_skips = 0;
         let now = Instant::now();
         let (_, acks_left) = self.shared.progress(APP_BUDGET, false, now);
         self.shared.busy.polled(now, acks_left);
