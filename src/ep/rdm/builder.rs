@@ -139,7 +139,7 @@ impl EndpointBuilder<Rdm> {
             }),
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
-            orphans: Mutex::new(Vec::new()),
+            orphans: Orphans::default(),
         });
         {
             let mut st = core.state.lock();

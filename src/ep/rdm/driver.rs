@@ -45,7 +45,7 @@ impl RdmCore {
     ) {
         loop {
             let mut busy = false;
-            if !self.orphans.lock().is_empty() {
+            if !self.orphans.is_empty() {
                 busy = true;
                 self.rematch_orphans(st, clock);
             }
@@ -78,6 +78,7 @@ impl RdmCore {
             if st.engine.transmit_pending() {
                 busy |= Self::transmit(st, clock);
             }
+            // Completions put into a queue (not handed to the polling thread): its waiters wake.
             let mut delivered = false;
             while st.engine.has_events() && self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
                 let Some(ev) = st.engine.poll_event() else {
@@ -306,16 +307,23 @@ impl ProgressSource for RdmCore {
     }
 }
 
-/// A successful completion into `cq`, or straight to the thread polling it.
-pub(super) fn push_ok(cq: &CompletionQueue, c: Completion, direct: &mut Option<&mut Direct<'_>>) {
+/// A successful completion into `cq`, or straight to the thread polling it. True when it went
+/// into the queue (its waiters must hear of it); a completion the polling thread took wakes
+/// nobody, as nobody else could find it.
+pub(super) fn push_ok(
+    cq: &CompletionQueue,
+    c: Completion,
+    direct: &mut Option<&mut Direct<'_>>,
+) -> bool {
     let c = match direct {
         Some(d) => match d.offer(cq, c) {
             Some(c) => c,
-            None => return,
+            None => return false,
         },
         None => c,
     };
     cq.push(c);
+    true
 }
 
 impl Drop for RdmCore {

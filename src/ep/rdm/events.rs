@@ -4,7 +4,8 @@
 use super::*;
 
 impl RdmCore {
-    /// Routes one engine event; returns true when it went to a completion queue.
+    /// Routes one engine event; returns true when it went into a completion queue (not to the
+    /// thread polling: see [`push_ok`]), so that its waiters must be woken.
     pub(super) fn deliver(
         &self,
         ops: &mut Slab<OpState>,
@@ -37,15 +38,20 @@ impl RdmCore {
         match ev {
             Event::Send(s) => match self.send_completion(s, ctx, keep) {
                 Ok(c) => push_ok(&self.tx_cq, c, direct),
-                Err(e) => self.tx_cq.push_err(e),
+                Err(e) => {
+                    self.tx_cq.push_err(e);
+                    true
+                }
             },
             Event::Recv(r) => match self.recv_completion(r, ctx, target, cache) {
                 Ok(c) => push_ok(&self.rx_cq, c, direct),
-                Err(e) => self.rx_cq.push_err(e),
+                Err(e) => {
+                    self.rx_cq.push_err(e);
+                    true
+                }
             },
-            _ => return false,
+            _ => false,
         }
-        true
     }
 
     /// [`Self::deliver`] for the rest: multi-receive pieces, futures, RMA, remote writes.
@@ -109,7 +115,7 @@ impl RdmCore {
             if r.error.is_none() && slot.orphaned.load(Ordering::Acquire) {
                 // Its future is gone: the message is the next receive's.
                 if let Event::Recv(r) = ev {
-                    self.orphans.lock().push(r);
+                    self.orphans.push(r);
                 }
                 return false;
             }

@@ -58,7 +58,7 @@ impl Drop for OpFuture {
                 let src = self.slot.src.lock().take();
                 if let (Some(Ok(c)), Some(src)) = (done, src) {
                     if let Buffer::Recv(buf) = c.buf {
-                        self.core.orphans.lock().push(RecvDone {
+                        self.core.orphans.push(RecvDone {
                             context: 0,
                             len: c.len,
                             olen: 0,

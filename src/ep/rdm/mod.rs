@@ -204,7 +204,34 @@ pub struct RdmCore {
     thread: Mutex<Option<crate::progress::Background>>,
     /// Messages received for `recv_async` futures dropped before they finished: they go back
     /// into matching, for the next receive (see [`OpFuture`]'s `Drop`).
-    orphans: Mutex<Vec<RecvDone>>,
+    orphans: Orphans,
+}
+
+/// [`RdmCore::orphans`]: a list every progress pass looks at, so its emptiness is a plain load
+/// (no lock taken, no atomic read-modify-write on the busy-poll path).
+#[derive(Default)]
+pub(super) struct Orphans {
+    list: Mutex<Vec<RecvDone>>,
+    /// `list` is not empty (written under its lock).
+    any: AtomicBool,
+}
+
+impl Orphans {
+    pub(super) fn push(&self, r: RecvDone) {
+        let mut l = self.list.lock();
+        l.push(r);
+        self.any.store(true, Ordering::Release);
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        !self.any.load(Ordering::Acquire)
+    }
+
+    pub(super) fn take(&self) -> Vec<RecvDone> {
+        let mut l = self.list.lock();
+        self.any.store(false, Ordering::Release);
+        std::mem::take(&mut *l)
+    }
 }
 
 impl fmt::Debug for RdmCore {

@@ -448,7 +448,7 @@ impl RdmCore {
     /// Puts the messages of dropped `recv_async` futures back into matching, as whole local
     /// messages from their sender: a posted receive takes each, or it waits unexpected.
     pub(super) fn rematch_orphans(&self, st: &mut State, clock: &mut Clock) {
-        let orphans = std::mem::take(&mut *self.orphans.lock());
+        let orphans = self.orphans.take();
         for r in orphans {
             let Some(src) = r.src else { continue };
             let n = r.len.min(r.buf.len());
