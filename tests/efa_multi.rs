@@ -226,3 +226,57 @@ fn hw_multi_a_capped_device_sends_no_faster_than_its_cap() {
     tx.close();
     rx.close();
 }
+
+/// The CPUs thread `name*` of this process may run on (`Cpus_allowed_list`), if there is one.
+fn thread_cpus(prefix: &str) -> Option<String> {
+    for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim().starts_with(prefix) {
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            return status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|s| s.trim().to_string());
+        }
+    }
+    None
+}
+
+/// An RDM endpoint's progress thread pinned `NearDevice` runs on the last of its NIC's local
+/// CPUs (`local_cpulist`), for each NIC.
+#[test]
+#[ignore = "needs several EFA devices; run by .ci/run under efa-emu run --devices 4"]
+fn hw_multi_progress_threads_run_on_their_nics_local_cpus() {
+    let devs = devices();
+    let topo = Topology::detect().unwrap();
+    let infos = getinfo(&Hints::new().provider("efa").ep_type(efa::EpType::Rdm)).unwrap();
+    assert_eq!(infos.len(), devs.len());
+    for info in &infos {
+        let nic = topo
+            .nic(&info.device.name)
+            .expect("the NIC in the topology");
+        let Some(want) = nic.cpus.as_ref().and_then(|c| c.cpus().last().copied()) else {
+            panic!("{} has no local CPUs in sysfs", info.device.name);
+        };
+        let d = efa::Domain::open(info).unwrap();
+        let cq = efa::CompletionQueue::new(&d, 16).unwrap();
+        let av = efa::AddressVector::new(&d);
+        let ep = efa::Endpoint::<efa::Rdm>::builder(&d)
+            .cq(&cq)
+            .av(&av)
+            .local_path(false)
+            .progress_thread(true)
+            .progress_cpu(efa::ProgressCpu::NearDevice)
+            .build()
+            .unwrap();
+        let got = thread_cpus("efa-progress").expect("the progress thread");
+        assert_eq!(got, want.to_string(), "{}", info.device.name);
+        drop(ep);
+        // Wait for the thread to end, so the next device's is the only one.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while thread_cpus("efa-progress").is_some() {
+            assert!(Instant::now() < deadline, "the progress thread did not end");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
