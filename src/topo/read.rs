@@ -159,8 +159,11 @@ pub(super) fn function(root: &Path, link: &Path) -> Result<Option<PciDevice>> {
     if !rc.starts_with("pci") {
         return Ok(None);
     }
+    // A host bridge inside the tree (an Intel VMD domain, `pci10000:e0`) is a step of the path
+    // with no bus id of its own.
     let Ok(chain) = below
         .iter()
+        .filter(|c| !c.starts_with("pci"))
         .map(|c| c.parse::<PciAddr>())
         .collect::<Result<Vec<PciAddr>>>()
     else {
