@@ -5,6 +5,10 @@
 //! cargo run --example info -- -p udp -e dgram -v    # fi_info -v style, udp DGRAM only
 //! cargo run --example info -- -a 10.0.0.5 --json    # udp bound to 10.0.0.5, as JSON
 //! FI_EFA_IFACE=udp-127.0.0.1 cargo run --example info
+//! cargo run --example info -- --topo                # NICs x GPUs distances, NUMA, CPUs
+//! cargo run --example info -- --topo -v             # ... and the PCI tree
+//! cargo run --example info -- --near 0000:53:00.0   # NICs nearest that GPU first
+//! SYSFS_PATH=/some/fake/sys cargo run --example info -- --topo
 //! ```
 //!
 //! The configuration comes from the `FI_EFA_*` environment variables (see `docs/config.md`); an
@@ -16,6 +20,7 @@ use std::net::IpAddr;
 use std::process::ExitCode;
 
 use clap::Parser;
+use efa::topo::{Distance, Near, Topology};
 use efa::{Caps, EpType, Hints, Info, getinfo};
 
 /// List efa devices and endpoint types (like fi_info).
@@ -43,11 +48,26 @@ struct Args {
     /// Print a JSON array of every entry with all attributes and the configuration.
     #[arg(long = "json", conflicts_with = "verbose")]
     json: bool,
+    /// Print the host topology instead (read from SYSFS_PATH, else /sys): the NICs x GPUs
+    /// distance table with NUMA nodes and CPUs, like `nvidia-smi topo -m`; with -v the PCI tree
+    /// too; with --json the topology as JSON.
+    #[arg(short = 't', long = "topo")]
+    topo: bool,
+    /// List the NICs nearest this PCI device (a GPU's bus id, e.g. 0000:53:00.0) or NUMA node
+    /// (node1) first, each with its distance.
+    #[arg(short = 'n', long = "near")]
+    near: Option<Near>,
+    /// With --near: leave out NICs farther than this (PIX, PXB, PHB, NODE, SYS).
+    #[arg(long = "max-distance", requires = "near")]
+    max_distance: Option<Distance>,
 }
 
 fn main() -> ExitCode {
     common::init_tracing();
     let args = Args::parse();
+    if args.topo {
+        return print_topology(&args);
+    }
     let mut hints = Hints::new();
     if let Some(p) = &args.provider {
         hints = hints.provider(p);
@@ -63,6 +83,12 @@ fn main() -> ExitCode {
     }
     if let Some(c) = args.caps {
         hints = hints.caps(c);
+    }
+    if let Some(n) = args.near {
+        hints = hints.near(n);
+    }
+    if let Some(d) = args.max_distance {
+        hints = hints.max_distance(d);
     }
     let infos = match getinfo(&hints) {
         Ok(infos) => infos,
@@ -96,7 +122,53 @@ fn print_info(info: &Info, verbose: bool) {
         println!("{}", info.verbose());
     } else {
         println!("{info}");
+        if let Some(d) = info.distance {
+            println!("    distance: {d}");
+        }
     }
+}
+
+/// `--topo`: the table (and with -v the tree, with --json everything as JSON).
+fn print_topology(args: &Args) -> ExitCode {
+    let topo = match Topology::detect() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("info: cannot read the topology: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if args.json {
+        match serde_json::to_string_pretty(&topo) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("info: cannot serialize: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
+    print!("{}", topo.matrix());
+    if args.verbose {
+        println!();
+        print!("{}", topo.tree());
+    }
+    if let Some(n) = &args.near {
+        println!();
+        match topo.nics_near(n) {
+            Ok(v) => {
+                println!("NICs nearest {n}:");
+                for (nic, d) in v {
+                    let name = nic.name.as_deref().unwrap_or("-");
+                    println!("  {d:4}  {name:12}  {}", nic.addr);
+                }
+            }
+            Err(e) => {
+                eprintln!("info: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// Integers above 2^53 as strings: JSON readers that keep numbers as doubles (JavaScript, jq)

@@ -29,6 +29,7 @@ use crate::device::shm::{ShmConfig, ShmDevice};
 use crate::device::udp::{UdpConfig, UdpDevice};
 use crate::device::{Device, DeviceAttr, DeviceKind};
 use crate::error::{Error, ErrorKind, Result};
+use crate::topo::{Distance, Near, Topology};
 
 /// The provider version `fi_info` prints: this crate's `major.minor`.
 pub const PROVIDER_VERSION: &str = concat!(
@@ -626,6 +627,9 @@ pub struct Hints {
     addr: Option<IpAddr>,
     config: Option<Config>,
     domain: Option<String>,
+    near: Option<Near>,
+    max_distance: Option<Distance>,
+    topology: Option<Arc<Topology>>,
 }
 
 impl Hints {
@@ -679,6 +683,73 @@ impl Hints {
         self
     }
 
+    /// Order the NICs by their distance from `target` (a GPU's PCI bus id, or a NUMA node),
+    /// nearest first, as [`Topology::nics_near`] ranks them; each listed NIC's
+    /// [`Info::distance`] says how far it is. Devices without a PCI location (`udp`, `shm`,
+    /// `loopback`) keep their order after the NICs, with no distance. The topology is read
+    /// from sysfs ([`Topology::detect`]) unless [`Hints::topology`] gives one; a target it
+    /// does not have is a `NoData` error.
+    ///
+    /// ```no_run
+    /// use efa::topo::Near;
+    /// let gpu = "0000:53:00.0".parse()?;
+    /// let infos = efa::getinfo(&efa::Hints::new().provider("efa").near(Near::Device(gpu)))?;
+    /// let nearest = &infos[0]; // the NIC closest to that GPU
+    /// # Ok::<(), efa::Error>(())
+    /// ```
+    pub fn near(mut self, target: Near) -> Hints {
+        self.near = Some(target);
+        self
+    }
+
+    /// With [`Hints::near`]: leave out NICs farther from the target than `max` (only the
+    /// NICs under the GPU's own PCI switch with [`Distance::Pix`]); devices without a PCI
+    /// location are kept.
+    pub fn max_distance(mut self, max: Distance) -> Hints {
+        self.max_distance = Some(max);
+        self
+    }
+
+    /// The host topology [`Hints::near`] ranks by, instead of reading sysfs.
+    pub fn topology(mut self, topology: Topology) -> Hints {
+        self.topology = Some(Arc::new(topology));
+        self
+    }
+
+    /// Orders `out` by distance from [`Hints::near`]'s target (when set), filling in
+    /// [`Info::distance`] and leaving out NICs beyond [`Hints::max_distance`].
+    fn rank(&self, out: &mut Vec<Info>) -> Result<()> {
+        let Some(target) = &self.near else {
+            return Ok(());
+        };
+        let detected;
+        let topo = match &self.topology {
+            Some(t) => &**t,
+            None => {
+                detected = Topology::detect()?;
+                &detected
+            }
+        };
+        // The target must exist (this also checks a NUMA node).
+        topo.nics_near(target)?;
+        for info in out.iter_mut() {
+            let by_addr = info
+                .device
+                .pci_addr
+                .as_deref()
+                .and_then(|a| a.parse().ok())
+                .and_then(|a| topo.nics().iter().find(|n| n.addr == a));
+            let nic = by_addr.or_else(|| topo.nic(&info.device.name));
+            info.distance = nic.and_then(|n| topo.distance(n, target));
+        }
+        if let Some(max) = self.max_distance {
+            out.retain(|i| i.distance.is_none_or(|d| d <= max));
+        }
+        // Stable: equally far NICs, and the devices without a distance, keep their order.
+        out.sort_by_key(|i| (i.distance.is_none(), i.distance));
+        Ok(())
+    }
+
     fn describe(&self, config: &Config) -> String {
         let mut parts = Vec::new();
         if let Some(p) = &self.provider {
@@ -692,6 +763,9 @@ impl Hints {
         }
         if let Some(d) = &self.domain {
             parts.push(format!("domain {d}"));
+        }
+        if let (Some(n), Some(d)) = (&self.near, self.max_distance) {
+            parts.push(format!("within {d} of {n}"));
         }
         if config.iface.trim() != "all" {
             parts.push(format!("FI_EFA_IFACE={}", config.iface));
@@ -750,6 +824,9 @@ pub struct Info {
     /// How to open the device.
     #[serde(skip)]
     pub spec: DeviceSpec,
+    /// How far the device is from the target of [`Hints::near`]; `None` without that hint
+    /// and for devices without a PCI location (`udp`, `shm`, `loopback`).
+    pub distance: Option<Distance>,
     /// The device opened during discovery, shared by every domain opened on this info.
     #[serde(skip)]
     handle: Option<Arc<dyn Device>>,
@@ -901,6 +978,7 @@ impl Info {
             device: device.clone(),
             config,
             spec,
+            distance: None,
             handle: None,
         }
     }
@@ -1052,6 +1130,9 @@ impl fmt::Display for Verbose<'_> {
             "            numa_node: {}",
             opt(d.numa_node.map(|n| n.to_string()))
         )?;
+        if let Some(dist) = i.distance {
+            writeln!(f, "            distance: {dist}")?;
+        }
         writeln!(f, "        fi_link_attr:")?;
         write!(f, "            mtu: {}", d.mtu)
     }
@@ -1095,7 +1176,8 @@ fn rounddown_pow2(n: usize) -> usize {
 /// before DGRAM. The configuration is the hints' (validated) or [`Config::from_env`]; an invalid
 /// `FI_EFA_*` value is returned as its `Config` error. Devices not allowed by `FI_EFA_IFACE` or
 /// the domain hint, and endpoint types lacking a requested capability, are left out; when
-/// nothing is left the error is `NoData`, naming what was asked.
+/// nothing is left the error is `NoData`, naming what was asked. With [`Hints::near`], NICs
+/// come first ordered by their distance from a GPU or NUMA node (see there).
 #[doc(alias = "fi_getinfo")]
 pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     let config = match &hints.config {
@@ -1194,6 +1276,7 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
             }
         }
     }
+    hints.rank(&mut out)?;
     if out.is_empty() {
         return Err(first_err.unwrap_or_else(|| {
             let mut why = hints.describe(&config);

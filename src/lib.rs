@@ -58,6 +58,7 @@ pub mod proto;
 mod random;
 mod shmem;
 pub mod stats;
+pub mod topo;
 
 pub use addr::{Gid, RAW_ADDR_LEN, RawAddr};
 

@@ -4,6 +4,8 @@
 //! its timeout. The examples are built by `cargo test`; a test is skipped if one is missing.
 
 mod common;
+#[path = "topo/fake_sysfs.rs"]
+mod fake_sysfs;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -203,4 +205,61 @@ fn kv_transfer_moves_pages_and_reports_what_went_wrong() {
     let out = Command::new(&kv).args(["-S", "4k"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("16k to 256k"));
+}
+
+/// `info --topo` on a p5-like fake tree (`SYSFS_PATH`): the NICs x GPUs table, the tree with
+/// `-v`, the NICs nearest a GPU with `--near`; a broken tree is a clear error, exit status 1.
+#[test]
+fn info_prints_the_topology_of_a_p5_like_host() {
+    let Some(info) = common::example_bin("info") else {
+        return;
+    };
+    let t = fake_sysfs::p5();
+    let run = |args: &[&str]| {
+        Command::new(&info)
+            .args(args)
+            .env("SYSFS_PATH", t.root())
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--topo"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let nic0: Vec<&str> = text
+        .lines()
+        .find(|l| l.starts_with("NIC0 "))
+        .unwrap_or_else(|| panic!("no NIC0 row:\n{text}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(nic0[1..4], ["PIX", "PHB", "NODE"], "{text}");
+    assert!(!text.contains("pci0000:20"), "no tree without -v");
+    let out = run(&["--topo", "-v", "--near", &fake_sysfs::p5_gpu(5)]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("pci0000:80"), "the tree: {text}");
+    let near: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("NICs nearest"))
+        .skip(1)
+        .collect();
+    assert_eq!(near.len(), 32, "{text}");
+    assert!(near[..4].iter().all(|l| l.trim_start().starts_with("PIX")));
+    assert!(near[4].trim_start().starts_with("PHB"), "{text}");
+    // The usual listing ranks nothing it cannot place (software devices) and says how far
+    // nothing is; a GPU the tree does not have is an error.
+    let out = run(&["--near", "0000:ee:00.0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("0000:ee:00.0"));
+    // A broken tree.
+    t.link(
+        &t.root().join("devices/nowhere"),
+        &t.root().join("class/infiniband/efa_9/device"),
+    );
+    let out = run(&["--topo"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("efa_9/device") && err.contains("dangling"),
+        "{err}"
+    );
 }

@@ -3,7 +3,9 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `EFA_EMU_ADDR` | `127.a.b.c` from the process id | IP address of this NIC: its GID and the address its queue pairs bind to |
-//! | `EFA_EMU_DEVICE` | `efa_0` | device name (libfabric's domain is `<name>-rdm` / `<name>-dgrm`) |
+//! | `EFA_EMU_DEVICE` | `efa_0` | device name (libfabric's domain is `<name>-rdm` / `<name>-dgrm`); only with one device |
+//! | `EFA_EMU_DEVICES` | 1 | number of devices, 1..=32: `efa_0`..`efa_<N-1>`, each with its own address, PCI function and NUMA node (see `sysfs`) |
+//! | `EFA_EMU_BANDWIDTH` | unset | cap each device's send path at this many bytes per second (a token bucket; `k`, `m`, `g` suffixes are powers of 1000) |
 //! | `EFA_EMU_CAPS` | `rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid,cq_notifications` | `device_caps`, comma-separated; `none` for none (without `cq_with_sgid`, CQs cannot report unknown senders' GIDs, as on older kernels; without `cq_notifications`, a CQ with a completion channel is refused with `EOPNOTSUPP`, as on kernels without event queues) |
 //! | `EFA_EMU_MTU` | 8928 | port MTU = largest send |
 //! | `EFA_EMU_INLINE` | 32 | `inline_buf_size` |
@@ -69,8 +71,18 @@ impl Caps {
 /// Everything the environment configures.
 #[derive(Clone, Debug)]
 pub struct EmuConfig {
+    /// This device's address (device 0's when read from the environment).
     pub addr: IpAddr,
+    /// This device's name.
     pub device: String,
+    /// How many devices the process has (`EFA_EMU_DEVICES`).
+    pub devices: usize,
+    /// Which one this is (0 when read from the environment; see [`EmuConfig::for_device`]).
+    pub index: usize,
+    /// Bytes per second each device sends at most (`EFA_EMU_BANDWIDTH`).
+    pub bandwidth: Option<u64>,
+    /// The address was given (`EFA_EMU_ADDR`): the other devices count up from it.
+    addr_given: bool,
     pub caps: Caps,
     pub mtu: usize,
     pub inline_size: u16,
@@ -87,16 +99,58 @@ pub struct EmuConfig {
     pub unresponsive: Duration,
 }
 
-/// A per-process loopback address, so that two processes on one host are two NICs with
-/// different GIDs (libfabric sends same-GID peers through its shm provider instead).
-fn default_addr() -> IpAddr {
+/// The most devices a process may have (as many as a p5 has).
+pub const MAX_DEVICES: usize = 32;
+
+/// A per-process loopback address for device `index`, so that two processes on one host are
+/// two NICs with different GIDs (libfabric sends same-GID peers through its shm provider
+/// instead). Device 0: `127.(1 + pid / 2^16 % 254).(pid / 2^8).(pid)`, as with one device;
+/// device `i` > 0: `127.(128 + i).(pid / 2^8).(pid)`, distinct from every device 0 (whose
+/// second byte stays below 128 for any process id Linux hands out) and from the process's
+/// other devices; it is shared only by processes whose ids agree modulo 2^16.
+fn default_addr(index: usize) -> IpAddr {
     let pid = std::process::id();
+    let second = if index == 0 {
+        1 + ((pid >> 16) % 254) as u8
+    } else {
+        128 + index as u8
+    };
     IpAddr::V4(Ipv4Addr::new(
         127,
-        1 + ((pid >> 16) % 254) as u8,
+        second,
         (pid >> 8) as u8,
         (pid as u8).max(1),
     ))
+}
+
+/// `addr + n`, if that is still an address of the same family.
+fn add_to(addr: IpAddr, n: usize) -> Option<IpAddr> {
+    match addr {
+        IpAddr::V4(a) => u32::from(a)
+            .checked_add(u32::try_from(n).ok()?)
+            .map(|v| IpAddr::V4(v.into())),
+        IpAddr::V6(a) => u128::from(a)
+            .checked_add(n as u128)
+            .map(|v| IpAddr::V6(v.into())),
+    }
+}
+
+/// Bytes per second: a number with an optional `k`, `m` or `g` suffix (powers of 1000).
+fn parse_rate(name: &str, v: &str) -> Result<u64, String> {
+    let t = v.trim().to_ascii_lowercase();
+    let (digits, mult) = match t.char_indices().last() {
+        Some((i, 'k')) => (&t[..i], 1_000),
+        Some((i, 'm')) => (&t[..i], 1_000_000),
+        Some((i, 'g')) => (&t[..i], 1_000_000_000),
+        _ => (&t[..], 1),
+    };
+    let n: u64 = num(name, digits)?;
+    match n.checked_mul(mult) {
+        Some(r) if r > 0 => Ok(r),
+        _ => Err(format!(
+            "{name}={v:?}: not a positive rate in bytes per second"
+        )),
+    }
 }
 
 fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, String> {
@@ -188,13 +242,35 @@ impl EmuConfig {
         let n = |name: &str, default: u64| -> Result<u64, String> {
             get(name).map_or(Ok(default), |v| num(name, &v))
         };
+        let addr_given = get("EFA_EMU_ADDR").is_some();
         let addr = match get("EFA_EMU_ADDR") {
             Some(v) => v
                 .trim()
                 .parse()
                 .map_err(|_| format!("EFA_EMU_ADDR={v:?}: not an IP address"))?,
-            None => default_addr(),
+            None => default_addr(0),
         };
+        let devices = n("EFA_EMU_DEVICES", 1)?;
+        if !(1..=MAX_DEVICES as u64).contains(&devices) {
+            return Err(format!(
+                "EFA_EMU_DEVICES={devices}: outside 1..={MAX_DEVICES}"
+            ));
+        }
+        let devices = devices as usize;
+        if devices > 1 && get("EFA_EMU_DEVICE").is_some() {
+            return Err(format!(
+                "EFA_EMU_DEVICE names the one device; with EFA_EMU_DEVICES={devices} they are efa_0..efa_{}",
+                devices - 1
+            ));
+        }
+        if addr_given && add_to(addr, devices - 1).is_none() {
+            return Err(format!(
+                "EFA_EMU_ADDR={addr}: no room for {devices} consecutive addresses"
+            ));
+        }
+        let bandwidth = get("EFA_EMU_BANDWIDTH")
+            .map(|v| parse_rate("EFA_EMU_BANDWIDTH", &v))
+            .transpose()?;
         let caps = parse_caps(&get("EFA_EMU_CAPS").unwrap_or_else(|| ALL_CAPS.into()))?;
         let mtu = n("EFA_EMU_MTU", 8928)?;
         if !(efa::device::udp::MIN_MTU as u64..=efa::device::udp::MAX_MTU as u64).contains(&mtu) {
@@ -229,6 +305,10 @@ impl EmuConfig {
         Ok(EmuConfig {
             recycle_keys,
             addr,
+            addr_given,
+            devices,
+            index: 0,
+            bandwidth,
             device: get("EFA_EMU_DEVICE").unwrap_or_else(|| "efa_0".into()),
             caps,
             mtu: mtu as usize,
@@ -254,6 +334,30 @@ impl EmuConfig {
     /// Reads the process environment.
     pub fn from_env() -> Result<EmuConfig, String> {
         EmuConfig::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// The configuration of device `index` (`0..devices`): named `efa_<index>` (with one
+    /// device, `EFA_EMU_DEVICE`'s name), at `EFA_EMU_ADDR + index` when the address was given,
+    /// else at its own per-process loopback address.
+    pub fn for_device(&self, index: usize) -> EmuConfig {
+        let mut c = self.clone();
+        c.index = index;
+        if self.devices > 1 {
+            c.device = format!("efa_{index}");
+        }
+        c.addr = if self.addr_given {
+            add_to(self.addr, index).unwrap_or(self.addr)
+        } else if index == 0 {
+            self.addr
+        } else {
+            default_addr(index)
+        };
+        c
+    }
+
+    /// Every device's configuration, in order.
+    pub fn all_devices(&self) -> Vec<EmuConfig> {
+        (0..self.devices).map(|i| self.for_device(i)).collect()
     }
 }
 
@@ -326,6 +430,60 @@ mod tests {
                 .vendor_part_id
                 == 0xefa1
         );
+    }
+
+    #[test]
+    fn several_devices_have_their_own_names_and_addresses() {
+        let one = cfg(&[]).unwrap();
+        assert_eq!(one.devices, 1);
+        assert_eq!(one.all_devices()[0].device, "efa_0");
+        assert_eq!(one.all_devices()[0].addr, one.addr);
+        let named = cfg(&[("EFA_EMU_DEVICE", "rdmap0s6")]).unwrap();
+        assert_eq!(named.all_devices()[0].device, "rdmap0s6");
+        let four = cfg(&[("EFA_EMU_DEVICES", "4")]).unwrap();
+        let devs = four.all_devices();
+        assert_eq!(
+            devs.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(),
+            ["efa_0", "efa_1", "efa_2", "efa_3"]
+        );
+        assert_eq!(
+            devs.iter().map(|d| d.index).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        let mut addrs: Vec<IpAddr> = devs.iter().map(|d| d.addr).collect();
+        assert!(addrs.iter().all(|a| a.is_loopback()));
+        addrs.dedup();
+        assert_eq!(addrs.len(), 4, "distinct addresses: {addrs:?}");
+        let given = cfg(&[("EFA_EMU_DEVICES", "3"), ("EFA_EMU_ADDR", "10.0.0.254")]).unwrap();
+        assert_eq!(
+            given
+                .all_devices()
+                .iter()
+                .map(|d| d.addr.to_string())
+                .collect::<Vec<_>>(),
+            ["10.0.0.254", "10.0.0.255", "10.0.1.0"]
+        );
+        assert!(cfg(&[("EFA_EMU_DEVICES", "0")]).is_err());
+        assert!(cfg(&[("EFA_EMU_DEVICES", "33")]).is_err());
+        assert!(cfg(&[("EFA_EMU_DEVICES", "2"), ("EFA_EMU_DEVICE", "x")]).is_err());
+        assert!(
+            cfg(&[
+                ("EFA_EMU_DEVICES", "2"),
+                ("EFA_EMU_ADDR", "255.255.255.255")
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn bandwidth_parses_with_suffixes() {
+        assert_eq!(cfg(&[]).unwrap().bandwidth, None);
+        let b = |v: &str| cfg(&[("EFA_EMU_BANDWIDTH", v)]).map(|c| c.bandwidth);
+        assert_eq!(b("1000").unwrap(), Some(1000));
+        assert_eq!(b("25m").unwrap(), Some(25_000_000));
+        assert_eq!(b("2G").unwrap(), Some(2_000_000_000));
+        assert!(b("0").is_err());
+        assert!(b("fast").unwrap_err().contains("EFA_EMU_BANDWIDTH"));
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod cq;
 pub mod dmabuf;
 pub mod efadv;
 pub mod nic;
+pub mod pace;
 pub mod poll;
 pub mod qp;
 pub mod sysfs;

@@ -1,5 +1,6 @@
-//! The emulated NIC of this process: its configuration, the udp device that carries its
-//! datagrams (the efa crate's SRD over UDP), its address handles and its memory registrations.
+//! The emulated NICs of this process (`EFA_EMU_DEVICES`, one by default), each with its
+//! configuration, the udp device that carries its datagrams (the efa crate's SRD over UDP, on
+//! its own address), its address handles, its memory registrations and its bandwidth cap.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
@@ -10,6 +11,11 @@ use efa::{Gid, device::Device};
 use parking_lot::Mutex;
 
 use crate::config::EmuConfig;
+use crate::pace::Pacer;
+use crate::qp::{Prepared, QpCore};
+
+/// What waits for a device's bandwidth cap: a request and its queue pair.
+pub type Paced = (Arc<QpCore>, Prepared);
 
 /// Address handle numbers (AHN) handed out per protection domain and GID, with reference
 /// counts, as the EFA device keeps them: one AHN per destination GID in a PD however many AHs
@@ -68,37 +74,59 @@ pub struct Nic {
     /// RDMA reads and writes this NIC's queue pairs posted (`EFA_EMU_STATS`).
     pub rdma_reads: std::sync::atomic::AtomicU64,
     pub rdma_writes: std::sync::atomic::AtomicU64,
+    /// The bandwidth cap (`EFA_EMU_BANDWIDTH`) its queue pairs' sends, writes and reads pay.
+    pub pacer: Option<Pacer<Paced>>,
 }
 
-static NIC: OnceLock<Result<Arc<Nic>, String>> = OnceLock::new();
+static NICS: OnceLock<Result<Vec<Arc<Nic>>, String>> = OnceLock::new();
 
-/// The process's NIC, opened on first use; the error says why there is none. With
-/// `EFA_EMU_STATS` set, its counters are printed to stderr when the process exits.
-pub fn nic() -> Result<&'static Arc<Nic>, &'static str> {
-    NIC.get_or_init(|| {
-        let n = Nic::open(EmuConfig::from_env()?).map(Arc::new)?;
+/// The process's NICs (`EFA_EMU_DEVICES` of them), opened on first use; the error says why
+/// there are none. With `EFA_EMU_STATS` set, their counters are printed to stderr when the
+/// process exits.
+pub fn nics() -> Result<&'static [Arc<Nic>], &'static str> {
+    NICS.get_or_init(|| {
+        let cfg = EmuConfig::from_env()?;
+        let nics = cfg
+            .all_devices()
+            .into_iter()
+            .map(|c| Nic::open(c).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
         if std::env::var_os("EFA_EMU_STATS").is_some() {
             // SAFETY: registers a plain function of this library, which stays loaded until exit.
             unsafe { libc::atexit(print_stats) };
         }
-        Ok(n)
+        Ok(nics)
     })
     .as_ref()
+    .map(Vec::as_slice)
     .map_err(|e| e.as_str())
 }
 
-/// Prints the NIC's counters (`EFA_EMU_STATS`): datagrams, retransmissions, RNR, RDMA
-/// operations served, ... so a test can tell which protocol a program used.
+/// The process's first NIC (`efa_0`).
+pub fn nic() -> Result<&'static Arc<Nic>, &'static str> {
+    nics().and_then(|n| n.first().ok_or("no device"))
+}
+
+/// Prints the NICs' counters (`EFA_EMU_STATS`): datagrams, retransmissions, RNR, RDMA
+/// operations served, ... so a test can tell which protocol a program used. One line per
+/// device; with one device the line is as it always was.
 extern "C" fn print_stats() {
-    if let Some(Ok(n)) = NIC.get() {
+    if let Some(Ok(nics)) = NICS.get() {
         use std::sync::atomic::Ordering::Relaxed;
-        eprintln!(
-            "efa-emu stats: rdma_reads_posted: {}, rdma_writes_posted: {}, cq_lost: {}, device: {:?}",
-            n.rdma_reads.load(Relaxed),
-            n.rdma_writes.load(Relaxed),
-            crate::cq::CQ_LOST.load(Relaxed),
-            n.dev.stats()
-        );
+        for n in nics {
+            let name = if nics.len() > 1 {
+                format!(" {}", n.cfg.device)
+            } else {
+                String::new()
+            };
+            eprintln!(
+                "efa-emu stats{name}: rdma_reads_posted: {}, rdma_writes_posted: {}, cq_lost: {}, device: {:?}",
+                n.rdma_reads.load(Relaxed),
+                n.rdma_writes.load(Relaxed),
+                crate::cq::CQ_LOST.load(Relaxed),
+                n.dev.stats()
+            );
+        }
     }
 }
 
@@ -177,7 +205,13 @@ impl Nic {
             })));
         }
         tracing::debug!(addr = %cfg.addr, device = %cfg.device, "efa-emu: NIC up");
+        let pacer = cfg.bandwidth.map(|rate| {
+            Pacer::new(rate, |(qp, p): Paced| {
+                qp.submit_paced(p);
+            })
+        });
         Ok(Nic {
+            pacer,
             memlock: memlock_limit(&cfg),
             cfg,
             dev,

@@ -23,7 +23,7 @@ use crate::nic::Nic;
 pub const GRH_LEN: usize = 40;
 
 /// A posted work request waiting for its device completion.
-enum Pending {
+pub enum Pending {
     /// A send or an RDMA write: nothing to copy back.
     Send { wr_id: u64 },
     /// An RDMA read: the data goes to these buffers (`sges`: where in this process; `named`:
@@ -117,6 +117,49 @@ fn status_of(s: Status) -> (c_int, u32) {
         _ => IBV_WC_GENERAL_ERR,
     };
     (st, code)
+}
+
+/// A checked send-queue request as the device takes it (its data gathered).
+pub enum Prepared {
+    Send {
+        wr_id: u64,
+        dest: RawAddr,
+        payload: Bytes,
+        imm: Option<u32>,
+    },
+    Write {
+        wr_id: u64,
+        dest: RawAddr,
+        data: Bytes,
+        remote: RemoteIov,
+        imm: Option<u32>,
+    },
+    Read {
+        wr_id: u64,
+        pending: Pending,
+        dest: RawAddr,
+        remote: RemoteIov,
+    },
+}
+
+impl Prepared {
+    /// The program's work request id.
+    pub fn wr_id(&self) -> u64 {
+        match self {
+            Prepared::Send { wr_id, .. }
+            | Prepared::Write { wr_id, .. }
+            | Prepared::Read { wr_id, .. } => *wr_id,
+        }
+    }
+
+    /// The payload bytes it moves (what the bandwidth cap charges).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Prepared::Send { payload, .. } => payload.len() as u64,
+            Prepared::Write { data, .. } => data.len() as u64,
+            Prepared::Read { remote, .. } => remote.len,
+        }
+    }
 }
 
 /// `post_one`'s "too long" (completed with `LOCAL_ERROR_BAD_LENGTH`, not refused).
@@ -310,7 +353,7 @@ impl QpCore {
     /// taken and completes with status 5 (`LOCAL_ERROR_INVALID_LKEY`), and one too long for the
     /// port or for RDMA with status 6 (`LOCAL_ERROR_BAD_LENGTH`): errors the NIC finds when it
     /// processes the work request are completions, not refusals of the post.
-    pub fn post_sends(&self, mut reqs: Vec<SendReq>) -> Result<(), (usize, i32)> {
+    pub fn post_sends(self: &Arc<Self>, mut reqs: Vec<SendReq>) -> Result<(), (usize, i32)> {
         self.validate(&reqs)?;
         let mut named = Vec::with_capacity(reqs.len());
         let mut good = Vec::with_capacity(reqs.len());
@@ -334,13 +377,36 @@ impl QpCore {
         Ok(())
     }
 
-    fn post_one(&self, r: SendReq, named: Vec<ibv_sge>) -> Result<(), i32> {
+    /// Posts one checked request: at once, or, on a device with a bandwidth cap whose bucket
+    /// cannot pay its bytes now, later from the device's pacing thread (its data gathered now,
+    /// as a NIC would have fetched it).
+    fn post_one(self: &Arc<Self>, r: SendReq, named: Vec<ibv_sge>) -> Result<(), i32> {
+        let Some(p) = self.prepare(r, named)? else {
+            return Ok(());
+        };
+        let p = match &self.nic.pacer {
+            Some(pacer) => {
+                let owner = Arc::as_ptr(self) as usize;
+                match pacer.admit(p.bytes(), owner, (self.clone(), p)) {
+                    Some((_, p)) => p,
+                    None => return Ok(()),
+                }
+            }
+            None => p,
+        };
+        self.submit(p)
+    }
+
+    /// Turns a request into what the device is given: the bytes of a send or write, the
+    /// destination and remote range. `None` when it completed already (a destination that
+    /// cannot exist).
+    fn prepare(&self, r: SendReq, named: Vec<ibv_sge>) -> Result<Option<Prepared>, i32> {
         let Some((gid, qpn, qkey)) = r.dest else {
             return Err(libc::EINVAL);
         };
         let dest_qpn = u16::try_from(qpn);
         let dest = RawAddr::new(gid, dest_qpn.unwrap_or(0), qkey);
-        match r.op {
+        Ok(Some(match r.op {
             SendOp::Send { imm } => {
                 let payload = self.gather(&r)?;
                 if payload.len() > self.nic.cfg.mtu {
@@ -349,17 +415,14 @@ impl QpCore {
                 if dest_qpn.is_err() {
                     // No such queue pair anywhere: the device reports a bad destination.
                     self.complete_local(r.wr_id, Status::BadDestQpn);
-                    return Ok(());
+                    return Ok(None);
                 }
-                self.post_tracked(Pending::Send { wr_id: r.wr_id }, |dev, key| {
-                    dev.post_send(SendWr {
-                        wr_id: key,
-                        dest,
-                        hdr: Bytes::new(),
-                        payload,
-                        imm,
-                    })
-                })
+                Prepared::Send {
+                    wr_id: r.wr_id,
+                    dest,
+                    payload,
+                    imm,
+                }
             }
             SendOp::Write { rkey, addr, imm } => {
                 let data = self.gather(&r)?;
@@ -371,12 +434,13 @@ impl QpCore {
                     len: data.len() as u64,
                     key: u64::from(rkey),
                 };
-                self.nic
-                    .rdma_writes
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.post_tracked(Pending::Send { wr_id: r.wr_id }, |dev, key| {
-                    dev.post_write(key, dest, data, remote, imm)
-                })
+                Prepared::Write {
+                    wr_id: r.wr_id,
+                    dest,
+                    data,
+                    remote,
+                    imm,
+                }
             }
             SendOp::Read { rkey, addr } => {
                 let len = total(&r.sges);
@@ -388,18 +452,77 @@ impl QpCore {
                     len: len as u64,
                     key: u64::from(rkey),
                 };
-                self.nic
-                    .rdma_reads
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let pending = Pending::Read {
                     wr_id: r.wr_id,
                     sges: r.sges,
                     named,
                 };
+                Prepared::Read {
+                    wr_id: r.wr_id,
+                    pending,
+                    dest,
+                    remote,
+                }
+            }
+        }))
+    }
+
+    /// Gives a prepared request to the device.
+    fn submit(&self, p: Prepared) -> Result<(), i32> {
+        use std::sync::atomic::Ordering::Relaxed;
+        match p {
+            Prepared::Send {
+                wr_id,
+                dest,
+                payload,
+                imm,
+            } => self.post_tracked(Pending::Send { wr_id }, |dev, key| {
+                dev.post_send(SendWr {
+                    wr_id: key,
+                    dest,
+                    hdr: Bytes::new(),
+                    payload,
+                    imm,
+                })
+            }),
+            Prepared::Write {
+                wr_id,
+                dest,
+                data,
+                remote,
+                imm,
+            } => {
+                self.nic.rdma_writes.fetch_add(1, Relaxed);
+                self.post_tracked(Pending::Send { wr_id }, |dev, key| {
+                    dev.post_write(key, dest, data, remote, imm)
+                })
+            }
+            Prepared::Read {
+                pending,
+                dest,
+                remote,
+                ..
+            } => {
+                self.nic.rdma_reads.fetch_add(1, Relaxed);
+                let len = remote.len as usize;
                 self.post_tracked(pending, |dev, key| {
                     dev.post_read(key, dest, BytesMut::with_capacity(len), remote)
                 })
             }
+        }
+    }
+
+    /// Posts a request that waited for the bandwidth cap (on the pacing thread); a refusal
+    /// now (the queue pair closed meanwhile) is a flushed completion.
+    pub fn submit_paced(&self, p: Prepared) {
+        let wr_id = p.wr_id();
+        if let Err(e) = self.submit(p) {
+            tracing::debug!(
+                wr_id,
+                errno = e,
+                "efa-emu: a paced post was refused; flushed"
+            );
+            self.complete_local(wr_id, Status::Flushed);
         }
     }
 
@@ -578,9 +701,15 @@ impl QpCore {
         }
     }
 
-    /// Moves the queue pair to the error state: outstanding work completes as flushed.
+    /// Moves the queue pair to the error state: outstanding work completes as flushed (work
+    /// waiting for the bandwidth cap too).
     pub fn close(&self) {
         self.dev.lock().close();
+        if let Some(pacer) = &self.nic.pacer {
+            for (_, p) in pacer.take_owned_by(self as *const QpCore as usize) {
+                self.complete_local(p.wr_id(), Status::Flushed);
+            }
+        }
         self.drain();
     }
 }

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 
 use crate::abi::*;
 use crate::cq::{ChannelCore, CqCore, Cqe};
-use crate::nic::{Nic, nic};
+use crate::nic::{Nic, nics};
 use crate::qp::{QpCore, SendOp, SendReq};
 
 pub fn set_errno(e: c_int) {
@@ -149,29 +149,40 @@ unsafe impl Send for DeviceBox {}
 // SAFETY: as above.
 unsafe impl Sync for DeviceBox {}
 
-static DEVICE: std::sync::OnceLock<DeviceBox> = std::sync::OnceLock::new();
+static DEVICES: std::sync::OnceLock<Vec<DeviceBox>> = std::sync::OnceLock::new();
 
-fn device(n: &Nic) -> *mut ibv_device {
-    DEVICE
-        .get_or_init(|| {
-            // SAFETY: an all-zero ibv_device is valid (null ops, empty strings).
-            let mut d: Box<ibv_device> = Box::new(unsafe { std::mem::zeroed() });
-            d.node_type = IBV_NODE_UNSPECIFIED;
-            d.transport_type = IBV_TRANSPORT_UNSPECIFIED;
-            copy_cstr(&mut d.name, &n.cfg.device);
-            copy_cstr(&mut d.dev_name, "uverbs0");
-            let root = crate::sysfs::root();
-            copy_cstr(
-                &mut d.dev_path,
-                &format!("{root}/class/infiniband_verbs/uverbs0"),
-            );
-            copy_cstr(
-                &mut d.ibdev_path,
-                &format!("{root}/class/infiniband/{}", n.cfg.device),
-            );
-            DeviceBox(Box::into_raw(d))
-        })
-        .0
+/// The `ibv_device` of each NIC, in order (made once).
+fn devices(nics: &[Arc<Nic>]) -> &'static [DeviceBox] {
+    DEVICES.get_or_init(|| {
+        let root = crate::sysfs::root();
+        nics.iter()
+            .enumerate()
+            .map(|(i, n)| {
+                // SAFETY: an all-zero ibv_device is valid (null ops, empty strings).
+                let mut d: Box<ibv_device> = Box::new(unsafe { std::mem::zeroed() });
+                d.node_type = IBV_NODE_UNSPECIFIED;
+                d.transport_type = IBV_TRANSPORT_UNSPECIFIED;
+                copy_cstr(&mut d.name, &n.cfg.device);
+                copy_cstr(&mut d.dev_name, &format!("uverbs{i}"));
+                copy_cstr(
+                    &mut d.dev_path,
+                    &format!("{root}/class/infiniband_verbs/uverbs{i}"),
+                );
+                copy_cstr(
+                    &mut d.ibdev_path,
+                    &format!("{root}/class/infiniband/{}", n.cfg.device),
+                );
+                DeviceBox(Box::into_raw(d))
+            })
+            .collect()
+    })
+}
+
+/// The NIC and index of device `dev` (one this library listed).
+fn nic_of(dev: *mut ibv_device) -> Option<(usize, &'static Arc<Nic>)> {
+    let nics = crate::nic::nics().ok()?;
+    let i = devices(nics).iter().position(|d| d.0 == dev)?;
+    Some((i, nics.get(i)?))
 }
 
 fn node_guid(n: &Nic) -> u64 {
@@ -181,13 +192,15 @@ fn node_guid(n: &Nic) -> u64 {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_get_device_list(num: *mut c_int) -> *mut *mut ibv_device {
     guard(std::ptr::null_mut(), || {
-        let devs = match nic() {
-            Ok(n) => {
-                // The sysfs tree libfabric checks must exist for this device.
-                if let Err(e) = crate::sysfs::ensure(&n.cfg.device) {
+        let devs = match nics() {
+            Ok(nics) => {
+                // The sysfs tree libfabric checks must exist for these devices.
+                if let Err(e) = crate::sysfs::ensure(&nics[0].cfg) {
                     tracing::warn!("efa-emu: {e}");
                 }
-                vec![device(n), std::ptr::null_mut()]
+                let mut v: Vec<*mut ibv_device> = devices(nics).iter().map(|d| d.0).collect();
+                v.push(std::ptr::null_mut());
+                v
             }
             Err(e) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
@@ -230,24 +243,24 @@ pub unsafe extern "C" fn emu_ibv_get_device_name(dev: *mut ibv_device) -> *const
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_get_device_guid(_dev: *mut ibv_device) -> u64 {
-    nic().map(|n| node_guid(n).to_be()).unwrap_or(0)
+pub unsafe extern "C" fn emu_ibv_get_device_guid(dev: *mut ibv_device) -> u64 {
+    nic_of(dev).map(|(_, n)| node_guid(n).to_be()).unwrap_or(0)
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn emu_ibv_get_device_index(_dev: *mut ibv_device) -> c_int {
-    0
+pub unsafe extern "C" fn emu_ibv_get_device_index(dev: *mut ibv_device) -> c_int {
+    nic_of(dev).map_or(-1, |(i, _)| i as c_int)
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_ibv_open_device(dev: *mut ibv_device) -> *mut ibv_context {
     guard(std::ptr::null_mut(), || {
-        let Ok(n) = nic() else {
+        if nics().is_err() {
             return null(libc::ENODEV);
-        };
-        if dev.is_null() || dev != device(n) {
-            return null(libc::EINVAL);
         }
+        let Some((_, n)) = nic_of(dev) else {
+            return null(libc::EINVAL);
+        };
         // SAFETY: all-zero is a valid verbs_context (null pointers, zeroed mutex = initializer).
         let mut vctx: verbs_context = unsafe { std::mem::zeroed() };
         vctx.query_port = Some(emu_query_port_ex);

@@ -233,6 +233,72 @@ fn fi_pingpong_rdm_under_loss_and_reordering() {
     check_all_sizes(&out, "m");
 }
 
+/// A device's packets sent, from its `EFA_EMU_STATS` line (`efa-emu stats <device>: ...`).
+fn tx_pkts(stderr: &str, device: &str) -> u64 {
+    let head = format!("efa-emu stats {device}:");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with(&head))
+        .unwrap_or_else(|| panic!("no stats line of {device} in:\n{stderr}"));
+    let key = "tx_pkts: ";
+    let at = line.find(key).expect("tx_pkts counter") + key.len();
+    line[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("a number")
+}
+
+/// With four devices, `fi_info` lists four RDM and four DGRAM domains, each on its own PCI
+/// function; `fi_pingpong` runs on any one of them (`-d efa_2-rdm`), and only that device
+/// carries its packets.
+#[test]
+#[ignore = "needs libfabric-bin (fi_info, fi_pingpong); run by .ci/run"]
+fn fi_info_lists_every_device_and_fi_pingpong_runs_on_any() {
+    let four = ["--devices", "4", "--addr", "127.0.9.1"];
+    let o = emu_cmd(None, &four, &["fi_info", "-p", "efa", "-v"])
+        .output()
+        .expect("run fi_info");
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", out_text(&o));
+    for i in 0..4 {
+        for t in ["rdm", "dgrm"] {
+            let want = format!("name: efa_{i}-{t}");
+            assert!(s.contains(&want), "{want}:\n{s}");
+        }
+    }
+    let buses: std::collections::BTreeSet<&str> = s
+        .lines()
+        .filter(|l| l.trim_start().starts_with("bus_id:"))
+        .collect();
+    assert_eq!(buses.len(), 4, "a PCI function each: {buses:?}");
+    let (client, server) = pingpong_outputs(
+        None,
+        None,
+        &["--devices", "4", "--addr", "127.0.9.10"],
+        &["--devices", "4", "--addr", "127.0.9.20"],
+        "127.0.0.1",
+        &[
+            "-e",
+            "rdm",
+            "-d",
+            "efa_2-rdm",
+            "-S",
+            "1024",
+            "-c",
+            "-I",
+            "50",
+        ],
+    );
+    for (who, o) in [("client", &client), ("server", &server)] {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(tx_pkts(&err, "efa_2") >= 50, "{who} on efa_2:\n{err}");
+        for other in ["efa_0", "efa_1", "efa_3"] {
+            assert_eq!(tx_pkts(&err, other), 0, "{who}: {other} idle:\n{err}");
+        }
+    }
+}
+
 /// Two hosts: network namespaces joined by a veth pair, each with its own emulated NIC.
 #[test]
 #[ignore = "needs root (ip netns) and libfabric-bin; run by .ci/run"]

@@ -1,8 +1,9 @@
-//! Pinning an endpoint's progress thread to a CPU, near the NIC when its NUMA node is known.
+//! Pinning an endpoint's progress thread to a CPU, near the NIC: on its local CPUs when sysfs
+//! lists them, else on its NUMA node's.
 
-use std::path::Path;
-
+use crate::device::DeviceAttr;
 use crate::error::{Error, ErrorKind, Result};
+use crate::topo::{CpuList, NumaNode, PciDevice, sysfs_root};
 
 /// Where an RDM endpoint's progress thread runs
 /// ([`EndpointBuilder::progress_cpu`](crate::EndpointBuilder::progress_cpu)).
@@ -13,18 +14,43 @@ pub enum ProgressCpu {
     Unpinned,
     /// On this CPU (as numbered by Linux).
     Cpu(usize),
-    /// On the last CPU of the device's NUMA node (the first CPUs usually take the interrupts
-    /// and the application's main thread); unpinned when the device has no NUMA node (software
-    /// devices) or the node lists no CPU.
+    /// On the last of the NIC's local CPUs (`local_cpulist` of its PCI function), else of its
+    /// NUMA node's CPUs (the first CPUs usually take the interrupts and the application's
+    /// main thread); unpinned when the device has neither (software devices) or they list no
+    /// CPU. sysfs is read under `SYSFS_PATH` when set ([`crate::topo::sysfs_root`]).
     NearDevice,
 }
 
-/// The CPUs of a NUMA node, from `/sys/devices/system/node/node<N>/cpulist` (`0-3,8-11`).
+/// The CPUs of a NUMA node, from `<sysfs>/devices/system/node/node<N>/cpulist` (`0-3,8-11`).
 pub(crate) fn node_cpus(node: i32) -> Vec<usize> {
-    let p = format!("/sys/devices/system/node/node{node}/cpulist");
-    std::fs::read_to_string(Path::new(&p))
+    let p = sysfs_root().join(format!("devices/system/node/node{node}/cpulist"));
+    std::fs::read_to_string(p)
         .map(|s| parse_cpulist(&s))
         .unwrap_or_default()
+}
+
+/// The local CPUs of the device's PCI function, when sysfs lists them.
+fn local_cpus(attr: &DeviceAttr) -> Option<CpuList> {
+    let addr = attr.pci_addr.as_deref()?.parse().ok()?;
+    match PciDevice::read(&sysfs_root(), addr) {
+        Ok(d) => d.cpus.filter(|c| !c.is_empty()),
+        Err(e) => {
+            tracing::debug!(%addr, error = %e, "progress thread: no local CPUs of the NIC");
+            None
+        }
+    }
+}
+
+/// The CPUs near the device: its local CPUs, else its NUMA node's.
+pub(crate) fn device_cpus(attr: &DeviceAttr) -> Vec<usize> {
+    if let Some(c) = local_cpus(attr) {
+        return c.cpus().to_vec();
+    }
+    let node = attr
+        .numa_node
+        .and_then(|n| u32::try_from(n).ok())
+        .map(NumaNode);
+    node.map(|n| node_cpus(n.0 as i32)).unwrap_or_default()
 }
 
 /// Parses a Linux CPU list (`0-3,8,10-11`); malformed parts are skipped.
@@ -49,17 +75,18 @@ pub(crate) fn parse_cpulist(s: &str) -> Vec<usize> {
     out
 }
 
-/// The CPU `choice` names for a device on `numa_node`, `None` for no pinning.
-pub(crate) fn resolve(choice: ProgressCpu, numa_node: Option<i32>) -> Option<usize> {
+/// The CPU `choice` names for device `attr`, `None` for no pinning.
+pub(crate) fn resolve(choice: ProgressCpu, attr: &DeviceAttr) -> Option<usize> {
     match choice {
         ProgressCpu::Unpinned => None,
         ProgressCpu::Cpu(c) => Some(c),
         ProgressCpu::NearDevice => {
-            let cpus = numa_node.map(node_cpus).unwrap_or_default();
+            let cpus = device_cpus(attr);
             if cpus.is_empty() {
                 tracing::debug!(
-                    ?numa_node,
-                    "progress thread: no NUMA CPUs known, not pinned"
+                    pci = ?attr.pci_addr,
+                    numa = ?attr.numa_node,
+                    "progress thread: no local or NUMA CPUs known, not pinned"
                 );
             }
             cpus.last().copied()
@@ -100,12 +127,37 @@ mod tests {
         assert_eq!(parse_cpulist("x,2,5-3,7"), vec![2, 7]);
     }
 
+    fn attr(pci: Option<&str>, numa: Option<i32>) -> DeviceAttr {
+        let mut a = DeviceAttr::software(
+            crate::device::DeviceKind::Loopback,
+            "t".into(),
+            crate::addr::Gid::default(),
+            1024,
+            16,
+            16,
+        );
+        a.pci_addr = pci.map(str::to_string);
+        a.numa_node = numa;
+        a
+    }
+
     #[test]
     fn choices() {
-        assert_eq!(resolve(ProgressCpu::Unpinned, Some(0)), None);
-        assert_eq!(resolve(ProgressCpu::Cpu(3), None), Some(3));
-        assert_eq!(resolve(ProgressCpu::NearDevice, None), None);
-        assert_eq!(resolve(ProgressCpu::NearDevice, Some(9999)), None);
+        assert_eq!(resolve(ProgressCpu::Unpinned, &attr(None, Some(0))), None);
+        assert_eq!(resolve(ProgressCpu::Cpu(3), &attr(None, None)), Some(3));
+        assert_eq!(resolve(ProgressCpu::NearDevice, &attr(None, None)), None);
+        assert_eq!(
+            resolve(ProgressCpu::NearDevice, &attr(None, Some(9999))),
+            None
+        );
+        // A PCI function sysfs does not have: the NUMA node decides (none here).
+        assert_eq!(
+            resolve(
+                ProgressCpu::NearDevice,
+                &attr(Some("ffff:ff:1f.7"), Some(9999))
+            ),
+            None
+        );
     }
 
     #[test]

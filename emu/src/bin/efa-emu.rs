@@ -1,7 +1,7 @@
 //! `efa-emu`: runs a program on the emulated EFA NIC.
 //!
 //! ```text
-//! efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] -- PROGRAM [ARGS...]
+//! efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] [--devices N] [--bandwidth RATE] -- PROGRAM [ARGS...]
 //! efa-emu env [--addr IP] ...        print the environment as shell `export` lines
 //! ```
 //!
@@ -14,7 +14,7 @@ use std::process::Command;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] [--device NAME] -- PROGRAM [ARGS...]\n       efa-emu env [same options]\n\nLIST: comma-separated rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid (or none)\nSPEC: seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS\nOther EFA_EMU_* variables in the environment pass through (docs/emulator.md)."
+        "usage: efa-emu run [--addr IP] [--caps LIST] [--faults SPEC] [--device NAME] [--devices N] [--bandwidth RATE] -- PROGRAM [ARGS...]\n       efa-emu env [same options]\n\nLIST: comma-separated rdma_read,rdma_write,rnr_retry,unsolicited_write_recv,cq_with_sgid (or none)\nSPEC: seed=N,drop=P,dup=P,reorder=P,delay=P:MICROS\nN: devices efa_0..efa_<N-1> (1..=32), each on its own address, PCI function and NUMA node\nRATE: bytes per second each device sends at most (k, m, g: powers of 1000)\nOther EFA_EMU_* variables in the environment pass through (docs/emulator.md)."
     );
     std::process::exit(2)
 }
@@ -85,6 +85,8 @@ fn main() {
             "--caps" => val("EFA_EMU_CAPS"),
             "--faults" => val("EFA_EMU_FAULTS"),
             "--device" => val("EFA_EMU_DEVICE"),
+            "--devices" => val("EFA_EMU_DEVICES"),
+            "--bandwidth" => val("EFA_EMU_BANDWIDTH"),
             "--" => {
                 program.extend(args.by_ref());
                 break;
@@ -115,8 +117,8 @@ fn main() {
         let dir = lib_dir(&lib)?;
         let sysfs = std::env::var_os("SYSFS_PATH")
             .map(PathBuf::from)
-            .unwrap_or_else(efa_emu::sysfs::default_root);
-        efa_emu::sysfs::make(&sysfs, &cfg.device)?;
+            .unwrap_or_else(|| efa_emu::sysfs::default_root_for(cfg.devices));
+        efa_emu::sysfs::make(&sysfs, &cfg)?;
         Ok((dir, sysfs))
     };
     let (dir, sysfs) = run().unwrap_or_else(|e| {

@@ -14,7 +14,9 @@ use crate::error::{Error, ErrorKind, Result};
 
 use super::ffi;
 
-/// Where rdma-core devices appear in sysfs.
+/// Where rdma-core devices appear in sysfs by default; discovery reads
+/// `<SYSFS_PATH>/class/infiniband` when `SYSFS_PATH` is set, as rdma-core does
+/// ([`crate::topo::sysfs_root`]).
 pub const SYSFS_CLASS: &str = "/sys/class/infiniband";
 
 /// The parts of `struct ibv_device_attr` discovery keeps.

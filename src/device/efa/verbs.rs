@@ -20,9 +20,7 @@ use rdma_sys::{
 };
 
 use super::ah::{AhCache, AhFactory, gid_from_ibv, gid_to_ibv};
-use super::discovery::{
-    EfadvAttrs, IbvDeviceAttrs, PortAttrs, QueriedDevice, SYSFS_CLASS, sysfs_location,
-};
+use super::discovery::{EfadvAttrs, IbvDeviceAttrs, PortAttrs, QueriedDevice, sysfs_location};
 use super::ffi::{self, errno};
 use super::nic::Registration;
 use super::verbs_error;
@@ -182,7 +180,9 @@ impl Context {
             .take_while(|c| **c != 0)
             .map(|c| *c as u8)
             .collect();
-        let (pci_addr, numa_node) = sysfs_location(std::path::Path::new(SYSFS_CLASS), &self.name);
+        // Under SYSFS_PATH, as rdma-core reads the tree (the emulated NIC's fake one).
+        let class = crate::topo::sysfs_root().join("class/infiniband");
+        let (pci_addr, numa_node) = sysfs_location(&class, &self.name);
         let nonneg = |v: c_int| u32::try_from(v).unwrap_or(0);
         Ok(QueriedDevice {
             name: self.name.clone(),

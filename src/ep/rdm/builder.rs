@@ -165,7 +165,7 @@ impl EndpointBuilder<Rdm> {
             let w = Arc::downgrade(&core);
             let stop = core.stop.clone();
             let notifier = core.notifier.clone();
-            let cpu = crate::ep::pin::resolve(self.progress_cpu, attr.numa_node);
+            let cpu = crate::ep::pin::resolve(self.progress_cpu, &attr);
             let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
             let wake = notifier.clone();
             let handle = Background::spawn(
