@@ -543,6 +543,9 @@ impl State {
 /// What the application handle and the NIC thread share.
 pub(super) struct Shared {
     state: Mutex<State>,
+    /// Cold (see [`COLD_AFTER`]) with no completion queued, as of the last look under the lock:
+    /// the polls that skip progress then have nothing to take and need not take the lock.
+    quiet: AtomicBool,
     stop: Arc<AtomicBool>,
     waker: Waker,
     notifier: Arc<Notifier>,
@@ -643,6 +646,7 @@ impl Shared {
         let more = st.drain(budget, now, nic);
         st.link.run_timers(now);
         st.send_out(now);
+        self.note_quiet(&st);
         let acks_left = st.link.srd.acks_delayed();
         let notify = st.link.ctx.cq.take_new();
         drop(st);
@@ -652,9 +656,16 @@ impl Shared {
         (more, acks_left)
     }
 
+    /// Records whether the queue pair is quiet (see [`Shared::quiet`]), under its lock.
+    fn note_quiet(&self, st: &State) {
+        let quiet = st.cold_next.is_some() && st.link.ctx.cq.len() == 0;
+        self.quiet.store(quiet, Ordering::Release);
+    }
+
     /// After the application changed the state: wake the NIC thread if a timer now falls before
     /// its planned wake-up, and the waiters if completions became ready.
     fn after_post(&self, mut st: parking_lot::MutexGuard<'_, State>) {
+        self.quiet.store(false, Ordering::Release);
         let mut wake = false;
         // A parked NIC thread leaves the timers to the polling application.
         if !st.closed && !self.busy.parked.load(Ordering::Relaxed) {
@@ -815,6 +826,7 @@ impl UdpQp {
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
+            quiet: AtomicBool::new(false),
             stop: Arc::new(AtomicBool::new(false)),
             waker,
             notifier: attr.notifier,
@@ -978,12 +990,18 @@ impl QueuePair for UdpQp {
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
         if self.cold_skips + 1 < COLD_POLLS && !self.shared.busy.sleeping.load(Ordering::Relaxed) {
+            if self.shared.quiet.load(Ordering::Acquire) {
+                self.cold_skips += 1;
+                return 0;
+            }
             let mut st = self.shared.state.lock();
             // Cold at the last progress, and nothing posted since.
             if st.cold_next.is_some() {
                 self.cold_skips += 1;
                 let st = &mut *st;
-                return st.link.ctx.cq.poll_into(&mut st.slots, out, max);
+                let n = st.link.ctx.cq.poll_into(&mut st.slots, out, max);
+                self.shared.note_quiet(st);
+                return n;
             }
         }
         self.cold_skips = 0;
@@ -992,7 +1010,9 @@ impl QueuePair for UdpQp {
         self.shared.busy.polled(now, acks_left);
         let mut st = self.shared.state.lock();
         let st = &mut *st;
-        st.link.ctx.cq.poll_into(&mut st.slots, out, max)
+        let n = st.link.ctx.cq.poll_into(&mut st.slots, out, max);
+        self.shared.note_quiet(st);
+        n
     }
 
     fn close(&mut self) {
@@ -1004,6 +1024,7 @@ impl QueuePair for UdpQp {
                 tracing::debug!(addr = %self.addr, "udp: queue pair closed");
             }
             st.link.ctx.cq.take_new();
+            self.shared.quiet.store(false, Ordering::Release);
         }
         self.thread.stop();
         self.shared.notifier.notify();
