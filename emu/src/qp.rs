@@ -119,18 +119,18 @@ fn status_of(s: Status) -> (c_int, u32) {
     (st, code)
 }
 
-/// A checked send-queue request as the device takes it (its data gathered).
+/// A checked send-queue request as the device takes it.
 pub enum Prepared {
     Send {
         wr_id: u64,
         dest: RawAddr,
-        payload: Bytes,
+        src: Source,
         imm: Option<u32>,
     },
     Write {
         wr_id: u64,
         dest: RawAddr,
-        data: Bytes,
+        src: Source,
         remote: RemoteIov,
         imm: Option<u32>,
     },
@@ -140,6 +140,28 @@ pub enum Prepared {
         dest: RawAddr,
         remote: RemoteIov,
     },
+}
+
+/// Where the bytes of a send or an RDMA write are: inline data (copied when posted, as a NIC
+/// copies it into the work queue entry), or registered buffers, which the NIC reads by DMA
+/// when it sends: the bytes there then, not at the post, go out.
+pub enum Source {
+    Inline(Bytes),
+    Sges {
+        /// Where in this process (translated when posted).
+        sges: Vec<ibv_sge>,
+        /// As the program named them (lkey and iova), checked again when read late.
+        named: Vec<ibv_sge>,
+    },
+}
+
+impl Source {
+    fn len(&self) -> usize {
+        match self {
+            Source::Inline(b) => b.len(),
+            Source::Sges { sges, .. } => total(sges),
+        }
+    }
 }
 
 impl Prepared {
@@ -155,8 +177,7 @@ impl Prepared {
     /// The payload bytes it moves (what the bandwidth cap charges).
     pub fn bytes(&self) -> u64 {
         match self {
-            Prepared::Send { payload, .. } => payload.len() as u64,
-            Prepared::Write { data, .. } => data.len() as u64,
+            Prepared::Send { src, .. } | Prepared::Write { src, .. } => src.len() as u64,
             Prepared::Read { remote, .. } => remote.len,
         }
     }
@@ -284,28 +305,51 @@ impl QpCore {
         Ok(())
     }
 
-    /// Gathers a send's bytes from its buffers (checked against the lkeys) or its inline data.
-    fn gather(&self, r: &SendReq) -> Result<Bytes, i32> {
+    /// Where a send's or write's bytes are, checked against the limits on inline data and
+    /// scatter/gather entries (the entries were checked against their lkeys by `post_sends`).
+    fn source(&self, r: &SendReq, named: Vec<ibv_sge>) -> Result<Source, i32> {
         if let Some(d) = &r.inline {
             if d.len() > self.max_inline {
                 return Err(libc::EINVAL);
             }
-            return Ok(Bytes::copy_from_slice(d));
+            return Ok(Source::Inline(Bytes::copy_from_slice(d)));
         }
         if r.sges.len() > self.max_send_sge {
             return Err(libc::EINVAL);
         }
-        let mut v = Vec::with_capacity(total(&r.sges));
-        // Checked and translated to this process's addresses by `post_sends`.
-        for s in &r.sges {
+        Ok(Source::Sges {
+            sges: r.sges.clone(),
+            named,
+        })
+    }
+
+    /// Reads a send's or write's bytes, as the NIC's DMA engine does when it sends. `late`: the
+    /// request waited (for the bandwidth cap) since it was posted, so its buffers must still be
+    /// registered as they were; if not (the program deregistered, and maybe freed, them), nothing
+    /// is read and the request completes with LOCAL_ERROR_INVALID_LKEY (5): `None`.
+    fn fetch(&self, wr_id: u64, src: Source, late: bool) -> Option<Bytes> {
+        let (sges, mut named) = match src {
+            Source::Inline(b) => return Some(b),
+            Source::Sges { sges, named } => (sges, named),
+        };
+        if late
+            && !(self.translate(&mut named, false)
+                && named.iter().zip(&sges).all(|(n, s)| n.addr == s.addr))
+        {
+            self.complete_local(wr_id, Status::InvalidLkey);
+            return None;
+        }
+        let mut v = Vec::with_capacity(total(&sges));
+        for s in &sges {
             if s.length > 0 {
-                // SAFETY: the range lies inside a live registration the program lent the NIC.
+                // SAFETY: the range lies inside a live registration the program lent the NIC
+                // (checked when posted and, for a late read, again just now).
                 v.extend_from_slice(unsafe {
                     std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
                 });
             }
         }
-        Ok(Bytes::from(v))
+        Some(Bytes::from(v))
     }
 
     /// Checks a whole list of send requests, so that a refused list posts nothing.
@@ -378,8 +422,8 @@ impl QpCore {
     }
 
     /// Posts one checked request: at once, or, on a device with a bandwidth cap whose bucket
-    /// cannot pay its bytes now, later from the device's pacing thread (its data gathered now,
-    /// as a NIC would have fetched it).
+    /// cannot pay its bytes now, later from the device's pacing thread, which reads its data
+    /// only then (as a NIC's DMA engine reads a send's buffers when it sends them).
     fn post_one(self: &Arc<Self>, r: SendReq, named: Vec<ibv_sge>) -> Result<(), i32> {
         let Some(p) = self.prepare(r, named)? else {
             return Ok(());
@@ -394,7 +438,7 @@ impl QpCore {
             }
             None => p,
         };
-        self.submit(p)
+        self.submit(p, false)
     }
 
     /// Turns a request into what the device is given: the bytes of a send or write, the
@@ -408,8 +452,8 @@ impl QpCore {
         let dest = RawAddr::new(gid, dest_qpn.unwrap_or(0), qkey);
         Ok(Some(match r.op {
             SendOp::Send { imm } => {
-                let payload = self.gather(&r)?;
-                if payload.len() > self.nic.cfg.mtu {
+                let src = self.source(&r, named)?;
+                if src.len() > self.nic.cfg.mtu {
                     return Err(EBADLEN);
                 }
                 if dest_qpn.is_err() {
@@ -420,24 +464,24 @@ impl QpCore {
                 Prepared::Send {
                     wr_id: r.wr_id,
                     dest,
-                    payload,
+                    src,
                     imm,
                 }
             }
             SendOp::Write { rkey, addr, imm } => {
-                let data = self.gather(&r)?;
-                if data.len() as u64 > u64::from(self.nic.cfg.max_rdma_size) {
+                let src = self.source(&r, named)?;
+                if src.len() as u64 > u64::from(self.nic.cfg.max_rdma_size) {
                     return Err(EBADLEN);
                 }
                 let remote = RemoteIov {
                     addr,
-                    len: data.len() as u64,
+                    len: src.len() as u64,
                     key: u64::from(rkey),
                 };
                 Prepared::Write {
                     wr_id: r.wr_id,
                     dest,
-                    data,
+                    src,
                     remote,
                     imm,
                 }
@@ -467,31 +511,40 @@ impl QpCore {
         }))
     }
 
-    /// Gives a prepared request to the device.
-    fn submit(&self, p: Prepared) -> Result<(), i32> {
+    /// Gives a prepared request to the device, reading its bytes now (`late`: it waited since
+    /// it was posted; see [`Self::fetch`]).
+    fn submit(&self, p: Prepared, late: bool) -> Result<(), i32> {
         use std::sync::atomic::Ordering::Relaxed;
         match p {
             Prepared::Send {
                 wr_id,
                 dest,
-                payload,
+                src,
                 imm,
-            } => self.post_tracked(Pending::Send { wr_id }, |dev, key| {
-                dev.post_send(SendWr {
-                    wr_id: key,
-                    dest,
-                    hdr: Bytes::new(),
-                    payload,
-                    imm,
+            } => {
+                let Some(payload) = self.fetch(wr_id, src, late) else {
+                    return Ok(());
+                };
+                self.post_tracked(Pending::Send { wr_id }, |dev, key| {
+                    dev.post_send(SendWr {
+                        wr_id: key,
+                        dest,
+                        hdr: Bytes::new(),
+                        payload,
+                        imm,
+                    })
                 })
-            }),
+            }
             Prepared::Write {
                 wr_id,
                 dest,
-                data,
+                src,
                 remote,
                 imm,
             } => {
+                let Some(data) = self.fetch(wr_id, src, late) else {
+                    return Ok(());
+                };
                 self.nic.rdma_writes.fetch_add(1, Relaxed);
                 self.post_tracked(Pending::Send { wr_id }, |dev, key| {
                     dev.post_write(key, dest, data, remote, imm)
@@ -516,7 +569,7 @@ impl QpCore {
     /// now (the queue pair closed meanwhile) is a flushed completion.
     pub fn submit_paced(&self, p: Prepared) {
         let wr_id = p.wr_id();
-        if let Err(e) = self.submit(p) {
+        if let Err(e) = self.submit(p, true) {
             tracing::debug!(
                 wr_id,
                 errno = e,

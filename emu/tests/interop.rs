@@ -978,3 +978,117 @@ fn a_channel_counts_its_cqs_across_threads() {
         assert_eq!(emu_ibv_destroy_comp_channel(ch.0), 0);
     }
 }
+
+/// Posts a send (`wr_id`) of `len` bytes at `addr`, named by `lkey`, to `to` through `ah`.
+fn post_send_at(
+    from: &EmuQp,
+    ah: *mut ibv_ah,
+    to: &EmuQp,
+    wr_id: u64,
+    lkey: u32,
+    addr: u64,
+    len: u32,
+) {
+    // SAFETY: our queue pair and an AH for the target; the SGE names registered memory of the
+    // caller's (or memory whose registration the test takes away: the NIC's to report).
+    unsafe {
+        let q = &*from.qpx;
+        q.wr_start.unwrap()(from.qpx);
+        (*from.qpx).wr_id = wr_id;
+        q.wr_send.unwrap()(from.qpx);
+        q.wr_set_ud_addr.unwrap()(from.qpx, ah, u32::from(to.qpn()), to.qkey);
+        q.wr_set_sge.unwrap()(from.qpx, lkey, addr, len);
+        assert_eq!(q.wr_complete.unwrap()(from.qpx), 0, "send {wr_id} taken");
+    }
+}
+
+/// A NIC reads a send's buffer by DMA when it sends it, not when it is posted (issue 30, point
+/// 7): on a device whose bandwidth cap holds a send back, the bytes in the buffer when it goes
+/// are the ones that arrive, and a send whose registration is taken away meanwhile reads
+/// nothing and completes with EFA status 5 (`IBV_WC_LOC_PROT_ERR`). Runs in a child process
+/// with the cap set (the emulated NIC reads its configuration once per process).
+#[test]
+fn sends_read_their_buffers_when_sent() {
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "late_read_child", "--ignored", "--nocapture"])
+        .env("EFA_EMU_BANDWIDTH", "100k")
+        .env("EFA_EMU_FAULTS", "none")
+        .output()
+        .expect("run the child test");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "{text}");
+}
+
+/// The body of [`sends_read_their_buffers_when_sent`], under a 100 kB/s cap.
+#[test]
+#[ignore = "run by sends_read_their_buffers_when_sent with the bandwidth cap set"]
+fn late_read_child() {
+    assert_eq!(std::env::var("EFA_EMU_BANDWIDTH").as_deref(), Ok("100k"));
+    let mut a = emu_qp();
+    let mut b = emu_qp();
+    let (ah, _) = create_ah(a.pd, b.gid);
+    let _back = create_ah(b.pd, a.gid);
+    for i in 0..3 {
+        b.post_recv(100 + i, i as usize * 8192, 4096);
+    }
+    // SAFETY: reading our registration's fields.
+    let lkey = unsafe { (*a.mr).lkey };
+    let base = a.buf.as_ptr() as u64;
+    // A second buffer under a registration of its own, taken away while its send waits.
+    let mut extra = vec![b'C'; 4096];
+    // SAFETY: the buffer outlives the registration (deregistered below, dropped at the end).
+    let (extra_mr, extra_lkey) = unsafe {
+        let mr = emu_ibv_reg_mr(
+            a.pd,
+            extra.as_mut_ptr() as *mut c_void,
+            extra.len(),
+            IBV_ACCESS_LOCAL_WRITE,
+        );
+        assert!(!mr.is_null());
+        (mr, (*mr).lkey)
+    };
+    a.buf[..4000].fill(b'A');
+    a.buf[8192..8192 + 4000].fill(b'B');
+    // The first send overdraws the bucket (4 000 bytes at 100 kB/s: about 40 ms of debt), so
+    // the next two wait on the pacing thread.
+    post_send_at(&a, ah, &b, 1, lkey, base, 4000);
+    post_send_at(&a, ah, &b, 2, lkey, base + 8192, 4000);
+    post_send_at(&a, ah, &b, 3, extra_lkey, extra.as_ptr() as u64, 4000);
+    // Changed after the post, before the NIC sends it: the new bytes go.
+    a.buf[8192..8192 + 4000].fill(b'Z');
+    // SAFETY: our registration, deregistered once while its send waits.
+    assert_eq!(unsafe { emu_ibv_dereg_mr(extra_mr) }, 0);
+    let mut sent = std::collections::HashMap::new();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sent.len() < 3 || got.len() < 2 {
+        if let Some((wr_id, status, ..)) = a.poll() {
+            sent.insert(wr_id, status);
+        }
+        if let Some((wr_id, status, _, len, ..)) = b.poll() {
+            assert_eq!(status, IBV_WC_SUCCESS, "receive {wr_id}");
+            got.push((wr_id, len));
+        }
+        assert!(Instant::now() < deadline, "sent {sent:?}, received {got:?}");
+        std::thread::yield_now();
+    }
+    assert_eq!(sent[&1], IBV_WC_SUCCESS);
+    assert_eq!(sent[&2], IBV_WC_SUCCESS);
+    assert_eq!(
+        sent[&3], IBV_WC_LOC_PROT_ERR,
+        "a send from a deregistered buffer"
+    );
+    got.sort();
+    assert_eq!(got, vec![(100, 4000), (101, 4000)]);
+    assert!(b.buf[..4000].iter().all(|&x| x == b'A'));
+    assert!(
+        b.buf[8192..8192 + 4000].iter().all(|&x| x == b'Z'),
+        "the bytes in the buffer when the NIC sent it"
+    );
+    // Nothing more arrives (the third send read nothing).
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(b.poll().is_none());
+    drop(extra);
+}
