@@ -118,6 +118,7 @@ impl fmt::Debug for Gid {
 #[derive(
     Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize,
 )]
+#[doc(alias = "fi_av_straddr")]
 pub struct RawAddr {
     /// The device's global identifier.
     pub gid: Gid,

@@ -555,6 +555,7 @@ impl CompletionQueue {
     /// completion (its context, flags and error), so `?` reports the cause; take it (and its
     /// buffer) with [`Self::read_err`].
     #[doc(alias = "fi_cq_read")]
+    #[doc(alias = "fi_cq_readfrom")]
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         let before = out.len();
         if max > 0 && self.inner.count.load(Ordering::Acquire) == 0 {
@@ -603,6 +604,7 @@ impl CompletionQueue {
     /// Like [`Self::poll`], but sleeps until at least one completion (or an error) is ready or
     /// `timeout` passes (`None`: forever). A timeout is `Err` of kind [`ErrorKind::TimedOut`].
     #[doc(alias = "fi_cq_sread")]
+    #[doc(alias = "fi_cq_sreadfrom")]
     pub fn wait(
         &self,
         out: &mut Vec<Completion>,

@@ -147,6 +147,7 @@ impl fmt::Display for ErrorKind {
 /// ```
 ///
 /// It is one pointer wide (the parts live in a box), so `Result<T>` stays small on hot paths.
+#[doc(alias = "fi_strerror")]
 pub struct Error {
     inner: Box<Inner>,
 }

@@ -33,12 +33,15 @@ use crate::notify::Notifier;
 use crate::stats::DeviceStats;
 
 #[cfg(feature = "efa")]
+#[cfg_attr(docsrs, doc(cfg(feature = "efa")))]
 pub mod efa;
 pub mod loopback;
 pub(crate) mod queues;
 #[cfg(target_os = "linux")]
+#[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
 pub mod route;
 #[cfg(target_os = "linux")]
+#[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
 pub mod shm;
 #[cfg(target_os = "linux")]
 pub(crate) mod soft_rdma;

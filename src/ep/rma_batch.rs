@@ -167,6 +167,7 @@ impl Endpoint<Rdm> {
     /// # Ok(()) }
     /// ```
     #[doc(alias = "fi_readv")]
+    #[doc(alias = "fi_readmsg")]
     pub fn read_iov(
         &self,
         peer: PeerId,

@@ -10,5 +10,6 @@ pub mod engine;
 pub mod matching;
 pub mod reorder;
 #[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod sim;
 pub mod wire;

@@ -68,6 +68,7 @@ impl Endpoint<Rdm> {
 
     /// Sends with explicit options (`fi_sendmsg` / `fi_tsendmsg`).
     #[doc(alias = "fi_sendmsg")]
+    #[doc(alias = "fi_tsenddata")]
     #[doc(alias = "fi_tsendmsg")]
     pub fn send_with(
         &self,
@@ -118,6 +119,7 @@ impl Endpoint<Rdm> {
     /// # Ok(()) }
     /// ```
     #[doc(alias = "fi_sendv")]
+    #[doc(alias = "fi_tsendv")]
     pub fn send_iov(
         &self,
         peer: PeerId,
@@ -146,6 +148,7 @@ impl Endpoint<Rdm> {
     /// (a `BytesMut` as long as its part, a region its part in its first bytes). Not a
     /// multi-receive buffer (`InvalidArgument`).
     #[doc(alias = "fi_recvv")]
+    #[doc(alias = "fi_trecvv")]
     pub fn recv_iov(
         &self,
         iov: Vec<RecvBuf>,
@@ -207,6 +210,7 @@ impl Endpoint<Rdm> {
 
     /// An [`inject`](Self::inject) with a tag and/or remote CQ data (`fi_tinjectdata`).
     /// `delivery_complete` is `InvalidArgument`: an inject reports no completion to wait for.
+    #[doc(alias = "fi_tinjectdata")]
     pub fn inject_with(&self, peer: PeerId, data: &[u8], options: SendOptions) -> Result<()> {
         self.core.post_inject(peer, data, options)
     }
