@@ -370,7 +370,10 @@ impl RegionMem {
     /// writes and must not be reached through Rust references other than this region's (code
     /// outside Rust, such as the C program that lent them, may race with a device's copies as it
     /// would with a NIC's DMA: the bytes it then sees are unspecified, never other memory).
+    ///
+    /// A hook of the emulated EFA NIC (feature `emu-hooks`), not for applications.
     #[allow(unsafe_code)]
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub unsafe fn foreign(ptr: *mut u8, len: usize, addr: u64) -> Option<Arc<RegionMem>> {
         // SAFETY: this function's contract is `Store::foreign`'s.
         let store = unsafe { Store::foreign(ptr, len) }?;
@@ -390,6 +393,7 @@ impl RegionMem {
     /// Closes a region made by [`foreign`](RegionMem::foreign): waits for an access in progress
     /// to finish, then forgets the memory, so every later access fails its bounds check. Revoke
     /// the region's key in its device first.
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub fn close_foreign(&self) {
         drop(self.take());
     }

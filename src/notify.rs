@@ -43,6 +43,10 @@ impl Notifier {
 
     /// A notifier that also signals each of `targets` whenever it is signalled (an endpoint whose
     /// send and receive completions go to two different completion queues uses one).
+    ///
+    /// Used inside the crate and by the emulated EFA NIC (feature `emu-hooks`, where it is
+    /// documented); not for applications.
+    #[cfg_attr(not(feature = "emu-hooks"), doc(hidden))]
     pub fn forwarding(targets: Vec<std::sync::Arc<Notifier>>) -> Notifier {
         Notifier {
             forward: targets,

@@ -269,3 +269,49 @@ fn the_udp_protocol_side_is_sans_io() {
         "the udp protocol side does I/O: {found:?}"
     );
 }
+
+/// The emulated EFA NIC's hooks are not public API (issue 31, point 4): each public item that
+/// exists for it is compiled only with the `emu-hooks` feature (which `emu/` turns on), or
+/// hidden from the documentation without it, so `cargo doc` of the crate shows none of them.
+#[test]
+fn the_emulated_nics_hooks_need_their_feature() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let hooks = [
+        ("device/mod.rs", "pub struct QpModify"),
+        ("device/mod.rs", "fn modify(&mut self"),
+        ("device/udp/mod.rs", "pub type RdmaAdmit"),
+        ("device/udp/mod.rs", "pub fn set_rdma_admission"),
+        ("device/udp/mod.rs", "pub fn register_mem_as"),
+        ("mem.rs", "pub unsafe fn foreign"),
+        ("mem.rs", "pub fn close_foreign"),
+        ("notify.rs", "pub fn forwarding"),
+    ];
+    let mut open = Vec::new();
+    for (file, item) in hooks {
+        let text = std::fs::read_to_string(src.join(file)).unwrap();
+        let at = text
+            .find(item)
+            .unwrap_or_else(|| panic!("{file}: `{item}` not found (renamed? update this list)"));
+        // The attributes right above the item.
+        let above: Vec<&str> = text[..at]
+            .trim_end_matches([' ', '\t'])
+            .lines()
+            .rev()
+            .take_while(|l| {
+                let t = l.trim_start();
+                t.starts_with("#[") || t.starts_with("///")
+            })
+            .collect();
+        let gated = above.iter().any(|l| {
+            l.contains("feature = \"emu-hooks\"")
+                && (l.contains("cfg(") || l.contains("doc(hidden)"))
+        });
+        if !gated {
+            open.push(format!("{file}: {item}"));
+        }
+    }
+    assert!(
+        open.is_empty(),
+        "public hooks of the emulated NIC without the emu-hooks feature: {open:?}"
+    );
+}

@@ -209,6 +209,7 @@ pub struct QpAttr {
 /// Changes to a queue pair after it was created, as EFA's `ibv_modify_qp` makes them on the way
 /// to ready-to-send: INIT sets the QKEY, RTS the RNR retry count. `None` leaves a value as it is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg(any(test, feature = "emu-hooks"))]
 pub struct QpModify {
     /// The new QKEY (the queue pair's [`RawAddr`] changes with it).
     pub qkey: Option<u32>,
@@ -682,7 +683,9 @@ pub trait QueuePair: Send + fmt::Debug {
         false
     }
     /// Changes the QKEY or the RNR retry count (see [`QpModify`]) before traffic starts; packets
-    /// in flight are not re-keyed. The default is `NotSupported`.
+    /// in flight are not re-keyed. The default is `NotSupported`. A hook of the emulated EFA NIC
+    /// (feature `emu-hooks`), not for applications.
+    #[cfg(any(test, feature = "emu-hooks"))]
     fn modify(&mut self, _m: QpModify) -> Result<()> {
         Err(Error::new(ErrorKind::NotSupported, "modify_qp"))
     }

@@ -210,11 +210,13 @@ impl Keys {
 
     /// Registers `mem` under `key`, a key its caller chose (an emulated NIC hands out 32-bit
     /// keys of its own). False, and nothing registered, when `key` is live.
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub(crate) fn register_as(&mut self, mem: &Arc<RegionMem>, access: Access, key: u64) -> bool {
         self.live.insert_as(key, mem, access)
     }
 
     /// Sets the rule that admits initiators (see [`Admit`]).
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub(crate) fn set_admit(&mut self, admit: Option<Admit>) {
         self.admit = admit;
     }

@@ -11,7 +11,12 @@ use bytes::BytesMut;
 /// [`RegionMem::foreign`]. An empty store is a closed region.
 pub(crate) enum Store {
     Owned(BytesMut),
-    Foreign { ptr: NonNull<u8>, len: usize },
+    /// Made only with the `emu-hooks` feature ([`RegionMem::foreign`]).
+    #[cfg_attr(not(any(test, feature = "emu-hooks")), allow(dead_code))]
+    Foreign {
+        ptr: NonNull<u8>,
+        len: usize,
+    },
     Mapped(SharedMapping),
 }
 
@@ -141,6 +146,7 @@ impl Store {
     /// # Safety
     ///
     /// `RegionMem::foreign`'s contract.
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub(super) unsafe fn foreign(ptr: *mut u8, len: usize) -> Option<Store> {
         let ptr = NonNull::new(ptr)?;
         (len > 0).then_some(Store::Foreign { ptr, len })

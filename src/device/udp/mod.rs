@@ -90,7 +90,8 @@ pub const MAX_RDMA_SIZE: u64 = 1 << 30;
 pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
 
 /// Who may reach a registration by RDMA (see [`UdpDevice::set_rdma_admission`]): `(key,
-/// initiator GID)` → allowed.
+/// initiator GID)` → allowed. A hook of the emulated EFA NIC (feature `emu-hooks`).
+#[cfg(any(test, feature = "emu-hooks"))]
 pub type RdmaAdmit = crate::device::soft_rdma::Admit;
 
 /// Configuration of a [`UdpDevice`].
@@ -291,7 +292,9 @@ impl UdpDevice {
     /// Sets who may reach this device's registrations by RDMA: `admit(key, initiator GID)`;
     /// refused accesses complete at the initiator with `UnknownPeer` (EFA status 14). For an
     /// emulated EFA NIC, which refuses initiators the key's protection domain holds no address
-    /// handle for. `None` (the default) admits everyone. Without RDMA, nothing happens.
+    /// handle for. `None` (the default) admits everyone. Without RDMA, nothing happens. A hook
+    /// of the emulated EFA NIC (feature `emu-hooks`), not for applications.
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub fn set_rdma_admission(&self, admit: Option<RdmaAdmit>) {
         if let Some(keys) = &self.keys {
             keys.lock().set_admit(admit);
@@ -301,7 +304,9 @@ impl UdpDevice {
     /// Registers `mem` for one-sided RDMA under `key`, a key the caller chose instead of one
     /// [`Device::register_mem`] would make up: for an emulated NIC that hands out keys of its
     /// own (EFA's are 32 bits). Revoke it with [`Device::deregister_mem`]. `NotSupported`
-    /// without RDMA ([`UdpConfig::rdma`]), `InvalidArgument` when `key` is live.
+    /// without RDMA ([`UdpConfig::rdma`]), `InvalidArgument` when `key` is live. A hook of the
+    /// emulated EFA NIC (feature `emu-hooks`), not for applications.
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub fn register_mem_as(
         &self,
         mem: &Arc<crate::mem::RegionMem>,

@@ -932,6 +932,7 @@ impl QueuePair for UdpQp {
         true
     }
 
+    #[cfg(any(test, feature = "emu-hooks"))]
     fn modify(&mut self, m: crate::device::QpModify) -> Result<()> {
         let mut st = self.shared.state.lock();
         if st.closed {
