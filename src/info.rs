@@ -23,10 +23,8 @@ use std::sync::Arc;
 
 use crate::addr::RawAddr;
 use crate::config::Config;
-use crate::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
-#[cfg(target_os = "linux")]
-use crate::device::shm::{ShmConfig, ShmDevice};
-use crate::device::udp::{UdpConfig, UdpDevice};
+use crate::device::registry::{self, Discovery, PROVIDERS, Provider, Query};
+pub use crate::device::spec::DeviceSpec;
 use crate::device::{Device, DeviceAttr, DeviceKind};
 use crate::error::{Error, ErrorKind, Result};
 use crate::topo::{Distance, Near, Topology};
@@ -512,96 +510,6 @@ pub struct DomainAttr {
     pub mr_iov_limit: usize,
     /// Domain capabilities.
     pub caps: Caps,
-}
-
-// ---------------------------------------------------------------------------------------------
-// Device specs
-// ---------------------------------------------------------------------------------------------
-
-/// How to open the device an [`Info`] describes.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub enum DeviceSpec {
-    /// A `udp` device with this configuration.
-    Udp(UdpConfig),
-    /// An `shm` device (processes on one host) with this configuration.
-    #[cfg(target_os = "linux")]
-    Shm(ShmConfig),
-    /// A `loopback` device on [`LoopbackNetwork::global()`].
-    Loopback(LoopbackConfig),
-    /// An `efa` NIC (cargo feature `efa`).
-    #[cfg(feature = "efa")]
-    Efa {
-        /// rdma-core device name, e.g. `rdmap0s6`.
-        name: String,
-        /// `FI_EFA_USE_DEVICE_RDMA` when it was discovered (decides the RDMA capabilities).
-        use_device_rdma: Option<bool>,
-    },
-}
-
-impl DeviceSpec {
-    /// The kind of device this opens.
-    pub fn kind(&self) -> DeviceKind {
-        match self {
-            DeviceSpec::Udp(_) => DeviceKind::Udp,
-            #[cfg(target_os = "linux")]
-            DeviceSpec::Shm(_) => DeviceKind::Shm,
-            DeviceSpec::Loopback(_) => DeviceKind::Loopback,
-            #[cfg(feature = "efa")]
-            DeviceSpec::Efa { .. } => DeviceKind::Efa,
-        }
-    }
-
-    /// Opens the device (cheap for software devices: no sockets until a queue pair is created;
-    /// an `efa` NIC is opened and queried, and gets its protection domain).
-    pub fn open(&self) -> Result<Arc<dyn Device>> {
-        self.open_configured(&Config::from_env().unwrap_or_default())
-    }
-
-    /// [`DeviceSpec::open`] with `config` for what the device reads of it (`efa`: fork safety
-    /// and huge pages); [`Info::open_device`] passes the `Info`'s configuration.
-    #[cfg_attr(
-        not(feature = "efa"),
-        allow(unused_variables, reason = "the efa arm reads it")
-    )]
-    pub fn open_configured(&self, config: &Config) -> Result<Arc<dyn Device>> {
-        Ok(match self {
-            DeviceSpec::Udp(c) => UdpDevice::open(c.clone())?,
-            #[cfg(target_os = "linux")]
-            DeviceSpec::Shm(c) => ShmDevice::open(c.clone())?,
-            DeviceSpec::Loopback(c) => LoopbackDevice::open(&LoopbackNetwork::global(), c.clone())?,
-            #[cfg(feature = "efa")]
-            DeviceSpec::Efa {
-                name,
-                use_device_rdma,
-            } => crate::device::efa::EfaDevice::open_configured(name, *use_device_rdma, config)?,
-        })
-    }
-
-    /// The spec of a `udp` device bound to `bind`.
-    pub fn udp(bind: IpAddr) -> DeviceSpec {
-        DeviceSpec::Udp(udp_config(bind))
-    }
-
-    /// The spec of an `shm` device with its default configuration (segments in `/dev/shm`).
-    #[cfg(target_os = "linux")]
-    pub fn shm() -> DeviceSpec {
-        DeviceSpec::Shm(ShmConfig::default())
-    }
-
-    /// The spec of a `loopback` device with its default configuration.
-    // The allow is for the device placeholder (a unit struct); harmless afterwards.
-    pub fn loopback() -> DeviceSpec {
-        DeviceSpec::Loopback(LoopbackConfig::default())
-    }
-}
-
-/// A `UdpConfig` bound to `bind`.
-fn udp_config(bind: IpAddr) -> UdpConfig {
-    UdpConfig {
-        bind,
-        ..UdpConfig::default()
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1189,28 +1097,24 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
     };
     let no_data = |why: String| Error::new(ErrorKind::NoData, "getinfo").with_detail(why);
 
-    let kinds: Vec<DeviceKind> = match hints.provider.as_deref() {
-        None => available_kinds(),
+    let providers: Vec<&Provider> = match hints.provider.as_deref() {
+        None => PROVIDERS.iter().collect(),
         Some(p) => {
             let p = p.trim().to_ascii_lowercase();
-            let all = [
-                DeviceKind::Efa,
-                DeviceKind::Udp,
-                DeviceKind::Shm,
-                DeviceKind::Loopback,
-            ];
-            let Some(kind) = all.into_iter().find(|k| k.name() == p) else {
+            let Some(kind) = DeviceKind::ALL.into_iter().find(|k| k.name() == p) else {
+                let known: Vec<&str> = DeviceKind::ALL.iter().map(|k| k.name()).collect();
                 return Err(no_data(format!(
-                    "no provider named {p:?} (known: efa, udp, shm, loopback)"
+                    "no provider named {p:?} (known: {})",
+                    known.join(", ")
                 )));
             };
-            if !available_kinds().contains(&kind) {
+            let Some(provider) = registry::provider(kind) else {
                 return Err(no_data(match kind {
                     DeviceKind::Efa => "the efa device needs the cargo feature `efa`".to_string(),
                     _ => format!("the {kind} device is not available in this release"),
                 }));
-            }
-            vec![kind]
+            };
+            vec![provider]
         }
     };
 
@@ -1226,49 +1130,24 @@ pub fn getinfo(hints: &Hints) -> Result<Vec<Info>> {
 
     let mut out = Vec::new();
     let mut first_err = None;
-    #[cfg_attr(not(feature = "efa"), allow(unused_mut))]
     let mut notes: Vec<&'static str> = Vec::new();
-    for kind in kinds {
-        let devices: Vec<(DeviceSpec, Arc<dyn Device>)> = match kind {
-            DeviceKind::Udp | DeviceKind::Shm | DeviceKind::Loopback => {
-                let spec = match kind {
-                    DeviceKind::Udp => {
-                        DeviceSpec::udp(hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into()))
-                    }
-                    #[cfg(target_os = "linux")]
-                    DeviceKind::Shm => DeviceSpec::shm(),
-                    _ => DeviceSpec::loopback(),
-                };
-                match spec.open() {
-                    Ok(d) => vec![(spec, d)],
-                    Err(e) => {
-                        tracing::warn!(device = %kind, error = %e, "getinfo: cannot open device; skipped");
-                        first_err.get_or_insert(e);
-                        continue;
-                    }
-                }
+    let query = Query {
+        bind: hints.addr.unwrap_or(Ipv4Addr::LOCALHOST.into()),
+        config: &config,
+    };
+    for p in providers {
+        let devices = match (p.discover)(&query) {
+            Discovery::Found(d) => d,
+            Discovery::Nothing(why) => {
+                notes.push(why);
+                continue;
             }
-            #[cfg(feature = "efa")]
-            DeviceKind::Efa => {
-                // A configuration error (FI_EFA_USE_DEVICE_RDMA=1 without RDMA) is fatal, as in
-                // libfabric; NICs that fail to open are skipped with a warning.
-                let found = crate::device::efa::EfaDevice::open_all(&config)?;
-                if found.is_empty() {
-                    notes.push("no EFA device found");
-                }
-                found
-                    .into_iter()
-                    .map(|d| {
-                        let spec = DeviceSpec::Efa {
-                            name: d.attr().name.clone(),
-                            use_device_rdma: config.use_device_rdma,
-                        };
-                        (spec, d as Arc<dyn Device>)
-                    })
-                    .collect()
+            Discovery::Unavailable(e) => {
+                tracing::warn!(device = %p.kind, error = %e, "getinfo: cannot open device; skipped");
+                first_err.get_or_insert(e);
+                continue;
             }
-            #[allow(unreachable_patterns)] // reachable without the `efa` feature
-            _ => continue,
+            Discovery::Fatal(e) => return Err(e),
         };
         for (spec, device) in devices {
             if config.iface_allows(&device.attr().name) {
@@ -1316,17 +1195,4 @@ fn push_infos(
         }
         out.push(info);
     }
-}
-
-/// The device kinds this build can open, in listing order.
-fn available_kinds() -> Vec<DeviceKind> {
-    vec![
-        // One entry per NIC, first.
-        #[cfg(feature = "efa")]
-        DeviceKind::Efa,
-        DeviceKind::Udp,
-        #[cfg(target_os = "linux")]
-        DeviceKind::Shm,
-        DeviceKind::Loopback,
-    ]
 }

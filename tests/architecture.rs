@@ -315,3 +315,31 @@ fn the_emulated_nics_hooks_need_their_feature() {
         "public hooks of the emulated NIC without the emu-hooks feature: {open:?}"
     );
 }
+
+/// The endpoint layer decides nothing by device kind (issue 31, point 3): a device declares its
+/// policy (`DeviceAttr::policy`), and `getinfo` lists devices through the registry
+/// (`device::registry`), so `src/ep` never names a `DeviceKind` and `src/info.rs` names no
+/// device type.
+#[test]
+fn no_layer_above_the_devices_decides_by_kind() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rs_files(&src.join("ep"), &mut files);
+    let mut found = Vec::new();
+    for f in &files {
+        let c = code(&std::fs::read_to_string(f).unwrap());
+        if c.contains("DeviceKind") {
+            found.push(f.display().to_string());
+        }
+    }
+    let info = code(&std::fs::read_to_string(src.join("info.rs")).unwrap());
+    for ty in ["UdpDevice", "ShmDevice", "LoopbackDevice", "EfaDevice"] {
+        if info.contains(ty) {
+            found.push(format!("src/info.rs: {ty}"));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "device kinds decided above the device layer: {found:?}"
+    );
+}

@@ -16,20 +16,16 @@ use efa::{Caps, Config, EpType, ErrorKind, Gid, Hints, Info, getinfo};
 const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 fn udp_attr() -> DeviceAttr {
-    DeviceAttr {
-        name: "udp-127.0.0.1".into(),
-        kind: DeviceKind::Udp,
-        gid: Gid::from_ip(LOCALHOST),
-        mtu: 8192,
-        max_send_wr: 1000,
-        max_recv_wr: 1000,
-        max_sge: 2,
-        inline_size: 32,
-        max_rdma_size: 0,
-        caps: DeviceCaps::default(),
-        pci_addr: None,
-        numa_node: None,
-    }
+    let mut a = DeviceAttr::software(
+        DeviceKind::Udp,
+        "udp-127.0.0.1".into(),
+        Gid::from_ip(LOCALHOST),
+        8192,
+        1000,
+        1000,
+    );
+    a.caps = DeviceCaps::default();
+    a
 }
 
 fn dgram_info() -> Info {

@@ -37,6 +37,7 @@ use crate::stats::DeviceStats;
 pub mod efa;
 pub mod loopback;
 pub(crate) mod queues;
+pub(crate) mod registry;
 #[cfg(target_os = "linux")]
 #[cfg_attr(docsrs, doc(cfg(target_os = "linux")))]
 pub mod route;
@@ -45,6 +46,7 @@ pub mod route;
 pub mod shm;
 #[cfg(target_os = "linux")]
 pub(crate) mod soft_rdma;
+pub mod spec;
 pub mod udp;
 
 /// The `wr_id` of an unsolicited write-recv completion: the target side of an RDMA write with
@@ -69,6 +71,14 @@ pub enum DeviceKind {
 }
 
 impl DeviceKind {
+    /// Every kind, whether this build offers it or not (see `getinfo`).
+    pub const ALL: [DeviceKind; 4] = [
+        DeviceKind::Efa,
+        DeviceKind::Udp,
+        DeviceKind::Shm,
+        DeviceKind::Loopback,
+    ];
+
     /// The provider-style name: `efa`, `udp`, `shm`, `loopback`.
     pub fn name(self) -> &'static str {
         match self {
@@ -100,7 +110,9 @@ pub struct DeviceCaps {
 }
 
 /// Device attributes (the parts of `ibv_device_attr` / `efadv_device_attr` the layers above use).
+/// Made by devices ([`DeviceAttr::software`] for software ones); fields may be added.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct DeviceAttr {
     /// Device name, e.g. `udp-127.0.0.1` or `rdmap0s6`.
     pub name: String,
@@ -126,6 +138,24 @@ pub struct DeviceAttr {
     pub pci_addr: Option<String>,
     /// NUMA node the device is attached to, when known.
     pub numa_node: Option<i32>,
+    /// How the layers above treat the device.
+    #[serde(default)]
+    pub policy: DevicePolicy,
+}
+
+/// How the layers above treat a device: what each device declares of itself, so that no layer
+/// above `device` decides by its [`DeviceKind`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct DevicePolicy {
+    /// Each work request of a queue pair holds a bounce buffer the device pins (`efa`): queue
+    /// pairs get modest default depths (`PINNED_QP_DEPTH`) instead of the device's maxima, so
+    /// that they fit the usual `RLIMIT_MEMLOCK`.
+    pub pins_queue_buffers: bool,
+    /// RDM endpoints reach peers on this host over shared memory beside it
+    /// (`FI_EFA_ENABLE_SHM_TRANSFER`: the device is wrapped in a routing device), as libfabric's
+    /// EFA provider hands same-host peers to its shm provider.
+    pub same_host_route: bool,
 }
 
 impl DeviceAttr {
@@ -155,6 +185,7 @@ impl DeviceAttr {
             },
             pci_addr: None,
             numa_node: None,
+            policy: DevicePolicy::default(),
         }
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::av::AddressVector;
 use crate::cq::CompletionQueue;
-use crate::device::{DeviceAttr, DeviceKind};
+use crate::device::DeviceAttr;
 use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::info::{Caps, EpType, Info};
@@ -302,12 +302,13 @@ pub(crate) const PINNED_QP_DEPTH: usize = 256;
 /// The default send and receive depths of a queue pair on a device with `attr`: the device's
 /// maxima on software devices (whose buffers are not pinned), [`PINNED_QP_DEPTH`] on `efa`.
 pub(crate) fn default_qp_depths(attr: &DeviceAttr) -> (usize, usize) {
-    match attr.kind {
-        DeviceKind::Efa => (
+    if attr.policy.pins_queue_buffers {
+        (
             PINNED_QP_DEPTH.min(attr.max_send_wr),
             PINNED_QP_DEPTH.min(attr.max_recv_wr),
-        ),
-        _ => (attr.max_send_wr, attr.max_recv_wr),
+        )
+    } else {
+        (attr.max_send_wr, attr.max_recv_wr)
     }
 }
 

@@ -153,6 +153,10 @@ impl QueriedDevice {
             caps,
             pci_addr: self.pci_addr.clone(),
             numa_node: self.numa_node,
+            policy: crate::device::DevicePolicy {
+                pins_queue_buffers: true,
+                same_host_route: true,
+            },
         })
     }
 }

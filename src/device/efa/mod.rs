@@ -73,6 +73,32 @@ mod verbs;
 mod verbs_nic;
 mod wr;
 
+/// The efa device in the registry: one device per NIC rdma-core lists (and `FI_EFA_IFACE`
+/// allows). A configuration error (`FI_EFA_USE_DEVICE_RDMA=1` without RDMA) fails `getinfo`,
+/// as in libfabric; NICs that fail to open are skipped with a warning.
+pub(crate) const PROVIDER: super::registry::Provider = super::registry::Provider {
+    kind: crate::device::DeviceKind::Efa,
+    discover: |q| {
+        use super::registry::Discovery;
+        match EfaDevice::open_all(q.config) {
+            Err(e) => Discovery::Fatal(e),
+            Ok(found) if found.is_empty() => Discovery::Nothing("no EFA device found"),
+            Ok(found) => Discovery::Found(
+                found
+                    .into_iter()
+                    .map(|d| {
+                        let spec = super::spec::DeviceSpec::Efa {
+                            name: d.attr().name.clone(),
+                            use_device_rdma: q.config.use_device_rdma,
+                        };
+                        (spec, d as std::sync::Arc<dyn Device>)
+                    })
+                    .collect(),
+            ),
+        }
+    },
+};
+
 #[cfg(test)]
 mod fake;
 

@@ -22,6 +22,12 @@ mod qp;
 mod rdma;
 mod wire;
 
+/// The loopback device in the registry: one device on the process's global network.
+pub(crate) const PROVIDER: super::registry::Provider = super::registry::Provider {
+    kind: crate::device::DeviceKind::Loopback,
+    discover: |_| super::registry::open_one(super::spec::DeviceSpec::loopback()),
+};
+
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};

@@ -52,7 +52,7 @@ use std::sync::Arc;
 
 use crate::addr::Gid;
 use crate::device::shm::{self, ShmConfig, ShmDevice};
-use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QpType, QueuePair};
+use crate::device::{Device, DeviceAttr, QpAttr, QpType, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::{Access, RegionMem};
 use crate::stats::{DeviceCounters, DeviceStats};
@@ -89,7 +89,7 @@ impl RoutedDevice {
     /// shm configuration is invalid; the shm device's errors (e.g. a missing directory).
     pub fn open(primary: Arc<dyn Device>, shm: ShmConfig) -> Result<Arc<RoutedDevice>> {
         let pa = primary.attr();
-        if !matches!(pa.kind, DeviceKind::Udp | DeviceKind::Efa) {
+        if !pa.policy.same_host_route {
             return Err(Error::new(ErrorKind::InvalidArgument, "route_open")
                 .with_detail(format!("cannot route a {} device over shm", pa.kind)));
         }
@@ -239,7 +239,7 @@ impl Device for RoutedDevice {
 /// device is `udp` or `efa`; otherwise `device` itself. If the shm side cannot be opened, a
 /// warning is logged and `device` is used alone.
 pub fn for_rdm(device: Arc<dyn Device>, enable_shm_transfer: bool) -> Arc<dyn Device> {
-    if !enable_shm_transfer || !matches!(device.attr().kind, DeviceKind::Udp | DeviceKind::Efa) {
+    if !enable_shm_transfer || !device.attr().policy.same_host_route {
         return device;
     }
     match RoutedDevice::open(device.clone(), ShmConfig::default()) {

@@ -63,6 +63,12 @@ mod qp;
 mod ring;
 mod segment;
 
+/// The shm device in the registry: one device, segments in `/dev/shm`.
+pub(crate) const PROVIDER: super::registry::Provider = super::registry::Provider {
+    kind: crate::device::DeviceKind::Shm,
+    discover: |_| super::registry::open_one(super::spec::DeviceSpec::shm()),
+};
+
 use std::fmt;
 use std::path::{Path, PathBuf};
 

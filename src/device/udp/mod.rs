@@ -66,6 +66,13 @@ mod sim;
 mod srd;
 mod wire;
 
+/// The udp device in the registry: one device, bound to the hints' address (loopback by
+/// default).
+pub(crate) const PROVIDER: super::registry::Provider = super::registry::Provider {
+    kind: crate::device::DeviceKind::Udp,
+    discover: |q| super::registry::open_one(super::spec::DeviceSpec::udp(q.bind)),
+};
+
 /// Smallest MTU the device accepts.
 pub const MIN_MTU: usize = 64;
 /// Largest MTU the device accepts (a UDP datagram holds at most 65,507 bytes over IPv4, and the
@@ -274,7 +281,9 @@ impl UdpDevice {
             cfg.max_recv_wr,
         );
         debug_assert_eq!(attr.inline_size, INLINE_SIZE);
-        let attr = attr.with_soft_rdma(cfg.rdma, cfg.unsolicited_write_recv, MAX_RDMA_SIZE);
+        let mut attr = attr.with_soft_rdma(cfg.rdma, cfg.unsolicited_write_recv, MAX_RDMA_SIZE);
+        // Peers on this host are reached over shared memory, as the efa device's are.
+        attr.policy.same_host_route = true;
         let keys = cfg.rdma.then(crate::device::soft_rdma::KeyTable::default);
         Ok(Arc::new(UdpDevice {
             cfg: Arc::new(cfg),
