@@ -1,5 +1,5 @@
 //! How to open one device ([`DeviceSpec`]): what an [`Info`](crate::Info) carries, and what each
-//! device's [`Provider`](super::registry::Provider) hands `getinfo`.
+//! device's provider (`device::registry`) hands `getinfo`.
 
 use std::net::IpAddr;
 use std::sync::Arc;
