@@ -82,9 +82,9 @@ pub use cq::{
 };
 pub use domain::Domain;
 pub use ep::{
-    AtomicRequest, BatchError, Dgram, Endpoint, EndpointBuilder, EndpointKind, OpFuture, OpOutcome,
-    ProgressCpu, Rdm, ReadRequest, RecvOptions, RmaAddr, RmaEmulation, SendOptions, SendRequest,
-    WriteOptions, WriteRequest,
+    AtomicRequest, BatchError, Dgram, Endpoint, EndpointBuilder, EndpointKind, EndpointOptions,
+    OpFuture, OpOutcome, ProgressCpu, Rdm, ReadRequest, RecvOptions, RmaAddr, RmaEmulation,
+    SendOptions, SendRequest, WriteOptions, WriteRequest,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use fault::FaultConfig;

@@ -235,6 +235,10 @@ pub struct QpAttr {
     /// receive buffer (EFA's `EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV`); honoured only on devices
     /// with [`DeviceCaps::unsolicited_write_recv`]. `None`: the device's default.
     pub unsolicited_write_recv: Option<bool>,
+    /// On a routing device (`FI_EFA_ENABLE_SHM_TRANSFER`), peers on this host are reached over
+    /// its shm path; false: over the primary device only (`FI_OPT_SHARED_MEMORY_PERMITTED`).
+    /// Other devices ignore it. Default true.
+    pub same_host_route: bool,
 }
 
 /// Changes to a queue pair after it was created, as EFA's `ibv_modify_qp` makes them on the way
@@ -259,6 +263,7 @@ impl QpAttr {
             qkey: None,
             notifier: Arc::new(Notifier::new()),
             unsolicited_write_recv: None,
+            same_host_route: true,
         }
     }
 

@@ -59,6 +59,7 @@ impl EndpointBuilder<Dgram> {
             qkey: Some(DGRAM_QKEY),
             notifier,
             unsolicited_write_recv: None,
+            same_host_route: true,
         })?;
         let addr = qp.addr();
         tracing::debug!(%addr, send_depth, recv_depth, "dgram_ep_open");

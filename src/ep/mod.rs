@@ -25,7 +25,10 @@ mod rma_batch;
 
 pub use dgram::{DgramCore, MSG_PREFIX_SIZE};
 pub use pin::ProgressCpu;
-pub use rdm::{BatchError, OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions, SendRequest};
+pub use rdm::{
+    BatchError, EndpointOptions, OpFuture, OpOutcome, RdmCore, RecvOptions, SendOptions,
+    SendRequest,
+};
 pub use rma::{AtomicRequest, RmaAddr, RmaEmulation, WriteOptions};
 pub use rma_batch::{ReadRequest, WriteRequest};
 
@@ -119,6 +122,7 @@ impl<K: EndpointKind> Endpoint<K> {
             local_path: true,
             progress_cpu: ProgressCpu::Unpinned,
             caps: Caps::empty(),
+            options: rdm::RequestedOptions::default(),
             _kind: PhantomData,
         }
     }
@@ -146,6 +150,8 @@ pub struct EndpointBuilder<K: EndpointKind> {
     pub(crate) local_path: bool,
     pub(crate) progress_cpu: ProgressCpu,
     pub(crate) caps: Caps,
+    /// RDM: the endpoint options asked for (`rdm::opts`).
+    pub(crate) options: rdm::RequestedOptions,
     _kind: PhantomData<K>,
 }
 

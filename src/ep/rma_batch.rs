@@ -208,10 +208,11 @@ impl Endpoint<Rdm> {
         self.inject_write_with(peer, data, to, Some(imm))
     }
 
-    /// The largest [`inject_write`](Self::inject_write) (libfabric's `inject_rma_size`; the
-    /// same as [`inject_size`](Self::inject_size)).
+    /// The largest [`inject_write`](Self::inject_write) (libfabric's `inject_rma_size`): the
+    /// endpoint's [`inject_size`](Self::inject_size) unless set lower
+    /// ([`EndpointOptions::inject_rma_size`](crate::EndpointOptions::inject_rma_size)).
     pub fn inject_rma_size(&self) -> usize {
-        self.inject_size()
+        self.core.options.inject_rma_size()
     }
 
     fn inject_write_with(

@@ -160,7 +160,7 @@ impl Device for RoutedDevice {
     }
 
     fn create_qp(&self, attr: QpAttr) -> Result<Box<dyn QueuePair>> {
-        if attr.qp_type != QpType::Srd {
+        if attr.qp_type != QpType::Srd || !attr.same_host_route {
             return self.primary.create_qp(attr);
         }
         let recv_depth = attr.recv_depth.min(self.primary.attr().max_recv_wr).max(1);

@@ -66,21 +66,28 @@ impl EndpointBuilder<Rdm> {
         // by them.
         let (send_depth, recv_depth) = self.qp_depths(&attr)?;
         let own = Arc::new(Notifier::new());
-        let use_rdma = cfg.device_rdma(attr.caps.rdma_read)?;
+        let inject_size = crate::info::rdm_inject_size(&attr, &cfg);
+        let options =
+            self.options
+                .resolve(&attr, cfg.device_rdma(attr.caps.rdma_read)?, inject_size)?;
+        let use_rdma = options.use_device_rdma;
         let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
             send_depth,
             recv_depth,
-            rnr_retry: 3,
+            rnr_retry: options.rnr_retry,
             qkey: None,
             notifier: notifier.clone(),
             // FI_EFA_USE_UNSOLICITED_WRITE_RECV: ask for it only when allowed.
             unsolicited_write_recv: Some(cfg.use_unsolicited_write_recv),
+            same_host_route: options.shared_memory_permitted,
         })?;
         let addr = qp.addr();
         let local = match self.domain.device().local_dir() {
-            Some(dir) if self.local_path => LocalPath::open(dir, &addr, tx_ops, &notifier),
+            Some(dir) if self.local_path && options.shared_memory_permitted => {
+                LocalPath::open(dir, &addr, tx_ops, &notifier)
+            }
             _ => None,
         };
         let now = Instant::now();
@@ -113,7 +120,7 @@ impl EndpointBuilder<Rdm> {
                 usize::MAX
             },
             region_rdma,
-            inject_size: crate::info::rdm_inject_size(&attr, &cfg),
+            inject_size,
             notifier: own,
             state: Mutex::new(State {
                 engine,
@@ -140,6 +147,7 @@ impl EndpointBuilder<Rdm> {
             stop: Arc::new(AtomicBool::new(false)),
             thread: Mutex::new(None),
             orphans: Orphans::default(),
+            options: LiveOptions::new(options),
         });
         {
             let mut st = core.state.lock();

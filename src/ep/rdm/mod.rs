@@ -42,11 +42,15 @@ mod builder;
 mod driver;
 mod events;
 mod future;
+mod opts;
 mod post;
 pub(super) use post::BatchRequest;
 
 use driver::push_ok;
 pub use future::{OpFuture, OpOutcome};
+pub use opts::EndpointOptions;
+use opts::LiveOptions;
+pub(crate) use opts::RequestedOptions;
 
 /// Passes in a row that may leave the device alone because local messages came.
 const MAX_DEVICE_SKIPS: u32 = 4;
@@ -205,6 +209,8 @@ pub struct RdmCore {
     /// Messages received for `recv_async` futures dropped before they finished: they go back
     /// into matching, for the next receive (see [`OpFuture`]'s `Drop`).
     orphans: Orphans,
+    /// The endpoint options in effect (`opts.rs`).
+    pub(super) options: LiveOptions,
 }
 
 /// [`RdmCore::orphans`]: a list every progress pass looks at, so its emptiness is a plain load

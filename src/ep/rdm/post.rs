@@ -41,6 +41,15 @@ impl RdmCore {
                 .with_detail("an inject has no completion to deliver: use send_with"));
         }
         crate::ep::buf::check_inject(data.len(), self.inject_size)?;
+        if data.len() > self.options.max_msg_size() {
+            return Err(
+                Error::new(ErrorKind::MsgSize, "inject").with_detail(format!(
+                    "{} bytes is more than the endpoint's max_msg_size {}",
+                    data.len(),
+                    self.options.max_msg_size()
+                )),
+            );
+        }
         let mut clock = Clock::default();
         let mut st = self.state.lock();
         if st.closed {
@@ -186,6 +195,14 @@ impl RdmCore {
             Some(r) if copy_region || region_len.is_some() => r.len(),
             _ => data.len(),
         };
+        let max = self.options.max_msg_size();
+        if len > max {
+            let b = keep.unwrap_or(Buffer::Send(data));
+            let e = Error::new(ErrorKind::MsgSize, "send").with_detail(format!(
+                "{len} bytes is more than the endpoint's max_msg_size {max}"
+            ));
+            return Err(refuse(e, b));
+        }
         // The local path reads a region's bytes from its slice.
         let slice = local.and(region).map(crate::mr::MemoryRegion::as_slice);
         let key = st.ops.insert(OpState {
