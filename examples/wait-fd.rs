@@ -10,7 +10,10 @@
 //!
 //! It prints the CPU time the process used while idle (user + system, from `getrusage`, as a
 //! share of one CPU) and fails when that is over half a CPU: a program that busy-polls uses all
-//! of one.
+//! of one. Then a pinger in a thread of its own (busy-polling) sends pings to the sleeping
+//! tasks, one at a time and a few milliseconds apart so that each finds its task asleep; each
+//! task answers from its wait. The round trips' median, 99th percentile and maximum bound how
+//! soon a sleeping task answers a ping after it arrives.
 
 mod common;
 
@@ -38,6 +41,9 @@ struct Args {
     /// Device (provider): udp, shm, loopback, or efa (cargo feature `efa`)
     #[arg(short = 'p', default_value = "udp")]
     provider: String,
+    /// Pings to each sleeping task after the messages (0: none)
+    #[arg(long, default_value_t = 20)]
+    pings: usize,
 }
 
 /// CPU time this process used so far (user + system).
@@ -90,6 +96,76 @@ async fn receiver(
         }
     }
     Ok(got)
+}
+
+/// Answers `count` pings from `pinger`, sleeping on the queue's descriptor in between.
+async fn echo(
+    ep: Arc<Endpoint<Rdm>>,
+    cq: Arc<CompletionQueue>,
+    pinger: efa::PeerId,
+    count: usize,
+) -> efa::Result<()> {
+    // SAFETY: as in `receiver`.
+    let fd = unsafe { AsyncFd::register_with_interest(cq.clone(), tokio::io::Interest::READABLE) }
+        .map_err(|e| efa::Error::io("AsyncFd", std::io::Error::other(e.to_string())))?;
+    ep.recv(BytesMut::with_capacity(64), 0)?;
+    let (mut answered, mut out) = (0, Vec::new());
+    while answered < count {
+        out.clear();
+        cq.poll(&mut out, 16)?;
+        for c in &out {
+            if c.flags.contains(efa::CompletionFlags::RECV) {
+                ep.inject(pinger, b"pong")?;
+                answered += 1;
+                ep.recv(BytesMut::with_capacity(64), 0)?;
+            }
+        }
+        if out.is_empty() && cq.trywait().is_ok() {
+            let mut guard = fd
+                .readable()
+                .await
+                .map_err(|e| efa::Error::io("readable", e))?;
+            guard.clear_ready();
+        }
+    }
+    Ok(())
+}
+
+/// The pinger: `rounds` pings to each of `targets` in turn, a few milliseconds apart, each
+/// answered before the next; the round trips, sorted.
+fn pinger(
+    ep: Endpoint<Rdm>,
+    cq: CompletionQueue,
+    targets: Vec<efa::PeerId>,
+    rounds: usize,
+) -> efa::Result<Vec<Duration>> {
+    let mut rtts = Vec::with_capacity(targets.len() * rounds);
+    let mut out = Vec::new();
+    for _ in 0..rounds {
+        for &t in &targets {
+            // Long enough for the task to be asleep again.
+            std::thread::sleep(Duration::from_millis(3));
+            ep.recv(BytesMut::with_capacity(64), 0)?;
+            let start = Instant::now();
+            ep.inject(t, b"ping")?;
+            loop {
+                out.clear();
+                cq.poll(&mut out, 16)?;
+                if out
+                    .iter()
+                    .any(|c| c.flags.contains(efa::CompletionFlags::RECV))
+                {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(10) {
+                    return Err(efa::Error::new(efa::ErrorKind::TimedOut, "ping"));
+                }
+            }
+            rtts.push(start.elapsed());
+        }
+    }
+    rtts.sort();
+    Ok(rtts)
 }
 
 fn main() -> ExitCode {
@@ -173,6 +249,37 @@ fn run(args: &Args) -> efa::Result<bool> {
             n * m,
             start.elapsed().as_secs_f64() * 1e3
         );
+        if args.pings > 0 {
+            let cq = CompletionQueue::new(&domain, 256)?;
+            let pav = AddressVector::new(&domain);
+            let p = Endpoint::<Rdm>::builder(&domain).cq(&cq).av(&pav).build()?;
+            let me = av.insert(p.addr())?;
+            let targets = eps
+                .iter()
+                .map(|(ep, _)| pav.insert(ep.addr()))
+                .collect::<efa::Result<Vec<_>>>()?;
+            let echoes: Vec<_> = eps
+                .iter()
+                .map(|(ep, cq)| tokio::spawn(echo(ep.clone(), cq.clone(), me, args.pings)))
+                .collect();
+            let rounds = args.pings;
+            let t = std::thread::spawn(move || pinger(p, cq, targets, rounds));
+            for e in echoes {
+                e.await
+                    .map_err(|e| efa::Error::io("join", std::io::Error::other(e)))??;
+            }
+            let rtts = t
+                .join()
+                .map_err(|_| efa::Error::new(efa::ErrorKind::Io, "the pinger panicked"))??;
+            let at = |q: f64| rtts[((rtts.len() - 1) as f64 * q) as usize];
+            println!(
+                "# {} pings to sleeping tasks: round trip median {:.1} us, p99 {:.1} us, max {:.1} us",
+                rtts.len(),
+                at(0.5).as_secs_f64() * 1e6,
+                at(0.99).as_secs_f64() * 1e6,
+                rtts[rtts.len() - 1].as_secs_f64() * 1e6
+            );
+        }
         Ok(got == n * m && share < 0.5)
     })
 }

@@ -16,6 +16,10 @@ use crate::shmem::map;
 /// How long the waiter stays aside while the application busy-polls before it looks again
 /// (the application going to sleep on a completion queue wakes it at once, `WaiterHook`).
 const BUSY_WINDOW: Duration = Duration::from_millis(20);
+/// How long the waiter sleeps on the doorbell when nothing waits (peers ring it when they write;
+/// the application's busy polls quiet the doorbell themselves): a bound on a lost wake-up and on
+/// noticing a stuck slot. Every wake-up of an idle endpoint costs CPU, so it is long.
+const IDLE_NAP: Duration = Duration::from_millis(200);
 
 /// What the path and whatever drives it besides the application (the waiter thread; the
 /// simulator) share.
@@ -160,32 +164,35 @@ fn run(s: &Pace, ring: &OwnRing) {
     };
     let mut mark = PollMark::new(&s.polls);
     while !s.stop.load(Ordering::Acquire) {
-        let seen = bell.load(Ordering::Acquire);
-        let window = if s.app_polls.load(Ordering::Relaxed) {
-            BUSY_WINDOW
-        } else {
-            Duration::from_millis(1)
-        };
-        map::futex_wait(bell, seen, window);
-        let busy = mark.judge(&s.polls) && !s.sleeping.swap(false, Ordering::SeqCst);
-        if s.app_polls.load(Ordering::Relaxed) != busy {
-            s.app_polls.store(busy, Ordering::Relaxed);
-        }
-        if busy || s.stop.load(Ordering::Acquire) {
-            continue;
+        // While the application busy-polls, stand aside a window at a time; otherwise go
+        // straight to sleep as a sleeper (the nap below tells whether it began to poll).
+        if s.app_polls.load(Ordering::Relaxed) {
+            let seen = bell.load(Ordering::Acquire);
+            map::futex_wait(bell, seen, BUSY_WINDOW);
+            let busy = mark.judge(&s.polls) && !s.sleeping.swap(false, Ordering::SeqCst);
+            if !busy {
+                s.app_polls.store(false, Ordering::Relaxed);
+            }
+            if busy || s.stop.load(Ordering::Acquire) {
+                continue;
+            }
         }
         sleepers.store(1, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::SeqCst);
         let seen = bell.load(Ordering::Acquire);
         if !ring.ready() {
             let nap = if s.waiting.load(Ordering::Relaxed) {
-                1
+                Duration::from_millis(1)
             } else {
-                20
+                IDLE_NAP
             };
-            map::futex_wait(bell, seen, Duration::from_millis(nap));
+            map::futex_wait(bell, seen, nap);
         }
         sleepers.store(0, Ordering::Relaxed);
+        // The application polled at the busy-poll rate meanwhile: stand aside from now on.
+        if mark.judge(&s.polls) && !s.sleeping.swap(false, Ordering::SeqCst) {
+            s.app_polls.store(true, Ordering::Relaxed);
+        }
         if s.stop.load(Ordering::Acquire) {
             return;
         }
