@@ -67,6 +67,7 @@
 //! ```
 
 mod addr;
+mod ctrl;
 mod region;
 mod rx;
 mod state;
@@ -194,6 +195,7 @@ pub(crate) struct Settings {
     pub depth: usize,
     pub inline_size: usize,
     pub ctrl_recvs: usize,
+    pub ctrl_timeout: Duration,
 }
 
 /// Builds a [`RailGroup`] over some domains (one rail each).
@@ -211,6 +213,8 @@ pub const DEFAULT_MIN_STRIPE: usize = 128 << 10;
 pub const DEFAULT_MAX_STRIPE: usize = 8 << 20;
 /// Default [`RailGroupBuilder::depth`].
 pub const DEFAULT_DEPTH: usize = 4;
+/// Default [`RailGroupBuilder::ctrl_timeout`].
+pub const DEFAULT_CTRL_TIMEOUT: Duration = Duration::from_millis(500);
 /// Default [`RailGroupBuilder::inline_size`].
 pub const DEFAULT_INLINE_SIZE: usize = 8 << 10;
 
@@ -243,6 +247,15 @@ impl RailGroupBuilder {
         self
     }
 
+    /// How long a control message (a small message, a large one's handshake, a write's
+    /// notification) waits for the peer group's acknowledgement before it is sent again on
+    /// another rail (default 500 ms; doubling on each try up to 16 times this). Copies are
+    /// harmless: the peer drops them. Not zero.
+    pub fn ctrl_timeout(mut self, t: Duration) -> Self {
+        self.set.ctrl_timeout = t;
+        self
+    }
+
     /// Gives every rail's endpoint a progress thread pinned near its NIC
     /// ([`ProgressCpu::NearDevice`](crate::ProgressCpu::NearDevice)). Default off: polling the
     /// group drives its rails.
@@ -269,6 +282,8 @@ impl RailGroupBuilder {
             ))
         } else if s.depth == 0 {
             Some("a depth of 0 stripes per rail".into())
+        } else if s.ctrl_timeout.is_zero() {
+            Some("a control timeout of 0".into())
         } else if s.inline_size > 64 << 10 {
             Some(format!("inline size {} is above 64 KiB", s.inline_size))
         } else {
@@ -314,6 +329,7 @@ impl RailGroup {
                 depth: DEFAULT_DEPTH,
                 inline_size: DEFAULT_INLINE_SIZE,
                 ctrl_recvs: 32,
+                ctrl_timeout: DEFAULT_CTRL_TIMEOUT,
             },
             progress_thread: false,
             cq_size: 1024,

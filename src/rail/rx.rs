@@ -71,7 +71,12 @@ impl State {
             return;
         };
         let seq = c.seq();
+        if let Ctrl::Ack { kind, .. } = c {
+            return self.on_ack(peer, (kind, seq));
+        }
+        self.ack(peer, &c);
         match c {
+            Ctrl::Ack { .. } => {}
             Ctrl::Cts { key, .. } => self.on_cts(peer, seq, key),
             Ctrl::Refuse { .. } => self.on_refuse(peer, seq),
             Ctrl::Fin { len, .. } => self.on_fin(peer, seq, Ok(len)),
@@ -187,7 +192,7 @@ impl State {
                             tracing::warn!(peer, error = %e, "a message's buffer did not register");
                             let done = recv_done(peer, context, 0, Err(e), BytesMut::new());
                             self.peers[peer].rx.active.push_back(Entry::Done(done));
-                            self.send_ctrl(peer, Ctrl::Refuse { seq }.encode(), None);
+                            self.send_ctrl(peer, Ctrl::Refuse { seq }, None);
                             return;
                         }
                     }
@@ -204,7 +209,7 @@ impl State {
                     .rx
                     .active
                     .push_back(Entry::AwaitFin { seq, context, mem });
-                self.send_ctrl(peer, Ctrl::Cts { seq, key }.encode(), None);
+                self.send_ctrl(peer, Ctrl::Cts { seq, key }, None);
             }
             _ => unreachable!("only messages are matched"),
         }

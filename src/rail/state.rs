@@ -43,6 +43,8 @@ pub(super) struct Peer {
     pub tx_seq: u64,
     /// Large sends waiting for the peer's buffer, by sequence number.
     pub await_cts: HashMap<u64, usize>,
+    /// Control messages sent and not yet acknowledged.
+    pub unacked: HashMap<super::ctrl::CtrlKey, super::ctrl::Unacked>,
     pub rx: RxPeer,
 }
 
@@ -51,12 +53,13 @@ pub(super) struct Peer {
 pub(super) enum Work {
     /// A stripe of a group operation.
     Stripe { rail: usize, stripe: Stripe },
-    /// A control message to `peer` (for group operation `op`, if it waits for it).
+    /// A control message to `peer`: one that waits for its acknowledgement (`key`), or an
+    /// acknowledgement.
     Ctrl {
         rail: usize,
         peer: usize,
         msg: Bytes,
-        op: Option<usize>,
+        key: Option<super::ctrl::CtrlKey>,
     },
     /// A posted control receive.
     CtrlRecv { rail: usize },
@@ -72,7 +75,7 @@ pub(super) struct State {
     /// Stripes waiting for a rail with room.
     pub queue: VecDeque<Stripe>,
     /// Control messages a rail refused for lack of room (`Again`), to post again.
-    pub ctrl_backlog: VecDeque<(usize, Bytes, Option<usize>)>,
+    pub ctrl_backlog: VecDeque<(usize, Bytes, Option<super::ctrl::CtrlKey>)>,
     /// Control receive buffers to post again once a rail has room.
     pub idle_recvs: Vec<(usize, BytesMut)>,
     /// The application's posted receives, oldest first.
@@ -174,6 +177,7 @@ impl State {
             paths,
             tx_seq: 0,
             await_cts: HashMap::new(),
+            unacked: HashMap::new(),
             rx: RxPeer::default(),
         });
         Ok(RailPeer(id as u32))
@@ -234,48 +238,6 @@ impl State {
         ))
     }
 
-    /// Posts `msg` to `peer` on a working rail (the one with the least stripe bytes in flight),
-    /// trying the others when one refuses it; `Again` keeps it for later. When no rail is left,
-    /// operation `op` (if any) fails.
-    pub fn send_ctrl(&mut self, peer: usize, msg: Bytes, op: Option<usize>) {
-        loop {
-            let best = (0..self.peers[peer].paths.len())
-                .filter(|&r| self.live(peer, r))
-                .min_by_key(|&r| (self.rails[r].stats.in_flight_bytes, r));
-            let Some(rail) = best else {
-                if let Some(op) = op {
-                    let e = self.no_rail_error(peer, "rail_ctrl");
-                    self.op_failed(op, e);
-                    self.op_step_done(op);
-                }
-                return;
-            };
-            let dest = self.peers[peer].paths[rail];
-            let key = self.work.insert(Work::Ctrl {
-                rail,
-                peer,
-                msg: msg.clone(),
-                op,
-            });
-            let ep = self.rails[rail]
-                .ep
-                .as_ref()
-                .expect("live rails have an endpoint");
-            match ep.send(dest, msg.clone(), key as u64 + 1) {
-                Ok(()) => return,
-                Err(e) => {
-                    self.work.remove(key);
-                    if e.kind() == ErrorKind::Again {
-                        self.ctrl_backlog.push_back((peer, msg, op));
-                        return;
-                    }
-                    self.rails[rail].stats.errors += 1;
-                    self.kill_path(peer, rail, &e.error);
-                }
-            }
-        }
-    }
-
     /// Posts a control receive buffer on `rail` (kept for later when the rail is full).
     pub fn post_ctrl_recv(&mut self, rail: usize, mut buf: BytesMut) {
         let Some(ep) = self.rails[rail].ep.as_ref() else {
@@ -328,9 +290,10 @@ impl State {
         for (rail, buf) in std::mem::take(&mut self.idle_recvs) {
             self.post_ctrl_recv(rail, buf);
         }
-        for (peer, msg, op) in std::mem::take(&mut self.ctrl_backlog) {
-            self.send_ctrl(peer, msg, op);
+        for (peer, msg, key) in std::mem::take(&mut self.ctrl_backlog) {
+            self.transmit(peer, msg, key, None);
         }
+        self.resend_overdue(std::time::Instant::now());
         self.dispatch();
         let n = max.min(self.done.len());
         out.extend(self.done.drain(..n));
@@ -347,11 +310,8 @@ impl State {
         self.rails[rail].stats.ops += 1;
         match w {
             Work::Stripe { rail, stripe } => self.stripe_done(rail, stripe, Ok(()), c.buf),
-            Work::Ctrl { op, .. } => {
-                if let Some(op) = op {
-                    self.op_step_done(op);
-                }
-            }
+            // Done when acknowledged.
+            Work::Ctrl { .. } => {}
             Work::CtrlRecv { rail } => {
                 let src = c.source;
                 if let Buffer::Recv(buf) = c.buf {
@@ -385,16 +345,8 @@ impl State {
                 rail,
                 peer,
                 msg,
-                op,
-            } => {
-                if rail_failure(e.error.kind()) {
-                    self.kill_path(peer, rail, &e.error);
-                    self.send_ctrl(peer, msg, op);
-                } else if let Some(op) = op {
-                    self.op_failed(op, e.error);
-                    self.op_step_done(op);
-                }
-            }
+                key,
+            } => self.ctrl_failed(rail, peer, msg, key, e.error),
             Work::CtrlRecv { rail } => {
                 if let Buffer::Recv(buf) = e.buf {
                     // Canceled when the rail closes (then not posted again); a message too long

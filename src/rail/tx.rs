@@ -275,7 +275,7 @@ impl State {
             self.peers[p].await_cts.insert(seq, op);
         }
         self.ops[op].pending += 1;
-        self.send_ctrl(p, msg.encode(), Some(op));
+        self.send_ctrl(p, msg, Some(op));
         Ok(())
     }
 
@@ -379,7 +379,7 @@ impl State {
                 let o = &mut self.ops[op];
                 o.stage = stage;
                 o.pending += 1;
-                self.send_ctrl(peer, msg.encode(), Some(op));
+                self.send_ctrl(peer, msg, Some(op));
             }
             Next::Wait(stage) => self.ops[op].stage = stage,
             Next::Complete => self.complete(op),
@@ -400,7 +400,7 @@ impl State {
         };
         if let (Some(seq), Some(_)) = (seq, &o.error) {
             self.peers[o.peer].await_cts.remove(&seq);
-            self.send_ctrl(o.peer, Ctrl::Abort { seq }.encode(), None);
+            self.send_ctrl(o.peer, Ctrl::Abort { seq }, None);
         }
         let (kind, buf) = match o.kind {
             OpKind::Write { buf, .. } => (RailOp::Write, Buffer::Send(buf)),

@@ -33,6 +33,9 @@ pub(super) enum Ctrl {
     Abort { seq: u64 },
     /// The receiver could not take message `seq` (its buffer did not register).
     Refuse { seq: u64 },
+    /// The control message of kind `kind` and sequence number `seq` arrived (every kind but
+    /// this one is acknowledged, and sent again on another rail until it is).
+    Ack { seq: u64, kind: u8 },
 }
 
 /// A little-endian u64 at `i` of `b`.
@@ -43,7 +46,8 @@ pub(super) fn le64(b: &[u8], i: usize) -> Option<u64> {
 }
 
 impl Ctrl {
-    fn kind(&self) -> u8 {
+    /// The kind's number on the wire.
+    pub(super) fn kind(&self) -> u8 {
         match self {
             Ctrl::Msg { .. } => 1,
             Ctrl::Rts { .. } => 2,
@@ -52,6 +56,7 @@ impl Ctrl {
             Ctrl::Notify { .. } => 5,
             Ctrl::Abort { .. } => 6,
             Ctrl::Refuse { .. } => 7,
+            Ctrl::Ack { .. } => 8,
         }
     }
 
@@ -64,7 +69,8 @@ impl Ctrl {
             | Ctrl::Fin { seq, .. }
             | Ctrl::Notify { seq, .. }
             | Ctrl::Abort { seq }
-            | Ctrl::Refuse { seq } => *seq,
+            | Ctrl::Refuse { seq }
+            | Ctrl::Ack { seq, .. } => *seq,
         }
     }
 
@@ -90,6 +96,7 @@ impl Ctrl {
                 b.put_u32_le(*data);
                 b.put_u64_le(*len);
             }
+            Ctrl::Ack { kind, .. } => b.put_u8(*kind),
             Ctrl::Abort { .. } | Ctrl::Refuse { .. } => {}
         }
         b.freeze()
@@ -143,6 +150,10 @@ impl Ctrl {
                 exact(0)?;
                 Ctrl::Refuse { seq }
             }
+            8 => {
+                exact(1)?;
+                Ctrl::Ack { seq, kind: body[0] }
+            }
             _ => return None,
         })
     }
@@ -181,6 +192,7 @@ mod tests {
             },
             Ctrl::Abort { seq: u64::MAX },
             Ctrl::Refuse { seq: 0 },
+            Ctrl::Ack { seq: 9, kind: 2 },
         ];
         for c in all {
             let b = c.encode();
