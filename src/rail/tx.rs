@@ -327,7 +327,7 @@ impl State {
     /// One thing `op` waited for is done.
     pub fn op_step_done(&mut self, op: usize) {
         if let Some(o) = self.ops.get_mut(op) {
-            o.pending -= 1;
+            o.pending = o.pending.saturating_sub(1);
         }
         self.op_step(op);
     }
