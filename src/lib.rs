@@ -56,6 +56,7 @@ pub mod mr;
 pub mod notify;
 mod progress;
 pub mod proto;
+pub mod rail;
 mod random;
 mod shmem;
 pub mod stats;

@@ -263,3 +263,74 @@ fn info_prints_the_topology_of_a_p5_like_host() {
         "{err}"
     );
 }
+
+/// examples/multi-rail, small: a write, a read and a message striped over four udp "NICs", in
+/// one process and in two; every rail carries a share and the total is printed; bad options
+/// are refused clearly.
+#[test]
+fn multi_rail_stripes_over_every_rail_and_checks_the_bytes() {
+    let Some(bin) = common::example_bin("multi-rail") else {
+        return;
+    };
+    for op in ["write", "read", "send"] {
+        let out = Command::new(&bin)
+            .args(["-S", "3m", "-I", "2", "-o", op, "--min-stripe", "64k"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{op}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains("every byte checked") && text.contains("total"),
+            "{op}: {text}"
+        );
+        let rails: Vec<&str> = text.lines().filter(|l| l.contains("udp-")).collect();
+        assert_eq!(rails.len(), 4, "{op}: {text}");
+        assert!(
+            rails.iter().all(|l| !l.contains(" 0.0%")),
+            "{op}: a rail idle: {text}"
+        );
+    }
+    let port = free_port().to_string();
+    let server = Command::new(&bin)
+        .args(["-l", "-B", &port, "-o", "send", "-S", "1m", "-n", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let client = Command::new(&bin)
+        .args([
+            "-o",
+            "send",
+            "-S",
+            "1m",
+            "-n",
+            "3",
+            "-P",
+            &port,
+            "127.0.0.1",
+        ])
+        .output()
+        .unwrap();
+    assert!(client.status.success(), "{client:?}");
+    let server = server.wait_with_output().unwrap();
+    assert!(server.status.success(), "{server:?}");
+    assert!(String::from_utf8_lossy(&server.stdout).contains("rounds of 1048576 bytes checked"));
+    for (bad, says) in [
+        (&["-o", "scatter"][..], "expected write, read or send"),
+        (&["-S", "0"][..], "1 byte to the limit"),
+        (&["--gpu", "0000:13:00.0"][..], "add -p efa"),
+        (&["-n", "0"][..], "-n: 1 to"),
+    ] {
+        let out = Command::new(&bin).args(bad).output().unwrap();
+        assert!(!out.status.success(), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(says),
+            "{bad:?}: {out:?}"
+        );
+    }
+}

@@ -117,6 +117,10 @@ struct Registration {
     /// The device registered the region itself (its key is the device's): peers' device RDMA
     /// can reach it. Without, the key is the domain's alone and only emulated RMA serves it.
     device_registered: bool,
+    /// Shared by every registration of the same memory with other domains
+    /// ([`MemoryRegion::register_also`]): the memory is released only by the last of them.
+    /// `Some` until the registration drops.
+    siblings: Option<Arc<()>>,
 }
 
 impl Registration {
@@ -136,6 +140,14 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.revoke();
+        // Another domain's registration of the same memory still serves it.
+        if self
+            .siblings
+            .take()
+            .is_some_and(|s| Arc::into_inner(s).is_none())
+        {
+            return;
+        }
         // Leave nothing for a remote access that looked the key up before the revocation.
         drop(self.mem.take());
     }
@@ -154,7 +166,30 @@ impl MemoryRegion {
             return Err(Error::new(ErrorKind::InvalidArgument, "mr_reg")
                 .with_detail("access flags are empty"));
         }
-        MemoryRegion::register_mem(domain, RegionMem::new(buf), access)
+        MemoryRegion::register_mem(domain, RegionMem::new(buf), access, None)
+    }
+
+    /// Registers this slice's memory (the whole registration's, under the same address) with
+    /// another `domain` as well, with the same rights, and returns the slice of the new
+    /// registration at this slice's place: one memory, a key in each domain (a multi-rail
+    /// group's region on every rail's NIC). The memory is released when the last registration
+    /// of it goes; each key is revoked with its own registration.
+    pub(crate) fn register_also(&self, domain: &Domain) -> Result<MemoryRegion> {
+        let siblings = self.reg.siblings.clone();
+        if self.reg.is_revoked() || self.reg.mem.is_closed() {
+            return Err(Error::new(ErrorKind::InvalidArgument, "mr_reg")
+                .with_detail("the region is closed"));
+        }
+        let mut r =
+            MemoryRegion::register_mem(domain, self.reg.mem.clone(), self.reg.access, siblings)?;
+        (r.off, r.len) = (self.off, self.len);
+        Ok(r)
+    }
+
+    /// True when `other` is a registration of the same memory (by [`Self::register_also`]).
+    #[cfg(test)]
+    pub(crate) fn same_memory(&self, other: &MemoryRegion) -> bool {
+        Arc::ptr_eq(&self.reg.mem, &other.reg.mem)
     }
 
     /// Registers a region over the dmabuf range ([`RegionMem::dmabuf`]).
@@ -169,11 +204,18 @@ impl MemoryRegion {
             return Err(Error::new(ErrorKind::InvalidArgument, "register_dmabuf")
                 .with_detail("access flags are empty"));
         }
-        MemoryRegion::register_mem(domain, RegionMem::dmabuf(fd, offset, len)?, access)
+        MemoryRegion::register_mem(domain, RegionMem::dmabuf(fd, offset, len)?, access, None)
     }
 
-    /// Registers `mem` with the device and the domain's key table.
-    fn register_mem(domain: &Domain, mem: Arc<RegionMem>, access: Access) -> Result<MemoryRegion> {
+    /// Registers `mem` with the device and the domain's key table (`siblings`: the other
+    /// domains' registrations of it share this).
+    fn register_mem(
+        domain: &Domain,
+        mem: Arc<RegionMem>,
+        access: Access,
+        siblings: Option<Arc<()>>,
+    ) -> Result<MemoryRegion> {
+        let siblings = Some(siblings.unwrap_or_default());
         let device_key = domain.device().register_mem(&mem, access)?;
         // Under the device's key, or a fresh 64-bit software key (CSPRNG) when the device has
         // none; `None` when the device's key is live already.
@@ -211,6 +253,7 @@ impl MemoryRegion {
                 domain: domain.clone(),
                 revoked: AtomicBool::new(false),
                 device_registered: device_key.is_some(),
+                siblings,
             }),
             off: 0,
             len,
@@ -334,7 +377,8 @@ impl MemoryRegion {
     pub fn close(self) -> BytesMut {
         self.reg.revoke();
         let whole = self.off == 0 && self.len == self.reg.mem.len;
-        if whole && Arc::strong_count(&self.reg) == 1 {
+        let alone = (self.reg.siblings.as_ref()).is_none_or(|s| Arc::strong_count(s) == 1);
+        if whole && alone && Arc::strong_count(&self.reg) == 1 {
             self.reg.mem.take()
         } else {
             BytesMut::new()
