@@ -594,3 +594,86 @@ fn the_unmappable_switch_leaves_device_only_registration() {
     until(&a, &b, 1, "write more");
     assert_eq!(gpu(&mem, 2 * PAGE, 4), b"more");
 }
+
+/// The same-host path copies messages with the CPU: on a routed efa device (shm for peers on
+/// this host, as `FI_EFA_ENABLE_SHM_TRANSFER` gives), a send of a device-only region to a peer
+/// the path reaches is refused, and a message that comes by the path into a device-only
+/// receive completes it with the refusal. DGRAM endpoints copy too and refuse both.
+#[test]
+#[ignore = "needs the efa device under the emulated NIC (.ci/run)"]
+fn the_same_host_path_and_dgram_refuse_device_only_regions() {
+    let plain = efa_domain(Config::default());
+    let dir = common::shm_test_dir("efa-devonly-route-");
+    let routed = efa::device::route::RoutedDevice::open(
+        plain.device().clone(),
+        efa::device::shm::ShmConfig::in_dir(dir.path()),
+    )
+    .unwrap();
+    let d = Domain::with_device(routed, Config::default());
+    let (a, b) = (Node::new(&d), Node::new(&d));
+    let pb = a.insert(b.ep.addr());
+    b.insert(a.ep.addr());
+    let mem = DeviceMemory::stand_in("local-path", 4 * PAGE);
+    let len = PAGE as usize;
+    let src = d
+        .register_dmabuf_device_only(mem.as_fd(), 0, len, Access::SEND | Access::REMOTE_READ)
+        .expect("a routed efa device registers with its NIC");
+    let e = a.ep.send(pb, src, 1).unwrap_err();
+    assert_eq!(
+        said(&e.error),
+        (ErrorKind::NotSupported, "send"),
+        "{}",
+        e.error
+    );
+    assert!(
+        e.error.to_string().contains("local_path(false)"),
+        "{}",
+        e.error
+    );
+    let dst = d
+        .register_dmabuf_device_only(mem.as_fd(), PAGE, len, Access::RECV)
+        .unwrap();
+    b.ep.recv(dst, 2).unwrap();
+    a.ep.send(pb, Bytes::from(vec![0x5a; 1000]), 3).unwrap();
+    let e = until_err(&b, &a, "a same-host message into device memory");
+    assert_eq!(
+        said(&e.error),
+        (ErrorKind::NotSupported, "recv"),
+        "{}",
+        e.error
+    );
+    assert!(e.buf.into_region().unwrap().is_device_only());
+    until(&a, &b, 1, "the sender's completion");
+    assert!(
+        gpu(&mem, 0, 2 * len).iter().all(|&x| x == 0),
+        "nothing written"
+    );
+
+    // DGRAM: every send and receive is a copy.
+    let cq = efa::CompletionQueue::new(&plain, 64).unwrap();
+    let av = efa::AddressVector::new(&plain);
+    let ep = efa::Endpoint::<efa::Dgram>::builder(&plain)
+        .cq(&cq)
+        .av(&av)
+        .build()
+        .unwrap();
+    let me = av.insert(ep.addr()).unwrap();
+    let r = plain
+        .register_dmabuf_device_only(mem.as_fd(), 2 * PAGE, len, all())
+        .unwrap();
+    let e = ep.send(me, r, 4).unwrap_err();
+    assert_eq!(
+        said(&e.error),
+        (ErrorKind::NotSupported, "send"),
+        "{}",
+        e.error
+    );
+    let r = e.buf.into_region().unwrap();
+    let e = ep.recv(r, 5).unwrap_err();
+    assert_eq!(
+        said(&e.error),
+        (ErrorKind::NotSupported, "recv"),
+        "{}",
+        e.error
+    );
+}
