@@ -26,7 +26,9 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 
+mod dmabuf;
 mod store;
+pub(crate) use dmabuf::device_only_error;
 pub use store::SharedMapping;
 pub(crate) use store::Store;
 
@@ -193,61 +195,15 @@ pub struct RegionMem {
     /// address would name alike.
     id: u64,
     /// The file range a dmabuf region maps, claimed for it alone in this process.
-    _claim: Option<DmabufClaim>,
+    _claim: Option<dmabuf::DmabufClaim>,
+    /// Device-only memory ([`RegionMem::dmabuf_device_only`]): no CPU mapping.
+    device_only: bool,
 }
 
 /// A fresh [`RegionMem::id`].
 fn next_region_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// The file ranges the dmabuf regions of this process map: two regions over overlapping bytes
-/// of one file would let two write guards alias them.
-static DMABUF_CLAIMS: Mutex<Vec<ClaimedRange>> = Mutex::new(Vec::new());
-
-/// Bytes `start..end` of the file whose (device, inode) is `file`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct ClaimedRange {
-    file: (u64, u64),
-    start: u64,
-    end: u64,
-}
-
-/// A range mapped by one dmabuf region; released when the region's memory goes.
-#[derive(Debug)]
-struct DmabufClaim(ClaimedRange);
-
-impl DmabufClaim {
-    /// Claims `start..end` of `file`; `InvalidArgument` when a live region maps any of it.
-    fn take(file: (u64, u64), start: u64, end: u64) -> Result<DmabufClaim> {
-        let mut c = DMABUF_CLAIMS.lock();
-        if let Some(o) = c
-            .iter()
-            .find(|o| o.file == file && o.start < end && start < o.end)
-        {
-            return Err(
-                Error::new(ErrorKind::InvalidArgument, "register_dmabuf").with_detail(format!(
-                    "bytes {start}..{end} of this file overlap {}..{}, which another live \
-                     region maps: two regions over the same bytes would alias their guards \
-                     (split one region into slices instead)",
-                    o.start, o.end
-                )),
-            );
-        }
-        let r = ClaimedRange { file, start, end };
-        c.push(r);
-        Ok(DmabufClaim(r))
-    }
-}
-
-impl Drop for DmabufClaim {
-    fn drop(&mut self) {
-        let mut c = DMABUF_CLAIMS.lock();
-        if let Some(i) = c.iter().position(|x| *x == self.0) {
-            c.swap_remove(i);
-        }
-    }
 }
 
 /// The outcome of a non-blocking access to a [`RegionMem`].
@@ -276,84 +232,8 @@ impl RegionMem {
             id: next_region_id(),
             _claim: None,
             dmabuf: None,
+            device_only: false,
         })
-    }
-
-    /// A region's memory over `len` bytes at `offset` of the dmabuf `fd` (GPU memory exported
-    /// by its driver; a memfd in tests), mapped shared for reading and writing: software devices
-    /// and the engine reach the bytes through the mapping, devices with a NIC register the
-    /// dmabuf itself ([`RegionMem::dmabuf`]). Remote accesses name the mapping's address, as
-    /// libfabric names a dmabuf region by its virtual address. The mapping goes when the region
-    /// is closed.
-    ///
-    /// Errors: `InvalidArgument` for `len` 0, an `offset` that is not a multiple of the page
-    /// size, or a range past the end of the file (mapping it would fault on first touch);
-    /// `NotSupported` when the descriptor cannot be mapped (a dmabuf whose exporter has no CPU
-    /// mapping: the crate needs one for now), with the system's error.
-    ///
-    /// Another mapping of the same file (the GPU, another process) may write the bytes while a
-    /// guard reads them, as a NIC's DMA may: what the guard then sees is unspecified, never
-    /// other memory. Shrinking the file under the region is outside this contract (the process
-    /// would fault on the lost pages, as it would with any shared mapping).
-    pub fn dmabuf(
-        fd: std::os::fd::BorrowedFd<'_>,
-        offset: u64,
-        len: usize,
-    ) -> Result<Arc<RegionMem>> {
-        let bad =
-            |d: String| Error::new(ErrorKind::InvalidArgument, "register_dmabuf").with_detail(d);
-        if len == 0 {
-            return Err(bad("empty range".into()));
-        }
-        let page = store::page_size();
-        if offset % page != 0 {
-            return Err(bad(format!(
-                "offset {offset} is not a multiple of the page size ({page} bytes)"
-            )));
-        }
-        let end = offset
-            .checked_add(len as u64)
-            .ok_or_else(|| bad(format!("offset {offset} + length {len} overflows")))?;
-        let file = std::fs::File::from(fd.try_clone_to_owned().map_err(|e| {
-            Error::io("register_dmabuf", e).with_detail("cannot duplicate the descriptor")
-        })?);
-        let meta = file
-            .metadata()
-            .map_err(|e| Error::io("register_dmabuf", e))?;
-        let size = meta.len();
-        // A dmabuf whose exporter reports no size (0) is checked by mmap alone.
-        if (meta.is_file() || size > 0) && end > size {
-            return Err(bad(format!(
-                "range {offset}..{end} is past the end of the file ({size} bytes)"
-            )));
-        }
-        let claim = {
-            use std::os::unix::fs::MetadataExt;
-            DmabufClaim::take((meta.dev(), meta.ino()), offset, end)?
-        };
-        let mapped = store::SharedMapping::map(fd, offset, len).map_err(|e| {
-            Error::new(ErrorKind::NotSupported, "register_dmabuf").with_detail(format!(
-                "cannot map the dmabuf for the CPU ({e}); the crate needs a CPU mapping of it"
-            ))
-        })?;
-        Ok(Arc::new(RegionMem {
-            addr: mapped.addr() as usize as u64,
-            len,
-            data: RwLock::new(Store::Mapped(mapped)),
-            waiters: Mutex::new(Vec::new()),
-            leaked: AtomicBool::new(false),
-            id: next_region_id(),
-            _claim: Some(claim),
-            dmabuf: Some((std::os::fd::OwnedFd::from(file), offset)),
-        }))
-    }
-
-    /// The dmabuf this memory maps, as (descriptor, offset), for a device that registers
-    /// dmabufs with its NIC (`ibv_reg_dmabuf_mr`, iova = [`RegionMem::addr`]); `None` for other
-    /// memory.
-    pub fn dmabuf_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, u64)> {
-        use std::os::fd::AsFd;
-        self.dmabuf.as_ref().map(|(fd, off)| (fd.as_fd(), *off))
     }
 
     /// A region over `len` bytes at `ptr` that it does not own: for devices outside the crate
@@ -387,6 +267,7 @@ impl RegionMem {
             id: next_region_id(),
             _claim: None,
             dmabuf: None,
+            device_only: false,
         }))
     }
 
@@ -437,7 +318,7 @@ impl RegionMem {
     /// True once the owning region has been closed or dropped (its bytes were taken out).
     /// Blocks while a write guard is alive.
     pub fn is_closed(&self) -> bool {
-        let closed = self.data.read().is_empty();
+        let closed = self.data.read().is_closed();
         self.wake_waiters();
         closed
     }
@@ -465,9 +346,11 @@ impl RegionMem {
 
     /// Copies `src` to `addr`, blocking while a guard is alive. `RemoteAccess` (and nothing
     /// written) when the range is not inside the region or the region is closed. Checks no key or
-    /// right: the caller (a device's key table) has. For devices outside the crate; never call it
-    /// from a thread that may hold a guard on the region.
+    /// right: the caller (a device's key table) has. `NotSupported` for device-only memory (the
+    /// CPU cannot reach it). For devices outside the crate; never call it from a thread that may
+    /// hold a guard on the region.
     pub fn write_at(&self, addr: u64, src: &[u8]) -> Result<()> {
+        self.check_cpu("mr_remote_write")?;
         let r = {
             let mut data = self.data.write();
             self.range(data.len(), addr, src.len() as u64)
@@ -479,9 +362,11 @@ impl RegionMem {
 
     /// Replaces the contents of `out` with the `len` bytes at `addr`, blocking while a write guard
     /// is alive. `RemoteAccess` (and `out` left as it was) when the range is not inside the region
-    /// or the region is closed. Checks no key or right: the caller has. For devices outside the
-    /// crate; never call it from a thread that may hold a write guard on the region.
+    /// or the region is closed. Checks no key or right: the caller has. `NotSupported` for
+    /// device-only memory. For devices outside the crate; never call it from a thread that may
+    /// hold a write guard on the region.
     pub fn read_into(&self, addr: u64, len: u64, out: &mut BytesMut) -> Result<()> {
+        self.check_cpu("mr_remote_read")?;
         let r = {
             let data = self.data.read();
             self.range(data.len(), addr, len).map(|r| {
@@ -615,7 +500,7 @@ impl RegionMem {
         match old {
             Store::Owned(b) => b,
             // Dropping a mapped store unmaps it.
-            Store::Foreign { .. } | Store::Mapped(_) => BytesMut::new(),
+            Store::Foreign { .. } | Store::Mapped(_) | Store::Device(_) => BytesMut::new(),
         }
     }
 }
@@ -670,16 +555,19 @@ impl RegionSlice {
     }
 
     /// A copy of the slice's bytes, blocking while a write guard on the region is alive.
-    /// `RemoteAccess` when the region is closed.
+    /// `RemoteAccess` when the region is closed; `NotSupported` for device-only memory.
     pub fn to_bytes(&self) -> Result<Bytes> {
+        self.mem.check_cpu("to_bytes")?;
         let mut out = BytesMut::with_capacity(self.len);
         self.mem.read_into(self.addr, self.len as u64, &mut out)?;
         Ok(out.freeze())
     }
 
     /// Copies `src` to the start of the slice (at most `len` bytes), blocking while a guard on
-    /// the region is alive. `RemoteAccess` when the region is closed.
+    /// the region is alive. `RemoteAccess` when the region is closed; `NotSupported` for
+    /// device-only memory.
     pub fn write_from(&self, src: &[u8]) -> Result<()> {
+        self.mem.check_cpu("write_from")?;
         let n = src.len().min(self.len);
         self.mem.write_at(self.addr, &src[..n])
     }
@@ -819,6 +707,12 @@ impl KeyTable {
         self.live.remove(&key);
     }
 
+    /// True when `key` is live and names device-only memory
+    /// ([`RegionMem::dmabuf_device_only`]).
+    pub(crate) fn is_device_only(&self, key: u64) -> bool {
+        self.live.get(&key).is_some_and(|(m, _)| m.is_device_only())
+    }
+
     /// Live keys.
     pub(crate) fn len(&self) -> usize {
         self.live.len()
@@ -894,13 +788,15 @@ fn busy(op: &'static str) -> Error {
 
 /// Writes `src` at `addr` of the region `key` names, if the key is live and grants
 /// `REMOTE_WRITE` and the range lies inside the region (`RemoteAccess` otherwise, nothing
-/// written). Never blocks: `Again` while the region's lock is taken.
+/// written), `NotSupported` for a device-only region (the CPU cannot reach it). Never blocks:
+/// `Again` while the region's lock is taken.
 pub(crate) fn remote_write(table: &Mutex<KeyTable>, key: u64, addr: u64, src: &[u8]) -> Result<()> {
     const OP: &str = "mr_remote_write";
     let len = src.len() as u64;
     let mem = table
         .lock()
         .check_or_error(key, Access::REMOTE_WRITE, addr, len, OP)?;
+    mem.check_cpu(OP)?;
     match mem.try_write_with(addr, src, None, || Some(())) {
         TryAccess::Done(_) => Ok(()),
         TryAccess::Busy => Err(busy(OP)),
@@ -909,7 +805,8 @@ pub(crate) fn remote_write(table: &Mutex<KeyTable>, key: u64, addr: u64, src: &[
 }
 
 /// Whether the key is live and grants `REMOTE_WRITE` (`write`) or `REMOTE_READ`, and `len` bytes
-/// at `addr` lie inside its region (`RemoteAccess` otherwise). Touches no data.
+/// at `addr` lie inside its region (`RemoteAccess` otherwise), and the CPU may copy its bytes
+/// (`NotSupported` for a device-only region). Touches no data.
 pub(crate) fn remote_check(
     table: &Mutex<KeyTable>,
     key: u64,
@@ -925,13 +822,13 @@ pub(crate) fn remote_check(
     };
     table
         .lock()
-        .check_or_error(key, access, addr, len, OP)
-        .map(drop)
+        .check_or_error(key, access, addr, len, OP)?
+        .check_cpu(OP)
 }
 
 /// The `len` bytes at `addr` of the region `key` names, if the key is live and grants
-/// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise). Never blocks:
-/// `Again` while a write guard on the region is alive.
+/// `REMOTE_READ` and the range lies inside the region (`RemoteAccess` otherwise; `NotSupported`
+/// for a device-only region). Never blocks: `Again` while a write guard on the region is alive.
 pub(crate) fn remote_read(table: &Mutex<KeyTable>, key: u64, addr: u64, len: u64) -> Result<Bytes> {
     const OP: &str = "mr_remote_read";
     // Checked against the registered length before allocating, so an absurd length allocates
@@ -939,6 +836,7 @@ pub(crate) fn remote_read(table: &Mutex<KeyTable>, key: u64, addr: u64, len: u64
     let mem = table
         .lock()
         .check_or_error(key, Access::REMOTE_READ, addr, len, OP)?;
+    mem.check_cpu(OP)?;
     let mut out = BytesMut::with_capacity(len as usize);
     match mem.try_read_into(addr, len, &mut out, None) {
         TryAccess::Done(()) => Ok(out.freeze()),
@@ -950,8 +848,8 @@ pub(crate) fn remote_read(table: &Mutex<KeyTable>, key: u64, addr: u64, len: u64
 /// Applies an atomic to the elements at `addr` of the region `key` names, as one step under the
 /// region's write lock, and returns their previous values. The key must be live and grant
 /// `REMOTE_WRITE` (and `REMOTE_READ` for operations that return values), the range must
-/// lie inside the region (`RemoteAccess` otherwise, nothing changed); invalid operands are
-/// `InvalidArgument`. Never blocks: `Again` while the region's lock is taken.
+/// lie inside the region (`RemoteAccess` otherwise, nothing changed; `NotSupported` for a
+/// device-only region); invalid operands are `InvalidArgument`. Never blocks: `Again` while the region's lock is taken.
 pub(crate) fn remote_atomic(
     table: &Mutex<KeyTable>,
     key: u64,
@@ -977,6 +875,7 @@ pub(crate) fn remote_atomic(
     let mem = table
         .lock()
         .check_or_error(key, need, addr, len as u64, OP)?;
+    mem.check_cpu(OP)?;
     crate::atomic::validate(op, datatype, len, operand, compare)?;
     let Some(mut data) = mem.try_write_lock(None) else {
         return Err(busy(OP));

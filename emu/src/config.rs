@@ -18,6 +18,7 @@
 //! | `EFA_EMU_UNRESPONSIVE_MS` | 5000 | a peer silent this long fails sends with "unresponsive remote" (13) |
 //! | `EFA_EMU_STATS` | unset | print the NIC's counters to stderr at exit |
 //! | `EFA_EMU_KEYS` | `recycle` | `recycle`: a registration's keys are the smallest indices no live registration holds, so a closed region's keys come back (as EFA's); `unique`: random, never reused in the process |
+//! | `EFA_EMU_DMABUF` | `mappable` | `unmappable`: device memory as a GPU's: once the NIC has registered a dma-buf stand-in (`ibv_reg_dmabuf_mr`), the program can no longer map it for writing (the memfd is sealed with `F_SEAL_FUTURE_WRITE`, after the NIC's own mapping exists), so only the NIC reaches its bytes; see `dmabuf` |
 //! | `EFA_EMU_FORK` | `unneeded` | `disabled`: fork support as on kernels before 5.13 (`ibv_fork_init` needed, before any registration) |
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -95,6 +96,8 @@ pub struct EmuConfig {
     pub faults: FaultConfig,
     /// Keys of closed regions come back (`EFA_EMU_KEYS=recycle`, the default).
     pub recycle_keys: bool,
+    /// Registered dma-buf stand-ins become unmappable by the program (`EFA_EMU_DMABUF`).
+    pub dmabuf_unmappable: bool,
     pub memlock: Option<u64>,
     pub unresponsive: Duration,
 }
@@ -302,8 +305,16 @@ impl EmuConfig {
                 return Err(format!("EFA_EMU_KEYS={other:?}: recycle or unique"));
             }
         };
+        let dmabuf_unmappable = match get("EFA_EMU_DMABUF").as_deref().map(str::trim) {
+            None | Some("mappable") => false,
+            Some("unmappable") => true,
+            Some(other) => {
+                return Err(format!("EFA_EMU_DMABUF={other:?}: mappable or unmappable"));
+            }
+        };
         Ok(EmuConfig {
             recycle_keys,
+            dmabuf_unmappable,
             addr,
             addr_given,
             devices,
@@ -387,6 +398,23 @@ mod tests {
         );
         assert_eq!(c.faults.drop, 0.0);
         assert!(cfg(&[("EFA_EMU_FAULTS", "none")]).unwrap().faults.is_none());
+    }
+
+    #[test]
+    fn the_dmabuf_switch_takes_two_values() {
+        assert!(!cfg(&[]).unwrap().dmabuf_unmappable);
+        assert!(
+            !cfg(&[("EFA_EMU_DMABUF", "mappable")])
+                .unwrap()
+                .dmabuf_unmappable
+        );
+        assert!(
+            cfg(&[("EFA_EMU_DMABUF", "unmappable")])
+                .unwrap()
+                .dmabuf_unmappable
+        );
+        let e = cfg(&[("EFA_EMU_DMABUF", "gpu")]).unwrap_err();
+        assert!(e.contains("EFA_EMU_DMABUF"), "{e}");
     }
 
     #[test]

@@ -82,7 +82,7 @@ pub struct Mr {
     pub mr: ibv_mr,
     pub nic: Arc<Nic>,
     /// A dmabuf registration's mapping, unmapped (dropped) at deregistration.
-    pub mapping: Option<efa::mem::SharedMapping>,
+    pub mapping: Option<crate::dmabuf::NicMapping>,
 }
 
 #[repr(C)]
@@ -480,7 +480,7 @@ unsafe fn reg(
     len: usize,
     iova: u64,
     access: c_int,
-    mapping: Option<efa::mem::SharedMapping>,
+    mapping: Option<crate::dmabuf::NicMapping>,
 ) -> *mut ibv_mr {
     // SAFETY: as the caller promises.
     let Some(p) = (unsafe { obj::<Pd, _>(pd) }) else {
@@ -569,11 +569,13 @@ pub unsafe extern "C" fn emu_ibv_reg_dmabuf_mr(
         }
         // SAFETY: the program's descriptor, valid for this call.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        let map = match efa::mem::SharedMapping::map(fd, offset, len) {
+        // SAFETY: the program's PD (checked again by `reg`).
+        let unmappable = unsafe { obj::<Pd, _>(pd) }.is_some_and(|p| p.nic.cfg.dmabuf_unmappable);
+        let (p, map) = match crate::dmabuf::map_for_nic(fd, offset, len, unmappable) {
             Ok(m) => m,
-            Err(e) => return null(e.raw_os_error().unwrap_or(libc::EINVAL)),
+            Err(e) => return null(e),
         };
-        let p = map.addr().cast::<c_void>();
+        let p = p.cast::<c_void>();
         // SAFETY: the mapping lives as long as the registration (it is dropped, unmapping it,
         // at dereg or here when registration fails).
         let mr = unsafe { reg(pd, p, len, iova, access, Some(map)) };

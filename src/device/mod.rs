@@ -623,6 +623,23 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// accesses with it fail with [`Status::RemoteBadAddress`]. Called when the region is closed
     /// or dropped, before its memory is handed back. The default does nothing.
     fn deregister_mem(&self, _key: u64) {}
+    /// Registers device-only memory ([`RegionMem::dmabuf_device_only`]: a dmabuf the CPU has
+    /// no mapping of) with the NIC, which alone reaches its bytes, and returns the key peers'
+    /// device RDMA names it by; revoked by [`deregister_mem`](Device::deregister_mem) like the
+    /// others. The default refuses with `NotSupported`: a device without a NIC that registers
+    /// dmabufs (the software devices, which move bytes with the CPU) cannot serve it. Called
+    /// by [`Domain::register_dmabuf_device_only`](crate::Domain::register_dmabuf_device_only).
+    fn register_device_mem(&self, _mem: &Arc<RegionMem>, _access: Access) -> Result<u64> {
+        Err(
+            Error::new(ErrorKind::NotSupported, "register_dmabuf_device_only").with_detail(
+                format!(
+                    "the {} device has no NIC that reaches device memory (it moves bytes with \
+                     the CPU): device-only regions need the efa device",
+                    self.attr().name
+                ),
+            ),
+        )
+    }
     /// The shared-memory directory through which RDM endpoints on this device reach peers on
     /// this host directly, bypassing the packet protocol (their local fast path, like
     /// libfabric's shm provider under the EFA provider): the `shm` device's directory, or a

@@ -117,8 +117,9 @@ impl Domain {
     /// multiple of the page size, a range past the end of the file, or bytes of the file that
     /// another live dmabuf region of this process maps (two regions over the same bytes would
     /// alias their guards: split one region into slices instead); `NotSupported` when the
-    /// descriptor cannot be mapped for the CPU (the crate needs a CPU mapping for now, see
-    /// docs/rma.md); the device's error if it refuses the registration.
+    /// descriptor cannot be mapped for the CPU ("not CPU-mappable": register it with
+    /// [`register_dmabuf_device_only`](Domain::register_dmabuf_device_only)); the device's
+    /// error if it refuses the registration.
     ///
     /// ```
     /// # use efa::{Access, Domain};
@@ -149,6 +150,71 @@ impl Domain {
         MemoryRegion::register_dmabuf(self, fd, offset, len, access)
     }
 
+    /// Registers `len` bytes at `offset` of the dmabuf `fd` **device-only**: with the NIC, which
+    /// alone reaches the bytes, and never mapped for the CPU. This is the registration for GPU
+    /// memory whose exporter offers no CPU mapping (most of it); libfabric's counterpart is
+    /// `fi_mr_regattr` with `FI_MR_DMABUF` on an `FI_HMEM` domain. The descriptor is
+    /// duplicated; the caller keeps its own. Only the `efa` device takes it (the software
+    /// devices move bytes with the CPU); on a NIC that cannot register the dmabuf it is refused
+    /// rather than served through a CPU mapping.
+    ///
+    /// The region is a [`MemoryRegion`] like the others: it splits into slices, hands out a
+    /// [`RemoteKey`](crate::RemoteKey), goes into operations and comes back in their completions.
+    /// What moves its bytes without the CPU takes it: device RDMA (`write`, `write_data`,
+    /// `read`, with the region as the local buffer or as the target of a peer's RDMA), a send
+    /// of it by the long-read protocol (the receiver's NIC reads it; the region needs
+    /// `REMOTE_READ`) and a receive into it of a message the engine reads straight into it.
+    /// Every path that would copy its bytes with the CPU refuses with `NotSupported` naming
+    /// the operation: [`MemoryRegion::try_read`]/[`try_write`](MemoryRegion::try_write) (the
+    /// plain guards are empty), eager/medium/long-CTS messages (a receive that gets one
+    /// completes with the error), emulated RMA and atomics in either direction (a peer whose
+    /// emulated read, delivery-complete write or atomic targets it gets a remote-access error;
+    /// nothing is written), scatter/gather lists, the same-host path (build such endpoints with
+    /// `local_path(false)`), DGRAM endpoints. See docs/rma.md, "Device-only regions".
+    ///
+    /// Remote accesses name an address range reserved for the region with no access (nothing
+    /// is mapped there). Two device-only regions may cover the same bytes (the same GPU buffer
+    /// registered with two NICs).
+    ///
+    /// Errors: `InvalidArgument` for `len` 0, empty access flags, an `offset` that is not a
+    /// multiple of the page size or a range past the end of the file; `NotSupported` on a
+    /// device without a NIC that registers dmabufs, or when the NIC refuses this one.
+    ///
+    /// ```
+    /// # use efa::{Access, ErrorKind};
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    /// // A memfd stands in for GPU memory.
+    /// let fd = unsafe { libc::memfd_create(c"gpu".as_ptr(), libc::MFD_CLOEXEC) };
+    /// assert!(fd >= 0);
+    /// let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    /// std::fs::File::from(fd.try_clone().unwrap()).set_len(1 << 20).unwrap();
+    /// let access = Access::SEND | Access::RECV | Access::REMOTE_READ | Access::REMOTE_WRITE;
+    /// match domain.register_dmabuf_device_only(fd.as_fd(), 0, 1 << 20, access) {
+    ///     Ok(mr) => {
+    ///         // On the efa device: the NIC has it, the CPU does not.
+    ///         assert!(mr.is_device_only());
+    ///         assert_eq!(mr.try_read().err().map(|e| e.kind()), Some(ErrorKind::NotSupported));
+    ///         let pages = mr.chunks(4096)?; // slices for operations in flight at once
+    ///         assert_eq!(pages.len(), 256);
+    ///     }
+    ///     // The software devices (here loopback) have no NIC to reach device memory.
+    ///     Err(e) => assert_eq!(e.kind(), ErrorKind::NotSupported),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[doc(alias = "FI_MR_DMABUF")]
+    pub fn register_dmabuf_device_only(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        MemoryRegion::register_dmabuf_device_only(self, fd, offset, len, access)
+    }
+
     /// Checks a remote access (`key`, `addr`, `len`, needed `access`) against this domain's live
     /// registrations: `RemoteAccess` if the key is unknown or revoked, the range is outside the
     /// region or the right was not granted.
@@ -159,18 +225,19 @@ impl Domain {
     /// Writes `data` at `addr` of the region `key` names, as a peer's RMA write does (the
     /// protocol engine's emulated RMA). `RemoteAccess` — and nothing written — if the key is
     /// unknown or revoked, the region lacks `REMOTE_WRITE`, or `addr .. addr + data.len()` is not
-    /// inside it. The copy happens under the region's lock, which this never waits for: `Again`
-    /// while it is taken (a [`MemoryRegion::read`]/[`write`](MemoryRegion::write) guard is alive,
-    /// or another access copies) — retry later.
+    /// inside it; `NotSupported` for a device-only region (the CPU cannot reach it). The copy
+    /// happens under the region's lock, which this never waits for: `Again` while it is taken
+    /// (a [`MemoryRegion::read`]/[`write`](MemoryRegion::write) guard is alive, or another
+    /// access copies) — retry later.
     pub fn remote_write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()> {
         crate::mem::remote_write(&self.inner.mrs, key, addr, data)
     }
 
     /// The `len` bytes at `addr` of the region `key` names, as a peer's RMA read sees them (the
     /// protocol engine's emulated RMA). `RemoteAccess` if the key is unknown or revoked, the
-    /// region lacks `REMOTE_READ`, or the range is not inside it. The copy happens under the
-    /// region's lock, which this never waits for: `Again` while a
-    /// [`write`](MemoryRegion::write) guard is alive — retry later.
+    /// region lacks `REMOTE_READ`, or the range is not inside it; `NotSupported` for a
+    /// device-only region. The copy happens under the region's lock, which this never waits
+    /// for: `Again` while a [`write`](MemoryRegion::write) guard is alive — retry later.
     pub fn remote_read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes> {
         crate::mem::remote_read(&self.inner.mrs, key, addr, len)
     }

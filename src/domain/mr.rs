@@ -207,6 +207,26 @@ impl MemoryRegion {
         MemoryRegion::register_mem(domain, RegionMem::dmabuf(fd, offset, len)?, access, None)
     }
 
+    /// Registers a device-only region over the dmabuf range
+    /// ([`RegionMem::dmabuf_device_only`]) with the device's NIC, which alone reaches it.
+    pub(crate) fn register_dmabuf_device_only(
+        domain: &Domain,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        const OP: &str = "register_dmabuf_device_only";
+        if access.is_empty() {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, OP).with_detail("access flags are empty")
+            );
+        }
+        let mem = RegionMem::dmabuf_device_only(fd, offset, len)?;
+        let key = domain.device().register_device_mem(&mem, access)?;
+        MemoryRegion::register_mem_as(domain, mem, access, Some(key), None)
+    }
+
     /// Registers `mem` with the device and the domain's key table (`siblings`: the other
     /// domains' registrations of it share this).
     fn register_mem(
@@ -215,8 +235,20 @@ impl MemoryRegion {
         access: Access,
         siblings: Option<Arc<()>>,
     ) -> Result<MemoryRegion> {
-        let siblings = Some(siblings.unwrap_or_default());
         let device_key = domain.device().register_mem(&mem, access)?;
+        MemoryRegion::register_mem_as(domain, mem, access, device_key, siblings)
+    }
+
+    /// Enters `mem`, which the device registered under `device_key` (`None`: it did not), in
+    /// the domain's key table (`siblings`: as [`Self::register_mem`]'s).
+    fn register_mem_as(
+        domain: &Domain,
+        mem: Arc<RegionMem>,
+        access: Access,
+        device_key: Option<u64>,
+        siblings: Option<Arc<()>>,
+    ) -> Result<MemoryRegion> {
+        let siblings = Some(siblings.unwrap_or_default());
         // Under the device's key, or a fresh 64-bit software key (CSPRNG) when the device has
         // none; `None` when the device's key is live already.
         let key = {
@@ -293,10 +325,26 @@ impl MemoryRegion {
         }
     }
 
-    /// True for a region over a dmabuf ([`Domain::register_dmabuf`]): its memory is a mapping
-    /// of the dmabuf, and [`close`](MemoryRegion::close) gives back an empty buffer.
+    /// True for a region over a dmabuf ([`Domain::register_dmabuf`],
+    /// [`Domain::register_dmabuf_device_only`]): [`close`](MemoryRegion::close) gives back an
+    /// empty buffer (the memory is the dmabuf's).
     pub fn is_dmabuf(&self) -> bool {
         self.reg.mem.dmabuf_fd().is_some()
+    }
+
+    /// True for a device-only region ([`Domain::register_dmabuf_device_only`]): the CPU has no
+    /// mapping of its bytes. [`try_read`](MemoryRegion::try_read) and
+    /// [`try_write`](MemoryRegion::try_write) refuse it, [`read`](MemoryRegion::read) and
+    /// [`write`](MemoryRegion::write) show no bytes, and only device RDMA and the read-based
+    /// message protocols move its data (docs/rma.md, "Device-only regions").
+    pub fn is_device_only(&self) -> bool {
+        self.reg.mem.is_device_only()
+    }
+
+    /// `NotSupported` naming `op` for a device-only region: `op` would copy its bytes with the
+    /// CPU.
+    pub(crate) fn check_cpu(&self, op: &'static str) -> Result<()> {
+        self.reg.mem.check_cpu(op)
     }
 
     /// The key (the same for every slice of a region).
@@ -337,16 +385,46 @@ impl MemoryRegion {
 
     /// The slice's bytes, for reading, under the region's lock (shared with remote reads). A
     /// thread may hold read guards of several slices of one region at once.
+    ///
+    /// A device-only region ([`is_device_only`](MemoryRegion::is_device_only)) has no bytes the
+    /// CPU may see: the guard is empty. [`try_read`](MemoryRegion::try_read) says so as an
+    /// error instead.
     pub fn read(&self) -> impl Deref<Target = [u8]> + '_ {
         self.reg.mem.read_range(self.off..self.off + self.len)
+    }
+
+    /// [`read`](MemoryRegion::read), or `NotSupported` (operation `mr_read`) for a device-only
+    /// region, whose bytes the CPU cannot reach.
+    ///
+    /// ```
+    /// # use efa::Access;
+    /// # fn main() -> efa::Result<()> {
+    /// # let domain = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("loopback"))?[0])?;
+    /// let mr = domain.register(vec![7u8; 8], Access::SEND)?;
+    /// assert_eq!(mr.try_read()?[0], 7);
+    /// # Ok(()) }
+    /// ```
+    pub fn try_read(&self) -> Result<impl Deref<Target = [u8]> + '_> {
+        self.check_cpu("mr_read")?;
+        Ok(self.read())
     }
 
     /// The slice's bytes, for writing, under the region's lock: remote accesses to any part of
     /// the region wait for the guard to go. The lock is the region's, not the slice's: do not
     /// hold a guard of one slice while taking a guard of another slice of the same region in
     /// the same thread (it would wait for itself); write one slice at a time.
+    ///
+    /// A device-only region has no bytes the CPU may touch: the guard is empty
+    /// ([`try_write`](MemoryRegion::try_write) refuses instead).
     pub fn write(&mut self) -> impl DerefMut<Target = [u8]> + '_ {
         self.reg.mem.write_range(self.off..self.off + self.len)
+    }
+
+    /// [`write`](MemoryRegion::write), or `NotSupported` (operation `mr_write`) for a
+    /// device-only region, whose bytes the CPU cannot reach.
+    pub fn try_write(&mut self) -> Result<impl DerefMut<Target = [u8]> + '_> {
+        self.check_cpu("mr_write")?;
+        Ok(self.write())
     }
 
     /// The description a peer needs for remote access to this slice: its address and length,
@@ -516,6 +594,7 @@ impl fmt::Debug for MemoryRegion {
             .field("len", &self.len)
             .field("access", &self.reg.access)
             .field("dmabuf", &self.is_dmabuf())
+            .field("device_only", &self.is_device_only())
             .finish()
     }
 }

@@ -8,12 +8,14 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::mr::{Access, MemoryRegion};
 
-/// The bytes to send for `buf` (a region is checked for `SEND` access and copied).
+/// The bytes to send for `buf` (a region is checked for `SEND` access and copied: a device-only
+/// region is refused with `NotSupported`).
 pub(crate) fn send_bytes(buf: &SendBuf, domain: &Domain, op: &'static str) -> Result<Bytes> {
     match buf {
         SendBuf::Bytes(b) => Ok(b.clone()),
         SendBuf::Region(r) => {
             r.check_local(domain, Access::SEND, op)?;
+            r.check_cpu(op)?;
             Ok(Bytes::copy_from_slice(&r.read()))
         }
     }
@@ -50,7 +52,10 @@ impl RecvTarget {
     /// the front (DGRAM `FI_MSG_PREFIX` mode). A region's data goes down into a scratch buffer
     /// that is copied into it at completion: of the region's room (`lazy` false, for a device
     /// that needs the room up front), or empty (`lazy`: the protocol engine grows it as data
-    /// arrives, up to [`room`](RecvTarget::room)). Refusals hand the buffer back.
+    /// arrives, up to [`room`](RecvTarget::room)). A device-only region is taken only `lazy`
+    /// (the engine may read a message straight into it; a message it cannot is refused at
+    /// completion, [`RecvTarget::cpu_copy_refused`]), otherwise refused with `NotSupported`.
+    /// Refusals hand the buffer back.
     pub(crate) fn prepare(
         buf: RecvBuf,
         domain: &Domain,
@@ -78,7 +83,10 @@ impl RecvTarget {
                 Ok((tail, RecvTarget::Prefixed { head: b }))
             }
             RecvBuf::Region(r) => {
-                if let Err(error) = r.check_local(domain, Access::RECV, op) {
+                let checked = r
+                    .check_local(domain, Access::RECV, op)
+                    .and_then(|()| if lazy { Ok(()) } else { r.check_cpu(op) });
+                if let Err(error) = checked {
                     return Err(PostError {
                         error,
                         buf: Buffer::Region(r),
@@ -115,7 +123,9 @@ impl RecvTarget {
         let checked = check_iov(parts.len(), limit, op).and_then(|()| {
             parts.iter().try_for_each(|p| match p {
                 RecvBuf::Bytes(_) => Ok(()),
-                RecvBuf::Region(r) => r.check_local(domain, need, op),
+                RecvBuf::Region(r) => r
+                    .check_local(domain, need, op)
+                    .and_then(|()| r.check_cpu(op)),
             })
         });
         match checked {
@@ -158,9 +168,36 @@ impl RecvTarget {
         }
     }
 
+    /// The refusal of a receive whose data (`down_len` bytes came up in `down`, of which those
+    /// from `in_region` on were read into the region directly) would have to be copied into a
+    /// device-only region with the CPU: `NotSupported` naming `op`. `None` when nothing needs
+    /// copying (the whole message was read into the region by the device, or it is empty).
+    pub(crate) fn cpu_copy_refused(
+        &self,
+        down_len: usize,
+        in_region: Option<usize>,
+        op: &'static str,
+    ) -> Option<Error> {
+        let RecvTarget::Region { region, offset } = self else {
+            return None;
+        };
+        let n = down_len
+            .min(region.len().saturating_sub(*offset))
+            .min(in_region.unwrap_or(usize::MAX));
+        (region.is_device_only() && n > 0).then(|| {
+            crate::mem::device_only_error(op).with_detail(format!(
+                "{n} bytes of the message came in packets (eager, medium, long-CTS, a runt or \
+                 the same-host path) and would have to be copied into the device-only region \
+                 with the CPU: it takes only messages the NIC reads into it (long-read, from a \
+                 region the sender registered with REMOTE_READ); the message is dropped"
+            ))
+        })
+    }
+
     /// Puts the user's buffer back together around what came up; a region receives a copy of
     /// the data when `filled` (only of its first `in_region` bytes when the rest was read into
-    /// the region directly: `RecvDone::in_region`).
+    /// the region directly: `RecvDone::in_region`). Nothing is ever copied into a device-only
+    /// region (see [`RecvTarget::cpu_copy_refused`]).
     pub(crate) fn finish(self, down: BytesMut, filled: bool) -> Buffer {
         self.finish_split(down, filled, None)
     }
@@ -180,7 +217,7 @@ impl RecvTarget {
                 Buffer::Recv(head)
             }
             RecvTarget::Region { mut region, offset } => {
-                if filled {
+                if filled && !region.is_device_only() {
                     let n = down
                         .len()
                         .min(region.len() - offset)
@@ -260,7 +297,9 @@ pub(crate) fn gather(
     let checked = check_iov(parts.len(), limit, op).and_then(|()| {
         parts.iter().try_for_each(|p| match p {
             SendBuf::Bytes(_) => Ok(()),
-            SendBuf::Region(r) => r.check_local(domain, need, op),
+            SendBuf::Region(r) => r
+                .check_local(domain, need, op)
+                .and_then(|()| r.check_cpu(op)),
         })
     });
     let mut out = BytesMut::new();

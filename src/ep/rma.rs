@@ -264,12 +264,14 @@ impl Endpoint<Rdm> {
     }
 }
 
-/// The bytes of a write's source (a region needs `WRITE` access; its bytes are copied).
+/// The bytes of a write's source (a region needs `WRITE` access; its bytes are copied, which a
+/// device-only region refuses).
 fn write_bytes(buf: &SendBuf, core: &RdmCore) -> Result<Bytes> {
     match buf {
         SendBuf::Bytes(b) => Ok(b.clone()),
         SendBuf::Region(r) => {
             r.check_local(&core.domain, Access::WRITE, "write")?;
+            r.check_cpu("write")?;
             Ok(Bytes::copy_from_slice(&r.read()))
         }
     }
@@ -428,6 +430,17 @@ impl RdmCore {
                     .region_rdma
                     .then(|| target.device_slice().and_then(|s| s.sub(0, len)))
                     .flatten();
+                if local_region.is_none() {
+                    if let super::buf::RecvTarget::Region { region, .. } = &target {
+                        if let Err(e) = region.check_cpu("read") {
+                            let e = e.with_detail(
+                                "a read into a device-only region needs device RDMA into it \
+                                 (this endpoint's queue pair cannot read into region memory)",
+                            );
+                            return Err(refuse(e, target.abandon()));
+                        }
+                    }
+                }
                 let room = if local_region.is_some() { 0 } else { len };
                 (BytesMut::with_capacity(room), Some(target))
             }
@@ -708,5 +721,9 @@ impl crate::proto::engine::RmaMemory for crate::domain::Domain {
 
     fn atomic(&self, key: u64, addr: u64, a: crate::atomic::AtomicArgs<'_>) -> Result<Bytes> {
         crate::mem::remote_atomic(self.mr_table(), key, addr, a)
+    }
+
+    fn device_only(&self, key: u64) -> bool {
+        self.mr_table().lock().is_device_only(key)
     }
 }

@@ -1,5 +1,7 @@
-//! The storage of a region's bytes: owned, lent by the caller of `RegionMem::foreign`, or a
-//! shared mapping of a dmabuf (`RegionMem::dmabuf`) that the store unmaps when dropped.
+//! The storage of a region's bytes: owned, lent by the caller of `RegionMem::foreign`, a
+//! shared mapping of a dmabuf (`RegionMem::dmabuf`) that the store unmaps when dropped, or
+//! none at all: a device-only dmabuf region (`RegionMem::dmabuf_device_only`) holds only the
+//! inaccessible address range that names it.
 #![allow(unsafe_code)]
 
 use std::ops::{Deref, DerefMut};
@@ -7,8 +9,9 @@ use std::ptr::NonNull;
 
 use bytes::BytesMut;
 
-/// The bytes behind a [`RegionMem`]: a buffer it owns, or memory it was lent by a caller of
-/// [`RegionMem::foreign`]. An empty store is a closed region.
+/// The bytes behind a [`RegionMem`]: a buffer it owns, memory it was lent by a caller of
+/// [`RegionMem::foreign`], a dmabuf's CPU mapping, or (device-only) no bytes the CPU may reach.
+/// An empty owned store is a closed region ([`Store::is_closed`]).
 pub(crate) enum Store {
     Owned(BytesMut),
     /// Made only with the `emu-hooks` feature ([`RegionMem::foreign`]).
@@ -18,7 +21,64 @@ pub(crate) enum Store {
         len: usize,
     },
     Mapped(SharedMapping),
+    /// A device-only region: its bytes are the NIC's to reach; the CPU sees none (empty).
+    Device(
+        #[allow(dead_code, reason = "held for its Drop, which releases the range")] AddressRange,
+    ),
 }
+
+/// `len` bytes of address space reserved with no access (`PROT_NONE`, nothing behind it): the
+/// name of a device-only region, unique in the process, whose bytes the CPU never touches (a
+/// stray access faults instead of reaching other memory). Released when dropped.
+pub(crate) struct AddressRange {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl AddressRange {
+    /// Reserves `len` bytes of address space.
+    pub(crate) fn reserve(len: usize) -> std::io::Result<AddressRange> {
+        // SAFETY: a fresh, inaccessible anonymous mapping at an address the kernel chooses; it
+        // aliases nothing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
+        Ok(AddressRange { ptr, len })
+    }
+
+    /// The first reserved address.
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as usize as u64
+    }
+}
+
+impl Drop for AddressRange {
+    fn drop(&mut self) {
+        // SAFETY: reserved in `reserve` with this length, released once; nothing is behind it.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if rc != 0 {
+            tracing::error!(error = %std::io::Error::last_os_error(), "munmap of a device-only region's address range failed");
+        }
+    }
+}
+
+// SAFETY: a reservation owned by this value alone; it is a plain address range with nothing to
+// read or write.
+unsafe impl Send for AddressRange {}
+// SAFETY: as above.
+unsafe impl Sync for AddressRange {}
 
 /// `len` bytes of a file mapped shared for reading and writing (`MAP_SHARED`), unmapped when
 /// dropped: the CPU mapping behind a dmabuf region ([`RegionMem::dmabuf`](super::RegionMem::dmabuf)),
@@ -122,6 +182,7 @@ impl Deref for Store {
             },
             // SAFETY: the mapping is valid for `len` bytes until the store is dropped.
             Store::Mapped(m) => unsafe { std::slice::from_raw_parts(m.ptr.as_ptr(), m.len) },
+            Store::Device(_) => &[],
         }
     }
 }
@@ -136,11 +197,18 @@ impl DerefMut for Store {
             },
             // SAFETY: as in `deref`; the write lock makes this the only access from Rust.
             Store::Mapped(m) => unsafe { std::slice::from_raw_parts_mut(m.ptr.as_ptr(), m.len) },
+            Store::Device(_) => &mut [],
         }
     }
 }
 
 impl Store {
+    /// True once the region was closed (its bytes taken out): an empty owned buffer. A
+    /// device-only store shows the CPU no bytes but is not closed.
+    pub(crate) fn is_closed(&self) -> bool {
+        matches!(self, Store::Owned(b) if b.is_empty())
+    }
+
     /// A store over `len` bytes at `ptr`; `None` when `ptr` is null or `len` is 0.
     ///
     /// # Safety

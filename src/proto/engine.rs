@@ -443,6 +443,13 @@ pub trait RmaMemory: Send + Sync + std::fmt::Debug {
     /// values; errors as for `write`, `InvalidArgument` for a bad operand length or an operation
     /// the datatype does not support.
     fn atomic(&self, key: u64, addr: u64, a: crate::atomic::AtomicArgs<'_>) -> Result<Bytes>;
+    /// True when `key` names device-only memory (a dmabuf with no CPU mapping): only the NIC
+    /// reaches its bytes, so a send from it goes by the long-read protocol alone, and every
+    /// access above refuses it with `NotSupported`. The default: no device-only memory.
+    fn device_only(&self, key: u64) -> bool {
+        let _ = key;
+        false
+    }
 }
 
 /// A finished send.

@@ -537,14 +537,14 @@ pub struct DeviceMemory {
 impl DeviceMemory {
     /// `len` bytes (a whole number of pages for a real dma-buf), zeroed.
     pub fn new(name: &str, len: u64) -> DeviceMemory {
-        let memfd = Self::memfd(name, len, true);
+        let memfd = Self::memfd(name, len);
         match udmabuf(&memfd, len) {
             Some(d) => DeviceMemory {
                 memfd,
                 dmabuf: Some(d),
             },
             None => DeviceMemory {
-                memfd: Self::memfd(name, len, false),
+                memfd: Self::memfd(name, len),
                 dmabuf: None,
             },
         }
@@ -553,14 +553,20 @@ impl DeviceMemory {
     /// Always the stand-in memfd (its name shows in `/proc/self/maps` while mapped).
     pub fn stand_in(name: &str, len: u64) -> DeviceMemory {
         DeviceMemory {
-            memfd: Self::memfd(name, len, false),
+            memfd: Self::memfd(name, len),
             dmabuf: None,
         }
     }
 
-    fn memfd(name: &str, len: u64, sealable: bool) -> std::fs::File {
-        let seal = if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
-        memfd(&format!("efa-emu-dmabuf-stand-in-{name}"), len, seal)
+    /// A memfd that allows sealing: the udmabuf driver seals it against shrinking, and the
+    /// emulated NIC with `EFA_EMU_DMABUF=unmappable` seals a stand-in it registered against
+    /// new writable mappings (GPU memory the program cannot map).
+    fn memfd(name: &str, len: u64) -> std::fs::File {
+        memfd(
+            &format!("efa-emu-dmabuf-stand-in-{name}"),
+            len,
+            libc::MFD_ALLOW_SEALING,
+        )
     }
 
     /// Whether this is a real dma-buf (else the stand-in).

@@ -491,6 +491,63 @@ impl Device for EfaDevice {
         if !caps.rdma_read && !caps.rdma_write {
             return Ok(None);
         }
+        match self.register_with_nic(mem, access) {
+            Ok(key) => Ok(Some(key)),
+            Err(e) if mem.dmabuf_fd().is_some() => {
+                // No peer-to-peer path from the NIC to this memory (libfabric's non-p2p HMEM):
+                // the domain gives the region a software key and serves it through the CPU
+                // mapping with the emulated protocols; no read key of it is ever advertised.
+                stats::inc(&self.counters.dmabuf_fallbacks);
+                tracing::warn!(error = %e, "efa: the NIC cannot register this dmabuf (ibv_reg_dmabuf_mr takes only a dma-buf, and needs a peer-to-peer path to its memory); it is served through its CPU mapping with emulated RMA (DeviceStats::dmabuf_fallbacks)");
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Registers device-only memory: the dmabuf itself, with no fallback (nothing else can
+    /// reach its bytes). `NotSupported` without device RDMA, or when the NIC refuses the dmabuf.
+    fn register_device_mem(&self, mem: &Arc<RegionMem>, access: Access) -> Result<u64> {
+        const OP: &str = "register_dmabuf_device_only";
+        let caps = self.attr.caps;
+        if !caps.rdma_read && !caps.rdma_write {
+            return Err(Error::new(ErrorKind::NotSupported, OP).with_detail(
+                "this EFA device has neither RDMA read nor RDMA write: nothing could move a \
+                 device-only region's bytes",
+            ));
+        }
+        if mem.dmabuf_fd().is_none() || !mem.is_device_only() {
+            return Err(Error::new(ErrorKind::InvalidArgument, OP)
+                .with_detail("not device-only dmabuf memory"));
+        }
+        self.register_with_nic(mem, access).map_err(|e| {
+            Error::new(ErrorKind::NotSupported, OP)
+                .with_detail(format!(
+                    "the NIC cannot register this dmabuf (ibv_reg_dmabuf_mr takes only a \
+                     dma-buf with a peer-to-peer path to the NIC), and a device-only region \
+                     has no CPU mapping to fall back on: {e}"
+                ))
+                .with_source(e)
+        })
+    }
+
+    fn deregister_mem(&self, key: u64) {
+        // Forget the local key first (a queue pair posts under this lock), then drop the
+        // registration: `ibv_dereg_mr`, after which the NIC serves the key no more.
+        self.local_keys.0.lock().remove(&key);
+        let removed = self.regions.lock().remove(&key);
+        if let Some((mr, mem)) = removed {
+            release_region(mr, mem);
+        }
+    }
+}
+
+impl EfaDevice {
+    /// Registers `mem` with the NIC (a dmabuf as itself, named by `mem.addr()` as its iova, as
+    /// libfabric registers dmabufs; other memory at its address) with the remote rights of
+    /// `access` the device has, and records the registration; the NIC's rkey.
+    fn register_with_nic(&self, mem: &Arc<RegionMem>, access: Access) -> Result<u64> {
+        let caps = self.attr.caps;
         let mut want = Access::RECV; // LOCAL_WRITE: the target of reads and of peers' writes
         if access.contains(Access::REMOTE_READ) && caps.rdma_read {
             want |= Access::REMOTE_READ;
@@ -498,12 +555,12 @@ impl Device for EfaDevice {
         if access.contains(Access::REMOTE_WRITE) && caps.rdma_write {
             want |= Access::REMOTE_WRITE;
         }
-        // SAFETY: the region's buffer (or its dmabuf, mapped at `mem.addr()`) stays there for
-        // `mem.len()` bytes until the region is closed, and a region is deregistered here
-        // (`deregister_mem`) before its memory is handed back or unmapped
+        // SAFETY: the region's buffer (or its dmabuf, mapped at `mem.addr()` or device-only)
+        // stays there for `mem.len()` bytes until the region is closed, and a region is
+        // deregistered here (`deregister_mem`) before its memory is handed back or unmapped
         // (`MemoryRegion::revoke`); the Arc kept beside the registration keeps the `RegionMem`
-        // alive as long. A dmabuf is registered as itself, named by the mapping's address (the
-        // iova), as libfabric registers dmabufs.
+        // alive as long. A dmabuf is registered as itself: the NIC reaches its pages, never
+        // through `mem.addr()` (for device-only memory an address range with nothing behind it).
         let mr = unsafe {
             match mem.dmabuf_fd() {
                 Some((fd, offset)) => self.shared.pd.reg_dmabuf_mr(
@@ -519,25 +576,14 @@ impl Device for EfaDevice {
                     ibv_access(want),
                 ),
             }
-        };
-        let mr = match mr {
-            Ok(mr) => mr,
-            Err(e) if mem.dmabuf_fd().is_some() => {
-                // No peer-to-peer path from the NIC to this memory (libfabric's non-p2p HMEM):
-                // the domain gives the region a software key and serves it through the CPU
-                // mapping with the emulated protocols; no read key of it is ever advertised.
-                stats::inc(&self.counters.dmabuf_fallbacks);
-                tracing::warn!(error = %e, "efa: the NIC cannot register this dmabuf (ibv_reg_dmabuf_mr takes only a dma-buf, and needs a peer-to-peer path to its memory); it is served through its CPU mapping with emulated RMA (DeviceStats::dmabuf_fallbacks)");
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        };
+        }?;
         let key = u64::from(mr.rkey());
         tracing::debug!(
             key,
             len = mem.len(),
             ?want,
             dmabuf = mem.dmabuf_fd().is_some(),
+            device_only = mem.is_device_only(),
             "efa: region registered with the NIC"
         );
         stats::inc(&self.counters.mem_registrations);
@@ -551,17 +597,7 @@ impl Device for EfaDevice {
         };
         self.regions.lock().insert(key, (mr, mem.clone()));
         self.local_keys.0.lock().insert(key, local);
-        Ok(Some(key))
-    }
-
-    fn deregister_mem(&self, key: u64) {
-        // Forget the local key first (a queue pair posts under this lock), then drop the
-        // registration: `ibv_dereg_mr`, after which the NIC serves the key no more.
-        self.local_keys.0.lock().remove(&key);
-        let removed = self.regions.lock().remove(&key);
-        if let Some((mr, mem)) = removed {
-            release_region(mr, mem);
-        }
+        Ok(key)
     }
 }
 

@@ -229,6 +229,12 @@ impl Device for RoutedDevice {
         self.primary.deregister_mem(key)
     }
 
+    /// Device-only memory goes to the primary's NIC (RDMA always goes over the primary, even to
+    /// peers on this host); the shm side never touches region memory.
+    fn register_device_mem(&self, mem: &Arc<RegionMem>, access: Access) -> Result<u64> {
+        self.primary.register_device_mem(mem, access)
+    }
+
     fn local_dir(&self) -> Option<&std::path::Path> {
         Some(self.shm.dir())
     }

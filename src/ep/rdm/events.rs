@@ -248,15 +248,26 @@ impl RdmCore {
             || r.error
                 .as_ref()
                 .is_some_and(|e| e.kind() == ErrorKind::Truncated);
+        // A device-only region takes no bytes the CPU would have to copy in: such a message
+        // completes the receive with the refusal instead.
+        let refused = target
+            .as_ref()
+            .filter(|_| filled)
+            .and_then(|t| t.cpu_copy_refused(r.buf.len(), r.in_region, "recv"));
+        // Nothing was placed: the whole message is what did not fit.
+        let (filled, error, len, olen) = match refused {
+            Some(e) => (false, Some(e), 0, r.len),
+            None => (filled, r.error, r.len, r.olen),
+        };
         let buf = match target {
             Some(t) => t.finish_split(r.buf, filled, r.in_region),
             None => Buffer::Recv(r.buf),
         };
-        match r.error {
+        match error {
             None => Ok(Completion {
                 context,
                 flags,
-                len: r.len,
+                len,
                 data: r.data,
                 tag: r.tag.unwrap_or(0),
                 source,
@@ -267,8 +278,8 @@ impl RdmCore {
                 context,
                 flags,
                 error,
-                len: r.len,
-                olen: r.olen,
+                len,
+                olen,
                 status: None,
                 data: r.data,
                 tag: r.tag.unwrap_or(0),

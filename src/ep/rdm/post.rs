@@ -107,7 +107,25 @@ impl RdmCore {
         };
         // A region peers may read lets the engine use the read-based message protocols; at
         // the read-message threshold its bytes are not copied (the engine reads what it sends).
+        // A device-only region goes by the long-read protocol alone, at any size: its bytes
+        // cannot go in packets.
         let (data, read_key, region_len) = match &buf {
+            SendBuf::Region(r) if r.is_device_only() => {
+                let read_key = r.device_read_key();
+                let data = r
+                    .check_local(&self.domain, crate::mem::Access::SEND, "send")
+                    .and_then(|()| {
+                        if read_key.is_some() && self.region_send_min != usize::MAX {
+                            return Ok(Bytes::new());
+                        }
+                        Err(crate::mem::device_only_error("send").with_detail(
+                            "a device-only region is sent only by the long-read protocol (the \
+                             receiver's NIC reads it): it needs REMOTE_READ access, and device \
+                             RDMA read on this endpoint (FI_EFA_USE_DEVICE_RDMA)",
+                        ))
+                    });
+                (data, read_key, Some(r.len()))
+            }
             SendBuf::Region(r) => {
                 let read_key = r.device_read_key();
                 if read_key.is_some() && r.len() >= self.region_send_min {
@@ -176,6 +194,16 @@ impl RdmCore {
                 .map(|peer| (peer, l.has_room())),
             None => None,
         };
+        let device_only = matches!(&keep, Some(Buffer::Region(r)) if r.is_device_only());
+        if local.is_some() && device_only {
+            let b = keep.unwrap_or(Buffer::Send(data));
+            let e = crate::mem::device_only_error("send").with_detail(
+                "the destination is on this host, and the same-host path copies messages with \
+                 the CPU: send device-only regions from an endpoint built with local_path(false) \
+                 (the NIC then reads them)",
+            );
+            return Err(refuse(e, b));
+        }
         if let Some((_, false)) = local {
             let b = keep.unwrap_or(Buffer::Send(data));
             let e =

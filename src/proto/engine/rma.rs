@@ -885,7 +885,13 @@ impl Engine {
                 };
                 match mem.atomic(iov.key, iov.addr, args) {
                     Err(e) if e.kind() == ErrorKind::Again => return Some(w),
-                    Err(e) if e.kind() == ErrorKind::RemoteAccess => {
+                    // A device-only region: the CPU cannot apply the atomic.
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            ErrorKind::RemoteAccess | ErrorKind::NotSupported
+                        ) =>
+                    {
                         self.ema_refuse(&w, Status::RemoteBadAddress)
                     }
                     Err(_) => self.ema_refuse(&w, Status::RemoteBadLength),

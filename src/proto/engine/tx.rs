@@ -308,7 +308,11 @@ impl Engine {
             dc,
         };
         let len = op.len();
-        let rp = self.read_protocol(pid, &op);
+        let device_only = match self.device_only_send(pid, &op) {
+            Ok(d) => d,
+            Err(e) => return Err((e, op)),
+        };
+        let rp = self.read_protocol(pid, &op, device_only);
         if op.region_len.is_some() {
             if let Err(e) = self.region_packet_bytes(&mut op, rp) {
                 return Err((e, op));

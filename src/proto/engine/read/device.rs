@@ -129,7 +129,8 @@ impl Engine {
 
     /// An operation with a local region (`RmaOp::local_region`) that takes a route other than
     /// device RDMA gets buffers of its own: a write's bytes are copied out of the region, a
-    /// read gets room (the endpoint copies its data into the region at completion).
+    /// read gets room (the endpoint copies its data into the region at completion). A
+    /// device-only region cannot be copied: `NotSupported`.
     #[allow(
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
@@ -138,6 +139,18 @@ impl Engine {
         let Some(region) = op.local_region.take() else {
             return Ok(op);
         };
+        if region.mem.is_device_only() {
+            let name = match op.kind {
+                RmaKind::Read { .. } => "read",
+                _ => "write",
+            };
+            let e = crate::mem::device_only_error(name).with_detail(
+                "the operation would be emulated (no device RDMA for it between these two \
+                 endpoints), which copies the region's bytes with the CPU; a device-only region \
+                 goes only by device RDMA",
+            );
+            return Err((e, op));
+        }
         match &mut op.kind {
             RmaKind::Write { buf, .. } => match region.to_bytes() {
                 Ok(b) => *buf = b,

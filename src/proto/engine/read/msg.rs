@@ -82,10 +82,12 @@ impl Engine {
         &self,
         pid: u64,
         op: &SendOp,
+        device_only: bool,
     ) -> Option<ReadProto> {
         let (key, addr) = op.read_key?;
         let len = op.len();
-        if len == 0 || len < self.cfg.inter_min_read_message_size || !self.both_read(pid) {
+        let small = len < self.cfg.inter_min_read_message_size && !device_only;
+        if len == 0 || small || !self.both_read(pid) {
             return None;
         }
         let iov = RemoteIov {
@@ -95,11 +97,51 @@ impl Engine {
         };
         let in_flight = self.peers.get(&pid)?.runt_in_flight;
         let runt = self.cfg.runt_size.saturating_sub(in_flight).min(len) & !(RUNT_ALIGN - 1);
-        if self.rd.read_msgs == 0 && runt > 0 && !op.delivery_complete {
+        // A device-only region has no runt to put in packets: its bytes are the NIC's alone.
+        if self.rd.read_msgs == 0 && runt > 0 && !op.delivery_complete && !device_only {
             Some(ReadProto::Runt(iov, runt))
         } else {
             Some(ReadProto::Long(iov))
         }
+    }
+
+    /// Whether `op` sends device-only memory ([`RmaMemory::device_only`] of its read key), and
+    /// whether it may go now: `Ok(true)` for such a send, which goes by the long-read protocol
+    /// alone (an empty one by eager, which carries no byte); `Ok(false)` for any other send.
+    /// `Again` while the peer's HANDSHAKE (which says whether it can RDMA-read) is unknown (it
+    /// is triggered, as libfabric does for protocols that need the peer's features);
+    /// `NotSupported` when the peer or this side cannot RDMA-read: nothing else moves the
+    /// bytes without the CPU.
+    pub(in crate::proto::engine) fn device_only_send(
+        &mut self,
+        pid: u64,
+        op: &SendOp,
+    ) -> Result<bool, Error> {
+        let Some((key, _)) = op.read_key.filter(|_| op.region_len.is_some()) else {
+            return Ok(false);
+        };
+        if !self.memory.as_ref().is_some_and(|m| m.device_only(key)) {
+            return Ok(false);
+        }
+        if op.is_empty() || self.both_read(pid) {
+            return Ok(true);
+        }
+        let known = self
+            .peers
+            .get(&pid)
+            .is_some_and(|p| p.hs_received || p.addr == self.local);
+        if !known && self.cfg.device_rdma_read {
+            self.trigger_handshake(pid);
+            self.stats.again += 1;
+            return Err(Error::new(ErrorKind::Again, "send").with_detail(
+                "a device-only region goes by the long-read protocol, which waits for the \
+                 peer's handshake (requested): retry",
+            ));
+        }
+        Err(crate::mem::device_only_error("send").with_detail(
+            "a device-only region goes only by the long-read protocol, and this peer cannot \
+             RDMA-read it (or device RDMA read is off here): its bytes cannot go in packets",
+        ))
     }
 
     /// `len` bytes of a region send, read through the engine's memory (the application must
