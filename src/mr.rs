@@ -7,5 +7,6 @@
 //! devices ([`RegionMem`], [`Access`], [`RemoteKey`], the key table) is in [`crate::mem`]. This
 //! module gathers what users of memory registration need under one path.
 
+pub use crate::device::MrQuery;
 pub use crate::domain::mr::MemoryRegion;
 pub use crate::mem::{Access, IntoRegionBuf, RegionMem, RemoteKey};

@@ -636,6 +636,22 @@ pub struct efadv_qp_init_attr {
     pub reserved: u8,
 }
 
+/// `struct efadv_mr_attr` (rdma-core 50, `efadv_query_mr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct efadv_mr_attr {
+    pub comp_mask: u64,
+    pub ic_id_validity: u16,
+    pub recv_ic_id: u16,
+    pub rdma_read_ic_id: u16,
+    pub rdma_recv_ic_id: u16,
+}
+
+/// `efadv_mr_attr::ic_id_validity` bits.
+pub const EFADV_MR_ATTR_VALIDITY_RECV_IC_ID: u16 = 1 << 0;
+pub const EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID: u16 = 1 << 1;
+pub const EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID: u16 = 1 << 2;
+
 #[repr(C)]
 pub struct efadv_ah_attr {
     pub comp_mask: u64,

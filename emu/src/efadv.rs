@@ -153,6 +153,43 @@ pub unsafe extern "C" fn emu_efadv_query_ah(
     })
 }
 
+/// `efadv_query_mr` (rdma-core 50): the interconnects a registration's traffic uses. The
+/// emulated NIC has one interconnect per device, its index: all three ids are it, all valid.
+/// `EINVAL` for a region this library did not make, a non-zero `comp_mask` or an `inlen` shorter
+/// than the fields it fills (16 bytes).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn emu_efadv_query_mr(
+    mr: *mut ibv_mr,
+    attr: *mut efadv_mr_attr,
+    inlen: u32,
+) -> c_int {
+    guard(libc::EIO, || {
+        // SAFETY: a region this library made.
+        let Some(m) = (unsafe { obj::<crate::verbs::Mr, _>(mr) }) else {
+            return libc::EINVAL;
+        };
+        // SAFETY: the program's attributes, `inlen` bytes of them.
+        let Some(a) = (unsafe { attr.as_ref() }) else {
+            return libc::EINVAL;
+        };
+        if a.comp_mask != 0 || (inlen as usize) < std::mem::size_of::<efadv_mr_attr>() {
+            return libc::EINVAL;
+        }
+        let ic = m.nic.cfg.index as u16;
+        let out = efadv_mr_attr {
+            comp_mask: 0,
+            ic_id_validity: EFADV_MR_ATTR_VALIDITY_RECV_IC_ID
+                | EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID
+                | EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID,
+            recv_ic_id: ic,
+            rdma_read_ic_id: ic,
+            rdma_recv_ic_id: ic,
+        };
+        // SAFETY: the program gave `inlen` bytes.
+        unsafe { copy_prefix(attr, &out, inlen as usize) }
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn emu_efadv_create_cq(
     ctx: *mut ibv_context,

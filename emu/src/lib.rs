@@ -78,6 +78,7 @@ std::arch::global_asm!(
     ".symver emu_efadv_query_ah, efadv_query_ah@@EFA_1.1",
     ".symver emu_efadv_create_cq, efadv_create_cq@@EFA_1.2",
     ".symver emu_efadv_cq_from_ibv_cq_ex, efadv_cq_from_ibv_cq_ex@@EFA_1.2",
+    ".symver emu_efadv_query_mr, efadv_query_mr@@EFA_1.3",
 );
 
 /// Every exported symbol with its version, for tests that compare with what programs import.
@@ -134,4 +135,5 @@ pub const EXPORTS: &[(&str, &str)] = &[
     ("efadv_query_ah", "EFA_1.1"),
     ("efadv_create_cq", "EFA_1.2"),
     ("efadv_cq_from_ibv_cq_ex", "EFA_1.2"),
+    ("efadv_query_mr", "EFA_1.3"),
 ];

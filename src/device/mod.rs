@@ -143,6 +143,21 @@ pub struct DeviceAttr {
     pub policy: DevicePolicy,
 }
 
+/// What the NIC reports of one registration (`efadv_query_mr`; libfabric's `fi_efa_mr_attr`):
+/// the interconnect (a NIC's internal path to the memory) each kind of traffic to or from the
+/// region uses, or `None` where the NIC does not say. Applications that spread buffers over
+/// interconnects (NCCL's EFA plugin) read it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct MrQuery {
+    /// The interconnect received messages land through.
+    pub recv_ic_id: Option<u16>,
+    /// The interconnect this side's RDMA reads land through.
+    pub rdma_read_ic_id: Option<u16>,
+    /// The interconnect peers' RDMA writes land through.
+    pub rdma_recv_ic_id: Option<u16>,
+}
+
 /// How the layers above treat a device: what each device declares of itself, so that no layer
 /// above `device` decides by its [`DeviceKind`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -623,6 +638,18 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// accesses with it fail with [`Status::RemoteBadAddress`]. Called when the region is closed
     /// or dropped, before its memory is handed back. The default does nothing.
     fn deregister_mem(&self, _key: u64) {}
+    /// The interconnects the NIC uses for the registration `key` made
+    /// ([`register_mem`](Device::register_mem) or
+    /// [`register_device_mem`](Device::register_device_mem)): libfabric's `FI_EFA_DOMAIN_OPS`
+    /// `query_mr`, rdma-core's `efadv_query_mr`. The default is `NotSupported`: only a NIC has
+    /// interconnects.
+    fn query_mem(&self, _key: u64) -> Result<MrQuery> {
+        Err(Error::new(ErrorKind::NotSupported, "query_mr").with_detail(format!(
+            "the {} device has no NIC registration to query: only the efa device's regions have \
+             interconnect ids",
+            self.attr().name
+        )))
+    }
     /// Registers device-only memory ([`RegionMem::dmabuf_device_only`]: a dmabuf the CPU has
     /// no mapping of) with the NIC, which alone reaches its bytes, and returns the key peers'
     /// device RDMA names it by; revoked by [`deregister_mem`](Device::deregister_mem) like the

@@ -427,6 +427,40 @@ impl MemoryRegion {
         Ok(self.write())
     }
 
+    /// The interconnects the NIC uses for this region's traffic (libfabric's
+    /// `FI_EFA_DOMAIN_OPS` `query_mr`, rdma-core's `efadv_query_mr`): `None` where the NIC does
+    /// not say. `NotSupported` for a region the device did not register with a NIC (the software
+    /// devices; an efa domain's region whose memory the NIC could not take) and with a libefa
+    /// older than rdma-core 50; `Closed` for a revoked region.
+    ///
+    /// ```
+    /// # fn main() -> efa::Result<()> {
+    /// let d = efa::Domain::open(&efa::getinfo(&efa::Hints::new().provider("udp"))?[0])?;
+    /// let mr = d.register(vec![0u8; 4096], efa::Access::REMOTE_WRITE)?;
+    /// // A software device has no NIC to ask.
+    /// assert_eq!(mr.query_mr().unwrap_err().kind(), efa::ErrorKind::NotSupported);
+    /// # Ok(()) }
+    /// ```
+    #[doc(alias = "fi_open_ops")]
+    #[doc(alias = "FI_EFA_DOMAIN_OPS")]
+    pub fn query_mr(&self) -> Result<crate::device::MrQuery> {
+        let r = &self.reg;
+        if r.is_revoked() {
+            return Err(
+                Error::new(ErrorKind::Closed, "query_mr").with_detail("the region is revoked")
+            );
+        }
+        if !r.device_registered {
+            return Err(
+                Error::new(ErrorKind::NotSupported, "query_mr").with_detail(format!(
+                    "the {} device did not register this region with a NIC (it has a software key)",
+                    r.domain.attr().name
+                )),
+            );
+        }
+        r.domain.device().query_mem(r.key)
+    }
+
     /// The description a peer needs for remote access to this slice: its address and length,
     /// and the region's key. `InvalidArgument` unless the region was registered with
     /// `REMOTE_READ` or `REMOTE_WRITE`. The key itself grants the whole registration, as a

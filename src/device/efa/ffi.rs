@@ -98,6 +98,44 @@ pub struct efadv_cq_v2 {
     pub wc_is_unsolicited: Option<unsafe extern "C" fn(cq: *mut efadv_cq) -> bool>,
 }
 
+/// `struct efadv_mr_attr` (rdma-core 50, `efadv_query_mr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct efadv_mr_attr {
+    pub comp_mask: u64,
+    pub ic_id_validity: u16,
+    pub recv_ic_id: u16,
+    pub rdma_read_ic_id: u16,
+    pub rdma_recv_ic_id: u16,
+}
+
+/// `efadv_mr_attr::ic_id_validity` bits.
+pub const EFADV_MR_ATTR_VALIDITY_RECV_IC_ID: u16 = 1 << 0;
+pub const EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID: u16 = 1 << 1;
+pub const EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID: u16 = 1 << 2;
+
+/// `efadv_query_mr`'s type. rdma-core 50 added it (`EFA_1.3`): it is looked up when called, so
+/// the crate still loads with an older libefa (Debian 12 has rdma-core 44), where a query is
+/// `NotSupported`.
+pub type EfadvQueryMr = unsafe extern "C" fn(
+    ibvmr: *mut rdma_sys::ibv_mr,
+    attr: *mut efadv_mr_attr,
+    inlen: u32,
+) -> c_int;
+
+/// `efadv_query_mr` of the libefa this process loaded, if it has one.
+pub fn efadv_query_mr() -> Option<EfadvQueryMr> {
+    static SYM: std::sync::OnceLock<Option<EfadvQueryMr>> = std::sync::OnceLock::new();
+    *SYM.get_or_init(|| {
+        // SAFETY: dlsym with a NUL-terminated name; a non-null result is libefa's
+        // `efadv_query_mr`, whose C signature `EfadvQueryMr` is.
+        unsafe {
+            let p = libc::dlsym(libc::RTLD_DEFAULT, c"efadv_query_mr".as_ptr());
+            (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, EfadvQueryMr>(p))
+        }
+    })
+}
+
 #[link(name = "efa")]
 unsafe extern "C" {
     /// `efadv_query_device`: 0 or an errno (`EOPNOTSUPP` for a device that is not EFA).

@@ -531,6 +531,51 @@ impl Device for EfaDevice {
         })
     }
 
+    /// `efadv_query_mr` of the registration `key` (rdma-core 50 on; `NotSupported` with an older
+    /// libefa, `InvalidArgument` for a key this device did not register).
+    fn query_mem(&self, key: u64) -> Result<crate::device::MrQuery> {
+        use ffi::{
+            EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID, EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID,
+            EFADV_MR_ATTR_VALIDITY_RECV_IC_ID,
+        };
+        let Some(query) = ffi::efadv_query_mr() else {
+            return Err(Error::new(ErrorKind::NotSupported, "query_mr").with_detail(
+                "this libefa has no efadv_query_mr (it needs rdma-core 50 or later)",
+            ));
+        };
+        let regions = self.regions.lock();
+        let Some((mr, _)) = regions.get(&key) else {
+            return Err(
+                Error::new(ErrorKind::InvalidArgument, "query_mr").with_detail(format!(
+                    "key {key:#x} is no registration of {}",
+                    self.attr.name
+                )),
+            );
+        };
+        let mut a = ffi::efadv_mr_attr::default();
+        // SAFETY: a live registration of this device (held under the lock, so not deregistered
+        // meanwhile) and a struct of the size given.
+        let rc = unsafe {
+            query(
+                mr.as_ptr(),
+                &mut a,
+                std::mem::size_of::<ffi::efadv_mr_attr>() as u32,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::io(
+                "efadv_query_mr",
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        let valid = |bit: u16, id: u16| (a.ic_id_validity & bit != 0).then_some(id);
+        let mut q = crate::device::MrQuery::default();
+        q.recv_ic_id = valid(EFADV_MR_ATTR_VALIDITY_RECV_IC_ID, a.recv_ic_id);
+        q.rdma_read_ic_id = valid(EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID, a.rdma_read_ic_id);
+        q.rdma_recv_ic_id = valid(EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID, a.rdma_recv_ic_id);
+        Ok(q)
+    }
+
     fn deregister_mem(&self, key: u64) {
         // Forget the local key first (a queue pair posts under this lock), then drop the
         // registration: `ibv_dereg_mr`, after which the NIC serves the key no more.

@@ -423,6 +423,11 @@ impl EfaMr {
         &self.fields
     }
 
+    /// The registration as libibverbs holds it (for `efadv_query_mr`).
+    pub fn as_ptr(&self) -> *mut ibv_mr {
+        self.mr.as_ptr()
+    }
+
     /// Local key (for this side's work requests).
     pub fn lkey(&self) -> u32 {
         self.fields().lkey

@@ -235,6 +235,10 @@ impl Device for RoutedDevice {
         self.primary.register_device_mem(mem, access)
     }
 
+    fn query_mem(&self, key: u64) -> Result<crate::device::MrQuery> {
+        self.primary.query_mem(key)
+    }
+
     fn local_dir(&self) -> Option<&std::path::Path> {
         Some(self.shm.dir())
     }
