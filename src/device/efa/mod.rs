@@ -569,11 +569,11 @@ impl Device for EfaDevice {
             ));
         }
         let valid = |bit: u16, id: u16| (a.ic_id_validity & bit != 0).then_some(id);
-        let mut q = crate::device::MrQuery::default();
-        q.recv_ic_id = valid(EFADV_MR_ATTR_VALIDITY_RECV_IC_ID, a.recv_ic_id);
-        q.rdma_read_ic_id = valid(EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID, a.rdma_read_ic_id);
-        q.rdma_recv_ic_id = valid(EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID, a.rdma_recv_ic_id);
-        Ok(q)
+        Ok(crate::device::MrQuery {
+            recv_ic_id: valid(EFADV_MR_ATTR_VALIDITY_RECV_IC_ID, a.recv_ic_id),
+            rdma_read_ic_id: valid(EFADV_MR_ATTR_VALIDITY_RDMA_READ_IC_ID, a.rdma_read_ic_id),
+            rdma_recv_ic_id: valid(EFADV_MR_ATTR_VALIDITY_RDMA_RECV_IC_ID, a.rdma_recv_ic_id),
+        })
     }
 
     fn deregister_mem(&self, key: u64) {
