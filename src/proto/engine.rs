@@ -31,6 +31,7 @@ use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
 mod budget;
+mod counts;
 mod local;
 mod peer;
 mod read;
@@ -40,6 +41,7 @@ mod rx;
 mod tx;
 mod util;
 
+pub use counts::TargetCounts;
 pub use local::{CopyFn, LocalMsg, SameHost};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
@@ -488,40 +490,6 @@ pub struct RecvDone {
     pub in_region: Option<usize>,
 }
 
-/// Peers' RMA and atomics this side served since the last [`Engine::take_target_counts`]: what
-/// an endpoint's remote-write and remote-read counters count (`FI_REMOTE_WRITE`,
-/// `FI_REMOTE_READ`). An atomic that may change memory counts as a write, a read-only atomic as
-/// a read; a request refused here (bad key or range, too much work) counts as an error.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TargetCounts {
-    /// Writes (and atomics) placed in this side's memory.
-    pub writes: u64,
-    /// Reads (and read-only atomics) served from it.
-    pub reads: u64,
-    /// Writes (and atomics) refused.
-    pub write_errors: u64,
-    /// Reads refused.
-    pub read_errors: u64,
-}
-
-impl TargetCounts {
-    /// Nothing counted.
-    pub fn is_empty(&self) -> bool {
-        *self == TargetCounts::default()
-    }
-
-    /// Counts one write (`write`) or read, successful or refused.
-    pub(crate) fn count(&mut self, write: bool, ok: bool) {
-        let n = match (write, ok) {
-            (true, true) => &mut self.writes,
-            (false, true) => &mut self.reads,
-            (true, false) => &mut self.write_errors,
-            (false, false) => &mut self.read_errors,
-        };
-        *n += 1;
-    }
-}
-
 /// What the engine reports.
 #[derive(Debug)]
 pub enum Event {
@@ -769,21 +737,6 @@ impl Engine {
     /// requests are refused with [`Status::RemoteBadAddress`].
     pub fn set_memory(&mut self, mem: std::sync::Arc<dyn RmaMemory>) {
         self.memory = Some(mem);
-    }
-
-    /// The application counts peers' writes (`writes`) or reads (`reads`) of this side's
-    /// memory (`FI_REMOTE_WRITE` / `FI_REMOTE_READ` counters). A NIC serves one-sided RDMA
-    /// without telling its target, so the HANDSHAKE then leaves out device RDMA write (read):
-    /// peers, this crate's and libfabric's alike, emulate those operations with packets, and
-    /// this side sees each one land ([`Engine::take_target_counts`]). Set it before the first
-    /// HANDSHAKE goes out.
-    pub fn set_remote_events(&mut self, writes: bool, reads: bool) {
-        self.remote_events = (writes, reads);
-    }
-
-    /// Takes the count of peers' RMA this side served since the last call.
-    pub fn take_target_counts(&mut self) -> TargetCounts {
-        std::mem::take(&mut self.target_counts)
     }
 
     /// Starts an RMA or atomic operation; `Again` when `max_tx_ops` operations are in flight.
