@@ -26,6 +26,9 @@ use crate::mem::Short;
 use crate::mr::MemoryRegion;
 use crate::notify::Notifier;
 
+mod sources;
+pub(crate) use sources::Sources;
+
 /// Completion flags (`FI_SEND`, `FI_RECV`, `FI_MSG`, `FI_REMOTE_CQ_DATA`, ...).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub struct CompletionFlags(u32);
@@ -460,9 +463,11 @@ pub(crate) struct CqInner {
     /// and an endpoint checks for room without taking the lock.
     count: AtomicUsize,
     notifier: Arc<Notifier>,
-    sources: Mutex<Vec<Weak<dyn ProgressSource>>>,
+    sources: Sources,
     /// Entries pushed while the queue was full (kept: see [`CompletionQueue::overruns`]).
     overruns: AtomicUsize,
+    /// Keeps nothing ([`CompletionQueue::discard`]).
+    discard: bool,
 }
 
 impl CqInner {
@@ -506,10 +511,32 @@ impl CompletionQueue {
                 }),
                 count: AtomicUsize::new(0),
                 notifier,
-                sources: Mutex::new(Vec::new()),
+                sources: Sources::default(),
                 overruns: AtomicUsize::new(0),
+                discard: false,
             }),
         })
+    }
+
+    /// The queue of an endpoint bound to counters and not to a completion queue (for one
+    /// direction or both): it keeps nothing, so completions there are only counted, and their
+    /// buffers dropped. Never full, no descriptor.
+    pub(crate) fn discard(domain: &Domain) -> CompletionQueue {
+        CompletionQueue {
+            inner: Arc::new(CqInner {
+                domain: domain.clone(),
+                capacity: usize::MAX,
+                state: Mutex::new(CqState {
+                    ok: VecDeque::new(),
+                    err: VecDeque::new(),
+                }),
+                count: AtomicUsize::new(0),
+                notifier: Arc::new(Notifier::new()),
+                sources: Sources::default(),
+                overruns: AtomicUsize::new(0),
+                discard: true,
+            }),
+        }
     }
 
     /// A completion queue of the configured default capacity, `FI_EFA_CQ_SIZE`
@@ -700,9 +727,7 @@ impl CompletionQueue {
     }
 
     pub(crate) fn bind(&self, source: Weak<dyn ProgressSource>) {
-        let mut s = self.inner.sources.lock();
-        s.retain(|w| w.strong_count() > 0);
-        s.push(source);
+        self.inner.sources.bind(source);
     }
 
     /// Room left before the queue is full.
@@ -713,6 +738,9 @@ impl CompletionQueue {
     }
 
     pub(crate) fn push(&self, c: Completion) {
+        if self.inner.discard {
+            return;
+        }
         let mut s = self.inner.state.lock();
         self.check_room(&s);
         s.ok.push_back(c);
@@ -720,6 +748,9 @@ impl CompletionQueue {
     }
 
     pub(crate) fn push_err(&self, e: CompletionError) {
+        if self.inner.discard {
+            return;
+        }
         let mut s = self.inner.state.lock();
         self.check_room(&s);
         s.err.push_back(e);
@@ -754,6 +785,11 @@ impl CompletionQueue {
         self.inner.notifier.notify();
     }
 
+    /// A queue that keeps nothing ([`CompletionQueue::discard`]).
+    pub(crate) fn is_discard(&self) -> bool {
+        self.inner.discard
+    }
+
     /// True when both handles are the same queue.
     pub fn same(&self, other: &CompletionQueue) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -765,47 +801,10 @@ impl CompletionQueue {
 
     /// Drives the bound sources, handing `direct` down when a poll of this empty queue asked.
     fn progress_with(&self, mut direct: Option<&mut Direct<'_>>) {
-        // The sources are taken under the lock and driven outside it (driving one may bind or
-        // unbind). A queue with one source (the usual case) takes it alone; more stay on the
-        // stack up to a few: a busy poll allocates nothing.
-        const INLINE: usize = 4;
-        let single = {
-            let s = self.inner.sources.lock();
-            match s.as_slice() {
-                [] => return,
-                [one] => Some(one.upgrade()),
-                _ => None,
-            }
-        };
-        let drive =
-            |src: &Arc<dyn ProgressSource>, direct: &mut Option<&mut Direct<'_>>| match direct {
-                Some(d) => src.progress_into(d),
-                None => src.progress(),
-            };
-        if let Some(one) = single {
-            if let Some(src) = one {
-                drive(&src, &mut direct);
-            }
-            return;
-        }
-        let mut first: [Option<Arc<dyn ProgressSource>>; INLINE] = Default::default();
-        let mut rest = Vec::new();
-        for (i, s) in self
-            .inner
-            .sources
-            .lock()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .enumerate()
-        {
-            match first.get_mut(i) {
-                Some(slot) => *slot = Some(s),
-                None => rest.push(s),
-            }
-        }
-        for s in first.iter().flatten().chain(&rest) {
-            drive(s, &mut direct);
-        }
+        self.inner.sources.drive(|src| match &mut direct {
+            Some(d) => src.progress_into(d),
+            None => src.progress(),
+        });
     }
 
     fn has_entries(&self) -> bool {

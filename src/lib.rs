@@ -42,6 +42,7 @@
 pub mod addr;
 pub mod atomic;
 pub mod av;
+pub mod cntr;
 pub mod config;
 pub mod cq;
 pub mod device;
@@ -77,6 +78,7 @@ pub use config::Config;
 pub use device::{DeviceKind, Status};
 
 pub use av::{AddressVector, PeerId};
+pub use cntr::{Counter, CounterEvents, CounterWait};
 pub use cq::{
     Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError, RecvBuf,
     SendBuf,

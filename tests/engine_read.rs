@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+#[path = "engine_read/counting.rs"]
+mod counting;
 #[path = "engine_read/longcts.rs"]
 mod longcts;
 #[path = "engine_read/region_send.rs"]

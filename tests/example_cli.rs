@@ -127,9 +127,6 @@ fn the_server_takes_ipv6_and_ipv4_clients_and_notices_a_vanished_one() {
     assert!(err.contains("closed the"), "{err}");
 }
 
-/// examples/kv-transfer, small: both ends in one process, then in two processes (the same-host
-/// path), with the receiver's checks (a corrupted page, a duplicate or missing notification
-/// fail both sides with a clear message) and its option checks.
 /// examples/wait-fd, small, on each software device: every task gets its messages while blocked on
 /// its queue's descriptor, and the program does not busy-poll while idle (it fails itself past
 /// half a CPU).
@@ -154,6 +151,45 @@ fn wait_fd_delivers_to_tasks_blocked_on_descriptors() {
     }
 }
 
+/// examples/counters, small, on each software device and with each way of waiting: the target,
+/// with no completion queue, counts every one-sided write on its remote-write counter and finds
+/// every chunk intact.
+#[test]
+fn counters_count_one_sided_writes_at_the_target() {
+    let Some(bin) = common::example_bin("counters") else {
+        return;
+    };
+    for p in ["udp", "shm", "loopback"] {
+        for w in ["block", "async", "fd"] {
+            let out = Command::new(&bin)
+                .args(["-p", p, "-w", w, "-n", "200", "-s", "1000"])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{p} {w}: {text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                text.contains("counted 200 of 200, 0 errors"),
+                "{p} {w}: {text}"
+            );
+            assert!(text.contains("data intact: 0 of 200"), "{p} {w}: {text}");
+        }
+    }
+    // A bad option is refused with a clear message.
+    let out = Command::new(&bin).args(["-w", "spin"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("block, async or fd"),
+        "{out:?}"
+    );
+}
+
+/// examples/kv-transfer, small: both ends in one process, then in two processes (the same-host
+/// path), with the receiver's checks (a corrupted page, a duplicate or missing notification
+/// fail both sides with a clear message) and its option checks.
 #[test]
 fn kv_transfer_moves_pages_and_reports_what_went_wrong() {
     let Some(kv) = common::example_bin("kv-transfer") else {

@@ -11,6 +11,7 @@ use super::buf::RecvTarget;
 use super::{Dgram, Endpoint, EndpointBuilder};
 use crate::addr::RawAddr;
 use crate::av::{AddressVector, PeerId};
+use crate::cntr::{Bound, Kind as CntrKind};
 use crate::cq::{
     Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError,
     ProgressSource, RecvBuf, SendBuf,
@@ -47,10 +48,11 @@ impl EndpointBuilder<Dgram> {
     /// Errors: `InvalidArgument` when a completion queue or the address vector is missing or
     /// belongs to another domain, or a queue size exceeds the device's; device errors.
     pub fn build(self) -> Result<Endpoint<Dgram>> {
-        let (tx_cq, rx_cq, av) = self.parts()?;
+        let parts = self.parts()?;
+        let (tx_cq, rx_cq, av) = (parts.tx_cq.clone(), parts.rx_cq.clone(), parts.av.clone());
         let attr = self.domain.attr().clone();
         let (send_depth, recv_depth) = self.qp_depths(&attr)?;
-        let notifier = Self::qp_notifier(&tx_cq, &rx_cq, None);
+        let notifier = Self::qp_notifier(&parts, None);
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Ud,
             send_depth,
@@ -68,6 +70,7 @@ impl EndpointBuilder<Dgram> {
             av,
             tx_cq: tx_cq.clone(),
             rx_cq: rx_cq.clone(),
+            counters: parts.counters.clone(),
             addr,
             mtu: attr.mtu,
             inject_size: attr.inline_size,
@@ -84,6 +87,7 @@ impl EndpointBuilder<Dgram> {
             recv_depth,
         });
         let weak: std::sync::Weak<dyn ProgressSource> = Arc::downgrade(&core) as _;
+        core.counters.bind(&weak);
         tx_cq.bind(weak.clone());
         if !rx_cq.same(&tx_cq) {
             rx_cq.bind(weak);
@@ -121,6 +125,8 @@ pub struct DgramCore {
     av: AddressVector,
     tx_cq: CompletionQueue,
     rx_cq: CompletionQueue,
+    /// The counters bound (sends and receives).
+    counters: Bound,
     addr: RawAddr,
     mtu: usize,
     /// Largest inject (`tx_attr.inject_size`: the device's inline size).
@@ -379,6 +385,7 @@ impl DgramCore {
         match op {
             Op::Send { context, buf, len } => {
                 st.sends -= 1;
+                self.counters.hit(CntrKind::Send, c.status.is_ok());
                 let flags = CompletionFlags::SEND | CompletionFlags::MSG;
                 if c.status.is_ok() {
                     stats::inc(&self.stats.tx_msgs);
@@ -411,6 +418,7 @@ impl DgramCore {
             }
             Op::Recv { context, target } => {
                 st.recvs -= 1;
+                self.counters.hit(CntrKind::Recv, c.status.is_ok());
                 self.complete_recv(c, context, target)
             }
         }
@@ -511,6 +519,9 @@ impl DgramCore {
                 self.complete(st, c);
             }
             st.scratch = batch;
+            if n > 0 {
+                self.counters.signal();
+            }
             total += n;
             if n < room {
                 break;
@@ -553,6 +564,11 @@ impl Drop for DgramCore {
         }
         // A device that lost track of a work request still owes its operation one completion.
         for op in st.ops.drain() {
+            let kind = match op {
+                Op::Send { .. } => CntrKind::Send,
+                Op::Recv { .. } => CntrKind::Recv,
+            };
+            self.counters.hit(kind, false);
             let (cq, context, flags, buf) = match op {
                 Op::Send { context, buf, .. } => (
                     &self.tx_cq,
@@ -584,6 +600,7 @@ impl Drop for DgramCore {
         }
         self.tx_cq.signal();
         self.rx_cq.signal();
+        self.counters.signal();
         tracing::debug!(addr = %self.addr, "dgram_ep_close");
     }
 }

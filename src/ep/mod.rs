@@ -9,6 +9,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::av::AddressVector;
+use crate::cntr::{Bound, Counter, CounterEvents};
 use crate::cq::CompletionQueue;
 use crate::device::DeviceAttr;
 use crate::domain::Domain;
@@ -123,6 +124,7 @@ impl<K: EndpointKind> Endpoint<K> {
             progress_cpu: ProgressCpu::Unpinned,
             caps: Caps::empty(),
             options: rdm::RequestedOptions::default(),
+            counters: Vec::new(),
             _kind: PhantomData,
         }
     }
@@ -152,7 +154,18 @@ pub struct EndpointBuilder<K: EndpointKind> {
     pub(crate) caps: Caps,
     /// RDM: the endpoint options asked for (`rdm::opts`).
     pub(crate) options: rdm::RequestedOptions,
+    /// Counters and what each counts (`fi_ep_bind` of a counter).
+    pub(crate) counters: Vec<(Counter, CounterEvents)>,
     _kind: PhantomData<K>,
+}
+
+/// What an endpoint is bound to: its completion queues (a queue that keeps nothing stands for
+/// one not given when counters are bound), address vector and counters.
+pub(crate) struct Parts {
+    pub(crate) tx_cq: CompletionQueue,
+    pub(crate) rx_cq: CompletionQueue,
+    pub(crate) av: AddressVector,
+    pub(crate) counters: Bound,
 }
 
 impl<K: EndpointKind> EndpointBuilder<K> {
@@ -193,6 +206,22 @@ impl<K: EndpointKind> EndpointBuilder<K> {
         self
     }
 
+    /// Binds `counter` to count the operations `events` names (`fi_ep_bind` with a counter):
+    /// [`CounterEvents::SEND`], `RECV` on every endpoint, and on RDM endpoints also `READ`,
+    /// `WRITE` (operations this endpoint starts) and `REMOTE_READ`, `REMOTE_WRITE` (peers'
+    /// accesses to this domain's memory through this endpoint). Call it once per counter; a
+    /// counter may count on several endpoints. An endpoint with counters may go without a
+    /// completion queue (for either direction): its operations are then only counted, their
+    /// completions and buffers dropped (futures such as `send_async` still resolve).
+    ///
+    /// Building fails with `NotSupported` for events the endpoint kind does not count (RMA on
+    /// DGRAM) and `InvalidArgument` for a counter of another domain or bound for no event.
+    #[doc(alias = "fi_ep_bind")]
+    pub fn counter(mut self, counter: &Counter, events: CounterEvents) -> Self {
+        self.counters.push((counter.clone(), events));
+        self
+    }
+
     /// Capabilities the endpoint must have (`fi_info.caps` of the hints); building fails with
     /// `NotSupported` naming the missing ones when this kind of endpoint lacks any.
     pub fn caps(mut self, caps: Caps) -> Self {
@@ -200,9 +229,10 @@ impl<K: EndpointKind> EndpointBuilder<K> {
         self
     }
 
-    /// The queues and address vector, checked: present and of this domain; and the requested
-    /// capabilities, checked against what this kind of endpoint offers.
-    pub(crate) fn parts(&self) -> Result<(CompletionQueue, CompletionQueue, AddressVector)> {
+    /// The queues, address vector and counters, checked: present (a queue may be missing when
+    /// counters are bound) and of this domain; and the requested capabilities, checked against
+    /// what this kind of endpoint offers.
+    pub(crate) fn parts(&self) -> Result<Parts> {
         let missing = |what: &str| {
             Error::new(ErrorKind::InvalidArgument, "ep_open")
                 .with_detail(format!("no {what} bound (call .{what}(..))"))
@@ -217,8 +247,22 @@ impl<K: EndpointKind> EndpointBuilder<K> {
                 )),
             );
         }
-        let tx = self.tx_cq.clone().ok_or_else(|| missing("cq"))?;
-        let rx = self.rx_cq.clone().ok_or_else(|| missing("cq"))?;
+        let countable = match K::EP_TYPE {
+            EpType::Rdm => CounterEvents::all(),
+            _ => CounterEvents::SEND | CounterEvents::RECV,
+        };
+        let counters = Bound::new(&self.counters, &self.domain, countable, K::EP_TYPE.as_str())?;
+        let queue = |cq: &Option<CompletionQueue>| match cq {
+            Some(q) => Ok(q.clone()),
+            None if !counters.is_empty() => Ok(CompletionQueue::discard(&self.domain)),
+            None => Err(missing("cq")),
+        };
+        let tx = queue(&self.tx_cq)?;
+        let rx = match (&self.rx_cq, &self.tx_cq) {
+            // Both missing: one queue that keeps nothing.
+            (None, None) if !counters.is_empty() => tx.clone(),
+            (rx, _) => queue(rx)?,
+        };
         let av = self.av.clone().ok_or_else(|| missing("av"))?;
         for (what, d) in [
             ("tx cq", tx.domain()),
@@ -230,21 +274,31 @@ impl<K: EndpointKind> EndpointBuilder<K> {
                     .with_detail(format!("{what} belongs to another domain")));
             }
         }
-        Ok((tx, rx, av))
+        Ok(Parts {
+            tx_cq: tx,
+            rx_cq: rx,
+            av,
+            counters,
+        })
     }
 
     /// The notifier the queue pair signals: it wakes the waiters of both completion queues (one
-    /// notifier when they are the same queue) and, if given, the endpoint's own waiters.
-    pub(crate) fn qp_notifier(
-        tx: &CompletionQueue,
-        rx: &CompletionQueue,
-        own: Option<&Arc<Notifier>>,
-    ) -> Arc<Notifier> {
-        let mut targets = vec![tx.notifier().clone()];
-        if !rx.same(tx) {
+    /// notifier when they are the same queue), of the counters and, if given, the endpoint's
+    /// own waiters.
+    pub(crate) fn qp_notifier(parts: &Parts, own: Option<&Arc<Notifier>>) -> Arc<Notifier> {
+        let (tx, rx) = (&parts.tx_cq, &parts.rx_cq);
+        let mut targets = Vec::new();
+        if !tx.is_discard() {
+            targets.push(tx.notifier().clone());
+        }
+        if !rx.same(tx) && !rx.is_discard() {
             targets.push(rx.notifier().clone());
         }
+        targets.extend(parts.counters.notifiers().cloned());
         targets.extend(own.cloned());
+        if targets.is_empty() {
+            return Arc::new(Notifier::new());
+        }
         match targets.len() {
             1 => targets.remove(0),
             _ => Arc::new(Notifier::forwarding(targets)),

@@ -31,6 +31,7 @@ use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
 mod budget;
+mod counts;
 mod local;
 mod peer;
 mod read;
@@ -40,6 +41,7 @@ mod rx;
 mod tx;
 mod util;
 
+pub use counts::TargetCounts;
 pub use local::{CopyFn, LocalMsg, SameHost};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
@@ -625,6 +627,11 @@ pub struct Engine {
     ema: rma::Ema,
     /// Delivery-complete acknowledgements the local path owes (`local.rs`).
     local_receipts: VecDeque<(RawAddr, u32)>,
+    /// Peers' RMA served since the last [`Engine::take_target_counts`].
+    target_counts: TargetCounts,
+    /// The application counts peers' writes / reads of its memory
+    /// ([`Engine::set_remote_events`]).
+    remote_events: (bool, bool),
 }
 
 impl Engine {
@@ -650,6 +657,8 @@ impl Engine {
             rd: read::ReadState::default(),
             ema: rma::Ema::default(),
             local_receipts: VecDeque::new(),
+            target_counts: TargetCounts::default(),
+            remote_events: (false, false),
         }
     }
 

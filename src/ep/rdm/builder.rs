@@ -36,7 +36,8 @@ impl EndpointBuilder<Rdm> {
 
     /// Creates the endpoint, its SRD queue pair and its protocol engine.
     pub fn build(self) -> Result<Endpoint<Rdm>> {
-        let (tx_cq, rx_cq, av) = self.parts()?;
+        let parts = self.parts()?;
+        let (tx_cq, rx_cq, av) = (parts.tx_cq.clone(), parts.rx_cq.clone(), parts.av.clone());
         let attr = self.domain.attr().clone();
         if attr.gid.to_ip().is_unspecified() {
             // Peers check the raw address an RDM endpoint puts in its packets against where the
@@ -71,7 +72,7 @@ impl EndpointBuilder<Rdm> {
             self.options
                 .resolve(&attr, cfg.device_rdma(attr.caps.rdma_read)?, inject_size)?;
         let use_rdma = options.use_device_rdma;
-        let notifier = Self::qp_notifier(&tx_cq, &rx_cq, Some(&own));
+        let notifier = Self::qp_notifier(&parts, Some(&own));
         let qp = self.domain.device().create_qp(QpAttr {
             qp_type: QpType::Srd,
             send_depth,
@@ -104,6 +105,11 @@ impl EndpointBuilder<Rdm> {
         );
         // Peers' emulated RMA and atomics reach this domain's regions.
         engine.set_memory(Arc::new(self.domain.clone()));
+        // Counted peers' accesses must reach the engine (no device RDMA advertised for them).
+        engine.set_remote_events(
+            parts.counters.counts(CntrKind::RemoteWrite),
+            parts.counters.counts(CntrKind::RemoteRead),
+        );
         // The HANDSHAKE advertises what the queue pair does, not what the device could.
         engine.set_unsolicited_write_recv(qp.unsolicited_write_recv());
         let rx_bufs = recv_depth;
@@ -113,6 +119,7 @@ impl EndpointBuilder<Rdm> {
             av,
             tx_cq: tx_cq.clone(),
             rx_cq: rx_cq.clone(),
+            counters: parts.counters.clone(),
             addr,
             region_send_min: if use_rdma && attr.caps.rdma_read {
                 cfg.inter_min_read_message_size.max(1)
@@ -165,6 +172,7 @@ impl EndpointBuilder<Rdm> {
         if let Some(l) = core.state.lock().local.as_ref() {
             l.set_source(weak.clone());
         }
+        core.counters.bind(&weak);
         tx_cq.bind(weak.clone());
         if !rx_cq.same(&tx_cq) {
             rx_cq.bind(weak);

@@ -72,6 +72,8 @@ impl RdmCore {
             if !st.engine.transmit_pending() && !st.engine.has_events() {
                 let idle = st.local.as_ref().is_none_or(|l| !l.has_events());
                 if idle && !busy {
+                    // (Peers' accesses served by this pass's timers are counted still.)
+                    self.count_pass(st.engine.take_target_counts(), false);
                     break;
                 }
             }
@@ -80,11 +82,12 @@ impl RdmCore {
             }
             // Completions put into a queue (not handed to the polling thread): its waiters wake.
             let mut delivered = false;
+            let mut events = false;
             while st.engine.has_events() && self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
                 let Some(ev) = st.engine.poll_event() else {
                     break;
                 };
-                busy = true;
+                events = true;
                 delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev, &mut direct);
             }
             if let Some(l) = st.local.as_mut() {
@@ -92,10 +95,12 @@ impl RdmCore {
                     let Some(ev) = l.pop_event() else {
                         break;
                     };
-                    busy = true;
+                    events = true;
                     delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev, &mut direct);
                 }
             }
+            busy |= events;
+            self.count_pass(st.engine.take_target_counts(), events);
             if delivered {
                 self.tx_cq.signal();
                 if !self.rx_cq.same(&self.tx_cq) {
@@ -354,9 +359,12 @@ impl Drop for RdmCore {
         }
         let mut ops = std::mem::take(&mut st.ops);
         let mut cache = SrcCache::default();
+        let any = !events.is_empty();
+        let served = st.engine.take_target_counts();
         for ev in events {
             self.deliver(&mut ops, &mut cache, ev, &mut None);
         }
+        self.count_pass(served, any);
         self.tx_cq.signal();
         self.rx_cq.signal();
         tracing::debug!(addr = %self.addr, "rdm_ep_close");

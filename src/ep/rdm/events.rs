@@ -26,6 +26,7 @@ impl RdmCore {
         {
             return self.deliver_other(ops, cache, ev);
         }
+        self.count(&ev, None);
         let Some(OpState {
             sink: Sink::Cq(ctx),
             target,
@@ -80,6 +81,7 @@ impl RdmCore {
                     return false;
                 };
                 let ctx = *ctx;
+                self.count(&ev, None);
                 let Event::Recv(r) = ev else { return false };
                 match self.recv_completion(r, ctx, None, cache) {
                     Ok(c) => self.rx_cq.push(c),
@@ -94,6 +96,7 @@ impl RdmCore {
         };
         // The usual cases, straight into the queue.
         if let (&Sink::Cq(ctx), true) = (&op.sink, matches!(ev, Event::Send(_) | Event::Recv(_))) {
+            self.count(&ev, None);
             match ev {
                 Event::Send(s) => match self.send_completion(s, ctx, op.keep) {
                     Ok(c) => self.tx_cq.push(c),
@@ -121,6 +124,7 @@ impl RdmCore {
             }
             *slot.src.lock() = r.src;
         }
+        self.count(&ev, op.rma);
         let (sink, result) = match ev {
             Event::Send(s) => (op.sink, self.send_completion(s, user_ctx, op.keep)),
             Event::Recv(r) => (op.sink, self.recv_completion(r, user_ctx, op.target, cache)),
@@ -170,6 +174,46 @@ impl RdmCore {
                 }
                 false
             }
+        }
+    }
+
+    /// Counts an operation's end on the bound counters: its kind from the event (an RMA's
+    /// from its flags: reads and fetching atomics are reads). The release of a multi-receive
+    /// buffer is no message: counted only when it is an error. Peers' accesses are counted
+    /// by the engine (`Engine::take_target_counts`), not here.
+    fn count(&self, ev: &Event, rma: Option<CompletionFlags>) {
+        let (kind, ok) = match ev {
+            Event::Send(s) => (CntrKind::Send, s.error.is_none()),
+            Event::Recv(r) if r.multi_recv_done && r.error.is_none() => return,
+            Event::Recv(r) => (CntrKind::Recv, r.error.is_none()),
+            Event::Rma(r) => {
+                let read = rma.is_some_and(|f| f.contains(CompletionFlags::READ));
+                let kind = if read {
+                    CntrKind::Read
+                } else {
+                    CntrKind::Write
+                };
+                (kind, r.error.is_none())
+            }
+            Event::RemoteWrite(_) => return,
+        };
+        self.counters.hit(kind, ok);
+    }
+
+    /// Counts peers' accesses the engine served since the last call, and wakes the waiters of
+    /// the counters when anything was counted in this pass (`events`).
+    pub(super) fn count_pass(&self, t: TargetCounts, events: bool) {
+        if self.counters.is_empty() {
+            return;
+        }
+        if !t.is_empty() {
+            self.counters
+                .hit_n(CntrKind::RemoteWrite, t.writes, t.write_errors);
+            self.counters
+                .hit_n(CntrKind::RemoteRead, t.reads, t.read_errors);
+        }
+        if events {
+            self.counters.signal();
         }
     }
 

@@ -19,6 +19,7 @@ use super::pin::ProgressCpu;
 use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
 use crate::av::{AddressVector, PeerId};
+use crate::cntr::{Bound, Kind as CntrKind};
 use crate::cq::{
     Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, Direct, PostError,
     ProgressSource, RecvBuf, SendBuf,
@@ -33,7 +34,7 @@ use crate::notify::Notifier;
 pub(super) use crate::progress::Clock;
 use crate::proto::engine::{
     Engine, EngineConfig, EngineSizes, Event, LocalMsg, Peeked, RecvDone, RecvOp, SendDone, SendOp,
-    TransmitKind,
+    TargetCounts, TransmitKind,
 };
 use crate::stats::EndpointStats;
 
@@ -192,6 +193,8 @@ pub struct RdmCore {
     pub(super) av: AddressVector,
     tx_cq: CompletionQueue,
     rx_cq: CompletionQueue,
+    /// The counters bound, by what they count.
+    counters: Bound,
     addr: RawAddr,
     /// Region sends of at least this many bytes (that peers may read) are not copied: the
     /// engine reads the bytes it must send from the region (`SendOp::region_len`). The

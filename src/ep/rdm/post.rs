@@ -60,6 +60,10 @@ impl RdmCore {
         if let Some(l) = st.local.as_mut() {
             if let Some(p) = l.route(&mut st.engine, &dest) {
                 if l.inject(p, o.tag, o.data, data) {
+                    // In the peer's ring: done, and no event follows to count it by.
+                    if self.counters.hit(CntrKind::Send, true) {
+                        self.counters.signal();
+                    }
                     return Ok(());
                 }
             }

@@ -426,10 +426,13 @@ impl Engine {
             ExtraFeature::Runt,
             ExtraFeature::ReadNack,
         ]);
-        if self.cfg.device_rdma_read {
+        // Peers' one-sided accesses this side counts must reach the engine: device RDMA for
+        // them is not advertised (`Engine::set_remote_events`).
+        let (count_writes, count_reads) = self.remote_events;
+        if self.cfg.device_rdma_read && !count_reads {
             extra_info.set(ExtraFeature::RdmaRead);
         }
-        if self.cfg.device_rdma_write {
+        if self.cfg.device_rdma_write && !count_writes {
             extra_info.set(ExtraFeature::RdmaWrite);
             if self.rd_unsolicited_write_recv() {
                 extra_info.set(ExtraFeature::UnsolicitedWriteRecv);

@@ -371,12 +371,15 @@ impl Engine {
 
     /// Both sides can RDMA-read: this side's device and configuration, and the peer's
     /// HANDSHAKE (feature bit and p2p) — libfabric's `efa_both_support_rdma_read`. Towards
-    /// ourselves only this side counts.
+    /// ourselves only this side counts (what it advertises: not when it counts remote reads).
     pub(super) fn both_read(&self, pid: u64) -> bool {
         self.cfg.device_rdma_read
             && self.peers.get(&pid).is_some_and(|p| {
-                p.addr == self.local
-                    || (p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaRead))
+                if p.addr == self.local {
+                    !self.remote_events.1
+                } else {
+                    p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaRead)
+                }
             })
     }
 
@@ -384,8 +387,11 @@ impl Engine {
     fn both_write(&self, pid: u64) -> bool {
         self.cfg.device_rdma_write
             && self.peers.get(&pid).is_some_and(|p| {
-                p.addr == self.local
-                    || (p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaWrite))
+                if p.addr == self.local {
+                    !self.remote_events.0
+                } else {
+                    p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaWrite)
+                }
             })
     }
 

@@ -119,6 +119,16 @@ impl Work {
             Work::Read { .. } | Work::Respond { .. } => 0,
         }
     }
+
+    /// Whether the work may change memory (a write, an atomic other than a read): counted as a
+    /// remote write, else as a remote read ([`TargetCounts`](super::TargetCounts)).
+    fn writes(&self) -> bool {
+        match self {
+            Work::Write { .. } | Work::Place { .. } => true,
+            Work::Read { .. } | Work::Respond { .. } => false,
+            Work::Atomic { op, .. } => AtomicOp::from_code(*op).is_ok_and(|o| o != AtomicOp::Read),
+        }
+    }
 }
 
 /// What an emulated operation starts from: its peer, how it names itself to it, its id, and the
@@ -799,6 +809,7 @@ impl Engine {
                     Err(e) if e.kind() == ErrorKind::Again => return Some(w),
                     Err(_) => self.ema_refuse(&w, Status::RemoteBadAddress),
                     Ok(()) => {
+                        self.target_counts.count(true, true);
                         let pid = *pid;
                         if let Some(send_id) = *dc_send_id {
                             let r = Packet::Receipt {
@@ -835,6 +846,7 @@ impl Engine {
                 Err(e) if e.kind() == ErrorKind::Again => return Some(w),
                 Err(_) => self.ema_refuse(&w, Status::RemoteBadAddress),
                 Ok(bytes) => {
+                    self.target_counts.count(false, true);
                     let (pid, recv_id) = (*pid, *recv_id);
                     let pkt = Packet::ReadRsp {
                         connid: Some(self.local.qkey),
@@ -896,6 +908,7 @@ impl Engine {
                     }
                     Err(_) => self.ema_refuse(&w, Status::RemoteBadLength),
                     Ok(old) => {
+                        self.target_counts.count(aop != AtomicOp::Read, true);
                         let pid = *pid;
                         match *kind {
                             RtaKind::Write => {}
@@ -954,8 +967,12 @@ impl Engine {
                 }
                 None => return,
             },
-            _ => return self.drop_pkt("emulated RMA refused by the memory (no answer expected)"),
+            _ => {
+                self.target_counts.count(w.writes(), false);
+                return self.drop_pkt("emulated RMA refused by the memory (no answer expected)");
+            }
         };
+        self.target_counts.count(w.writes(), false);
         self.refuse_op(pid, op_id, status);
     }
 

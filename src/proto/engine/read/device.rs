@@ -667,6 +667,7 @@ impl Engine {
         // buffers while too many wait ([`Engine::remote_writes_full`]), which holds the device
         // back (receiver not ready) on devices where a write with immediate data takes one.
         self.remote_write_events += 1;
+        self.target_counts.count(true, true);
         self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
             src: addr,
             data: imm,

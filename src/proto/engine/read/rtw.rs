@@ -213,6 +213,7 @@ impl Engine {
         let Some(src) = self.peers.get(&pid).map(|p| p.addr) else {
             return;
         };
+        self.target_counts.count(true, true);
         if let Some(data) = data {
             self.events
                 .push_back(Event::RemoteWrite(RemoteWriteDone { src, data, len }));

@@ -545,11 +545,13 @@ impl Engine {
                 .all(|iov| mem.check(iov.key, iov.addr, iov.len, write).is_ok())
         });
         if !in_memory {
+            self.target_counts.count(write, false);
             self.refuse_op(pid, op_id, Status::RemoteBadAddress);
             return None;
         }
         if self.ema.tgt.len() >= self.cfg.max_rx_ops {
             tracing::debug!("long-CTS request: max_rx_ops peer operations served already");
+            self.target_counts.count(write, false);
             self.refuse_op(pid, op_id, Status::RemoteAbort);
             return None;
         }
@@ -581,6 +583,7 @@ impl Engine {
             Err(_) => {
                 // The region went away (or changed) since the request was checked.
                 self.ema.tgt.remove(&tid);
+                self.target_counts.count(true, false);
                 self.refuse_op(pid, send_id, Status::RemoteBadAddress);
                 return Ok(());
             }
@@ -595,6 +598,7 @@ impl Engine {
         if t.done == t.total {
             let total = t.total;
             self.ema.tgt.remove(&tid);
+            self.target_counts.count(true, true);
             if dc {
                 let r = Packet::Receipt {
                     connid: Some(qkey),
@@ -642,6 +646,7 @@ impl Engine {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
                 self.ema.tgt.remove(&tid);
+                self.target_counts.count(false, false);
                 self.refuse_op(pid, recv_id, Status::RemoteBadAddress);
                 return Ok(());
             }
@@ -675,6 +680,7 @@ impl Engine {
             t.done = to;
             if t.done == t.total {
                 self.ema.tgt.remove(&tid);
+                self.target_counts.count(false, true);
             }
         }
         Ok(())
