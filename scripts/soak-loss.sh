@@ -8,6 +8,10 @@
 #
 # Reports each run's verdict and the totals; exits non-zero when any run failed. The logs of
 # failed runs stay in $TMPDIR/efa-soak-*/.
+#
+# Both ends run in one process, so by default their messages take the same-host path (the local
+# channel, shared memory) and only the engine's other packets cross the lossy UDP; run it with
+# FI_EFA_ENABLE_SHM_TRANSFER=0 to send every message over the udp device through the loss.
 set -euo pipefail
 runs=50
 pct=5
