@@ -365,6 +365,7 @@ impl From<PostError> for Error {
 
 /// A successful completion.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Completion {
     /// The context the operation was posted with.
     pub context: u64,
@@ -390,6 +391,7 @@ pub struct Completion {
 
 /// An error completion (`fi_cq_err_entry`).
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct CompletionError {
     /// The context the operation was posted with.
     pub context: u64,

@@ -81,6 +81,7 @@ pub struct WriteOptions {
 /// RDMA (`FI_OPT_EFA_EMULATED_READ`, `_WRITE`, `_ATOMICS`). Towards a peer whose device lacks
 /// RDMA, operations are emulated even when this says `false`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct RmaEmulation {
     /// RMA reads are emulated (SHORT_RTR / LONGCTS_RTR).
     pub read: bool,

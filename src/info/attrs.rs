@@ -7,6 +7,7 @@ use super::*;
 
 /// Transmit attributes (`fi_tx_attr`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
 pub struct TxAttr {
     /// Capabilities of the transmit side.
     pub caps: Caps,
@@ -26,6 +27,7 @@ pub struct TxAttr {
 
 /// Receive attributes (`fi_rx_attr`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
 pub struct RxAttr {
     /// Capabilities of the receive side.
     pub caps: Caps,
@@ -41,6 +43,7 @@ pub struct RxAttr {
 
 /// Endpoint attributes (`fi_ep_attr`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
 pub struct EpAttr {
     /// Largest message, bytes: unlimited for RDM (`u64::MAX`), one MTU for DGRAM.
     pub max_msg_size: u64,
@@ -57,6 +60,7 @@ pub struct EpAttr {
 
 /// Domain attributes (`fi_domain_attr`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
 pub struct DomainAttr {
     /// Domain name (= [`Info::domain`]).
     pub name: String,

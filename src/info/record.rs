@@ -10,6 +10,7 @@ use super::*;
 /// provider reports. Open a domain on it; `Display` prints it like `fi_info`,
 /// [`verbose`](Info::verbose) like `fi_info -v`, serde serializes every attribute.
 #[derive(Clone, Debug, serde::Serialize)]
+#[non_exhaustive]
 pub struct Info {
     /// The device kind (`fi_info` "provider").
     pub provider: DeviceKind,
