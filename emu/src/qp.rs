@@ -328,14 +328,11 @@ impl QpCore {
     /// registered as they were; if not (the program deregistered, and maybe freed, them), nothing
     /// is read and the request completes with LOCAL_ERROR_INVALID_LKEY (5): `None`.
     fn fetch(&self, wr_id: u64, src: Source, late: bool) -> Option<Bytes> {
-        let (sges, mut named) = match src {
+        let (sges, named) = match src {
             Source::Inline(b) => return Some(b),
             Source::Sges { sges, named } => (sges, named),
         };
-        if late
-            && !(self.translate(&mut named, false)
-                && named.iter().zip(&sges).all(|(n, s)| n.addr == s.addr))
-        {
+        if late && !self.still_registered(named, &sges, false) {
             self.complete_local(wr_id, Status::InvalidLkey);
             return None;
         }
@@ -370,6 +367,13 @@ impl QpCore {
             }
         }
         Ok(())
+    }
+
+    /// True when the entries `named` as the program posted them still lie in live registrations
+    /// (with local write access when `write`) that put them where they were when posted
+    /// (`sges`, translated then): DMA that comes later touches only such memory.
+    fn still_registered(&self, mut named: Vec<ibv_sge>, sges: &[ibv_sge], write: bool) -> bool {
+        self.translate(&mut named, write) && named.iter().zip(sges).all(|(n, s)| n.addr == s.addr)
     }
 
     /// Checks every scatter/gather entry against its registration (local write access when
@@ -647,20 +651,14 @@ impl QpCore {
                 };
                 match p {
                     Pending::Send { wr_id } => e.wr_id = wr_id,
-                    Pending::Read {
-                        wr_id,
-                        sges,
-                        mut named,
-                    } => {
+                    Pending::Read { wr_id, sges, named } => {
                         e.wr_id = wr_id;
                         if c.status.is_ok() {
                             // The data lands by DMA when it arrives: only into memory that is
                             // still registered (the program may have deregistered, and freed,
                             // it meanwhile); otherwise nothing is written and the read fails
                             // with LOCAL_ERROR_INVALID_LKEY (5).
-                            let live = self.translate(&mut named, true)
-                                && named.iter().zip(&sges).all(|(n, s)| n.addr == s.addr);
-                            if !live {
+                            if !self.still_registered(named, &sges, true) {
                                 let (status, vendor_err) = status_of(Status::InvalidLkey);
                                 e.status = status;
                                 e.vendor_err = vendor_err;
