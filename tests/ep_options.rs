@@ -8,19 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use common::{Node, device_domains, on_efa};
-use efa::{
-    Access, AddressVector, CompletionFlags, CompletionQueue, Domain, Endpoint, ErrorKind, Rdm,
-};
-
-fn build(
-    d: &Domain,
-    f: impl FnOnce(efa::EndpointBuilder<Rdm>) -> efa::EndpointBuilder<Rdm>,
-) -> efa::Result<Node> {
-    let cq = CompletionQueue::new(d, 4096)?;
-    let av = AddressVector::new(d);
-    let ep = f(Endpoint::<Rdm>::builder(d).cq(&cq).av(&av)).build()?;
-    Ok(Node { cq, av, ep })
-}
+use efa::{Access, CompletionFlags, ErrorKind};
 
 /// Every option reads back as set, the defaults are libfabric's, and what no device here
 /// guarantees (in-order 128-byte writes) or what the device cannot do is refused at build.
@@ -28,7 +16,7 @@ fn build(
 fn options_read_back_and_refusals() {
     for (name, d, _keep) in device_domains("efa-opts-a") {
         let attr = d.attr().clone();
-        let n = build(&d, |b| b).unwrap();
+        let n = Node::build(&d, |b| b).unwrap();
         let o = n.ep.options();
         assert_eq!(o.rnr_retry, 3, "{name}");
         assert!(o.shared_memory_permitted, "{name}");
@@ -40,7 +28,7 @@ fn options_read_back_and_refusals() {
         assert_eq!(o.emulated_write, !(o.use_device_rdma && rdma), "{name}");
         assert_eq!(n.ep.rma_emulation().write, o.emulated_write, "{name}");
 
-        let n = build(&d, |b| {
+        let n = Node::build(&d, |b| {
             b.rnr_retry(7)
                 .sendrecv_in_order_aligned_128_bytes(true)
                 .min_multi_recv(300)
@@ -64,24 +52,24 @@ fn options_read_back_and_refusals() {
 
         let kind = |r: efa::Result<Node>| r.map(|_| ()).unwrap_err().kind();
         assert_eq!(
-            kind(build(&d, |b| b.rnr_retry(8))),
+            kind(Node::build(&d, |b| b.rnr_retry(8))),
             ErrorKind::InvalidArgument,
             "{name}"
         );
         assert_eq!(
-            kind(build(&d, |b| b.write_in_order_aligned_128_bytes(true))),
+            kind(Node::build(&d, |b| b.write_in_order_aligned_128_bytes(true))),
             ErrorKind::NotSupported,
             "{name}"
         );
         let too_big = n.ep.inject_size() + 1;
         assert_eq!(
-            kind(build(&d, |b| b.inject_rma_size(too_big))),
+            kind(Node::build(&d, |b| b.inject_rma_size(too_big))),
             ErrorKind::InvalidArgument,
             "{name}"
         );
         if !rdma {
             assert_eq!(
-                kind(build(&d, |b| b.use_device_rdma(true))),
+                kind(Node::build(&d, |b| b.use_device_rdma(true))),
                 ErrorKind::NotSupported,
                 "{name}: device RDMA on a device without it"
             );
@@ -94,7 +82,7 @@ fn options_read_back_and_refusals() {
 #[test]
 fn max_msg_size_refuses_longer_messages() {
     for (name, d, _keep) in device_domains("efa-opts-b") {
-        let a = build(&d, |b| b.max_msg_size(3000)).unwrap();
+        let a = Node::build(&d, |b| b.max_msg_size(3000)).unwrap();
         let b = Node::new(&d);
         let to_b = a.insert(b.ep.addr());
         let e =
@@ -133,7 +121,7 @@ fn device_rdma_off_emulates_writes() {
             continue;
         }
         for on in [true, false] {
-            let a = build(&d, |b| b.use_device_rdma(on)).unwrap();
+            let a = Node::build(&d, |b| b.use_device_rdma(on)).unwrap();
             let b = Node::new(&d);
             assert_eq!(a.ep.options().use_device_rdma, on, "{name}");
             assert_eq!(a.ep.options().emulated_write, !on, "{name}");
@@ -177,7 +165,7 @@ fn device_rdma_off_emulates_writes() {
 fn min_multi_recv_retires_the_buffer() {
     for (name, d, _keep) in device_domains("efa-opts-d") {
         let a = Node::new(&d);
-        let b = build(&d, |b| b.min_multi_recv(300)).unwrap();
+        let b = Node::build(&d, |b| b.min_multi_recv(300)).unwrap();
         let to_b = a.insert(b.ep.addr());
         b.ep.recv_multi(BytesMut::with_capacity(1000), 5).unwrap();
         let send = |i: u8| {
@@ -223,8 +211,8 @@ fn shared_memory_not_permitted_keeps_same_host_peers_on_the_device() {
     let dir = common::shm_test_dir("efa-opts-e");
     for permitted in [true, false] {
         let (d, dev) = common::routed_domain(dir.path());
-        let a = build(&d, |b| b.shared_memory_permitted(permitted)).unwrap();
-        let b = build(&d, |b| b.shared_memory_permitted(permitted)).unwrap();
+        let a = Node::build(&d, |b| b.shared_memory_permitted(permitted)).unwrap();
+        let b = Node::build(&d, |b| b.shared_memory_permitted(permitted)).unwrap();
         let to_b = a.insert(b.ep.addr());
         let before = efa::device::Device::stats(&*dev);
         for i in 0..8u64 {
@@ -259,7 +247,7 @@ fn rnr_retry_decides_who_retries() {
         }
         let mut rnr = Vec::new();
         for retry in [0u8, 7] {
-            let a = build(&d, |b| b.rnr_retry(retry)).unwrap();
+            let a = Node::build(&d, |b| b.rnr_retry(retry)).unwrap();
             let mut attr = efa::device::QpAttr::new(efa::device::QpType::Srd);
             attr.recv_depth = 1;
             let sink = d.device().create_qp(attr).unwrap();

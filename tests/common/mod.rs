@@ -123,15 +123,19 @@ impl Node {
     }
 
     pub fn with_local_path(d: &Domain, on: bool) -> Node {
-        let cq = CompletionQueue::new(d, 4096).unwrap();
+        Node::build(d, |b| b.local_path(on)).unwrap()
+    }
+
+    /// A node whose endpoint builder `f` configures further (options, counters, ...) after its
+    /// queue and address vector are set.
+    pub fn build(
+        d: &Domain,
+        f: impl FnOnce(efa::EndpointBuilder<Rdm>) -> efa::EndpointBuilder<Rdm>,
+    ) -> efa::Result<Node> {
+        let cq = CompletionQueue::new(d, 4096)?;
         let av = AddressVector::new(d);
-        let ep = Endpoint::<Rdm>::builder(d)
-            .cq(&cq)
-            .av(&av)
-            .local_path(on)
-            .build()
-            .unwrap();
-        Node { cq, av, ep }
+        let ep = f(Endpoint::<Rdm>::builder(d).cq(&cq).av(&av)).build()?;
+        Ok(Node { cq, av, ep })
     }
 
     pub fn insert(&self, addr: RawAddr) -> PeerId {
