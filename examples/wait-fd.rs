@@ -58,6 +58,41 @@ fn cpu_time() -> Duration {
     tv(u.ru_utime) + tv(u.ru_stime)
 }
 
+/// A completion queue in tokio's reactor through its descriptor (the queue is `AsFd`).
+struct FdQueue {
+    cq: Arc<CompletionQueue>,
+    fd: AsyncFd<Arc<CompletionQueue>>,
+}
+
+impl FdQueue {
+    fn new(cq: Arc<CompletionQueue>) -> efa::Result<FdQueue> {
+        // SAFETY: the descriptor is the queue's for its whole life (`CompletionQueue::wait_fd`),
+        // and the `AsyncFd` holds the queue (an `Arc`) until it is dropped; nothing closes it
+        // meanwhile.
+        let fd =
+            unsafe { AsyncFd::register_with_interest(cq.clone(), tokio::io::Interest::READABLE) }
+                .map_err(|e| efa::Error::io("AsyncFd", std::io::Error::other(e.to_string())))?;
+        Ok(FdQueue { cq, fd })
+    }
+
+    /// Takes up to `max` completions into `out` (emptied first); when none was ready and
+    /// `trywait` says nothing is, first sleeps until the descriptor is readable (then `out` may
+    /// stay empty: call again).
+    async fn poll(&self, out: &mut Vec<efa::Completion>, max: usize) -> efa::Result<()> {
+        out.clear();
+        self.cq.poll(out, max)?;
+        if out.is_empty() && self.cq.trywait().is_ok() {
+            let mut guard = self
+                .fd
+                .readable()
+                .await
+                .map_err(|e| efa::Error::io("readable", e))?;
+            guard.clear_ready();
+        }
+        Ok(())
+    }
+}
+
 /// Receives `want` messages on `ep`, blocking on the queue's descriptor whenever nothing is
 /// ready; returns how many it got.
 async fn receiver(
@@ -65,19 +100,14 @@ async fn receiver(
     cq: Arc<CompletionQueue>,
     want: usize,
 ) -> efa::Result<usize> {
-    // The queue is `AsFd`: tokio's reactor watches its descriptor.
-    // SAFETY: the descriptor is the queue's for its whole life (`CompletionQueue::wait_fd`), and
-    // the `AsyncFd` holds the queue (an `Arc`) until it is dropped; nothing closes it meanwhile.
-    let fd = unsafe { AsyncFd::register_with_interest(cq.clone(), tokio::io::Interest::READABLE) }
-        .map_err(|e| efa::Error::io("AsyncFd", std::io::Error::other(e.to_string())))?;
+    let q = FdQueue::new(cq)?;
     for i in 0..want.min(64) {
         ep.recv(BytesMut::with_capacity(64), i as u64)?;
     }
     let (mut got, mut posted) = (0, want.min(64));
     let mut out = Vec::new();
     while got < want {
-        out.clear();
-        cq.poll(&mut out, 64)?;
+        q.poll(&mut out, 64).await?;
         for c in &out {
             if c.flags.contains(efa::CompletionFlags::RECV) {
                 got += 1;
@@ -86,13 +116,6 @@ async fn receiver(
                     posted += 1;
                 }
             }
-        }
-        if out.is_empty() && cq.trywait().is_ok() {
-            let mut guard = fd
-                .readable()
-                .await
-                .map_err(|e| efa::Error::io("readable", e))?;
-            guard.clear_ready();
         }
     }
     Ok(got)
@@ -105,27 +128,17 @@ async fn echo(
     pinger: efa::PeerId,
     count: usize,
 ) -> efa::Result<()> {
-    // SAFETY: as in `receiver`.
-    let fd = unsafe { AsyncFd::register_with_interest(cq.clone(), tokio::io::Interest::READABLE) }
-        .map_err(|e| efa::Error::io("AsyncFd", std::io::Error::other(e.to_string())))?;
+    let q = FdQueue::new(cq)?;
     ep.recv(BytesMut::with_capacity(64), 0)?;
     let (mut answered, mut out) = (0, Vec::new());
     while answered < count {
-        out.clear();
-        cq.poll(&mut out, 16)?;
+        q.poll(&mut out, 16).await?;
         for c in &out {
             if c.flags.contains(efa::CompletionFlags::RECV) {
                 ep.inject(pinger, b"pong")?;
                 answered += 1;
                 ep.recv(BytesMut::with_capacity(64), 0)?;
             }
-        }
-        if out.is_empty() && cq.trywait().is_ok() {
-            let mut guard = fd
-                .readable()
-                .await
-                .map_err(|e| efa::Error::io("readable", e))?;
-            guard.clear_ready();
         }
     }
     Ok(())
