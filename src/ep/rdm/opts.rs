@@ -95,6 +95,18 @@ impl LiveOptions {
     }
 }
 
+/// `n` as `FI_OPT_INJECT_RMA_SIZE`: at most the endpoint's inject size.
+fn check_inject_rma_size(n: usize, inject_size: usize) -> Result<usize> {
+    if n > inject_size {
+        return Err(
+            Error::new(ErrorKind::InvalidArgument, "ep_setopt").with_detail(format!(
+                "FI_OPT_INJECT_RMA_SIZE {n} is more than the inject size {inject_size}"
+            )),
+        );
+    }
+    Ok(n)
+}
+
 impl RequestedOptions {
     /// The options in effect on a device with `attr`, or why they cannot be: `use_rdma` is what
     /// the domain's configuration gives, `inject_size` the endpoint's.
@@ -133,14 +145,7 @@ impl RequestedOptions {
             ));
         }
         let inject_rma_size = match self.inject_rma_size {
-            Some(n) if n > inject_size => {
-                return Err(
-                    Error::new(ErrorKind::InvalidArgument, "ep_setopt").with_detail(format!(
-                        "FI_OPT_INJECT_RMA_SIZE {n} is more than the inject size {inject_size}"
-                    )),
-                );
-            }
-            Some(n) => n,
+            Some(n) => check_inject_rma_size(n, inject_size)?,
             None => inject_size,
         };
         Ok(EndpointOptions {
@@ -270,14 +275,7 @@ impl Endpoint<Rdm> {
     /// Changes `FI_OPT_INJECT_RMA_SIZE` on the live endpoint; more than the inject size is
     /// `InvalidArgument`.
     pub fn set_inject_rma_size(&self, n: usize) -> Result<()> {
-        if n > self.core.inject_size {
-            return Err(
-                Error::new(ErrorKind::InvalidArgument, "ep_setopt").with_detail(format!(
-                    "FI_OPT_INJECT_RMA_SIZE {n} is more than the inject size {}",
-                    self.core.inject_size
-                )),
-            );
-        }
+        let n = check_inject_rma_size(n, self.core.inject_size)?;
         self.core
             .options
             .inject_rma_size
