@@ -516,6 +516,8 @@ fn pingpong<E: PingEp>(
         }
     }
     pp.finalize()?;
+    // Our last message's acknowledgement may still be owed to the peer: answer until it ends too.
+    oob.close_linger(pp.timeout, || pp.poll_once().map(|_| ()))?;
     // On stderr: stdout stays fi_pingpong's.
     eprintln!("# path to the peer: {}", ep.path());
     if args.verbose {

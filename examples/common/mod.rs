@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use efa::RawAddr;
 
@@ -264,6 +264,40 @@ impl Oob {
             reader: BufReader::new(s.try_clone()?),
             writer: s,
         })
+    }
+
+    /// The end of a run, in the manner of TCP's orderly close: says "nothing more from me"
+    /// (shuts down this side's writing) and keeps the fabric endpoint driven (`progress`) until
+    /// the peer has said the same (end of file) or `linger` ran out. A side whose last message
+    /// has arrived may not close its endpoint at once: the peer's device may still wait for
+    /// the acknowledgement of that message, and an acknowledgement lost just before the close
+    /// would leave the peer's send without an answer until its unresponsive-peer timeout fails
+    /// it (issue 30, point 15). A peer that never shuts down (`fi_pingpong`) ends the wait when
+    /// it exits.
+    pub fn close_linger(
+        &mut self,
+        linger: Duration,
+        mut progress: impl FnMut() -> Result<(), String>,
+    ) -> Result<(), String> {
+        let _ = self.writer.shutdown(std::net::Shutdown::Write);
+        let watch = self.watch().map_err(|e| format!("oob: {e}"))?;
+        let deadline = Instant::now() + linger;
+        let mut spins = 0u32;
+        loop {
+            progress()?;
+            spins = spins.wrapping_add(1);
+            // The peer's end costs three system calls to look at: every 256 passes.
+            if spins % 256 == 0 {
+                if watch.gone() {
+                    return Ok(());
+                }
+                if Instant::now() > deadline {
+                    tracing::debug!(?linger, "the peer did not end the run in time; closing");
+                    return Ok(());
+                }
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// A handle that tells whether the peer closed the connection ([`PeerWatch::gone`]), for
@@ -542,6 +576,13 @@ pub struct Conn {
     /// posts receive buffers of its own MTU.
     #[arg(long)]
     pub mtu: Option<usize>,
+    /// udp device, for tests: it loses this share of the datagrams it sends, in percent
+    /// (`FaultConfig::drop`, seeded with `--udp-seed`).
+    #[arg(long, hide = true)]
+    pub udp_loss: Option<f64>,
+    /// udp device, for tests: the seed of `--udp-loss`'s decisions.
+    #[arg(long, hide = true, default_value_t = 1)]
+    pub udp_seed: u64,
     /// Server address (client mode). With neither this nor -l, both ends run in this process.
     pub server: Option<String>,
 }
@@ -696,13 +737,19 @@ pub fn open_domain(
     ep_type: efa::EpType,
     bind: Option<IpAddr>,
 ) -> Result<efa::Domain, String> {
-    if let (Some(mtu), "udp") = (conn.mtu, conn.provider.as_str()) {
+    if conn.provider == "udp" && (conn.mtu.is_some() || conn.udp_loss.is_some()) {
         use efa::device::udp::{UdpConfig, UdpDevice};
         let config = efa::Config::from_env().map_err(|e| e.to_string())?;
-        let mut udp = UdpConfig {
-            mtu,
-            ..UdpConfig::default()
-        };
+        let mut udp = UdpConfig::default();
+        if let Some(mtu) = conn.mtu {
+            udp.mtu = mtu;
+        }
+        if let Some(pct) = conn.udp_loss {
+            if !(0.0..=100.0).contains(&pct) {
+                return Err(format!("--udp-loss {pct}: a share in percent, 0 to 100"));
+            }
+            udp.faults = efa::FaultConfig::seeded(conn.udp_seed).drop(pct / 100.0);
+        }
         if let Some(ip) = bind {
             udp.bind = ip;
         }
