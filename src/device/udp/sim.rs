@@ -107,6 +107,10 @@ pub(super) struct Host {
     slots: WrSlots,
     /// A vanished host neither sends nor receives.
     up: bool,
+    /// The network loses this many of the host's next datagrams ([`Net::lose_next`]).
+    lose: usize,
+    /// Descheduled until then ([`Net::pause`]): it handles nothing, its datagrams wait.
+    paused_until: Duration,
 }
 
 /// The network, its hosts and the virtual clock.
@@ -179,6 +183,8 @@ impl Net {
             counters,
             slots: WrSlots::new(udp.max_send_wr, udp.max_recv_wr),
             up: true,
+            lose: 0,
+            paused_until: Duration::ZERO,
         });
         i
     }
@@ -256,6 +262,18 @@ impl Net {
         self.hosts[i].link.ctx.out.clear();
     }
 
+    /// The network loses the next `n` datagrams host `i` sends (besides its random losses).
+    pub fn lose_next(&mut self, i: usize, n: usize) {
+        self.hosts[i].lose = n;
+    }
+
+    /// Host `i` is descheduled for `d` (a busy machine): it handles no datagram and runs no
+    /// timer until then; what arrives meanwhile waits (in its socket buffer) and is handled,
+    /// in order, when it runs again.
+    pub fn pause(&mut self, i: usize, d: Duration) {
+        self.hosts[i].paused_until = self.now + d;
+    }
+
     /// Hands `bytes` to host `i` as if they came from `from` (a hostile or broken peer).
     pub fn inject(&mut self, i: usize, from: SocketAddr, bytes: &[u8]) {
         let now = self.now();
@@ -268,6 +286,11 @@ impl Net {
             let out = &mut h.link.ctx.out;
             for q in out.queued() {
                 self.stats.sent += 1;
+                if h.lose > 0 {
+                    h.lose -= 1;
+                    self.stats.dropped += 1;
+                    continue;
+                }
                 if self.rng.chance(self.cfg.drop) {
                     self.stats.dropped += 1;
                     continue;
@@ -305,7 +328,10 @@ impl Net {
         let mut next = self.air.peek().map(|f| f.0.at);
         for h in self.hosts.iter_mut().filter(|h| h.up) {
             if let Some(d) = h.link.next_deadline() {
-                let d = d.saturating_duration_since(self.start).max(self.now);
+                let d = d
+                    .saturating_duration_since(self.start)
+                    .max(self.now)
+                    .max(h.paused_until);
                 next = Some(next.map_or(d, |n| n.min(d)));
             }
         }
@@ -322,6 +348,7 @@ impl Net {
         self.now = self.now.max(at);
         let now = self.now();
         let mut touched = vec![false; self.hosts.len()];
+        let mut waiting = Vec::new();
         while self.air.peek().is_some_and(|f| f.0.at <= self.now) {
             let Some(Reverse(f)) = self.air.pop() else {
                 break;
@@ -331,12 +358,21 @@ impl Net {
                 self.stats.lost += 1;
                 continue;
             };
+            if self.hosts[to].paused_until > self.now {
+                // Queued in the socket until the host runs (keeping its place: `n`).
+                waiting.push(Flight {
+                    at: self.hosts[to].paused_until,
+                    ..f
+                });
+                continue;
+            }
             self.stats.delivered += 1;
             self.hosts[to].link.handle(&f.bytes, f.from, now);
             touched[to] = true;
         }
+        self.air.extend(waiting.into_iter().map(Reverse));
         for (i, h) in self.hosts.iter_mut().enumerate() {
-            if !h.up {
+            if !h.up || h.paused_until > self.now {
                 continue;
             }
             if touched[i] {

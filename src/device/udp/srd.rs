@@ -65,6 +65,9 @@ struct InFlight {
     epoch: u64,
     sent_at: Instant,
     retransmitted: bool,
+    /// Its timer ran out while the peer was silent after a probe ([`TxPeer::probe`]): it waits
+    /// for the next probe time or the answer that ends the silence.
+    deferred: bool,
 }
 
 /// Send side state towards one peer queue pair (address + QKEY). Its connection number and first
@@ -86,6 +89,14 @@ struct TxPeer {
     last_heard: Instant,
     unresp_armed: bool,
     last_active: Instant,
+    /// The last retransmission for a timeout (when it went, when the next may go): while the
+    /// peer says nothing after it, the other packets whose timers run out wait for that time
+    /// instead of going too, so that a silent peer (descheduled, or gone) is probed with one
+    /// packet per timeout rather than sent the whole window at each (as TCP retransmits only
+    /// its oldest segment on a timeout).
+    probe: Option<(Instant, Instant)>,
+    /// Probes sent to the silent peer so far: the probes' timeout doubles with each.
+    probes: u32,
 }
 
 impl TxPeer {
@@ -348,6 +359,8 @@ impl Srd {
                         last_heard: now,
                         unresp_armed: false,
                         last_active: now,
+                        probe: None,
+                        probes: 0,
                     },
                 );
                 self.tx_by_addr.insert(key, conn);
@@ -412,6 +425,7 @@ impl Srd {
                     epoch: *epoch,
                     sent_at: now,
                     retransmitted: false,
+                    deferred: false,
                 },
             );
             let rev = reverse(rx, rx_conn, p);
@@ -645,6 +659,7 @@ impl Srd {
             tracing::debug!(%src, cum = a.cum, next = p.next_seq, "udp: ack beyond what was sent");
             return;
         }
+        let silence_ends = p.probe.is_some_and(|(sent, _)| p.last_heard < sent);
         p.last_heard = now;
         p.last_active = now;
         while let Some(e) = p.inflight.first_entry() {
@@ -654,6 +669,8 @@ impl Srd {
             let inf = e.remove();
             acked(cx, p, inf, now);
         }
+        // The highest sequence number the peer has (`cum` - 1 when the bitmap is empty).
+        let mut high = a.cum;
         for (i, byte) in bitmap.iter().enumerate() {
             if *byte == 0 {
                 continue;
@@ -661,6 +678,7 @@ impl Srd {
             for bit in 0..8 {
                 if byte & (1 << bit) != 0 {
                     let seq = a.cum.saturating_add(1 + (i * 8 + bit) as u64);
+                    high = high.max(seq.saturating_add(1));
                     if let Some(inf) = p.inflight.remove(&seq) {
                         acked(cx, p, inf, now);
                     }
@@ -668,7 +686,44 @@ impl Srd {
             }
         }
         let conn = p.conn;
+        if silence_ends {
+            self.end_silence(cx, conn, high, now);
+        }
         self.pump(cx, conn, now);
+    }
+
+    /// The peer answered after a silence: the packets held back meanwhile
+    /// ([`InFlight::deferred`]) below the highest one it has are lost (it would have them
+    /// otherwise: it takes them in order) and go again now; the others may still be on their
+    /// way (a peer that was descheduled works through its backlog) and get a fresh timeout.
+    fn end_silence(&mut self, cx: &mut Ctx, conn: u32, high: u64, now: Instant) {
+        let Some(p) = self.tx.get_mut(&conn) else {
+            return;
+        };
+        p.probe = None;
+        p.probes = 0;
+        let rto = p.rto(&cx.cfg, 0);
+        let mut lost = Vec::new();
+        for (&seq, inf) in p.inflight.iter_mut().filter(|(_, i)| i.deferred) {
+            if seq < high {
+                lost.push(seq);
+            } else {
+                inf.deferred = false;
+                self.epoch += 1;
+                inf.epoch = self.epoch;
+                self.timers.push(Reverse(Timer {
+                    at: now + rto,
+                    conn,
+                    kind: TimerKind::Packet {
+                        seq,
+                        epoch: self.epoch,
+                    },
+                }));
+            }
+        }
+        for seq in lost {
+            self.retransmit(cx, conn, seq, now);
+        }
     }
 
     /// Handles a negative acknowledgement.
@@ -817,9 +872,30 @@ impl Srd {
         let Some(inf) = p.inflight.get_mut(&seq) else {
             return;
         };
+        let timeout = !inf.rnr_wait;
         if inf.rnr_wait {
             inf.rnr_wait = false;
         } else {
+            let silent = p.probe.is_some_and(|(sent, _)| p.last_heard < sent);
+            if !silent {
+                p.probes = 0;
+            }
+            if let Some((_, next)) = p.probe.filter(|&(_, next)| silent && now < next) {
+                // The peer has said nothing since the last probe: this packet waits for the
+                // next probe time (or for the answer that ends the silence).
+                inf.deferred = true;
+                self.epoch += 1;
+                inf.epoch = self.epoch;
+                self.timers.push(Reverse(Timer {
+                    at: next,
+                    conn,
+                    kind: TimerKind::Packet {
+                        seq,
+                        epoch: self.epoch,
+                    },
+                }));
+                return;
+            }
             inf.retries += 1;
             if seq >= p.recovery {
                 // One multiplicative decrease per window of losses.
@@ -834,6 +910,7 @@ impl Srd {
         };
         inf.try_ = inf.try_.wrapping_add(1);
         inf.retransmitted = true;
+        inf.deferred = false;
         inf.sent_at = now;
         self.epoch += 1;
         inf.epoch = self.epoch;
@@ -841,7 +918,14 @@ impl Srd {
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
         let rev = reverse(&mut self.rx, &self.rx_conn, p);
         transmit(cx, p, seq, rev, &mut self.bitmap, limit, now);
-        let at = now + p.rto(&cx.cfg, retries);
+        let at = if timeout {
+            p.probes += 1;
+            let at = now + p.rto(&cx.cfg, retries.max(p.probes));
+            p.probe = Some((now, at));
+            at
+        } else {
+            now + p.rto(&cx.cfg, retries)
+        };
         self.timers.push(Reverse(Timer {
             at,
             conn,
