@@ -924,7 +924,8 @@ impl Engine {
                 prov_errno,
                 ..
             } => self.ema_peer_error(pid, op_id, prov_errno),
-            _ => self.drop_pkt_type(&pkt),
+            // Exhaustive: a new packet type does not compile until it has its arm here.
+            Packet::PeerError { .. } => self.drop_pkt_type(&pkt),
         }
         // Every packet from a peer makes sure our HANDSHAKE goes to it (once).
         if self.peers.contains_key(&pid) {

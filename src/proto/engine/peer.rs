@@ -344,6 +344,16 @@ impl AddrCache {
     }
 }
 
+/// How our REQ packets to a peer name us: by the connid header (our QKEY) once its HANDSHAKE
+/// arrived (`hs_received`), by our raw address before (it may not know us yet).
+pub(super) fn our_sender(local: RawAddr, hs_received: bool) -> Sender {
+    if hs_received {
+        Sender::Connid(local.qkey)
+    } else {
+        Sender::RawAddr(local)
+    }
+}
+
 /// What the engine knows about one remote endpoint (one incarnation: GID, QPN and QKEY).
 #[derive(Debug)]
 pub(super) struct Peer {

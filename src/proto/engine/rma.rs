@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 
+use super::peer::our_sender;
 use super::tx::{Owner, Pkt};
 use super::{Engine, Event, RemoteWriteDone, RmaBuf, RmaKind, RmaOp, RmaPath};
 use crate::atomic::{AtomicOp, AtomicType};
@@ -162,11 +163,10 @@ impl Start {
 
 impl Engine {
     fn ema_sender(&self, pid: u64) -> Sender {
-        if self.peers.get(&pid).is_some_and(|p| p.hs_received) {
-            Sender::Connid(self.local.qkey)
-        } else {
-            Sender::RawAddr(self.local)
-        }
+        our_sender(
+            self.local,
+            self.peers.get(&pid).is_some_and(|p| p.hs_received),
+        )
     }
 
     fn ema_new_id(&mut self) -> u32 {

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
+use super::peer::our_sender;
 use super::peer::peer_fatal;
 use super::read::ReadProto;
 use super::util::{Hdr, SeqMap, WrTable};
@@ -286,11 +287,7 @@ impl Engine {
         if peer.backoff_until.is_some() {
             return self.again(op, "peer in RNR backoff", "send");
         }
-        let sender = if peer.hs_received {
-            Sender::Connid(self.local.qkey)
-        } else {
-            Sender::RawAddr(self.local)
-        };
+        let sender = our_sender(self.local, peer.hs_received);
         let msg_id = peer.next_msg_id;
         let opt = ReqOpt {
             sender,

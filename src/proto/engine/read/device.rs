@@ -2,6 +2,7 @@
 //! HANDSHAKE, completions (`docs/protocol.md`, "Device RDMA and the read-based protocols").
 
 use super::*;
+use crate::proto::engine::peer::our_sender;
 
 /// An RMA operation of this module.
 #[derive(Debug)]
@@ -368,11 +369,7 @@ impl Engine {
             key,
         }];
         let rma = [op.remote];
-        let sender = if hs {
-            Sender::Connid(self.local.qkey)
-        } else {
-            Sender::RawAddr(self.local)
-        };
+        let sender = our_sender(self.local, hs);
         let pkt = Packet::LongReadRtw {
             opt: ReqOpt {
                 sender,

@@ -2,6 +2,7 @@
 //! READ_NACK at the sender, the receiver's reads, EOR and READ_NACK, the long-CTS continuation.
 
 use super::*;
+use crate::proto::engine::peer::our_sender;
 
 /// Where a long/runting-read message is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -324,11 +325,7 @@ impl Engine {
                 return;
             };
             let hs = self.peers.get(&pid).is_some_and(|p| p.hs_received);
-            let sender = if hs {
-                Sender::Connid(self.local.qkey)
-            } else {
-                Sender::RawAddr(self.local)
-            };
+            let sender = our_sender(self.local, hs);
             let pkt = Packet::LongCtsRtm {
                 opt: ReqOpt {
                     sender,
