@@ -46,7 +46,7 @@ pub use local::{CopyFn, LocalMsg, SameHost};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
 use tx::Pkt;
-use util::{Hdr, HeaderArena};
+use util::{Hdr, HeaderArena, Timer};
 
 /// Engine parameters (from [`crate::Config`] and the device attributes).
 #[derive(Clone, Debug, PartialEq)]
@@ -601,6 +601,8 @@ pub struct Engine {
 
     /// The peers, finding them, their turns and backoffs.
     peers: peer::Peers,
+    /// Every timer of the engine and its sub-states; `poll_timeout` is the earliest.
+    timers: util::TimerTable,
 
     /// Send operations by `send_id`.
     tx: tx::TxSide,
@@ -645,6 +647,7 @@ impl Engine {
             rng,
             closed: false,
             peers: peer::Peers::default(),
+            timers: util::TimerTable::default(),
             tx: tx::TxSide::new(2 * max_tx),
             rx: rx::RxSide::new((2 * max_rx).max(4096)),
             budget: budget::Budget::new(EngineLimits::default()),
@@ -943,14 +946,18 @@ impl Engine {
         if self.closed {
             return;
         }
-        self.peers.expire_backoffs(now);
-        if self.rx.stall_check.is_some_and(|t| t <= now) {
+        if self.timers.expired(Timer::Backoff, now) {
+            self.peers.expire_backoffs(now, &mut self.timers);
+        }
+        if self.timers.expired(Timer::RxStall, now) {
             self.check_stalls(now);
         }
-        if self.rd.timer.is_some_and(|t| t <= now) {
+        if self.timers.expired(Timer::ReadRetry, now) {
             self.read_timeout(now);
         }
-        self.ema_timeout(now);
+        if self.timers.expired(Timer::EmaRetry, now) {
+            self.ema_timeout(now);
+        }
     }
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
@@ -1011,19 +1018,7 @@ impl Engine {
         if self.closed {
             return None;
         }
-        let backoff = self.peers.backoff_deadline();
-        let t = match (backoff, self.rx.stall_check) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        let t = match (t, self.rd.timer) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        match (t, self.ema_next_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        self.timers.next()
     }
 
     /// Closes: every operation still in flight completes with `Canceled` (collect them with
@@ -1138,11 +1133,11 @@ impl Engine {
             p.in_ready = false;
             p.backoff_until = None;
         }
-        self.peers.clear_turns();
+        self.peers.clear_turns(&mut self.timers);
         self.tx.queued = 0;
         self.budget.reset();
         self.rx.user_ops = 0;
-        self.rx.stall_check = None;
+        self.timers.stop(Timer::RxStall);
         self.rx.in_progress = 0;
     }
 
@@ -1151,7 +1146,7 @@ impl Engine {
         if in_progress {
             self.rx.in_progress = self.rx.in_progress.saturating_sub(1);
             if self.rx.in_progress == 0 {
-                self.rx.stall_check = None;
+                self.timers.stop(Timer::RxStall);
             }
         }
     }

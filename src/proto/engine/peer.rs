@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::tx::{Owner, Pkt};
-use super::util::GenSlab;
+use super::util::{GenSlab, Timer, TimerTable};
 use super::{Engine, ErrorKind};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};
@@ -151,7 +151,14 @@ impl Peers {
 
     /// A packet to `pid` met RNR a second time: the peer backs off (new episode: the wait
     /// doubles from `initial`, capped by `max`; already backing off: the wait restarts).
-    fn enter_backoff(&mut self, pid: u64, now: Instant, initial: Duration, max: Duration) {
+    fn enter_backoff(
+        &mut self,
+        pid: u64,
+        now: Instant,
+        initial: Duration,
+        max: Duration,
+        timers: &mut TimerTable,
+    ) {
         let Some(p) = self.table.get_mut(&pid) else {
             return;
         };
@@ -166,11 +173,12 @@ impl Peers {
             tracing::debug!(peer = %p.addr, wait = ?p.rnr_wait, "RNR backoff");
         }
         p.backoff_until = Some(now.checked_add(p.rnr_wait).unwrap_or(now));
+        timers.set(Timer::Backoff, self.backoff_deadline());
     }
 
     /// A resent packet completed: the backoff of `pid` ends and its next one starts from the
     /// initial wait again.
-    pub(super) fn reset_backoff(&mut self, pid: u64) {
+    pub(super) fn reset_backoff(&mut self, pid: u64, timers: &mut TimerTable) {
         let Some(p) = self.table.get_mut(&pid) else {
             return;
         };
@@ -178,11 +186,12 @@ impl Peers {
         if p.backoff_until.take().is_some() {
             self.backoff.retain(|&x| x != pid);
             Self::ready_if_queued(&mut self.ready, pid, p);
+            timers.set(Timer::Backoff, self.backoff_deadline());
         }
     }
 
     /// Ends the backoffs that are due.
-    pub(super) fn expire_backoffs(&mut self, now: Instant) {
+    pub(super) fn expire_backoffs(&mut self, now: Instant, timers: &mut TimerTable) {
         let mut i = 0;
         while let Some(&pid) = self.backoff.get(i) {
             let due = match self.table.get_mut(&pid) {
@@ -202,13 +211,15 @@ impl Peers {
                 i += 1;
             }
         }
+        timers.set(Timer::Backoff, self.backoff_deadline());
     }
 
     /// Nobody is in turn or in backoff any more (the engine closed; the peers' queues were
     /// emptied).
-    pub(super) fn clear_turns(&mut self) {
+    pub(super) fn clear_turns(&mut self, timers: &mut TimerTable) {
         self.ready.clear();
         self.backoff.clear();
+        timers.stop(Timer::Backoff);
     }
 }
 
@@ -656,7 +667,7 @@ impl Engine {
             self.cfg.timeout_interval
         };
         self.peers
-            .enter_backoff(pid, now, initial, self.cfg.max_timeout);
+            .enter_backoff(pid, now, initial, self.cfg.max_timeout, &mut self.timers);
     }
 
     /// The peer is gone (or replaced): its send operations and the receives in progress from

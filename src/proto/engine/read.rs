@@ -16,6 +16,7 @@
 //! ([`BytesMut::split_off`]), each piece goes to the device and comes back in its completion, and
 //! the pieces are joined again ([`BytesMut::unsplit`], which is O(1) for neighbouring pieces).
 
+use crate::proto::engine::util::Timer;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -303,8 +304,6 @@ pub(super) struct ReadState {
     turn: bool,
     /// The queue pair has unsolicited write-recv.
     unsolicited: bool,
-    /// When to retry writes into locked memory.
-    pub(super) timer: Option<Instant>,
 }
 
 impl ReadState {
@@ -453,7 +452,7 @@ impl Engine {
         self.rd.tx_read.clear();
         self.rd.read_msgs = 0;
         self.rd.waiting = 0;
-        self.rd.timer = None;
+        self.timers.stop(Timer::ReadRetry);
     }
 
     /// `poll_transmit`: packets and RDMA work requests take turns (the device's send queue
@@ -466,7 +465,7 @@ impl Engine {
             return None;
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now);
+            self.peers.expire_backoffs(now, &mut self.timers);
         }
         self.rd.turn = !self.rd.turn;
         if self.rd.turn {

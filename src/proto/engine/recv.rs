@@ -1,6 +1,7 @@
 //! Application receives: posting (with multi-receive buffers), matching against posted
 //! receives, cancel, peek / claim / discard, and stalled receives.
 
+use crate::proto::engine::util::Timer;
 use std::time::Instant;
 
 use bytes::BytesMut;
@@ -403,6 +404,7 @@ impl Engine {
                 next = Some(next.map_or(due, |n| n.min(due)));
             }
         }
-        self.rx.stall_check = if self.rx.in_progress > 0 { next } else { None };
+        let next = if self.rx.in_progress > 0 { next } else { None };
+        self.timers.set(Timer::RxStall, next);
     }
 }

@@ -13,6 +13,7 @@
 //! * At the target, memory the application holds locked (`Again`) is retried from
 //!   [`Engine::handle_timeout`] in arrival order; nothing is dropped.
 
+use crate::proto::engine::util::Timer;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -46,7 +47,6 @@ pub(super) struct Ema {
     retry: VecDeque<Work>,
     /// Bytes the waiting work holds (bounded by `EngineLimits::max_buffered_bytes`).
     retry_bytes: usize,
-    retry_at: Option<Instant>,
     /// Atomics waiting for their turn in the reorder window, by their rx entry id.
     rta: HashMap<u32, Work>,
     /// Long-CTS writes and reads of peers this side serves, by the id it gave them.
@@ -732,7 +732,7 @@ impl Engine {
             match self.ema_run(w) {
                 None => return,
                 Some(w) => {
-                    self.ema.retry_at = Some(now + RETRY);
+                    self.timers.set(Timer::EmaRetry, Some(now + RETRY));
                     w
                 }
             }
@@ -750,26 +750,21 @@ impl Engine {
 
     /// Retries target work whose region was locked.
     pub(super) fn ema_timeout(&mut self, now: Instant) {
-        if self.ema.retry_at.is_none_or(|t| t > now) {
+        if !self.timers.expired(Timer::EmaRetry, now) {
             return;
         }
-        self.ema.retry_at = None;
+        self.timers.stop(Timer::EmaRetry);
         while let Some(w) = self.ema.retry.pop_front() {
             let n = w.held_bytes();
             match self.ema_run(w) {
                 Some(w) => {
                     self.ema.retry.push_front(w);
-                    self.ema.retry_at = Some(now + RETRY);
+                    self.timers.set(Timer::EmaRetry, Some(now + RETRY));
                     return;
                 }
                 None => self.ema.retry_bytes = self.ema.retry_bytes.saturating_sub(n),
             }
         }
-    }
-
-    /// When target work is to be retried.
-    pub(super) fn ema_next_timeout(&self) -> Option<Instant> {
-        self.ema.retry_at
     }
 
     /// Applies target work; hands it back when the region is locked (`Again`).

@@ -2,6 +2,7 @@
 //! (or the unexpected queue), segment placement, CTS windows and CTSDATA, RECEIPT, application
 //! receives (multi-receive, cancel, peek / claim / discard) and stalled receives.
 
+use crate::proto::engine::util::Timer;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
@@ -108,10 +109,8 @@ pub(super) struct RxSide {
     pub(super) next_claim: u64,
     /// Application receives posted or in progress (multi-receive buffers count once).
     pub(super) user_ops: usize,
-    /// Matched receives waiting for more packets.
+    /// Matched receives waiting for more packets (while there are, `Timer::RxStall` runs).
     pub(super) in_progress: usize,
-    /// When to look for stalled receives next.
-    pub(super) stall_check: Option<Instant>,
 }
 
 impl RxSide {
@@ -126,7 +125,6 @@ impl RxSide {
             next_claim: 1,
             user_ops: 0,
             in_progress: 0,
-            stall_check: None,
         }
     }
 }
@@ -777,8 +775,9 @@ impl Engine {
             e.in_progress = true;
         }
         self.rx.in_progress += 1;
-        if self.rx.stall_check.is_none() {
-            self.rx.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
+        {
+            let at = now.checked_add(self.cfg.rx_stall_timeout);
+            self.timers.arm_if_stopped(Timer::RxStall, at);
         }
         if self.rx.ops.get(&rid).is_some_and(|e| e.read.is_some()) {
             self.start_rx_read(now, rid);

@@ -272,7 +272,7 @@ impl Engine {
             return Err((Engine::closed_error("send"), op));
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now);
+            self.peers.expire_backoffs(now, &mut self.timers);
         }
         if self.tx.ops.len() >= self.cfg.max_tx_ops {
             return self.again(op, "max_tx_ops operations in flight", "send");
@@ -455,7 +455,7 @@ impl Engine {
             return None;
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now);
+            self.peers.expire_backoffs(now, &mut self.timers);
         }
         while let Some((dest, pkt)) = self.peers.next_packet() {
             self.tx.queued = self.tx.queued.saturating_sub(1);
@@ -504,7 +504,7 @@ impl Engine {
             && !peer_fatal(status)
         {
             if status == Status::Success && pkt.rnr > 0 {
-                self.peers.reset_backoff(pkt.peer);
+                self.peers.reset_backoff(pkt.peer, &mut self.timers);
             }
             return self.ema_pkt_done(&pkt.owner, status);
         }
@@ -513,7 +513,7 @@ impl Engine {
                 if pkt.rnr > 0 {
                     // A resent packet got through: the peer's backoff is over and its wait
                     // starts afresh (libfabric's `efa_rdm_pke_release_tx`).
-                    self.peers.reset_backoff(pkt.peer);
+                    self.peers.reset_backoff(pkt.peer, &mut self.timers);
                 }
                 if let Owner::Tx(id) = pkt.owner {
                     self.read_pkt_done(id, &pkt);

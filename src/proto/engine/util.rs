@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
@@ -747,5 +748,58 @@ impl<T, const TAG: u64> WrTable<T, TAG> {
 
     pub(super) fn clear(&mut self) {
         self.slab.clear();
+    }
+}
+
+/// The engine's timers, one slot each (as quinn-proto's `TimerTable`): a sub-state arms and
+/// stops its own; [`Engine::poll_timeout`](super::Engine::poll_timeout) is the earliest armed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Timer {
+    /// The first RNR backoff of a peer ends (`Peers`).
+    Backoff,
+    /// A matched receive may have stalled (`rx_stall_timeout`).
+    RxStall,
+    /// A LONGREAD_RTW's data waits for the application to release its region.
+    ReadRetry,
+    /// Emulated RMA target work waits for a locked region.
+    EmaRetry,
+}
+
+impl Timer {
+    const COUNT: usize = 4;
+}
+
+/// When each [`Timer`] is due (`None`: stopped).
+#[derive(Debug, Default)]
+pub(super) struct TimerTable {
+    at: [Option<Instant>; Timer::COUNT],
+}
+
+impl TimerTable {
+    /// Arms `t` for `at` (`None` stops it).
+    pub(super) fn set(&mut self, t: Timer, at: Option<Instant>) {
+        self.at[t as usize] = at;
+    }
+
+    /// Arms `t` for `at` unless it is armed already.
+    pub(super) fn arm_if_stopped(&mut self, t: Timer, at: Option<Instant>) {
+        let slot = &mut self.at[t as usize];
+        if slot.is_none() {
+            *slot = at;
+        }
+    }
+
+    pub(super) fn stop(&mut self, t: Timer) {
+        self.at[t as usize] = None;
+    }
+
+    /// `t` is armed and due at `now`.
+    pub(super) fn expired(&self, t: Timer, now: Instant) -> bool {
+        self.at[t as usize].is_some_and(|at| at <= now)
+    }
+
+    /// The earliest armed timer.
+    pub(super) fn next(&self) -> Option<Instant> {
+        self.at.iter().flatten().min().copied()
     }
 }

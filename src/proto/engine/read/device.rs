@@ -213,7 +213,7 @@ impl Engine {
             return Ok(Some(op));
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now);
+            self.peers.expire_backoffs(now, &mut self.timers);
         }
         let Some(pid) = self.peer_for_send(op.dest) else {
             let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::proto::engine::peer::our_sender;
+use crate::proto::engine::util::Timer;
 
 /// Where a long/runting-read message is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -465,8 +466,9 @@ impl Engine {
                 sink.buf = pieces.join(head, start);
             }
         }
-        if self.rx.stall_check.is_none() && self.rx.in_progress > 0 {
-            self.rx.stall_check = now.checked_add(self.cfg.rx_stall_timeout);
+        if self.rx.in_progress > 0 {
+            let at = now.checked_add(self.cfg.rx_stall_timeout);
+            self.timers.arm_if_stopped(Timer::RxStall, at);
         }
         if failed {
             tracing::debug!(rid, "RDMA read of a message failed: READ_NACK");

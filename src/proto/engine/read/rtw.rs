@@ -2,6 +2,7 @@
 //! READ_NACK.
 
 use super::*;
+use crate::proto::engine::util::Timer;
 
 /// The target of a LONGREAD_RTW: reads the initiator's buffer and writes it into the memory.
 #[derive(Debug)]
@@ -188,8 +189,9 @@ impl Engine {
         }
         let waiting = !t.unwritten.is_empty();
         if t.pieces.outstanding > 0 || waiting {
-            if waiting && self.rd.timer.is_none() {
-                self.rd.timer = now.checked_add(MEMORY_RETRY);
+            if waiting {
+                let at = now.checked_add(MEMORY_RETRY);
+                self.timers.arm_if_stopped(Timer::ReadRetry, at);
             }
             return;
         }
@@ -228,7 +230,7 @@ impl Engine {
 
     /// Retries the writes into memory the application held locked.
     pub(in crate::proto::engine) fn read_timeout(&mut self, now: Instant) {
-        self.rd.timer = None;
+        self.timers.stop(Timer::ReadRetry);
         let mut ids: Vec<u32> = self
             .rd
             .rtw
