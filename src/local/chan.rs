@@ -51,9 +51,7 @@ use crate::shmem::file::{
 };
 use crate::shmem::map::{self, Mapping, remove_if_same};
 
-/// Name prefix of channel files.
-pub(crate) use crate::shmem::CHAN_PREFIX as PREFIX;
-pub(crate) use crate::shmem::sweep_chans as sweep;
+use crate::shmem::dir::CHANNEL;
 const MAGIC: u64 = u64::from_le_bytes(*b"EFA-CHN\0");
 const VERSION: u32 = 1;
 /// Largest chunk a peer's header may declare.
@@ -114,7 +112,7 @@ pub(crate) fn fnv(s: &str) -> u64 {
 /// The file name of the channel of the endpoint at `a`.
 pub(crate) fn chan_name(uid: u32, a: &RawAddr) -> String {
     let gid: String = a.gid.0.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{PREFIX}{uid}-{gid}-{}-{:08x}", a.qpn, a.qkey)
+    CHANNEL.name(uid, format_args!("{gid}-{}-{:08x}", a.qpn, a.qkey))
 }
 
 /// Ring shape.
@@ -230,7 +228,7 @@ impl OwnChan {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let pid = std::process::id();
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
-        let tmp = dir.join(format!("{PREFIX}{uid}-tmp-{pid}-{n}"));
+        let tmp = dir.join(CHANNEL.tmp_name(uid, pid, n));
         let res = Self::create_at(dir, &tmp, uid, netns, addr, geo);
         let _ = std::fs::remove_file(&tmp);
         res
@@ -569,7 +567,7 @@ impl super::ring::Channels for ShmChannels {
     }
 
     fn peer_died(&self) {
-        crate::device::shm::sweep_dir(&self.dir, self.uid);
+        crate::shmem::dir::sweep_all(&self.dir, self.uid);
     }
 }
 
@@ -770,6 +768,6 @@ mod tests {
         ));
         assert!(!stale.exists());
         std::fs::write(&stale, [0u8; 300]).unwrap();
-        assert_eq!(sweep(dir.path(), map::uid()), 1);
+        assert_eq!(CHANNEL.sweep(dir.path(), map::uid()), 1);
     }
 }

@@ -251,7 +251,7 @@ impl LocalPath<ShmChannels> {
         static SWEPT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         let uid = map::uid();
         if !SWEPT.swap(true, Ordering::Relaxed) {
-            let n = chan::sweep(dir, uid);
+            let n = crate::shmem::dir::sweep_all(dir, uid);
             if n > 0 {
                 tracing::info!(dir = %dir.display(), n, "local path: removed stale channels of dead processes");
             }

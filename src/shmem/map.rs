@@ -339,14 +339,6 @@ pub(crate) fn sweep_dir(
     removed
 }
 
-/// For a temporary name (`rest` is `tmp-<pid>-...` after the user's prefix): removes the file at
-/// `path` if process `pid` no longer exists; `Some(true)` when it did. `None` for other names.
-pub(crate) fn remove_tmp_of_dead(path: &Path, rest: &str) -> Option<bool> {
-    let tmp = rest.strip_prefix("tmp-")?;
-    let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
-    Some(pid.is_some_and(|p| !pid_exists(p)) && std::fs::remove_file(path).is_ok())
-}
-
 /// Removes the file at `path` if its owner is gone (its lock is free); true when the name is
 /// free now.
 pub(crate) fn remove_if_stale(path: &Path) -> bool {

@@ -19,19 +19,17 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
 
 use crate::addr::{Gid, RawAddr};
+use crate::shmem::dir::ROUTE_ENTRY;
 use crate::shmem::map::{self, lock_free, open_existing, remove_if_same, remove_if_stale};
 
 /// Name prefix of every file of the routing directory.
-pub const PREFIX: &str = "efa-route-";
+pub const PREFIX: &str = ROUTE_ENTRY.prefix;
 /// Largest entry file read, bytes.
 pub const MAX_ENTRY: u64 = 1024;
 /// First line of an entry.
 const MAGIC: &str = "efa-route 1";
-/// A temporary file whose lock is free is removed by a sweep once it is this old.
-const TMP_GRACE: Duration = Duration::from_secs(10);
 
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
@@ -45,7 +43,7 @@ pub use crate::shmem::netns;
 /// The entry name of the queue pair whose primary address is `a`.
 pub fn entry_name(uid: u32, a: &RawAddr) -> String {
     let gid: String = a.gid.0.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{PREFIX}{uid}-{gid}-{}-{:08x}", a.qpn, a.qkey)
+    ROUTE_ENTRY.name(uid, format_args!("{gid}-{}-{:08x}", a.qpn, a.qkey))
 }
 
 /// What an entry says.
@@ -122,7 +120,7 @@ pub fn publish(dir: &Path, uid: u32, info: &EntryInfo) -> io::Result<Option<Entr
     let name = entry_name(uid, &info.primary);
     let path = dir.join(&name);
     let n = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!("{PREFIX}{uid}-tmp-{}-{n}", info.pid));
+    let tmp = dir.join(ROUTE_ENTRY.tmp_name(uid, info.pid, n));
     let mut file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -200,31 +198,11 @@ pub fn forget_if_stale(dir: &Path, uid: u32, dest: &RawAddr) -> bool {
     false
 }
 
-/// Removes this user's stale files from `dir`: entries whose lock is free (owner gone) and
-/// temporary files whose lock is free and that are older than a few seconds. Returns how many.
+/// Removes this user's stale routing entries from `dir`: entries whose lock is free (owner
+/// gone) and temporary files whose lock is free and that are older than a few seconds (the
+/// rule of `shmem::dir`, which knows every kind of file there). Returns how many.
 pub fn sweep(dir: &Path, uid: u32) -> usize {
-    map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
-        let Ok(f) = open_existing(path) else {
-            return false;
-        };
-        let Ok(m) = f.metadata() else {
-            return false;
-        };
-        if !m.is_file() || m.uid() != uid || !lock_free(&f) {
-            return false;
-        }
-        if rest.starts_with("tmp-") {
-            let old = m
-                .modified()
-                .ok()
-                .and_then(|t| SystemTime::now().duration_since(t).ok())
-                .is_some_and(|age| age >= TMP_GRACE);
-            if !old {
-                return false;
-            }
-        }
-        remove_if_same(path, m.ino())
-    })
+    ROUTE_ENTRY.sweep(dir, uid)
 }
 
 #[cfg(test)]

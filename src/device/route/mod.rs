@@ -108,11 +108,8 @@ impl RoutedDevice {
         let shm = ShmDevice::open(cfg)?;
         let shm_gid = shm.attr().gid;
         let uid = dir::uid();
+        // `ShmDevice::open` swept the directory's stale files of every kind.
         let d = shm.dir().to_path_buf();
-        let swept = dir::sweep(&d, uid);
-        if swept > 0 {
-            tracing::info!(dir = %d.display(), swept, "shm route: removed stale entries of dead processes");
-        }
         tracing::debug!(primary = %pa.name, dir = %d.display(), "shm route: device opened");
         Ok(Arc::new(RoutedDevice {
             primary,
@@ -137,10 +134,11 @@ impl RoutedDevice {
         &self.shm
     }
 
-    /// Removes this user's stale routing entries (and shm segments) of dead processes from the
-    /// directory; returns how many files it removed. [`RoutedDevice::open`] does this once.
+    /// Removes this user's stale files of dead processes (routing entries, shm segments,
+    /// channels) from the directory; returns how many files it removed.
+    /// [`RoutedDevice::open`] does this once.
     pub fn sweep(&self) -> usize {
-        dir::sweep(&self.shared.dir, self.shared.uid) + self.shm.sweep()
+        self.shm.sweep()
     }
 }
 

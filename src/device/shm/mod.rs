@@ -72,19 +72,13 @@ pub(crate) const PROVIDER: super::registry::Provider = super::registry::Provider
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-/// Removes every stale file of user `uid` in the shm directory `dir`: segments, local-path
-/// channels and routing entries whose owners died (after a peer was found dead, so that what it
-/// left goes at once, not at the next device open). Returns how many.
-pub(crate) fn sweep_dir(dir: &Path, uid: u32) -> usize {
-    segment::sweep(dir, uid) + sweep_chans(dir, uid) + crate::device::route::dir::sweep(dir, uid)
-}
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::addr::Gid;
 use crate::device::{Device, DeviceAttr, DeviceKind, QpAttr, QueuePair};
 use crate::error::{Error, ErrorKind, Result};
-use crate::shmem::{map, sweep_chans};
+use crate::shmem::{dir as shm_dir, map};
 use crate::stats::{DeviceCounters, DeviceStats};
 
 /// Smallest MTU the device accepts, bytes.
@@ -288,7 +282,7 @@ impl ShmDevice {
                 .with_detail(format!("{} is not a directory", dir.display())));
         }
         let uid = map::uid();
-        let swept = segment::sweep(&dir, uid) + sweep_chans(&dir, uid);
+        let swept = shm_dir::sweep_all(&dir, uid);
         if swept > 0 {
             tracing::info!(dir = %dir.display(), swept, "shm: removed stale segments of dead processes");
         }
@@ -340,13 +334,12 @@ impl ShmDevice {
             .join(segment::seg_name(self.shared.uid, qpn))
     }
 
-    /// Removes this user's stale files from the directory: segments and RDM endpoints' message
-    /// channels no live process holds (its owner died without closing) and half-created files of
-    /// processes that no longer exist. Returns how many it removed. [`ShmDevice::open`] does
-    /// this once.
+    /// Removes this user's stale files from the directory: segments, RDM endpoints' message
+    /// channels and routing entries no live process holds (its owner died without closing) and
+    /// half-created files of processes that no longer exist. Returns how many it removed.
+    /// [`ShmDevice::open`] does this once.
     pub fn sweep(&self) -> usize {
-        segment::sweep(&self.shared.dir, self.shared.uid)
-            + sweep_chans(&self.shared.dir, self.shared.uid)
+        shm_dir::sweep_all(&self.shared.dir, self.shared.uid)
     }
 }
 

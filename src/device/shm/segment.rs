@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::QpType;
+use crate::shmem::dir::SEGMENT;
 pub(crate) use crate::shmem::file::{
     H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_TOTAL, H_VERSION, HDR_SIZE, Liveness, MAX_SLOTS,
     SLOT_HDR,
@@ -20,7 +21,7 @@ pub(crate) use crate::shmem::file::{
 use crate::shmem::map::{self, Mapping};
 
 /// Every file of the device starts with this.
-pub(crate) const PREFIX: &str = "efa-shm-";
+pub(crate) const PREFIX: &str = SEGMENT.prefix;
 /// `"EFA-SHM\0"` little-endian: the first 8 bytes of every segment.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"EFA-SHM\0");
 /// Layout version; a peer with another version is refused.
@@ -118,12 +119,12 @@ pub(crate) enum OpenError {
 
 /// The name of the segment of queue pair `qpn` of user `uid`.
 pub(crate) fn seg_name(uid: u32, qpn: u16) -> String {
-    format!("{PREFIX}{uid}-{qpn}")
+    SEGMENT.name(uid, format_args!("{qpn}"))
 }
 
 /// The temporary name a process creates a segment under before it owns a QPN.
 fn tmp_name(uid: u32, pid: u32, n: u64) -> String {
-    format!("{PREFIX}{uid}-tmp-{pid}-{n}")
+    SEGMENT.tmp_name(uid, pid, n)
 }
 
 /// What identifies the owner of a segment, written once at creation.
@@ -394,30 +395,6 @@ impl PeerSegment {
     }
 }
 
-/// Removes the stale files of user `uid` in `dir`: segments whose owner's lock is free (the
-/// owner died without closing) and temporary files of processes that no longer exist. Returns
-/// how many were removed.
-pub(crate) fn sweep(dir: &Path, uid: u32) -> usize {
-    map::sweep_dir(dir, &format!("{PREFIX}{uid}-"), |path, rest| {
-        if let Some(gone) = map::remove_tmp_of_dead(path, rest) {
-            return gone;
-        }
-        if rest.parse::<u16>().is_err() {
-            return false;
-        }
-        // Only our own regular files (no symlinks, nothing another user planted).
-        let Ok((file, meta)) = open_owned(path, uid) else {
-            return false;
-        };
-        let gone = matches!(map::try_lock_exclusive(&file), Ok(true))
-            && map::remove_if_same(path, meta.ino());
-        if gone {
-            tracing::debug!(path = %path.display(), "shm: swept a stale segment");
-        }
-        gone
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -498,13 +475,13 @@ mod tests {
         fs::write(&target, b"keep").unwrap();
         let planted = b.path().join(seg_name(uid, 4242));
         std::os::unix::fs::symlink(&target, &planted).unwrap();
-        assert_eq!(sweep(b.path(), uid), 0);
+        assert_eq!(SEGMENT.sweep(b.path(), uid), 0);
         assert_eq!(fs::read(&target).unwrap(), b"keep");
         // A stale segment of ours (its owner gone: nobody holds its lock) is swept.
         // (The lock lives as long as the mapping: the whole segment goes.)
         let path = own(b.path()).path;
         assert!(path.exists());
-        assert_eq!(sweep(b.path(), uid), 1);
+        assert_eq!(SEGMENT.sweep(b.path(), uid), 1);
         assert!(!path.exists());
     }
 }
