@@ -8,6 +8,9 @@
 
 pub(crate) mod file;
 pub(crate) mod map;
+#[cfg(loom)]
+pub(crate) mod model;
+pub(crate) mod sync;
 
 use std::path::Path;
 
