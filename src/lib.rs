@@ -72,6 +72,50 @@ pub use bytes;
 #[doc = include_str!("../docs/getting-started.md")]
 pub mod getting_started {}
 
+/// The guides of the repository's `docs/` folder, one module each, compiled with the crate (as
+/// rustls's manual is): their Rust examples build (and run, where they need no second process
+/// or hardware) under `cargo test --doc`, and their links to items resolve under `cargo doc`
+/// with warnings denied, so a guide cannot go on naming an API that changed. Start with
+/// [`getting_started`].
+///
+/// Names a guide writes in backticks without a link (`Type::method`, `module::Item`) are
+/// checked against the source by `tests/docs.rs`.
+pub mod guide {
+    // Using the crate.
+    #[doc = include_str!("../docs/rdm.md")]
+    pub mod rdm {}
+    #[doc = include_str!("../docs/dgram.md")]
+    pub mod dgram {}
+    #[doc = include_str!("../docs/rma.md")]
+    pub mod rma {}
+    #[doc = include_str!("../docs/config.md")]
+    pub mod config {}
+    #[doc = include_str!("../docs/multi-nic.md")]
+    pub mod multi_nic {}
+    #[doc = include_str!("../docs/libfabric-map.md")]
+    pub mod libfabric_map {}
+    #[doc = include_str!("../docs/security.md")]
+    pub mod security {}
+    #[doc = include_str!("../docs/performance.md")]
+    pub mod performance {}
+    // The devices.
+    #[doc = include_str!("../docs/efa-hardware.md")]
+    pub mod efa_hardware {}
+    #[doc = include_str!("../docs/udp-device.md")]
+    pub mod udp_device {}
+    #[doc = include_str!("../docs/shm-device.md")]
+    pub mod shm_device {}
+    #[doc = include_str!("../docs/loopback-device.md")]
+    pub mod loopback_device {}
+    // Inside the crate.
+    #[doc = include_str!("../docs/protocol.md")]
+    pub mod protocol {}
+    #[doc = include_str!("../docs/architecture.md")]
+    pub mod architecture {}
+    #[doc = include_str!("../docs/emulator.md")]
+    pub mod emulator {}
+}
+
 pub use atomic::{AtomicOp, AtomicType};
 pub use config::Config;
 

@@ -37,7 +37,8 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// An endpoint kind: [`Dgram`] (and `Rdm` with the protocol engine). Sealed.
+/// An endpoint kind: [`Rdm`] (through the protocol engine) or [`Dgram`] (straight on the
+/// device). Sealed.
 pub trait EndpointKind: sealed::Sealed + Sized + 'static {
     /// The libfabric endpoint type.
     const EP_TYPE: EpType;

@@ -39,7 +39,7 @@ use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use bytes::BytesMut;
 
@@ -50,6 +50,7 @@ use crate::shmem::file::{
     SLOT_HDR,
 };
 use crate::shmem::map::{self, Mapping, remove_if_same};
+use crate::shmem::sync::AtomicU64;
 
 use crate::shmem::dir::CHANNEL;
 const MAGIC: u64 = u64::from_le_bytes(*b"EFA-CHN\0");
@@ -225,7 +226,7 @@ impl OwnChan {
         addr: &RawAddr,
         geo: Geometry,
     ) -> io::Result<Option<OwnChan>> {
-        static SEQ: AtomicU64 = AtomicU64::new(0);
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let pid = std::process::id();
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let tmp = dir.join(CHANNEL.tmp_name(uid, pid, n));
@@ -604,6 +605,34 @@ impl super::ring::PeerRing for PeerChan {
     fn liveness(&self) -> Liveness {
         PeerChan::liveness(self)
     }
+}
+
+/// A channel of geometry `geo` in model memory, as its owner and one peer see it (the model
+/// tests, `super::loom_tests`): the slots initialised as [`OwnChan::create`] does, no file.
+#[cfg(all(test, loom))]
+pub(super) fn model_pair(geo: Geometry) -> (OwnChan, PeerChan) {
+    let m = Mapping::new(geo.total);
+    for i in 0..u64::from(geo.slots) {
+        m.store64(geo.slot(i) + S_SEQ, i);
+    }
+    let own = OwnChan {
+        ring: Arc::new(OwnRing {
+            map: m.clone(),
+            geo,
+            head: AtomicU64::new(0),
+        }),
+        file: None,
+        path: PathBuf::new(),
+        ino: 0,
+    };
+    let peer = PeerChan {
+        map: m,
+        geo,
+        file: tempfile::tempfile().expect("a temporary file"),
+        path: PathBuf::new(),
+        ino: 0,
+    };
+    (own, peer)
 }
 
 fn read_header(

@@ -31,6 +31,8 @@
 //! faults.
 
 mod chan;
+#[cfg(all(test, loom))]
+mod loom_tests;
 #[cfg(test)]
 mod mem;
 mod recv;

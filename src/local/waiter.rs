@@ -10,7 +10,6 @@ use super::chan::OwnRing;
 use crate::cq::ProgressSource;
 use crate::notify::{Notifier, SleepHook};
 use crate::progress::{Background, PollMark, Polls};
-use crate::shmem::file::Doorbell;
 use crate::shmem::map;
 
 /// How long the waiter stays aside while the application busy-polls before it looks again
@@ -159,9 +158,10 @@ impl SleepHook for WaiterHook {
 /// device's thread does for the device path: chunks are consumed, sends complete, completion
 /// queues are woken. While sends wait it looks every millisecond.
 fn run(s: &Pace, ring: &OwnRing) {
-    let Some(Doorbell { bell, sleepers }) = ring.bell() else {
+    let Some(door) = ring.bell() else {
         return;
     };
+    let bell = door.bell;
     let mut mark = PollMark::new(&s.polls);
     while !s.stop.load(Ordering::Acquire) {
         // While the application busy-polls, stand aside a window at a time; otherwise go
@@ -177,18 +177,16 @@ fn run(s: &Pace, ring: &OwnRing) {
                 continue;
             }
         }
-        sleepers.store(1, Ordering::Relaxed);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let seen = bell.load(Ordering::Acquire);
-        if !ring.ready() {
-            let nap = if s.waiting.load(Ordering::Relaxed) {
-                Duration::from_millis(1)
-            } else {
-                IDLE_NAP
-            };
-            map::futex_wait(bell, seen, nap);
-        }
-        sleepers.store(0, Ordering::Relaxed);
+        let seen = door.sleep_unless(
+            || ring.ready(),
+            || {
+                if s.waiting.load(Ordering::Relaxed) {
+                    Duration::from_millis(1)
+                } else {
+                    IDLE_NAP
+                }
+            },
+        );
         // The application polled at the busy-poll rate meanwhile: stand aside from now on.
         if mark.judge(&s.polls) && !s.sleeping.swap(false, Ordering::SeqCst) {
             s.app_polls.store(true, Ordering::Relaxed);

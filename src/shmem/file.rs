@@ -16,13 +16,14 @@
 
 use std::fs::File;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::time::Duration;
 
 // Every ring slot starts with its sequence word (Vyukov's bounded queue): position `p` is free
 // for a producer when the word is `p`, published when it is `p + 1`, and handed to the producer
 // of the next lap (`p + slots`) when the consumer frees it.
 
 use super::map::{self, Mapping};
+use super::sync::{AtomicU32, Ordering, fence};
 
 /// Bytes of the header.
 pub(crate) const HDR_SIZE: usize = 256;
@@ -187,6 +188,26 @@ impl<'a> Doorbell<'a> {
     pub(crate) fn ring_if_asleep(&self) {
         fence(Ordering::SeqCst);
         self.ring_if_seen_asleep();
+    }
+
+    /// The owner's side of the handshake: counts itself the sleeper, fences, and sleeps on the
+    /// bell (at most `nap()`) unless `ready()` finds work; then is a sleeper no more. Returns
+    /// the bell it saw before the look (a bell that moved since means someone rang). The look
+    /// after the fence is what makes a wake-up never lost: a producer that published before it
+    /// is seen by `ready()`, one that publishes after it sees the sleeper (`ring_if_asleep`).
+    pub(crate) fn sleep_unless(
+        &self,
+        ready: impl FnOnce() -> bool,
+        nap: impl FnOnce() -> Duration,
+    ) -> u32 {
+        self.sleepers.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let seen = self.bell.load(Ordering::Acquire);
+        if !ready() {
+            map::futex_wait(self.bell, seen, nap());
+        }
+        self.sleepers.store(0, Ordering::Relaxed);
+        seen
     }
 
     /// Rings if the owner is seen asleep, without the fence: for news the owner also finds by

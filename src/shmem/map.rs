@@ -14,25 +14,38 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
+#[cfg(not(loom))]
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
 use std::time::Duration;
 
+#[cfg(not(loom))]
 use bytes::BytesMut;
 
+#[cfg(not(loom))]
+use super::sync::{AtomicU32, AtomicU64, Ordering};
+
+// Under the model checker: a model of the shared memory and of the futex (see `super::model`).
+#[cfg(loom)]
+pub(crate) use super::model::{Mapping, futex_wait, futex_wake};
+
 /// A `MAP_SHARED`, read-write mapping of the first `len` bytes of a file.
+#[cfg(not(loom))]
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
 
+#[cfg(not(loom))]
 // SAFETY: the mapping is plain memory owned by this value until `Drop`; every access goes
 // through atomics or raw copies that tolerate concurrent writers, so sharing it between threads
 // is no different from sharing it between processes.
 unsafe impl Send for Mapping {}
+#[cfg(not(loom))]
 // SAFETY: as above; no method hands out `&mut` access or a plain reference to the bytes.
 unsafe impl Sync for Mapping {}
 
+#[cfg(not(loom))]
 impl Mapping {
     /// Maps the first `len` bytes of `file` (which must be at least that long; the caller checks
     /// the file size first so no access can fall beyond the end of the file).
@@ -182,6 +195,7 @@ impl Mapping {
     }
 }
 
+#[cfg(not(loom))]
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly what `mmap` returned; no reference into the mapping
@@ -194,6 +208,7 @@ impl Drop for Mapping {
 
 /// Sleeps while `word` holds `expected`, at most `timeout` (a shared futex: works between
 /// processes mapping the same file). Spurious returns are fine; callers re-check.
+#[cfg(not(loom))]
 pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
@@ -215,6 +230,7 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 }
 
 /// Wakes every waiter of `word` in any process.
+#[cfg(not(loom))]
 pub(crate) fn futex_wake(word: &AtomicU32) {
     // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE does not access memory beyond
     // looking the address up.

@@ -9,6 +9,9 @@
 pub(crate) mod dir;
 pub(crate) mod file;
 pub(crate) mod map;
+#[cfg(loom)]
+pub(crate) mod model;
+pub(crate) mod sync;
 
 /// The identity of this process's network namespace (`net:[4026531840]`), empty if unknown.
 /// Addresses of software devices (IP and port) only mean the same thing inside one namespace.

@@ -59,6 +59,8 @@
 //! ```
 
 pub mod cma;
+#[cfg(all(test, loom))]
+mod loom_tests;
 mod qp;
 mod ring;
 mod segment;

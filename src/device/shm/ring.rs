@@ -12,7 +12,7 @@
 //! `Release`; the consumer loads the sequence with `Acquire`, and after consuming stores
 //! `p + slots` with `Release`, which hands the slot to the producer of the next lap.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use crate::shmem::sync::{AtomicU32, AtomicU64, Ordering};
 
 use bytes::BytesMut;
 
