@@ -699,10 +699,7 @@ pub fn open_domain(
     if let (Some(mtu), "udp") = (conn.mtu, conn.provider.as_str()) {
         use efa::device::udp::{UdpConfig, UdpDevice};
         let config = efa::Config::from_env().map_err(|e| e.to_string())?;
-        let mut udp = UdpConfig {
-            mtu,
-            ..UdpConfig::default()
-        };
+        let mut udp = UdpConfig::default().with_mtu(mtu);
         if let Some(ip) = bind {
             udp.bind = ip;
         }
