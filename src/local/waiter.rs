@@ -110,6 +110,9 @@ impl Waiter {
             ring: ring.clone(),
         });
         notifier.add_sleep_hook(Arc::downgrade(&hook));
+        if let Some(fd) = ring.wake_fd() {
+            notifier.watch(fd);
+        }
         Ok(Waiter {
             pace: pace.clone(),
             _hook: hook,
@@ -140,8 +143,9 @@ struct WaiterHook {
     ring: Arc<OwnRing>,
 }
 
-impl SleepHook for WaiterHook {
-    fn before_sleep(&self) {
+impl WaiterHook {
+    /// The waiter stood aside while the application polled: it takes over now.
+    fn take_over(&self) {
         if let Some(s) = self.pace.upgrade() {
             if s.app_polls.load(Ordering::Relaxed) {
                 s.sleeping.store(true, Ordering::SeqCst);
@@ -153,13 +157,36 @@ impl SleepHook for WaiterHook {
     }
 }
 
+impl SleepHook for WaiterHook {
+    /// A blocking or async wait: senders ring the waiter's futex (not the wake pipe, which no
+    /// one waits on now), and a chunk a sender announced through the pipe meanwhile wakes the
+    /// waiter.
+    fn before_sleep(&self) {
+        if self.ring.disarm_fd_wait() {
+            if let Some(d) = self.ring.bell() {
+                d.wake();
+            }
+        }
+        self.take_over();
+    }
+
+    /// A wait on the completion queue's descriptor, whose epoll set holds the channel's wake
+    /// pipe: senders write the pipe, so the program wakes with no thread in between (the
+    /// waiter goes on sleeping; it still serves waiting sends and stuck slots).
+    fn before_fd_sleep(&self) -> bool {
+        let ready = self.ring.arm_fd_wait();
+        self.take_over();
+        ready
+    }
+}
+
 /// The waiter thread: stands aside while the application polls; otherwise sleeps on the
 /// channel's doorbell (as a sleeper, so peers ring it when they write to the ring or consume
 /// what this endpoint sent) and drives the endpoint when there is something to do, as the shm
 /// device's thread does for the device path: chunks are consumed, sends complete, completion
 /// queues are woken. While sends wait it looks every millisecond.
 fn run(s: &Pace, ring: &OwnRing) {
-    let Some(Doorbell { bell, sleepers }) = ring.bell() else {
+    let Some(Doorbell { bell, sleepers, .. }) = ring.bell() else {
         return;
     };
     let mut mark = PollMark::new(&s.polls);
