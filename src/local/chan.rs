@@ -973,11 +973,15 @@ mod tests {
     }
 
     /// No lost wake-up: a consumer that sleeps only on the descriptor (no waiter thread, no
-    /// timeout that would rescue it) and a producer sending at random moments, from a seed;
-    /// every message arrives, in order.
+    /// timeout that would rescue it) and a producer that sends one message at a time, each after
+    /// the consumer took the previous one, at random moments from a seed (so no later send can
+    /// hide a lost wake-up: one lost hangs the consumer, and the test fails). The consumer also
+    /// pauses at random between its last look at the ring and arming, so sends land unannounced
+    /// there and arming must find them. Every message arrives once, in order.
     #[test]
     fn descriptor_wake_ups_are_never_lost() {
         use crate::fault::{Rng, test_seed};
+        use std::time::{Duration, Instant};
         let seed = test_seed();
         println!("seed {seed}");
         let dir = tempfile::tempdir().unwrap();
@@ -990,30 +994,49 @@ mod tests {
         assert!(n.fd().is_some());
         n.watch(own.ring().wake_fd().unwrap());
         let peer = PeerChan::open(dir.path(), map::uid(), 5, &me).unwrap();
-        const N: u64 = 3000;
+        const N: u64 = 2000;
+        let taken = Arc::new(AtomicU64::new(0));
+        let t = taken.clone();
         let producer = std::thread::spawn(move || {
             let mut rng = Rng::new(seed);
             let src = encode_addr(&addr(3));
             for i in 0..N {
+                let limit = Instant::now() + Duration::from_secs(10);
+                while t.load(Ordering::Acquire) < i {
+                    assert!(
+                        Instant::now() < limit,
+                        "seed {seed}: message {i} never taken"
+                    );
+                    std::thread::yield_now();
+                }
                 match rng.below(4) {
-                    0 => std::thread::sleep(std::time::Duration::from_micros(rng.below(200))),
+                    0 => std::thread::sleep(Duration::from_micros(rng.below(100))),
                     1 => std::thread::yield_now(),
                     2 => (0..rng.below(2000)).for_each(|_| std::hint::spin_loop()),
                     _ => {}
                 }
-                while peer.push(&msg(i), &src, &i.to_le_bytes()).is_none() {
-                    peer.ring_bell_if_asleep();
-                    std::thread::yield_now();
-                }
+                assert!(peer.push(&msg(i), &src, &i.to_le_bytes()).is_some());
                 peer.ring_bell_if_asleep();
             }
         });
         let (mut next, mut sleeps) = (0u64, 0u64);
+        let mut rng = Rng::new(seed ^ 0xc0115);
         while next < N {
             while let Some(h) = own.peek() {
                 assert_eq!(h.hdr.tag, next, "seed {seed}: in order, once");
                 own.pop();
                 next += 1;
+                taken.store(next, Ordering::Release);
+            }
+            // Polled after a wake-up (as the endpoint's pass does).
+            if let Some(d) = own.ring().bell() {
+                d.awake();
+            }
+            match rng.below(4) {
+                0 => std::thread::sleep(Duration::from_micros(rng.below(50))),
+                1 => std::thread::yield_now(),
+                2 => (0..rng.below(2000)).for_each(|_| std::hint::spin_loop()),
+                _ => {}
             }
             if next == N || own.ring().arm_fd_wait() {
                 continue;
