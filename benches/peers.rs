@@ -39,14 +39,7 @@ struct Star {
 
 fn star(n: usize) -> Star {
     let net = LoopbackNetwork::new(FaultConfig::default());
-    let dev = LoopbackDevice::open(
-        &net,
-        LoopbackConfig {
-            max_recv_wr: 256,
-            ..LoopbackConfig::default()
-        },
-    )
-    .unwrap();
+    let dev = LoopbackDevice::open(&net, LoopbackConfig::default().with_max_recv_wr(256)).unwrap();
     let d = Domain::with_device(dev, Config::default());
     let hub_cq = CompletionQueue::new(&d, 1 << 16).unwrap();
     let hub_av = AddressVector::new(&d);

@@ -71,10 +71,7 @@ async fn main() -> efa::Result<()> {
     // Cancel safety: a receive whose future is dropped (here by a timeout) is cancelled; the
     // endpoint never frees memory the device may still use, and no message is lost (had one
     // matched already, it would go to the next receive).
-    let tagged = RecvOptions {
-        tag: Some((7, 0)),
-        ..Default::default()
-    };
+    let tagged = RecvOptions::default().with_tag(7, 0);
     let timed_out = tokio::time::timeout(
         Duration::from_millis(20),
         b.recv_async(BytesMut::with_capacity(16), tagged),
@@ -92,20 +89,14 @@ async fn main() -> efa::Result<()> {
     a.send_async(
         to_b,
         Bytes::from_static(b"first"),
-        SendOptions {
-            tag: Some(7),
-            ..Default::default()
-        },
+        SendOptions::default().with_tag(7),
     )
     .await
     .into_result()?;
     a.send_async(
         to_b,
         Bytes::from_static(b"second"),
-        SendOptions {
-            tag: Some(7),
-            ..Default::default()
-        },
+        SendOptions::default().with_tag(7),
     )
     .await
     .into_result()?;

@@ -33,17 +33,11 @@ async fn done(op: OpFuture) -> efa::Result<Completion> {
 }
 
 fn tagged(tag: u64) -> SendOptions {
-    SendOptions {
-        tag: Some(tag),
-        ..Default::default()
-    }
+    SendOptions::default().with_tag(tag)
 }
 
 fn matching(tag: u64, ignore: u64) -> RecvOptions {
-    RecvOptions {
-        tag: Some((tag, ignore)),
-        ..Default::default()
-    }
+    RecvOptions::default().with_tag(tag, ignore)
 }
 
 #[tokio::main(flavor = "current_thread")]

@@ -37,7 +37,7 @@
 //!   page of the receiver gets another content each round than the round before (they differ at
 //!   every byte: a page half overwritten cannot pass). The sender writes the page's 16-byte
 //!   header (bytes 0..8: `j`, 8..16: the round, both little-endian) and writes the page with
-//!   `WriteOptions { delivery_complete: true, .. }`, at most `-W` writes in flight. A completion
+//!   `WriteOptions::default().with_delivery_complete(true)`, at most `-W` writes in flight. A completion
 //!   hands the page slice back; it is used again next round.
 //! * Pages `j` go in batches of `-b`: batch `k` of round `r` is global batch number
 //!   `b = r * batches_per_round + k`. When the last write of a batch has completed at the
@@ -620,10 +620,7 @@ impl Kv<'_> {
         // always (DC_EAGER_RTW / DC_LONGCTS_RTW, RECEIPT), and a device RDMA write completes
         // when the target's device acknowledged its bytes in memory (the engine passes the
         // flag on to nothing there: there is nothing to add).
-        let data_opts = WriteOptions {
-            data: None,
-            delivery_complete: true,
-        };
+        let data_opts = WriteOptions::default().with_delivery_complete(true);
         let watch = oob.watch().ok();
         let mut spins = 0u32;
         let mut twice = false; // --fault duplicate: batch 0 notified a second time

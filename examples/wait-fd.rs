@@ -13,7 +13,9 @@
 //! of one. Then a pinger in a thread of its own (busy-polling) sends pings to the sleeping
 //! tasks, one at a time and a few milliseconds apart so that each finds its task asleep; each
 //! task answers from its wait. The round trips' median, 99th percentile and maximum bound how
-//! soon a sleeping task answers a ping after it arrives.
+//! soon a sleeping task answers a ping after it arrives; each ping also carries the time it
+//! was sent, and the task notes when it sent the answer: that one-way figure (ping sent, task
+//! woken, answer sent) is printed too.
 
 mod common;
 
@@ -121,27 +123,41 @@ async fn receiver(
     Ok(got)
 }
 
-/// Answers `count` pings from `pinger`, sleeping on the queue's descriptor in between.
+/// The clock the pinger and the echo tasks share (one process): nanoseconds since `base`.
+fn stamp(base: Instant) -> u64 {
+    base.elapsed().as_nanos() as u64
+}
+
+/// Answers `count` pings from `pinger`, sleeping on the queue's descriptor in between; returns
+/// for each ping the time from its send (the stamp it carries) to the answer's send.
 async fn echo(
     ep: Arc<Endpoint<Rdm>>,
     cq: Arc<CompletionQueue>,
     pinger: efa::PeerId,
     count: usize,
-) -> efa::Result<()> {
+    base: Instant,
+) -> efa::Result<Vec<Duration>> {
     let q = FdQueue::new(cq)?;
     ep.recv(BytesMut::with_capacity(64), 0)?;
-    let (mut answered, mut out) = (0, Vec::new());
-    while answered < count {
+    let (mut answers, mut out) = (Vec::with_capacity(count), Vec::new());
+    while answers.len() < count {
         q.poll(&mut out, 16).await?;
         for c in &out {
             if c.flags.contains(efa::CompletionFlags::RECV) {
                 ep.inject(pinger, b"pong")?;
-                answered += 1;
+                let now = stamp(base);
+                let sent = c
+                    .buf
+                    .as_recv()
+                    .and_then(|b| b.get(..8))
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(now, u64::from_le_bytes);
+                answers.push(Duration::from_nanos(now.saturating_sub(sent)));
                 ep.recv(BytesMut::with_capacity(64), 0)?;
             }
         }
     }
-    Ok(())
+    Ok(answers)
 }
 
 /// The pinger: `rounds` pings to each of `targets` in turn, a few milliseconds apart, each
@@ -151,6 +167,7 @@ fn pinger(
     cq: CompletionQueue,
     targets: Vec<efa::PeerId>,
     rounds: usize,
+    base: Instant,
 ) -> efa::Result<Vec<Duration>> {
     let mut rtts = Vec::with_capacity(targets.len() * rounds);
     let mut out = Vec::new();
@@ -160,7 +177,7 @@ fn pinger(
             std::thread::sleep(Duration::from_millis(3));
             ep.recv(BytesMut::with_capacity(64), 0)?;
             let start = Instant::now();
-            ep.inject(t, b"ping")?;
+            ep.inject(t, &stamp(base).to_le_bytes())?;
             loop {
                 out.clear();
                 cq.poll(&mut out, 16)?;
@@ -271,26 +288,39 @@ fn run(args: &Args) -> efa::Result<bool> {
                 .iter()
                 .map(|(ep, _)| pav.insert(ep.addr()))
                 .collect::<efa::Result<Vec<_>>>()?;
+            let base = Instant::now();
             let echoes: Vec<_> = eps
                 .iter()
-                .map(|(ep, cq)| tokio::spawn(echo(ep.clone(), cq.clone(), me, args.pings)))
+                .map(|(ep, cq)| tokio::spawn(echo(ep.clone(), cq.clone(), me, args.pings, base)))
                 .collect();
             let rounds = args.pings;
-            let t = std::thread::spawn(move || pinger(p, cq, targets, rounds));
+            let t = std::thread::spawn(move || pinger(p, cq, targets, rounds, base));
+            let mut answers = Vec::new();
             for e in echoes {
-                e.await
-                    .map_err(|e| efa::Error::io("join", std::io::Error::other(e)))??;
+                answers.extend(
+                    e.await
+                        .map_err(|e| efa::Error::io("join", std::io::Error::other(e)))??,
+                );
             }
+            answers.sort();
             let rtts = t
                 .join()
                 .map_err(|_| efa::Error::new(efa::ErrorKind::Io, "the pinger panicked"))??;
-            let at = |q: f64| rtts[((rtts.len() - 1) as f64 * q) as usize];
+            let us = |v: &[Duration], q: f64| v[((v.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
             println!(
                 "# {} pings to sleeping tasks: round trip median {:.1} us, p99 {:.1} us, max {:.1} us",
                 rtts.len(),
-                at(0.5).as_secs_f64() * 1e6,
-                at(0.99).as_secs_f64() * 1e6,
-                rtts[rtts.len() - 1].as_secs_f64() * 1e6
+                us(&rtts, 0.5),
+                us(&rtts, 0.99),
+                us(&rtts, 1.0)
+            );
+            println!(
+                "# ping sent -> answer sent by the woken task: median {:.1} us, p90 {:.1} us, \
+                 p99 {:.1} us, max {:.1} us",
+                us(&answers, 0.5),
+                us(&answers, 0.9),
+                us(&answers, 0.99),
+                us(&answers, 1.0)
             );
         }
         Ok(got == n * m && share < 0.5)

@@ -341,7 +341,8 @@ impl Counter {
         Ok(())
     }
 
-    /// The descriptor to block on (an eventfd, `FI_WAIT_FD`; also `AsFd` and `AsRawFd`):
+    /// The descriptor to block on (an epoll set holding an eventfd, `FI_WAIT_FD`; also `AsFd`
+    /// and `AsRawFd`; wait for it to be readable, do not read it):
     /// readable after a successful [`trywait`](Self::trywait) once the counter may have
     /// changed. Usable with epoll, mio and `tokio::io::unix::AsyncFd`; it is the counter's for
     /// its life.

@@ -33,8 +33,24 @@ pub const MAX_RECVWIN_SIZE: usize = 1 << 16;
 /// Serializes with serde (durations as integer microseconds); deserializing fills missing fields
 /// with their defaults and refuses unknown fields. A deserialized or hand-built value should be
 /// checked with [`Config::validate`] (`getinfo` does).
+///
+/// `#[non_exhaustive]` (a new `FI_EFA_*` variable is a new field): build it from
+/// [`Config::default`] or [`Config::from_env`] with the `with_*` methods, one per field, or assign
+/// its public fields (docs/api-conventions.md).
+///
+/// ```
+/// use efa::Config;
+/// let c = Config::default().with_tx_size(64).with_use_device_rdma(false);
+/// assert_eq!((c.tx_size, c.use_device_rdma), (64, Some(false)));
+/// assert!(c.validate().is_ok());
+/// ```
+///
+/// ```compile_fail,E0639
+/// let c = efa::Config { tx_size: 64, ..efa::Config::default() };
+/// ```
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct Config {
     /// `FI_EFA_IFACE` (default `"all"`): comma-separated list of device names that may be used,
     /// or `all`. Names are matched exactly (case-sensitive) against the device name
@@ -160,6 +176,51 @@ pub struct Config {
     /// `FI_EFA_TRACK_MR` (default false): warn when a memory region is closed while operations
     /// still reference it.
     pub track_mr: bool,
+}
+
+with_setters! {
+    Config {
+        with_tx_min_credits => tx_min_credits: u32,
+        with_tx_queue_size => tx_queue_size: usize,
+        with_tx_size => tx_size: usize,
+        with_rx_size => rx_size: usize,
+        with_enable_shm_transfer => enable_shm_transfer: bool,
+        with_use_zcpy_rx => use_zcpy_rx: bool,
+        with_shm_av_size => shm_av_size: usize,
+        with_recvwin_size => recvwin_size: usize,
+        with_readcopy_pool_size => readcopy_pool_size: usize,
+        with_cq_size => cq_size: usize,
+        with_max_memcpy_size => max_memcpy_size: usize,
+        with_mr_cache_enable => mr_cache_enable: bool,
+        with_mr_max_cached_count => mr_max_cached_count: usize,
+        with_mr_max_cached_size => mr_max_cached_size: usize,
+        with_rx_copy_unexp => rx_copy_unexp: bool,
+        with_rx_copy_ooo => rx_copy_ooo: bool,
+        with_max_timeout => max_timeout: Duration,
+        with_timeout_interval => timeout_interval: Duration,
+        with_efa_cq_read_size => efa_cq_read_size: usize,
+        with_shm_cq_read_size => shm_cq_read_size: usize,
+        with_inter_max_medium_message_size => inter_max_medium_message_size: usize,
+        with_inter_min_read_message_size => inter_min_read_message_size: usize,
+        with_inter_min_read_write_size => inter_min_read_write_size: usize,
+        with_inter_read_segment_size => inter_read_segment_size: usize,
+        with_inter_max_gdrcopy_message_size => inter_max_gdrcopy_message_size: usize,
+        with_runt_size => runt_size: usize,
+        with_fork_safe => fork_safe: bool,
+        with_use_sm2 => use_sm2: bool,
+        with_use_unsolicited_write_recv => use_unsolicited_write_recv: bool,
+        with_internal_rx_refill_threshold => internal_rx_refill_threshold: usize,
+        with_use_data_path_direct => use_data_path_direct: bool,
+        with_implicit_av_size => implicit_av_size: usize,
+        with_track_mr => track_mr: bool,
+    }
+    into {
+        with_iface => iface: String,
+    }
+    some {
+        with_use_device_rdma => use_device_rdma: bool,
+        with_use_huge_page => use_huge_page: bool,
+    }
 }
 
 impl Default for Config {
@@ -633,7 +694,7 @@ impl Config {
     ///
     /// ```
     /// use efa::Config;
-    /// let c = Config { recvwin_size: 256, ..Config::default() };
+    /// let c = Config::default().with_recvwin_size(256);
     /// assert!(c.to_env_vars().contains(&("FI_EFA_RECVWIN_SIZE".into(), "256".into())));
     /// assert_eq!(Config::from_vars(c.to_env_vars()).unwrap(), c);
     /// ```
@@ -653,7 +714,7 @@ impl Config {
     ///
     /// ```
     /// use efa::Config;
-    /// let c = Config { iface: "rdmap0s6, udp-127.0.0.1".into(), ..Config::default() };
+    /// let c = Config::default().with_iface("rdmap0s6, udp-127.0.0.1");
     /// assert!(c.iface_allows("udp-127.0.0.1"));
     /// assert!(!c.iface_allows("loopback0"));
     /// assert!(Config::default().iface_allows("anything"));

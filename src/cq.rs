@@ -703,9 +703,13 @@ impl CompletionQueue {
         Ok(())
     }
 
-    /// The descriptor to block on (an eventfd, `FI_WAIT_FD`; also `AsFd` and `AsRawFd`):
-    /// readable after a successful [`trywait`](Self::trywait) once a completion may be ready.
-    /// Usable with epoll, mio and `tokio::io::unix::AsyncFd`; it is the queue's for its life.
+    /// The descriptor to block on (`FI_WAIT_FD`; also `AsFd` and `AsRawFd`): readable after a
+    /// successful [`trywait`](Self::trywait) once a completion may be ready. Usable with epoll,
+    /// mio and `tokio::io::unix::AsyncFd`; it is the queue's for its life. Only wait for it to be
+    /// readable; do not read it (it is an epoll set, as libfabric's `FI_WAIT_FD` is: it holds
+    /// the queue's eventfd and the wake pipes of its endpoints' same-host channels, which a
+    /// same-host sender writes itself, so a message wakes the program with no thread in
+    /// between); `trywait` empties it.
     #[doc(alias = "fi_control")]
     #[doc(alias = "FI_GETWAIT")]
     pub fn wait_fd(&self) -> std::os::fd::BorrowedFd<'_> {

@@ -65,6 +65,7 @@ pub fn test_seed() -> u64 {
 /// assert!(f.validate().is_ok());
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct FaultConfig {
     /// Seed of the decisions.
     pub seed: u64,

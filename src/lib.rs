@@ -39,6 +39,48 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 
+/// Writes the builder-style setters of an option or configuration struct (docs/api-conventions.md):
+/// `with_<field>(value) -> Self` for every public field, so a `#[non_exhaustive]` struct is built
+/// outside the crate as `T::default().with_a(x).with_b(y)`. The `into` group takes anything that
+/// converts into the field's type; the `some` group's fields are `Option`s whose setter takes the
+/// value and stores `Some`.
+macro_rules! with_setters {
+    (
+        $ty:ident {
+            $( $set:ident => $field:ident: $t:ty ),* $(,)?
+        }
+        $( into { $( $iset:ident => $ifield:ident: $it:ty ),* $(,)? } )?
+        $( some { $( $sset:ident => $sfield:ident: $st:ty ),* $(,)? } )?
+    ) => {
+        impl $ty {
+            $(
+                #[doc = concat!("Sets [`", stringify!($field), "`](Self::", stringify!($field), ").")]
+                #[must_use]
+                pub fn $set(mut self, value: $t) -> Self {
+                    self.$field = value;
+                    self
+                }
+            )*
+            $($(
+                #[doc = concat!("Sets [`", stringify!($ifield), "`](Self::", stringify!($ifield), ").")]
+                #[must_use]
+                pub fn $iset(mut self, value: impl Into<$it>) -> Self {
+                    self.$ifield = value.into();
+                    self
+                }
+            )*)?
+            $($(
+                #[doc = concat!("Sets [`", stringify!($sfield), "`](Self::", stringify!($sfield), ") to `Some(value)`.")]
+                #[must_use]
+                pub fn $sset(mut self, value: $st) -> Self {
+                    self.$sfield = Some(value);
+                    self
+                }
+            )*)?
+        }
+    };
+}
+
 pub mod addr;
 pub mod atomic;
 pub mod av;

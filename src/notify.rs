@@ -21,9 +21,11 @@ pub struct Notifier {
     forward: Vec<std::sync::Arc<Notifier>>,
     /// Told when a waiter is about to sleep (see [`Notifier::add_sleep_hook`]).
     hooks: Mutex<Vec<Weak<dyn SleepHook>>>,
-    /// An eventfd made readable by the next notification once armed ([`Notifier::arm_fd`]),
-    /// for programs that wait with epoll, mio or an async runtime's fd readiness.
-    fd: std::sync::OnceLock<std::os::fd::OwnedFd>,
+    /// The descriptor programs wait on with epoll, mio or an async runtime's fd readiness: an
+    /// epoll set holding an eventfd, which the next notification writes once armed
+    /// ([`Notifier::arm_fd`]), and the wake pipes of the same-host path's channels, which
+    /// senders in other threads and processes write themselves ([`Notifier::watch`]).
+    fd: std::sync::OnceLock<WaitFd>,
     fd_armed: std::sync::atomic::AtomicBool,
 }
 
@@ -33,6 +35,32 @@ pub struct Notifier {
 pub trait SleepHook: Send + Sync {
     /// A waiter is about to sleep (blocking or async); called without any notifier lock held.
     fn before_sleep(&self);
+
+    /// A program is about to sleep on the notifier's descriptor ([`Notifier::arm_fd`]). True
+    /// when something is ready already (the program should poll instead). By default the same
+    /// as [`before_sleep`](SleepHook::before_sleep).
+    fn before_fd_sleep(&self) -> bool {
+        self.before_sleep();
+        false
+    }
+}
+
+/// A notifier's descriptor: an epoll set (what programs wait on) with the eventfd the notifier
+/// writes in it.
+#[derive(Debug)]
+struct WaitFd {
+    epoll: std::os::fd::OwnedFd,
+    event: std::os::fd::OwnedFd,
+}
+
+impl WaitFd {
+    fn new() -> std::io::Result<WaitFd> {
+        let epoll = new_epoll()?;
+        let event = new_eventfd()?;
+        use std::os::fd::AsFd;
+        epoll_add(&epoll, event.as_fd())?;
+        Ok(WaitFd { epoll, event })
+    }
 }
 
 impl Notifier {
@@ -137,16 +165,31 @@ impl Notifier {
         moved
     }
 
-    /// This notifier's eventfd (made on first use): readable once a notification came after
-    /// [`arm_fd`](Notifier::arm_fd). `None` when the system has no eventfd to give.
+    /// This notifier's descriptor (made on first use; an epoll set): readable once a
+    /// notification came after [`arm_fd`](Notifier::arm_fd), or a watched descriptor became
+    /// readable. `None` when the system has no epoll or eventfd to give.
     pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
         if let Some(f) = self.fd.get() {
-            return Some(f.as_fd());
+            return Some(f.epoll.as_fd());
         }
-        // A racing creator's descriptor is dropped.
-        let _ = self.fd.set(new_eventfd().ok()?);
-        self.fd.get().map(AsFd::as_fd)
+        // A racing creator's descriptors are dropped.
+        let _ = self.fd.set(WaitFd::new().ok()?);
+        self.fd.get().map(|f| f.epoll.as_fd())
+    }
+
+    /// Adds `fd` to the descriptor of this notifier (if it has made one) and of every notifier
+    /// it forwards to: they become readable when `fd` is. A sleep hook empties `fd` in
+    /// [`before_fd_sleep`](SleepHook::before_fd_sleep). The set forgets `fd` when it is closed.
+    pub(crate) fn watch(&self, fd: std::os::fd::BorrowedFd<'_>) {
+        if let Some(w) = self.fd.get() {
+            if let Err(e) = epoll_add(&w.epoll, fd) {
+                tracing::debug!(error = %e, "notifier: cannot watch a descriptor");
+            }
+        }
+        for t in &self.forward {
+            t.watch(fd);
+        }
     }
 
     /// Prepares the eventfd for a program about to block on it (libfabric's `fi_trywait`):
@@ -156,7 +199,10 @@ impl Notifier {
     #[allow(unsafe_code)]
     pub fn arm_fd(&self, seen: u64) -> bool {
         use std::os::fd::AsRawFd;
-        let Some(fd) = self.fd().map(|f| f.as_raw_fd()) else {
+        if self.fd().is_none() {
+            return true;
+        }
+        let Some(fd) = self.fd.get().map(|f| f.event.as_raw_fd()) else {
             return true;
         };
         let mut v = 0u64;
@@ -165,14 +211,33 @@ impl Notifier {
         if self.generation() != seen {
             return true;
         }
-        self.before_sleep();
+        if self.before_fd_sleep() {
+            return true;
+        }
         self.fd_armed.store(true, Ordering::SeqCst);
         self.generation() != seen
     }
 
+    /// The hooks' [`before_fd_sleep`](SleepHook::before_fd_sleep): true when one found
+    /// something ready.
+    fn before_fd_sleep(&self) -> bool {
+        let hooks: Vec<_> = {
+            let h = self.hooks.lock();
+            if h.is_empty() {
+                return false;
+            }
+            h.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut ready = false;
+        for h in hooks {
+            ready |= h.before_fd_sleep();
+        }
+        ready
+    }
+
     fn signal_fd(&self) {
         if let Some(f) = self.fd.get() {
-            signal_eventfd(f);
+            signal_eventfd(&f.event);
         }
     }
 
@@ -208,6 +273,42 @@ pub(crate) fn new_eventfd() -> std::io::Result<std::os::fd::OwnedFd> {
     }
     // SAFETY: a fresh descriptor nobody else owns.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) })
+}
+
+/// A new close-on-exec epoll set.
+#[allow(unsafe_code)]
+fn new_epoll() -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: epoll_create1 with a valid flag.
+    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) })
+}
+
+/// Adds `fd` to the epoll set `epoll`, level-triggered for reading.
+#[allow(unsafe_code)]
+fn epoll_add(epoll: &std::os::fd::OwnedFd, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut ev = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: fd.as_raw_fd() as u64,
+    };
+    // SAFETY: both descriptors are live; the event is a valid local.
+    let r = unsafe {
+        libc::epoll_ctl(
+            epoll.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            fd.as_raw_fd(),
+            &mut ev,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Makes the eventfd `fd` readable (adds 1 to its counter).

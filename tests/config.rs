@@ -127,44 +127,43 @@ fn variable_list_is_complete() {
 
 /// A configuration in which every field differs from its default.
 fn all_changed() -> Config {
-    Config {
-        iface: "rdmap0s6,udp-127.0.0.1".into(),
-        tx_min_credits: 7,
-        tx_queue_size: 100,
-        tx_size: 64,
-        rx_size: 43,
-        enable_shm_transfer: false,
-        use_zcpy_rx: false,
-        shm_av_size: 128,
-        recvwin_size: 1,
-        readcopy_pool_size: 17,
-        cq_size: 99,
-        max_memcpy_size: 1,
-        mr_cache_enable: false,
-        mr_max_cached_count: 5,
-        mr_max_cached_size: 6,
-        rx_copy_unexp: false,
-        rx_copy_ooo: false,
-        max_timeout: Duration::from_micros(123),
-        timeout_interval: Duration::from_micros(45),
-        efa_cq_read_size: 3,
-        shm_cq_read_size: 4,
-        inter_max_medium_message_size: 11,
-        inter_min_read_message_size: 12,
-        inter_min_read_write_size: 13,
-        inter_read_segment_size: 14,
-        inter_max_gdrcopy_message_size: 15,
-        runt_size: 65536,
-        use_device_rdma: Some(false),
-        fork_safe: true,
-        use_huge_page: Some(false),
-        use_sm2: true,
-        use_unsolicited_write_recv: false,
-        internal_rx_refill_threshold: 9,
-        use_data_path_direct: false,
-        implicit_av_size: 3,
-        track_mr: true,
-    }
+    Config::default()
+        .with_iface("rdmap0s6,udp-127.0.0.1")
+        .with_tx_min_credits(7)
+        .with_tx_queue_size(100)
+        .with_tx_size(64)
+        .with_rx_size(43)
+        .with_enable_shm_transfer(false)
+        .with_use_zcpy_rx(false)
+        .with_shm_av_size(128)
+        .with_recvwin_size(1)
+        .with_readcopy_pool_size(17)
+        .with_cq_size(99)
+        .with_max_memcpy_size(1)
+        .with_mr_cache_enable(false)
+        .with_mr_max_cached_count(5)
+        .with_mr_max_cached_size(6)
+        .with_rx_copy_unexp(false)
+        .with_rx_copy_ooo(false)
+        .with_max_timeout(Duration::from_micros(123))
+        .with_timeout_interval(Duration::from_micros(45))
+        .with_efa_cq_read_size(3)
+        .with_shm_cq_read_size(4)
+        .with_inter_max_medium_message_size(11)
+        .with_inter_min_read_message_size(12)
+        .with_inter_min_read_write_size(13)
+        .with_inter_read_segment_size(14)
+        .with_inter_max_gdrcopy_message_size(15)
+        .with_runt_size(65536)
+        .with_use_device_rdma(false)
+        .with_fork_safe(true)
+        .with_use_huge_page(false)
+        .with_use_sm2(true)
+        .with_use_unsolicited_write_recv(false)
+        .with_internal_rx_refill_threshold(9)
+        .with_use_data_path_direct(false)
+        .with_implicit_av_size(3)
+        .with_track_mr(true)
 }
 
 #[test]
@@ -363,10 +362,7 @@ fn max_timeout_is_clamped_like_libfabric() {
         (i32::MAX / 2 - 1) as u128
     );
     // Built in code, the same value is refused.
-    let c = Config {
-        max_timeout: Duration::from_secs(4000),
-        ..Config::default()
-    };
+    let c = Config::default().with_max_timeout(Duration::from_secs(4000));
     assert_eq!(c.validate().unwrap_err().op(), "FI_EFA_MAX_TIMEOUT");
 }
 
@@ -401,47 +397,13 @@ fn semantic_rules() {
 fn validate_applies_the_same_rules_in_code() {
     let base = Config::default();
     let cases: Vec<(Config, &str)> = vec![
+        (base.clone().with_recvwin_size(0), "FI_EFA_RECVWIN_SIZE"),
+        (base.clone().with_recvwin_size(24), "FI_EFA_RECVWIN_SIZE"),
+        (base.clone().with_tx_min_credits(0), "FI_EFA_TX_MIN_CREDITS"),
+        (base.clone().with_iface(String::new()), "FI_EFA_IFACE"),
+        (base.clone().with_cq_size(0), "FI_EFA_CQ_SIZE"),
         (
-            Config {
-                recvwin_size: 0,
-                ..base.clone()
-            },
-            "FI_EFA_RECVWIN_SIZE",
-        ),
-        (
-            Config {
-                recvwin_size: 24,
-                ..base.clone()
-            },
-            "FI_EFA_RECVWIN_SIZE",
-        ),
-        (
-            Config {
-                tx_min_credits: 0,
-                ..base.clone()
-            },
-            "FI_EFA_TX_MIN_CREDITS",
-        ),
-        (
-            Config {
-                iface: String::new(),
-                ..base.clone()
-            },
-            "FI_EFA_IFACE",
-        ),
-        (
-            Config {
-                cq_size: 0,
-                ..base.clone()
-            },
-            "FI_EFA_CQ_SIZE",
-        ),
-        (
-            Config {
-                fork_safe: true,
-                use_huge_page: Some(true),
-                ..base.clone()
-            },
+            base.clone().with_fork_safe(true).with_use_huge_page(true),
             "FI_EFA_USE_HUGE_PAGE",
         ),
     ];

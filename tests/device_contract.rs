@@ -53,24 +53,21 @@ fn fixtures() -> Vec<Fixture> {
     let net = LoopbackNetwork::new(FaultConfig::default());
     let loopback = LoopbackDevice::open(
         &net,
-        LoopbackConfig {
-            unresponsive_timeout: UNRESPONSIVE,
-            ..LoopbackConfig::default()
-        },
+        LoopbackConfig::default().with_unresponsive_timeout(UNRESPONSIVE),
     )
     .expect("loopback device");
-    let udp = UdpDevice::open(UdpConfig {
-        unresponsive_timeout: UNRESPONSIVE,
-        peer_idle_timeout: Duration::from_secs(2),
-        ..UdpConfig::default()
-    })
+    let udp = UdpDevice::open(
+        UdpConfig::default()
+            .with_unresponsive_timeout(UNRESPONSIVE)
+            .with_peer_idle_timeout(Duration::from_secs(2)),
+    )
     .expect("udp device");
     let dir = tempfile::tempdir().expect("temporary directory");
-    let shm = ShmDevice::open(ShmConfig {
-        unresponsive_timeout: UNRESPONSIVE,
-        ring_slots: 64,
-        ..ShmConfig::in_dir(dir.path())
-    })
+    let shm = ShmDevice::open(
+        ShmConfig::in_dir(dir.path())
+            .with_unresponsive_timeout(UNRESPONSIVE)
+            .with_ring_slots(64),
+    )
     .expect("shm device");
     vec![
         Fixture {

@@ -41,11 +41,11 @@ fn pair(shm: bool, cfg: UdpConfig) -> (Node, Node, Option<tempfile::TempDir>) {
     }
     let dir = tempfile::tempdir().unwrap();
     let mk = || {
-        let dev: Arc<dyn Device> = ShmDevice::open(ShmConfig {
-            rdma: cfg.rdma,
-            unsolicited_write_recv: cfg.unsolicited_write_recv,
-            ..ShmConfig::in_dir(dir.path())
-        })
+        let dev: Arc<dyn Device> = ShmDevice::open(
+            ShmConfig::in_dir(dir.path())
+                .with_rdma(cfg.rdma)
+                .with_unsolicited_write_recv(cfg.unsolicited_write_recv),
+        )
         .expect("shm device");
         let domain = Domain::with_device(dev.clone(), Config::default());
         Node { dev, domain }
@@ -238,11 +238,9 @@ fn writes_with_imm(shm: bool, unsolicited: bool, seed: u64) {
         .drop(0.05)
         .duplicate(0.05)
         .reorder(0.1);
-    let cfg = UdpConfig {
-        faults,
-        unsolicited_write_recv: unsolicited,
-        ..UdpConfig::default()
-    };
+    let cfg = UdpConfig::default()
+        .with_faults(faults)
+        .with_unsolicited_write_recv(unsolicited);
     let (a, b, _dir) = pair(shm, cfg);
     let mut qa = qp(&a);
     let mut qb = qp(&b);
@@ -342,10 +340,7 @@ fn rdma_off_is_not_supported_and_registers_no_key() {
 }
 
 fn rdma_off(shm: bool) {
-    let off = UdpConfig {
-        rdma: false,
-        ..UdpConfig::default()
-    };
+    let off = UdpConfig::default().with_rdma(false);
     let (a, _b, _dir) = pair(shm, off);
     assert!(!a.dev.attr().caps.rdma_read && !a.dev.attr().caps.rdma_write);
     assert_eq!(

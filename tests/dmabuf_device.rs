@@ -446,10 +446,7 @@ fn cpu_paths_refuse_device_only_regions() {
 #[ignore = "needs the efa device under the emulated NIC (.ci/run)"]
 fn emulated_rma_refuses_device_only_regions() {
     let d = efa_domain(Config::default());
-    let emu = efa_domain(Config {
-        use_device_rdma: Some(false),
-        ..Config::default()
-    });
+    let emu = efa_domain(Config::default().with_use_device_rdma(false));
     let owner = Node::device_path(&d);
     let peer = Node::device_path(&emu);
     let po = peer.insert(owner.ep.addr());

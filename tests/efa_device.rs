@@ -79,10 +79,7 @@ fn getinfo_without_hints_lists_efa_first_or_not_at_all() {
 
 #[test]
 fn iface_filter_excludes_every_efa_device() {
-    let cfg = Config {
-        iface: "no-such-nic".into(),
-        ..Config::default()
-    };
+    let cfg = Config::default().with_iface("no-such-nic");
     let e = getinfo(&Hints::new().provider("efa").config(cfg.clone())).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoData);
     assert!(e.to_string().contains("FI_EFA_IFACE=no-such-nic"), "{e}");
@@ -904,10 +901,7 @@ fn hw_unsolicited_write_recv_as_asked() {
     }
     // RDM: with the variable off, writes with immediate data still arrive exactly once, each in
     // a posted receive buffer (the emulated NIC consumes one then).
-    let cfg = Config {
-        use_unsolicited_write_recv: false,
-        ..Config::default()
-    };
+    let cfg = Config::default().with_use_unsolicited_write_recv(false);
     let target = Domain::with_device(hw_device(), cfg.clone());
     let init = Domain::with_device(hw_device(), cfg);
     let (t, tcq, tav) = rdm_endpoint(&target);

@@ -356,11 +356,9 @@ fn exchange_under_attack(w: Wire) {
 fn send_round(node: &Node, peer: efa::PeerId, seed: u64, msgs: &[Msg], base: usize) {
     let deadline = Instant::now() + DEADLINE;
     for (i, m) in msgs.iter().enumerate() {
-        let o = efa::SendOptions {
-            tag: m.tag,
-            data: m.data,
-            delivery_complete: m.dc,
-        };
+        let mut o = efa::SendOptions::default().with_delivery_complete(m.dc);
+        o.tag = m.tag;
+        o.data = m.data;
         let mut buf = payload(seed, base + i, m.len);
         loop {
             match node.ep.send_with(peer, buf, o, (base + i) as u64) {

@@ -209,11 +209,7 @@ fn dgram_info_attributes() {
     assert_eq!(i.config, Config::default());
     assert_eq!(i.spec.kind(), DeviceKind::Udp);
     // FI_EFA_TX_SIZE / RX_SIZE do not apply to DGRAM (as in libfabric).
-    let c = Config {
-        tx_size: 64,
-        rx_size: 64,
-        ..Config::default()
-    };
+    let c = Config::default().with_tx_size(64).with_rx_size(64);
     let i = Info::for_device(
         DeviceKind::Udp,
         &udp_attr(),
@@ -276,18 +272,11 @@ fn rdm_info_attributes() {
     assert_eq!(i.ep_attr.mem_tag_format, 0xaaaa_aaaa_aaaa_aaaa);
     // Inject: min(mtu - 168, 4096) with shm transfer on, mtu - 168 without.
     assert_eq!(i.tx_attr.inject_size, 4096);
-    let no_shm = rdm_info(Config {
-        enable_shm_transfer: false,
-        ..Config::default()
-    });
+    let no_shm = rdm_info(Config::default().with_enable_shm_transfer(false));
     assert_eq!(no_shm.tx_attr.inject_size, 8192 - 168);
     // Sizes: device by default, FI_EFA_TX_SIZE / RX_SIZE when set.
     assert_eq!((i.tx_attr.size, i.rx_attr.size), (512, 256));
-    let sized = rdm_info(Config {
-        tx_size: 43,
-        rx_size: 51,
-        ..Config::default()
-    });
+    let sized = rdm_info(Config::default().with_tx_size(43).with_rx_size(51));
     assert_eq!((sized.tx_attr.size, sized.rx_attr.size), (43, 51));
     assert_eq!(Info::ep_caps(EpType::Rdm), i.caps);
     assert_eq!(Info::ep_caps(EpType::Dgram), dgram_info().caps);
@@ -444,10 +433,7 @@ fn rma_and_atomics_select_rdm() {
 
 #[test]
 fn getinfo_refuses_an_invalid_config_in_hints() {
-    let bad = Config {
-        recvwin_size: 12,
-        ..Config::default()
-    };
+    let bad = Config::default().with_recvwin_size(12);
     let e = getinfo(&Hints::new().config(bad)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
     assert_eq!(e.op(), "FI_EFA_RECVWIN_SIZE");
@@ -592,17 +578,11 @@ fn getinfo_domain_and_iface_filters() {
     assert_eq!(got[0].domain, udp.domain);
     no_data(hints().domain("no-such-device"), "domain no-such-device");
     // FI_EFA_IFACE (here through the hints' config).
-    let only_udp = Config {
-        iface: udp.device.name.clone(),
-        ..Config::default()
-    };
+    let only_udp = Config::default().with_iface(udp.device.name.clone());
     let got = getinfo(&Hints::new().config(only_udp)).unwrap();
     assert_eq!(got.len(), 2, "RDM and DGRAM on the udp device");
     assert!(got.iter().all(|i| i.provider == DeviceKind::Udp));
-    let none = Config {
-        iface: "rdmap99s0".into(),
-        ..Config::default()
-    };
+    let none = Config::default().with_iface("rdmap99s0");
     no_data(Hints::new().config(none), "FI_EFA_IFACE=rdmap99s0");
 }
 

@@ -38,11 +38,9 @@ fn inject_mix(a: &Node, b: &Node, peer: PeerId, seed: u64, msgs: &[Msg]) {
     for (i, m) in msgs.iter().enumerate() {
         buf.clear();
         buf.extend_from_slice(&payload(seed, i, m.len));
-        let o = SendOptions {
-            tag: m.tag,
-            data: m.data,
-            delivery_complete: false,
-        };
+        let mut o = SendOptions::default();
+        o.tag = m.tag;
+        o.data = m.data;
         loop {
             match a.ep.inject_with(peer, &buf, o) {
                 Ok(()) => break,
@@ -141,10 +139,7 @@ fn oversized_and_delivery_complete_injects_are_refused() {
     let big = vec![0u8; max + 1];
     let e = a.ep.inject(me, &big).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
-    let o = SendOptions {
-        delivery_complete: true,
-        ..Default::default()
-    };
+    let o = SendOptions::default().with_delivery_complete(true);
     let e = a.ep.inject_with(me, b"x", o).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     let gone = a.insert(efa::RawAddr {

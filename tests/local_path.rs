@@ -227,18 +227,12 @@ fn unexpected_claim_discard_multi_recv_truncation_and_cancel() {
     // A multi-receive buffer of 1000 bytes takes messages until less than 200 are free.
     b.ep.recv_with(
         BytesMut::with_capacity(1000),
-        RecvOptions {
-            multi_recv: Some(200),
-            ..Default::default()
-        },
+        RecvOptions::default().with_multi_recv(200),
         30,
     )
     .unwrap();
     for i in 0..4u8 {
-        let o = SendOptions {
-            data: Some(u32::from(i)),
-            ..Default::default()
-        };
+        let o = SendOptions::default().with_data(u32::from(i));
         a.ep.send_with(pb, Bytes::from(vec![i; 250]), o, 40)
             .unwrap();
     }
@@ -507,10 +501,7 @@ fn a_sender_dying_mid_message_fails_the_receive() {
     node.ep
         .recv_with(
             BytesMut::with_capacity(BIG),
-            RecvOptions {
-                from: Some(peer),
-                ..Default::default()
-            },
+            RecvOptions::default().with_from(peer),
             5,
         )
         .unwrap();

@@ -91,10 +91,7 @@ fn device_attributes() {
     assert!(attr.caps.rnr_retry && attr.caps.rdma_read && attr.caps.rdma_write);
     assert!(attr.caps.unsolicited_write_recv);
     // Without RDMA: no RDMA caps, max_rdma_size 0.
-    let cfg = LoopbackConfig {
-        rdma: false,
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_rdma(false);
     let plain = LoopbackDevice::open(&net, cfg).unwrap();
     let p = plain.attr();
     assert_eq!(p.max_rdma_size, 0);
@@ -113,22 +110,10 @@ fn device_attributes() {
 fn config_validation() {
     let net = LoopbackNetwork::new(FaultConfig::default());
     for cfg in [
-        LoopbackConfig {
-            mtu: 10,
-            ..Default::default()
-        },
-        LoopbackConfig {
-            mtu: usize::MAX,
-            ..Default::default()
-        },
-        LoopbackConfig {
-            max_send_wr: 0,
-            ..Default::default()
-        },
-        LoopbackConfig {
-            max_recv_wr: 0,
-            ..Default::default()
-        },
+        LoopbackConfig::default().with_mtu(10),
+        LoopbackConfig::default().with_mtu(usize::MAX),
+        LoopbackConfig::default().with_max_send_wr(0),
+        LoopbackConfig::default().with_max_recv_wr(0),
     ] {
         let e = LoopbackDevice::open(&net, cfg.clone()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{cfg:?}");
@@ -803,10 +788,7 @@ fn close_flushes_and_later_posts_fail() {
 #[test]
 fn srd_to_a_gone_queue_pair_is_unresponsive() {
     let net = LoopbackNetwork::new(FaultConfig::default());
-    let fast = LoopbackConfig {
-        unresponsive_timeout: Duration::ZERO,
-        ..Default::default()
-    };
+    let fast = LoopbackConfig::default().with_unresponsive_timeout(Duration::ZERO);
     let dev = LoopbackDevice::open(&net, fast.clone()).unwrap();
     let mut a = qp(&dev, QpType::Srd, |a| a.rnr_retry = 7);
     let mut b = qp(&dev, QpType::Srd, |_| {});

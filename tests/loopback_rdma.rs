@@ -340,10 +340,7 @@ fn revoked_keys_fail_and_are_never_reused() {
 #[test]
 fn posts_are_checked() {
     let net = LoopbackNetwork::new(FaultConfig::default());
-    let cfg = LoopbackConfig {
-        max_rdma_size: 64,
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_max_rdma_size(64);
     let a = node(&net, cfg.clone());
     let b = node(&net, cfg);
     let mut ia = qp(&a, |_| {});
@@ -409,13 +406,7 @@ fn posts_are_checked() {
     );
 
     // Without RDMA: NotSupported, and the domain makes up software keys.
-    let plain = node(
-        &net,
-        LoopbackConfig {
-            rdma: false,
-            ..Default::default()
-        },
-    );
+    let plain = node(&net, LoopbackConfig::default().with_rdma(false));
     let mut p = qp(&plain, |_| {});
     assert_eq!(
         kind(p.post_write(1, tb.addr(), Bytes::from_static(b"x"), iov(&rk, 0, 1), None)),
@@ -438,10 +429,7 @@ fn posts_are_checked() {
 #[test]
 fn unreachable_targets_fail_like_sends() {
     let net = LoopbackNetwork::new(FaultConfig::default());
-    let cfg = LoopbackConfig {
-        unresponsive_timeout: Duration::ZERO,
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_unresponsive_timeout(Duration::ZERO);
     let a = node(&net, cfg.clone());
     let b = node(&net, cfg);
     let mut ia = qp(&a, |_| {});
@@ -560,10 +548,7 @@ fn writes_with_imm_complete_once_at_the_target_unsolicited() {
 fn writes_with_imm_consume_receive_buffers_without_unsolicited_write_recv() {
     let seed = test_seed();
     println!("seed {seed} (EFA_TEST_SEED={seed} replays)");
-    let cfg = LoopbackConfig {
-        unsolicited_write_recv: false,
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_unsolicited_write_recv(false);
     let n = 200;
     // Fewer buffers than writes would leave writes waiting (rnr_retry 7 retries forever), so
     // post exactly one per write, plus spares that must stay posted.
@@ -587,10 +572,7 @@ fn writes_with_imm_consume_receive_buffers_without_unsolicited_write_recv() {
 #[test]
 fn write_with_imm_and_no_buffer_is_receiver_not_ready() {
     let net = LoopbackNetwork::with_manual_clock(FaultConfig::default());
-    let cfg = LoopbackConfig {
-        unsolicited_write_recv: false,
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_unsolicited_write_recv(false);
     let a = node(&net, cfg.clone());
     let b = node(&net, cfg);
     assert!(!a.dev.attr().caps.unsolicited_write_recv);
@@ -673,13 +655,7 @@ fn region_guards() {
 fn domain_remote_write_and_read_check_key_bounds_and_rights() {
     for rdma in [true, false] {
         let net = LoopbackNetwork::new(FaultConfig::default());
-        let a = node(
-            &net,
-            LoopbackConfig {
-                rdma,
-                ..Default::default()
-            },
-        );
+        let a = node(&net, LoopbackConfig::default().with_rdma(rdma));
         let d = &a.domain;
         let mut rw = region(&a, 64, 0x10, Access::REMOTE_READ | Access::REMOTE_WRITE);
         let wo = region(&a, 64, 0x20, Access::REMOTE_WRITE);

@@ -32,10 +32,7 @@ fn loopback_domains(net: &LoopbackNetwork, n: usize, cfg: &LoopbackConfig) -> Ve
 fn udp_domains(n: usize) -> Vec<Domain> {
     (0..n)
         .map(|_| {
-            let cfg = UdpConfig {
-                bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
-                ..UdpConfig::default()
-            };
+            let cfg = UdpConfig::default().with_bind(IpAddr::V4(Ipv4Addr::LOCALHOST));
             Domain::with_device(UdpDevice::open(cfg).unwrap(), Config::default())
         })
         .collect()
@@ -212,13 +209,7 @@ fn striped_writes_and_reads_of_every_size_on_loopback_device_rdma() {
 #[test]
 fn striped_writes_and_reads_of_every_size_emulated_rma() {
     // Without device RDMA the protocol engine emulates the RMA (the target's endpoint works).
-    let p = loopback_pair(
-        3,
-        LoopbackConfig {
-            rdma: false,
-            ..Default::default()
-        },
-    );
+    let p = loopback_pair(3, LoopbackConfig::default().with_rdma(false));
     writes_and_reads_of_every_size(&p);
 }
 
@@ -538,10 +529,7 @@ fn a_rail_whose_peer_goes_away_mid_run_moves_its_stripes_and_everything_complete
     let mut rng = Rng::new(seed);
     // The unresponsive-peer timeout is what a sender waits before its stripes to the closed
     // endpoint fail; short, so the test is quick.
-    let cfg = LoopbackConfig {
-        unresponsive_timeout: Duration::from_millis(200),
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_unresponsive_timeout(Duration::from_millis(200));
     let p = loopback_pair(4, cfg);
     warm_up(&p);
     let n = 24;
@@ -578,10 +566,7 @@ fn with_every_rail_of_the_peer_gone_each_operation_fails_once_with_a_clear_error
     let seed = test_seed();
     println!("seed {seed}");
     let mut rng = Rng::new(seed);
-    let cfg = LoopbackConfig {
-        unresponsive_timeout: Duration::from_millis(200),
-        ..Default::default()
-    };
+    let cfg = LoopbackConfig::default().with_unresponsive_timeout(Duration::from_millis(200));
     let p = loopback_pair(3, cfg);
     warm_up(&p);
     let n = 12;

@@ -295,18 +295,12 @@ fn async_send_and_recv_without_a_runtime_and_with_tokio() {
     rt.block_on(async {
         let r = b.ep.recv_async(
             BytesMut::with_capacity(64),
-            RecvOptions {
-                tag: Some((5, 0)),
-                ..Default::default()
-            },
+            RecvOptions::default().with_tag(5, 0),
         );
         let s = a.ep.send_async(
             pb,
             Bytes::from_static(b"tokio"),
-            SendOptions {
-                tag: Some(5),
-                ..Default::default()
-            },
+            SendOptions::default().with_tag(5),
         );
         let (r, s) = tokio::time::timeout(DEADLINE, async { tokio::join!(r, s) })
             .await
@@ -477,29 +471,20 @@ fn multi_recv_directed_and_delivery_complete() {
     // Directed: the receive for c's message is posted first but only takes c's.
     b.ep.recv_with(
         BytesMut::with_capacity(16),
-        RecvOptions {
-            from: Some(pc),
-            ..Default::default()
-        },
+        RecvOptions::default().with_from(pc),
         1,
     )
     .unwrap();
     b.ep.recv_with(
         BytesMut::with_capacity(16),
-        RecvOptions {
-            from: Some(pa),
-            ..Default::default()
-        },
+        RecvOptions::default().with_from(pa),
         2,
     )
     .unwrap();
     a.ep.send_with(
         pb_a,
         Bytes::from_static(b"from a"),
-        SendOptions {
-            delivery_complete: true,
-            ..Default::default()
-        },
+        SendOptions::default().with_delivery_complete(true),
         10,
     )
     .unwrap();
@@ -514,10 +499,7 @@ fn multi_recv_directed_and_delivery_complete() {
     c.collect(1, "sender c");
 
     // Multi-receive: one 1 KiB buffer takes messages until less than 200 bytes remain.
-    let o = RecvOptions {
-        multi_recv: Some(200),
-        ..Default::default()
-    };
+    let o = RecvOptions::default().with_multi_recv(200);
     b.ep.recv_with(BytesMut::with_capacity(1024), o, 50)
         .unwrap();
     for i in 0..4u8 {
@@ -539,11 +521,7 @@ fn multi_recv_directed_and_delivery_complete() {
         "the buffer is retired"
     );
     // A tagged multi-receive is refused and handed back.
-    let o = RecvOptions {
-        multi_recv: Some(10),
-        tag: Some((1, 0)),
-        ..Default::default()
-    };
+    let o = RecvOptions::default().with_multi_recv(10).with_tag(1, 0);
     let e =
         b.ep.recv_with(BytesMut::with_capacity(64), o, 51)
             .unwrap_err();
@@ -553,10 +531,9 @@ fn multi_recv_directed_and_delivery_complete() {
 
 #[test]
 fn rdm_needs_a_routable_device_address() {
-    let dev = efa::device::udp::UdpDevice::open(efa::device::udp::UdpConfig {
-        bind: "0.0.0.0".parse().unwrap(),
-        ..Default::default()
-    })
+    let dev = efa::device::udp::UdpDevice::open(
+        efa::device::udp::UdpConfig::default().with_bind("0.0.0.0".parse().unwrap()),
+    )
     .unwrap();
     let d = efa::Domain::with_device(dev, efa::Config::default());
     let cq = efa::CompletionQueue::new(&d, 8).unwrap();

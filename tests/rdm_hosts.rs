@@ -523,11 +523,8 @@ fn eight_hosts_role() {
         'recv: for &s in &others {
             while next_recv[s] < PER_PAIR && next_recv[s] - recvs_done[s] < RECV_WINDOW {
                 let k = next_recv[s];
-                let o = RecvOptions {
-                    tag: None,
-                    from: peers[s],
-                    multi_recv: None,
-                };
+                let mut o = RecvOptions::default();
+                o.from = peers[s];
                 let buf = BytesMut::with_capacity(in_sizes[s][k].max(1));
                 match node.ep.recv_with(buf, o, ((k as u64) << 8) | s as u64) {
                     Ok(()) => next_recv[s] += 1,
@@ -550,11 +547,9 @@ fn eight_hosts_role() {
                 let buf = refused[j]
                     .take()
                     .unwrap_or_else(|| payload(pair_seed(seed, me, j), k, out_sizes[j][k]));
-                let o = SendOptions {
-                    tag: None,
-                    data: Some(k as u32),
-                    delivery_complete: false,
-                };
+                let o = SendOptions::default()
+                    .with_data(k as u32)
+                    .with_delivery_complete(false);
                 match node.ep.send_with(
                     peers[j].unwrap(),
                     buf,

@@ -75,10 +75,9 @@ fn pair(setup: Setup, seed: u64) -> Pair {
         Setup::Shm | Setup::ShmNoRdma => {
             let d = tempfile::tempdir().unwrap();
             let dev = || -> Arc<dyn Device> {
-                efa::device::shm::ShmDevice::open(efa::device::shm::ShmConfig {
-                    rdma: setup == Setup::Shm,
-                    ..efa::device::shm::ShmConfig::in_dir(d.path())
-                })
+                efa::device::shm::ShmDevice::open(
+                    efa::device::shm::ShmConfig::in_dir(d.path()).with_rdma(setup == Setup::Shm),
+                )
                 .expect("shm device")
             };
             let pair = (dev(), dev(), None);
@@ -101,10 +100,7 @@ fn pair(setup: Setup, seed: u64) -> Pair {
                     .reorder(0.1),
             );
             let rdma = !matches!(setup, Setup::LoopbackNoRdma | Setup::LoopbackLongCts);
-            let lc = LoopbackConfig {
-                rdma,
-                ..LoopbackConfig::default()
-            };
+            let lc = LoopbackConfig::default().with_rdma(rdma);
             let a: Arc<dyn Device> = LoopbackDevice::open(&net, lc.clone()).expect("loopback");
             let b: Arc<dyn Device> = LoopbackDevice::open(&net, lc).expect("loopback");
             (a, b, Some(net))
@@ -400,10 +396,9 @@ fn writedata_exactly_once(setup: Setup) {
     let lens: Vec<usize> = (0..n).map(|_| 1 + r.below(60_000) as usize).collect();
     for (i, &len) in lens.iter().enumerate() {
         let data = payload(seed, i, len);
-        let o = WriteOptions {
-            data: Some(i as u32),
-            delivery_complete: i % 7 == 0,
-        };
+        let o = WriteOptions::default()
+            .with_data(i as u32)
+            .with_delivery_complete(i % 7 == 0);
         retry(
             &p,
             || {
@@ -1085,22 +1080,14 @@ impl efa::device::QueuePair for ReadCounting {
 #[test]
 fn unregistered_regions_are_never_offered_for_device_reads() {
     let net = LoopbackNetwork::new(FaultConfig::default());
-    let cfg = Config {
-        inter_min_read_message_size: 4096,
-        runt_size: 0, // long-read, not a runt that carries everything
-        ..Config::default()
-    };
+    let cfg = Config::default()
+        .with_inter_min_read_message_size(4096)
+        .with_runt_size(0); // long-read, not a runt that carries everything
     let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let dev = || -> Arc<dyn Device> {
         Arc::new(Unregistered(
-            LoopbackDevice::open(
-                &net,
-                LoopbackConfig {
-                    rdma: true,
-                    ..LoopbackConfig::default()
-                },
-            )
-            .expect("loopback"),
+            LoopbackDevice::open(&net, LoopbackConfig::default().with_rdma(true))
+                .expect("loopback"),
             reads.clone(),
         ))
     };

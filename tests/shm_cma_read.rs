@@ -24,11 +24,8 @@ struct Node {
 }
 
 fn node(dir: &std::path::Path, cma: bool) -> Node {
-    let dev: Arc<dyn Device> = ShmDevice::open(ShmConfig {
-        cma,
-        ..ShmConfig::in_dir(dir)
-    })
-    .expect("shm device");
+    let dev: Arc<dyn Device> =
+        ShmDevice::open(ShmConfig::in_dir(dir).with_cma(cma)).expect("shm device");
     let domain = Domain::with_device(dev.clone(), Config::default());
     Node { dev, domain }
 }

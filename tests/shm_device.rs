@@ -44,11 +44,7 @@ fn test_dir() -> tempfile::TempDir {
 }
 
 fn small_cfg(dir: &Path) -> ShmConfig {
-    ShmConfig {
-        mtu: 8192,
-        ring_slots: 64,
-        ..ShmConfig::in_dir(dir)
-    }
+    ShmConfig::in_dir(dir).with_mtu(8192).with_ring_slots(64)
 }
 
 fn open(cfg: ShmConfig) -> Arc<ShmDevice> {
@@ -134,11 +130,9 @@ fn datagram(seed: u64, s: u64, i: u64, mtu: usize) -> Vec<u8> {
 fn srd_many_senders_exactly_once() {
     let seed = test_seed();
     let dir = test_dir();
-    let cfg = ShmConfig {
-        mtu: 16 << 10,
-        ring_slots: 32,
-        ..ShmConfig::in_dir(dir.path())
-    };
+    let cfg = ShmConfig::in_dir(dir.path())
+        .with_mtu(16 << 10)
+        .with_ring_slots(32);
     let mtu = cfg.mtu;
     let dev = open(cfg);
     const SENDERS: u64 = 4;
@@ -231,10 +225,7 @@ fn srd_many_senders_exactly_once() {
 #[test]
 fn ud_full_ring_drops_and_counts() {
     let dir = test_dir();
-    let dev = open(ShmConfig {
-        ring_slots: 4,
-        ..small_cfg(dir.path())
-    });
+    let dev = open(small_cfg(dir.path()).with_ring_slots(4));
     let n = Arc::new(Notifier::new());
     let mut a = qp(&dev, QpType::Ud, &n);
     let b_n = Arc::new(Notifier::new());
@@ -747,11 +738,11 @@ fn garbage_in_segments_is_dropped_and_counted() {
     let seed = test_seed();
     let mut rng = Rng::new(seed);
     let dir = test_dir();
-    let dev = open(ShmConfig {
-        ring_slots: 8,
-        unresponsive_timeout: Duration::from_millis(200),
-        ..small_cfg(dir.path())
-    });
+    let dev = open(
+        small_cfg(dir.path())
+            .with_ring_slots(8)
+            .with_unresponsive_timeout(Duration::from_millis(200)),
+    );
     let n = Arc::new(Notifier::new());
     for round in 0..6 {
         let ty = if round % 2 == 0 {
@@ -1025,11 +1016,7 @@ fn dropping_a_queue_pair_stops_its_thread_and_removes_its_segment() {
 fn open_refuses_a_missing_directory_and_bad_config() {
     let e = ShmDevice::open(ShmConfig::in_dir("/nonexistent/efa-shm")).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Io, "{e}");
-    let e = ShmDevice::open(ShmConfig {
-        mtu: 10,
-        ..ShmConfig::default()
-    })
-    .unwrap_err();
+    let e = ShmDevice::open(ShmConfig::default().with_mtu(10)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     let dir = test_dir();
     let dev = open(small_cfg(dir.path()));

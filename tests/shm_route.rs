@@ -143,13 +143,7 @@ fn flood_before_receives_over_shm() {
     // Fewer receive buffers (about 512 per path), so the shm path runs out of them. (With 256
     // or fewer in all, the same flood also stalls on plain udp devices: an engine issue, not
     // the routing's.)
-    let devb = routed_with(
-        dir.path(),
-        UdpConfig {
-            max_recv_wr: 1024,
-            ..UdpConfig::default()
-        },
-    );
+    let devb = routed_with(dir.path(), UdpConfig::default().with_max_recv_wr(1024));
     let db = Domain::with_device(devb.clone(), Config::default());
     let (a, b) = (Node::device_path(&da), Node::device_path(&db));
     let seed = 11;
@@ -211,10 +205,7 @@ fn peers_without_a_local_entry_go_over_udp() {
 #[test]
 fn domain_open_routes_rdm_infos() {
     let info = |ep: EpType, on: bool| {
-        let cfg = Config {
-            enable_shm_transfer: on,
-            ..Config::default()
-        };
+        let cfg = Config::default().with_enable_shm_transfer(on);
         getinfo(&Hints::new().provider("udp").ep_type(ep).config(cfg))
             .unwrap()
             .remove(0)

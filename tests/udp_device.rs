@@ -102,18 +102,11 @@ fn attributes() {
     assert!(a.caps.rdma_read && a.caps.rdma_write && !a.caps.unsolicited_write_recv);
     assert_eq!(a.pci_addr, None);
     // RDMA off: no capability, no size.
-    let off = open(UdpConfig {
-        rdma: false,
-        ..UdpConfig::default()
-    });
+    let off = open(UdpConfig::default().with_rdma(false));
     assert_eq!(off.attr().max_rdma_size, 0);
     assert!(!off.attr().caps.rdma_read && !off.attr().caps.rdma_write);
     for mtu in [10, 70_000] {
-        let e = UdpDevice::open(UdpConfig {
-            mtu,
-            ..UdpConfig::default()
-        })
-        .unwrap_err();
+        let e = UdpDevice::open(UdpConfig::default().with_mtu(mtu)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     }
     let n = Arc::new(Notifier::new());
@@ -182,11 +175,7 @@ fn srd_exactly_once(run: Run) {
     }
     let mut list_rng = Rng::new(seed ^ 0x11575);
     let mut list = std::collections::VecDeque::new();
-    let dev = open(UdpConfig {
-        faults,
-        gso: run.gso,
-        ..UdpConfig::default()
-    });
+    let dev = open(UdpConfig::default().with_faults(faults).with_gso(run.gso));
     let mtu = dev.attr().mtu;
     let n = Arc::new(Notifier::new());
     let mut rx = {
@@ -498,11 +487,9 @@ fn a_refused_datagram_in_a_list_fails_only_its_send() {
 }
 
 fn short_unresponsive() -> UdpConfig {
-    UdpConfig {
-        unresponsive_timeout: Duration::from_millis(200),
-        peer_idle_timeout: Duration::from_secs(2),
-        ..UdpConfig::default()
-    }
+    UdpConfig::default()
+        .with_unresponsive_timeout(Duration::from_millis(200))
+        .with_peer_idle_timeout(Duration::from_secs(2))
 }
 
 #[test]
@@ -547,10 +534,7 @@ fn srd_unresponsive_closed_peer_and_silent_port() {
 fn progress_without_polling() {
     // A lossy network: the device must retransmit and acknowledge while nobody polls.
     let seed = test_seed();
-    let dev = open(UdpConfig {
-        faults: FaultConfig::seeded(seed).drop(0.5),
-        ..UdpConfig::default()
-    });
+    let dev = open(UdpConfig::default().with_faults(FaultConfig::seeded(seed).drop(0.5)));
     let rx_n = Arc::new(Notifier::new());
     let tx_n = Arc::new(Notifier::new());
     let mut rx = qp(&dev, QpType::Srd, &rx_n);
@@ -795,13 +779,14 @@ fn dropping_a_queue_pair_stops_its_thread() {
 #[test]
 fn srd_one_sender_many_receivers_under_faults() {
     let seed = test_seed();
-    let dev = open(UdpConfig {
-        faults: FaultConfig::seeded(seed)
-            .drop(0.1)
-            .duplicate(0.1)
-            .reorder(0.1),
-        ..UdpConfig::default()
-    });
+    let dev = open(
+        UdpConfig::default().with_faults(
+            FaultConfig::seeded(seed)
+                .drop(0.1)
+                .duplicate(0.1)
+                .reorder(0.1),
+        ),
+    );
     let n = Arc::new(Notifier::new());
     let mut tx = {
         let mut a = attr(QpType::Srd, &n);

@@ -219,10 +219,11 @@ pub fn parse_faults(v: &str) -> Result<FaultConfig, String> {
             }
         };
         f = match k {
-            "seed" => FaultConfig {
-                seed: num("EFA_EMU_FAULTS seed", val)?,
-                ..f
-            },
+            "seed" => {
+                let mut o = f;
+                o.seed = num("EFA_EMU_FAULTS seed", val)?;
+                o
+            }
             "drop" => f.drop(p(val)?),
             "dup" => f.duplicate(p(val)?),
             "reorder" => f.reorder(p(val)?),

@@ -65,7 +65,20 @@ impl RemoteKey {
 }
 
 /// Options of one RMA write (`fi_writemsg` flags).
+///
+/// `#[non_exhaustive]`: build it from [`WriteOptions::default`] with the `with_*` methods, or
+/// assign its public fields (docs/api-conventions.md).
+///
+/// ```
+/// let o = efa::WriteOptions::default().with_data(9).with_delivery_complete(true);
+/// assert_eq!((o.data, o.delivery_complete), (Some(9), true));
+/// ```
+///
+/// ```compile_fail,E0639
+/// let o = efa::WriteOptions { data: Some(9), delivery_complete: false };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WriteOptions {
     /// 4 bytes of immediate data (`fi_writedata`): the target gets one completion carrying them
     /// (`FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA`) once all the bytes are in its memory.
@@ -75,6 +88,22 @@ pub struct WriteOptions {
     /// device placed the bytes), and so does an emulated write; the flag changes nothing there
     /// and is kept for libfabric's meaning.
     pub delivery_complete: bool,
+}
+
+impl WriteOptions {
+    /// Sets [`data`](Self::data) to `Some(data)`: a write with immediate data.
+    #[must_use]
+    pub fn with_data(mut self, data: u32) -> Self {
+        self.data = Some(data);
+        self
+    }
+
+    /// Sets [`delivery_complete`](Self::delivery_complete).
+    #[must_use]
+    pub fn with_delivery_complete(mut self, on: bool) -> Self {
+        self.delivery_complete = on;
+        self
+    }
 }
 
 /// Which operations of an endpoint run emulated by the protocol engine rather than as device

@@ -26,11 +26,20 @@
 //! | 32 | slots (power of two), 36 slot stride (`64 + chunk`) |
 //! | 40 | network namespace hash (FNV-1a of `/proc/self/ns/net`) |
 //! | 48 | the owner's raw address: qkey (4), qpn (4), GID (16) |
-//! | 128 | closed flag, 132 sleepers, 136 doorbell (futex word) |
+//! | 72 | the owner's wake pipe: descriptor number (`u32::MAX`: none), 80 its device, 88 its inode |
+//! | 128 | closed flag, 132 sleepers, 136 doorbell (futex word), 140 descriptor sleeper |
 //! | 192 | ring tail (its own cache line) |
 //! | 256 | slots |
 //!
-//! Slot header: 0 sequence (u64), 8 kind (low byte) and flags (second byte), 12 chunk length,
+//! The wake pipe is how a sender wakes an owner whose application sleeps on a completion
+//! queue's descriptor: the pipe's read end is in that queue's epoll set, and a sender that
+//! finds the descriptor-sleeper word set (`shmem::file::Doorbell`) writes a byte to the pipe,
+//! opened once through `/proc/<owner pid>/fd/<n>` and checked to be that pipe (device and
+//! inode). The owner's waiter thread is not woken: one wake-up instead of two.
+//!
+//! Slot header: 0 sequence (u64), 8 kind (low byte) and flags (second byte: tagged 1, CQ data 2,
+//! delivery complete 4, unwatched 8 — an inject, whose consumption its sender need not hear
+//! of), 12 chunk length,
 //! 16 tag, 24 message length (first chunk) or offset (further chunks), 32 CQ data, 36
 //! delivery-complete token, 40 the sender's raw address (24 bytes, as above); data at 64.
 
@@ -46,10 +55,10 @@ use bytes::BytesMut;
 use crate::addr::{Gid, RawAddr};
 pub(crate) use crate::shmem::file::Liveness;
 use crate::shmem::file::{
-    self, Doorbell, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID, H_TOTAL, H_VERSION, HDR_SIZE, MAX_SLOTS,
-    SLOT_HDR,
+    self, Doorbell, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID as H_OWNER_PID, H_PID, H_TOTAL, H_VERSION,
+    HDR_SIZE, MAX_SLOTS, Rung, SLOT_HDR,
 };
-use crate::shmem::map::{self, Mapping, remove_if_same};
+use crate::shmem::map::{self, Mapping, WakePipe, remove_if_same};
 use crate::shmem::sync::AtomicU64;
 
 use crate::shmem::dir::CHANNEL;
@@ -64,6 +73,9 @@ const H_SLOTS: usize = 32;
 const H_STRIDE: usize = 36;
 const H_NETNS: usize = 40;
 const H_ADDR: usize = 48;
+const H_WAKE_FD: usize = 72;
+const H_WAKE_DEV: usize = 80;
+const H_WAKE_INO: usize = 88;
 
 const S_SEQ: usize = 0;
 const S_KIND: usize = 8;
@@ -86,6 +98,8 @@ pub(crate) const K_DC_ACK: u8 = 3;
 pub(crate) const F_TAGGED: u8 = 1;
 pub(crate) const F_DATA: u8 = 2;
 pub(crate) const F_DC: u8 = 4;
+/// Nobody waits for the slot's consumption (an inject): the consumer need not wake its sender.
+pub(crate) const F_UNWATCHED: u8 = 8;
 
 /// A raw address as channel headers carry it.
 pub(crate) fn encode_addr(a: &RawAddr) -> [u8; ADDR_LEN] {
@@ -179,6 +193,8 @@ pub(crate) struct OwnRing {
     geo: Geometry,
     /// The next position to consume (written by the consumer only).
     head: AtomicU64,
+    /// The descriptor doorbell (`None`: the system gave no pipe; senders ring the futex).
+    pipe: Option<WakePipe>,
 }
 
 impl OwnRing {
@@ -202,6 +218,32 @@ impl OwnRing {
     /// The owner's doorbell (its waiter thread sleeps on it).
     pub(crate) fn bell(&self) -> Option<Doorbell<'_>> {
         Doorbell::of(&self.map)
+    }
+
+    /// The read end of the wake pipe, for the completion queues' epoll sets.
+    pub(crate) fn wake_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.pipe.as_ref().map(WakePipe::read_end)
+    }
+
+    /// The application is about to sleep on a descriptor that watches the wake pipe: empties
+    /// the pipe and asks senders to write it instead of ringing the futex. True when a slot is
+    /// ready already (do not sleep: poll). Without a pipe nothing is asked (senders ring the
+    /// futex and the waiter thread wakes the queues).
+    pub(crate) fn arm_fd_wait(&self) -> bool {
+        if let (Some(p), Some(d)) = (&self.pipe, self.bell()) {
+            p.drain();
+            d.arm_fd();
+        }
+        self.ready()
+    }
+
+    /// The application waits another way (or polls): senders ring the futex again. True when a
+    /// slot is ready (a sender may have written the pipe instead of waking the waiter thread).
+    pub(crate) fn disarm_fd_wait(&self) -> bool {
+        if let Some(d) = self.bell() {
+            d.disarm_fd();
+        }
+        self.ready()
     }
 }
 
@@ -257,6 +299,18 @@ impl OwnChan {
         m.store32(H_STRIDE, geo.stride);
         m.store64(H_NETNS, netns);
         m.write(H_ADDR, &encode_addr(addr));
+        let pipe = WakePipe::new()
+            .inspect_err(|e| tracing::debug!(error = %e, "local path: no wake pipe"))
+            .ok();
+        match &pipe {
+            Some(p) => {
+                use std::os::fd::AsRawFd;
+                m.store32(H_WAKE_FD, p.read_end().as_raw_fd() as u32);
+                m.store64(H_WAKE_DEV, p.id.0);
+                m.store64(H_WAKE_INO, p.id.1);
+            }
+            None => m.store32(H_WAKE_FD, u32::MAX),
+        }
         if let Some(w) = m.u64(H_MAGIC) {
             w.store(MAGIC, Ordering::Release);
         }
@@ -269,6 +323,7 @@ impl OwnChan {
                 map: m,
                 geo,
                 head: AtomicU64::new(0),
+                pipe,
             }),
             file: Some(file),
             path,
@@ -373,6 +428,10 @@ pub(crate) struct PeerChan {
     file: File,
     path: PathBuf,
     ino: u64,
+    /// The owner's wake pipe as its header names it: pid, descriptor, (device, inode).
+    wake: Option<(u32, u32, (u64, u64))>,
+    /// That pipe, opened for writing the first time it is needed (`None`: it could not be).
+    wake_file: std::sync::OnceLock<Option<File>>,
 }
 
 /// Why a peer's channel could not be used.
@@ -427,12 +486,25 @@ impl PeerChan {
         if read_header(&m, geo.total, netns, dest)? != geo {
             return Err(OpenError::Unusable("header changed while opening"));
         }
+        let wake = match (m.load32(H_OWNER_PID), m.load32(H_WAKE_FD)) {
+            (Some(pid), Some(fd)) if fd != u32::MAX => Some((
+                pid,
+                fd,
+                (
+                    m.load64(H_WAKE_DEV).unwrap_or(0),
+                    m.load64(H_WAKE_INO).unwrap_or(0),
+                ),
+            )),
+            _ => None,
+        };
         Ok(PeerChan {
             map: m,
             geo,
             file,
             path,
             ino: meta.ino(),
+            wake,
+            wake_file: std::sync::OnceLock::new(),
         })
     }
 
@@ -477,11 +549,32 @@ impl PeerChan {
             .is_none_or(|w| w.load(Ordering::Acquire).wrapping_sub(pos.wrapping_add(1)) as i64 > 0)
     }
 
-    /// Wakes the owner's waiter thread if it sleeps (after one or more [`Self::push`]es).
+    /// Wakes the owner if it sleeps (after one or more [`Self::push`]es): its application,
+    /// through the wake pipe, when it sleeps on a completion queue's descriptor; else its
+    /// waiter thread, through the futex (also when the pipe cannot be written).
     pub(crate) fn ring_bell_if_asleep(&self) {
         if let Some(d) = Doorbell::of(&self.map) {
-            d.ring_if_asleep();
+            if d.ring_if_asleep() == Rung::Fd && !self.write_wake_pipe() {
+                d.ring();
+            }
         }
+    }
+
+    /// Writes the owner's wake pipe (opened the first time); false when there is none to write.
+    fn write_wake_pipe(&self) -> bool {
+        let f = self.wake_file.get_or_init(|| {
+            let (pid, fd, id) = self.wake?;
+            let f = map::open_wake_pipe(pid, fd, id);
+            if f.is_none() {
+                tracing::debug!(
+                    pid,
+                    fd,
+                    "local path: cannot open a peer's wake pipe; ringing its futex"
+                );
+            }
+            f
+        });
+        f.as_ref().is_some_and(map::write_wake_pipe)
     }
 
     /// Wakes the owner's waiter thread if it is seen asleep, without a fence: for news the
@@ -560,6 +653,13 @@ impl super::ring::Channels for ShmChannels {
     fn quiet(&self) {
         if let Some(d) = self.own.ring.bell() {
             d.sleepers.store(0, Ordering::Relaxed);
+            d.fd_wait.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn awake(&self) {
+        if let Some(d) = self.own.ring.bell() {
+            d.awake();
         }
     }
 
@@ -620,6 +720,7 @@ pub(super) fn model_pair(geo: Geometry) -> (OwnChan, PeerChan) {
             map: m.clone(),
             geo,
             head: AtomicU64::new(0),
+            pipe: None,
         }),
         file: None,
         path: PathBuf::new(),
@@ -631,6 +732,8 @@ pub(super) fn model_pair(geo: Geometry) -> (OwnChan, PeerChan) {
         file: tempfile::tempfile().expect("a temporary file"),
         path: PathBuf::new(),
         ino: 0,
+        wake: None,
+        wake_file: std::sync::OnceLock::new(),
     };
     (own, peer)
 }
@@ -798,5 +901,184 @@ mod tests {
         assert!(!stale.exists());
         std::fs::write(&stale, [0u8; 300]).unwrap();
         assert_eq!(CHANNEL.sweep(dir.path(), map::uid()), 1);
+    }
+
+    /// Whether the descriptor `fd` is readable now (a poll with no timeout) or within `ms`.
+    fn readable(fd: std::os::fd::BorrowedFd<'_>, ms: i32) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        #[allow(unsafe_code)]
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        n == 1 && p.revents & libc::POLLIN != 0
+    }
+
+    fn msg(i: u64) -> SlotHdr {
+        SlotHdr {
+            kind: K_MSG,
+            flags: 0,
+            len: 0,
+            tag: i,
+            word: 8,
+            data: 0,
+            token: 0,
+        }
+    }
+
+    /// A completion queue's descriptor (a notifier's epoll set watching the wake pipe) becomes
+    /// readable when a peer sends to an owner whose application sleeps on it, and the owner's
+    /// futex (its waiter thread's) is not rung: one wake-up. Without the application asleep on
+    /// the descriptor the futex is rung and the descriptor stays quiet. A header naming a pipe
+    /// that is not there (a planted or stale one) makes the sender ring the futex instead.
+    #[test]
+    fn a_sleeping_application_is_woken_through_its_descriptor_not_the_futex() {
+        let dir = tempfile::tempdir().unwrap();
+        let geo = Geometry::new(8, 64).unwrap();
+        let me = addr(21);
+        let own = OwnChan::create(dir.path(), map::uid(), 5, &me, geo)
+            .unwrap()
+            .unwrap();
+        let n = crate::notify::Notifier::new();
+        let fd = n.fd().expect("an epoll descriptor");
+        n.watch(own.ring().wake_fd().expect("a wake pipe"));
+        let peer = PeerChan::open(dir.path(), map::uid(), 5, &me).unwrap();
+        let src = encode_addr(&addr(3));
+        let d = own.ring().bell().unwrap();
+        d.sleepers.store(1, Ordering::SeqCst); // the waiter thread sleeps on the futex
+        let bell = || d.bell.load(Ordering::SeqCst);
+
+        // The application sleeps on the descriptor.
+        assert!(!own.ring().arm_fd_wait(), "nothing is ready yet");
+        assert!(!readable(fd, 0));
+        let b0 = bell();
+        assert!(peer.push(&msg(1), &src, b"ping").is_some());
+        peer.ring_bell_if_asleep();
+        assert!(readable(fd, 0), "the descriptor is readable at once");
+        assert_eq!(bell(), b0, "the waiter's futex is not rung");
+        // A second send finds the word taken: the application is waking, nobody is rung.
+        assert!(peer.push(&msg(2), &src, b"ping").is_some());
+        peer.ring_bell_if_asleep();
+        assert_eq!(bell(), b0);
+        assert!(readable(fd, 0));
+        // Once the application polled, the futex rule holds again.
+        d.awake();
+        assert!(peer.push(&msg(6), &src, b"ping").is_some());
+        peer.ring_bell_if_asleep();
+        assert_ne!(bell(), b0, "the waiter's futex is rung");
+        assert_eq!(own.peek().map(|h| h.hdr.tag), Some(1));
+        own.pop();
+        own.pop();
+        own.pop();
+        // Arming again empties the pipe.
+        assert!(!own.ring().arm_fd_wait());
+        assert!(!readable(fd, 0));
+        // Arming with a slot there says so (poll instead of sleeping).
+        assert!(peer.push(&msg(3), &src, b"x").is_some());
+        assert!(own.ring().arm_fd_wait());
+        own.pop();
+
+        // The application waits another way: the futex is rung, the descriptor stays quiet.
+        assert!(!own.ring().arm_fd_wait());
+        assert!(!own.ring().disarm_fd_wait());
+        let b1 = bell();
+        assert!(peer.push(&msg(4), &src, b"x").is_some());
+        peer.ring_bell_if_asleep();
+        assert_ne!(bell(), b1, "the futex is rung");
+        assert!(!readable(fd, 0));
+        own.pop();
+
+        // A header whose pipe identity is wrong: the sender cannot open it and rings the futex.
+        own.ring().map.store64(H_WAKE_INO, 1);
+        let fooled = PeerChan::open(dir.path(), map::uid(), 5, &me).unwrap();
+        assert!(!own.ring().arm_fd_wait());
+        let b2 = bell();
+        assert!(fooled.push(&msg(5), &src, b"x").is_some());
+        fooled.ring_bell_if_asleep();
+        assert_ne!(bell(), b2, "no pipe to write: the futex instead");
+        assert!(!readable(fd, 0));
+    }
+
+    /// No lost wake-up: a consumer that sleeps only on the descriptor (no waiter thread, no
+    /// timeout that would rescue it) and a producer that sends one message at a time, each after
+    /// the consumer took the previous one, at random moments from a seed (so no later send can
+    /// hide a lost wake-up: one lost hangs the consumer, and the test fails). The consumer also
+    /// pauses at random between its last look at the ring and arming, so sends land unannounced
+    /// there and arming must find them. Every message arrives once, in order.
+    #[test]
+    fn descriptor_wake_ups_are_never_lost() {
+        use crate::fault::{Rng, test_seed};
+        use std::time::{Duration, Instant};
+        let seed = test_seed();
+        println!("seed {seed}");
+        let dir = tempfile::tempdir().unwrap();
+        let geo = Geometry::new(4, 64).unwrap();
+        let me = addr(22);
+        let own = OwnChan::create(dir.path(), map::uid(), 5, &me, geo)
+            .unwrap()
+            .unwrap();
+        let n = crate::notify::Notifier::new();
+        assert!(n.fd().is_some());
+        n.watch(own.ring().wake_fd().unwrap());
+        let peer = PeerChan::open(dir.path(), map::uid(), 5, &me).unwrap();
+        const N: u64 = 2000;
+        let taken = Arc::new(AtomicU64::new(0));
+        let t = taken.clone();
+        let producer = std::thread::spawn(move || {
+            let mut rng = Rng::new(seed);
+            let src = encode_addr(&addr(3));
+            for i in 0..N {
+                let limit = Instant::now() + Duration::from_secs(10);
+                while t.load(Ordering::Acquire) < i {
+                    assert!(
+                        Instant::now() < limit,
+                        "seed {seed}: message {i} never taken"
+                    );
+                    std::thread::yield_now();
+                }
+                match rng.below(4) {
+                    0 => std::thread::sleep(Duration::from_micros(rng.below(100))),
+                    1 => std::thread::yield_now(),
+                    2 => (0..rng.below(2000)).for_each(|_| std::hint::spin_loop()),
+                    _ => {}
+                }
+                assert!(peer.push(&msg(i), &src, &i.to_le_bytes()).is_some());
+                peer.ring_bell_if_asleep();
+            }
+        });
+        let (mut next, mut sleeps) = (0u64, 0u64);
+        let mut rng = Rng::new(seed ^ 0xc0115);
+        while next < N {
+            while let Some(h) = own.peek() {
+                assert_eq!(h.hdr.tag, next, "seed {seed}: in order, once");
+                own.pop();
+                next += 1;
+                taken.store(next, Ordering::Release);
+            }
+            // Polled after a wake-up (as the endpoint's pass does).
+            if let Some(d) = own.ring().bell() {
+                d.awake();
+            }
+            match rng.below(4) {
+                0 => std::thread::sleep(Duration::from_micros(rng.below(50))),
+                1 => std::thread::yield_now(),
+                2 => (0..rng.below(2000)).for_each(|_| std::hint::spin_loop()),
+                _ => {}
+            }
+            if next == N || own.ring().arm_fd_wait() {
+                continue;
+            }
+            sleeps += 1;
+            let fd = n.fd().unwrap();
+            assert!(
+                readable(fd, 10_000),
+                "seed {seed}: lost wake-up after {next} messages"
+            );
+        }
+        producer.join().unwrap();
+        assert!(sleeps > 0, "seed {seed}: the consumer never slept");
     }
 }

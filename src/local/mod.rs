@@ -442,8 +442,11 @@ impl<C: Channels> LocalPath<C> {
     /// messages, retries waiting sends and checks on peers. True when anything moved.
     pub(crate) fn progress(&mut self, engine: &mut Engine, clock: &mut Clock) -> bool {
         let polls = self.pace.polls.count();
-        if polls % APP_SAMPLE == 0 && !self.pace.app_polls.load(Ordering::Relaxed) {
-            self.sample_app_polls(clock);
+        if !self.pace.app_polls.load(Ordering::Relaxed) {
+            self.chans.awake();
+            if polls % APP_SAMPLE == 0 {
+                self.sample_app_polls(clock);
+            }
         }
         let drained = self.drain(engine, clock);
         let mut busy = drained;

@@ -3,7 +3,7 @@
 
 use bytes::BytesMut;
 
-use super::chan::{F_DATA, F_DC, F_TAGGED, K_DC_ACK, K_MSG, K_NEXT};
+use super::chan::{F_DATA, F_DC, F_TAGGED, F_UNWATCHED, K_DC_ACK, K_MSG, K_NEXT};
 use super::ring::{Channels, PeerRing};
 use super::{DRAIN_BATCH, Inbound, LocalPath, STUCK_SLOT};
 use crate::progress::Clock;
@@ -24,8 +24,10 @@ impl<C: Channels> LocalPath<C> {
                 continue;
             };
             // Both sides know each other (the engine's handshake, for one-sided operations), and
-            // a sender that sleeps learns that its slots were consumed.
-            if let Some(p) = self.route(engine, &src) {
+            // a sender that sleeps learns that its slots were consumed (unless nothing of its
+            // waits for that: an inject).
+            let p = self.route(engine, &src);
+            if let Some(p) = p.filter(|_| h.hdr.flags & F_UNWATCHED == 0) {
                 match senders {
                     [Some(a), _] if a == p => {}
                     [_, Some(b)] if b == p => {}

@@ -31,6 +31,9 @@ pub(crate) trait Channels {
     fn close(&mut self);
     /// The application busy-polls: peers need not wake this side.
     fn quiet(&self) {}
+    /// The application polls (not busy-polling, as far as known): a wake-up through its
+    /// descriptor, if there was one, has reached it.
+    fn awake(&self) {}
     /// Opens the ring of the endpoint at `dest`.
     fn open_peer(&mut self, dest: &RawAddr) -> Result<Self::Peer, OpenError>;
     /// A peer was found dead: what it left behind may go.

@@ -5,7 +5,9 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
-use super::chan::{F_DATA, F_DC, F_TAGGED, K_DC_ACK, K_MSG, K_NEXT, Liveness, SlotHdr};
+use super::chan::{
+    F_DATA, F_DC, F_TAGGED, F_UNWATCHED, K_DC_ACK, K_MSG, K_NEXT, Liveness, SlotHdr,
+};
 use super::ring::{Channels, PeerRing};
 use super::{DcWait, LocalPath, LocalSend, Out, OutMsg, Unconsumed};
 use crate::device::Status;
@@ -128,7 +130,8 @@ impl<C: Channels> LocalPath<C> {
         let Some(chan) = p.straight_in(bytes.len()).filter(|c| !c.closed()) else {
             return false;
         };
-        let h = first_hdr(tag, data, None, bytes.len());
+        let mut h = first_hdr(tag, data, None, bytes.len());
+        h.flags |= F_UNWATCHED;
         if chan.push(&h, &self.me, bytes).is_none() {
             return false;
         }

@@ -109,6 +109,9 @@ impl Waiter {
             ring: ring.clone(),
         });
         notifier.add_sleep_hook(Arc::downgrade(&hook));
+        if let Some(fd) = ring.wake_fd() {
+            notifier.watch(fd);
+        }
         Ok(Waiter {
             pace: pace.clone(),
             _hook: hook,
@@ -139,8 +142,9 @@ struct WaiterHook {
     ring: Arc<OwnRing>,
 }
 
-impl SleepHook for WaiterHook {
-    fn before_sleep(&self) {
+impl WaiterHook {
+    /// The waiter stood aside while the application polled: it takes over now.
+    fn take_over(&self) {
         if let Some(s) = self.pace.upgrade() {
             if s.app_polls.load(Ordering::Relaxed) {
                 s.sleeping.store(true, Ordering::SeqCst);
@@ -149,6 +153,29 @@ impl SleepHook for WaiterHook {
                 }
             }
         }
+    }
+}
+
+impl SleepHook for WaiterHook {
+    /// A blocking or async wait: senders ring the waiter's futex (not the wake pipe, which no
+    /// one waits on now), and a chunk a sender announced through the pipe meanwhile wakes the
+    /// waiter.
+    fn before_sleep(&self) {
+        if self.ring.disarm_fd_wait() {
+            if let Some(d) = self.ring.bell() {
+                d.wake();
+            }
+        }
+        self.take_over();
+    }
+
+    /// A wait on the completion queue's descriptor, whose epoll set holds the channel's wake
+    /// pipe: senders write the pipe, so the program wakes with no thread in between (the
+    /// waiter goes on sleeping; it still serves waiting sends and stuck slots).
+    fn before_fd_sleep(&self) -> bool {
+        let ready = self.ring.arm_fd_wait();
+        self.take_over();
+        ready
     }
 }
 

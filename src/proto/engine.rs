@@ -116,7 +116,7 @@ impl EngineConfig {
     /// use efa::proto::engine::{EngineConfig, EngineSizes};
     /// let gid = std::net::Ipv4Addr::LOCALHOST.into();
     /// let attr = DeviceAttr::software(DeviceKind::Udp, "t".into(), gid, 8192, 256, 256);
-    /// let cfg = efa::Config { tx_queue_size: 64, ..efa::Config::default() };
+    /// let cfg = efa::Config::default().with_tx_queue_size(64);
     /// let sizes = EngineSizes { send_depth: 256, tx_ops: 1024, rx_ops: 1024 };
     /// let e = EngineConfig::new(&cfg, &attr, sizes, true, 1);
     /// assert_eq!((e.mtu, e.max_outstanding_tx, e.max_tx_ops), (8192, 64, 1024));

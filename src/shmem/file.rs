@@ -10,7 +10,7 @@
 //! | 16 | total size |
 //! | 24 | owner pid |
 //! | 28 .. 128 | the kind's own fields |
-//! | 128 | closed flag, 132 sleepers, 136 doorbell (futex word) |
+//! | 128 | closed flag, 132 sleepers, 136 doorbell (futex word), 140 descriptor sleeper |
 //! | 192 | ring tail (its own cache line) |
 //! | 256 | the kind's tables and slots |
 
@@ -42,6 +42,7 @@ pub(crate) const H_PID: usize = 24; // u32
 pub(crate) const H_CLOSED: usize = 128; // u32
 pub(crate) const H_SLEEPERS: usize = 132; // u32
 pub(crate) const H_BELL: usize = 136; // u32 (futex word)
+pub(crate) const H_FD_WAIT: usize = 140; // u32 (the owner's application sleeps on a descriptor)
 pub(crate) const H_TAIL: usize = 192; // u64
 
 /// Whether the mapping starts with `magic` (read with `Acquire`: the rest of the header was
@@ -153,10 +154,33 @@ pub(crate) fn create_owned(tmp: &Path, size: usize) -> std::io::Result<(File, u6
 /// lost are written once: a producer publishes, then (`ring_if_asleep`) fences and looks at the
 /// sleepers word; the owner counts itself a sleeper, fences and looks at the ring once more
 /// before it sleeps. Either the owner sees the slot, or the producer sees it asleep.
+///
+/// The owner's application may sleep on a descriptor instead (a completion queue's, in epoll
+/// or an async runtime): it sets `fd_wait` (`H_FD_WAIT`) to [`FD_ARMED`], fences and looks at
+/// the ring; the first producer that sees it armed takes it ([`FD_TAKEN`], [`Rung::Fd`]) and
+/// makes that descriptor readable itself, leaving the futex alone, so the application wakes
+/// with no thread in between. Later producers leave the owner alone until its application has
+/// polled ([`Doorbell::awake`]: the word is clear again, and the futex rule holds).
 #[derive(Clone, Copy)]
 pub(crate) struct Doorbell<'a> {
     pub(crate) bell: &'a AtomicU32,
     pub(crate) sleepers: &'a AtomicU32,
+    pub(crate) fd_wait: &'a AtomicU32,
+}
+
+/// `fd_wait`: the owner's application sleeps on its descriptor.
+pub(crate) const FD_ARMED: u32 = 1;
+/// `fd_wait`: a producer has made the descriptor readable; the application is waking.
+pub(crate) const FD_TAKEN: u32 = 2;
+
+/// What [`Doorbell::ring_if_asleep`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rung {
+    /// Nobody sleeps, or the futex was rung.
+    Done,
+    /// The owner's application sleeps on its descriptor and this producer took the word: it
+    /// must make the descriptor readable (or, if it cannot, [`Doorbell::ring`]).
+    Fd,
 }
 
 impl<'a> Doorbell<'a> {
@@ -165,6 +189,7 @@ impl<'a> Doorbell<'a> {
         Some(Doorbell {
             bell: m.u32(H_BELL)?,
             sleepers: m.u32(H_SLEEPERS)?,
+            fd_wait: m.u32(H_FD_WAIT)?,
         })
     }
 
@@ -184,10 +209,57 @@ impl<'a> Doorbell<'a> {
         map::futex_wake(self.bell);
     }
 
-    /// After publishing: rings only if the owner sleeps (or is about to).
-    pub(crate) fn ring_if_asleep(&self) {
+    /// After publishing: rings only if the owner sleeps (or is about to). When its
+    /// application sleeps on a descriptor, the first producer to see it takes the word and is
+    /// told to write the descriptor ([`Rung::Fd`]); later ones (the word taken) do nothing, as
+    /// the application is waking and will poll. No system call unless somebody sleeps.
+    #[must_use]
+    pub(crate) fn ring_if_asleep(&self) -> Rung {
         fence(Ordering::SeqCst);
+        match self.fd_wait.load(Ordering::Relaxed) {
+            0 => {}
+            // Lost to another producer (it writes the descriptor) or to the owner taking the
+            // word back (it looks at the ring after its fence, and finds this slot).
+            FD_ARMED => {
+                let took = self.fd_wait.compare_exchange(
+                    FD_ARMED,
+                    FD_TAKEN,
+                    Ordering::SeqCst,
+                    Ordering::Relaxed,
+                );
+                return if took.is_ok() { Rung::Fd } else { Rung::Done };
+            }
+            _ => return Rung::Done,
+        }
         self.ring_if_seen_asleep();
+        Rung::Done
+    }
+
+    /// The owner's application is about to sleep on its descriptor: producers from now on write
+    /// it instead of the futex. Call after emptying the descriptor; then look at the ring once
+    /// more (the fence orders the two).
+    pub(crate) fn arm_fd(&self) {
+        self.fd_wait.store(FD_ARMED, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// The owner's application no longer sleeps on its descriptor (it polls, or waits another
+    /// way): producers ring the futex again. Then look at the ring once more: a producer may
+    /// have seen the word set and written the descriptor instead.
+    pub(crate) fn disarm_fd(&self) {
+        self.fd_wait.store(0, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// The owner's application polls after a producer woke it through its descriptor: from now
+    /// on producers ring the futex again when the waiter sleeps (a plain load when the word is
+    /// clear).
+    pub(crate) fn awake(&self) {
+        if self.fd_wait.load(Ordering::Relaxed) == FD_TAKEN {
+            let _ =
+                self.fd_wait
+                    .compare_exchange(FD_TAKEN, 0, Ordering::Relaxed, Ordering::Relaxed);
+        }
     }
 
     /// The owner's side of the handshake: counts itself the sleeper, fences, and sleeps on the

@@ -302,6 +302,82 @@ pub(crate) fn pid_exists(pid: u32) -> bool {
     r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
+/// A descriptor doorbell: a pipe whose read end the owner's completion queues watch (it is in
+/// their epoll set) and which peers in other processes open through `/proc/<pid>/fd/<n>` and
+/// write one byte to. The owner keeps the write end open too, so the read end never reports
+/// end-of-file (which would leave it readable for ever).
+pub(crate) struct WakePipe {
+    read: File,
+    _write: File,
+    /// The pipe's identity (device, inode), which a peer checks after opening it by number.
+    pub(crate) id: (u64, u64),
+}
+
+impl WakePipe {
+    /// A new non-blocking, close-on-exec pipe.
+    pub(crate) fn new() -> io::Result<WakePipe> {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two descriptors into the array it is given.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: two fresh descriptors nobody else owns.
+        let (read, write) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        let m = read.metadata()?;
+        Ok(WakePipe {
+            read,
+            _write: write,
+            id: (m.dev(), m.ino()),
+        })
+    }
+
+    /// The read end (to watch).
+    pub(crate) fn read_end(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.read.as_fd()
+    }
+
+    /// Empties the pipe; true when it held anything.
+    pub(crate) fn drain(&self) -> bool {
+        use std::io::Read;
+        let mut buf = [0u8; 64];
+        let mut any = false;
+        while let Ok(n @ 1..) = (&self.read).read(&mut buf) {
+            any = true;
+            if n < buf.len() {
+                break;
+            }
+        }
+        any
+    }
+}
+
+/// Opens the write side of the wake pipe of process `pid`, its descriptor `fd`, if it still is
+/// the pipe `id` (device, inode) there: anything else (the number reused, another process, no
+/// `/proc`) is `None`.
+pub(crate) fn open_wake_pipe(pid: u32, fd: u32, id: (u64, u64)) -> Option<File> {
+    let f = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(format!("/proc/{pid}/fd/{fd}"))
+        .ok()?;
+    let m = f.metadata().ok()?;
+    use std::os::unix::fs::FileTypeExt;
+    (m.file_type().is_fifo() && (m.dev(), m.ino()) == id).then_some(f)
+}
+
+/// Makes a wake pipe readable: one byte (a full pipe is readable already). False when the
+/// write failed otherwise (the reader is gone).
+pub(crate) fn write_wake_pipe(f: &File) -> bool {
+    use std::io::Write;
+    // One byte is written whole or not at all.
+    match (&*f).write_all(&[1]) {
+        Ok(()) => true,
+        Err(e) => e.kind() == io::ErrorKind::WouldBlock,
+    }
+}
+
 /// The real user id of this process.
 pub(crate) fn uid() -> u32 {
     // SAFETY: `getuid` cannot fail and touches no memory.

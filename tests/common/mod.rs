@@ -42,12 +42,7 @@ pub fn net_device(ip: IpAddr, faults: FaultConfig) -> Arc<dyn efa::device::Devic
             .try_init();
         return efa_device();
     }
-    UdpDevice::open(UdpConfig {
-        bind: ip,
-        faults,
-        ..UdpConfig::default()
-    })
-    .expect("udp device")
+    UdpDevice::open(UdpConfig::default().with_bind(ip).with_faults(faults)).expect("udp device")
 }
 
 #[cfg(feature = "efa")]
@@ -254,11 +249,9 @@ pub fn mix(seed: u64, n: usize, max: usize) -> Vec<Msg> {
 pub fn send_mix(node: &Node, peer: PeerId, seed: u64, msgs: &[Msg]) {
     let deadline = Instant::now() + DEADLINE;
     for (i, m) in msgs.iter().enumerate() {
-        let o = SendOptions {
-            tag: m.tag,
-            data: m.data,
-            delivery_complete: m.dc,
-        };
+        let mut o = SendOptions::default().with_delivery_complete(m.dc);
+        o.tag = m.tag;
+        o.data = m.data;
         let mut buf = payload(seed, i, m.len);
         loop {
             match node.ep.send_with(peer, buf, o, i as u64) {
@@ -281,11 +274,9 @@ pub fn send_mix(node: &Node, peer: PeerId, seed: u64, msgs: &[Msg]) {
 /// Posts one receive per message of the mix, in order, from `from`.
 pub fn post_mix(node: &Node, from: Option<PeerId>, seed: u64, msgs: &[Msg], ctx_base: u64) {
     for (i, m) in msgs.iter().enumerate() {
-        let o = RecvOptions {
-            tag: m.tag.map(|t| (t, 0)),
-            from,
-            multi_recv: None,
-        };
+        let mut o = RecvOptions::default();
+        o.tag = m.tag.map(|t| (t, 0));
+        o.from = from;
         let mut buf = BytesMut::with_capacity(m.len.max(1));
         loop {
             match node.ep.recv_with(buf, o, ctx_base + i as u64) {

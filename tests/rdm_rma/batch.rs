@@ -58,10 +58,8 @@ fn batches(setup: Setup) {
         } else {
             data.into()
         };
-        let options = WriteOptions {
-            data: (i % 3 == 0).then_some(i as u32),
-            delivery_complete: i % 7 == 0,
-        };
+        let mut options = WriteOptions::default().with_delivery_complete(i % 7 == 0);
+        options.data = (i % 3 == 0).then_some(i as u32);
         reqs.push_back(WriteRequest {
             peer: p.peer_b,
             buf,
@@ -217,17 +215,13 @@ fn iov_forms(setup: Setup) {
                 .unwrap();
         let room = s.split_to(60_000).unwrap();
         let recv_parts: Vec<efa::RecvBuf> = vec![BytesMut::with_capacity(1000).into(), room.into()];
-        let o = RecvOptions {
-            tag: tag.map(|t| (t, 0)),
-            ..RecvOptions::default()
-        };
+        let mut o = RecvOptions::default();
+        o.tag = tag.map(|t| (t, 0));
         p.b.ep.recv_iov(recv_parts, o, 10 + k).unwrap();
         let msg = payload(seed, 5 + k as usize, 50_000);
         let head = dom.register(msg[..300].to_vec(), Access::SEND).unwrap();
-        let so = SendOptions {
-            tag,
-            ..SendOptions::default()
-        };
+        let mut so = SendOptions::default();
+        so.tag = tag;
         let send_parts = vec![head.into(), msg.slice(300..).into()];
         p.a.ep.send_iov(p.peer_b, send_parts, so, 20 + k).unwrap();
         let (got, errs) = gather(&p, false, 1, CompletionFlags::RECV, "recv_iov");

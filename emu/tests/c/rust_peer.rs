@@ -330,11 +330,9 @@ impl Peer {
         self.expect_line("POSTED ")?;
         for k in 0..self.sizes.len() {
             let data = Bytes::from(Gen::bytes(self.sizes[k], self.g.mix(phase, k as u64)));
-            let o = SendOptions {
-                tag: None,
-                data: Some((phase << 16 | k as u64) as u32),
-                delivery_complete: true,
-            };
+            let o = SendOptions::default()
+                .with_data((phase << 16 | k as u64) as u32)
+                .with_delivery_complete(true);
             let ctx = 4000 + k as u64;
             self.post("send_with", data, |p, d| p.ep.send_with(peer, d, o, ctx))?;
         }
@@ -717,13 +715,13 @@ pub fn run(incarnation: u32) -> Res<()> {
         let bind = var("C_INTEROP_BIND")?
             .parse()
             .map_err(|e| format!("bind: {e}"))?;
-        let dev = UdpDevice::open(UdpConfig {
-            bind,
-            // The emulated NIC's MTU: both ends size packets to it.
-            mtu: 8928,
-            rdma,
-            ..UdpConfig::default()
-        })
+        let dev = UdpDevice::open(
+            UdpConfig::default()
+                .with_bind(bind)
+                // The emulated NIC's MTU: both ends size packets to it.
+                .with_mtu(8928)
+                .with_rdma(rdma),
+        )
         .map_err(|e| e.to_string())?;
         let config = Config::from_env().map_err(|e| e.to_string())?;
         Domain::with_device(dev as Arc<dyn efa::device::Device>, config)

@@ -60,12 +60,13 @@ pub const DEFAULT_MAX_RDMA_SIZE: u64 = 1 << 30;
 ///
 /// ```
 /// use efa::device::loopback::LoopbackConfig;
-/// let cfg = LoopbackConfig { mtu: 4096, ..Default::default() };
+/// let cfg = LoopbackConfig::default().with_mtu(4096);
 /// assert!(cfg.validate().is_ok());
-/// assert!(LoopbackConfig { mtu: 1, ..Default::default() }.validate().is_err());
+/// assert!(LoopbackConfig::default().with_mtu(1).validate().is_err());
 /// ```
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
+#[non_exhaustive]
 pub struct LoopbackConfig {
     /// Largest datagram (header and payload together), bytes. Default 8192; must lie in
     /// [`MIN_MTU`]`..=`[`MAX_MTU`].
@@ -88,6 +89,19 @@ pub struct LoopbackConfig {
     pub unsolicited_write_recv: bool,
     /// Largest single RDMA read or write, bytes. Default [`DEFAULT_MAX_RDMA_SIZE`]; at least 1.
     pub max_rdma_size: u64,
+}
+
+with_setters! {
+    LoopbackConfig {
+        with_mtu => mtu: usize,
+        with_max_send_wr => max_send_wr: usize,
+        with_max_recv_wr => max_recv_wr: usize,
+        with_rnr_retry_interval => rnr_retry_interval: Duration,
+        with_unresponsive_timeout => unresponsive_timeout: Duration,
+        with_rdma => rdma: bool,
+        with_unsolicited_write_recv => unsolicited_write_recv: bool,
+        with_max_rdma_size => max_rdma_size: u64,
+    }
 }
 
 impl Default for LoopbackConfig {

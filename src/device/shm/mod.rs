@@ -34,7 +34,7 @@
 //!
 //! # fn main() -> efa::Result<()> {
 //! let dir = std::env::temp_dir();
-//! let dev = ShmDevice::open(ShmConfig { dir, mtu: 4096, ..ShmConfig::default() })?;
+//! let dev = ShmDevice::open(ShmConfig::in_dir(dir).with_mtu(4096))?;
 //! let mut a = dev.create_qp(QpAttr::new(QpType::Srd))?;
 //! let mut b = dev.create_qp(QpAttr::new(QpType::Srd))?;
 //! b.post_recv(1, BytesMut::with_capacity(64))?;
@@ -104,12 +104,13 @@ pub const FILE_PREFIX: &str = segment::PREFIX;
 ///
 /// ```
 /// use efa::device::shm::ShmConfig;
-/// let cfg = ShmConfig { mtu: 8192, ring_slots: 64, ..ShmConfig::default() };
+/// let cfg = ShmConfig::default().with_mtu(8192).with_ring_slots(64);
 /// assert!(cfg.validate().is_ok());
-/// assert!(ShmConfig { ring_slots: 100, ..ShmConfig::default() }.validate().is_err());
+/// assert!(ShmConfig::default().with_ring_slots(100).validate().is_err());
 /// ```
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
+#[non_exhaustive]
 pub struct ShmConfig {
     /// Largest datagram (header plus payload of one send), bytes; `64..=1 MiB`. Default 64 KiB
     /// (shared memory has no wire limit). Each ring slot holds one datagram of this size.
@@ -141,6 +142,23 @@ pub struct ShmConfig {
     /// `docs/shm-device.md`, "RDMA"); else, and when off, reads come back in chunks through
     /// the rings. Default on.
     pub cma: bool,
+}
+
+with_setters! {
+    ShmConfig {
+        with_mtu => mtu: usize,
+        with_max_send_wr => max_send_wr: usize,
+        with_max_recv_wr => max_recv_wr: usize,
+        with_ring_slots => ring_slots: usize,
+        with_rnr_retry_interval => rnr_retry_interval: Duration,
+        with_unresponsive_timeout => unresponsive_timeout: Duration,
+        with_rdma => rdma: bool,
+        with_unsolicited_write_recv => unsolicited_write_recv: bool,
+        with_cma => cma: bool,
+    }
+    into {
+        with_dir => dir: PathBuf,
+    }
 }
 
 impl Default for ShmConfig {

@@ -157,7 +157,11 @@ impl<'a> Ring<'a> {
     /// ring tail, so a busy receiver is not made to re-scan anything by a bell that moved.
     pub(crate) fn ring_bell_if_asleep(&self) {
         if let Some(d) = self.bell() {
-            d.ring_if_asleep();
+            // A segment's owner never sleeps on a descriptor (only channels' owners do), so
+            // the answer is always `Done`; should one ever, ring the futex instead.
+            if d.ring_if_asleep() == file::Rung::Fd {
+                d.ring();
+            }
         }
     }
 

@@ -105,15 +105,12 @@ pub type RdmaAdmit = crate::device::soft_rdma::Admit;
 ///
 /// ```
 /// use efa::device::udp::UdpConfig;
-/// let cfg = UdpConfig {
-///     bind: "::1".parse().unwrap(),
-///     mtu: 4096,
-///     ..UdpConfig::default()
-/// };
+/// let cfg = UdpConfig::new("::1".parse().unwrap()).with_mtu(4096);
 /// assert!(cfg.validate().is_ok());
 /// ```
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
+#[non_exhaustive]
 pub struct UdpConfig {
     /// Address every queue pair's socket binds to (port 0: ephemeral). IPv4 or IPv6; an
     /// unspecified address (`0.0.0.0`, `::`) listens on every interface. Default `127.0.0.1`.
@@ -164,6 +161,27 @@ pub struct UdpConfig {
     /// 1.43–1.48x with plain `sendmmsg`), as whole bursts landing at once drive the receiver
     /// into receiver-not-ready storms (`docs/udp-device.md`, "Batched I/O").
     pub gso: bool,
+}
+
+with_setters! {
+    UdpConfig {
+        with_bind => bind: IpAddr,
+        with_mtu => mtu: usize,
+        with_max_send_wr => max_send_wr: usize,
+        with_max_recv_wr => max_recv_wr: usize,
+        with_faults => faults: FaultConfig,
+        with_retransmit_timeout => retransmit_timeout: Duration,
+        with_max_retransmit_timeout => max_retransmit_timeout: Duration,
+        with_unresponsive_timeout => unresponsive_timeout: Duration,
+        with_rnr_retry_interval => rnr_retry_interval: Duration,
+        with_max_rnr_retry_interval => max_rnr_retry_interval: Duration,
+        with_max_inflight => max_inflight: usize,
+        with_socket_buffer => socket_buffer: usize,
+        with_peer_idle_timeout => peer_idle_timeout: Duration,
+        with_rdma => rdma: bool,
+        with_unsolicited_write_recv => unsolicited_write_recv: bool,
+        with_gso => gso: bool,
+    }
 }
 
 impl Default for UdpConfig {

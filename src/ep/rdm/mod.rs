@@ -57,7 +57,27 @@ pub(crate) use opts::RequestedOptions;
 const MAX_DEVICE_SKIPS: u32 = 4;
 
 /// Options of one send (`fi_sendmsg` flags): tag, remote CQ data, delivery completion.
+///
+/// `#[non_exhaustive]`, so that a flag can be added without breaking anyone: build it from
+/// [`SendOptions::default`] (or [`SendOptions::tagged`]) with the `with_*` methods, or assign
+/// its public fields (docs/api-conventions.md).
+///
+/// ```
+/// use efa::SendOptions;
+/// let o = SendOptions::tagged(7).with_data(42).with_delivery_complete(true);
+/// assert_eq!((o.tag, o.data, o.delivery_complete), (Some(7), Some(42), true));
+/// let mut p = SendOptions::default();
+/// p.tag = o.tag; // fields can still be read and assigned
+/// assert_eq!(p, SendOptions::tagged(7));
+/// ```
+///
+/// A struct literal does not compile outside the crate, not even with `..Default::default()`:
+///
+/// ```compile_fail,E0639
+/// let o = efa::SendOptions { tag: Some(7), ..Default::default() };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SendOptions {
     /// `Some(tag)`: a tagged send.
     pub tag: Option<u64>,
@@ -68,7 +88,21 @@ pub struct SendOptions {
 }
 
 /// Options of one receive (`fi_recvmsg` flags): tag and ignore bits, source, multi-receive.
+///
+/// `#[non_exhaustive]`: build it from [`RecvOptions::default`] (or [`RecvOptions::tagged`])
+/// with the `with_*` methods, or assign its public fields (docs/api-conventions.md).
+///
+/// ```
+/// use efa::RecvOptions;
+/// let o = RecvOptions::tagged(0x100, 0xff).with_multi_recv(256);
+/// assert_eq!((o.tag, o.from, o.multi_recv), (Some((0x100, 0xff)), None, Some(256)));
+/// ```
+///
+/// ```compile_fail,E0639
+/// let o = efa::RecvOptions { multi_recv: Some(256), ..Default::default() };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RecvOptions {
     /// `Some((tag, ignore))`: a tagged receive.
     pub tag: Option<(u64, u64)>,
@@ -77,6 +111,62 @@ pub struct RecvOptions {
     /// `Some(min_free)`: a multi-receive buffer (`FI_MULTI_RECV`) retired when less than
     /// `min_free` bytes remain; every message that lands in it completes with its part.
     pub multi_recv: Option<usize>,
+}
+
+impl SendOptions {
+    /// A tagged send (`fi_tsend`) with no other option.
+    pub fn tagged(tag: u64) -> Self {
+        SendOptions::default().with_tag(tag)
+    }
+
+    /// Sets [`tag`](Self::tag) to `Some(tag)`: a tagged send.
+    #[must_use]
+    pub fn with_tag(mut self, tag: u64) -> Self {
+        self.tag = Some(tag);
+        self
+    }
+
+    /// Sets [`data`](Self::data) to `Some(data)`: 4 bytes of remote CQ data.
+    #[must_use]
+    pub fn with_data(mut self, data: u32) -> Self {
+        self.data = Some(data);
+        self
+    }
+
+    /// Sets [`delivery_complete`](Self::delivery_complete).
+    #[must_use]
+    pub fn with_delivery_complete(mut self, on: bool) -> Self {
+        self.delivery_complete = on;
+        self
+    }
+}
+
+impl RecvOptions {
+    /// A tagged receive (`fi_trecv`) matching `tag` in every bit not set in `ignore`.
+    pub fn tagged(tag: u64, ignore: u64) -> Self {
+        RecvOptions::default().with_tag(tag, ignore)
+    }
+
+    /// Sets [`tag`](Self::tag) to `Some((tag, ignore))`: a tagged receive.
+    #[must_use]
+    pub fn with_tag(mut self, tag: u64, ignore: u64) -> Self {
+        self.tag = Some((tag, ignore));
+        self
+    }
+
+    /// Sets [`from`](Self::from) to `Some(peer)`: only from this peer.
+    #[must_use]
+    pub fn with_from(mut self, peer: PeerId) -> Self {
+        self.from = Some(peer);
+        self
+    }
+
+    /// Sets [`multi_recv`](Self::multi_recv) to `Some(min_free)`: a multi-receive buffer.
+    #[must_use]
+    pub fn with_multi_recv(mut self, min_free: usize) -> Self {
+        self.multi_recv = Some(min_free);
+        self
+    }
 }
 
 /// One send of a batch ([`Endpoint::send_batch`]).

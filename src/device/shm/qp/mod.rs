@@ -489,7 +489,7 @@ fn nic_thread(shared: Arc<Shared>) {
     let map = shared.map.clone();
     let geo = shared.geo;
     let ring = Ring::new(&map, &geo);
-    let Some(Doorbell { bell, sleepers }) = ring.bell() else {
+    let Some(Doorbell { bell, sleepers, .. }) = ring.bell() else {
         return;
     };
     let mut mark = PollMark::new(&shared.app_polls);
