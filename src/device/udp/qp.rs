@@ -180,7 +180,7 @@ impl Sender {
             [q] => {
                 if let Err(e) = send_one(sock, out.head(q), q) {
                     tracing::debug!(dest = %q.dest, error = %e, "udp: send failed");
-                    self.failed.push(q.tag);
+                    self.failed.extend_from_slice(out.tags(q));
                 }
             }
             _ => self.send_batch(sock, out),
@@ -199,13 +199,13 @@ impl Sender {
                 if *count % *every == 0 {
                     let e = io::Error::from_raw_os_error(*errno);
                     if !transient(&e) {
-                        self.failed.push(q.tag);
+                        self.failed.extend_from_slice(out.tags(q));
                     }
                     continue;
                 }
             }
             if send_one(sock, out.head(q), q).is_err() {
-                self.failed.push(q.tag);
+                self.failed.extend_from_slice(out.tags(q));
             }
         }
     }
@@ -287,12 +287,14 @@ impl Sender {
                         *gso_limit = (*gso_limit).min(seg.saturating_sub(1));
                         for q in queued.get(g).unwrap_or_default() {
                             if send_one(sock, out.head(q), q).is_err() {
-                                failed.push(q.tag);
+                                failed.extend_from_slice(out.tags(q));
                             }
                         }
                     } else {
                         tracing::debug!(error = %e, "udp: send failed");
-                        failed.extend(queued.get(g.start).map(|q| q.tag));
+                        if let Some(q) = queued.get(g.start) {
+                            failed.extend_from_slice(out.tags(q));
+                        }
                     }
                     m += 1;
                 }

@@ -250,6 +250,16 @@ impl Net {
         out
     }
 
+    /// Host `i` speaks the wire from before packed datagrams: it drops them as an unknown type
+    /// and never sends one (nor asks whether its peers unpack).
+    pub fn old_wire(&mut self, i: usize) {
+        let h = &mut self.hosts[i];
+        h.link.old_wire = true;
+        let mut cfg = (*h.link.ctx.cfg).clone();
+        cfg.pack = false;
+        h.link.ctx.cfg = Arc::new(cfg);
+    }
+
     /// Host `i` vanishes: it stops sending, receiving and running timers, without a word.
     pub fn vanish(&mut self, i: usize) {
         self.hosts[i].up = false;

@@ -3,7 +3,7 @@
 //! unresponsive-peer timeout. The rules are in `docs/udp-device.md`.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,9 @@ const MIN_CWND: f64 = 2.0;
 const ACK_DELAY: Duration = Duration::from_micros(30);
 /// Packets delivered from one sender after which it is acknowledged without delay.
 const ACK_EVERY: u32 = 16;
+/// Packets sent to a peer not known to unpack after which it is asked again (a lost question
+/// or answer is asked again so).
+const HELLO_EVERY: u32 = 256;
 
 /// A send work request waiting for its acknowledgement.
 struct SendOp {
@@ -86,6 +89,8 @@ struct TxPeer {
     last_heard: Instant,
     unresp_armed: bool,
     last_active: Instant,
+    /// Packets sent since this peer was last asked whether it unpacks.
+    since_hello: u32,
 }
 
 impl TxPeer {
@@ -271,6 +276,14 @@ pub(super) struct Srd {
     /// (`None`; they defend against forged packets), or a seeded generator in the simulator, so
     /// that a seed replays a run exactly.
     ids: Option<Rng>,
+    /// Queue pairs (address, QKEY) that sent us a packed datagram, so unpack ours.
+    packers: HashSet<(SocketAddr, u32)>,
+}
+
+/// The form of `a` under which the set of queue pairs that unpack knows it (an IPv4 address and
+/// its IPv4-mapped form are one).
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 impl Srd {
@@ -290,6 +303,30 @@ impl Srd {
             next_sweep: now + cfg.peer_idle_timeout / 4,
             bitmap: Vec::with_capacity(wire::MAX_BITMAP),
             ids: None,
+            packers: HashSet::new(),
+        }
+    }
+
+    /// A packed datagram came from `(src, src_qkey)`, with our QKEY: it unpacks, so ours to
+    /// it may be packed. `hello`: it asks whether we unpack; we answer with an empty packed
+    /// datagram.
+    pub fn unpacker(
+        &mut self,
+        cx: &mut Ctx,
+        src: SocketAddr,
+        src_qkey: u32,
+        hello: bool,
+        now: Instant,
+    ) {
+        if self.packers.len() >= MAX_RX_PEERS && !self.packers.contains(&(canonical(src), src_qkey))
+        {
+            // Bounded: forgetting costs only packing, until the next hello.
+            self.packers.clear();
+        }
+        self.packers.insert((canonical(src), src_qkey));
+        if hello {
+            wire::encode_packed_header(&mut cx.out.tx, src_qkey, cx.qkey, false);
+            cx.out.emit(src, now);
         }
     }
 
@@ -348,6 +385,7 @@ impl Srd {
                         last_heard: now,
                         unresp_armed: false,
                         last_active: now,
+                        since_hello: HELLO_EVERY,
                     },
                 );
                 self.tx_by_addr.insert(key, conn);
@@ -376,11 +414,13 @@ impl Srd {
             rx,
             rx_conn,
             bitmap,
+            packers,
             ..
         } = self;
         let Some(p) = tx.get_mut(&conn) else {
             return;
         };
+        let pack = pack_for(packers, cx, p.addr, p.qkey);
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
         while !p.pending.is_empty() && p.inflight.len() < limit && p.next_seq < p.base() + WINDOW {
             let Some(op) = p.pending.pop_front() else {
@@ -414,8 +454,11 @@ impl Srd {
                     retransmitted: false,
                 },
             );
+            if pack.is_none() && cx.cfg.pack {
+                hello(cx, p, now);
+            }
             let rev = reverse(rx, rx_conn, p);
-            transmit(cx, p, seq, rev, bitmap, limit, now);
+            transmit(cx, p, seq, rev, bitmap, limit, pack, now);
             stats::inc(&cx.counters().tx_pkts);
             stats::add(&cx.counters().tx_bytes, len as u64);
             timers.push(Reverse(Timer {
@@ -613,7 +656,9 @@ impl Srd {
             self.acks.swap_remove(i);
             let a = rx.take_ack(cx.qkey, &mut bitmap);
             wire::encode_ack(&mut cx.out.tx, key.1, &a, &bitmap);
-            cx.out.emit(key.0, now);
+            let pack = pack_for(&self.packers, cx, key.0, key.1);
+            cx.out
+                .emit_parts(key.0, now, &Bytes::new(), &Bytes::new(), Tag::None, pack);
             stats::inc(&cx.counters().acks_sent);
         }
         self.bitmap = bitmap;
@@ -839,8 +884,9 @@ impl Srd {
         inf.epoch = self.epoch;
         let retries = inf.retries;
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
+        let pack = pack_for(&self.packers, cx, p.addr, p.qkey);
         let rev = reverse(&mut self.rx, &self.rx_conn, p);
-        transmit(cx, p, seq, rev, &mut self.bitmap, limit, now);
+        transmit(cx, p, seq, rev, &mut self.bitmap, limit, pack, now);
         let at = now + p.rto(&cx.cfg, retries);
         self.timers.push(Reverse(Timer {
             at,
@@ -960,8 +1006,34 @@ impl Srd {
     }
 }
 
+/// The destination QKEY to pack datagrams to `(addr, qkey)` under, when packing is on and that
+/// queue pair unpacks (it is in `packers`).
+fn pack_for(
+    packers: &HashSet<(SocketAddr, u32)>,
+    cx: &Ctx,
+    addr: SocketAddr,
+    qkey: u32,
+) -> Option<u32> {
+    (cx.cfg.pack && packers.contains(&(canonical(addr), qkey))).then_some(qkey)
+}
+
+/// Asks `p`, not known to unpack, whether it does (an empty packed datagram with `HELLO`), before
+/// its first packet and then every [`HELLO_EVERY`] packets until it answers. A peer of an older
+/// wire drops the question as malformed, and is never sent a packed datagram.
+fn hello(cx: &mut Ctx, p: &mut TxPeer, now: Instant) {
+    p.since_hello += 1;
+    if p.since_hello < HELLO_EVERY {
+        return;
+    }
+    p.since_hello = 0;
+    wire::encode_packed_header(&mut cx.out.tx, p.qkey, cx.qkey, true);
+    cx.out.emit(p.addr, now);
+}
+
 /// Encodes and queues packet `seq` of `p`, with the acknowledgement due to the same peer riding
-/// along. `limit` is the sender's current window.
+/// along. `limit` is the sender's current window; `pack`: packed with other datagrams to the
+/// peer where they fit ([`Outbox::emit_parts`](super::link::Outbox::emit_parts)).
+#[allow(clippy::too_many_arguments)]
 fn transmit(
     cx: &mut Ctx,
     p: &TxPeer,
@@ -969,6 +1041,7 @@ fn transmit(
     rev: Option<&mut RxPeer>,
     bitmap: &mut Vec<u8>,
     limit: usize,
+    pack: Option<u32>,
     now: Instant,
 ) {
     let Some(inf) = p.inflight.get(&seq) else {
@@ -1005,7 +1078,7 @@ fn transmit(
     );
     let tag = Tag::Srd { conn: p.conn, seq };
     cx.out
-        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag);
+        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag, pack);
 }
 
 /// The receive state of the reverse direction of `p` (whose acknowledgement may ride along).
