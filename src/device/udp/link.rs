@@ -20,6 +20,7 @@ use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, 
 use crate::device::{DeviceCompletion, Opcode, QpType, SendWr, Source, Status};
 use crate::error::Result;
 use crate::fault::{FaultConfig, FaultInjector};
+use crate::mem::RegionSlice;
 use crate::stats::{self, DeviceCounters};
 
 /// User bytes up to this size are copied behind the device header into the outbox; larger ones
@@ -40,14 +41,58 @@ pub(super) enum Tag {
     Srd { conn: u32, seq: u64 },
 }
 
+/// What follows a datagram's device header: the user's two segments, and region bytes read at
+/// transmission (an RDMA write from a registered region).
+#[derive(Clone, Copy)]
+pub(super) struct Parts<'a> {
+    pub hdr: &'a Bytes,
+    pub payload: &'a Bytes,
+    pub region: Option<&'a RegionSlice>,
+}
+
+static EMPTY: Bytes = Bytes::new();
+
+impl Parts<'_> {
+    /// Nothing after the device header.
+    pub const NONE: Parts<'static> = Parts {
+        hdr: &EMPTY,
+        payload: &EMPTY,
+        region: None,
+    };
+
+    fn len(&self) -> usize {
+        self.hdr.len() + self.payload.len() + self.region.map_or(0, |r| r.len)
+    }
+
+    /// Appends every part to `out`; false, with `out` as it was, when the region is locked
+    /// for writing right now (the datagram is then lost on the wire, and SRD sends it again).
+    fn copy_to(&self, out: &mut Vec<u8>) -> bool {
+        let guard = match self.region {
+            Some(r) => match r.try_read() {
+                Some(g) => Some(g),
+                None => return false,
+            },
+            None => None,
+        };
+        out.extend_from_slice(self.hdr);
+        out.extend_from_slice(self.payload);
+        if let Some(g) = &guard {
+            out.extend_from_slice(g);
+        }
+        true
+    }
+}
+
 /// One datagram to send: its device header (and, when small, everything) in the outbox's
-/// arena, then the user's segments, sent from where they are. A packed datagram (several SRD
+/// arena, then the user's segments and region bytes, sent from where they are (the region's
+/// under its read lock, taken when the datagram goes out). A packed datagram (several SRD
 /// packets to one queue pair) is all in the arena.
 pub(super) struct Queued {
     pub dest: SocketAddr,
     pub head: Range<usize>,
     pub hdr: Bytes,
     pub payload: Bytes,
+    pub region: Option<RegionSlice>,
     /// Whose packets the datagram carries ([`Outbox::tags`]).
     tags: Range<usize>,
     /// The destination QKEY while later small packets to the same queue pair may join this
@@ -60,7 +105,10 @@ pub(super) struct Queued {
 impl Queued {
     /// The datagram's length on the wire.
     pub fn len(&self) -> usize {
-        self.head.len() + self.hdr.len() + self.payload.len()
+        self.head.len()
+            + self.hdr.len()
+            + self.payload.len()
+            + self.region.as_ref().map_or(0, |r| r.len)
     }
 }
 
@@ -126,10 +174,10 @@ impl Outbox {
 
     /// Queues the datagram in `self.tx` for `dest`, through the fault layer.
     pub fn emit(&mut self, dest: SocketAddr, now: Instant) {
-        self.emit_parts(dest, now, &Bytes::new(), &Bytes::new(), Tag::None, None)
+        self.emit_parts(dest, now, Parts::NONE, Tag::None, None)
     }
 
-    /// Queues the datagram `self.tx` + `hdr` + `payload` for `dest`, through the fault layer;
+    /// Queues the datagram `self.tx` + `parts` for `dest`, through the fault layer;
     /// a permanent failure when it goes out is reported with `tag`. `pack`: the destination
     /// QKEY, when the peer unpacks: a small datagram then joins the last queued one to the same
     /// queue pair as long as their packed datagram fits in the MTU (RFC 9000 §12.2 coalesces
@@ -138,13 +186,12 @@ impl Outbox {
         &mut self,
         dest: SocketAddr,
         now: Instant,
-        hdr: &Bytes,
-        payload: &Bytes,
+        parts: Parts<'_>,
         tag: Tag,
         pack: Option<u32>,
     ) {
         let Some(f) = self.faults.as_mut() else {
-            return self.out(dest, hdr, payload, tag, pack);
+            return self.out(dest, parts, tag, pack);
         };
         let fate = f.inj.next_fate();
         if fate.drop {
@@ -157,25 +204,33 @@ impl Outbox {
         } else {
             1
         };
-        let whole = || [&self.tx[..], hdr, payload].concat();
+        let tx = &self.tx;
+        let whole = || {
+            let mut w = tx.clone();
+            parts.copy_to(&mut w).then_some(w)
+        };
         if fate.reorder {
             stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.held.push((dest, whole(), now + f.hold));
+                if let Some(w) = whole() {
+                    f.held.push((dest, w, now + f.hold));
+                }
             }
             return;
         }
         if !fate.delay.is_zero() {
             stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, whole()));
+                if let Some(w) = whole() {
+                    f.delayed.push((now + fate.delay, dest, w));
+                }
             }
             return;
         }
         let held = std::mem::take(&mut f.held);
-        self.out(dest, hdr, payload, tag, pack);
+        self.out(dest, parts, tag, pack);
         if copies > 1 {
-            self.out(dest, hdr, payload, Tag::None, pack);
+            self.out(dest, parts, Tag::None, pack);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
         for (d, b, _) in held {
@@ -183,21 +238,30 @@ impl Outbox {
         }
     }
 
-    /// Queues the datagram `self.tx` + `hdr` + `payload`, packed into the last queued one if
-    /// `pack` allows (see [`Outbox::emit_parts`]).
-    fn out(&mut self, dest: SocketAddr, hdr: &Bytes, payload: &Bytes, tag: Tag, pack: Option<u32>) {
-        let small = hdr.len() + payload.len() <= GATHER_MIN;
-        if small && pack.is_some() && self.join_last(dest, hdr, payload, tag, pack) {
+    /// Queues the datagram `self.tx` + `parts`, packed into the last queued one if `pack`
+    /// allows (see [`Outbox::emit_parts`]). Small ones are copied into the arena (region bytes
+    /// under the region's read lock: a region locked for writing right now makes the datagram
+    /// a loss on the wire, which SRD repairs).
+    fn out(&mut self, dest: SocketAddr, parts: Parts<'_>, tag: Tag, pack: Option<u32>) {
+        let small = parts.len() <= GATHER_MIN;
+        if small && pack.is_some() && self.join_last(dest, parts, tag, pack) {
             return;
         }
         let start = self.arena.len();
         self.arena.extend_from_slice(&self.tx);
-        let (hdr, payload) = if small {
-            self.arena.extend_from_slice(hdr);
-            self.arena.extend_from_slice(payload);
-            (Bytes::new(), Bytes::new())
+        let (hdr, payload, region) = if small {
+            if !parts.copy_to(&mut self.arena) {
+                self.arena.truncate(start);
+                tracing::trace!(%dest, "udp: region locked, datagram left for a retransmission");
+                return;
+            }
+            (Bytes::new(), Bytes::new(), None)
         } else {
-            (hdr.clone(), payload.clone())
+            (
+                parts.hdr.clone(),
+                parts.payload.clone(),
+                parts.region.cloned(),
+            )
         };
         self.tags.push(tag);
         stats::inc(&self.counters.tx_datagrams);
@@ -206,6 +270,7 @@ impl Outbox {
             head: start..self.arena.len(),
             hdr,
             payload,
+            region,
             tags: self.tags.len() - 1..self.tags.len(),
             pack: pack.filter(|_| small),
             packed: 0,
@@ -217,12 +282,11 @@ impl Outbox {
     fn join_last(
         &mut self,
         dest: SocketAddr,
-        hdr: &Bytes,
-        payload: &Bytes,
+        parts: Parts<'_>,
         tag: Tag,
         pack: Option<u32>,
     ) -> bool {
-        let len = self.tx.len() + hdr.len() + payload.len();
+        let len = self.tx.len() + parts.len();
         let Some(last) = self.queued.last_mut() else {
             return false;
         };
@@ -239,6 +303,14 @@ impl Outbox {
             last.pack = None;
             return false;
         }
+        let end = self.arena.len();
+        wire::push_packed_entry(&mut self.arena, len);
+        self.arena.extend_from_slice(&self.tx);
+        if !parts.copy_to(&mut self.arena) {
+            // The region is locked for writing: this packet is lost on the wire (SRD repairs).
+            self.arena.truncate(end);
+            return true;
+        }
         if last.packed == 0 {
             // The last datagram becomes the first entry of a packed one.
             let mut front = Vec::with_capacity(wrap);
@@ -250,10 +322,6 @@ impl Outbox {
             last.packed = 1;
             stats::inc(&self.counters.tx_packed);
         }
-        wire::push_packed_entry(&mut self.arena, len);
-        self.arena.extend_from_slice(&self.tx);
-        self.arena.extend_from_slice(hdr);
-        self.arena.extend_from_slice(payload);
         last.head.end = self.arena.len();
         last.packed += 1;
         self.tags.push(tag);
@@ -273,6 +341,7 @@ impl Outbox {
             head: start..self.arena.len(),
             hdr: Bytes::new(),
             payload: Bytes::new(),
+            region: None,
             tags: self.tags.len() - 1..self.tags.len(),
             pack: None,
             packed: 0,
@@ -637,9 +706,10 @@ impl Link {
     fn flush_rdma(&mut self, now: Instant) {
         while !self.ctx.rdma.outbox.is_empty() {
             let batch = std::mem::take(&mut self.ctx.rdma.outbox);
-            for (to, wr) in batch {
+            for (to, wr, region) in batch {
                 let to = to.unwrap_or_else(|| sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.v6));
-                self.srd.post_flagged(&mut self.ctx, to, wr, now, true);
+                self.srd
+                    .post_flagged(&mut self.ctx, to, wr, now, true, region);
             }
         }
     }
@@ -673,9 +743,12 @@ impl Link {
                 let len = wr.len();
                 wire::encode_ud(&mut self.ctx.out.tx, wr.dest.qkey, wr.imm, &[], &[]);
                 let tag = Tag::Ud(wr.wr_id);
-                self.ctx
-                    .out
-                    .emit_parts(dest, now, &wr.hdr, &wr.payload, tag, None);
+                let parts = Parts {
+                    hdr: &wr.hdr,
+                    payload: &wr.payload,
+                    region: None,
+                };
+                self.ctx.out.emit_parts(dest, now, parts, tag, None);
                 stats::inc(&self.ctx.counters().tx_pkts);
                 stats::add(&self.ctx.counters().tx_bytes, len as u64);
                 self.ctx.complete_send(wr.wr_id, Status::Success, len);

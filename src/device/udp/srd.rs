@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::UdpConfig;
-use super::link::{Ctx, Delivery, Tag, min_opt};
+use super::link::{Ctx, Delivery, Parts, Tag, min_opt};
 use super::wire::{self, AckHdr, DataHdr, NakHdr, NakReason, WINDOW};
 use crate::device::{SendWr, Status};
 use crate::fault::Rng;
+use crate::mem::RegionSlice;
 use crate::stats;
 
 /// RNR retry count that means "retry forever", as on EFA.
@@ -42,6 +43,8 @@ struct SendOp {
     wr_id: u64,
     hdr: Bytes,
     payload: Bytes,
+    /// Region bytes after `payload`, read at each transmission (an RDMA write from a region).
+    region: Option<RegionSlice>,
     imm: Option<u32>,
     /// An RDMA message of the device (`FLAG_RDMA`).
     rdma: bool,
@@ -49,7 +52,7 @@ struct SendOp {
 
 impl SendOp {
     fn len(&self) -> usize {
-        self.hdr.len() + self.payload.len()
+        self.hdr.len() + self.payload.len() + self.region.as_ref().map_or(0, |r| r.len)
     }
 }
 
@@ -346,10 +349,11 @@ impl Srd {
 
     /// Queues a send to `dest` and transmits what the window allows.
     pub fn post(&mut self, cx: &mut Ctx, dest: SocketAddr, wr: SendWr, now: Instant) {
-        self.post_flagged(cx, dest, wr, now, false)
+        self.post_flagged(cx, dest, wr, now, false, None)
     }
 
-    /// [`post`](Self::post), for an RDMA message when `rdma` (`rdma.rs`).
+    /// [`post`](Self::post), for an RDMA message when `rdma` (`rdma.rs`), whose bytes end with
+    /// those of `region` when given (read at each transmission).
     pub fn post_flagged(
         &mut self,
         cx: &mut Ctx,
@@ -357,6 +361,7 @@ impl Srd {
         wr: SendWr,
         now: Instant,
         rdma: bool,
+        region: Option<RegionSlice>,
     ) {
         let key = (dest, wr.dest.qkey);
         let conn = match self.tx_by_addr.get(&key) {
@@ -398,6 +403,7 @@ impl Srd {
                 wr_id: wr.wr_id,
                 hdr: wr.hdr,
                 payload: wr.payload,
+                region,
                 imm: wr.imm,
                 rdma,
             });
@@ -657,8 +663,7 @@ impl Srd {
             let a = rx.take_ack(cx.qkey, &mut bitmap);
             wire::encode_ack(&mut cx.out.tx, key.1, &a, &bitmap);
             let pack = pack_for(&self.packers, cx, key.0, key.1);
-            cx.out
-                .emit_parts(key.0, now, &Bytes::new(), &Bytes::new(), Tag::None, pack);
+            cx.out.emit_parts(key.0, now, Parts::NONE, Tag::None, pack);
             stats::inc(&cx.counters().acks_sent);
         }
         self.bitmap = bitmap;
@@ -1077,8 +1082,12 @@ fn transmit(
         len,
     );
     let tag = Tag::Srd { conn: p.conn, seq };
-    cx.out
-        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag, pack);
+    let parts = Parts {
+        hdr: &inf.op.hdr,
+        payload: &inf.op.payload,
+        region: inf.op.region.as_ref(),
+    };
+    cx.out.emit_parts(p.addr, now, parts, tag, pack);
 }
 
 /// The receive state of the reverse direction of `p` (whose acknowledgement may ride along).

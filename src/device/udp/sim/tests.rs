@@ -12,7 +12,7 @@ use crate::device::soft_rdma::KeyTable;
 use crate::device::udp::UdpConfig;
 use crate::device::{DeviceCompletion, Opcode, QpType, RemoteIov, SendWr, Status};
 use crate::fault::{Rng, test_seed};
-use crate::mem::{Access, RegionMem};
+use crate::mem::{Access, RegionMem, RegionSlice};
 
 /// Retry receiver-not-ready forever, as on EFA.
 const RNR_FOREVER: u8 = 7;
@@ -424,7 +424,8 @@ fn same(region: &RegionMem, model: &[u8]) -> bool {
 }
 
 /// One-sided RDMA over SRD on a faulty network: concurrent writes to disjoint ranges of a
-/// registered region land exactly (the region then equals its model byte for byte), concurrent
+/// registered region, from bytes or straight from a source region (locked by its application
+/// for a while), land exactly (the region then equals its model byte for byte), concurrent
 /// reads of random ranges return exactly the model's bytes, a write with immediate data
 /// consumes one receive at the target, and a write with a wrong key or past the region's end
 /// is refused with `RemoteBadAddress` and changes nothing. Every operation completes once.
@@ -440,7 +441,11 @@ fn rdma_writes_and_reads_are_exact_on_a_faulty_network() {
     let key = target_keys
         .lock()
         .register(&region, Access::REMOTE_READ | Access::REMOTE_WRITE);
-    let a = net.add_rdma(&cfg, KeyTable::default());
+    // Half the writes go from slices of a region registered at `a`, read as they go out.
+    let a_keys = KeyTable::default();
+    let source = RegionMem::new(BytesMut::zeroed(len));
+    let skey = a_keys.lock().register(&source, Access::WRITE);
+    let a = net.add_rdma(&cfg, a_keys);
     let b = net.add_rdma(&cfg, target_keys);
     let dest = net.addr(b);
     let mut rng = Rng::new(seed);
@@ -476,13 +481,29 @@ fn rdma_writes_and_reads_are_exact_on_a_faulty_network() {
         let off = k as usize * slot + rng.below((slot - n + 1) as u64) as usize;
         let data: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
         model[off..off + n].copy_from_slice(&data);
-        net.rdma(
-            a,
-            dest,
-            RdmaOp::Write(k, Bytes::from(data), remote(off, n, key), None),
-        )
-        .unwrap_or_else(|e| panic!("seed {seed}: write: {e}"));
+        let op = if rng.chance(0.5) {
+            source.write_at(source.addr() + off as u64, &data).unwrap();
+            let slice = RegionSlice {
+                mem: source.clone(),
+                key: skey,
+                addr: source.addr() + off as u64,
+                len: n,
+            };
+            RdmaOp::WriteRegion(k, slice, remote(off, n, key), None)
+        } else {
+            RdmaOp::Write(k, Bytes::from(data), remote(off, n, key), None)
+        };
+        net.rdma(a, dest, op)
+            .unwrap_or_else(|e| panic!("seed {seed}: write: {e}"));
         ids.push(k);
+    }
+    // The application holds the source region locked for a while: what would go out from it
+    // meanwhile is lost on the wire, and sent again (read again) once the lock is gone.
+    {
+        let _held = source.write_range(0..len);
+        for _ in 0..20 {
+            net.step();
+        }
     }
     for c in finish(&mut net, a, &ids) {
         assert_eq!(c.status, Status::Success, "seed {seed}: {c:?}");
