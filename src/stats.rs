@@ -133,8 +133,8 @@ counters!(
         tx_datagrams,
         /// UDP datagrams taken from the socket (udp device), a packed one once.
         rx_datagrams,
-        /// SRD packets (data, acks, NAKs) that left packed with others in one datagram (udp
-        /// device, `UdpConfig::pack`).
+        /// Transmissions of SRD packets (data, retransmissions, acks) that left packed with
+        /// others in one datagram (udp device, `UdpConfig::pack`).
         tx_packed,
         /// SRD packets that arrived packed with others in one datagram (udp device).
         rx_packed,
