@@ -74,14 +74,18 @@ fn main() -> ExitCode {
     }
 }
 
-/// The device's system-call economy during one mode: datagrams, acknowledgements, and the
-/// `sendmmsg` / `recvmmsg` calls that moved several at once.
+/// The device's system-call economy during one mode: packets, the datagrams that carried them
+/// (several packets share one when packed), acknowledgements, and the `sendmmsg` / `recvmmsg`
+/// calls that moved several datagrams at once.
 fn print_device(domain: &efa::Domain, before: &efa::DeviceStats, who: &str) {
     let now = domain.device_stats();
     println!(
-        "# {who} device: {} datagrams sent, {} received, {} acks sent, {} sendmmsg, {} recvmmsg",
+        "# {who} device: {} packets sent in {} datagrams ({} packed), {} received in {} datagrams, {} acks sent, {} sendmmsg, {} recvmmsg",
         now.tx_pkts - before.tx_pkts,
+        now.tx_datagrams - before.tx_datagrams,
+        now.tx_packed - before.tx_packed,
         now.rx_pkts - before.rx_pkts,
+        now.rx_datagrams - before.rx_datagrams,
         now.acks_sent - before.acks_sent,
         now.tx_batches - before.tx_batches,
         now.rx_batches - before.rx_batches,

@@ -554,6 +554,24 @@ impl RegionSlice {
         self.mem.read_range(range)
     }
 
+    /// The slice's bytes under the region's read lock, without waiting: `None` while a write
+    /// guard on the region (the application's, or a remote write's) is alive, or when the
+    /// region is closed or the slice not inside it. A device sending from region memory reads
+    /// it so at transmission, as a NIC reads it by DMA: the guard keeps every writer out while
+    /// the bytes are read (the kernel's copy included), so nothing aliases them mutably.
+    pub(crate) fn try_read(&self) -> Option<ReadGuard<'_>> {
+        let off = self.addr.checked_sub(self.mem.addr)? as usize;
+        if !self.in_bounds() {
+            return None;
+        }
+        let guard = ReadGuard {
+            guard: Some(self.mem.data.try_read_recursive()?),
+            mem: &self.mem,
+            range: off..off + self.len,
+        };
+        (guard.len() == self.len).then_some(guard)
+    }
+
     /// A copy of the slice's bytes, blocking while a write guard on the region is alive.
     /// `RemoteAccess` when the region is closed; `NotSupported` for device-only memory.
     pub fn to_bytes(&self) -> Result<Bytes> {

@@ -127,6 +127,17 @@ counters!(
         /// memory each covers is leaked, never freed, reused or handed back (a region's
         /// `close` gives an empty buffer), since the NIC may still use it.
         dereg_failures,
+        /// UDP datagrams handed to the socket, of every kind (data, retransmissions, acks,
+        /// NAKs), a packed one once (udp device). Beside `tx_pkts` it shows how many SRD
+        /// packets shared a datagram.
+        tx_datagrams,
+        /// UDP datagrams taken from the socket (udp device), a packed one once.
+        rx_datagrams,
+        /// Transmissions of SRD packets (data, retransmissions, acks) that left packed with
+        /// others in one datagram (udp device, `UdpConfig::pack`).
+        tx_packed,
+        /// SRD packets that arrived packed with others in one datagram (udp device).
+        rx_packed,
     }
 );
 

@@ -464,3 +464,81 @@ fn guard_held_during_remote_write(shm: bool) {
         }
     }
 }
+
+/// Issue 27: the udp device writes straight from a region it registered (`post_write_region`:
+/// each chunk is read from the region as it goes out, no copy at posting), of every size, under
+/// loss, duplication and reordering (the simulator, `device::udp::sim`, also holds the source
+/// locked for a while: what would go out meanwhile is lost and sent again). A slice outside
+/// the registration its key names is refused with `InvalidArgument`. The udp device reads into
+/// bytes only (`region_rdma` stays false).
+#[test]
+fn udp_writes_straight_from_a_registered_region() {
+    use efa::mem::{RegionMem, RegionSlice};
+    let seed = test_seed();
+    let faults = FaultConfig::seeded(seed)
+        .drop(0.05)
+        .duplicate(0.05)
+        .reorder(0.1);
+    let (a, b, _dir) = pair(false, UdpConfig::default().with_faults(faults));
+    let mut qa = qp(&a);
+    let qb = qp(&b);
+    assert!(qa.region_rdma_write() && !qa.region_rdma(), "seed {seed}");
+    let mtu = a.dev.attr().mtu;
+    let sizes = [1, 100, 2048, 2049, mtu - 48, mtu + 1, 1 << 20];
+    let total: usize = sizes.iter().sum();
+    let data = pattern(seed, total);
+    let src = RegionMem::new(BytesMut::from(&data[..]));
+    let key = a
+        .dev
+        .register_mem(&src, Access::WRITE)
+        .unwrap()
+        .expect("the udp device registers regions");
+    let mr = b
+        .domain
+        .register(vec![0u8; total], Access::REMOTE_WRITE)
+        .unwrap();
+    let rk = mr.remote_key().unwrap();
+    let slice = |off: usize, len: usize| RegionSlice {
+        mem: src.clone(),
+        key,
+        addr: src.addr() + off as u64,
+        len,
+    };
+    // Refused: another key, a slice past the registration's end, another memory.
+    let other = RegionMem::new(BytesMut::zeroed(16));
+    let bad = [
+        RegionSlice {
+            key: key ^ 1,
+            ..slice(0, 1)
+        },
+        slice(total - 1, 2),
+        RegionSlice {
+            mem: other.clone(),
+            addr: other.addr(),
+            len: 1,
+            key,
+        },
+    ];
+    for s in bad {
+        let e = qa
+            .post_write_region(9, qb.addr(), s, iov(&rk, 0, 1), None)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "seed {seed}: {e}");
+    }
+    let mut off = 0;
+    for (i, &len) in sizes.iter().enumerate() {
+        let to = iov(&rk, off as u64, len as u64);
+        qa.post_write_region(i as u64, qb.addr(), slice(off, len), to, None)
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        off += len;
+    }
+    let done = poll_n(&mut qa, sizes.len(), "region writes");
+    for c in &done {
+        assert_eq!(
+            (c.status, c.opcode, c.byte_len),
+            (Status::Success, Opcode::RdmaWrite, sizes[c.wr_id as usize]),
+            "seed {seed}: {c:?}"
+        );
+    }
+    assert!(mr.read()[..] == data[..], "seed {seed}: the target differs");
+}

@@ -808,6 +808,12 @@ pub trait QueuePair: Send + fmt::Debug {
     fn region_rdma(&self) -> bool {
         false
     }
+    /// Whether [`post_write_region`](QueuePair::post_write_region) works, where
+    /// [`region_rdma`](QueuePair::region_rdma) may not (the udp device writes from regions, and
+    /// reads into bytes). Default: [`region_rdma`](QueuePair::region_rdma).
+    fn region_rdma_write(&self) -> bool {
+        self.region_rdma()
+    }
     /// As [`post_read`](QueuePair::post_read), into `local` (a slice of a region this device
     /// registered, at least `remote.len` bytes): the data lands in the region, and the
     /// completion hands back no buffer. `InvalidArgument` when the slice is not inside a live

@@ -54,7 +54,7 @@ use crate::device::{
     DeviceCompletion, Opcode, RemoteIov, SendWr, Source, Status, UNSOLICITED_WR_ID,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{self, Access, RegionMem, TryAccess};
+use crate::mem::{self, Access, RegionMem, RegionSlice, TryAccess};
 use crate::stats::{self, DeviceCounters};
 
 /// What a device does with an RDMA message it received.
@@ -243,6 +243,13 @@ impl Keys {
         Ok(mem)
     }
 
+    /// Whether `slice` lies inside the live registration its key names (the same memory, not
+    /// another registration a recycled key names now).
+    pub(crate) fn holds(&self, slice: &RegionSlice) -> bool {
+        self.check(slice.key, Access::empty(), slice.addr, slice.len as u64)
+            .is_some_and(|m| m.id() == slice.mem.id())
+    }
+
     /// Revokes `key`.
     pub(crate) fn deregister(&mut self, key: u64) {
         self.live.remove(key);
@@ -264,7 +271,7 @@ enum Op {
         /// Chunks not yet acknowledged.
         remaining: usize,
         /// The chunk with the immediate data, held back until the others are in place.
-        last: Option<(Option<SocketAddr>, SendWr)>,
+        last: Option<(Option<SocketAddr>, SendWr, Option<RegionSlice>)>,
         failed: Option<Status>,
     },
     Read {
@@ -293,8 +300,10 @@ pub(crate) struct Rdma {
     next_tag: u64,
     ops: HashMap<u64, Op>,
     /// RDMA messages to put on the SRD path (the queue pair posts them after each step), with
-    /// the udp socket address they go to (unused by shm).
-    pub(crate) outbox: Vec<(Option<SocketAddr>, SendWr)>,
+    /// the udp socket address they go to (unused by shm), and the region bytes that follow the
+    /// message's header when a write is sent from a region ([`Local::Region`]; only the udp
+    /// device starts such writes).
+    pub(crate) outbox: Vec<(Option<SocketAddr>, SendWr, Option<RegionSlice>)>,
 }
 
 fn header(op: u8, flags: u8, tag: u64, key: u64, a: u64, b: u64, c: u64) -> Bytes {
@@ -332,6 +341,25 @@ impl Rdma {
     }
 }
 
+/// The local side of an RDMA write.
+pub(crate) enum Local {
+    /// Bytes the operation owns.
+    Bytes(Bytes),
+    /// A slice of a region the device registered: each chunk is read from the region when it is
+    /// transmitted (and again for a retransmission), as a NIC reads by DMA, with no copy at
+    /// posting and no allocation.
+    Region(RegionSlice),
+}
+
+impl Local {
+    fn len(&self) -> usize {
+        match self {
+            Local::Bytes(b) => b.len(),
+            Local::Region(r) => r.len,
+        }
+    }
+}
+
 /// The RDMA logic, for any [`RdmaHost`].
 pub(crate) trait RdmaOps: RdmaHost {
     /// Starts an RDMA write of `local` to `remote` at `dest` (socket `to`), in chunks of at most
@@ -342,7 +370,7 @@ pub(crate) trait RdmaOps: RdmaHost {
         wr_id: u64,
         to: Option<SocketAddr>,
         dest: RawAddr,
-        local: Bytes,
+        local: Local,
         remote: RemoteIov,
         imm: Option<u32>,
         chunk: usize,
@@ -371,10 +399,17 @@ pub(crate) trait RdmaOps: RdmaHost {
                     total as u64,
                     a as u64,
                 ),
-                payload: local.slice(a..b),
+                payload: match &local {
+                    Local::Bytes(bytes) => bytes.slice(a..b),
+                    Local::Region(_) => Bytes::new(),
+                },
                 imm: if flags != 0 { imm } else { None },
             };
-            wrs.push((to, wr));
+            let region = match &local {
+                Local::Bytes(_) => None,
+                Local::Region(r) => r.sub(a, b - a),
+            };
+            wrs.push((to, wr, region));
         }
         let last = if imm.is_some() && n > 1 {
             wrs.pop()
@@ -435,7 +470,7 @@ pub(crate) trait RdmaOps: RdmaHost {
         let flags = if cma.is_some() { F_CMA } else { 0 };
         self.rdma()
             .outbox
-            .push((to, read_req(tag, dest, &remote, flags)));
+            .push((to, read_req(tag, dest, &remote, flags), None));
         Ok(())
     }
 
@@ -712,7 +747,7 @@ pub(crate) trait RdmaOps: RdmaHost {
                 payload: Bytes::new(),
                 imm: None,
             };
-            self.rdma().outbox.push((src.sock, wr));
+            self.rdma().outbox.push((src.sock, wr, None));
             return Served::Ok;
         }
         let data = out.freeze();
@@ -728,7 +763,7 @@ pub(crate) trait RdmaOps: RdmaHost {
                 payload: data.slice(a..b),
                 imm: None,
             };
-            self.rdma().outbox.push((src.sock, wr));
+            self.rdma().outbox.push((src.sock, wr, None));
         }
         Served::Ok
     }
@@ -830,7 +865,7 @@ pub(crate) trait RdmaOps: RdmaHost {
                 payload: Bytes::new(),
                 imm: None,
             };
-            self.rdma().outbox.push((to, wr));
+            self.rdma().outbox.push((to, wr, None));
             return;
         }
         tracing::debug!(
@@ -846,7 +881,7 @@ pub(crate) trait RdmaOps: RdmaHost {
         }
         self.rdma()
             .outbox
-            .push((to, read_req(tag, dest, &remote, 0)));
+            .push((to, read_req(tag, dest, &remote, 0), None));
     }
 }
 

@@ -356,7 +356,7 @@ impl RdmCore {
         // A device-registered region goes to the device as it is (no copy); the engine copies
         // it only if the write is emulated.
         let local_region = match &buf {
-            SendBuf::Region(r) if self.region_rdma => r.device_slice(),
+            SendBuf::Region(r) if self.region_write => r.device_slice(),
             _ => None,
         };
         let data = match (&buf, &local_region) {

@@ -378,3 +378,52 @@ fn splits_and_joins_refuse_what_does_not_fit() {
     empty.unsplit(head).unwrap();
     assert_eq!(empty.close(), vec![1u8; 100]);
 }
+
+/// A write from one slice while the application holds another slice of the same region locked
+/// for writing (the region's lock is the region's, not the slice's): a device that reads the
+/// region as it sends (udp) neither waits for the lock (the application, which holds it, is
+/// the one polling) nor sends anything else; the write completes, exact, once the lock is gone.
+fn write_beside_a_locked_slice(setup: Setup) {
+    let seed = test_seed();
+    let p = pair(setup, seed);
+    let page = 64 << 10;
+    let data = payload(seed, 1, 2 * page);
+    let (target, rk) = target_region(&p, page, Access::REMOTE_WRITE);
+    let mut whole =
+        p.a.ep
+            .domain()
+            .register(data.to_vec(), Access::WRITE)
+            .unwrap();
+    let mut second = whole.split_off(page).unwrap();
+    let first = whole;
+    {
+        let mut guard = second.write();
+        guard[0] ^= 0xff;
+        post_slice(&p, first, "write", |s| {
+            p.a.ep.write(p.peer_b, s, rk.at(0), 1)
+        });
+        let until = Instant::now() + Duration::from_millis(30);
+        while Instant::now() < until {
+            p.a.ep.progress();
+            p.b.ep.progress();
+        }
+        guard[0] ^= 0xff;
+    }
+    let (mut done, errs) = gather(&p, true, 1, CompletionFlags::WRITE, "write");
+    assert!(errs.is_empty(), "{setup:?} seed {seed}: {errs:?}");
+    let c = done.remove(0);
+    let mut first = c.buf.into_region().expect("the slice comes back");
+    assert_eq!(first.offset(), 0, "{setup:?} seed {seed}");
+    assert!(
+        target.read()[..] == data[..page],
+        "{setup:?} seed {seed}: the target differs"
+    );
+    first.unsplit(second).expect("the slices rejoin");
+}
+
+/// Only where the device sends from the region (udp with RDMA): the other devices copy the
+/// slice when the write is posted, and that copy waits for the lock the posting thread holds.
+#[test]
+fn a_write_beside_a_locked_slice_completes_once_the_lock_is_gone() {
+    write_beside_a_locked_slice(Setup::Udp);
+}

@@ -516,6 +516,10 @@ impl QueuePair for RoutedQp {
         self.primary.region_rdma()
     }
 
+    fn region_rdma_write(&self) -> bool {
+        self.primary.region_rdma_write()
+    }
+
     fn post_rdma_list(
         &mut self,
         wrs: &mut VecDeque<RdmaWr>,

@@ -46,7 +46,7 @@ impl Host {
     fn sent(&mut self) -> Vec<(u64, Vec<u8>)> {
         std::mem::take(&mut self.rdma.outbox)
             .into_iter()
-            .map(|(_, wr)| {
+            .map(|(_, wr, _)| {
                 let mut b = wr.hdr.to_vec();
                 b.extend_from_slice(&wr.payload);
                 (wr.wr_id, b)

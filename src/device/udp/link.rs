@@ -20,6 +20,7 @@ use crate::device::soft_rdma::{self as rdma, KeyTable, Rdma, RdmaHost, RdmaOps, 
 use crate::device::{DeviceCompletion, Opcode, QpType, SendWr, Source, Status};
 use crate::error::Result;
 use crate::fault::{FaultConfig, FaultInjector};
+use crate::mem::RegionSlice;
 use crate::stats::{self, DeviceCounters};
 
 /// User bytes up to this size are copied behind the device header into the outbox; larger ones
@@ -40,20 +41,74 @@ pub(super) enum Tag {
     Srd { conn: u32, seq: u64 },
 }
 
+/// What follows a datagram's device header: the user's two segments, and region bytes read at
+/// transmission (an RDMA write from a registered region).
+#[derive(Clone, Copy)]
+pub(super) struct Parts<'a> {
+    pub hdr: &'a Bytes,
+    pub payload: &'a Bytes,
+    pub region: Option<&'a RegionSlice>,
+}
+
+static EMPTY: Bytes = Bytes::new();
+
+impl Parts<'_> {
+    /// Nothing after the device header.
+    pub const NONE: Parts<'static> = Parts {
+        hdr: &EMPTY,
+        payload: &EMPTY,
+        region: None,
+    };
+
+    fn len(&self) -> usize {
+        self.hdr.len() + self.payload.len() + self.region.map_or(0, |r| r.len)
+    }
+
+    /// Appends every part to `out`; false, with `out` as it was, when the region is locked
+    /// for writing right now (the datagram is then lost on the wire, and SRD sends it again).
+    fn copy_to(&self, out: &mut Vec<u8>) -> bool {
+        let guard = match self.region {
+            Some(r) => match r.try_read() {
+                Some(g) => Some(g),
+                None => return false,
+            },
+            None => None,
+        };
+        out.extend_from_slice(self.hdr);
+        out.extend_from_slice(self.payload);
+        if let Some(g) = &guard {
+            out.extend_from_slice(g);
+        }
+        true
+    }
+}
+
 /// One datagram to send: its device header (and, when small, everything) in the outbox's
-/// arena, then the user's segments, sent from where they are.
+/// arena, then the user's segments and region bytes, sent from where they are (the region's
+/// under its read lock, taken when the datagram goes out). A packed datagram (several SRD
+/// packets to one queue pair) is all in the arena.
 pub(super) struct Queued {
     pub dest: SocketAddr,
     pub head: Range<usize>,
     pub hdr: Bytes,
     pub payload: Bytes,
-    pub tag: Tag,
+    pub region: Option<RegionSlice>,
+    /// Whose packets the datagram carries ([`Outbox::tags`]).
+    tags: Range<usize>,
+    /// The destination QKEY while later small packets to the same queue pair may join this
+    /// datagram (the peer unpacks); `None` for a datagram that stays as it is.
+    pack: Option<u32>,
+    /// Packets packed in this datagram (0: a plain datagram).
+    packed: usize,
 }
 
 impl Queued {
     /// The datagram's length on the wire.
     pub fn len(&self) -> usize {
-        self.head.len() + self.hdr.len() + self.payload.len()
+        self.head.len()
+            + self.hdr.len()
+            + self.payload.len()
+            + self.region.as_ref().map_or(0, |r| r.len)
     }
 }
 
@@ -90,36 +145,53 @@ pub(super) struct Outbox {
     pub counters: Arc<DeviceCounters>,
     arena: Vec<u8>,
     queued: Vec<Queued>,
+    /// The packets of the queued datagrams, each datagram's a range ([`Queued::tags`]).
+    tags: Vec<Tag>,
+    /// The queue pair's own QKEY (the source QKEY of a packed datagram).
+    qkey: u32,
+    /// Largest packed datagram, bytes (the MTU).
+    pack_limit: usize,
 }
 
 impl Outbox {
-    pub fn new(mtu: usize, faults: Option<Faults>, counters: Arc<DeviceCounters>) -> Outbox {
+    pub fn new(
+        mtu: usize,
+        qkey: u32,
+        faults: Option<Faults>,
+        counters: Arc<DeviceCounters>,
+    ) -> Outbox {
         Outbox {
             tx: Vec::with_capacity(mtu + wire::MAX_OVERHEAD),
             faults,
             counters,
             arena: Vec::new(),
             queued: Vec::new(),
+            tags: Vec::new(),
+            qkey,
+            pack_limit: mtu,
         }
     }
 
     /// Queues the datagram in `self.tx` for `dest`, through the fault layer.
     pub fn emit(&mut self, dest: SocketAddr, now: Instant) {
-        self.emit_parts(dest, now, &Bytes::new(), &Bytes::new(), Tag::None)
+        self.emit_parts(dest, now, Parts::NONE, Tag::None, None)
     }
 
-    /// Queues the datagram `self.tx` + `hdr` + `payload` for `dest`, through the fault layer;
-    /// a permanent failure when it goes out is reported with `tag`.
+    /// Queues the datagram `self.tx` + `parts` for `dest`, through the fault layer;
+    /// a permanent failure when it goes out is reported with `tag`. `pack`: the destination
+    /// QKEY, when the peer unpacks: a small datagram then joins the last queued one to the same
+    /// queue pair as long as their packed datagram fits in the MTU (RFC 9000 §12.2 coalesces
+    /// QUIC packets so), and later ones may join it.
     pub fn emit_parts(
         &mut self,
         dest: SocketAddr,
         now: Instant,
-        hdr: &Bytes,
-        payload: &Bytes,
+        parts: Parts<'_>,
         tag: Tag,
+        pack: Option<u32>,
     ) {
         let Some(f) = self.faults.as_mut() else {
-            return self.out(dest, hdr, payload, tag);
+            return self.out(dest, parts, tag, pack);
         };
         let fate = f.inj.next_fate();
         if fate.drop {
@@ -132,25 +204,33 @@ impl Outbox {
         } else {
             1
         };
-        let whole = || [&self.tx[..], hdr, payload].concat();
+        let tx = &self.tx;
+        let whole = || {
+            let mut w = tx.clone();
+            parts.copy_to(&mut w).then_some(w)
+        };
         if fate.reorder {
             stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.held.push((dest, whole(), now + f.hold));
+                if let Some(w) = whole() {
+                    f.held.push((dest, w, now + f.hold));
+                }
             }
             return;
         }
         if !fate.delay.is_zero() {
             stats::inc(&self.counters.faults_reordered);
             for _ in 0..copies {
-                f.delayed.push((now + fate.delay, dest, whole()));
+                if let Some(w) = whole() {
+                    f.delayed.push((now + fate.delay, dest, w));
+                }
             }
             return;
         }
         let held = std::mem::take(&mut f.held);
-        self.out(dest, hdr, payload, tag);
+        self.out(dest, parts, tag, pack);
         if copies > 1 {
-            self.out(dest, hdr, payload, Tag::None);
+            self.out(dest, parts, Tag::None, pack);
         }
         // Held-back datagrams go out after this later one: that is the reordering.
         for (d, b, _) in held {
@@ -158,42 +238,125 @@ impl Outbox {
         }
     }
 
-    /// Queues the datagram `self.tx` + `hdr` + `payload`.
-    fn out(&mut self, dest: SocketAddr, hdr: &Bytes, payload: &Bytes, tag: Tag) {
+    /// Queues the datagram `self.tx` + `parts`, packed into the last queued one if `pack`
+    /// allows (see [`Outbox::emit_parts`]). Small ones are copied into the arena (region bytes
+    /// under the region's read lock: a region locked for writing right now makes the datagram
+    /// a loss on the wire, which SRD repairs).
+    fn out(&mut self, dest: SocketAddr, parts: Parts<'_>, tag: Tag, pack: Option<u32>) {
+        let small = parts.len() <= GATHER_MIN;
+        if small && pack.is_some() && self.join_last(dest, parts, tag, pack) {
+            return;
+        }
         let start = self.arena.len();
         self.arena.extend_from_slice(&self.tx);
-        let (hdr, payload) = if hdr.len() + payload.len() <= GATHER_MIN {
-            self.arena.extend_from_slice(hdr);
-            self.arena.extend_from_slice(payload);
-            (Bytes::new(), Bytes::new())
+        let (hdr, payload, region) = if small {
+            if !parts.copy_to(&mut self.arena) {
+                self.arena.truncate(start);
+                tracing::trace!(%dest, "udp: region locked, datagram left for a retransmission");
+                return;
+            }
+            (Bytes::new(), Bytes::new(), None)
         } else {
-            (hdr.clone(), payload.clone())
+            (
+                parts.hdr.clone(),
+                parts.payload.clone(),
+                parts.region.cloned(),
+            )
         };
+        self.tags.push(tag);
+        stats::inc(&self.counters.tx_datagrams);
         self.queued.push(Queued {
             dest,
             head: start..self.arena.len(),
             hdr,
             payload,
-            tag,
+            region,
+            tags: self.tags.len() - 1..self.tags.len(),
+            pack: pack.filter(|_| small),
+            packed: 0,
         });
+    }
+
+    /// Packs the datagram `self.tx` + `hdr` + `payload` (small) into the last queued datagram,
+    /// when that one goes to the same queue pair, may take more and has room; false otherwise.
+    fn join_last(
+        &mut self,
+        dest: SocketAddr,
+        parts: Parts<'_>,
+        tag: Tag,
+        pack: Option<u32>,
+    ) -> bool {
+        let len = self.tx.len() + parts.len();
+        let Some(last) = self.queued.last_mut() else {
+            return false;
+        };
+        if last.pack != pack || last.dest != dest || last.head.end != self.arena.len() {
+            return false;
+        }
+        let wrap = if last.packed == 0 {
+            wire::PACKED_LEN + wire::PACKED_ENTRY
+        } else {
+            0
+        };
+        if last.head.len() + wrap + wire::PACKED_ENTRY + len > self.pack_limit {
+            // Full: the next packets start a datagram of their own.
+            last.pack = None;
+            return false;
+        }
+        let end = self.arena.len();
+        wire::push_packed_entry(&mut self.arena, len);
+        self.arena.extend_from_slice(&self.tx);
+        if !parts.copy_to(&mut self.arena) {
+            // The region is locked for writing: this packet is lost on the wire (SRD repairs).
+            self.arena.truncate(end);
+            return true;
+        }
+        if last.packed == 0 {
+            // The last datagram becomes the first entry of a packed one.
+            let mut front = Vec::with_capacity(wrap);
+            wire::encode_packed_header(&mut front, pack.unwrap_or_default(), self.qkey, false);
+            wire::push_packed_entry(&mut front, last.head.len());
+            let at = last.head.start;
+            self.arena.splice(at..at, front);
+            last.head.end += wrap;
+            last.packed = 1;
+            stats::inc(&self.counters.tx_packed);
+        }
+        last.head.end = self.arena.len();
+        last.packed += 1;
+        self.tags.push(tag);
+        last.tags.end = self.tags.len();
+        stats::inc(&self.counters.tx_packed);
+        true
     }
 
     /// [`Outbox::out`] for a datagram the fault layer built in one piece.
     fn out_owned(&mut self, dest: SocketAddr, whole: &[u8]) {
         let start = self.arena.len();
         self.arena.extend_from_slice(whole);
+        self.tags.push(Tag::None);
+        stats::inc(&self.counters.tx_datagrams);
         self.queued.push(Queued {
             dest,
             head: start..self.arena.len(),
             hdr: Bytes::new(),
             payload: Bytes::new(),
-            tag: Tag::None,
+            region: None,
+            tags: self.tags.len() - 1..self.tags.len(),
+            pack: None,
+            packed: 0,
         });
     }
 
     /// The datagrams to send, oldest first.
     pub fn queued(&self) -> &[Queued] {
         &self.queued
+    }
+
+    /// Whose packets datagram `q` carries: one tag, or one per packet of a packed datagram. A
+    /// permanent failure of the datagram fails each of them.
+    pub fn tags(&self, q: &Queued) -> &[Tag] {
+        self.tags.get(q.tags.clone()).unwrap_or_default()
     }
 
     /// The first part of datagram `q` (all of it when its user bytes were small).
@@ -213,6 +376,7 @@ impl Outbox {
     pub fn clear(&mut self) {
         self.queued.clear();
         self.arena.clear();
+        self.tags.clear();
     }
 
     /// Queues held-back and delayed datagrams whose time has come.
@@ -417,6 +581,10 @@ pub(super) struct Link {
     pub ctx: Ctx,
     pub srd: Srd,
     pub qp_type: QpType,
+    /// Tests: this queue pair speaks the wire from before packed datagrams (it drops them as
+    /// an unknown type; give it `UdpConfig::pack` off too, so that it never asks).
+    #[cfg(test)]
+    pub old_wire: bool,
 }
 
 impl Link {
@@ -430,7 +598,7 @@ impl Link {
         Link {
             srd: Srd::new(now, &cfg),
             ctx: Ctx {
-                out: Outbox::new(cfg.mtu, faults, counters),
+                out: Outbox::new(cfg.mtu, attr.qkey, faults, counters),
                 v6: attr.v6,
                 cfg,
                 qkey: attr.qkey,
@@ -441,6 +609,8 @@ impl Link {
                 rdma: Rdma::new(attr.keys, attr.unsolicited_write_recv),
             },
             qp_type: attr.qp_type,
+            #[cfg(test)]
+            old_wire: false,
         }
     }
 
@@ -450,6 +620,51 @@ impl Link {
 
     /// Handles one datagram from `src`.
     pub fn handle(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
+        stats::inc(&self.ctx.counters().rx_datagrams);
+        #[cfg(test)]
+        if self.old_wire && wire::is_packed(data) {
+            stats::inc(&self.ctx.counters().malformed_dropped);
+            return;
+        }
+        if wire::is_packed(data) {
+            self.handle_packed(data, src, now);
+        } else {
+            self.handle_one(data, src, now);
+        }
+        self.flush_rdma(now);
+    }
+
+    /// Handles a packed datagram: checked whole first (a malformed one is dropped whole and
+    /// counted once), then each SRD datagram in it as if it had come alone.
+    fn handle_packed(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
+        let (dst_qkey, packed) = match wire::decode_packed(data) {
+            Ok(x) => x,
+            Err(why) => {
+                stats::inc(&self.ctx.counters().malformed_dropped);
+                tracing::debug!(%src, len = data.len(), why, "udp: dropped malformed packed datagram");
+                return;
+            }
+        };
+        if !self.is_srd() {
+            stats::inc(&self.ctx.counters().malformed_dropped);
+            tracing::debug!(%src, "udp: dropped a packed datagram at a UD queue pair");
+            return;
+        }
+        if dst_qkey != self.ctx.qkey {
+            stats::inc(&self.ctx.counters().stale_dropped);
+            tracing::trace!(%src, dst_qkey, qkey = self.ctx.qkey, "udp: dropped packed datagram with a stale QKEY");
+            return;
+        }
+        self.srd
+            .unpacker(&mut self.ctx, src, packed.src_qkey, packed.hello, now);
+        for d in packed.datagrams() {
+            stats::inc(&self.ctx.counters().rx_packed);
+            self.handle_one(d, src, now);
+        }
+    }
+
+    /// Handles one (not packed) datagram from `src`.
+    fn handle_one(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
         let (dst_qkey, pkt) = match wire::decode(data) {
             Ok(x) => x,
             Err(why) => {
@@ -485,16 +700,16 @@ impl Link {
             Packet::Ack(a, bitmap) => self.srd.on_ack(&mut self.ctx, src, &a, bitmap, now),
             Packet::Nak(n) => self.srd.on_nak(&mut self.ctx, src, &n, now),
         }
-        self.flush_rdma(now);
     }
 
     /// Puts the RDMA messages the last step produced on the SRD path.
     fn flush_rdma(&mut self, now: Instant) {
         while !self.ctx.rdma.outbox.is_empty() {
             let batch = std::mem::take(&mut self.ctx.rdma.outbox);
-            for (to, wr) in batch {
+            for (to, wr, region) in batch {
                 let to = to.unwrap_or_else(|| sockaddr_for(&wr.dest.gid, wr.dest.qpn, self.ctx.v6));
-                self.srd.post_flagged(&mut self.ctx, to, wr, now, true);
+                self.srd
+                    .post_flagged(&mut self.ctx, to, wr, now, true, region);
             }
         }
     }
@@ -528,9 +743,12 @@ impl Link {
                 let len = wr.len();
                 wire::encode_ud(&mut self.ctx.out.tx, wr.dest.qkey, wr.imm, &[], &[]);
                 let tag = Tag::Ud(wr.wr_id);
-                self.ctx
-                    .out
-                    .emit_parts(dest, now, &wr.hdr, &wr.payload, tag);
+                let parts = Parts {
+                    hdr: &wr.hdr,
+                    payload: &wr.payload,
+                    region: None,
+                };
+                self.ctx.out.emit_parts(dest, now, parts, tag, None);
                 stats::inc(&self.ctx.counters().tx_pkts);
                 stats::add(&self.ctx.counters().tx_bytes, len as u64);
                 self.ctx.complete_send(wr.wr_id, Status::Success, len);

@@ -161,6 +161,13 @@ pub struct UdpConfig {
     /// 1.43–1.48x with plain `sendmmsg`), as whole bursts landing at once drive the receiver
     /// into receiver-not-ready storms (`docs/udp-device.md`, "Batched I/O").
     pub gso: bool,
+    /// Pack small SRD packets (data, acknowledgements, NAKs) to one queue pair into one UDP
+    /// datagram where they fit in the MTU, as QUIC coalesces packets (RFC 9000 §12.2): a post
+    /// list of small sends or writes to one peer then costs the kernel one datagram instead of
+    /// one per packet. Only towards peers that said they unpack (negotiated per peer,
+    /// `docs/udp-device.md`, "Packed datagrams"); every queue pair unpacks whatever this is.
+    /// Default on.
+    pub pack: bool,
 }
 
 with_setters! {
@@ -181,6 +188,7 @@ with_setters! {
         with_rdma => rdma: bool,
         with_unsolicited_write_recv => unsolicited_write_recv: bool,
         with_gso => gso: bool,
+        with_pack => pack: bool,
     }
 }
 
@@ -203,6 +211,7 @@ impl Default for UdpConfig {
             rdma: true,
             unsolicited_write_recv: false,
             gso: false,
+            pack: true,
         }
     }
 }

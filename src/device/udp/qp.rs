@@ -22,7 +22,7 @@ use super::link::{Ctx, Link, LinkAttr, Outbox, Queued, Tag};
 use super::mmsg;
 use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
-use crate::device::soft_rdma::{KeyTable, RdmaOps};
+use crate::device::soft_rdma::{KeyTable, Local, RdmaOps};
 use crate::device::{
     DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, random_qkey,
 };
@@ -139,13 +139,25 @@ fn lost_if_transient(r: io::Result<usize>, dest: SocketAddr) -> io::Result<()> {
 /// gathering its parts (so that user bytes are not copied into a staging buffer). Transient
 /// failures are losses on the wire; an error is permanent.
 fn send_one(sock: &UdpSocket, head: &[u8], q: &Queued) -> io::Result<()> {
-    let r = if q.hdr.is_empty() && q.payload.is_empty() {
+    let region = match &q.region {
+        None => None,
+        Some(r) => match r.try_read() {
+            Some(g) => Some(g),
+            None => {
+                // Locked for writing right now: a loss on the wire, which SRD repairs.
+                tracing::trace!(dest = %q.dest, "udp: region locked, datagram lost");
+                return Ok(());
+            }
+        },
+    };
+    let r = if q.hdr.is_empty() && q.payload.is_empty() && region.is_none() {
         sock.send_to(head, q.dest)
     } else {
         let parts = [
             io::IoSlice::new(head),
             io::IoSlice::new(&q.hdr),
             io::IoSlice::new(&q.payload),
+            io::IoSlice::new(region.as_deref().unwrap_or_default()),
         ];
         socket2::SockRef::from(sock).send_to_vectored(&parts, &q.dest.into())
     };
@@ -180,7 +192,7 @@ impl Sender {
             [q] => {
                 if let Err(e) = send_one(sock, out.head(q), q) {
                     tracing::debug!(dest = %q.dest, error = %e, "udp: send failed");
-                    self.failed.push(q.tag);
+                    self.failed.extend_from_slice(out.tags(q));
                 }
             }
             _ => self.send_batch(sock, out),
@@ -199,13 +211,13 @@ impl Sender {
                 if *count % *every == 0 {
                     let e = io::Error::from_raw_os_error(*errno);
                     if !transient(&e) {
-                        self.failed.push(q.tag);
+                        self.failed.extend_from_slice(out.tags(q));
                     }
                     continue;
                 }
             }
             if send_one(sock, out.head(q), q).is_err() {
-                self.failed.push(q.tag);
+                self.failed.extend_from_slice(out.tags(q));
             }
         }
     }
@@ -224,9 +236,22 @@ impl Sender {
         let queued = out.queued();
         dests.clear();
         dests.extend(queued.iter().map(|q| socket2::SockAddr::from(q.dest)));
+        // Region bytes are read under the region's read lock, held until the kernel copied them
+        // (the end of this function): no writer can touch them meanwhile. A region locked for
+        // writing right now makes its datagram a loss on the wire (SRD repairs it).
+        let regions: Vec<Option<Option<crate::mem::ReadGuard<'_>>>> = queued
+            .iter()
+            .map(|q| q.region.as_ref().map(|r| r.try_read()))
+            .collect();
+        let locked = |i: usize| matches!(regions.get(i), Some(Some(None)));
         groups.clear();
         let mut i = 0;
         while i < queued.len() {
+            if locked(i) {
+                tracing::trace!("udp: region locked, datagram lost");
+                i += 1;
+                continue;
+            }
             let first = &queued[i];
             let seg = first.len();
             let mut end = i + 1;
@@ -236,6 +261,7 @@ impl Sender {
                     let len = q.len();
                     let prev_full = queued.get(end - 1).is_some_and(|p| p.len() == seg);
                     if q.dest != first.dest
+                        || locked(end)
                         || !prev_full
                         || len > seg
                         || end - i >= mmsg::GSO_MAX_SEGS
@@ -257,10 +283,13 @@ impl Sender {
             };
             let seg = (g.len() > 1).then(|| first.len() as u16);
             batch.message(dest, seg);
-            for q in queued.get(g.clone()).unwrap_or_default() {
+            for (k, q) in g.clone().zip(queued.get(g.clone()).unwrap_or_default()) {
                 batch.part(out.head(q));
                 batch.part(&q.hdr);
                 batch.part(&q.payload);
+                if let Some(Some(Some(r))) = regions.get(k) {
+                    batch.part(r);
+                }
             }
         }
         let mut m = 0;
@@ -287,12 +316,14 @@ impl Sender {
                         *gso_limit = (*gso_limit).min(seg.saturating_sub(1));
                         for q in queued.get(g).unwrap_or_default() {
                             if send_one(sock, out.head(q), q).is_err() {
-                                failed.push(q.tag);
+                                failed.extend_from_slice(out.tags(q));
                             }
                         }
                     } else {
                         tracing::debug!(error = %e, "udp: send failed");
-                        failed.extend(queued.get(g.start).map(|q| q.tag));
+                        if let Some(q) = queued.get(g.start) {
+                            failed.extend_from_slice(out.tags(q));
+                        }
                     }
                     m += 1;
                 }
@@ -496,19 +527,42 @@ impl State {
         match kind {
             RdmaKind::Write { local, remote, imm } => self.post_rdma(
                 now,
-                |cx, to, chunk| cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk),
+                |cx, to, chunk| {
+                    cx.rdma_write(wr_id, to, dest, Local::Bytes(local), remote, imm, chunk)
+                },
                 &dest,
                 "post_write",
             ),
+            RdmaKind::WriteRegion { local, remote, imm } => {
+                let held = self
+                    .link
+                    .ctx
+                    .rdma
+                    .keys
+                    .as_ref()
+                    .is_some_and(|k| k.lock().holds(&local));
+                if !held {
+                    return Err(Error::new(ErrorKind::InvalidArgument, "post_write_region")
+                        .with_detail("the slice is not inside a live registration of its key"));
+                }
+                self.post_rdma(
+                    now,
+                    |cx, to, chunk| {
+                        cx.rdma_write(wr_id, to, dest, Local::Region(local), remote, imm, chunk)
+                    },
+                    &dest,
+                    "post_write_region",
+                )
+            }
             RdmaKind::Read { local, remote } => self.post_rdma(
                 now,
                 |cx, to, _| cx.rdma_read(wr_id, to, dest, local, remote),
                 &dest,
                 "post_read",
             ),
-            RdmaKind::WriteRegion { .. } | RdmaKind::ReadRegion { .. } => {
+            RdmaKind::ReadRegion { .. } => {
                 Err(Error::new(ErrorKind::NotSupported, "post_rdma_list")
-                    .with_detail("the udp device has no region RDMA"))
+                    .with_detail("the udp device reads into bytes, not into regions"))
             }
         }
     }
@@ -885,6 +939,26 @@ impl QueuePair for UdpQp {
         remote: crate::device::RemoteIov,
     ) -> Result<()> {
         let kind = RdmaKind::Read { local, remote };
+        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
+    }
+
+    /// SRD queue pairs of a device with RDMA send writes straight from the registered region:
+    /// each chunk is read under the region's read lock when it goes out (and again for a
+    /// retransmission), so posting copies and allocates nothing.
+    fn region_rdma_write(&self) -> bool {
+        let st = self.shared.state.lock();
+        st.link.qp_type == QpType::Srd && st.link.ctx.rdma.keys.is_some()
+    }
+
+    fn post_write_region(
+        &mut self,
+        wr_id: u64,
+        dest: RawAddr,
+        local: crate::mem::RegionSlice,
+        remote: crate::device::RemoteIov,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let kind = RdmaKind::WriteRegion { local, remote, imm };
         self.post_one_rdma(RdmaWr { wr_id, dest, kind })
     }
 

@@ -24,10 +24,11 @@ use super::UdpConfig;
 use super::link::{Link, LinkAttr};
 use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
-use crate::device::soft_rdma::{KeyTable, RdmaOps};
+use crate::device::soft_rdma::{KeyTable, Local, RdmaOps};
 use crate::device::{DeviceCompletion, QpType, RemoteIov, SendWr};
 use crate::error::Result;
 use crate::fault::Rng;
+use crate::mem::RegionSlice;
 use crate::stats::DeviceCounters;
 
 /// The network's behaviour: every datagram is dropped with probability `drop`, else sent
@@ -86,6 +87,9 @@ pub(super) enum RdmaOp {
     Write(u64, Bytes, RemoteIov, Option<u32>),
     /// `(wr_id, local buffer, remote range)`.
     Read(u64, BytesMut, RemoteIov),
+    /// `(wr_id, local slice of a registered region, remote range, immediate data)`: sent from
+    /// the region as it goes out.
+    WriteRegion(u64, RegionSlice, RemoteIov, Option<u32>),
 }
 
 /// A datagram on its way.
@@ -228,9 +232,12 @@ impl Net {
             now,
             |cx, to, chunk| match op {
                 RdmaOp::Write(wr_id, local, remote, imm) => {
-                    cx.rdma_write(wr_id, to, dest, local, remote, imm, chunk)
+                    cx.rdma_write(wr_id, to, dest, Local::Bytes(local), remote, imm, chunk)
                 }
                 RdmaOp::Read(wr_id, local, remote) => cx.rdma_read(wr_id, to, dest, local, remote),
+                RdmaOp::WriteRegion(wr_id, local, remote, imm) => {
+                    cx.rdma_write(wr_id, to, dest, Local::Region(local), remote, imm, chunk)
+                }
             },
             &dest,
         );
@@ -254,6 +261,16 @@ impl Net {
         let mut out = Vec::new();
         h.link.ctx.cq.poll_into(&mut h.slots, &mut out, usize::MAX);
         out
+    }
+
+    /// Host `i` speaks the wire from before packed datagrams: it drops them as an unknown type
+    /// and never sends one (nor asks whether its peers unpack).
+    pub fn old_wire(&mut self, i: usize) {
+        let h = &mut self.hosts[i];
+        h.link.old_wire = true;
+        let mut cfg = (*h.link.ctx.cfg).clone();
+        cfg.pack = false;
+        h.link.ctx.cfg = Arc::new(cfg);
     }
 
     /// Host `i` vanishes: it stops sending, receiving and running timers, without a word.
@@ -301,7 +318,15 @@ impl Net {
                 } else {
                     1
                 };
-                let bytes = [out.head(q), &q.hdr[..], &q.payload[..]].concat();
+                let mut bytes = [out.head(q), &q.hdr[..], &q.payload[..]].concat();
+                if let Some(r) = &q.region {
+                    // Read at transmission, as the queue pair's sender does; locked: lost.
+                    let Some(g) = r.try_read() else {
+                        self.stats.dropped += 1;
+                        continue;
+                    };
+                    bytes.extend_from_slice(&g);
+                }
                 for _ in 0..copies {
                     let jitter = self.cfg.jitter.as_nanos() as u64;
                     let extra = if jitter == 0 {

@@ -3,17 +3,18 @@
 //! unresponsive-peer timeout. The rules are in `docs/udp-device.md`.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::UdpConfig;
-use super::link::{Ctx, Delivery, Tag, min_opt};
+use super::link::{Ctx, Delivery, Parts, Tag, min_opt};
 use super::wire::{self, AckHdr, DataHdr, NakHdr, NakReason, WINDOW};
 use crate::device::{SendWr, Status};
 use crate::fault::Rng;
+use crate::mem::RegionSlice;
 use crate::stats;
 
 /// RNR retry count that means "retry forever", as on EFA.
@@ -33,12 +34,17 @@ const MIN_CWND: f64 = 2.0;
 const ACK_DELAY: Duration = Duration::from_micros(30);
 /// Packets delivered from one sender after which it is acknowledged without delay.
 const ACK_EVERY: u32 = 16;
+/// Packets sent to a peer not known to unpack after which it is asked again (a lost question
+/// or answer is asked again so).
+const HELLO_EVERY: u32 = 256;
 
 /// A send work request waiting for its acknowledgement.
 struct SendOp {
     wr_id: u64,
     hdr: Bytes,
     payload: Bytes,
+    /// Region bytes after `payload`, read at each transmission (an RDMA write from a region).
+    region: Option<RegionSlice>,
     imm: Option<u32>,
     /// An RDMA message of the device (`FLAG_RDMA`).
     rdma: bool,
@@ -46,7 +52,7 @@ struct SendOp {
 
 impl SendOp {
     fn len(&self) -> usize {
-        self.hdr.len() + self.payload.len()
+        self.hdr.len() + self.payload.len() + self.region.as_ref().map_or(0, |r| r.len)
     }
 }
 
@@ -97,6 +103,8 @@ struct TxPeer {
     probe: Option<(Instant, Instant)>,
     /// Probes sent to the silent peer so far: the probes' timeout doubles with each.
     probes: u32,
+    /// Packets sent since this peer was last asked whether it unpacks.
+    since_hello: u32,
 }
 
 impl TxPeer {
@@ -282,6 +290,14 @@ pub(super) struct Srd {
     /// (`None`; they defend against forged packets), or a seeded generator in the simulator, so
     /// that a seed replays a run exactly.
     ids: Option<Rng>,
+    /// Queue pairs (address, QKEY) that sent us a packed datagram, so unpack ours.
+    packers: HashSet<(SocketAddr, u32)>,
+}
+
+/// The form of `a` under which the set of queue pairs that unpack knows it (an IPv4 address and
+/// its IPv4-mapped form are one).
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 impl Srd {
@@ -301,6 +317,30 @@ impl Srd {
             next_sweep: now + cfg.peer_idle_timeout / 4,
             bitmap: Vec::with_capacity(wire::MAX_BITMAP),
             ids: None,
+            packers: HashSet::new(),
+        }
+    }
+
+    /// A packed datagram came from `(src, src_qkey)`, with our QKEY: it unpacks, so ours to
+    /// it may be packed. `hello`: it asks whether we unpack; we answer with an empty packed
+    /// datagram.
+    pub fn unpacker(
+        &mut self,
+        cx: &mut Ctx,
+        src: SocketAddr,
+        src_qkey: u32,
+        hello: bool,
+        now: Instant,
+    ) {
+        if self.packers.len() >= MAX_RX_PEERS && !self.packers.contains(&(canonical(src), src_qkey))
+        {
+            // Bounded: forgetting costs only packing, until the next hello.
+            self.packers.clear();
+        }
+        self.packers.insert((canonical(src), src_qkey));
+        if hello {
+            wire::encode_packed_header(&mut cx.out.tx, src_qkey, cx.qkey, false);
+            cx.out.emit(src, now);
         }
     }
 
@@ -320,10 +360,11 @@ impl Srd {
 
     /// Queues a send to `dest` and transmits what the window allows.
     pub fn post(&mut self, cx: &mut Ctx, dest: SocketAddr, wr: SendWr, now: Instant) {
-        self.post_flagged(cx, dest, wr, now, false)
+        self.post_flagged(cx, dest, wr, now, false, None)
     }
 
-    /// [`post`](Self::post), for an RDMA message when `rdma` (`rdma.rs`).
+    /// [`post`](Self::post), for an RDMA message when `rdma` (`rdma.rs`), whose bytes end with
+    /// those of `region` when given (read at each transmission).
     pub fn post_flagged(
         &mut self,
         cx: &mut Ctx,
@@ -331,6 +372,7 @@ impl Srd {
         wr: SendWr,
         now: Instant,
         rdma: bool,
+        region: Option<RegionSlice>,
     ) {
         let key = (dest, wr.dest.qkey);
         let conn = match self.tx_by_addr.get(&key) {
@@ -361,6 +403,7 @@ impl Srd {
                         last_active: now,
                         probe: None,
                         probes: 0,
+                        since_hello: HELLO_EVERY,
                     },
                 );
                 self.tx_by_addr.insert(key, conn);
@@ -373,6 +416,7 @@ impl Srd {
                 wr_id: wr.wr_id,
                 hdr: wr.hdr,
                 payload: wr.payload,
+                region,
                 imm: wr.imm,
                 rdma,
             });
@@ -389,11 +433,13 @@ impl Srd {
             rx,
             rx_conn,
             bitmap,
+            packers,
             ..
         } = self;
         let Some(p) = tx.get_mut(&conn) else {
             return;
         };
+        let pack = pack_for(packers, cx, p.addr, p.qkey);
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
         while !p.pending.is_empty() && p.inflight.len() < limit && p.next_seq < p.base() + WINDOW {
             let Some(op) = p.pending.pop_front() else {
@@ -428,8 +474,11 @@ impl Srd {
                     deferred: false,
                 },
             );
+            if pack.is_none() && cx.cfg.pack {
+                hello(cx, p, now);
+            }
             let rev = reverse(rx, rx_conn, p);
-            transmit(cx, p, seq, rev, bitmap, limit, now);
+            transmit(cx, p, seq, rev, bitmap, limit, pack, now);
             stats::inc(&cx.counters().tx_pkts);
             stats::add(&cx.counters().tx_bytes, len as u64);
             timers.push(Reverse(Timer {
@@ -627,7 +676,8 @@ impl Srd {
             self.acks.swap_remove(i);
             let a = rx.take_ack(cx.qkey, &mut bitmap);
             wire::encode_ack(&mut cx.out.tx, key.1, &a, &bitmap);
-            cx.out.emit(key.0, now);
+            let pack = pack_for(&self.packers, cx, key.0, key.1);
+            cx.out.emit_parts(key.0, now, Parts::NONE, Tag::None, pack);
             stats::inc(&cx.counters().acks_sent);
         }
         self.bitmap = bitmap;
@@ -916,8 +966,9 @@ impl Srd {
         inf.epoch = self.epoch;
         let retries = inf.retries;
         let limit = (p.cwnd as usize).clamp(1, cx.cfg.max_inflight);
+        let pack = pack_for(&self.packers, cx, p.addr, p.qkey);
         let rev = reverse(&mut self.rx, &self.rx_conn, p);
-        transmit(cx, p, seq, rev, &mut self.bitmap, limit, now);
+        transmit(cx, p, seq, rev, &mut self.bitmap, limit, pack, now);
         let at = if timeout {
             p.probes += 1;
             let at = now + p.rto(&cx.cfg, retries.max(p.probes));
@@ -1044,8 +1095,34 @@ impl Srd {
     }
 }
 
+/// The destination QKEY to pack datagrams to `(addr, qkey)` under, when packing is on and that
+/// queue pair unpacks (it is in `packers`).
+fn pack_for(
+    packers: &HashSet<(SocketAddr, u32)>,
+    cx: &Ctx,
+    addr: SocketAddr,
+    qkey: u32,
+) -> Option<u32> {
+    (cx.cfg.pack && packers.contains(&(canonical(addr), qkey))).then_some(qkey)
+}
+
+/// Asks `p`, not known to unpack, whether it does (an empty packed datagram with `HELLO`), before
+/// its first packet and then every [`HELLO_EVERY`] packets until it answers. A peer of an older
+/// wire drops the question as malformed, and is never sent a packed datagram.
+fn hello(cx: &mut Ctx, p: &mut TxPeer, now: Instant) {
+    p.since_hello += 1;
+    if p.since_hello < HELLO_EVERY {
+        return;
+    }
+    p.since_hello = 0;
+    wire::encode_packed_header(&mut cx.out.tx, p.qkey, cx.qkey, true);
+    cx.out.emit(p.addr, now);
+}
+
 /// Encodes and queues packet `seq` of `p`, with the acknowledgement due to the same peer riding
-/// along. `limit` is the sender's current window.
+/// along. `limit` is the sender's current window; `pack`: packed with other datagrams to the
+/// peer where they fit ([`Outbox::emit_parts`](super::link::Outbox::emit_parts)).
+#[allow(clippy::too_many_arguments)]
 fn transmit(
     cx: &mut Ctx,
     p: &TxPeer,
@@ -1053,6 +1130,7 @@ fn transmit(
     rev: Option<&mut RxPeer>,
     bitmap: &mut Vec<u8>,
     limit: usize,
+    pack: Option<u32>,
     now: Instant,
 ) {
     let Some(inf) = p.inflight.get(&seq) else {
@@ -1088,8 +1166,12 @@ fn transmit(
         len,
     );
     let tag = Tag::Srd { conn: p.conn, seq };
-    cx.out
-        .emit_parts(p.addr, now, &inf.op.hdr, &inf.op.payload, tag);
+    let parts = Parts {
+        hdr: &inf.op.hdr,
+        payload: &inf.op.payload,
+        region: inf.op.region.as_ref(),
+    };
+    cx.out.emit_parts(p.addr, now, parts, tag, pack);
 }
 
 /// The receive state of the reverse direction of `p` (whose acknowledgement may ride along).

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | 0 | 2 | magic `0xEF 0xA5` |
 //! | 2 | 1 | version (1) |
-//! | 3 | 1 | type: 1 UD data, 2 SRD data, 3 SRD ack, 4 SRD NAK |
+//! | 3 | 1 | type: 1 UD data, 2 SRD data, 3 SRD ack, 4 SRD NAK, 5 packed SRD datagrams |
 //! | 4 | 1 | flags: bit 0 = immediate data present (data types only); SRD data only: bit 1 = an acknowledgement rides along, bit 2 = acknowledge at once |
 //! | 5 | 3 | reserved, zero |
 //! | 8 | 4 | destination QKEY (little-endian) |
@@ -39,6 +39,18 @@ pub(crate) const T_DATA: u8 = 2;
 pub(crate) const T_ACK: u8 = 3;
 /// Type byte of an SRD negative acknowledgement.
 pub(crate) const T_NAK: u8 = 4;
+/// Type byte of a packed datagram: several SRD datagrams (data, acks, NAKs) to one queue pair
+/// in one UDP datagram, each behind its length. Sent only to peers that said they unpack
+/// (a `PACKED` datagram of theirs came first, see [`FLAG_HELLO`]); a peer of an older wire drops
+/// it as an unknown type.
+pub(crate) const T_PACKED: u8 = 5;
+/// Flag (packed datagram): the sender asks whether the receiver unpacks; a receiver that does
+/// answers with a packed datagram of its own (an empty one if it has nothing to send).
+pub(crate) const FLAG_HELLO: u8 = 0x01;
+/// Fixed part of a packed datagram: the common header and the source QKEY.
+pub(crate) const PACKED_LEN: usize = 16;
+/// Length prefix of each datagram in a packed datagram.
+pub(crate) const PACKED_ENTRY: usize = 2;
 
 /// Fixed part of an SRD data packet (before the optional immediate).
 pub(crate) const DATA_LEN: usize = 44;
@@ -256,6 +268,117 @@ pub(crate) fn encode_nak(out: &mut Vec<u8>, dst_qkey: u32, n: &NakHdr) {
     out.extend_from_slice(&n.seq.to_le_bytes());
     out.push(n.reason as u8);
     out.extend_from_slice(&[0, 0, 0]);
+}
+
+/// Encodes the fixed part of a packed datagram into `out`; the entries follow, each written
+/// with [`push_packed_entry`].
+pub(crate) fn encode_packed_header(out: &mut Vec<u8>, dst_qkey: u32, src_qkey: u32, hello: bool) {
+    common(out, T_PACKED, if hello { FLAG_HELLO } else { 0 }, dst_qkey);
+    out.extend_from_slice(&src_qkey.to_le_bytes());
+}
+
+/// Appends the length prefix of a `len`-byte datagram to a packed datagram (the datagram's
+/// bytes follow). `len` fits in a `u16`: packed datagrams are at most one MTU (65,000).
+pub(crate) fn push_packed_entry(out: &mut Vec<u8>, len: usize) {
+    out.extend_from_slice(&(len.min(u16::MAX as usize) as u16).to_le_bytes());
+}
+
+/// A packed datagram, checked whole: every entry decodes as an SRD datagram (data, ack or
+/// NAK) for the same destination QKEY.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Packed<'a> {
+    /// The sending queue pair's QKEY.
+    pub src_qkey: u32,
+    /// The sender asks whether we unpack ([`FLAG_HELLO`]).
+    pub hello: bool,
+    /// The entries, each behind its length prefix.
+    entries: &'a [u8],
+}
+
+impl<'a> Packed<'a> {
+    /// The datagrams inside, in order.
+    pub fn datagrams(&self) -> PackedIter<'a> {
+        PackedIter { rest: self.entries }
+    }
+}
+
+/// The datagrams of a [`Packed`] datagram.
+pub(crate) struct PackedIter<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for PackedIter<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        let len = u16_at(self.rest, 0)? as usize;
+        let d = self.rest.get(PACKED_ENTRY..PACKED_ENTRY + len)?;
+        self.rest = self.rest.get(PACKED_ENTRY + len..).unwrap_or_default();
+        Some(d)
+    }
+}
+
+/// Whether `b` claims to be a packed datagram (its type byte; [`decode_packed`] checks the rest).
+pub(crate) fn is_packed(b: &[u8]) -> bool {
+    b.get(3) == Some(&T_PACKED)
+}
+
+/// Decodes a packed datagram: its destination QKEY and its contents. The whole datagram is
+/// checked before anything in it is used: the entries' lengths add up to the datagram, and every
+/// entry decodes as an SRD data, ack or NAK datagram (never UD, never packed again) with the
+/// packed datagram's destination and source QKEYs; else the whole datagram is malformed.
+pub(crate) fn decode_packed(b: &[u8]) -> Result<(u32, Packed<'_>), Malformed> {
+    if b.len() < PACKED_LEN {
+        return Err("truncated packed header");
+    }
+    if b.get(0..2) != Some(&MAGIC[..]) {
+        return Err("bad magic");
+    }
+    if b.get(2) != Some(&VERSION) {
+        return Err("unknown version");
+    }
+    if b.get(3) != Some(&T_PACKED) {
+        return Err("not a packed datagram");
+    }
+    let flags = b.get(4).copied().ok_or("truncated")?;
+    if flags & !FLAG_HELLO != 0 {
+        return Err("unknown flags");
+    }
+    if b.get(5..8) != Some(&[0u8, 0, 0][..]) {
+        return Err("reserved bytes not zero");
+    }
+    let dst_qkey = u32_at(b, 8).ok_or("truncated")?;
+    let src_qkey = u32_at(b, 12).ok_or("truncated")?;
+    let entries = b.get(PACKED_LEN..).ok_or("truncated")?;
+    let mut rest = entries;
+    while !rest.is_empty() {
+        let len = u16_at(rest, 0).ok_or("truncated entry length")? as usize;
+        let d = rest
+            .get(PACKED_ENTRY..PACKED_ENTRY + len)
+            .ok_or("packed entry longer than the datagram")?;
+        let (q, p) = decode(d)?;
+        if q != dst_qkey {
+            return Err("packed entry for another QKEY");
+        }
+        let from = match p {
+            Packet::Ud { .. } => return Err("UD datagram in a packed datagram"),
+            Packet::Data(h, _) | Packet::DataAck(h, ..) => h.src_qkey,
+            Packet::Ack(a, _) => a.src_qkey,
+            Packet::Nak(n) => n.src_qkey,
+        };
+        if from != src_qkey {
+            return Err("packed entry from another QKEY");
+        }
+        rest = rest.get(PACKED_ENTRY + len..).unwrap_or_default();
+    }
+    Ok((
+        dst_qkey,
+        Packed {
+            src_qkey,
+            hello: flags & FLAG_HELLO != 0,
+            entries,
+        },
+    ))
 }
 
 fn u16_at(b: &[u8], at: usize) -> Option<u16> {
@@ -569,6 +692,105 @@ mod tests {
         assert!(decode(&[0xEF, 0xA5, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
     }
 
+    /// A packed datagram of `parts` (each a whole SRD datagram) from `src_qkey` to `dst_qkey`.
+    fn packed(dst_qkey: u32, src_qkey: u32, hello: bool, parts: &[&[u8]]) -> Vec<u8> {
+        let mut b = Vec::new();
+        encode_packed_header(&mut b, dst_qkey, src_qkey, hello);
+        for p in parts {
+            push_packed_entry(&mut b, p.len());
+            b.extend_from_slice(p);
+        }
+        b
+    }
+
+    #[test]
+    fn packed_round_trip_and_refusals() {
+        let h = DataHdr {
+            src_qkey: 9,
+            conn: 3,
+            try_: 0,
+            seq: 10,
+            base: 10,
+            imm: Some(4),
+            ack_req: false,
+            rdma: true,
+        };
+        let (mut d, mut a, mut n) = (Vec::new(), Vec::new(), Vec::new());
+        encode_data(&mut d, 5, &h, b"hd", b"payload");
+        let ack = AckHdr {
+            src_qkey: 9,
+            conn: 8,
+            cum: 77,
+        };
+        encode_ack(&mut a, 5, &ack, &[1]);
+        let nak = NakHdr {
+            src_qkey: 9,
+            conn: 3,
+            try_: 1,
+            seq: 11,
+            reason: NakReason::Rnr,
+        };
+        encode_nak(&mut n, 5, &nak);
+        let b = packed(5, 9, false, &[&d, &a, &n]);
+        assert_eq!(
+            b.len(),
+            PACKED_LEN + 3 * PACKED_ENTRY + d.len() + a.len() + n.len()
+        );
+        assert!(is_packed(&b));
+        let (q, p) = decode_packed(&b).unwrap();
+        assert_eq!((q, p.src_qkey, p.hello), (5, 9, false));
+        let inner: Vec<_> = p.datagrams().map(|x| decode(x).unwrap()).collect();
+        assert_eq!(
+            inner,
+            vec![
+                (5, Packet::Data(h, b"hdpayload")),
+                (5, Packet::Ack(ack, &[1][..])),
+                (5, Packet::Nak(nak))
+            ]
+        );
+        // A hello: no entries.
+        let hello = packed(5, 9, true, &[]);
+        let (_, p) = decode_packed(&hello).unwrap();
+        assert!(p.hello && p.datagrams().next().is_none());
+        // The plain decoder does not take a packed datagram.
+        assert!(decode(&b).is_err());
+        // Every cut but the entry boundaries is refused; so is anything appended.
+        let bounds = [
+            PACKED_LEN,
+            PACKED_LEN + PACKED_ENTRY + d.len(),
+            PACKED_LEN + 2 * PACKED_ENTRY + d.len() + a.len(),
+        ];
+        for cut in 0..b.len() {
+            assert_eq!(
+                decode_packed(&b[..cut]).is_ok(),
+                bounds.contains(&cut),
+                "cut {cut}"
+            );
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(decode_packed(&long).is_err());
+        // Entries that are not SRD datagrams for this queue pair from the sender.
+        let mut ud = Vec::new();
+        encode_ud(&mut ud, 5, None, b"x", b"");
+        let mut other = Vec::new();
+        encode_data(&mut other, 6, &h, b"", b"x");
+        let mut foreign = Vec::new();
+        encode_data(&mut foreign, 5, &DataHdr { src_qkey: 1, ..h }, b"", b"x");
+        let nested = packed(5, 9, false, &[&d]);
+        let mut junk = d.clone();
+        junk[0] ^= 0xff;
+        for bad in [&ud, &other, &foreign, &nested, &junk] {
+            assert!(decode_packed(&packed(5, 9, false, &[&d, bad])).is_err());
+        }
+        // Header fields.
+        for (at, v) in [(2, 2u8), (4, 0x02), (5, 1), (7, 1)] {
+            let mut x = b.clone();
+            x[at] = v;
+            assert!(decode_packed(&x).is_err(), "byte {at} = {v}");
+        }
+    }
+
     /// Issue 17: a fuzz loop over the decoder a peer feeds: random bytes, and valid packets of
     /// every kind with random fields, cut short, extended or with a flipped bit. Decoding never
     /// panics; what decodes re-encodes to the same bytes (nothing is read that was not there).
@@ -659,6 +881,78 @@ mod tests {
         }
         assert!(
             ok > 10_000 && bad > 10_000,
+            "seed {seed}: {ok} decoded, {bad} refused"
+        );
+    }
+
+    /// The same for packed datagrams: entries of every SRD kind with random fields (some
+    /// broken), cut, extended or with a flipped bit. Decoding never panics; a datagram that
+    /// decodes is exactly its header and entries, each of which decodes.
+    #[test]
+    fn decode_packed_is_total_and_exact_on_hostile_bytes() {
+        use crate::fault::{Rng, test_seed};
+        let seed = test_seed();
+        let mut r = Rng::new(seed);
+        let (mut ok, mut bad) = (0u32, 0u32);
+        for i in 0..20_000u32 {
+            let (dst, src) = (r.below(3) as u32, r.below(3) as u32);
+            let mut parts = Vec::new();
+            for _ in 0..r.below(5) {
+                let mut e = Vec::new();
+                let seq = r.below(1 << 20) + 2000;
+                let data = DataHdr {
+                    src_qkey: src,
+                    conn: r.next_u64() as u32,
+                    try_: r.below(3) as u32,
+                    seq,
+                    base: seq - r.below(2000),
+                    imm: r.chance(0.5).then(|| r.next_u64() as u32),
+                    ack_req: r.chance(0.5),
+                    rdma: r.chance(0.5),
+                };
+                let body: Vec<u8> = (0..r.below(40)).map(|_| r.next_u64() as u8).collect();
+                match r.below(4) {
+                    0 => encode_data(&mut e, dst, &data, &body, b""),
+                    1 => encode_ud(&mut e, dst, None, &body, b""),
+                    2 => {
+                        let a = AckHdr {
+                            src_qkey: src,
+                            conn: data.conn,
+                            cum: data.seq,
+                        };
+                        encode_ack(&mut e, dst, &a, &body[..body.len().min(4)]);
+                    }
+                    _ => e = body,
+                }
+                parts.push(e);
+            }
+            let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+            let mut b = packed(dst, src, r.chance(0.3), &refs);
+            match r.below(4) {
+                0 => {
+                    let at = r.below(b.len() as u64) as usize;
+                    b[at] ^= 1 << r.below(8);
+                }
+                1 => b.truncate(r.below(b.len() as u64 + 1) as usize),
+                2 => b.extend((0..r.below(8)).map(|_| r.next_u64() as u8)),
+                _ => {}
+            }
+            let Ok((q, p)) = decode_packed(&b) else {
+                bad += 1;
+                continue;
+            };
+            ok += 1;
+            let inner: Vec<&[u8]> = p.datagrams().collect();
+            for d in &inner {
+                let (qi, pi) = decode(d).expect("every entry of a packed datagram decodes");
+                assert_eq!(qi, q, "seed {seed}: packet {i}");
+                assert!(!matches!(pi, Packet::Ud { .. }), "seed {seed}: packet {i}");
+            }
+            let again = packed(q, p.src_qkey, p.hello, &inner);
+            assert_eq!(again, b, "seed {seed}: packet {i}");
+        }
+        assert!(
+            ok > 1_000 && bad > 1_000,
             "seed {seed}: {ok} decoded, {bad} refused"
         );
     }

@@ -114,6 +114,7 @@ impl EndpointBuilder<Rdm> {
         engine.set_unsolicited_write_recv(qp.unsolicited_write_recv());
         let rx_bufs = recv_depth;
         let region_rdma = use_rdma && qp.region_rdma();
+        let region_write = use_rdma && qp.region_rdma_write();
         let core = Arc::new(RdmCore {
             domain: self.domain.clone(),
             av,
@@ -127,6 +128,7 @@ impl EndpointBuilder<Rdm> {
                 usize::MAX
             },
             region_rdma,
+            region_write,
             inject_size,
             notifier: own,
             state: Mutex::new(State {

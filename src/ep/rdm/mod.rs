@@ -293,6 +293,10 @@ pub struct RdmCore {
     /// Device RDMA reads and writes go straight to and from device-registered regions
     /// (`QueuePair::region_rdma`, device RDMA on).
     pub(super) region_rdma: bool,
+    /// Writes from slices of regions the device registered go to the device as slices
+    /// (`QueuePair::region_rdma_write`, device RDMA on): the device reads the region as it
+    /// sends, with no copy at posting.
+    pub(super) region_write: bool,
     /// Largest inject (`tx_attr.inject_size`).
     inject_size: usize,
     notifier: Arc<Notifier>,

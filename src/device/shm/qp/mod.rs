@@ -21,7 +21,7 @@ use super::DevShared;
 use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
 use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
-use crate::device::soft_rdma::{self as rdma, CmaCopy, Rdma, RdmaHost, RdmaOps};
+use crate::device::soft_rdma::{self as rdma, CmaCopy, Local, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
 };
@@ -291,7 +291,8 @@ impl State {
     fn flush_rdma(&mut self, now: Instant) {
         while !self.rdma.outbox.is_empty() {
             let batch = std::mem::take(&mut self.rdma.outbox);
-            for (_, wr) in batch {
+            // The shm device starts writes from bytes only (`Local::Bytes`): no region part.
+            for (_, wr, _) in batch {
                 match self.try_send(&wr, now) {
                     Sent::Done(s, n) => self.complete_send(wr.wr_id, s, n),
                     Sent::Inflight => {}
@@ -705,7 +706,7 @@ impl QueuePair for ShmQp {
     ) -> Result<()> {
         let mut st = self.shared.state.lock();
         st.post_rdma(
-            |s, chunk| s.rdma_write(wr_id, None, dest, local, remote, imm, chunk),
+            |s, chunk| s.rdma_write(wr_id, None, dest, Local::Bytes(local), remote, imm, chunk),
             "post_write",
         )
     }
