@@ -242,31 +242,25 @@ fn sends_to_a_vanished_host_fail_unresponsive_in_time() {
     assert!(took >= cfg.unresponsive_timeout, "seed {seed}: {took:?}");
 }
 
-/// A receiver descheduled for longer than the retransmission timeout (a busy machine) while a
-/// window of packets is in flight: the sender probes the silent peer with one packet per
-/// timeout instead of retransmitting the whole window at each timer (issue 30, point 15: the
-/// soak saw two retransmissions in three packets under a CPU hog). Every message still arrives
-/// once, intact, and the sender retransmits a few packets, not the window several times.
-#[test]
-fn a_descheduled_receiver_is_probed_not_flooded() {
-    let seed = test_seed();
+/// Two SRD hosts, `n` receive buffers posted on the second and message 0 delivered (the
+/// sender has a round-trip estimate): the network and the hosts' indices.
+fn warm_pair(seed: u64, n: u32) -> (Net, usize, usize) {
     let srd = (QpType::Srd, RNR_FOREVER);
     let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
     let (a, b) = (h[0], h[1]);
-    let n = 64u32;
     post_recvs(&mut net, b, 0..u64::from(n));
-    // Warm up the round-trip estimate, then pause the receiver with a window in flight.
     send(&mut net, a, b, 0, 100, seed);
     assert!(net.run_until(Duration::from_secs(1), |net| !net.poll(a).is_empty()));
-    let mut got = vec![0u32; n as usize];
-    got[0] = 1;
     for c in net.poll(b) {
         check_message(&c, seed);
     }
-    for k in 1..n {
-        send(&mut net, a, b, k, 1000, seed);
-    }
-    net.pause(b, Duration::from_millis(8));
+    (net, a, b)
+}
+
+/// Runs until messages `1..n` from `a` arrived at `b` once each and their sends completed.
+fn deliver_rest(net: &mut Net, a: usize, b: usize, n: u32, seed: u64) {
+    let mut got = vec![0u32; n as usize];
+    got[0] = 1;
     let mut sent = 0;
     assert!(
         net.run_until(Duration::from_secs(5), |net| {
@@ -280,6 +274,23 @@ fn a_descheduled_receiver_is_probed_not_flooded() {
         "seed {seed}: {got:?}"
     );
     assert!(got.iter().all(|&g| g == 1), "seed {seed}: {got:?}");
+}
+
+/// A receiver descheduled for longer than the retransmission timeout (a busy machine) while a
+/// window of packets is in flight: the sender probes the silent peer with one packet per
+/// timeout instead of retransmitting the whole window at each timer (issue 30, point 15: the
+/// soak saw two retransmissions in three packets under a CPU hog). Every message still arrives
+/// once, intact, and the sender retransmits a few packets, not the window several times.
+#[test]
+fn a_descheduled_receiver_is_probed_not_flooded() {
+    let seed = test_seed();
+    let n = 64u32;
+    let (mut net, a, b) = warm_pair(seed, n);
+    for k in 1..n {
+        send(&mut net, a, b, k, 1000, seed);
+    }
+    net.pause(b, Duration::from_millis(8));
+    deliver_rest(&mut net, a, b, n, seed);
     let retransmits = net.host(a).counters.retransmits.load(Relaxed);
     // A probe per doubling timeout over 8 ms is about 5; the window is 63 packets.
     assert!(
@@ -296,16 +307,8 @@ fn a_descheduled_receiver_is_probed_not_flooded() {
 fn losses_at_the_tail_of_a_burst_are_recovered_promptly() {
     let seed = test_seed();
     let cfg = udp_config();
-    let srd = (QpType::Srd, RNR_FOREVER);
-    let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
-    let (a, b) = (h[0], h[1]);
     let n = 8u32;
-    post_recvs(&mut net, b, 0..u64::from(n));
-    send(&mut net, a, b, 0, 100, seed);
-    assert!(net.run_until(Duration::from_secs(1), |net| !net.poll(a).is_empty()));
-    for c in net.poll(b) {
-        check_message(&c, seed);
-    }
+    let (mut net, a, b) = warm_pair(seed, n);
     // Messages 1..=4 arrive, 5..=7 are lost on their first transmission.
     for k in 1..=4 {
         send(&mut net, a, b, k, 1000, seed);
@@ -316,21 +319,7 @@ fn losses_at_the_tail_of_a_burst_are_recovered_promptly() {
         send(&mut net, a, b, k, 1000, seed);
     }
     let start = net.elapsed();
-    let mut got = vec![0u32; n as usize];
-    got[0] = 1;
-    let mut sent = 0;
-    assert!(
-        net.run_until(Duration::from_secs(5), |net| {
-            for c in net.poll(b) {
-                let (_, k) = check_message(&c, seed);
-                got[k as usize] += 1;
-            }
-            sent += net.poll(a).len();
-            sent == (n - 1) as usize && got.iter().all(|&g| g == 1)
-        }),
-        "seed {seed}: {got:?}"
-    );
-    assert!(got.iter().all(|&g| g == 1), "seed {seed}: {got:?}");
+    deliver_rest(&mut net, a, b, n, seed);
     // One timeout, the probe's round trip and one more timeout at most (each at least the
     // minimum, well under a millisecond on this clean network); the backoff is not reached.
     let took = net.elapsed() - start;
