@@ -618,6 +618,13 @@ impl Link {
         self.qp_type == QpType::Srd
     }
 
+    /// The queue pair's QKEY changes (`modify_qp`): what it accepts and the source QKEY of
+    /// everything it sends, packed datagrams' headers included.
+    pub fn set_qkey(&mut self, qkey: u32) {
+        self.ctx.qkey = qkey;
+        self.ctx.out.qkey = qkey;
+    }
+
     /// Handles one datagram from `src`.
     pub fn handle(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
         stats::inc(&self.ctx.counters().rx_datagrams);

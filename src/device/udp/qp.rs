@@ -1013,7 +1013,7 @@ impl QueuePair for UdpQp {
             return Err(Error::new(ErrorKind::Closed, "modify_qp"));
         }
         if let Some(qkey) = m.qkey {
-            st.link.ctx.qkey = qkey;
+            st.link.set_qkey(qkey);
             self.addr = RawAddr::new(self.addr.gid, self.addr.qpn, qkey);
         }
         if let Some(r) = m.rnr_retry {

@@ -279,6 +279,11 @@ impl Net {
         self.hosts[i].link.ctx.out.clear();
     }
 
+    /// Host `i`'s queue pair takes QKEY `qkey` (as `modify_qp` does on the emulated NIC).
+    pub fn set_qkey(&mut self, i: usize, qkey: u32) {
+        self.hosts[i].link.set_qkey(qkey);
+    }
+
     /// The network loses the next `n` datagrams host `i` sends (besides its random losses).
     pub fn lose_next(&mut self, i: usize, n: usize) {
         self.hosts[i].lose = n;
