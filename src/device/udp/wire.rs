@@ -693,6 +693,20 @@ mod tests {
     }
 
     /// A packed datagram of `parts` (each a whole SRD datagram) from `src_qkey` to `dst_qkey`.
+    /// The fuzz tests' damage, one of four at random: a bit flipped, the datagram cut short,
+    /// bytes added at its end, or none.
+    fn damage(b: &mut Vec<u8>, r: &mut crate::fault::Rng) {
+        match r.below(4) {
+            0 if !b.is_empty() => {
+                let at = r.below(b.len() as u64) as usize;
+                b[at] ^= 1 << r.below(8);
+            }
+            1 => b.truncate(r.below(b.len() as u64 + 1) as usize),
+            2 => b.extend((0..r.below(8)).map(|_| r.next_u64() as u8)),
+            _ => {}
+        }
+    }
+
     fn packed(dst_qkey: u32, src_qkey: u32, hello: bool, parts: &[&[u8]]) -> Vec<u8> {
         let mut b = Vec::new();
         encode_packed_header(&mut b, dst_qkey, src_qkey, hello);
@@ -850,15 +864,7 @@ mod tests {
                     encode_nak(&mut b, q, &n);
                 }
             }
-            match r.below(4) {
-                0 if !b.is_empty() => {
-                    let at = r.below(b.len() as u64) as usize;
-                    b[at] ^= 1 << r.below(8);
-                }
-                1 => b.truncate(r.below(b.len() as u64 + 1) as usize),
-                2 => b.extend((0..r.below(8)).map(|_| r.next_u64() as u8)),
-                _ => {}
-            }
+            damage(&mut b, &mut r);
             let Ok((q, p)) = decode(&b) else {
                 bad += 1;
                 continue;
@@ -928,15 +934,7 @@ mod tests {
             }
             let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
             let mut b = packed(dst, src, r.chance(0.3), &refs);
-            match r.below(4) {
-                0 => {
-                    let at = r.below(b.len() as u64) as usize;
-                    b[at] ^= 1 << r.below(8);
-                }
-                1 => b.truncate(r.below(b.len() as u64 + 1) as usize),
-                2 => b.extend((0..r.below(8)).map(|_| r.next_u64() as u8)),
-                _ => {}
-            }
+            damage(&mut b, &mut r);
             let Ok((q, p)) = decode_packed(&b) else {
                 bad += 1;
                 continue;
