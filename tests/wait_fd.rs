@@ -21,6 +21,21 @@ fn setups() -> Vec<(&'static str, Domain, Box<dyn std::any::Any>)> {
 }
 
 /// Blocks in poll(2) on `fd` until readable or `limit`; true when readable.
+/// Polls `cq` into `out` until a completion is there (progress may take a pass or two after the
+/// descriptor turned readable); the first one.
+fn first_completion<'a>(
+    cq: &efa::CompletionQueue,
+    out: &'a mut Vec<efa::Completion>,
+    name: &str,
+) -> &'a efa::Completion {
+    let deadline = Instant::now() + DEADLINE;
+    while out.is_empty() && Instant::now() < deadline {
+        let _ = cq.poll(out, 8);
+    }
+    out.first()
+        .unwrap_or_else(|| panic!("{name}: no completion"))
+}
+
 fn readable(fd: i32, limit: Duration) -> bool {
     let mut p = libc::pollfd {
         fd,
@@ -78,13 +93,7 @@ fn the_descriptor_wakes_a_program_blocked_in_poll() {
             });
             assert!(start.elapsed() < DEADLINE / 2, "{name}");
             // Readable: the message is there to poll (progress may take a pass or two).
-            let deadline = Instant::now() + DEADLINE;
-            while out.is_empty() && Instant::now() < deadline {
-                let _ = b.cq.poll(&mut out, 8);
-            }
-            let c = out
-                .first()
-                .unwrap_or_else(|| panic!("{name}: no completion"));
+            let c = first_completion(&b.cq, &mut out, name);
             assert_eq!(c.buf.as_recv().unwrap(), msg, "{name}");
         }
     }
@@ -145,13 +154,7 @@ fn a_same_host_sender_makes_the_descriptor_readable_itself() {
                 0,
                 "{name}, round {round}: a thread progressed the receiver before the program"
             );
-            let deadline = Instant::now() + DEADLINE;
-            while out.is_empty() && Instant::now() < deadline {
-                let _ = b.cq.poll(&mut out, 8);
-            }
-            let c = out
-                .first()
-                .unwrap_or_else(|| panic!("{name}: no completion"));
+            let c = first_completion(&b.cq, &mut out, name);
             assert_eq!(c.buf.as_recv().unwrap(), &msg[..], "{name}");
             assert_eq!(c.context, u64::from(round));
         }
