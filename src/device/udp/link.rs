@@ -620,6 +620,7 @@ impl Link {
 
     /// The queue pair's QKEY changes (`modify_qp`): what it accepts and the source QKEY of
     /// everything it sends, packed datagrams' headers included.
+    #[cfg(any(test, feature = "emu-hooks"))]
     pub fn set_qkey(&mut self, qkey: u32) {
         self.ctx.qkey = qkey;
         self.ctx.out.qkey = qkey;
