@@ -117,6 +117,11 @@ impl TxPeer {
             .unwrap_or(self.next_seq)
     }
 
+    /// The peer has said nothing since our last probe ([`TxPeer::probe`]).
+    fn silent(&self) -> bool {
+        self.probe.is_some_and(|(sent, _)| self.last_heard < sent)
+    }
+
     fn rto(&self, cfg: &UdpConfig, retries: u32) -> Duration {
         let mut rto = cfg.retransmit_timeout;
         if let Some(srtt) = self.srtt {
@@ -709,7 +714,7 @@ impl Srd {
             tracing::debug!(%src, cum = a.cum, next = p.next_seq, "udp: ack beyond what was sent");
             return;
         }
-        let silence_ends = p.probe.is_some_and(|(sent, _)| p.last_heard < sent);
+        let silence_ends = p.silent();
         p.last_heard = now;
         p.last_active = now;
         while let Some(e) = p.inflight.first_entry() {
@@ -919,6 +924,7 @@ impl Srd {
             return;
         };
         let next_seq = p.next_seq;
+        let silent = p.silent();
         let Some(inf) = p.inflight.get_mut(&seq) else {
             return;
         };
@@ -926,7 +932,6 @@ impl Srd {
         if inf.rnr_wait {
             inf.rnr_wait = false;
         } else {
-            let silent = p.probe.is_some_and(|(sent, _)| p.last_heard < sent);
             if !silent {
                 p.probes = 0;
             }
