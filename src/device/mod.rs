@@ -740,7 +740,10 @@ pub trait QueuePair: Send + fmt::Debug {
         }
         Ok(())
     }
-    /// Posts a receive buffer; its `capacity()` is the room offered.
+    /// Posts a receive buffer; its `capacity()` is the room offered. Buffers are consumed in
+    /// the order they were posted, except on a routing device's SRD queue pairs
+    /// ([`route`]), which split them between the primary path and the
+    /// shm path (in order on each; see [`route::BASE_RECV`]).
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()>;
     /// Appends up to `max` completions to `out`, returning how many. Also makes progress.
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize;

@@ -16,8 +16,10 @@
 //! primary. A datagram received over shm completes with the sender's **primary**
 //! [`Source`](crate::device::Source), so the layer above sees one peer whichever path a packet
 //! took. Receive buffers are split between the two queue pairs and follow the traffic (each
-//! path gets a few, the rest are kept spare and handed to the path that consumes; a buffer that
-//! comes back from a path is reposted there); every posted work request completes exactly once,
+//! path gets a few ([`BASE_RECV`]), the rest are kept spare and handed to the path that consumes; a
+//! buffer that comes back from a path is reposted there), so buffers are consumed in the order
+//! they were posted on each path but not across the two, and a datagram lands in a buffer of its
+//! path; every posted work request completes exactly once,
 //! also on close (`Flushed`). RNR, QKEY checks and error statuses are each
 //! path's own: the shm queue pair has the primary's QKEY, and a stale primary address (another
 //! QKEY) has no entry, so it goes to the primary path and fails there as it always did.
@@ -59,6 +61,13 @@ use crate::stats::{DeviceCounters, DeviceStats};
 
 /// Bytes of the routing header in front of every datagram sent over shm.
 pub const HDR_LEN: usize = 24;
+/// Receive buffers each path of an SRD queue pair gets before further ones are kept spare and
+/// handed to the path that consumes (an eighth of the receive queue depth when that is more).
+/// A path whose buffers are used up has its datagrams wait (receiver not ready) even while the
+/// other path holds some: buffers posted to a device queue pair cannot be taken back. With at
+/// least twice this many posted, the path the traffic takes always has one (the RDM endpoint
+/// posts hundreds).
+pub const BASE_RECV: usize = 16;
 /// First four bytes of the routing header.
 const HDR_MAGIC: [u8; 4] = *b"EFRT";
 

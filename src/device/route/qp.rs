@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::dir::{self, Entry, Lookup};
-use super::{HDR_LEN, HDR_MAGIC, RouteShared};
+use super::{BASE_RECV, HDR_LEN, HDR_MAGIC, RouteShared};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{
     DeviceCompletion, Opcode, QpType, QueuePair, RdmaWr, RemoteIov, SendWr, Source, Status,
@@ -17,12 +17,6 @@ use crate::device::{
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::RegionSlice;
 use crate::stats;
-
-/// Route cache entries kept before the cache is emptied and rebuilt.
-const MAX_ROUTES: usize = 1 << 14;
-/// Receive buffers each path gets at least before further ones are kept spare (see
-/// [`Local::spare`]); an eighth of the receive queue depth when that is more.
-const BASE_RECV: usize = 16;
 
 /// Which queue pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,9 +188,9 @@ impl RoutedQp {
             Lookup::Local(shm) => Route::Shm(shm),
             Lookup::Remote => Route::Primary,
         };
-        if local.routes.len() >= MAX_ROUTES {
-            local.routes.clear();
-        }
+        // Kept for the queue pair's life (one small entry per destination, as the local path
+        // keeps its answers): a route that changed mid-stream would let a datagram overtake
+        // the ones before it on the other path.
         local.routes.insert(*dest, r);
         tracing::debug!(%dest, route = ?r, "shm route: destination looked up");
         r
@@ -220,11 +214,9 @@ impl RoutedQp {
                     ) {
                         // The peer may be gone. If its entry is stale, its owner died (and
                         // with it the primary address): later sends fail at once. Otherwise
-                        // look it up afresh next time.
+                        // the route stays (it never changes while the peer lives).
                         if dir::forget_if_stale(&sh.dir, sh.uid, &dest) {
                             local.routes.insert(dest, Route::Dead);
-                        } else if local.routes.get(&dest) != Some(&Route::Dead) {
-                            local.routes.remove(&dest);
                         }
                     }
                 }
