@@ -1,14 +1,15 @@
 //! The memory core, below the devices and the domain: a region's bytes ([`RegionMem`], behind
-//! a reader-writer lock and shared by `Arc` between the application's
+//! a lock by byte range and shared by `Arc` between the application's
 //! [`MemoryRegion`](crate::mr::MemoryRegion) and whatever may access it remotely), access rights
 //! ([`Access`]), the serializable [`RemoteKey`] a peer needs, and the domain's key table with the
 //! one check of a remote access against it (key live, right granted, range inside).
 //!
 //! A remote access takes the region's lock to copy data in or out ([`RegionMem::write_at`],
 //! [`RegionMem::read_into`]), as the application's guards do, so a user never sees a torn remote
-//! write, a remote access never sees a half-done local one, and Rust's aliasing rules hold
-//! without any `unsafe` code. Closing a region revokes its key everywhere, then takes the bytes
-//! out under the write lock: a remote access that had already looked the key up finds the region
+//! write, a remote access never sees a half-done local one, and Rust's aliasing rules hold (the
+//! lock, `ranges`, holds the one piece of `unsafe` code: the bytes of a range no conflicting
+//! guard holds). Closing a region revokes its key everywhere, then takes the bytes out once no
+//! range is held: a remote access that had already looked the key up finds the region
 //! empty and fails with `RemoteAccess` (the device reports `Status::RemoteBadAddress`).
 //!
 //! This module imports nothing above `error`, `notify` and `random`: devices, the protocol
@@ -21,12 +22,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::{Bytes, BytesMut};
-use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 
 mod dmabuf;
+mod ranges;
 mod store;
 pub(crate) use dmabuf::device_only_error;
 pub use store::SharedMapping;
@@ -170,7 +172,8 @@ pub struct RemoteKey {
 /// The memory of a registered region, shared by `Arc` between the [`MemoryRegion`](crate::mr::MemoryRegion) that owns it
 /// and the device (or domain) that serves remote accesses to it.
 ///
-/// The bytes sit behind a reader-writer lock; every access, local or remote, copies under it.
+/// The bytes sit behind a lock by byte range (readers share a range, a writer has it alone,
+/// disjoint ranges never wait for each other); every access, local or remote, copies under it.
 /// Remote accesses name bytes by address, as [`RemoteKey::addr`] does: `addr()` is the address of
 /// the first byte at registration (`FI_MR_VIRT_ADDR` style). The buffer is never reallocated
 /// while registered (the guards hand out slices, not the `BytesMut`), so the address stays true.
@@ -181,7 +184,7 @@ pub struct RemoteKey {
 /// be the one driving the device): they try it, and when it is taken they register a notifier
 /// that is signalled as soon as the lock is released, and retry later.
 pub struct RegionMem {
-    pub(crate) data: RwLock<Store>,
+    pub(crate) data: ranges::RangeLock,
     pub(crate) addr: u64,
     pub(crate) len: usize,
     /// Signalled (and cleared) whenever the lock is released; see [`RegionMem::try_write_with`].
@@ -226,7 +229,7 @@ impl RegionMem {
         Arc::new(RegionMem {
             addr: buf.as_ptr() as usize as u64,
             len: buf.len(),
-            data: RwLock::new(Store::Owned(buf)),
+            data: ranges::RangeLock::new(Store::Owned(buf)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
             id: next_region_id(),
@@ -261,7 +264,7 @@ impl RegionMem {
         Some(Arc::new(RegionMem {
             addr,
             len,
-            data: RwLock::new(store),
+            data: ranges::RangeLock::new(store),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
             id: next_region_id(),
@@ -298,37 +301,30 @@ impl RegionMem {
     /// recursively: a thread may hold read guards of several slices of one region at once.
     /// Empty when the range is not inside the region or the region is closed.
     pub(crate) fn read_range(&self, range: Range<usize>) -> ReadGuard<'_> {
-        ReadGuard {
-            guard: Some(self.data.read_recursive()),
+        ReadGuard(Guard {
+            held: self.data.lock(range, false, true),
             mem: self,
-            range,
-        }
+        })
     }
 
     /// The bytes at offsets `range`, for writing, under the lock (remote accesses wait for the
     /// guard to go). Empty when the range is not inside the region or the region is closed.
     pub(crate) fn write_range(&self, range: Range<usize>) -> WriteGuard<'_> {
-        WriteGuard {
-            guard: Some(self.data.write()),
+        WriteGuard(Guard {
+            held: self.data.lock(range, true, true),
             mem: self,
-            range,
-        }
+        })
     }
 
     /// True once the owning region has been closed or dropped (its bytes were taken out).
-    /// Blocks while a write guard is alive.
     pub fn is_closed(&self) -> bool {
-        let closed = self.data.read().is_closed();
-        self.wake_waiters();
-        closed
+        self.data.is_closed()
     }
 
-    /// The offsets of `addr .. addr + len` in a buffer of `have` bytes, with overflow-safe
-    /// arithmetic; `None` when the range is not inside it or the buffer is empty (closed).
-    fn range(&self, have: usize, addr: u64, len: u64) -> Option<Range<usize>> {
-        if have == 0 {
-            return None;
-        }
+    /// The offsets of `addr .. addr + len` in the region, with overflow-safe arithmetic;
+    /// `None` when the range is not inside it.
+    fn range(&self, addr: u64, len: u64) -> Option<Range<usize>> {
+        let have = self.len;
         let start = addr.checked_sub(self.addr)?;
         let end = start.checked_add(len)?;
         if end > have as u64 {
@@ -344,38 +340,44 @@ impl RegionMem {
         ))
     }
 
-    /// Copies `src` to `addr`, blocking while a guard is alive. `RemoteAccess` (and nothing
+    /// Copies `src` to `addr`, blocking while a guard of those bytes is alive. `RemoteAccess` (and nothing
     /// written) when the range is not inside the region or the region is closed. Checks no key or
     /// right: the caller (a device's key table) has. `NotSupported` for device-only memory (the
     /// CPU cannot reach it). For devices outside the crate; never call it from a thread that may
-    /// hold a guard on the region.
+    /// hold a guard on those bytes.
     pub fn write_at(&self, addr: u64, src: &[u8]) -> Result<()> {
         self.check_cpu("mr_remote_write")?;
-        let r = {
-            let mut data = self.data.write();
-            self.range(data.len(), addr, src.len() as u64)
-                .map(|r| data[r].copy_from_slice(src))
-        };
-        self.wake_waiters();
-        r.ok_or_else(|| self.out_of_range("mr_remote_write", addr, src.len() as u64))
+        let written = self.range(addr, src.len() as u64).is_some_and(|r| {
+            let mut g = self.write_range(r);
+            let done = g.len() == src.len();
+            if done {
+                g.copy_from_slice(src);
+            }
+            done
+        });
+        if written || src.is_empty() && self.range(addr, 0).is_some() && !self.is_closed() {
+            return Ok(());
+        }
+        Err(self.out_of_range("mr_remote_write", addr, src.len() as u64))
     }
 
     /// Replaces the contents of `out` with the `len` bytes at `addr`, blocking while a write guard
-    /// is alive. `RemoteAccess` (and `out` left as it was) when the range is not inside the region
+    /// of those bytes is alive. `RemoteAccess` (and `out` left as it was) when the range is not inside the region
     /// or the region is closed. Checks no key or right: the caller has. `NotSupported` for
     /// device-only memory. For devices outside the crate; never call it from a thread that may
-    /// hold a write guard on the region.
+    /// hold a write guard on those bytes.
     pub fn read_into(&self, addr: u64, len: u64, out: &mut BytesMut) -> Result<()> {
         self.check_cpu("mr_remote_read")?;
-        let r = {
-            let data = self.data.read();
-            self.range(data.len(), addr, len).map(|r| {
-                out.clear();
-                out.extend_from_slice(&data[r]);
-            })
+        let Some(r) = self.range(addr, len) else {
+            return Err(self.out_of_range("mr_remote_read", addr, len));
         };
-        self.wake_waiters();
-        r.ok_or_else(|| self.out_of_range("mr_remote_read", addr, len))
+        let g = self.read_range(r);
+        if g.len() as u64 != len || len == 0 && self.is_closed() {
+            return Err(self.out_of_range("mr_remote_read", addr, len));
+        }
+        out.clear();
+        out.extend_from_slice(&g);
+        Ok(())
     }
 
     /// Registers `w` to be signalled at the next release of the lock.
@@ -396,33 +398,27 @@ impl RegionMem {
         }
     }
 
-    /// Takes the write lock without blocking; when it is busy, registers `waiter` and tries once
-    /// more (so a release in between is never missed).
-    fn try_write_lock(
+    /// Holds `range` without blocking; when an overlapping hold is in the way, registers
+    /// `waiter` and tries once more (so a release in between is never missed).
+    fn try_lock(
         &self,
+        range: Range<usize>,
+        write: bool,
         waiter: Option<&Arc<Notifier>>,
-    ) -> Option<RwLockWriteGuard<'_, Store>> {
-        if let Some(g) = self.data.try_write() {
+    ) -> Option<ranges::Held<'_>> {
+        if let Some(g) = self.data.lock(range.clone(), write, false) {
             return Some(g);
         }
         let w = waiter?;
         self.add_waiter(w);
-        self.data.try_write()
+        self.data.lock(range, write, false)
     }
 
-    fn try_read_lock(&self, waiter: Option<&Arc<Notifier>>) -> Option<RwLockReadGuard<'_, Store>> {
-        if let Some(g) = self.data.try_read() {
-            return Some(g);
-        }
-        let w = waiter?;
-        self.add_waiter(w);
-        self.data.try_read()
-    }
-
-    /// Non-blocking write of `src` at `addr`, gated: once the lock is held and the range checked,
-    /// `gate` decides whether to write (`Some(r)`: write, then `Done(Some(r))`; `None`: write
-    /// nothing, `Done(None)`). `Busy` when the lock is taken (then `waiter` is signalled at its
-    /// release), `OutOfRange` when the range is not inside the region or the region is closed.
+    /// Non-blocking write of `src` at `addr`, gated: once the bytes are held and the range
+    /// checked, `gate` decides whether to write (`Some(r)`: write, then `Done(Some(r))`; `None`:
+    /// write nothing, `Done(None)`). `Busy` when a guard or an access holds some of the bytes
+    /// (then `waiter` is signalled at its release), `OutOfRange` when the range is not inside
+    /// the region or the region is closed.
     pub(crate) fn try_write_with<R>(
         &self,
         addr: u64,
@@ -430,26 +426,31 @@ impl RegionMem {
         waiter: Option<&Arc<Notifier>>,
         gate: impl FnOnce() -> Option<R>,
     ) -> TryAccess<Option<R>> {
-        let Some(mut data) = self.try_write_lock(waiter) else {
+        let Some(r) = self.range(addr, src.len() as u64) else {
+            return TryAccess::OutOfRange;
+        };
+        let Some(mut held) = self.try_lock(r, true, waiter) else {
             return TryAccess::Busy;
         };
-        let out = match self.range(data.len(), addr, src.len() as u64) {
-            None => TryAccess::OutOfRange,
-            Some(r) => match gate() {
+        let out = if held.bytes().len() != src.len() || src.is_empty() && self.is_closed() {
+            TryAccess::OutOfRange
+        } else {
+            match gate() {
                 Some(v) => {
-                    data[r].copy_from_slice(src);
+                    held.bytes_mut().copy_from_slice(src);
                     TryAccess::Done(Some(v))
                 }
                 None => TryAccess::Done(None),
-            },
+            }
         };
-        drop(data);
+        drop(held);
         self.wake_waiters();
         out
     }
 
-    /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write lock is held (then
-    /// `waiter` is signalled at its release), `OutOfRange` as there.
+    /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write guard or a write
+    /// holds some of the bytes (then `waiter` is signalled at its release), `OutOfRange` as
+    /// there.
     pub(crate) fn try_read_into(
         &self,
         addr: u64,
@@ -457,18 +458,20 @@ impl RegionMem {
         out: &mut BytesMut,
         waiter: Option<&Arc<Notifier>>,
     ) -> TryAccess<()> {
-        let Some(data) = self.try_read_lock(waiter) else {
+        let Some(r) = self.range(addr, len) else {
+            return TryAccess::OutOfRange;
+        };
+        let Some(held) = self.try_lock(r, false, waiter) else {
             return TryAccess::Busy;
         };
-        let res = match self.range(data.len(), addr, len) {
-            None => TryAccess::OutOfRange,
-            Some(r) => {
-                out.clear();
-                out.extend_from_slice(&data[r]);
-                TryAccess::Done(())
-            }
+        let res = if held.bytes().len() as u64 != len || len == 0 && self.is_closed() {
+            TryAccess::OutOfRange
+        } else {
+            out.clear();
+            out.extend_from_slice(held.bytes());
+            TryAccess::Done(())
         };
-        drop(data);
+        drop(held);
         self.wake_waiters();
         res
     }
@@ -495,7 +498,7 @@ impl RegionMem {
         if self.leaked.load(Ordering::Acquire) {
             return BytesMut::new();
         }
-        let old = std::mem::replace(&mut *self.data.write(), Store::Owned(BytesMut::new()));
+        let old = self.data.close();
         self.wake_waiters();
         match old {
             Store::Owned(b) => b,
@@ -543,7 +546,7 @@ impl RegionSlice {
             .is_some_and(|end| end <= self.mem.len as u64)
     }
 
-    /// The slice's bytes under the region's read lock (empty when the region is closed).
+    /// The slice's bytes, held for reading (empty when the region is closed).
     pub(crate) fn read(&self) -> ReadGuard<'_> {
         let off = self.addr.wrapping_sub(self.mem.addr) as usize;
         let range = if self.in_bounds() {
@@ -554,8 +557,8 @@ impl RegionSlice {
         self.mem.read_range(range)
     }
 
-    /// The slice's bytes under the region's read lock, without waiting: `None` while a write
-    /// guard on the region (the application's, or a remote write's) is alive, or when the
+    /// The slice's bytes, held for reading, without waiting: `None` while a write guard on bytes
+    /// of the slice (the application's, or a remote write's) is alive, or when the
     /// region is closed or the slice not inside it. A device sending from region memory reads
     /// it so at transmission, as a NIC reads it by DMA: the guard keeps every writer out while
     /// the bytes are read (the kernel's copy included), so nothing aliases them mutably.
@@ -564,11 +567,10 @@ impl RegionSlice {
         if !self.in_bounds() {
             return None;
         }
-        let guard = ReadGuard {
-            guard: Some(self.mem.data.try_read_recursive()?),
+        let guard = ReadGuard(Guard {
+            held: Some(self.mem.data.lock(off..off + self.len, false, false)?),
             mem: &self.mem,
-            range: off..off + self.len,
-        };
+        });
         (guard.len() == self.len).then_some(guard)
     }
 
@@ -610,63 +612,51 @@ impl fmt::Debug for RegionMem {
     }
 }
 
-/// The guard [`MemoryRegion::read`](crate::mr::MemoryRegion::read) returns: the bytes of one
-/// range of the region; releases the lock, then signals waiting accesses.
-pub(crate) struct ReadGuard<'a> {
-    guard: Option<RwLockReadGuard<'a, Store>>,
+/// A held range of a region's bytes; releases it, then signals waiting accesses.
+struct Guard<'a> {
+    /// `None` only inside `drop`, and for a `try_read` that found the bytes held.
+    held: Option<ranges::Held<'a>>,
     mem: &'a RegionMem,
-    range: Range<usize>,
 }
 
-impl Deref for ReadGuard<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.guard
-            .as_deref()
-            .and_then(|b| b.get(self.range.clone()))
-            .unwrap_or(&[])
-    }
-}
-
-impl Drop for ReadGuard<'_> {
+impl Drop for Guard<'_> {
     fn drop(&mut self) {
-        drop(self.guard.take());
+        drop(self.held.take());
         self.mem.wake_waiters();
     }
 }
 
-/// The guard [`MemoryRegion::write`](crate::mr::MemoryRegion::write) returns: the bytes of
-/// one range of the region; releases the lock, then signals waiting accesses.
-pub(crate) struct WriteGuard<'a> {
-    guard: Option<RwLockWriteGuard<'a, Store>>,
-    mem: &'a RegionMem,
-    range: Range<usize>,
+impl Guard<'_> {
+    fn bytes(&self) -> &[u8] {
+        self.held.as_ref().map_or(&[], |h| h.bytes())
+    }
 }
+
+/// The guard [`MemoryRegion::read`](crate::mr::MemoryRegion::read) returns: the bytes of one
+/// range of the region, which no write reaches while it lives (other ranges stay free).
+pub(crate) struct ReadGuard<'a>(Guard<'a>);
+
+impl Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+/// The guard [`MemoryRegion::write`](crate::mr::MemoryRegion::write) returns: the bytes of
+/// one range of the region, which nothing else reaches while it lives (other ranges stay free).
+pub(crate) struct WriteGuard<'a>(Guard<'a>);
 
 impl Deref for WriteGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.guard
-            .as_deref()
-            .and_then(|b| b.get(self.range.clone()))
-            .unwrap_or(&[])
+        self.0.bytes()
     }
 }
 
 impl DerefMut for WriteGuard<'_> {
     fn deref_mut(&mut self) -> &mut [u8] {
-        let range = self.range.clone();
-        self.guard
-            .as_deref_mut()
-            .and_then(|b| b.get_mut(range))
-            .unwrap_or(&mut [])
-    }
-}
-
-impl Drop for WriteGuard<'_> {
-    fn drop(&mut self) {
-        drop(self.guard.take());
-        self.mem.wake_waiters();
+        self.0.held.as_mut().map_or(&mut [], |h| h.bytes_mut())
     }
 }
 
@@ -751,7 +741,7 @@ impl KeyTable {
         if !granted.contains(need) {
             return Err(Refused::NotGranted(*granted));
         }
-        mem.range(mem.len, addr, len)
+        mem.range(addr, len)
             .map(|_| mem.clone())
             .ok_or(Refused::OutOfRange)
     }
@@ -895,17 +885,20 @@ pub(crate) fn remote_atomic(
         .check_or_error(key, need, addr, len as u64, OP)?;
     mem.check_cpu(OP)?;
     crate::atomic::validate(op, datatype, len, operand, compare)?;
-    let Some(mut data) = mem.try_write_lock(None) else {
+    let Some(r) = mem.range(addr, len as u64) else {
+        return Err(mem.out_of_range(OP, addr, len as u64));
+    };
+    let Some(mut held) = mem.try_lock(r, true, None) else {
         return Err(busy(OP));
     };
-    let out = match mem.range(data.len(), addr, len as u64) {
-        None => Err(mem.out_of_range(OP, addr, len as u64)),
-        Some(r) => {
-            let old = Bytes::copy_from_slice(&data[r.clone()]);
-            crate::atomic::apply(op, datatype, &mut data[r], operand, compare).map(|()| old)
-        }
+    let data = held.bytes_mut();
+    let out = if data.len() != len || len == 0 && mem.is_closed() {
+        Err(mem.out_of_range(OP, addr, len as u64))
+    } else {
+        let old = Bytes::copy_from_slice(data);
+        crate::atomic::apply(op, datatype, data, operand, compare).map(|()| old)
     };
-    drop(data);
+    drop(held);
     mem.wake_waiters();
     out
 }

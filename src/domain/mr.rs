@@ -383,8 +383,8 @@ impl MemoryRegion {
         self.reg.mem.len
     }
 
-    /// The slice's bytes, for reading, under the region's lock (shared with remote reads). A
-    /// thread may hold read guards of several slices of one region at once.
+    /// The slice's bytes, for reading, under the region's lock by byte range (shared with remote
+    /// reads of them). A thread may hold guards of several slices of one region at once.
     ///
     /// A device-only region ([`is_device_only`](MemoryRegion::is_device_only)) has no bytes the
     /// CPU may see: the guard is empty. [`try_read`](MemoryRegion::try_read) says so as an
@@ -409,10 +409,10 @@ impl MemoryRegion {
         Ok(self.read())
     }
 
-    /// The slice's bytes, for writing, under the region's lock: remote accesses to any part of
-    /// the region wait for the guard to go. The lock is the region's, not the slice's: do not
-    /// hold a guard of one slice while taking a guard of another slice of the same region in
-    /// the same thread (it would wait for itself); write one slice at a time.
+    /// The slice's bytes, for writing, under the region's lock by byte range: remote accesses
+    /// to these bytes wait for the guard to go; the other slices of the region stay free, so a
+    /// thread may hold write guards of several slices at once and post operations on other
+    /// slices meanwhile.
     ///
     /// A device-only region has no bytes the CPU may touch: the guard is empty
     /// ([`try_write`](MemoryRegion::try_write) refuses instead).

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 use super::store::{self, AddressRange, Store};
 use super::{RegionMem, next_region_id};
@@ -144,7 +144,7 @@ impl RegionMem {
         Ok(Arc::new(RegionMem {
             addr: mapped.addr() as usize as u64,
             len,
-            data: RwLock::new(Store::Mapped(mapped)),
+            data: super::ranges::RangeLock::new(Store::Mapped(mapped)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
             id: next_region_id(),
@@ -180,7 +180,7 @@ impl RegionMem {
         Ok(Arc::new(RegionMem {
             addr: range.addr(),
             len,
-            data: RwLock::new(Store::Device(range)),
+            data: super::ranges::RangeLock::new(Store::Device(range)),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
             id: next_region_id(),

@@ -148,7 +148,7 @@ impl Drop for SharedMapping {
     fn drop(&mut self) {
         // SAFETY: mapped in `SharedMapping::map` with this length, unmapped once. The bytes are
         // reached only through owners that drop this value when nothing points into it any
-        // more: a region's store (under the region's write lock, after its device
+        // more: a region's store (once no range of the region is held, after its device
         // registrations are gone), the emulated NIC's registration (after deregistration).
         let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         if rc != 0 {
@@ -176,7 +176,7 @@ impl Deref for Store {
         match self {
             Store::Owned(b) => b,
             // SAFETY: `RegionMem::foreign`'s contract: `len` bytes at `ptr` are valid until the
-            // region is closed, which replaces this store under the write lock.
+            // region is closed, which replaces this store once no range of it is held.
             Store::Foreign { ptr, len } => unsafe {
                 std::slice::from_raw_parts(ptr.as_ptr(), *len)
             },
@@ -191,11 +191,11 @@ impl DerefMut for Store {
     fn deref_mut(&mut self) -> &mut [u8] {
         match self {
             Store::Owned(b) => b,
-            // SAFETY: as in `deref`; the write lock makes this the only access from Rust.
+            // SAFETY: as in `deref`; only `RangeLock::new` takes this, before any guard exists.
             Store::Foreign { ptr, len } => unsafe {
                 std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)
             },
-            // SAFETY: as in `deref`; the write lock makes this the only access from Rust.
+            // SAFETY: as in `deref`; only `RangeLock::new` takes this, before any guard exists.
             Store::Mapped(m) => unsafe { std::slice::from_raw_parts_mut(m.ptr.as_ptr(), m.len) },
             Store::Device(_) => &mut [],
         }
@@ -203,12 +203,6 @@ impl DerefMut for Store {
 }
 
 impl Store {
-    /// True once the region was closed (its bytes taken out): an empty owned buffer. A
-    /// device-only store shows the CPU no bytes but is not closed.
-    pub(crate) fn is_closed(&self) -> bool {
-        matches!(self, Store::Owned(b) if b.is_empty())
-    }
-
     /// A store over `len` bytes at `ptr`; `None` when `ptr` is null or `len` is 0.
     ///
     /// # Safety
