@@ -260,4 +260,40 @@ mod tests {
         assert!(l.lock(0..8, true, false).unwrap().bytes().is_empty());
         assert!(l.close().is_empty(), "closed once");
     }
+
+    /// Threads take random ranges for reading or writing: a writer fills its range with its own
+    /// mark and finds it intact before it lets go (no one else wrote there meanwhile), a reader
+    /// finds its range as it was at the start (no one wrote while it read).
+    #[test]
+    fn random_holds_never_see_each_other_write() {
+        let seed = crate::fault::test_seed();
+        let l = Arc::new(lock(256));
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                let l = l.clone();
+                std::thread::spawn(move || {
+                    let mut rng = crate::fault::Rng::new(seed ^ u64::from(t));
+                    for _ in 0..2000 {
+                        let a = rng.below(256) as usize;
+                        let b = a + 1 + rng.below((256 - a) as u64) as usize;
+                        if rng.below(2) == 0 {
+                            let mut h = l.lock(a..b, true, true).unwrap();
+                            h.bytes_mut().fill(t + 1);
+                            std::thread::yield_now();
+                            assert!(h.bytes().iter().all(|x| *x == t + 1), "seed {seed}");
+                        } else {
+                            let h = l.lock(a..b, false, true).unwrap();
+                            let first = h.bytes().to_vec();
+                            std::thread::yield_now();
+                            assert_eq!(h.bytes(), &first[..], "seed {seed}");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(l.state.lock().holds.is_empty(), "seed {seed}");
+    }
 }
