@@ -236,20 +236,22 @@ impl Endpoint<Rdm> {
     }
 
     /// Applies an atomic and fetches the elements' previous values into `result`
-    /// (`fi_fetch_atomic`, `fi_compare_atomic` when `req.op` is a compare operation); the
-    /// completion (`FI_ATOMIC | FI_READ`) hands `result` back filled.
+    /// (`fi_fetch_atomic`, `fi_compare_atomic` when `req.op` is a compare operation): a
+    /// `BytesMut` whose contents are replaced, or a region slice with `READ` access whose first
+    /// bytes are (it must hold the operand's length). The completion (`FI_ATOMIC | FI_READ`)
+    /// hands `result` back filled.
     #[doc(alias = "fi_fetch_atomic")]
     #[doc(alias = "fi_compare_atomic")]
     pub fn fetch_atomic(
         &self,
         peer: PeerId,
         req: AtomicRequest,
-        result: BytesMut,
+        result: impl Into<RecvBuf>,
         to: RmaAddr,
         context: u64,
     ) -> Result<(), PostError> {
         self.core
-            .post_atomic(peer, req, Some(result), to, false, Sink::Cq(context))
+            .post_atomic(peer, req, Some(result.into()), to, false, Sink::Cq(context))
     }
 
     /// Writes and awaits the completion; cancel-safe like [`Endpoint::send_async`].
@@ -507,13 +509,13 @@ impl RdmCore {
         &self,
         peer: PeerId,
         req: AtomicRequest,
-        fetch: Option<BytesMut>,
+        fetch: Option<RecvBuf>,
         to: RmaAddr,
         delivery_complete: bool,
         sink: Sink,
     ) -> Result<(), PostError> {
-        let give_back = |fetch: Option<BytesMut>, operand: Bytes| match fetch {
-            Some(f) => Buffer::Recv(f),
+        let give_back = |fetch: Option<RecvBuf>, operand: Bytes| match fetch {
+            Some(f) => f.into_buffer(),
             None => Buffer::Send(operand),
         };
         let dest = match self.av.lookup(peer) {
@@ -558,11 +560,40 @@ impl RdmCore {
             let e = Error::new(ErrorKind::InvalidArgument, "atomic").with_detail(why);
             return Err(refuse(e, give_back(fetch, req.operand)));
         }
-        let fetch = fetch.map(|mut f| {
-            f.clear();
-            f.reserve(n);
-            f
-        });
+        // A region slice gets the previous values copied in at completion, from a buffer of
+        // the operand's length.
+        let (fetch, target) = match fetch {
+            None => (None, None),
+            Some(RecvBuf::Bytes(mut f)) => {
+                f.clear();
+                f.reserve(n);
+                (Some(f), None)
+            }
+            Some(RecvBuf::Region(r)) => {
+                let checked = r
+                    .check_local(&self.domain, Access::READ, "fetch_atomic")
+                    .and_then(|()| r.check_cpu("fetch_atomic"))
+                    .and_then(|()| {
+                        if r.len() < n {
+                            Err(
+                                Error::new(ErrorKind::InvalidArgument, "fetch_atomic").with_detail(
+                                    format!("region of {} bytes cannot hold {n}", r.len()),
+                                ),
+                            )
+                        } else {
+                            Ok(())
+                        }
+                    });
+                if let Err(e) = checked {
+                    return Err(refuse(e, Buffer::Region(r)));
+                }
+                let t = super::buf::RecvTarget::Region {
+                    region: r,
+                    offset: 0,
+                };
+                (Some(BytesMut::with_capacity(n)), Some(t))
+            }
+        };
         let mut flags = CompletionFlags::ATOMIC;
         flags |= if fetch.is_some() {
             CompletionFlags::READ
@@ -571,7 +602,7 @@ impl RdmCore {
         };
         let state = OpState {
             sink,
-            target: None,
+            target,
             keep: None,
             multi: false,
             rma: Some(flags),
@@ -656,7 +687,8 @@ impl RdmCore {
             (RmaBuf::Read(b), None, _) => Buffer::Recv(b),
             (RmaBuf::Write(_), _, Some(keep)) => keep,
             (RmaBuf::Write(b), _, None) => Buffer::Send(b),
-            (RmaBuf::Atomic { fetch: Some(f), .. }, _, _) => Buffer::Recv(f),
+            (RmaBuf::Atomic { fetch: Some(f), .. }, Some(t), _) => t.finish(f, ok),
+            (RmaBuf::Atomic { fetch: Some(f), .. }, None, _) => Buffer::Recv(f),
             (RmaBuf::Atomic { operand, .. }, _, _) => Buffer::Send(operand),
         };
         match r.error {

@@ -435,3 +435,110 @@ fn a_write_beside_locked_slices_completes_while_they_are_locked() {
         write_beside_a_locked_slice(setup);
     }
 }
+
+/// Atomics fetch into slices of one registered region (issue 27): eight fetch-and-adds on eight
+/// u64 counters of the target, each fetching into its own 8-byte slice of one result region, at
+/// once; then a compare-and-swap into a slice. Each completion hands its slice back holding the
+/// counter's previous value, the counters moved, and a result slice too short, or without
+/// `READ` access, is refused with `InvalidArgument` and handed back.
+fn atomics_fetch_into_slices(setup: Setup) {
+    let seed = test_seed();
+    let p = pair(setup, seed);
+    let n = 8usize;
+    let start: Vec<u64> = (0..n as u64).map(|i| 1000 * i + 7).collect();
+    let init: Vec<u8> = start.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let target =
+        p.b.ep
+            .domain()
+            .register(init, Access::REMOTE_WRITE | Access::REMOTE_READ)
+            .unwrap();
+    let rk = target.remote_key().unwrap();
+    let dom = p.a.ep.domain().clone();
+    let results = dom
+        .register(vec![0xeeu8; 8 * n], Access::READ | Access::WRITE)
+        .unwrap();
+    let add = |i: usize| AtomicRequest {
+        op: AtomicOp::Sum,
+        datatype: AtomicType::U64,
+        operand: Bytes::copy_from_slice(&(i as u64 + 1).to_le_bytes()),
+        compare: None,
+    };
+    for (i, slot) in results.chunks(8).unwrap().into_iter().enumerate() {
+        post_slice(&p, slot, "fetch_atomic", |s| {
+            p.a.ep
+                .fetch_atomic(p.peer_b, add(i), s, rk.at(8 * i as u64), i as u64)
+        });
+    }
+    let (done, errs) = gather(&p, true, n, CompletionFlags::ATOMIC, "fetch_atomic");
+    assert!(errs.is_empty(), "{setup:?} seed {seed}: {errs:?}");
+    let mut slots = Vec::new();
+    for c in done {
+        let slot = c.buf.into_region().expect("the slice comes back");
+        let i = c.context as usize;
+        assert_eq!(slot.offset(), 8 * i, "{setup:?} seed {seed}");
+        assert_eq!(
+            slot.read()[..],
+            start[i].to_le_bytes(),
+            "{setup:?} seed {seed}: counter {i}'s previous value"
+        );
+        slots.push(slot);
+    }
+    let mut whole = rejoin(slots);
+    let counters: Vec<u64> = target
+        .read()
+        .chunks(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want: Vec<u64> = (0..n).map(|i| start[i] + i as u64 + 1).collect();
+    assert_eq!(counters, want, "{setup:?} seed {seed}");
+    // A compare-and-swap of counter 0 fetching into the region's second 8 bytes.
+    let rest = whole.split_off(8).unwrap();
+    let mut slot = rest;
+    let tail = slot.split_off(8).unwrap();
+    let cas = AtomicRequest {
+        op: AtomicOp::Cswap,
+        datatype: AtomicType::U64,
+        operand: Bytes::copy_from_slice(&5u64.to_le_bytes()),
+        compare: Some(Bytes::copy_from_slice(&want[0].to_le_bytes())),
+    };
+    post_slice(&p, slot, "compare_atomic", |s| {
+        p.a.ep.fetch_atomic(p.peer_b, cas.clone(), s, rk.at(0), 99)
+    });
+    let (mut done, errs) = gather(&p, true, 1, CompletionFlags::ATOMIC, "cswap");
+    assert!(errs.is_empty(), "{setup:?} seed {seed}: {errs:?}");
+    let slot = done.remove(0).buf.into_region().unwrap();
+    assert_eq!(
+        slot.read()[..],
+        want[0].to_le_bytes(),
+        "{setup:?} seed {seed}"
+    );
+    assert_eq!(
+        target.read()[..8],
+        5u64.to_le_bytes(),
+        "{setup:?} seed {seed}"
+    );
+    // Refusals hand the slice back: too short, and without READ access.
+    let mut short = whole;
+    let _ = short.split_off(4).unwrap();
+    let e =
+        p.a.ep
+            .fetch_atomic(p.peer_b, add(0), short, rk.at(0), 100)
+            .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{setup:?}");
+    assert!(e.buf.as_region().is_some());
+    let no_read = dom.register(vec![0u8; 8], Access::WRITE).unwrap();
+    let e =
+        p.a.ep
+            .fetch_atomic(p.peer_b, add(0), no_read, rk.at(0), 101)
+            .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{setup:?}");
+    assert!(e.buf.as_region().is_some());
+    drop((slot, tail));
+}
+
+#[test]
+fn atomics_fetch_into_slices_of_one_region() {
+    for setup in setups() {
+        atomics_fetch_into_slices(setup);
+    }
+}
