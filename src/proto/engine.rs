@@ -52,7 +52,7 @@ pub use ops::{
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
 use tx::Pkt;
-use util::{Hdr, HeaderArena, Timer};
+use util::{Hdr, HeaderArena, Out, Timer};
 
 /// The RDM protocol engine of one endpoint.
 #[derive(Debug)]
@@ -64,9 +64,6 @@ pub struct Engine {
 
     /// The peers, finding them, their turns and backoffs.
     peers: peer::Peers,
-    /// Every timer of the engine and its sub-states; `poll_timeout` is the earliest.
-    timers: util::TimerTable,
-
     /// Send operations by `send_id`.
     tx: tx::TxSide,
 
@@ -75,11 +72,8 @@ pub struct Engine {
     /// Messages and bytes held without a receive.
     budget: budget::Budget,
 
-    events: VecDeque<Event>,
-    /// `Event::RemoteWrite`s in `events`: peers cause them, so they are capped
-    /// ([`MAX_REMOTE_WRITE_EVENTS`]); beyond, writes with immediate data wait.
-    remote_write_events: usize,
-    stats: EndpointStats,
+    /// The completions, counters and timers every handler reports into.
+    out: Out,
     /// Memory peers reach with emulated RMA and atomics.
     memory: Option<std::sync::Arc<dyn RmaMemory>>,
     /// Arena the headers handed to the device are copied into.
@@ -110,13 +104,10 @@ impl Engine {
             rng,
             closed: false,
             peers: peer::Peers::default(),
-            timers: util::TimerTable::default(),
             tx: tx::TxSide::new(2 * max_tx),
             rx: rx::RxSide::new((2 * max_rx).max(4096)),
             budget: budget::Budget::new(EngineLimits::default()),
-            events: VecDeque::new(),
-            remote_write_events: 0,
-            stats: EndpointStats::default(),
+            out: Out::default(),
             memory: None,
             hdr: HeaderArena::default(),
             pkt_scratch: Vec::new(),
@@ -265,7 +256,7 @@ impl Engine {
         let (pkt, payload) = match wire::decode(data) {
             Ok(x) => x,
             Err(e) => {
-                self.stats.dropped_pkts += 1;
+                self.out.stats.dropped_pkts += 1;
                 tracing::debug!(error = %e, len = data.len(), "dropped an undecodable packet");
                 return;
             }
@@ -409,16 +400,16 @@ impl Engine {
         if self.closed {
             return;
         }
-        if self.timers.expired(Timer::Backoff, now) {
-            self.peers.expire_backoffs(now, &mut self.timers);
+        if self.out.timers.expired(Timer::Backoff, now) {
+            self.peers.expire_backoffs(now, &mut self.out.timers);
         }
-        if self.timers.expired(Timer::RxStall, now) {
+        if self.out.timers.expired(Timer::RxStall, now) {
             self.check_stalls(now);
         }
-        if self.timers.expired(Timer::ReadRetry, now) {
+        if self.out.timers.expired(Timer::ReadRetry, now) {
             self.read_timeout(now);
         }
-        if self.timers.expired(Timer::EmaRetry, now) {
+        if self.out.timers.expired(Timer::EmaRetry, now) {
             self.ema_timeout(now);
         }
     }
@@ -458,20 +449,20 @@ impl Engine {
 
     /// True when [`Engine::poll_event`] has a completion.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty()
+        !self.out.events.is_empty()
     }
 
     /// [`MAX_REMOTE_WRITE_EVENTS`] completions of peers' writes with immediate data wait for
     /// the application: the caller should hold the device back (stop reposting receive buffers).
     pub fn remote_writes_full(&self) -> bool {
-        self.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
+        self.out.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
     }
 
     /// The next completion.
     pub fn poll_event(&mut self) -> Option<Event> {
-        let ev = self.events.pop_front();
+        let ev = self.out.events.pop_front();
         if matches!(ev, Some(Event::RemoteWrite(_))) {
-            self.remote_write_events = self.remote_write_events.saturating_sub(1);
+            self.out.remote_write_events = self.out.remote_write_events.saturating_sub(1);
         }
         ev
     }
@@ -481,7 +472,7 @@ impl Engine {
         if self.closed {
             return None;
         }
-        self.timers.next()
+        self.out.timers.next()
     }
 
     /// Closes: every operation still in flight completes with `Canceled` (collect them with
@@ -523,23 +514,11 @@ impl Engine {
         );
         self.rx.claimed.clear();
         self.tx.wrs.clear();
-        for p in self.peers.values_mut() {
-            p.ctrl_q.clear();
-            p.data_q.clear();
-            p.robuf = crate::proto::reorder::ReorderWindow::new(
-                p.robuf.expected(),
-                self.cfg.recvwin_size,
-            );
-            p.inbound.clear();
-            p.blocked.clear();
-            p.in_ready = false;
-            p.backoff_until = None;
-        }
-        self.peers.clear_turns(&mut self.timers);
-        self.tx.queued = 0;
+        self.peers
+            .close(self.cfg.recvwin_size, &mut self.out.timers);
         self.budget.reset();
         self.rx.user_ops = 0;
-        self.timers.stop(Timer::RxStall);
+        self.out.timers.stop(Timer::RxStall);
         self.rx.in_progress = 0;
     }
 
@@ -553,17 +532,17 @@ impl Engine {
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
             buffered_msgs: self.budget.held().0,
             buffered_bytes: self.budget.held().1,
-            queued_pkts: self.tx.queued + self.rd_queued_wrs(),
+            queued_pkts: self.peers.queued() + self.rd_queued_wrs(),
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
             target_ops: self.ema_target_ops() + self.rd_targets(),
-            remote_write_events: self.remote_write_events,
+            remote_write_events: self.out.remote_write_events,
         }
     }
 
     /// Counters.
     pub fn stats(&self) -> EndpointStats {
-        self.stats
+        self.out.stats
     }
 
     /// The application counts peers' writes (`writes`) or reads (`reads`) of this side's
@@ -591,12 +570,11 @@ impl Engine {
     }
 
     fn drop_pkt(&mut self, why: &'static str) {
-        self.stats.dropped_pkts += 1;
-        tracing::debug!(why, "dropped a packet");
+        self.out.drop_pkt(why);
     }
 
     fn drop_pkt_type(&mut self, pkt: &Packet<'_>) {
-        self.stats.dropped_pkts += 1;
+        self.out.stats.dropped_pkts += 1;
         tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
     }
 
@@ -615,12 +593,108 @@ impl Engine {
         Error::new(ErrorKind::Closed, op)
     }
 
+    // ---- what touches several sub-states ----
+
+    /// Who sent `pkt` (arrived from `src`); a REQ with the raw address of a new incarnation
+    /// replaces the older ones at its queue pair ([`peer::Peers::replaced_by`]) and adds it.
+    /// `None` (counted) for stale, unknown or unidentifiable senders.
+    fn identify(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
+        let pid = match self.peers.identify(src, pkt, &mut self.out) {
+            peer::Who::Peer(id) => id,
+            peer::Who::Nobody => return None,
+            peer::Who::New(addr) => {
+                let max = self.budget.limits.max_peers;
+                for (id, qkey) in self.peers.replaced_by(addr, now, self.cfg.rx_stall_timeout) {
+                    self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
+                    self.peers.retire(addr.gid, addr.qpn, qkey, max);
+                }
+                self.peers
+                    .new_peer(addr, max, self.cfg.recvwin_size, &mut self.out)?
+            }
+        };
+        if let Some(p) = self.peers.get_mut(&pid) {
+            p.last_heard = Some(now);
+        }
+        Some(pid)
+    }
+
+    /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
+    fn peer_for_send(&mut self, dest: RawAddr) -> Option<u64> {
+        let max = self.budget.limits.max_peers;
+        self.peers
+            .for_send(dest, max, self.cfg.recvwin_size, &mut self.out)
+    }
+
+    /// Queues our HANDSHAKE to `pid` unless it went already.
+    fn queue_handshake(&mut self, pid: u64) {
+        if !self.peers.handshake_due(pid) {
+            return;
+        }
+        let hs = peer::handshake(
+            &self.cfg,
+            self.local,
+            self.remote_events,
+            self.rd_unsolicited_write_recv(),
+        );
+        if let Some(hdr) = self.encode(&Packet::Handshake(hs)) {
+            self.peers.queue_handshake(pid, hdr);
+        }
+    }
+
+    /// The peer's HANDSHAKE: held CTSDATA windows go out and RMA operations that waited for
+    /// it choose their protocol.
+    fn handle_handshake(&mut self, now: Instant, pid: u64, h: &wire::Handshake) {
+        let Some((first, blocked)) = self.peers.handshake_arrived(pid, h) else {
+            return;
+        };
+        for id in blocked {
+            self.schedule_ctsdata(id);
+        }
+        self.ema_handshake(now, pid);
+        if first {
+            self.read_handshake_arrived(now, pid);
+        }
+    }
+
+    /// The peer is gone (or replaced): its send operations and the receives in progress from
+    /// it fail with `kind`, its unexpected and reordered messages are dropped, and its state is
+    /// forgotten so that a new incarnation starts afresh.
+    fn fail_peer(&mut self, pid: u64, kind: ErrorKind, status: Option<Status>, why: &'static str) {
+        let Some(p) = self.peers.remove(&pid) else {
+            return;
+        };
+        tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
+        if p.held_back {
+            self.budget.hold_change(p.addr, false);
+        }
+        let addr = p.addr;
+        self.rx.matcher.remove_unexpected_where(|u| u.src == addr);
+        let mut rids: Vec<u32> = p.inbound.values().copied().collect();
+        rids.sort_unstable();
+        for rid in rids {
+            self.abort_rx(rid, kind, why);
+        }
+        let mut tids: Vec<u32> = self
+            .tx
+            .ops
+            .iter()
+            .filter(|(_, t)| t.peer == pid)
+            .map(|(id, _)| id)
+            .collect();
+        tids.sort_unstable();
+        for tid in tids {
+            self.fail_tx(tid, Error::new(kind, "send").with_detail(why), status);
+        }
+        self.read_peer_failed(pid, kind, status, why);
+        self.ema_fail(Some(pid), &Error::new(kind, "rma").with_detail(why), status);
+    }
+
     /// A matched receive left (completed or failed): when none is in progress, no stall timer.
     fn rx_left(&mut self, in_progress: bool) {
         if in_progress {
             self.rx.in_progress = self.rx.in_progress.saturating_sub(1);
             if self.rx.in_progress == 0 {
-                self.timers.stop(Timer::RxStall);
+                self.out.timers.stop(Timer::RxStall);
             }
         }
     }

@@ -85,7 +85,7 @@ impl SameHost<'_> {
         }
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        self.0.stats.local_rx_msgs += 1;
+        self.0.out.stats.local_rx_msgs += 1;
         let posted = self.0.rx.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
             // The common case: the whole message in one chunk, a receive waiting for it.
@@ -128,7 +128,7 @@ impl SameHost<'_> {
         match posted.and_then(|i| self.0.take_posted(tagged, i, m.msg_len)) {
             Some(sink) => self.0.start_matched(now, rid, sink, None),
             None => {
-                self.0.stats.unexpected_msgs += 1;
+                self.0.out.stats.unexpected_msgs += 1;
                 self.0.queue_unexpected(rid);
             }
         }

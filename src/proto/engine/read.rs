@@ -452,7 +452,7 @@ impl Engine {
         self.rd.tx_read.clear();
         self.rd.read_msgs = 0;
         self.rd.waiting = 0;
-        self.timers.stop(Timer::ReadRetry);
+        self.out.timers.stop(Timer::ReadRetry);
     }
 
     /// `poll_transmit`: packets and RDMA work requests take turns (the device's send queue
@@ -465,7 +465,7 @@ impl Engine {
             return None;
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.timers);
+            self.peers.expire_backoffs(now, &mut self.out.timers);
         }
         self.rd.turn = !self.rd.turn;
         if self.rd.turn {
@@ -573,13 +573,14 @@ impl Engine {
         {
             // A write with immediate data found no receive buffer at the target: again at
             // once, backing off from its second RNR on (as packets).
-            self.stats.rnr += 1;
-            self.stats.retransmits += 1;
+            self.out.stats.rnr += 1;
+            self.out.stats.retransmits += 1;
             w.rnr = w.rnr.saturating_add(1);
             let (again, pid) = (w.rnr > 1, w.peer);
             self.rd.wrs.push_front(w);
             if again {
-                self.enter_backoff(pid, now);
+                self.peers
+                    .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
             }
             return;
         }
@@ -591,7 +592,7 @@ impl Engine {
             // refuses our RDMA. A datagram carrying our raw address makes its provider create
             // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
             // it learns the GID of); then the work request goes again, after a backoff.
-            self.stats.retransmits += 1;
+            self.out.stats.retransmits += 1;
             w.no_ah += 1;
             if let WrWhat::Read { buf: slot, .. } = &mut w.what {
                 *slot = buf;
@@ -599,7 +600,8 @@ impl Engine {
             let pid = w.peer;
             self.rd.wrs.push_front(w);
             self.introduce(pid);
-            self.enter_backoff(pid, now);
+            self.peers
+                .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
             return;
         }
         if let WrWhat::Read { buf: slot, .. } = &mut w.what {

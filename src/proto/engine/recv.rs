@@ -116,12 +116,12 @@ impl Engine {
         };
         self.rx.user_ops = self.rx.user_ops.saturating_sub(1);
         if let Some(k) = m.error {
-            self.stats.errors += 1;
+            self.out.stats.errors += 1;
             if k == ErrorKind::Canceled {
-                self.stats.canceled += 1;
+                self.out.stats.canceled += 1;
             }
         }
-        self.events.push_back(Event::Recv(RecvDone {
+        self.out.events.push_back(Event::Recv(RecvDone {
             context: m.context,
             buf: m.buf,
             len: 0,
@@ -138,9 +138,9 @@ impl Engine {
     /// A posted receive's `Canceled` completion.
     pub(super) fn cancel_event(&mut self, op: RecvOp) {
         self.rx.user_ops = self.rx.user_ops.saturating_sub(1);
-        self.stats.errors += 1;
-        self.stats.canceled += 1;
-        self.events.push_back(Event::Recv(RecvDone {
+        self.out.stats.errors += 1;
+        self.out.stats.canceled += 1;
+        self.out.events.push_back(Event::Recv(RecvDone {
             context: op.context,
             buf: op.buf,
             len: 0,
@@ -167,7 +167,7 @@ impl Engine {
             return Err((Engine::closed_error("recv"), op));
         }
         if self.rx.user_ops >= self.cfg.max_rx_ops {
-            self.stats.again += 1;
+            self.out.stats.again += 1;
             return Err((
                 Error::new(ErrorKind::Again, "recv").with_detail("max_rx_ops receives posted"),
                 op,
@@ -353,7 +353,7 @@ impl Engine {
             ));
         };
         if self.rx.user_ops >= self.cfg.max_rx_ops {
-            self.stats.again += 1;
+            self.out.stats.again += 1;
             return Err((Error::new(ErrorKind::Again, "recv_claimed"), op));
         }
         self.rx.claimed.remove(&claim);
@@ -405,6 +405,6 @@ impl Engine {
             }
         }
         let next = if self.rx.in_progress > 0 { next } else { None };
-        self.timers.set(Timer::RxStall, next);
+        self.out.timers.set(Timer::RxStall, next);
     }
 }
