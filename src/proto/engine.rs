@@ -156,13 +156,30 @@ impl Engine {
         reason = "the refused receive is handed back by value"
     )]
     pub fn post_recv(&mut self, now: Instant, op: RecvOp) -> Result<(), (Error, RecvOp)> {
-        self.post_recv_impl(now, op)
+        if self.closed {
+            return Err((Engine::closed_error("recv"), op));
+        }
+        match self.rx.post(op, self.cfg.max_rx_ops, &mut self.out)? {
+            recv::Posting::Done => {}
+            recv::Posting::Matched(rid, sink) => self.start_matched(now, rid, sink, None),
+            recv::Posting::Multi(m) => {
+                while let Some((rid, sink, retired)) = self.rx.next_multi_match(&m) {
+                    self.start_matched(now, rid, sink, None);
+                    if retired {
+                        self.rx.multi_retired(&m, &mut self.out);
+                        return Ok(());
+                    }
+                }
+                self.rx.queue_multi(m);
+            }
+        }
+        Ok(())
     }
 
     /// Cancels the oldest posted receive with `context` that has not started matching; it
     /// completes with `Canceled`. Returns false when there is none.
     pub fn cancel_recv(&mut self, context: u64) -> bool {
-        self.cancel_impl(context)
+        !self.closed && self.rx.cancel(context, &mut self.out)
     }
 
     /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim` it is reserved for
@@ -174,7 +191,10 @@ impl Engine {
         src: Option<RawAddr>,
         claim: bool,
     ) -> Result<Peeked> {
-        self.peek_impl(tag, ignore, src, claim)
+        if self.closed {
+            return Err(Engine::closed_error("peek"));
+        }
+        self.rx.peek(tag, ignore, src, claim)
     }
 
     /// Receives a claimed message into `op.buf`.
@@ -188,13 +208,28 @@ impl Engine {
         claim: u64,
         op: RecvOp,
     ) -> Result<(), (Error, RecvOp)> {
-        self.recv_claimed_impl(now, claim, op)
+        if self.closed {
+            return Err((Engine::closed_error("recv_claimed"), op));
+        }
+        let (rid, sink) = self
+            .rx
+            .take_claimed(claim, op, self.cfg.max_rx_ops, &mut self.out)?;
+        self.start_matched(now, rid, sink, None);
+        Ok(())
     }
 
     /// Discards an unexpected tagged message (`FI_DISCARD`); its sender's operation still
     /// completes normally. `NoMessage` when none matches.
     pub fn discard(&mut self, tag: u64, ignore: u64, src: Option<RawAddr>) -> Result<Peeked> {
-        self.discard_impl(tag, ignore, src)
+        if self.closed {
+            return Err(Engine::closed_error("discard"));
+        }
+        let (p, entry) = self.rx.discard(tag, ignore, src)?;
+        if let Some((rid, last)) = entry {
+            // Received and thrown away, so that the sender completes normally.
+            self.start_matched(last, rid, rx::Sink::discard(), None);
+        }
+        Ok(p)
     }
 
     /// Gives the engine the memory peers' emulated RMA and atomics reach. Without it, such
@@ -404,7 +439,18 @@ impl Engine {
             self.peers.expire_backoffs(now, &mut self.out.timers);
         }
         if self.out.timers.expired(Timer::RxStall, now) {
-            self.check_stalls(now);
+            // Receives that got no packet for `rx_stall_timeout` fail.
+            let stall = self.cfg.rx_stall_timeout;
+            let (stalled, mut next) = self.rx.stalled(now, stall);
+            for rid in stalled {
+                self.stall_rx(rid, now);
+                if self.rx.ops.contains_key(&rid) {
+                    let due = now.checked_add(stall).unwrap_or(now);
+                    next = Some(next.map_or(due, |n| n.min(due)));
+                }
+            }
+            let next = if self.rx.in_progress > 0 { next } else { None };
+            self.out.timers.set(Timer::RxStall, next);
         }
         if self.out.timers.expired(Timer::ReadRetry, now) {
             self.read_timeout(now);
@@ -488,16 +534,7 @@ impl Engine {
         for id in ids {
             self.abort_rx(id, ErrorKind::Canceled, "close");
         }
-        for (_, p) in self.rx.matcher.drain_posted() {
-            match p.item {
-                PostedItem::One(op) => self.cancel_event(op),
-                PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
-            }
-        }
-        let mids: Vec<u32> = self.rx.multi.keys().copied().collect();
-        for mid in mids {
-            self.retire_multi(mid, Some(ErrorKind::Canceled));
-        }
+        self.rx.cancel_all(&mut self.out);
         let tids = self.tx.ops.sorted_keys();
         for id in tids {
             self.fail_tx(

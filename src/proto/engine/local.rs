@@ -89,7 +89,7 @@ impl SameHost<'_> {
         let posted = self.0.rx.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
             // The common case: the whole message in one chunk, a receive waiting for it.
-            if let Some(mut sink) = posted.and_then(|i| self.0.take_posted(tagged, i, n)) {
+            if let Some(mut sink) = posted.and_then(|i| self.0.rx.take_posted(tagged, i, n)) {
                 sink.buf.clear();
                 place_local(&mut sink, 0, n, copy);
                 let done = Done {
@@ -125,7 +125,7 @@ impl SameHost<'_> {
         let rid = self
             .0
             .new_rx_from(now, LOCAL_PEER, src, &rtm, m.msg_len, RxState::Waiting);
-        match posted.and_then(|i| self.0.take_posted(tagged, i, m.msg_len)) {
+        match posted.and_then(|i| self.0.rx.take_posted(tagged, i, m.msg_len)) {
             Some(sink) => self.0.start_matched(now, rid, sink, None),
             None => {
                 self.0.out.stats.unexpected_msgs += 1;

@@ -608,7 +608,7 @@ impl Engine {
         let Some(idx) = self.rx.matcher.find_posted(tagged, src, tag) else {
             return false;
         };
-        let Some(mut sink) = self.take_posted(tagged, idx, data.len()) else {
+        let Some(mut sink) = self.rx.take_posted(tagged, idx, data.len()) else {
             return false;
         };
         // The id the entry would have had, so that later ids are the same.
@@ -667,7 +667,7 @@ impl Engine {
             self.rx.matcher.find_posted(tagged, src, tag)
         };
         if let Some(idx) = posted {
-            if let Some(sink) = self.take_posted(tagged, idx, msg_len) {
+            if let Some(sink) = self.rx.take_posted(tagged, idx, msg_len) {
                 return self.start_matched(now, rid, sink, fresh);
             }
         }
@@ -919,7 +919,7 @@ impl Engine {
             error,
             in_region: sink.in_region,
         }));
-        self.piece_done(sink.multi);
+        self.rx.piece_done(sink.multi, &mut self.out);
     }
 
     /// A receive ends without its message (peer failure, stall, close): an error completion
@@ -969,7 +969,7 @@ impl Engine {
             error: Some(Error::new(kind, "recv").with_detail(why)),
             in_region: None,
         }));
-        self.piece_done(sink.multi);
+        self.rx.piece_done(sink.multi, &mut self.out);
     }
 
     /// A matched receive got no packet for `rx_stall_timeout`: its application receive fails,
