@@ -119,6 +119,12 @@ impl Engine {
         }
     }
 
+    /// The engine's interface for the same-host path.
+    #[inline]
+    pub fn same_host(&mut self) -> SameHost<'_> {
+        SameHost(self)
+    }
+
     /// The endpoint's own address.
     pub fn local_addr(&self) -> RawAddr {
         self.local
@@ -278,7 +284,21 @@ impl Engine {
     /// The device placed a peer's RDMA write with immediate data (`imm`, `len` bytes) in this
     /// side's memory: reported as [`Event::RemoteWrite`].
     pub fn handle_remote_write(&mut self, now: Instant, src: Source, imm: u32, len: usize) {
-        self.remote_write_impl(now, src, imm, len)
+        let _ = now;
+        if self.closed {
+            return;
+        }
+        // The device wrote already: the completion is kept; the endpoint stops reposting
+        // receive buffers while too many wait ([`Engine::remote_writes_full`]), which holds the
+        // device back (receiver not ready) on devices where a write with immediate data takes
+        // one.
+        self.target_counts.count(true, true);
+        let src = self.peers.writer(src);
+        self.out.remote_write(RemoteWriteDone {
+            src,
+            data: imm,
+            len,
+        });
     }
 
     /// A datagram arrived from `src` (the device's receive completion); `data` is its bytes.
@@ -462,7 +482,26 @@ impl Engine {
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
-        self.poll_transmit_any(now)
+        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
+            return None;
+        }
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now, &mut self.out.timers);
+        }
+        let (tx, peers, hdr) = (&mut self.tx, &mut self.peers, &mut self.hdr);
+        let ema = |o: &_, a, b| self.ema.payload(o, a, b);
+        if !self.rd.has_wrs() {
+            return tx.next_packet(peers, hdr, ema);
+        }
+        // Packets and RDMA work requests take turns (the device's send queue holds both).
+        if self.rd.rdma_turn() {
+            self.rd
+                .next_wr(peers)
+                .or_else(|| tx.next_packet(peers, hdr, ema))
+        } else {
+            tx.next_packet(peers, hdr, ema)
+                .or_else(|| self.rd.next_wr(peers))
+        }
     }
 
     /// True when [`Engine::poll_transmit`] may have something (packets queued, peers in

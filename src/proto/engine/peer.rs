@@ -83,6 +83,14 @@ impl Peers {
         self.index.newest(gid, qpn)
     }
 
+    /// Who wrote with immediate data from `src`: the device names the writer by GID and QPN
+    /// only, so it is that queue pair's newest incarnation (QKEY 0 when unknown).
+    pub(super) fn writer(&self, src: Source) -> RawAddr {
+        self.newest(src.gid, src.qpn)
+            .and_then(|id| self.get(&id))
+            .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr)
+    }
+
     /// Puts a packet on its peer's queue (at the front for a resend) and the peer on the ready
     /// list (nothing when the peer is gone).
     pub(super) fn enqueue(&mut self, pkt: Pkt, ctrl: bool, front: bool) {

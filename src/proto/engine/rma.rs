@@ -161,6 +161,30 @@ impl Start {
     }
 }
 
+impl Ema {
+    /// The payload of a packet of the emulation (`None`: its owner is gone).
+    pub(super) fn payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
+        match owner {
+            Owner::Ema(id) => {
+                let op = self.ops.get(id)?;
+                Some(
+                    op.pay
+                        .get(off..end)
+                        .map_or_else(Bytes::new, |_| op.pay.slice(off..end)),
+                )
+            }
+            Owner::Resp(id) => {
+                let (p, _) = self.resp.get(id)?;
+                Some(
+                    p.get(off..end)
+                        .map_or_else(Bytes::new, |_| p.slice(off..end)),
+                )
+            }
+            _ => None,
+        }
+    }
+}
+
 impl Engine {
     fn ema_sender(&self, pid: u64) -> Sender {
         our_sender(
@@ -432,28 +456,6 @@ impl Engine {
         self.peers
             .enqueue(Pkt::new(s.pid, Owner::Ema(id), hdr, 0, end), false, false);
         Ok(())
-    }
-
-    /// The payload of a packet of the emulation (`None`: its owner is gone).
-    pub(super) fn ema_payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
-        match owner {
-            Owner::Ema(id) => {
-                let op = self.ema.ops.get(id)?;
-                Some(
-                    op.pay
-                        .get(off..end)
-                        .map_or_else(Bytes::new, |_| op.pay.slice(off..end)),
-                )
-            }
-            Owner::Resp(id) => {
-                let (p, _) = self.ema.resp.get(id)?;
-                Some(
-                    p.get(off..end)
-                        .map_or_else(Bytes::new, |_| p.slice(off..end)),
-                )
-            }
-            _ => None,
-        }
     }
 
     /// A packet of the emulation left the device: responses free their payload; a failed

@@ -7,9 +7,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::peer::our_sender;
-use super::peer::peer_fatal;
+use super::peer::{Peers, peer_fatal};
 use super::read::ReadProto;
-use super::util::{Hdr, SeqMap, WrTable};
+use super::util::{Hdr, HeaderArena, SeqMap, WrTable};
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
 use crate::proto::wire::{
@@ -57,6 +57,40 @@ impl TxSide {
             next_id: 1,
             wrs: WrTable::default(),
         }
+    }
+
+    /// The next packet for the device, from the peers in turn: its payload is a slice of its
+    /// owner's buffer (a send's here, the emulation's through `ema_payload`: owner, range),
+    /// its headers are copied into the arena `hdr`. `None` for a packet whose owner is gone.
+    pub(super) fn next_packet(
+        &mut self,
+        peers: &mut Peers,
+        hdr: &mut HeaderArena,
+        ema_payload: impl Fn(&Owner, usize, usize) -> Option<Bytes>,
+    ) -> Option<Transmit> {
+        while let Some((dest, pkt)) = peers.next_packet() {
+            let payload = match pkt.owner {
+                Owner::Tx(id) => match self.ops.get(&id) {
+                    Some(t) => t.buf.slice(pkt.off..pkt.end),
+                    None => continue,
+                },
+                Owner::Handshake | Owner::Ctrl | Owner::Rd(_) => Bytes::new(),
+                Owner::Ema(_) | Owner::Resp(_) => match ema_payload(&pkt.owner, pkt.off, pkt.end) {
+                    Some(b) => b,
+                    None => continue,
+                },
+            };
+            let hdr = hdr.copy(pkt.hdr.bytes());
+            let wr_id = self.wrs.insert(pkt);
+            return Some(Transmit {
+                wr_id,
+                dest,
+                hdr,
+                payload,
+                kind: super::TransmitKind::Send,
+            });
+        }
+        None
     }
 }
 
@@ -444,40 +478,6 @@ impl Engine {
         };
         pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, a, b));
         Ok(())
-    }
-
-    pub(super) fn poll_transmit_impl(&mut self, now: Instant) -> Option<Transmit> {
-        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
-            return None;
-        }
-        if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.out.timers);
-        }
-        while let Some((dest, pkt)) = self.peers.next_packet() {
-            let payload = match pkt.owner {
-                Owner::Tx(id) => match self.tx.ops.get(&id) {
-                    Some(t) => t.buf.slice(pkt.off..pkt.end),
-                    None => continue,
-                },
-                Owner::Handshake | Owner::Ctrl | Owner::Rd(_) => Bytes::new(),
-                Owner::Ema(_) | Owner::Resp(_) => {
-                    match self.ema_payload(&pkt.owner, pkt.off, pkt.end) {
-                        Some(b) => b,
-                        None => continue,
-                    }
-                }
-            };
-            let hdr = self.hdr.copy(pkt.hdr.bytes());
-            let wr_id = self.tx.wrs.insert(pkt);
-            return Some(Transmit {
-                wr_id,
-                dest,
-                hdr,
-                payload,
-                kind: super::TransmitKind::Send,
-            });
-        }
-        None
     }
 
     pub(super) fn send_completion_impl(&mut self, now: Instant, wr_id: u64, status: Status) {

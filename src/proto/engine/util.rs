@@ -827,4 +827,10 @@ impl Out {
         self.stats.dropped_pkts += 1;
         tracing::debug!(why, "dropped a packet");
     }
+
+    /// Reports a peer's write with immediate data (counted among the capped events).
+    pub(super) fn remote_write(&mut self, done: super::RemoteWriteDone) {
+        self.remote_write_events += 1;
+        self.events.push_back(Event::RemoteWrite(done));
+    }
 }

@@ -643,39 +643,6 @@ impl Engine {
         }
     }
 
-    /// [`Engine::handle_remote_write`]: one event per write with immediate data. The device
-    /// names the writer by GID and QPN only: it is reported as that queue pair's newest
-    /// incarnation (QKEY 0 when unknown).
-    pub(in crate::proto::engine) fn remote_write_impl(
-        &mut self,
-        now: Instant,
-        src: Source,
-        imm: u32,
-        len: usize,
-    ) {
-        let _ = now;
-        if self.closed {
-            return;
-        }
-        let addr = self
-            .peers
-            .newest(src.gid, src.qpn)
-            .and_then(|id| self.peers.get(&id))
-            .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr);
-        // The device wrote already: the completion is kept; the endpoint stops reposting receive
-        // buffers while too many wait ([`Engine::remote_writes_full`]), which holds the device
-        // back (receiver not ready) on devices where a write with immediate data takes one.
-        self.out.remote_write_events += 1;
-        self.target_counts.count(true, true);
-        self.out
-            .events
-            .push_back(Event::RemoteWrite(RemoteWriteDone {
-                src: addr,
-                data: imm,
-                len,
-            }));
-    }
-
     /// A LONGREAD_RTW REQ failed on the device (not a peer failure): its operation fails.
     pub(in crate::proto::engine) fn read_req_failed(&mut self, id: u32, s: Status) {
         if let Some(op) = self.rd.ops.remove(&id) {
