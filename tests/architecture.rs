@@ -569,6 +569,6 @@ fn the_engine_only_gets_leaner() {
     );
 }
 
-const MAX_IMPL_ENGINE_OUTSIDE: usize = 13;
-const MAX_IMPL_FORWARDS: usize = 10;
-const MAX_ENGINE_RS_LINES: usize = 1153;
+const MAX_IMPL_ENGINE_OUTSIDE: usize = 8;
+const MAX_IMPL_FORWARDS: usize = 3;
+const MAX_ENGINE_RS_LINES: usize = 777;

@@ -18,21 +18,22 @@
 //! EOR, READ_NACK, LONGREAD_RTW).
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 
 use crate::addr::RawAddr;
-use crate::device::{RemoteIov, Source, Status};
+use crate::device::{Source, Status};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::Rng;
-use crate::mem::RegionSlice;
 use crate::proto::wire::{self, Packet};
 use crate::stats::EndpointStats;
 
 mod budget;
+mod config;
 mod counts;
 mod local;
+mod ops;
 mod peer;
 mod read;
 mod recv;
@@ -41,555 +42,17 @@ mod rx;
 mod tx;
 mod util;
 
+pub use config::{EngineConfig, EngineLimits, EngineSizes};
 pub use counts::TargetCounts;
 pub use local::{CopyFn, LocalMsg, SameHost};
+pub use ops::{
+    Event, MAX_REMOTE_WRITE_EVENTS, Peeked, RecvDone, RecvOp, RemoteWriteDone, Resources, RmaBuf,
+    RmaDone, RmaKind, RmaMemory, RmaOp, RmaPath, SendDone, SendOp, Transmit, TransmitKind,
+};
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
 use tx::Pkt;
-use util::{Hdr, HeaderArena, Timer};
-
-/// Engine parameters (from [`crate::Config`] and the device attributes).
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineConfig {
-    /// Largest datagram the device sends (header + payload).
-    pub mtu: usize,
-    /// Send-queue depth of the device queue pair: the engine never has more packets outstanding.
-    pub max_outstanding_tx: usize,
-    /// Largest number of application send operations in flight (`tx_size`); more is `Again`.
-    pub max_tx_ops: usize,
-    /// Largest number of posted receives (`rx_size`); more is `Again`.
-    pub max_rx_ops: usize,
-    /// `FI_EFA_RECVWIN_SIZE`: reorder window (power of two).
-    pub recvwin_size: usize,
-    /// `FI_EFA_TX_MIN_CREDITS`: packets per CTS window.
-    pub tx_min_credits: usize,
-    /// `FI_EFA_INTER_MAX_MEDIUM_MESSAGE_SIZE`: largest medium message; above it long-CTS.
-    pub max_medium_msg_size: usize,
-    /// `FI_EFA_TIMEOUT_INTERVAL`: first RNR backoff (zero: random 40..120 µs, as libfabric).
-    pub timeout_interval: Duration,
-    /// `FI_EFA_MAX_TIMEOUT`: cap of the RNR backoff.
-    pub max_timeout: Duration,
-    /// A receive that made no progress for this long (its sender vanished mid-message) fails.
-    pub rx_stall_timeout: Duration,
-    /// Seed of the engine's randomness (backoff jitter).
-    pub seed: u64,
-    /// This side's device can do one-sided RDMA read and `FI_EFA_USE_DEVICE_RDMA` allows it
-    /// (advertised in the handshake; used towards peers that advertise it too).
-    pub device_rdma_read: bool,
-    /// This side's device can do one-sided RDMA write (and write with immediate data) and the
-    /// configuration allows it.
-    pub device_rdma_write: bool,
-    /// Largest single device RDMA read or write (bytes); larger operations are split.
-    pub max_rdma_size: u64,
-    /// `FI_EFA_INTER_MIN_READ_WRITE_SIZE`: emulated RMA writes at least this long use
-    /// LONGREAD_RTW when RDMA read exists on both sides.
-    pub inter_min_read_write_size: usize,
-    /// `FI_EFA_INTER_MIN_READ_MESSAGE_SIZE`: messages at least this long use the long-read (or
-    /// runting-read) protocol when RDMA read exists on both sides and the buffer is readable.
-    pub inter_min_read_message_size: usize,
-    /// `FI_EFA_RUNT_SIZE`: bytes a runting read sends eagerly before the receiver reads the rest
-    /// (0 disables runting reads).
-    pub runt_size: usize,
-    /// `FI_EFA_INTER_READ_SEGMENT_SIZE`: largest single read of the read-based protocols.
-    pub inter_read_segment_size: usize,
-}
-
-/// The queue sizes an endpoint chose: its queue pair's send depth and its operation tables.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EngineSizes {
-    /// Send-queue depth of the queue pair.
-    pub send_depth: usize,
-    /// Send operations in flight at most (`tx_size`).
-    pub tx_ops: usize,
-    /// Posted receives at most (`rx_size`).
-    pub rx_ops: usize,
-}
-
-impl EngineConfig {
-    /// The engine parameters of an endpoint, the one place they are derived: the protocol
-    /// variables of `cfg`, the device's MTU, RDMA capabilities (as far as `use_rdma`, the
-    /// outcome of `FI_EFA_USE_DEVICE_RDMA`, allows) and largest RDMA, and the queue sizes.
-    /// `FI_EFA_TX_QUEUE_SIZE` caps the packets on the device below the send depth.
-    ///
-    /// ```
-    /// use efa::device::{DeviceAttr, DeviceKind};
-    /// use efa::proto::engine::{EngineConfig, EngineSizes};
-    /// let gid = std::net::Ipv4Addr::LOCALHOST.into();
-    /// let attr = DeviceAttr::software(DeviceKind::Udp, "t".into(), gid, 8192, 256, 256);
-    /// let cfg = efa::Config::default().with_tx_queue_size(64);
-    /// let sizes = EngineSizes { send_depth: 256, tx_ops: 1024, rx_ops: 1024 };
-    /// let e = EngineConfig::new(&cfg, &attr, sizes, true, 1);
-    /// assert_eq!((e.mtu, e.max_outstanding_tx, e.max_tx_ops), (8192, 64, 1024));
-    /// assert_eq!(e.device_rdma_read, attr.caps.rdma_read);
-    /// ```
-    pub fn new(
-        cfg: &crate::config::Config,
-        attr: &crate::device::DeviceAttr,
-        sizes: EngineSizes,
-        use_rdma: bool,
-        seed: u64,
-    ) -> EngineConfig {
-        EngineConfig {
-            mtu: attr.mtu,
-            max_outstanding_tx: match cfg.tx_queue_size {
-                0 => sizes.send_depth,
-                n => n.min(sizes.send_depth),
-            },
-            max_tx_ops: sizes.tx_ops,
-            max_rx_ops: sizes.rx_ops,
-            recvwin_size: cfg.recvwin_size,
-            tx_min_credits: cfg.tx_min_credits as usize,
-            max_medium_msg_size: cfg.inter_max_medium_message_size,
-            timeout_interval: cfg.timeout_interval,
-            max_timeout: cfg.max_timeout,
-            rx_stall_timeout: Duration::from_secs(30),
-            seed,
-            device_rdma_read: use_rdma && attr.caps.rdma_read,
-            device_rdma_write: use_rdma && attr.caps.rdma_write,
-            max_rdma_size: attr.max_rdma_size,
-            inter_min_read_write_size: cfg.inter_min_read_write_size,
-            inter_min_read_message_size: cfg.inter_min_read_message_size,
-            runt_size: cfg.runt_size,
-            inter_read_segment_size: cfg.inter_read_segment_size,
-        }
-    }
-}
-
-/// One send operation (message or tagged message).
-#[derive(Debug)]
-pub struct SendOp {
-    /// Destination (its QKEY is the peer's connection id).
-    pub dest: RawAddr,
-    /// The data; handed back in the completion.
-    pub buf: Bytes,
-    /// `Some(tag)` for a tagged send.
-    pub tag: Option<u64>,
-    /// 4 bytes of remote CQ data.
-    pub data: Option<u32>,
-    /// Complete only when the data is in the receiver's buffer (`FI_DELIVERY_COMPLETE`, RECEIPT).
-    pub delivery_complete: bool,
-    /// Returned in the completion.
-    pub context: u64,
-    /// The send buffer is a registered region peers can RDMA-read: `(key, address of its first
-    /// byte)`. Makes the long-read and runting-read protocols possible for large messages.
-    pub read_key: Option<(u64, u64)>,
-    /// `Some(len)`: the message is the `len` bytes at `read_key` (which must be set) and `buf`
-    /// is left empty. The engine reads, through its memory ([`Engine::set_memory`]), only the
-    /// bytes that must go in packets: none for a long-read message, the runt of a runting read,
-    /// all of them when no read protocol applies or after a READ_NACK. This spares copying a
-    /// large registered buffer that the receiver reads itself.
-    pub region_len: Option<usize>,
-}
-
-impl SendOp {
-    /// Length of the message.
-    pub fn len(&self) -> usize {
-        self.region_len.unwrap_or(self.buf.len())
-    }
-
-    /// Whether the message is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// One receive operation.
-#[derive(Debug)]
-pub struct RecvOp {
-    /// Where the message goes; `capacity()` is the room. Handed back in the completion.
-    pub buf: BytesMut,
-    /// `Some((tag, ignore))` for a tagged receive.
-    pub tag: Option<(u64, u64)>,
-    /// Only from this peer (directed receive).
-    pub src: Option<RawAddr>,
-    /// `Some(min_free)`: a multi-receive buffer, retired when less than `min_free` bytes remain.
-    pub multi_recv: Option<usize>,
-    /// Returned in the completion.
-    pub context: u64,
-    /// The receive buffer is this slice of a region the device registered, and the queue pair
-    /// takes region slices: the part of a long-read or runting-read message the engine reads
-    /// with device RDMA lands in the region directly (no copy, no registration), the rest in
-    /// `buf` ([`RecvDone::in_region`] says where the split is).
-    pub local_region: Option<RegionSlice>,
-    /// The room when it is not `buf.capacity()`: a region slice's length, whose bytes the
-    /// endpoint copies into the slice at completion. `buf` then grows only as data arrives, so
-    /// a small message into a large slice takes a buffer of its own size. Not for
-    /// multi-receive buffers.
-    pub room: Option<usize>,
-}
-
-/// A work request to post on the device: a datagram (two segments) to `dest`, or a one-sided
-/// RDMA operation ([`TransmitKind`]).
-#[derive(Debug, Clone)]
-pub struct Transmit {
-    /// Give it back in [`Engine::handle_send_completion`] (datagrams) or
-    /// [`Engine::handle_rdma_completion`] (RDMA).
-    pub wr_id: u64,
-    /// Destination queue pair.
-    pub dest: RawAddr,
-    /// Protocol header (datagrams only).
-    pub hdr: Bytes,
-    /// Application data: a datagram's second segment, or the data of an RDMA write.
-    pub payload: Bytes,
-    /// What to post.
-    pub kind: TransmitKind,
-}
-
-/// What a [`Transmit`] asks the device for.
-#[derive(Debug, Clone, Default)]
-pub enum TransmitKind {
-    /// `post_send` of `hdr` + `payload`.
-    #[default]
-    Send,
-    /// `post_write` of `payload` to `remote`, with optional immediate data.
-    RdmaWrite {
-        /// Target range.
-        remote: RemoteIov,
-        /// Immediate data for the target's completion.
-        imm: Option<u32>,
-    },
-    /// `post_read` of `remote` into `buf` (its capacity holds `remote.len` bytes).
-    RdmaRead {
-        /// Source range.
-        remote: RemoteIov,
-        /// Local buffer, handed back in the device completion.
-        buf: BytesMut,
-    },
-    /// `post_write_region` of `local` (region memory the device registered) to `remote`, with
-    /// optional immediate data; `payload` is empty.
-    RdmaWriteRegion {
-        /// Target range.
-        remote: RemoteIov,
-        /// Immediate data for the target's completion.
-        imm: Option<u32>,
-        /// The source bytes, in a region.
-        local: RegionSlice,
-    },
-    /// `post_read_region` of `remote` into `local` (region memory the device registered); the
-    /// device completion hands back no buffer.
-    RdmaReadRegion {
-        /// Source range.
-        remote: RemoteIov,
-        /// Where the bytes land.
-        local: RegionSlice,
-    },
-}
-
-/// One RMA or atomic operation (`fi_write`, `fi_read`, `fi_writedata`, `fi_atomic`, ...).
-#[derive(Debug)]
-pub struct RmaOp {
-    /// Target endpoint.
-    pub dest: RawAddr,
-    /// Target range (key, address in the key's address space, length).
-    pub remote: RemoteIov,
-    /// What to do.
-    pub kind: RmaKind,
-    /// The local buffer of a write is a registered region peers can read (key, address): makes
-    /// the LONGREAD_RTW protocol possible.
-    pub local_key: Option<(u64, u64)>,
-    /// Complete only when the data is in the target's memory (`FI_DELIVERY_COMPLETE`: DC_*RTW /
-    /// DC_*RTA, or device write followed by nothing more since device writes are placed).
-    pub delivery_complete: bool,
-    /// Returned in the completion.
-    pub context: u64,
-    /// The local side is this slice of a region the device registered, and the queue pair
-    /// takes region slices ([`QueuePair::region_rdma`](crate::device::QueuePair::region_rdma)):
-    /// a device write reads it and a device read lands in it, with no copy and no registration.
-    /// A write's buffer is then empty (its length is the slice's) and is filled from the region
-    /// only when the write takes another route; a read's buffer is empty and gets the data
-    /// only on another route, else the completion says [`RmaBuf::InRegion`].
-    pub local_region: Option<RegionSlice>,
-}
-
-impl RmaOp {
-    /// The bytes the operation moves from or into local memory.
-    pub fn local_len(&self) -> usize {
-        match (&self.kind, &self.local_region) {
-            (RmaKind::Write { .. } | RmaKind::Read { .. }, Some(r)) => r.len,
-            (RmaKind::Write { buf, .. }, None) => buf.len(),
-            (RmaKind::Read { buf }, None) => buf.capacity(),
-            (RmaKind::Atomic { operand, .. }, _) => operand.len(),
-        }
-    }
-}
-
-/// The kind of an [`RmaOp`].
-#[derive(Debug)]
-pub enum RmaKind {
-    /// Write `buf` (its length must equal `remote.len`); with `data`, the target gets a
-    /// [`Event::RemoteWrite`] carrying it (`fi_writedata`).
-    Write {
-        /// The data.
-        buf: Bytes,
-        /// 4 bytes of remote CQ data.
-        data: Option<u32>,
-    },
-    /// Read `remote.len` bytes into `buf` (its capacity must hold them).
-    Read {
-        /// The destination.
-        buf: BytesMut,
-    },
-    /// An atomic on `remote.len / datatype.size()` elements.
-    Atomic {
-        /// The operation.
-        op: crate::atomic::AtomicOp,
-        /// The element type.
-        datatype: crate::atomic::AtomicType,
-        /// Operand elements (empty for [`AtomicOp::Read`](crate::atomic::AtomicOp::Read)).
-        operand: Bytes,
-        /// Compare elements (compare operations only).
-        compare: Option<Bytes>,
-        /// Where the target's previous values go (fetch and compare atomics).
-        fetch: Option<BytesMut>,
-    },
-}
-
-/// The buffers of a finished [`RmaOp`], handed back. (`Debug` shows lengths and first bytes.)
-pub enum RmaBuf {
-    /// A write's data.
-    Write(Bytes),
-    /// A read's destination, filled on success.
-    Read(BytesMut),
-    /// A read's data went straight into its local region ([`RmaOp::local_region`]): nothing
-    /// to copy (on failure the region holds what the device wrote, unspecified).
-    InRegion,
-    /// An atomic's operand and, for fetch and compare atomics, the previous target values.
-    Atomic {
-        /// The operand.
-        operand: Bytes,
-        /// The previous values (filled on success).
-        fetch: Option<BytesMut>,
-    },
-}
-
-impl RmaBuf {
-    /// The buffers an operation of this kind carries, handed back.
-    pub fn from_kind(kind: RmaKind) -> RmaBuf {
-        match kind {
-            RmaKind::Write { buf, .. } => RmaBuf::Write(buf),
-            RmaKind::Read { buf } => RmaBuf::Read(buf),
-            RmaKind::Atomic { operand, fetch, .. } => RmaBuf::Atomic { operand, fetch },
-        }
-    }
-}
-
-impl std::fmt::Debug for RmaBuf {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use crate::mem::Short;
-        match self {
-            RmaBuf::Write(b) => f.debug_tuple("Write").field(&Short(b)).finish(),
-            RmaBuf::Read(b) => f.debug_tuple("Read").field(&Short(b)).finish(),
-            RmaBuf::InRegion => f.write_str("InRegion"),
-            RmaBuf::Atomic { operand, fetch } => f
-                .debug_struct("Atomic")
-                .field("operand", &Short(operand))
-                .field("fetch", &fetch.as_ref().map(|b| Short(b)))
-                .finish(),
-        }
-    }
-}
-
-/// Whether an RMA operation ran as one-sided device RDMA or was emulated with packets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum RmaPath {
-    /// Device RDMA read/write.
-    Device,
-    /// The engine's emulation (RTW / RTR / RTA packets, or the read-based protocols).
-    Emulated,
-}
-
-/// A finished RMA or atomic operation.
-#[derive(Debug)]
-pub struct RmaDone {
-    /// The operation's context.
-    pub context: u64,
-    /// The buffers, handed back.
-    pub buf: RmaBuf,
-    /// Bytes transferred.
-    pub len: usize,
-    /// How it ran.
-    pub path: RmaPath,
-    /// `None` on success; `RemoteAccess` for a bad key or range, ...
-    pub error: Option<Error>,
-    /// Device (or peer-reported) status behind an error, if any.
-    pub status: Option<Status>,
-}
-
-/// The target side of a write with immediate data (`FI_REMOTE_CQ_DATA | FI_REMOTE_WRITE`): the
-/// data is already in the target's memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RemoteWriteDone {
-    /// The writer.
-    pub src: RawAddr,
-    /// The 4 bytes of immediate data.
-    pub data: u32,
-    /// Bytes written.
-    pub len: usize,
-}
-
-/// The memory peers reach with emulated RMA and atomics: the domain's registered regions
-/// ([`crate::Domain`] implements it). Access is checked against the key, bounds and rights.
-pub trait RmaMemory: Send + Sync + std::fmt::Debug {
-    /// Writes `data` at `addr` of the region `key` names. `RemoteAccess` for a bad key, range or
-    /// right (nothing written); `Again` when the application holds the region's lock right now
-    /// (retry later).
-    fn write(&self, key: u64, addr: u64, data: &[u8]) -> Result<()>;
-    /// The `len` bytes at `addr` of the region `key` names; errors as for `write`.
-    fn read(&self, key: u64, addr: u64, len: u64) -> Result<Bytes>;
-    /// Checks, without touching the memory, that the key is live and grants the right
-    /// (`REMOTE_WRITE` when `write`, else `REMOTE_READ`) and that `len` bytes at `addr` lie in
-    /// its region: a long-CTS write or read is checked whole before its first byte moves.
-    /// `RemoteAccess` otherwise.
-    fn check(&self, key: u64, addr: u64, len: u64, write: bool) -> Result<()>;
-    /// Applies an atomic to the elements at `addr` as one step and returns their previous
-    /// values; errors as for `write`, `InvalidArgument` for a bad operand length or an operation
-    /// the datatype does not support.
-    fn atomic(&self, key: u64, addr: u64, a: crate::atomic::AtomicArgs<'_>) -> Result<Bytes>;
-    /// True when `key` names device-only memory (a dmabuf with no CPU mapping): only the NIC
-    /// reaches its bytes, so a send from it goes by the long-read protocol alone, and every
-    /// access above refuses it with `NotSupported`. The default: no device-only memory.
-    fn device_only(&self, key: u64) -> bool {
-        let _ = key;
-        false
-    }
-}
-
-/// A finished send.
-#[derive(Debug)]
-pub struct SendDone {
-    /// The operation's context.
-    pub context: u64,
-    /// The buffer, handed back.
-    pub buf: Bytes,
-    /// Bytes sent.
-    pub len: usize,
-    /// The tag of a tagged send.
-    pub tag: Option<u64>,
-    /// `None` on success.
-    pub error: Option<Error>,
-    /// Device status behind an error, if any.
-    pub status: Option<Status>,
-}
-
-/// A finished receive.
-#[derive(Debug)]
-pub struct RecvDone {
-    /// The operation's context.
-    pub context: u64,
-    /// The buffer (for a multi-receive: the part this message occupies), handed back.
-    pub buf: BytesMut,
-    /// Bytes placed.
-    pub len: usize,
-    /// For truncation: bytes that did not fit.
-    pub olen: usize,
-    /// Tag of a tagged message.
-    pub tag: Option<u64>,
-    /// Remote CQ data.
-    pub data: Option<u32>,
-    /// The sender (`FI_SOURCE`); `None` for cancelled receives.
-    pub src: Option<RawAddr>,
-    /// This completion retires a multi-receive buffer (`FI_MULTI_RECV`).
-    pub multi_recv_done: bool,
-    /// `None` on success; `Truncated`, `Canceled`, `ConnectionAborted`, ... otherwise.
-    pub error: Option<Error>,
-    /// `Some(from)`: the bytes of the message from offset `from` on were read straight into
-    /// the receive's region ([`RecvOp::local_region`]); `buf` holds only those before it.
-    pub in_region: Option<usize>,
-}
-
-/// What the engine reports.
-#[derive(Debug)]
-pub enum Event {
-    /// A send finished.
-    Send(SendDone),
-    /// A receive finished.
-    Recv(RecvDone),
-    /// An RMA or atomic operation this side initiated finished.
-    Rma(RmaDone),
-    /// A peer's write with immediate data landed in this side's memory.
-    RemoteWrite(RemoteWriteDone),
-}
-
-/// Result of a peek at the unexpected messages (`FI_PEEK`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Peeked {
-    /// Message length.
-    pub len: usize,
-    /// Its tag.
-    pub tag: u64,
-    /// Its remote CQ data.
-    pub data: Option<u32>,
-    /// Its sender.
-    pub src: RawAddr,
-    /// With `claim`: the token that [`Engine::recv_claimed`] takes.
-    pub claim: Option<u64>,
-}
-
-/// What the engine holds right now (to check that memory returns to its baseline).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Resources {
-    /// Send operations in flight.
-    pub tx_ops: usize,
-    /// Posted or in-progress receives.
-    pub rx_ops: usize,
-    /// Unexpected messages held.
-    pub unexpected_msgs: usize,
-    /// Bytes copied out for unexpected messages.
-    pub unexpected_bytes: usize,
-    /// Packets held in reorder windows and overflow lists.
-    pub reorder_held: usize,
-    /// Messages held without a receive (waiting their turn, unexpected, claimed): what
-    /// [`EngineLimits::max_buffered_msgs`] caps.
-    pub buffered_msgs: usize,
-    /// Bytes copied out for them: what [`EngineLimits::max_buffered_bytes`] caps.
-    pub buffered_bytes: usize,
-    /// Packets queued for transmission (not yet handed out).
-    pub queued_pkts: usize,
-    /// Packets handed out and not yet completed by the device.
-    pub outstanding_pkts: usize,
-    /// Known peers.
-    pub peers: usize,
-    /// Peers' RMA work this side serves: emulated long-CTS writes and reads, LONGREAD_RTW
-    /// targets, atomics waiting for their turn, work waiting for a locked region, responses
-    /// on the device.
-    pub target_ops: usize,
-    /// Completions of peers' writes with immediate data not yet taken by the application
-    /// (at most [`MAX_REMOTE_WRITE_EVENTS`]).
-    pub remote_write_events: usize,
-}
-
-/// Most completions of peers' writes with immediate data the engine holds while the
-/// application does not take them (its completion queue is full): further such writes wait,
-/// their data held within `EngineLimits::max_buffered_bytes` and beyond it refused, so a peer
-/// cannot grow memory without limit (issue 17, defect 7).
-pub const MAX_REMOTE_WRITE_EVENTS: usize = 1024;
-
-/// Bounds on what peers can make the engine hold (an addition to the declared API; see
-/// [`Engine::set_limits`]). A REQ from a new peer beyond `max_peers` is dropped and counted. The
-/// buffering bounds are kept by the caller, never by dropping what the device delivered (it was
-/// acknowledged): the RDM endpoint posts no more device receive buffers than the budget left, so
-/// past it senders get receiver-not-ready; a message delivered anyway is held.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EngineLimits {
-    /// Most peers known at once; a REQ from a new peer beyond it is dropped (and [`Engine::send`]
-    /// to a new peer is refused with `NoMemory`).
-    pub max_peers: usize,
-    /// Most messages held without a receive (waiting in reorder windows, unexpected, claimed).
-    pub max_buffered_msgs: usize,
-    /// Most bytes copied out for such messages.
-    pub max_buffered_bytes: usize,
-}
-
-impl Default for EngineLimits {
-    /// 65 536 peers, 65 536 messages, 64 MiB.
-    fn default() -> Self {
-        EngineLimits {
-            max_peers: 65_536,
-            max_buffered_msgs: 65_536,
-            max_buffered_bytes: 64 << 20,
-        }
-    }
-}
+use util::{Hdr, HeaderArena, Out, Timer};
 
 /// The RDM protocol engine of one endpoint.
 #[derive(Debug)]
@@ -601,9 +64,6 @@ pub struct Engine {
 
     /// The peers, finding them, their turns and backoffs.
     peers: peer::Peers,
-    /// Every timer of the engine and its sub-states; `poll_timeout` is the earliest.
-    timers: util::TimerTable,
-
     /// Send operations by `send_id`.
     tx: tx::TxSide,
 
@@ -612,11 +72,8 @@ pub struct Engine {
     /// Messages and bytes held without a receive.
     budget: budget::Budget,
 
-    events: VecDeque<Event>,
-    /// `Event::RemoteWrite`s in `events`: peers cause them, so they are capped
-    /// ([`MAX_REMOTE_WRITE_EVENTS`]); beyond, writes with immediate data wait.
-    remote_write_events: usize,
-    stats: EndpointStats,
+    /// The completions, counters and timers every handler reports into.
+    out: Out,
     /// Memory peers reach with emulated RMA and atomics.
     memory: Option<std::sync::Arc<dyn RmaMemory>>,
     /// Arena the headers handed to the device are copied into.
@@ -647,13 +104,10 @@ impl Engine {
             rng,
             closed: false,
             peers: peer::Peers::default(),
-            timers: util::TimerTable::default(),
             tx: tx::TxSide::new(2 * max_tx),
             rx: rx::RxSide::new((2 * max_rx).max(4096)),
             budget: budget::Budget::new(EngineLimits::default()),
-            events: VecDeque::new(),
-            remote_write_events: 0,
-            stats: EndpointStats::default(),
+            out: Out::default(),
             memory: None,
             hdr: HeaderArena::default(),
             pkt_scratch: Vec::new(),
@@ -663,6 +117,12 @@ impl Engine {
             target_counts: TargetCounts::default(),
             remote_events: (false, false),
         }
+    }
+
+    /// The engine's interface for the same-host path.
+    #[inline]
+    pub fn same_host(&mut self) -> SameHost<'_> {
+        SameHost(self)
     }
 
     /// The endpoint's own address.
@@ -702,13 +162,30 @@ impl Engine {
         reason = "the refused receive is handed back by value"
     )]
     pub fn post_recv(&mut self, now: Instant, op: RecvOp) -> Result<(), (Error, RecvOp)> {
-        self.post_recv_impl(now, op)
+        if self.closed {
+            return Err((Engine::closed_error("recv"), op));
+        }
+        match self.rx.post(op, self.cfg.max_rx_ops, &mut self.out)? {
+            recv::Posting::Done => {}
+            recv::Posting::Matched(rid, sink) => self.start_matched(now, rid, sink, None),
+            recv::Posting::Multi(m) => {
+                while let Some((rid, sink, retired)) = self.rx.next_multi_match(&m) {
+                    self.start_matched(now, rid, sink, None);
+                    if retired {
+                        self.rx.multi_retired(&m, &mut self.out);
+                        return Ok(());
+                    }
+                }
+                self.rx.queue_multi(m);
+            }
+        }
+        Ok(())
     }
 
     /// Cancels the oldest posted receive with `context` that has not started matching; it
     /// completes with `Canceled`. Returns false when there is none.
     pub fn cancel_recv(&mut self, context: u64) -> bool {
-        self.cancel_impl(context)
+        !self.closed && self.rx.cancel(context, &mut self.out)
     }
 
     /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim` it is reserved for
@@ -720,7 +197,10 @@ impl Engine {
         src: Option<RawAddr>,
         claim: bool,
     ) -> Result<Peeked> {
-        self.peek_impl(tag, ignore, src, claim)
+        if self.closed {
+            return Err(Engine::closed_error("peek"));
+        }
+        self.rx.peek(tag, ignore, src, claim)
     }
 
     /// Receives a claimed message into `op.buf`.
@@ -734,13 +214,28 @@ impl Engine {
         claim: u64,
         op: RecvOp,
     ) -> Result<(), (Error, RecvOp)> {
-        self.recv_claimed_impl(now, claim, op)
+        if self.closed {
+            return Err((Engine::closed_error("recv_claimed"), op));
+        }
+        let (rid, sink) = self
+            .rx
+            .take_claimed(claim, op, self.cfg.max_rx_ops, &mut self.out)?;
+        self.start_matched(now, rid, sink, None);
+        Ok(())
     }
 
     /// Discards an unexpected tagged message (`FI_DISCARD`); its sender's operation still
     /// completes normally. `NoMessage` when none matches.
     pub fn discard(&mut self, tag: u64, ignore: u64, src: Option<RawAddr>) -> Result<Peeked> {
-        self.discard_impl(tag, ignore, src)
+        if self.closed {
+            return Err(Engine::closed_error("discard"));
+        }
+        let (p, entry) = self.rx.discard(tag, ignore, src)?;
+        if let Some((rid, last)) = entry {
+            // Received and thrown away, so that the sender completes normally.
+            self.start_matched(last, rid, rx::Sink::discard(), None);
+        }
+        Ok(p)
     }
 
     /// Gives the engine the memory peers' emulated RMA and atomics reach. Without it, such
@@ -789,7 +284,21 @@ impl Engine {
     /// The device placed a peer's RDMA write with immediate data (`imm`, `len` bytes) in this
     /// side's memory: reported as [`Event::RemoteWrite`].
     pub fn handle_remote_write(&mut self, now: Instant, src: Source, imm: u32, len: usize) {
-        self.remote_write_impl(now, src, imm, len)
+        let _ = now;
+        if self.closed {
+            return;
+        }
+        // The device wrote already: the completion is kept; the endpoint stops reposting
+        // receive buffers while too many wait ([`Engine::remote_writes_full`]), which holds the
+        // device back (receiver not ready) on devices where a write with immediate data takes
+        // one.
+        self.target_counts.count(true, true);
+        let src = self.peers.writer(src);
+        self.out.remote_write(RemoteWriteDone {
+            src,
+            data: imm,
+            len,
+        });
     }
 
     /// A datagram arrived from `src` (the device's receive completion); `data` is its bytes.
@@ -802,7 +311,7 @@ impl Engine {
         let (pkt, payload) = match wire::decode(data) {
             Ok(x) => x,
             Err(e) => {
-                self.stats.dropped_pkts += 1;
+                self.out.stats.dropped_pkts += 1;
                 tracing::debug!(error = %e, len = data.len(), "dropped an undecodable packet");
                 return;
             }
@@ -946,23 +455,53 @@ impl Engine {
         if self.closed {
             return;
         }
-        if self.timers.expired(Timer::Backoff, now) {
-            self.peers.expire_backoffs(now, &mut self.timers);
+        if self.out.timers.expired(Timer::Backoff, now) {
+            self.peers.expire_backoffs(now, &mut self.out.timers);
         }
-        if self.timers.expired(Timer::RxStall, now) {
-            self.check_stalls(now);
+        if self.out.timers.expired(Timer::RxStall, now) {
+            // Receives that got no packet for `rx_stall_timeout` fail.
+            let stall = self.cfg.rx_stall_timeout;
+            let (stalled, mut next) = self.rx.stalled(now, stall);
+            for rid in stalled {
+                self.stall_rx(rid, now);
+                if self.rx.ops.contains_key(&rid) {
+                    let due = now.checked_add(stall).unwrap_or(now);
+                    next = Some(next.map_or(due, |n| n.min(due)));
+                }
+            }
+            let next = if self.rx.in_progress > 0 { next } else { None };
+            self.out.timers.set(Timer::RxStall, next);
         }
-        if self.timers.expired(Timer::ReadRetry, now) {
+        if self.out.timers.expired(Timer::ReadRetry, now) {
             self.read_timeout(now);
         }
-        if self.timers.expired(Timer::EmaRetry, now) {
+        if self.out.timers.expired(Timer::EmaRetry, now) {
             self.ema_timeout(now);
         }
     }
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
-        self.poll_transmit_any(now)
+        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
+            return None;
+        }
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now, &mut self.out.timers);
+        }
+        let (tx, peers, hdr) = (&mut self.tx, &mut self.peers, &mut self.hdr);
+        let ema = |o: &_, a, b| self.ema.payload(o, a, b);
+        if !self.rd.has_wrs() {
+            return tx.next_packet(peers, hdr, ema);
+        }
+        // Packets and RDMA work requests take turns (the device's send queue holds both).
+        if self.rd.rdma_turn() {
+            self.rd
+                .next_wr(peers)
+                .or_else(|| tx.next_packet(peers, hdr, ema))
+        } else {
+            tx.next_packet(peers, hdr, ema)
+                .or_else(|| self.rd.next_wr(peers))
+        }
     }
 
     /// True when [`Engine::poll_transmit`] may have something (packets queued, peers in
@@ -995,20 +534,20 @@ impl Engine {
 
     /// True when [`Engine::poll_event`] has a completion.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty()
+        !self.out.events.is_empty()
     }
 
     /// [`MAX_REMOTE_WRITE_EVENTS`] completions of peers' writes with immediate data wait for
     /// the application: the caller should hold the device back (stop reposting receive buffers).
     pub fn remote_writes_full(&self) -> bool {
-        self.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
+        self.out.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
     }
 
     /// The next completion.
     pub fn poll_event(&mut self) -> Option<Event> {
-        let ev = self.events.pop_front();
+        let ev = self.out.events.pop_front();
         if matches!(ev, Some(Event::RemoteWrite(_))) {
-            self.remote_write_events = self.remote_write_events.saturating_sub(1);
+            self.out.remote_write_events = self.out.remote_write_events.saturating_sub(1);
         }
         ev
     }
@@ -1018,7 +557,7 @@ impl Engine {
         if self.closed {
             return None;
         }
-        self.timers.next()
+        self.out.timers.next()
     }
 
     /// Closes: every operation still in flight completes with `Canceled` (collect them with
@@ -1027,7 +566,36 @@ impl Engine {
         if self.closed {
             return;
         }
-        self.close_impl();
+        self.closed = true;
+        self.rx.matcher.remove_unexpected_where(|_| true);
+        // Receives first (pieces of multi-receive buffers before the buffers themselves).
+        let ids = self.rx.ops.sorted_keys();
+        for id in ids {
+            self.abort_rx(id, ErrorKind::Canceled, "close");
+        }
+        self.rx.cancel_all(&mut self.out);
+        let tids = self.tx.ops.sorted_keys();
+        for id in tids {
+            self.fail_tx(
+                id,
+                Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed"),
+                None,
+            );
+        }
+        self.read_close();
+        self.ema_fail(
+            None,
+            &Engine::closed_error("rma").with_detail("endpoint closed"),
+            None,
+        );
+        self.rx.claimed.clear();
+        self.tx.wrs.clear();
+        self.peers
+            .close(self.cfg.recvwin_size, &mut self.out.timers);
+        self.budget.reset();
+        self.rx.user_ops = 0;
+        self.out.timers.stop(Timer::RxStall);
+        self.rx.in_progress = 0;
     }
 
     /// What the engine holds now.
@@ -1040,17 +608,32 @@ impl Engine {
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
             buffered_msgs: self.budget.held().0,
             buffered_bytes: self.budget.held().1,
-            queued_pkts: self.tx.queued + self.rd_queued_wrs(),
+            queued_pkts: self.peers.queued() + self.rd_queued_wrs(),
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
             target_ops: self.ema_target_ops() + self.rd_targets(),
-            remote_write_events: self.remote_write_events,
+            remote_write_events: self.out.remote_write_events,
         }
     }
 
     /// Counters.
     pub fn stats(&self) -> EndpointStats {
-        self.stats
+        self.out.stats
+    }
+
+    /// The application counts peers' writes (`writes`) or reads (`reads`) of this side's
+    /// memory (`FI_REMOTE_WRITE` / `FI_REMOTE_READ` counters). A NIC serves one-sided RDMA
+    /// without telling its target, so the HANDSHAKE then leaves out device RDMA write (read):
+    /// peers, this crate's and libfabric's alike, emulate those operations with packets, and
+    /// this side sees each one land ([`Engine::take_target_counts`]). Set it before the first
+    /// HANDSHAKE goes out.
+    pub fn set_remote_events(&mut self, writes: bool, reads: bool) {
+        self.remote_events = (writes, reads);
+    }
+
+    /// Takes the count of peers' RMA this side served since the last call.
+    pub fn take_target_counts(&mut self) -> TargetCounts {
+        std::mem::take(&mut self.target_counts)
     }
 
     // ---- shared helpers ----
@@ -1063,12 +646,11 @@ impl Engine {
     }
 
     fn drop_pkt(&mut self, why: &'static str) {
-        self.stats.dropped_pkts += 1;
-        tracing::debug!(why, "dropped a packet");
+        self.out.drop_pkt(why);
     }
 
     fn drop_pkt_type(&mut self, pkt: &Packet<'_>) {
-        self.stats.dropped_pkts += 1;
+        self.out.stats.dropped_pkts += 1;
         tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
     }
 
@@ -1087,58 +669,100 @@ impl Engine {
         Error::new(ErrorKind::Closed, op)
     }
 
-    fn close_impl(&mut self) {
-        self.closed = true;
-        self.rx.matcher.remove_unexpected_where(|_| true);
-        // Receives first (pieces of multi-receive buffers before the buffers themselves).
-        let ids = self.rx.ops.sorted_keys();
-        for id in ids {
-            self.abort_rx(id, ErrorKind::Canceled, "close");
-        }
-        for (_, p) in self.rx.matcher.drain_posted() {
-            match p.item {
-                PostedItem::One(op) => self.cancel_event(op),
-                PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
+    // ---- what touches several sub-states ----
+
+    /// Who sent `pkt` (arrived from `src`); a REQ with the raw address of a new incarnation
+    /// replaces the older ones at its queue pair ([`peer::Peers::replaced_by`]) and adds it.
+    /// `None` (counted) for stale, unknown or unidentifiable senders.
+    fn identify(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
+        let pid = match self.peers.identify(src, pkt, &mut self.out) {
+            peer::Who::Peer(id) => id,
+            peer::Who::Nobody => return None,
+            peer::Who::New(addr) => {
+                let max = self.budget.limits.max_peers;
+                for (id, qkey) in self.peers.replaced_by(addr, now, self.cfg.rx_stall_timeout) {
+                    self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
+                    self.peers.retire(addr.gid, addr.qpn, qkey, max);
+                }
+                self.peers
+                    .new_peer(addr, max, self.cfg.recvwin_size, &mut self.out)?
             }
+        };
+        if let Some(p) = self.peers.get_mut(&pid) {
+            p.last_heard = Some(now);
         }
-        let mids: Vec<u32> = self.rx.multi.keys().copied().collect();
-        for mid in mids {
-            self.retire_multi(mid, Some(ErrorKind::Canceled));
+        Some(pid)
+    }
+
+    /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
+    fn peer_for_send(&mut self, dest: RawAddr) -> Option<u64> {
+        let max = self.budget.limits.max_peers;
+        self.peers
+            .for_send(dest, max, self.cfg.recvwin_size, &mut self.out)
+    }
+
+    /// Queues our HANDSHAKE to `pid` unless it went already.
+    fn queue_handshake(&mut self, pid: u64) {
+        if !self.peers.handshake_due(pid) {
+            return;
         }
-        let tids = self.tx.ops.sorted_keys();
-        for id in tids {
-            self.fail_tx(
-                id,
-                Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed"),
-                None,
-            );
-        }
-        self.read_close();
-        self.ema_fail(
-            None,
-            &Engine::closed_error("rma").with_detail("endpoint closed"),
-            None,
+        let hs = peer::handshake(
+            &self.cfg,
+            self.local,
+            self.remote_events,
+            self.rd_unsolicited_write_recv(),
         );
-        self.rx.claimed.clear();
-        self.tx.wrs.clear();
-        for p in self.peers.values_mut() {
-            p.ctrl_q.clear();
-            p.data_q.clear();
-            p.robuf = crate::proto::reorder::ReorderWindow::new(
-                p.robuf.expected(),
-                self.cfg.recvwin_size,
-            );
-            p.inbound.clear();
-            p.blocked.clear();
-            p.in_ready = false;
-            p.backoff_until = None;
+        if let Some(hdr) = self.encode(&Packet::Handshake(hs)) {
+            self.peers.queue_handshake(pid, hdr);
         }
-        self.peers.clear_turns(&mut self.timers);
-        self.tx.queued = 0;
-        self.budget.reset();
-        self.rx.user_ops = 0;
-        self.timers.stop(Timer::RxStall);
-        self.rx.in_progress = 0;
+    }
+
+    /// The peer's HANDSHAKE: held CTSDATA windows go out and RMA operations that waited for
+    /// it choose their protocol.
+    fn handle_handshake(&mut self, now: Instant, pid: u64, h: &wire::Handshake) {
+        let Some((first, blocked)) = self.peers.handshake_arrived(pid, h) else {
+            return;
+        };
+        for id in blocked {
+            self.schedule_ctsdata(id);
+        }
+        self.ema_handshake(now, pid);
+        if first {
+            self.read_handshake_arrived(now, pid);
+        }
+    }
+
+    /// The peer is gone (or replaced): its send operations and the receives in progress from
+    /// it fail with `kind`, its unexpected and reordered messages are dropped, and its state is
+    /// forgotten so that a new incarnation starts afresh.
+    fn fail_peer(&mut self, pid: u64, kind: ErrorKind, status: Option<Status>, why: &'static str) {
+        let Some(p) = self.peers.remove(&pid) else {
+            return;
+        };
+        tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
+        if p.held_back {
+            self.budget.hold_change(p.addr, false);
+        }
+        let addr = p.addr;
+        self.rx.matcher.remove_unexpected_where(|u| u.src == addr);
+        let mut rids: Vec<u32> = p.inbound.values().copied().collect();
+        rids.sort_unstable();
+        for rid in rids {
+            self.abort_rx(rid, kind, why);
+        }
+        let mut tids: Vec<u32> = self
+            .tx
+            .ops
+            .iter()
+            .filter(|(_, t)| t.peer == pid)
+            .map(|(id, _)| id)
+            .collect();
+        tids.sort_unstable();
+        for tid in tids {
+            self.fail_tx(tid, Error::new(kind, "send").with_detail(why), status);
+        }
+        self.read_peer_failed(pid, kind, status, why);
+        self.ema_fail(Some(pid), &Error::new(kind, "rma").with_detail(why), status);
     }
 
     /// A matched receive left (completed or failed): when none is in progress, no stall timer.
@@ -1146,7 +770,7 @@ impl Engine {
         if in_progress {
             self.rx.in_progress = self.rx.in_progress.saturating_sub(1);
             if self.rx.in_progress == 0 {
-                self.timers.stop(Timer::RxStall);
+                self.out.timers.stop(Timer::RxStall);
             }
         }
     }

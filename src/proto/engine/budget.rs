@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 
 use super::EngineLimits;
+use super::peer::Peers;
 use crate::addr::RawAddr;
 
 #[derive(Debug, Default)]
@@ -110,5 +111,38 @@ impl Budget {
             changes: std::mem::take(&mut self.changes),
             ..Budget::default()
         };
+    }
+
+    /// Counts (`add`) or releases messages and bytes peer `pid` holds without a receive, and
+    /// records when it crosses its share of the budget ([`Budget::poll_change`]).
+    pub(super) fn peer_held(
+        &mut self,
+        peers: &mut Peers,
+        pid: u64,
+        msgs: usize,
+        bytes: usize,
+        add: bool,
+    ) {
+        let (cap_msgs, cap_bytes) = self.share();
+        let Some(p) = peers.get_mut(&pid) else {
+            return;
+        };
+        if add {
+            p.held_msgs += msgs;
+            p.held_bytes += bytes;
+        } else {
+            p.held_msgs = p.held_msgs.saturating_sub(msgs);
+            p.held_bytes = p.held_bytes.saturating_sub(bytes);
+        }
+        let over = p.held_msgs > cap_msgs || p.held_bytes > cap_bytes;
+        let under = p.held_msgs <= cap_msgs / 2 && p.held_bytes <= cap_bytes / 2;
+        if over && !p.held_back {
+            p.held_back = true;
+            tracing::debug!(peer = %p.addr, msgs = p.held_msgs, bytes = p.held_bytes, "peer over its buffering share: held back");
+            self.hold_change(p.addr, true);
+        } else if under && p.held_back {
+            p.held_back = false;
+            self.hold_change(p.addr, false);
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Peers' accesses this side serves, counted for the endpoint's remote-write and remote-read
 //! counters, and the HANDSHAKE choice that makes every such access reach the engine.
 
+#[cfg(doc)]
 use super::Engine;
 
 /// Peers' RMA and atomics this side served since the last [`Engine::take_target_counts`]: what
@@ -34,22 +35,5 @@ impl TargetCounts {
             (false, false) => &mut self.read_errors,
         };
         *n += 1;
-    }
-}
-
-impl Engine {
-    /// The application counts peers' writes (`writes`) or reads (`reads`) of this side's
-    /// memory (`FI_REMOTE_WRITE` / `FI_REMOTE_READ` counters). A NIC serves one-sided RDMA
-    /// without telling its target, so the HANDSHAKE then leaves out device RDMA write (read):
-    /// peers, this crate's and libfabric's alike, emulate those operations with packets, and
-    /// this side sees each one land ([`Engine::take_target_counts`]). Set it before the first
-    /// HANDSHAKE goes out.
-    pub fn set_remote_events(&mut self, writes: bool, reads: bool) {
-        self.remote_events = (writes, reads);
-    }
-
-    /// Takes the count of peers' RMA this side served since the last call.
-    pub fn take_target_counts(&mut self) -> TargetCounts {
-        std::mem::take(&mut self.target_counts)
     }
 }

@@ -52,15 +52,7 @@ fn place_local(sink: &mut Sink, off: usize, n: usize, copy: CopyFn<'_>) {
 /// The engine as the same-host path sees it ([`Engine::same_host`]): messages that arrive whole
 /// and in order through another transport go into the engine's matching, and peers met there
 /// get a handshake through the device. The path keeps its own send bookkeeping and counters.
-pub struct SameHost<'a>(&'a mut Engine);
-
-impl Engine {
-    /// The engine's interface for the same-host path.
-    #[inline]
-    pub fn same_host(&mut self) -> SameHost<'_> {
-        SameHost(self)
-    }
-}
+pub struct SameHost<'a>(pub(super) &'a mut Engine);
 
 impl SameHost<'_> {
     /// The first chunk (`n` bytes) of a message from `src` on the local path. Returns the id to
@@ -85,11 +77,11 @@ impl SameHost<'_> {
         }
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        self.0.stats.local_rx_msgs += 1;
+        self.0.out.stats.local_rx_msgs += 1;
         let posted = self.0.rx.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
             // The common case: the whole message in one chunk, a receive waiting for it.
-            if let Some(mut sink) = posted.and_then(|i| self.0.take_posted(tagged, i, n)) {
+            if let Some(mut sink) = posted.and_then(|i| self.0.rx.take_posted(tagged, i, n)) {
                 sink.buf.clear();
                 place_local(&mut sink, 0, n, copy);
                 let done = Done {
@@ -125,14 +117,14 @@ impl SameHost<'_> {
         let rid = self
             .0
             .new_rx_from(now, LOCAL_PEER, src, &rtm, m.msg_len, RxState::Waiting);
-        match posted.and_then(|i| self.0.take_posted(tagged, i, m.msg_len)) {
+        match posted.and_then(|i| self.0.rx.take_posted(tagged, i, m.msg_len)) {
             Some(sink) => self.0.start_matched(now, rid, sink, None),
             None => {
-                self.0.stats.unexpected_msgs += 1;
+                self.0.out.stats.unexpected_msgs += 1;
                 self.0.queue_unexpected(rid);
             }
         }
-        self.0.local_data(now, rid, 0, n, copy);
+        self.local_data(now, rid, 0, n, copy);
         self.0.rx.ops.contains_key(&rid).then_some(rid)
     }
 
@@ -158,7 +150,7 @@ impl SameHost<'_> {
             self.0.drop_pkt("local chunk of no message in progress");
             return false;
         }
-        self.0.local_data(now, rid, off, n, copy);
+        self.local_data(now, rid, off, n, copy);
         true
     }
 
@@ -224,13 +216,12 @@ impl SameHost<'_> {
     pub fn take_receipt(&mut self) -> Option<(RawAddr, u32)> {
         self.0.local_receipts.pop_front()
     }
-}
 
-impl Engine {
     /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.
     fn local_data(&mut self, now: Instant, rid: u32, off: usize, n: usize, copy: CopyFn<'_>) {
-        let fits = self.budget.fits(n);
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+        let engine = &mut *self.0;
+        let fits = engine.budget.fits(n);
+        let Some(e) = engine.rx.ops.get_mut(&rid) else {
             return;
         };
         e.received += n;
@@ -243,7 +234,7 @@ impl Engine {
             RxState::Matched(sink) => {
                 place_local(sink, off, n, copy);
                 if complete {
-                    self.complete_rx(rid);
+                    engine.complete_rx(rid);
                 }
             }
             RxState::Dropped => {}
@@ -259,7 +250,7 @@ impl Engine {
                 let unexp = !matches!(e.state, RxState::Waiting);
                 e.held.push((off, b.freeze()));
                 e.held_bytes += n;
-                self.budget.add_bytes(n, unexp);
+                engine.budget.add_bytes(n, unexp);
             }
         }
     }

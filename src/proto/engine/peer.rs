@@ -4,11 +4,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+#[cfg(doc)]
+use super::Engine;
+use super::EngineConfig;
 use super::tx::{Owner, Pkt};
-use super::util::{GenSlab, Timer, TimerTable};
-use super::{Engine, ErrorKind};
+use super::util::{GenSlab, Hdr, Out, Timer, TimerTable};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};
+use crate::fault::Rng;
 use crate::proto::reorder::ReorderWindow;
 use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
 
@@ -17,8 +20,9 @@ const RETIRED_PER_QP: usize = 8;
 
 /// The engine's peers (a sub-state): the table by engine-chosen id (never reused), the ways to
 /// find one ([`PeerIndex`]), the peers with packets to send (served in turn) and those in RNR
-/// backoff. The engine reaches peer state through it; what touches other state too (the
-/// handshake, failing a peer's operations) stays on the engine.
+/// backoff, and the packets queued to them. Finding the sender of a packet, queueing, turns,
+/// backoffs and the HANDSHAKE's bookkeeping are its methods; failing a peer's operations
+/// touches every other sub-state and is the engine's (`Engine::fail_peer`).
 #[derive(Debug, Default)]
 pub(super) struct Peers {
     table: GenSlab<Peer>,
@@ -27,6 +31,8 @@ pub(super) struct Peers {
     ready: VecDeque<u64>,
     /// Peers in RNR backoff.
     backoff: Vec<u64>,
+    /// Packets queued at peers, not handed out yet.
+    queued: usize,
 }
 
 impl Peers {
@@ -50,10 +56,6 @@ impl Peers {
         self.table.values()
     }
 
-    pub(super) fn values_mut(&mut self) -> impl Iterator<Item = &mut Peer> {
-        self.table.values_mut()
-    }
-
     /// Adds `p`, the newest incarnation at its (GID, QPN); returns its id.
     fn add(&mut self, p: Peer) -> u64 {
         let addr = p.addr;
@@ -62,10 +64,12 @@ impl Peers {
         id
     }
 
-    /// Forgets peer `id` (its ids left in the ready and backoff lists find nothing).
-    fn remove(&mut self, id: &u64) -> Option<Peer> {
+    /// Forgets peer `id` (its ids left in the ready and backoff lists find nothing) and the
+    /// packets queued to it.
+    pub(super) fn remove(&mut self, id: &u64) -> Option<Peer> {
         let p = self.table.remove(id)?;
         self.index.remove(p.addr, *id);
+        self.queued = self.queued.saturating_sub(p.ctrl_q.len() + p.data_q.len());
         Some(p)
     }
 
@@ -79,13 +83,22 @@ impl Peers {
         self.index.newest(gid, qpn)
     }
 
+    /// Who wrote with immediate data from `src`: the device names the writer by GID and QPN
+    /// only, so it is that queue pair's newest incarnation (QKEY 0 when unknown).
+    pub(super) fn writer(&self, src: Source) -> RawAddr {
+        self.newest(src.gid, src.qpn)
+            .and_then(|id| self.get(&id))
+            .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr)
+    }
+
     /// Puts a packet on its peer's queue (at the front for a resend) and the peer on the ready
-    /// list; false when the peer is gone.
-    fn queue(&mut self, pkt: Pkt, ctrl: bool, front: bool) -> bool {
+    /// list (nothing when the peer is gone).
+    pub(super) fn enqueue(&mut self, pkt: Pkt, ctrl: bool, front: bool) {
         let pid = pkt.peer;
         let Some(p) = self.table.get_mut(&pid) else {
-            return false;
+            return;
         };
+        self.queued += 1;
         let q = if ctrl { &mut p.ctrl_q } else { &mut p.data_q };
         if front {
             q.push_front(pkt);
@@ -96,7 +109,25 @@ impl Peers {
             p.in_ready = true;
             self.ready.push_back(pid);
         }
-        true
+    }
+
+    /// Packets queued at peers, not handed out yet.
+    pub(super) fn queued(&self) -> usize {
+        self.queued
+    }
+
+    /// Takes the data packets of `owner` off peer `pid`'s queue, and `owner`'s place among the
+    /// sends waiting for its HANDSHAKE (a send that failed).
+    pub(super) fn withdraw(&mut self, pid: u64, owner: Owner) {
+        let Some(p) = self.table.get_mut(&pid) else {
+            return;
+        };
+        if let Owner::Tx(id) = owner {
+            p.blocked.retain(|&x| x != id);
+        }
+        let before = p.data_q.len();
+        p.data_q.retain(|k| k.owner != owner);
+        self.queued = self.queued.saturating_sub(before - p.data_q.len());
     }
 
     /// The next packet to send, from the next ready peer not in backoff (control packets
@@ -113,6 +144,7 @@ impl Peers {
             let Some(pkt) = p.ctrl_q.pop_front().or_else(|| p.data_q.pop_front()) else {
                 continue;
             };
+            self.queued = self.queued.saturating_sub(1);
             if !(p.ctrl_q.is_empty() && p.data_q.is_empty()) {
                 p.in_ready = true;
                 self.ready.push_back(pid);
@@ -214,12 +246,228 @@ impl Peers {
         timers.set(Timer::Backoff, self.backoff_deadline());
     }
 
-    /// Nobody is in turn or in backoff any more (the engine closed; the peers' queues were
-    /// emptied).
-    pub(super) fn clear_turns(&mut self, timers: &mut TimerTable) {
+    /// The engine closed: every queue is emptied, every message window starts afresh, nobody
+    /// is in turn or in backoff any more.
+    pub(super) fn close(&mut self, recvwin_size: usize, timers: &mut TimerTable) {
+        for p in self.table.values_mut() {
+            p.ctrl_q.clear();
+            p.data_q.clear();
+            p.robuf = ReorderWindow::new(p.robuf.expected(), recvwin_size);
+            p.inbound.clear();
+            p.blocked.clear();
+            p.in_ready = false;
+            p.backoff_until = None;
+        }
         self.ready.clear();
         self.backoff.clear();
+        self.queued = 0;
         timers.stop(Timer::Backoff);
+    }
+
+    /// A packet to `pid` met RNR a second time: the peer backs off (new episode: the wait
+    /// doubles, capped by `max_timeout`; already backing off: the wait restarts). The first
+    /// wait is `timeout_interval`, or random in 40..120 µs when it is zero (as libfabric).
+    pub(super) fn rnr_backoff(
+        &mut self,
+        pid: u64,
+        now: Instant,
+        cfg: &EngineConfig,
+        rng: &mut Rng,
+        timers: &mut TimerTable,
+    ) {
+        let initial = if cfg.timeout_interval.is_zero() {
+            Duration::from_micros(40 + rng.below(80))
+        } else {
+            cfg.timeout_interval
+        };
+        self.enter_backoff(pid, now, initial, cfg.max_timeout, timers);
+    }
+
+    /// A new peer for `addr`; `None` (counted as a dropped packet) when the table holds
+    /// `max_peers` already.
+    pub(super) fn new_peer(
+        &mut self,
+        addr: RawAddr,
+        max_peers: usize,
+        recvwin_size: usize,
+        out: &mut Out,
+    ) -> Option<u64> {
+        if self.len() >= max_peers {
+            out.drop_pkt("peer table full");
+            return None;
+        }
+        let peer = Peer {
+            addr,
+            hs_sent: false,
+            hs_received: false,
+            features: ExtraInfo::empty(),
+            next_msg_id: 0,
+            robuf: ReorderWindow::new(0, recvwin_size),
+            inbound: HashMap::new(),
+            ctrl_q: VecDeque::new(),
+            data_q: VecDeque::new(),
+            in_ready: false,
+            backoff_until: None,
+            rnr_wait: Duration::ZERO,
+            blocked: Vec::new(),
+            p2p: true,
+            runt_in_flight: 0,
+            hs_triggered: false,
+            last_heard: None,
+            verified: false,
+            held_msgs: 0,
+            held_bytes: 0,
+            held_back: false,
+        };
+        let id = self.add(peer);
+        tracing::debug!(peer = %addr, "new peer");
+        Some(id)
+    }
+
+    /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
+    pub(super) fn for_send(
+        &mut self,
+        dest: RawAddr,
+        max_peers: usize,
+        recvwin_size: usize,
+        out: &mut Out,
+    ) -> Option<u64> {
+        if let Some(id) = self.find(&dest) {
+            return Some(id);
+        }
+        if self.len() >= max_peers {
+            return None;
+        }
+        self.new_peer(dest, max_peers, recvwin_size, out)
+    }
+
+    /// The incarnations at `addr`'s (GID, QPN) that a REQ from `addr`, a new QKEY, replaces,
+    /// with their QKEYs: all but `addr`'s own and those that are live, verified (the device
+    /// delivered a packet to them) and heard from within `quiet`. Nothing authenticates the
+    /// REQ (on udp, a host that forges the source address can send it), so it must not abort
+    /// a live peer: a live incarnation stays, beside the new one, and its operations end as
+    /// any peer's do (completed, or failed by the device's unresponsive-peer timeout or the
+    /// engine's stall timeout). The engine fails the others and retires their connids
+    /// ([`Peers::retire`]), so made-up incarnations replace each other instead of piling up.
+    pub(super) fn replaced_by(
+        &self,
+        addr: RawAddr,
+        now: Instant,
+        quiet: Duration,
+    ) -> Vec<(u64, u32)> {
+        let mut old = Vec::new();
+        for &id in self.index.incarnations(addr.gid, addr.qpn) {
+            let Some(p) = self.get(&id) else {
+                continue;
+            };
+            let qkey = p.addr.qkey;
+            if qkey == addr.qkey {
+                continue;
+            }
+            if p.verified
+                && p.last_heard
+                    .is_some_and(|t| now.saturating_duration_since(t) < quiet)
+            {
+                tracing::debug!(old = %p.addr, new = %addr, "a new incarnation beside a live one: both kept");
+                continue;
+            }
+            tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
+            old.push((id, qkey));
+        }
+        old
+    }
+
+    /// Remembers that the incarnation with `qkey` at (`gid`, `qpn`) was replaced: its packets
+    /// are stale from now on.
+    pub(super) fn retire(&mut self, gid: Gid, qpn: u16, qkey: u32, max: usize) {
+        self.index.retire(gid, qpn, qkey, max);
+    }
+
+    /// Who sent `pkt` (arrived from `src`): a known peer, or the address of a new incarnation
+    /// that a REQ with a raw address introduces (the engine replaces older ones and adds it).
+    /// `Who::Nobody` (counted) for stale, unknown or unidentifiable senders.
+    pub(super) fn identify(&mut self, src: Source, pkt: &Packet<'_>, out: &mut Out) -> Who {
+        let newest = |peers: &Peers| match peers.newest(src.gid, src.qpn) {
+            Some(id) => Who::Peer(id),
+            None => Who::Nobody,
+        };
+        if let Some(opt) = pkt.req_opt() {
+            match opt.sender {
+                Sender::RawAddr(a) => {
+                    // A device that cannot tell the sender's GID (Gid::UNKNOWN) leaves the
+                    // header's to be trusted, as libfabric's EFA provider trusts it then.
+                    if (a.gid != src.gid && !src.gid.is_unknown()) || a.qpn != src.qpn {
+                        out.drop_pkt("raw address header does not match the source");
+                        return Who::Nobody;
+                    }
+                    if let Some(id) = self.find(&a) {
+                        return Who::Peer(id);
+                    }
+                    if self.index.is_retired(&a) {
+                        out.drop_pkt("stale connid (replaced incarnation)");
+                        return Who::Nobody;
+                    }
+                    Who::New(a)
+                }
+                Sender::Connid(c) => match self.find(&RawAddr::new(src.gid, src.qpn, c)) {
+                    Some(id) => Who::Peer(id),
+                    None => {
+                        out.drop_pkt("REQ with an unknown connid");
+                        Who::Nobody
+                    }
+                },
+                Sender::None => match newest(self) {
+                    Who::Nobody => {
+                        out.drop_pkt("REQ with no identifiable sender");
+                        Who::Nobody
+                    }
+                    who => who,
+                },
+            }
+        } else {
+            let found = match pkt.connid() {
+                Some(c) => match self.find(&RawAddr::new(src.gid, src.qpn, c)) {
+                    Some(id) => Who::Peer(id),
+                    None => Who::Nobody,
+                },
+                None => newest(self),
+            };
+            if matches!(found, Who::Nobody) {
+                out.drop_pkt("packet from an unknown peer or with a stale connid");
+            }
+            found
+        }
+    }
+
+    /// Our HANDSHAKE has not gone to `pid` yet (a known peer).
+    pub(super) fn handshake_due(&self, pid: u64) -> bool {
+        self.get(&pid).is_some_and(|p| !p.hs_sent)
+    }
+
+    /// Queues our HANDSHAKE (`hdr`) to `pid`; it goes once.
+    pub(super) fn queue_handshake(&mut self, pid: u64, hdr: Hdr) {
+        if let Some(p) = self.get_mut(&pid) {
+            p.hs_sent = true;
+        }
+        self.enqueue(Pkt::ctrl(pid, Owner::Handshake, hdr), true, false);
+    }
+
+    /// The peer's HANDSHAKE `h`: its features; REQs switch to the connid header. Returns
+    /// whether it is the first from it and the long-CTS sends whose CTSDATA waited for it.
+    pub(super) fn handshake_arrived(
+        &mut self,
+        pid: u64,
+        h: &Handshake,
+    ) -> Option<(bool, Vec<u32>)> {
+        let p = self.get_mut(&pid)?;
+        p.features = h.extra_info;
+        p.p2p = h.p2p.unwrap_or(true);
+        let first = !p.hs_received;
+        if first {
+            tracing::debug!(peer = %p.addr, features = ?h.extra_info, "handshake received");
+        }
+        p.hs_received = true;
+        Some((first, std::mem::take(&mut p.blocked)))
     }
 }
 
@@ -431,287 +679,55 @@ pub(super) fn peer_fatal(s: Status) -> bool {
     )
 }
 
-impl Engine {
-    /// The HANDSHAKE this engine sends: only what is implemented is advertised.
-    ///
-    /// Always: delivery complete, the connid-header request, runting read and READ_NACK (as
-    /// libfabric, which advertises the baselined bits whatever the device). RDMA read and write
-    /// only when the device can and the configuration allows (`device_rdma_read`,
-    /// `device_rdma_write`), unsolicited write-recv only with RDMA write and when the queue pair
-    /// has it ([`Engine::set_unsolicited_write_recv`]). p2p is `true`: all our buffers are host
-    /// memory, which the NIC always reaches (libfabric's `efa_rdm_ep_use_p2p` without FI_HMEM).
-    pub(super) fn handshake(&self) -> Handshake {
-        let mut extra_info = ExtraInfo::with_features(&[
-            ExtraFeature::DeliveryComplete,
-            ExtraFeature::RequestConnidHeader,
-            ExtraFeature::Runt,
-            ExtraFeature::ReadNack,
-        ]);
-        // Peers' one-sided accesses this side counts must reach the engine: device RDMA for
-        // them is not advertised (`Engine::set_remote_events`).
-        let (count_writes, count_reads) = self.remote_events;
-        if self.cfg.device_rdma_read && !count_reads {
-            extra_info.set(ExtraFeature::RdmaRead);
-        }
-        if self.cfg.device_rdma_write && !count_writes {
-            extra_info.set(ExtraFeature::RdmaWrite);
-            if self.rd_unsolicited_write_recv() {
-                extra_info.set(ExtraFeature::UnsolicitedWriteRecv);
-            }
-        }
-        Handshake {
-            extra_info,
-            connid: Some(self.local.qkey),
-            host_id: None,
-            device_version: None,
-            user_recv_qp: None,
-            p2p: Some(true),
+/// Who sent a packet ([`Peers::identify`]).
+pub(super) enum Who {
+    /// A known peer.
+    Peer(u64),
+    /// A new incarnation, at this address, introduced by a REQ with its raw address.
+    New(RawAddr),
+    /// Stale, unknown or unidentifiable (the packet was counted as dropped).
+    Nobody,
+}
+
+/// The HANDSHAKE this engine sends: only what is implemented is advertised.
+///
+/// Always: delivery complete, the connid-header request, runting read and READ_NACK (as
+/// libfabric, which advertises the baselined bits whatever the device). RDMA read and write
+/// only when the device can and the configuration allows (`device_rdma_read`,
+/// `device_rdma_write`), unsolicited write-recv only with RDMA write and when the queue pair
+/// has it (`unsolicited_write_recv`, [`Engine::set_unsolicited_write_recv`]). Peers' one-sided
+/// accesses this side counts (`remote_events`: writes, reads) must reach the engine: device
+/// RDMA for them is not advertised ([`Engine::set_remote_events`]). p2p is `true`: all our
+/// buffers are host memory, which the NIC always reaches (libfabric's `efa_rdm_ep_use_p2p`
+/// without FI_HMEM).
+pub(super) fn handshake(
+    cfg: &EngineConfig,
+    local: RawAddr,
+    remote_events: (bool, bool),
+    unsolicited_write_recv: bool,
+) -> Handshake {
+    let mut extra_info = ExtraInfo::with_features(&[
+        ExtraFeature::DeliveryComplete,
+        ExtraFeature::RequestConnidHeader,
+        ExtraFeature::Runt,
+        ExtraFeature::ReadNack,
+    ]);
+    let (count_writes, count_reads) = remote_events;
+    if cfg.device_rdma_read && !count_reads {
+        extra_info.set(ExtraFeature::RdmaRead);
+    }
+    if cfg.device_rdma_write && !count_writes {
+        extra_info.set(ExtraFeature::RdmaWrite);
+        if unsolicited_write_recv {
+            extra_info.set(ExtraFeature::UnsolicitedWriteRecv);
         }
     }
-
-    /// A new peer for `addr`; `None` (counted) when the peer table is full.
-    fn new_peer(&mut self, addr: RawAddr) -> Option<u64> {
-        if self.peers.len() >= self.budget.limits.max_peers {
-            self.drop_pkt("peer table full");
-            return None;
-        }
-        let peer = Peer {
-            addr,
-            hs_sent: false,
-            hs_received: false,
-            features: ExtraInfo::empty(),
-            next_msg_id: 0,
-            robuf: ReorderWindow::new(0, self.cfg.recvwin_size),
-            inbound: HashMap::new(),
-            ctrl_q: VecDeque::new(),
-            data_q: VecDeque::new(),
-            in_ready: false,
-            backoff_until: None,
-            rnr_wait: Duration::ZERO,
-            blocked: Vec::new(),
-            p2p: true,
-            runt_in_flight: 0,
-            hs_triggered: false,
-            last_heard: None,
-            verified: false,
-            held_msgs: 0,
-            held_bytes: 0,
-            held_back: false,
-        };
-        let id = self.peers.add(peer);
-        tracing::debug!(peer = %addr, "new peer");
-        Some(id)
-    }
-
-    /// The peer with address `a`, if known.
-    fn peer_by_addr(&mut self, a: &RawAddr) -> Option<u64> {
-        self.peers.find(a)
-    }
-
-    /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
-    pub(super) fn peer_for_send(&mut self, dest: RawAddr) -> Option<u64> {
-        if let Some(id) = self.peer_by_addr(&dest) {
-            return Some(id);
-        }
-        if self.peers.len() >= self.budget.limits.max_peers {
-            return None;
-        }
-        self.new_peer(dest)
-    }
-
-    /// A REQ from a new QKEY at a known (GID, QPN): the old incarnations are gone (their queue
-    /// pair number was reused) — unless one is live: verified (the device delivered a packet to
-    /// it) and heard from within `rx_stall_timeout`. Nothing authenticates the REQ (on udp, a
-    /// host that forges the source address can send it), so it must not abort a live peer: a
-    /// live incarnation stays, beside the new one, and its operations end as any peer's do
-    /// (completed, or failed by the device's unresponsive-peer timeout or the engine's stall
-    /// timeout). The others are dropped and their connids retired, so made-up incarnations
-    /// replace each other instead of piling up.
-    fn replace_incarnations(&mut self, addr: RawAddr, now: Instant) {
-        let quiet = self.cfg.rx_stall_timeout;
-        let old: Vec<u64> = self.peers.index.incarnations(addr.gid, addr.qpn).to_vec();
-        for id in old {
-            let Some(p) = self.peers.get(&id) else {
-                continue;
-            };
-            let qkey = p.addr.qkey;
-            if qkey == addr.qkey {
-                continue;
-            }
-            if p.verified
-                && p.last_heard
-                    .is_some_and(|t| now.saturating_duration_since(t) < quiet)
-            {
-                tracing::debug!(old = %p.addr, new = %addr, "a new incarnation beside a live one: both kept");
-                continue;
-            }
-            tracing::debug!(old = %p.addr, new = %addr, "peer restarted with a new connid");
-            self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
-            self.peers
-                .index
-                .retire(addr.gid, addr.qpn, qkey, self.budget.limits.max_peers);
-        }
-    }
-
-    /// Who sent `pkt` (arrived from `src`), creating the peer for a REQ with a raw address.
-    /// `None` (counted) for stale, unknown or unidentifiable senders.
-    pub(super) fn identify(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
-        let found = self.identify_peer(now, src, pkt);
-        if let Some(p) = found.and_then(|id| self.peers.get_mut(&id)) {
-            p.last_heard = Some(now);
-        }
-        found
-    }
-
-    fn identify_peer(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
-        let qp = (src.gid, src.qpn);
-        let newest = |e: &Engine| e.peers.newest(qp.0, qp.1);
-        if let Some(opt) = pkt.req_opt() {
-            match opt.sender {
-                Sender::RawAddr(a) => {
-                    // A device that cannot tell the sender's GID (Gid::UNKNOWN) leaves the
-                    // header's to be trusted, as libfabric's EFA provider trusts it then.
-                    if (a.gid != src.gid && !src.gid.is_unknown()) || a.qpn != src.qpn {
-                        self.drop_pkt("raw address header does not match the source");
-                        return None;
-                    }
-                    if let Some(id) = self.peer_by_addr(&a) {
-                        return Some(id);
-                    }
-                    if self.peers.index.is_retired(&a) {
-                        self.drop_pkt("stale connid (replaced incarnation)");
-                        return None;
-                    }
-                    self.replace_incarnations(a, now);
-                    self.new_peer(a)
-                }
-                Sender::Connid(c) => match self.peer_by_addr(&RawAddr::new(src.gid, src.qpn, c)) {
-                    Some(id) => Some(id),
-                    None => {
-                        self.drop_pkt("REQ with an unknown connid");
-                        None
-                    }
-                },
-                Sender::None => match newest(self) {
-                    Some(id) => Some(id),
-                    None => {
-                        self.drop_pkt("REQ with no identifiable sender");
-                        None
-                    }
-                },
-            }
-        } else {
-            let found = match pkt.connid() {
-                Some(c) => self.peer_by_addr(&RawAddr::new(src.gid, src.qpn, c)),
-                None => newest(self),
-            };
-            if found.is_none() {
-                self.drop_pkt("packet from an unknown peer or with a stale connid");
-            }
-            found
-        }
-    }
-
-    /// Queues our HANDSHAKE to `pid` unless it went already.
-    pub(super) fn queue_handshake(&mut self, pid: u64) {
-        if self.peers.get(&pid).is_none_or(|p| p.hs_sent) {
-            return;
-        }
-        let hs = self.handshake();
-        let Some(hdr) = self.encode(&Packet::Handshake(hs)) else {
-            return;
-        };
-        if let Some(p) = self.peers.get_mut(&pid) {
-            p.hs_sent = true;
-        }
-        self.enqueue(Pkt::ctrl(pid, Owner::Handshake, hdr), true, false);
-    }
-
-    /// The peer's HANDSHAKE: its features; REQs switch to the connid header, held CTSDATA
-    /// windows go out and RMA operations that waited for it choose their protocol.
-    pub(super) fn handle_handshake(&mut self, now: Instant, pid: u64, h: &Handshake) {
-        let Some(p) = self.peers.get_mut(&pid) else {
-            return;
-        };
-        p.features = h.extra_info;
-        p.p2p = h.p2p.unwrap_or(true);
-        let first = !p.hs_received;
-        if first {
-            tracing::debug!(peer = %p.addr, features = ?h.extra_info, "handshake received");
-        }
-        p.hs_received = true;
-        let blocked = std::mem::take(&mut p.blocked);
-        for id in blocked {
-            self.schedule_ctsdata(id);
-        }
-        self.ema_handshake(now, pid);
-        if first {
-            self.read_handshake_arrived(now, pid);
-        }
-    }
-
-    /// Puts a packet on its peer's queue (at the front for a resend) and the peer on the ready
-    /// list.
-    pub(super) fn enqueue(&mut self, pkt: Pkt, ctrl: bool, front: bool) {
-        if self.peers.queue(pkt, ctrl, front) {
-            self.tx.queued += 1;
-        }
-    }
-
-    /// A packet to `pid` met RNR a second time: the peer backs off (new episode: the wait
-    /// doubles, capped by `max_timeout`; already backing off: the wait restarts).
-    pub(super) fn enter_backoff(&mut self, pid: u64, now: Instant) {
-        let initial = if self.cfg.timeout_interval.is_zero() {
-            Duration::from_micros(40 + self.rng.below(80))
-        } else {
-            self.cfg.timeout_interval
-        };
-        self.peers
-            .enter_backoff(pid, now, initial, self.cfg.max_timeout, &mut self.timers);
-    }
-
-    /// The peer is gone (or replaced): its send operations and the receives in progress from
-    /// it fail with `kind`, its unexpected and reordered messages are dropped, and its state is
-    /// forgotten so that a new incarnation starts afresh.
-    pub(super) fn fail_peer(
-        &mut self,
-        pid: u64,
-        kind: ErrorKind,
-        status: Option<Status>,
-        why: &'static str,
-    ) {
-        let Some(p) = self.peers.remove(&pid) else {
-            return;
-        };
-        tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
-        if p.held_back {
-            self.budget.hold_change(p.addr, false);
-        }
-        self.tx.queued = self
-            .tx
-            .queued
-            .saturating_sub(p.ctrl_q.len() + p.data_q.len());
-        let addr = p.addr;
-        self.rx.matcher.remove_unexpected_where(|u| u.src == addr);
-        let mut rids: Vec<u32> = p.inbound.values().copied().collect();
-        rids.sort_unstable();
-        for rid in rids {
-            self.abort_rx(rid, kind, why);
-        }
-        let mut tids: Vec<u32> = self
-            .tx
-            .ops
-            .iter()
-            .filter(|(_, t)| t.peer == pid)
-            .map(|(id, _)| id)
-            .collect();
-        tids.sort_unstable();
-        for tid in tids {
-            let e = crate::error::Error::new(kind, "send").with_detail(why);
-            self.fail_tx(tid, e, status);
-        }
-        self.read_peer_failed(pid, kind, status, why);
-        let e = crate::error::Error::new(kind, "rma").with_detail(why);
-        self.ema_fail(Some(pid), &e, status);
+    Handshake {
+        extra_info,
+        connid: Some(local.qkey),
+        host_id: None,
+        device_version: None,
+        user_recv_qp: None,
+        p2p: Some(true),
     }
 }

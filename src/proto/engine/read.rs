@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use super::util::WrTable;
 use bytes::{Bytes, BytesMut};
 
-use super::peer::peer_fatal;
+use super::peer::{Peers, peer_fatal};
 use super::rx::{Kind, RxEntry, RxState};
 use super::tx::{MsgHdr, Owner, Pkt, Proto, medium_segments};
 use super::util::IdMap;
@@ -32,7 +32,7 @@ use super::{
     RmaPath, SendOp, Transmit, TransmitKind,
 };
 use crate::addr::RawAddr;
-use crate::device::{RemoteIov, Source, Status};
+use crate::device::{RemoteIov, Status};
 use crate::mem::RegionSlice;
 use crate::proto::wire::{ExtraFeature, IOV_LIMIT, IovList, Packet, PacketType, ReqOpt, Sender};
 
@@ -311,6 +311,82 @@ impl ReadState {
     pub(super) fn has_wrs(&self) -> bool {
         !self.wrs.is_empty()
     }
+
+    /// Whose turn it is on the device when packets and RDMA work requests both wait: true for
+    /// RDMA (they take turns; `max_outstanding_tx` bounds them together).
+    pub(super) fn rdma_turn(&mut self) -> bool {
+        self.turn = !self.turn;
+        self.turn
+    }
+
+    /// The next RDMA work request for the device (skipping peers in RNR backoff).
+    pub(super) fn next_wr(&mut self, peers: &Peers) -> Option<Transmit> {
+        loop {
+            let i = self
+                .wrs
+                .iter()
+                .position(|w| peers.get(&w.peer).is_none_or(|p| p.backoff_until.is_none()))?;
+            let mut w = self.wrs.remove(i)?;
+            let (payload, kind) = match &mut w.what {
+                WrWhat::Write { off, end, imm } => {
+                    let (buf, region) = match w.owner {
+                        WrOwner::Op(id) => match self.ops.get(&id) {
+                            Some(DevOp::Write { buf, region, .. }) => (buf, region),
+                            _ => continue,
+                        },
+                        _ => continue,
+                    };
+                    if let Some(r) = region {
+                        let Some(local) = r.sub(*off, end.saturating_sub(*off)) else {
+                            continue;
+                        };
+                        let kind = TransmitKind::RdmaWriteRegion {
+                            remote: w.remote,
+                            imm: *imm,
+                            local,
+                        };
+                        (Bytes::new(), kind)
+                    } else {
+                        if *off > *end || *end > buf.len() {
+                            continue;
+                        }
+                        let kind = TransmitKind::RdmaWrite {
+                            remote: w.remote,
+                            imm: *imm,
+                        };
+                        (buf.slice(*off..*end), kind)
+                    }
+                }
+                WrWhat::Read {
+                    region: Some(r), ..
+                } => {
+                    let kind = TransmitKind::RdmaReadRegion {
+                        remote: w.remote,
+                        local: r.clone(),
+                    };
+                    (Bytes::new(), kind)
+                }
+                WrWhat::Read { buf, .. } => {
+                    let n = usize::try_from(w.remote.len).unwrap_or(0);
+                    let b = buf.take().unwrap_or_else(|| BytesMut::with_capacity(n));
+                    let kind = TransmitKind::RdmaRead {
+                        remote: w.remote,
+                        buf: b,
+                    };
+                    (Bytes::new(), kind)
+                }
+            };
+            let dest = w.dest;
+            let wr_id = self.outstanding.insert(w);
+            return Some(Transmit {
+                wr_id,
+                dest,
+                hdr: Bytes::new(),
+                payload,
+                kind,
+            });
+        }
+    }
 }
 
 impl Engine {
@@ -452,104 +528,7 @@ impl Engine {
         self.rd.tx_read.clear();
         self.rd.read_msgs = 0;
         self.rd.waiting = 0;
-        self.timers.stop(Timer::ReadRetry);
-    }
-
-    /// `poll_transmit`: packets and RDMA work requests take turns (the device's send queue
-    /// holds both; `max_outstanding_tx` bounds them together).
-    pub(super) fn poll_transmit_any(&mut self, now: Instant) -> Option<Transmit> {
-        if self.rd.wrs.is_empty() {
-            return self.poll_transmit_impl(now);
-        }
-        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
-            return None;
-        }
-        if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.timers);
-        }
-        self.rd.turn = !self.rd.turn;
-        if self.rd.turn {
-            if let Some(t) = self.next_wr() {
-                return Some(t);
-            }
-            self.poll_transmit_impl(now)
-        } else {
-            if let Some(t) = self.poll_transmit_impl(now) {
-                return Some(t);
-            }
-            self.next_wr()
-        }
-    }
-
-    /// The next RDMA work request for the device (skipping peers in RNR backoff).
-    fn next_wr(&mut self) -> Option<Transmit> {
-        loop {
-            let peers = &self.peers;
-            let i = self
-                .rd
-                .wrs
-                .iter()
-                .position(|w| peers.get(&w.peer).is_none_or(|p| p.backoff_until.is_none()))?;
-            let mut w = self.rd.wrs.remove(i)?;
-            let (payload, kind) = match &mut w.what {
-                WrWhat::Write { off, end, imm } => {
-                    let (buf, region) = match w.owner {
-                        WrOwner::Op(id) => match self.rd.ops.get(&id) {
-                            Some(DevOp::Write { buf, region, .. }) => (buf, region),
-                            _ => continue,
-                        },
-                        _ => continue,
-                    };
-                    if let Some(r) = region {
-                        let Some(local) = r.sub(*off, end.saturating_sub(*off)) else {
-                            continue;
-                        };
-                        let kind = TransmitKind::RdmaWriteRegion {
-                            remote: w.remote,
-                            imm: *imm,
-                            local,
-                        };
-                        (Bytes::new(), kind)
-                    } else {
-                        if *off > *end || *end > buf.len() {
-                            continue;
-                        }
-                        let kind = TransmitKind::RdmaWrite {
-                            remote: w.remote,
-                            imm: *imm,
-                        };
-                        (buf.slice(*off..*end), kind)
-                    }
-                }
-                WrWhat::Read {
-                    region: Some(r), ..
-                } => {
-                    let kind = TransmitKind::RdmaReadRegion {
-                        remote: w.remote,
-                        local: r.clone(),
-                    };
-                    (Bytes::new(), kind)
-                }
-                WrWhat::Read { buf, .. } => {
-                    let n = usize::try_from(w.remote.len).unwrap_or(0);
-                    let b = buf.take().unwrap_or_else(|| BytesMut::with_capacity(n));
-                    let kind = TransmitKind::RdmaRead {
-                        remote: w.remote,
-                        buf: b,
-                    };
-                    (Bytes::new(), kind)
-                }
-            };
-            let dest = w.dest;
-            let wr_id = self.rd.outstanding.insert(w);
-            return Some(Transmit {
-                wr_id,
-                dest,
-                hdr: Bytes::new(),
-                payload,
-                kind,
-            });
-        }
+        self.out.timers.stop(Timer::ReadRetry);
     }
 
     /// [`Engine::handle_rdma_completion`].
@@ -573,13 +552,14 @@ impl Engine {
         {
             // A write with immediate data found no receive buffer at the target: again at
             // once, backing off from its second RNR on (as packets).
-            self.stats.rnr += 1;
-            self.stats.retransmits += 1;
+            self.out.stats.rnr += 1;
+            self.out.stats.retransmits += 1;
             w.rnr = w.rnr.saturating_add(1);
             let (again, pid) = (w.rnr > 1, w.peer);
             self.rd.wrs.push_front(w);
             if again {
-                self.enter_backoff(pid, now);
+                self.peers
+                    .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
             }
             return;
         }
@@ -591,7 +571,7 @@ impl Engine {
             // refuses our RDMA. A datagram carrying our raw address makes its provider create
             // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
             // it learns the GID of); then the work request goes again, after a backoff.
-            self.stats.retransmits += 1;
+            self.out.stats.retransmits += 1;
             w.no_ah += 1;
             if let WrWhat::Read { buf: slot, .. } = &mut w.what {
                 *slot = buf;
@@ -599,7 +579,8 @@ impl Engine {
             let pid = w.peer;
             self.rd.wrs.push_front(w);
             self.introduce(pid);
-            self.enter_backoff(pid, now);
+            self.peers
+                .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
             return;
         }
         if let WrWhat::Read { buf: slot, .. } = &mut w.what {

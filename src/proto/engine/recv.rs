@@ -1,13 +1,13 @@
 //! Application receives: posting (with multi-receive buffers), matching against posted
 //! receives, cancel, peek / claim / discard, and stalled receives.
 
-use crate::proto::engine::util::Timer;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
-use super::rx::{RxState, Sink};
-use super::{Engine, Error, ErrorKind, Event, Peeked, RecvDone, RecvOp};
+use super::rx::{RxSide, RxState, Sink};
+use super::util::Out;
+use super::{Error, ErrorKind, Event, Peeked, RecvDone, RecvOp};
 use crate::addr::RawAddr;
 use crate::proto::matching::Posted;
 
@@ -16,7 +16,7 @@ use crate::proto::matching::Posted;
 pub(super) enum PostedItem {
     /// An ordinary receive.
     One(RecvOp),
-    /// A multi-receive buffer (in `Engine::multi`).
+    /// A multi-receive buffer (in `RxSide::multi`).
     Multi(u32),
 }
 
@@ -35,22 +35,48 @@ pub(super) struct MultiRecv {
     pub(super) error: Option<ErrorKind>,
 }
 
-impl Engine {
+/// What posting a receive led to ([`RxSide::post`]).
+pub(super) enum Posting {
+    /// Queued for a message to come (or a multi-receive buffer too small to hold any: its
+    /// final completion went out).
+    Done,
+    /// An unexpected message matched: the engine starts receiving it into the sink.
+    Matched(u32, Sink),
+    /// A multi-receive buffer: the engine feeds it the unexpected messages it matches
+    /// ([`RxSide::next_multi_match`]), then queues it ([`RxSide::queue_multi`]).
+    Multi(MultiMatch),
+}
+
+/// A multi-receive buffer being matched against the unexpected messages.
+pub(super) struct MultiMatch {
+    mid: u32,
+    tagged: bool,
+    src: Option<RawAddr>,
+    tag: u64,
+    ignore: u64,
+}
+
+/// The `NoMessage` error of `op`.
+pub(super) fn no_message(op: &'static str) -> Error {
+    Error::new(ErrorKind::NoMessage, op)
+}
+
+impl RxSide {
     /// Takes (or carves a piece off) the posted receive at `idx` for a message of `msg_len`.
     pub(super) fn take_posted(&mut self, tagged: bool, idx: usize, msg_len: usize) -> Option<Sink> {
-        let mid = match &self.rx.matcher.posted_mut(tagged, idx)?.item {
+        let mid = match &self.matcher.posted_mut(tagged, idx)?.item {
             PostedItem::One(_) => None,
             PostedItem::Multi(mid) => Some(*mid),
         };
         match mid {
-            None => match self.rx.matcher.take_posted(tagged, idx)?.item {
+            None => match self.matcher.take_posted(tagged, idx)?.item {
                 PostedItem::One(op) => Some(Sink::of(op, msg_len)),
                 PostedItem::Multi(_) => None,
             },
             Some(mid) => {
                 let (sink, retired) = self.carve(mid, msg_len)?;
                 if retired {
-                    self.rx.matcher.take_posted(tagged, idx);
+                    self.matcher.take_posted(tagged, idx);
                 }
                 Some(sink)
             }
@@ -60,7 +86,7 @@ impl Engine {
     /// A piece of multi-receive buffer `mid` for a message of `msg_len`; true when the buffer
     /// is retired by it (less than `min_free` left).
     pub(super) fn carve(&mut self, mid: u32, msg_len: usize) -> Option<(Sink, bool)> {
-        let m = self.rx.multi.get_mut(&mid)?;
+        let m = self.multi.get_mut(&mid)?;
         let place = msg_len.min(m.buf.capacity());
         let rest = m.buf.split_off(place);
         let piece = std::mem::replace(&mut m.buf, rest);
@@ -83,15 +109,15 @@ impl Engine {
 
     /// A receive op's completion went out: ordinary receives stop counting; a piece of a
     /// retired multi-receive buffer may release it.
-    pub(super) fn piece_done(&mut self, multi: Option<u32>) {
+    pub(super) fn piece_done(&mut self, multi: Option<u32>, out: &mut Out) {
         match multi {
-            None => self.rx.user_ops = self.rx.user_ops.saturating_sub(1),
+            None => self.user_ops = self.user_ops.saturating_sub(1),
             Some(mid) => {
-                if let Some(m) = self.rx.multi.get_mut(&mid) {
+                if let Some(m) = self.multi.get_mut(&mid) {
                     m.pieces = m.pieces.saturating_sub(1);
                     if m.retired && m.pieces == 0 {
                         let err = m.error;
-                        self.retire_multi(mid, err);
+                        self.retire_multi(mid, err, out);
                     }
                 }
             }
@@ -100,8 +126,8 @@ impl Engine {
 
     /// Retires multi-receive buffer `mid`: its final completion (`multi_recv_done`) hands back
     /// what is left, once the pieces in progress have completed.
-    pub(super) fn retire_multi(&mut self, mid: u32, error: Option<ErrorKind>) {
-        let Some(m) = self.rx.multi.get_mut(&mid) else {
+    pub(super) fn retire_multi(&mut self, mid: u32, error: Option<ErrorKind>, out: &mut Out) {
+        let Some(m) = self.multi.get_mut(&mid) else {
             return;
         };
         m.retired = true;
@@ -111,17 +137,17 @@ impl Engine {
         if m.pieces > 0 {
             return;
         }
-        let Some(m) = self.rx.multi.remove(&mid) else {
+        let Some(m) = self.multi.remove(&mid) else {
             return;
         };
-        self.rx.user_ops = self.rx.user_ops.saturating_sub(1);
+        self.user_ops = self.user_ops.saturating_sub(1);
         if let Some(k) = m.error {
-            self.stats.errors += 1;
+            out.stats.errors += 1;
             if k == ErrorKind::Canceled {
-                self.stats.canceled += 1;
+                out.stats.canceled += 1;
             }
         }
-        self.events.push_back(Event::Recv(RecvDone {
+        out.events.push_back(Event::Recv(RecvDone {
             context: m.context,
             buf: m.buf,
             len: 0,
@@ -136,11 +162,11 @@ impl Engine {
     }
 
     /// A posted receive's `Canceled` completion.
-    pub(super) fn cancel_event(&mut self, op: RecvOp) {
-        self.rx.user_ops = self.rx.user_ops.saturating_sub(1);
-        self.stats.errors += 1;
-        self.stats.canceled += 1;
-        self.events.push_back(Event::Recv(RecvDone {
+    pub(super) fn cancel_event(&mut self, op: RecvOp, out: &mut Out) {
+        self.user_ops = self.user_ops.saturating_sub(1);
+        out.stats.errors += 1;
+        out.stats.canceled += 1;
+        out.events.push_back(Event::Recv(RecvDone {
             context: op.context,
             buf: op.buf,
             len: 0,
@@ -154,38 +180,52 @@ impl Engine {
         }));
     }
 
+    /// Every posted receive and multi-receive buffer completes with `Canceled` (close).
+    pub(super) fn cancel_all(&mut self, out: &mut Out) {
+        for (_, p) in self.matcher.drain_posted() {
+            match p.item {
+                PostedItem::One(op) => self.cancel_event(op, out),
+                PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled), out),
+            }
+        }
+        let mids: Vec<u32> = self.multi.keys().copied().collect();
+        for mid in mids {
+            self.retire_multi(mid, Some(ErrorKind::Canceled), out);
+        }
+    }
+
+    /// Posts a receive (at most `max_rx_ops`; more is `Again`, the receive handed back): an
+    /// ordinary receive takes the oldest unexpected message it matches or is queued; a
+    /// multi-receive buffer is matched by the engine ([`Posting::Multi`]).
     #[allow(
         clippy::result_large_err,
         reason = "the refused receive is handed back by value"
     )]
-    pub(super) fn post_recv_impl(
+    pub(super) fn post(
         &mut self,
-        now: Instant,
         mut op: RecvOp,
-    ) -> Result<(), (Error, RecvOp)> {
-        if self.closed {
-            return Err((Engine::closed_error("recv"), op));
-        }
-        if self.rx.user_ops >= self.cfg.max_rx_ops {
-            self.stats.again += 1;
+        max_rx_ops: usize,
+        out: &mut Out,
+    ) -> Result<Posting, (Error, RecvOp)> {
+        if self.user_ops >= max_rx_ops {
+            out.stats.again += 1;
             return Err((
                 Error::new(ErrorKind::Again, "recv").with_detail("max_rx_ops receives posted"),
                 op,
             ));
         }
-        self.rx.user_ops += 1;
+        self.user_ops += 1;
         let tagged = op.tag.is_some();
         let (tag, ignore) = op.tag.unwrap_or((0, 0));
         let src = op.src;
         let Some(min_free) = op.multi_recv else {
-            if let Some(idx) = self.rx.matcher.find_unexpected(tagged, src, tag, ignore) {
-                if let Some(u) = self.rx.matcher.take_unexpected(tagged, idx) {
-                    let msg_len = self.rx.ops.get(&u.item).map_or(0, |e| e.msg_len);
-                    self.start_matched(now, u.item, Sink::of(op, msg_len), None);
-                    return Ok(());
+            if let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
+                if let Some(u) = self.matcher.take_unexpected(tagged, idx) {
+                    let msg_len = self.ops.get(&u.item).map_or(0, |e| e.msg_len);
+                    return Ok(Posting::Matched(u.item, Sink::of(op, msg_len)));
                 }
             }
-            self.rx.matcher.post(
+            self.matcher.post(
                 tagged,
                 Posted {
                     src,
@@ -194,13 +234,13 @@ impl Engine {
                     item: PostedItem::One(op),
                 },
             );
-            return Ok(());
+            return Ok(Posting::Done);
         };
-        let mid = self.rx.next_multi_id;
-        self.rx.next_multi_id = self.rx.next_multi_id.wrapping_add(1);
+        let mid = self.next_multi_id;
+        self.next_multi_id = self.next_multi_id.wrapping_add(1);
         op.buf.clear();
         let retired = op.buf.capacity() < min_free;
-        self.rx.multi.insert(
+        self.multi.insert(
             mid,
             MultiRecv {
                 context: op.context,
@@ -212,56 +252,70 @@ impl Engine {
             },
         );
         if retired {
-            self.retire_multi(mid, None);
-            return Ok(());
+            self.retire_multi(mid, None, out);
+            return Ok(Posting::Done);
         }
-        while let Some(idx) = self.rx.matcher.find_unexpected(tagged, src, tag, ignore) {
-            let Some(u) = self.rx.matcher.take_unexpected(tagged, idx) else {
-                break;
-            };
-            let msg_len = self.rx.ops.get(&u.item).map_or(0, |e| e.msg_len);
-            let Some((sink, retired)) = self.carve(mid, msg_len) else {
-                break;
-            };
-            self.start_matched(now, u.item, sink, None);
-            if retired {
-                let (err, pieces) = self
-                    .rx
-                    .multi
-                    .get(&mid)
-                    .map_or((None, 1), |m| (m.error, m.pieces));
-                if pieces == 0 {
-                    self.retire_multi(mid, err);
-                }
-                return Ok(());
-            }
-        }
-        self.rx.matcher.post(
+        Ok(Posting::Multi(MultiMatch {
+            mid,
             tagged,
-            Posted {
-                src,
-                tag,
-                ignore,
-                item: PostedItem::Multi(mid),
-            },
-        );
-        Ok(())
+            src,
+            tag,
+            ignore,
+        }))
     }
 
-    pub(super) fn cancel_impl(&mut self, context: u64) -> bool {
-        if self.closed {
-            return false;
+    /// The next unexpected message multi-receive buffer `m` matches, with the piece carved
+    /// for it and whether that retired the buffer.
+    pub(super) fn next_multi_match(&mut self, m: &MultiMatch) -> Option<(u32, Sink, bool)> {
+        let idx = self
+            .matcher
+            .find_unexpected(m.tagged, m.src, m.tag, m.ignore)?;
+        let u = self.matcher.take_unexpected(m.tagged, idx)?;
+        let msg_len = self.ops.get(&u.item).map_or(0, |e| e.msg_len);
+        let (sink, retired) = self.carve(m.mid, msg_len)?;
+        Some((u.item, sink, retired))
+    }
+
+    /// Multi-receive buffer `m` was retired while matching: its final completion goes out
+    /// if no piece is in progress.
+    pub(super) fn multi_retired(&mut self, m: &MultiMatch, out: &mut Out) {
+        let (err, pieces) = self
+            .multi
+            .get(&m.mid)
+            .map_or((None, 1), |b| (b.error, b.pieces));
+        if pieces == 0 {
+            self.retire_multi(m.mid, err, out);
         }
-        let multi = &self.rx.multi;
-        let found = self.rx.matcher.cancel_posted(|it| match it {
+    }
+
+    /// Queues multi-receive buffer `m` (with room left) for messages to come.
+    pub(super) fn queue_multi(&mut self, m: MultiMatch) {
+        self.matcher.post(
+            m.tagged,
+            Posted {
+                src: m.src,
+                tag: m.tag,
+                ignore: m.ignore,
+                item: PostedItem::Multi(m.mid),
+            },
+        );
+    }
+
+    /// Cancels the oldest posted receive with `context` (it completes with `Canceled`);
+    /// false when there is none.
+    pub(super) fn cancel(&mut self, context: u64, out: &mut Out) -> bool {
+        let multi = &self.multi;
+        let found = self.matcher.cancel_posted(|it| match it {
             PostedItem::One(op) => op.context == context,
             PostedItem::Multi(mid) => multi.get(mid).is_some_and(|m| m.context == context),
         });
         match found {
             Some((_, p)) => {
                 match p.item {
-                    PostedItem::One(op) => self.cancel_event(op),
-                    PostedItem::Multi(mid) => self.retire_multi(mid, Some(ErrorKind::Canceled)),
+                    PostedItem::One(op) => self.cancel_event(op, out),
+                    PostedItem::Multi(mid) => {
+                        self.retire_multi(mid, Some(ErrorKind::Canceled), out)
+                    }
                 }
                 true
             }
@@ -270,7 +324,7 @@ impl Engine {
     }
 
     pub(super) fn peeked(&self, rid: u32) -> Option<Peeked> {
-        let e = self.rx.ops.get(&rid)?;
+        let e = self.ops.get(&rid)?;
         Some(Peeked {
             len: e.msg_len,
             tag: e.tag,
@@ -278,10 +332,6 @@ impl Engine {
             src: e.src,
             claim: None,
         })
-    }
-
-    pub(super) fn no_message(op: &'static str) -> Error {
-        Error::new(ErrorKind::NoMessage, op)
     }
 
     /// The oldest unexpected tagged message a (`tag`, `ignore`, `src`) receive matches: its
@@ -293,17 +343,12 @@ impl Engine {
         ignore: u64,
         src: Option<RawAddr>,
     ) -> super::Result<(usize, u32, Peeked)> {
-        if self.closed {
-            return Err(Engine::closed_error(op));
-        }
-        let none = || Engine::no_message(op);
+        let none = || no_message(op);
         let idx = self
-            .rx
             .matcher
             .find_unexpected(true, src, tag, ignore)
             .ok_or_else(none)?;
         let rid = self
-            .rx
             .matcher
             .unexpected(true, idx)
             .map(|u| u.item)
@@ -312,7 +357,8 @@ impl Engine {
         Ok((idx, rid, p))
     }
 
-    pub(super) fn peek_impl(
+    /// `FI_PEEK` (with `claim`: `FI_CLAIM`, the message reserved under the returned token).
+    pub(super) fn peek(
         &mut self,
         tag: u64,
         ignore: u64,
@@ -321,70 +367,63 @@ impl Engine {
     ) -> super::Result<Peeked> {
         let (idx, rid, mut p) = self.tagged_unexpected("peek", tag, ignore, src)?;
         if claim {
-            self.rx.matcher.take_unexpected(true, idx);
-            if let Some(e) = self.rx.ops.get_mut(&rid) {
+            self.matcher.take_unexpected(true, idx);
+            if let Some(e) = self.ops.get_mut(&rid) {
                 e.state = RxState::Claimed;
             }
-            let token = self.rx.next_claim;
-            self.rx.next_claim = self.rx.next_claim.wrapping_add(1);
-            self.rx.claimed.insert(token, rid);
+            let token = self.next_claim;
+            self.next_claim = self.next_claim.wrapping_add(1);
+            self.claimed.insert(token, rid);
             p.claim = Some(token);
         }
         Ok(p)
     }
 
+    /// The receive `op` takes the message claimed under `claim`: its id and the sink to start
+    /// receiving it into. `NoMessage` for an unknown claim, `Again` past `max_rx_ops`.
     #[allow(
         clippy::result_large_err,
         reason = "the refused receive is handed back by value"
     )]
-    pub(super) fn recv_claimed_impl(
+    pub(super) fn take_claimed(
         &mut self,
-        now: Instant,
         claim: u64,
         op: RecvOp,
-    ) -> Result<(), (Error, RecvOp)> {
-        if self.closed {
-            return Err((Engine::closed_error("recv_claimed"), op));
-        }
-        let Some(&rid) = self.rx.claimed.get(&claim) else {
-            return Err((
-                Engine::no_message("recv_claimed").with_detail("unknown claim"),
-                op,
-            ));
+        max_rx_ops: usize,
+        out: &mut Out,
+    ) -> Result<(u32, Sink), (Error, RecvOp)> {
+        let Some(&rid) = self.claimed.get(&claim) else {
+            return Err((no_message("recv_claimed").with_detail("unknown claim"), op));
         };
-        if self.rx.user_ops >= self.cfg.max_rx_ops {
-            self.stats.again += 1;
+        if self.user_ops >= max_rx_ops {
+            out.stats.again += 1;
             return Err((Error::new(ErrorKind::Again, "recv_claimed"), op));
         }
-        self.rx.claimed.remove(&claim);
-        self.rx.user_ops += 1;
-        let msg_len = self.rx.ops.get(&rid).map_or(0, |e| e.msg_len);
-        self.start_matched(now, rid, Sink::of(op, msg_len), None);
-        Ok(())
+        self.claimed.remove(&claim);
+        self.user_ops += 1;
+        let msg_len = self.ops.get(&rid).map_or(0, |e| e.msg_len);
+        Ok((rid, Sink::of(op, msg_len)))
     }
 
-    pub(super) fn discard_impl(
+    /// `FI_DISCARD`: takes the oldest unexpected tagged message that matches off the queue;
+    /// what peeking shows of it, and its id and last arrival time for the engine to receive it
+    /// into nothing (so that its sender completes normally).
+    pub(super) fn discard(
         &mut self,
         tag: u64,
         ignore: u64,
         src: Option<RawAddr>,
-    ) -> super::Result<Peeked> {
+    ) -> super::Result<(Peeked, Option<(u32, Instant)>)> {
         let (idx, rid, p) = self.tagged_unexpected("discard", tag, ignore, src)?;
-        self.rx.matcher.take_unexpected(true, idx);
-        let now = self.rx.ops.get(&rid).map(|e| e.last);
-        if let Some(now) = now {
-            // Received and thrown away, so that the sender completes normally.
-            self.start_matched(now, rid, Sink::discard(), None);
-        }
-        Ok(p)
+        self.matcher.take_unexpected(true, idx);
+        Ok((p, self.ops.get(&rid).map(|e| (rid, e.last))))
     }
 
-    /// Fails the receives that got no packet for `rx_stall_timeout`.
-    pub(super) fn check_stalls(&mut self, now: Instant) {
-        let stall = self.cfg.rx_stall_timeout;
+    /// The receives that got no packet for `stall` by `now`, and when the next one is due.
+    pub(super) fn stalled(&self, now: Instant, stall: Duration) -> (Vec<u32>, Option<Instant>) {
         let mut stalled = Vec::new();
         let mut next: Option<Instant> = None;
-        for (rid, e) in self.rx.ops.iter() {
+        for (rid, e) in self.ops.iter() {
             // A receive whose reads are on the device is not stalled: the device completes them.
             if !e.matched() || e.read.as_ref().is_some_and(|r| r.reading()) {
                 continue;
@@ -397,14 +436,6 @@ impl Engine {
             }
         }
         stalled.sort_unstable();
-        for rid in stalled {
-            self.stall_rx(rid, now);
-            if self.rx.ops.contains_key(&rid) {
-                let due = now.checked_add(stall).unwrap_or(now);
-                next = Some(next.map_or(due, |n| n.min(due)));
-            }
-        }
-        let next = if self.rx.in_progress > 0 { next } else { None };
-        self.timers.set(Timer::RxStall, next);
+        (stalled, next)
     }
 }

@@ -161,6 +161,30 @@ impl Start {
     }
 }
 
+impl Ema {
+    /// The payload of a packet of the emulation (`None`: its owner is gone).
+    pub(super) fn payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
+        match owner {
+            Owner::Ema(id) => {
+                let op = self.ops.get(id)?;
+                Some(
+                    op.pay
+                        .get(off..end)
+                        .map_or_else(Bytes::new, |_| op.pay.slice(off..end)),
+                )
+            }
+            Owner::Resp(id) => {
+                let (p, _) = self.resp.get(id)?;
+                Some(
+                    p.get(off..end)
+                        .map_or_else(Bytes::new, |_| p.slice(off..end)),
+                )
+            }
+            _ => None,
+        }
+    }
+}
+
 impl Engine {
     fn ema_sender(&self, pid: u64) -> Sender {
         our_sender(
@@ -284,7 +308,8 @@ impl Engine {
                 cts: None,
             },
         );
-        self.enqueue(Pkt::new(s.pid, Owner::Ema(s.id), hdr, 0, len), false, false);
+        self.peers
+            .enqueue(Pkt::new(s.pid, Owner::Ema(s.id), hdr, 0, len), false, false);
         Ok(())
     }
 
@@ -334,7 +359,8 @@ impl Engine {
                 cts: None,
             },
         );
-        self.enqueue(Pkt::ctrl(s.pid, Owner::Ema(s.id), hdr), false, false);
+        self.peers
+            .enqueue(Pkt::ctrl(s.pid, Owner::Ema(s.id), hdr), false, false);
         Ok(())
     }
 
@@ -427,30 +453,9 @@ impl Engine {
         );
         // Read atomics carry no payload: the packet's range is empty.
         let end = if aop == AtomicOp::Read { 0 } else { n };
-        self.enqueue(Pkt::new(s.pid, Owner::Ema(id), hdr, 0, end), false, false);
+        self.peers
+            .enqueue(Pkt::new(s.pid, Owner::Ema(id), hdr, 0, end), false, false);
         Ok(())
-    }
-
-    /// The payload of a packet of the emulation (`None`: its owner is gone).
-    pub(super) fn ema_payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
-        match owner {
-            Owner::Ema(id) => {
-                let op = self.ema.ops.get(id)?;
-                Some(
-                    op.pay
-                        .get(off..end)
-                        .map_or_else(Bytes::new, |_| op.pay.slice(off..end)),
-                )
-            }
-            Owner::Resp(id) => {
-                let (p, _) = self.ema.resp.get(id)?;
-                Some(
-                    p.get(off..end)
-                        .map_or_else(Bytes::new, |_| p.slice(off..end)),
-                )
-            }
-            _ => None,
-        }
     }
 
     /// A packet of the emulation left the device: responses free their payload; a failed
@@ -732,7 +737,7 @@ impl Engine {
             match self.ema_run(w) {
                 None => return,
                 Some(w) => {
-                    self.timers.set(Timer::EmaRetry, Some(now + RETRY));
+                    self.out.timers.set(Timer::EmaRetry, Some(now + RETRY));
                     w
                 }
             }
@@ -750,16 +755,16 @@ impl Engine {
 
     /// Retries target work whose region was locked.
     pub(super) fn ema_timeout(&mut self, now: Instant) {
-        if !self.timers.expired(Timer::EmaRetry, now) {
+        if !self.out.timers.expired(Timer::EmaRetry, now) {
             return;
         }
-        self.timers.stop(Timer::EmaRetry);
+        self.out.timers.stop(Timer::EmaRetry);
         while let Some(w) = self.ema.retry.pop_front() {
             let n = w.held_bytes();
             match self.ema_run(w) {
                 Some(w) => {
                     self.ema.retry.push_front(w);
-                    self.timers.set(Timer::EmaRetry, Some(now + RETRY));
+                    self.out.timers.set(Timer::EmaRetry, Some(now + RETRY));
                     return;
                 }
                 None => self.ema.retry_bytes = self.ema.retry_bytes.saturating_sub(n),
@@ -776,7 +781,7 @@ impl Engine {
         match &w {
             Work::Write { cq_data, .. }
                 if cq_data.is_some()
-                    && self.remote_write_events >= super::MAX_REMOTE_WRITE_EVENTS =>
+                    && self.out.remote_write_events >= super::MAX_REMOTE_WRITE_EVENTS =>
             {
                 // The application has not taken the completions of earlier writes: this one
                 // waits (untouched memory), as for a locked region.
@@ -817,12 +822,14 @@ impl Engine {
                         if let (Some(d), Some(src)) =
                             (*cq_data, self.peers.get(&pid).map(|p| p.addr))
                         {
-                            self.remote_write_events += 1;
-                            self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
-                                src,
-                                data: d as u32,
-                                len: data.len(),
-                            }));
+                            self.out.remote_write_events += 1;
+                            self.out
+                                .events
+                                .push_back(Event::RemoteWrite(RemoteWriteDone {
+                                    src,
+                                    data: d as u32,
+                                    len: data.len(),
+                                }));
                         }
                     }
                 }
@@ -940,7 +947,8 @@ impl Engine {
         self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
         let n = data.len();
         self.ema.resp.insert(id, (data, 1));
-        self.enqueue(Pkt::new(pid, Owner::Resp(id), hdr, 0, n), true, false);
+        self.peers
+            .enqueue(Pkt::new(pid, Owner::Resp(id), hdr, 0, n), true, false);
     }
 
     /// Tells the initiator its operation was refused (PEER_ERROR naming its id); requests that

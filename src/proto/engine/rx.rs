@@ -418,7 +418,7 @@ impl Engine {
             }
             self.process(now, rid, Some((off, data)), unmatched);
         } else {
-            self.stats.reorder_buffered += 1;
+            self.out.stats.reorder_buffered += 1;
             self.hold(rid, off, data);
         }
         self.drain_ready(now, pid);
@@ -503,34 +503,8 @@ impl Engine {
             p.inbound.insert(m.msg_id, rid);
         }
         self.budget.add_msg();
-        self.peer_held(pid, 1, 0, true);
+        self.budget.peer_held(&mut self.peers, pid, 1, 0, true);
         rid
-    }
-
-    /// Counts (`add`) or releases messages and bytes peer `pid` holds without a receive, and
-    /// records when it crosses its share of the budget ([`Engine::poll_hold`]).
-    pub(super) fn peer_held(&mut self, pid: u64, msgs: usize, bytes: usize, add: bool) {
-        let (cap_msgs, cap_bytes) = self.budget.share();
-        let Some(p) = self.peers.get_mut(&pid) else {
-            return;
-        };
-        if add {
-            p.held_msgs += msgs;
-            p.held_bytes += bytes;
-        } else {
-            p.held_msgs = p.held_msgs.saturating_sub(msgs);
-            p.held_bytes = p.held_bytes.saturating_sub(bytes);
-        }
-        let over = p.held_msgs > cap_msgs || p.held_bytes > cap_bytes;
-        let under = p.held_msgs <= cap_msgs / 2 && p.held_bytes <= cap_bytes / 2;
-        if over && !p.held_back {
-            p.held_back = true;
-            tracing::debug!(peer = %p.addr, msgs = p.held_msgs, bytes = p.held_bytes, "peer over its buffering share: held back");
-            self.budget.hold_change(p.addr, true);
-        } else if under && p.held_back {
-            p.held_back = false;
-            self.budget.hold_change(p.addr, false);
-        }
     }
 
     /// Copies data of an unmatched message out of the device buffer. Past
@@ -554,7 +528,7 @@ impl Engine {
         self.budget
             .add_bytes(n, matches!(e.state, RxState::Unexpected | RxState::Claimed));
         let pid = e.peer;
-        self.peer_held(pid, 0, n, true);
+        self.budget.peer_held(&mut self.peers, pid, 0, n, true);
     }
 
     /// A further packet of a message whose first packet arrived (medium segments).
@@ -599,7 +573,7 @@ impl Engine {
                     self.runt_progress(rid);
                 }
             }
-            RxState::Dropped => self.stats.dropped_pkts += 1,
+            RxState::Dropped => self.out.stats.dropped_pkts += 1,
             RxState::Waiting | RxState::Unexpected | RxState::Claimed => self.hold(rid, off, data),
         }
     }
@@ -634,7 +608,7 @@ impl Engine {
         let Some(idx) = self.rx.matcher.find_posted(tagged, src, tag) else {
             return false;
         };
-        let Some(mut sink) = self.take_posted(tagged, idx, data.len()) else {
+        let Some(mut sink) = self.rx.take_posted(tagged, idx, data.len()) else {
             return false;
         };
         // The id the entry would have had, so that later ids are the same.
@@ -693,12 +667,12 @@ impl Engine {
             self.rx.matcher.find_posted(tagged, src, tag)
         };
         if let Some(idx) = posted {
-            if let Some(sink) = self.take_posted(tagged, idx, msg_len) {
+            if let Some(sink) = self.rx.take_posted(tagged, idx, msg_len) {
                 return self.start_matched(now, rid, sink, fresh);
             }
         }
         // Unexpected.
-        self.stats.unexpected_msgs += 1;
+        self.out.stats.unexpected_msgs += 1;
         if self.budget.over_msgs() {
             tracing::debug!(
                 "over max_buffered_msgs: unexpected message held (the device is held back)"
@@ -764,7 +738,8 @@ impl Engine {
             e.received == e.msg_len,
             matches!(e.kind, Kind::LongCts { .. }),
         );
-        self.peer_held(pid, 1, released, false);
+        self.budget
+            .peer_held(&mut self.peers, pid, 1, released, false);
         if whole {
             return self.complete_rx(rid);
         }
@@ -777,7 +752,7 @@ impl Engine {
         self.rx.in_progress += 1;
         {
             let at = now.checked_add(self.cfg.rx_stall_timeout);
-            self.timers.arm_if_stopped(Timer::RxStall, at);
+            self.out.timers.arm_if_stopped(Timer::RxStall, at);
         }
         if self.rx.ops.get(&rid).is_some_and(|e| e.read.is_some()) {
             self.start_rx_read(now, rid);
@@ -862,7 +837,8 @@ impl Engine {
             e.held_bytes,
             matches!(e.state, RxState::Unexpected | RxState::Claimed),
         );
-        self.peer_held(e.peer, 1, e.held_bytes, false);
+        self.budget
+            .peer_held(&mut self.peers, e.peer, 1, e.held_bytes, false);
     }
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
@@ -918,8 +894,8 @@ impl Engine {
         let Some(context) = sink.context else { return };
         let olen = msg.msg_len - sink.place;
         let error = if olen > 0 {
-            self.stats.errors += 1;
-            self.stats.truncated += 1;
+            self.out.stats.errors += 1;
+            self.out.stats.truncated += 1;
             Some(
                 Error::new(ErrorKind::Truncated, "recv").with_detail(format!(
                     "message of {} bytes, buffer of {}",
@@ -927,11 +903,11 @@ impl Engine {
                 )),
             )
         } else {
-            self.stats.rx_msgs += 1;
-            self.stats.rx_bytes += sink.place as u64;
+            self.out.stats.rx_msgs += 1;
+            self.out.stats.rx_bytes += sink.place as u64;
             None
         };
-        self.events.push_back(Event::Recv(RecvDone {
+        self.out.events.push_back(Event::Recv(RecvDone {
             context,
             buf: sink.buf,
             len: sink.place,
@@ -943,7 +919,7 @@ impl Engine {
             error,
             in_region: sink.in_region,
         }));
-        self.piece_done(sink.multi);
+        self.rx.piece_done(sink.multi, &mut self.out);
     }
 
     /// A receive ends without its message (peer failure, stall, close): an error completion
@@ -976,12 +952,12 @@ impl Engine {
         why: &'static str,
     ) {
         let Some(context) = sink.context else { return };
-        self.stats.errors += 1;
+        self.out.stats.errors += 1;
         if kind == ErrorKind::Canceled {
-            self.stats.canceled += 1;
+            self.out.stats.canceled += 1;
         }
         sink.buf.clear();
-        self.events.push_back(Event::Recv(RecvDone {
+        self.out.events.push_back(Event::Recv(RecvDone {
             context,
             buf: sink.buf,
             len: 0,
@@ -993,7 +969,7 @@ impl Engine {
             error: Some(Error::new(kind, "recv").with_detail(why)),
             in_region: None,
         }));
-        self.piece_done(sink.multi);
+        self.rx.piece_done(sink.multi, &mut self.out);
     }
 
     /// A matched receive got no packet for `rx_stall_timeout`: its application receive fails,

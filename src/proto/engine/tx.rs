@@ -7,9 +7,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::peer::our_sender;
-use super::peer::peer_fatal;
+use super::peer::{Peers, peer_fatal};
 use super::read::ReadProto;
-use super::util::{Hdr, SeqMap, WrTable};
+use super::util::{Hdr, HeaderArena, SeqMap, WrTable};
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
 use crate::proto::wire::{
@@ -41,16 +41,13 @@ pub(super) enum Owner {
 ///
 /// It holds no reference-counted buffer: its headers are inline and its payload is a range of
 /// its send's buffer, turned into the `Transmit`'s `Bytes` when it goes to the device (and
-/// The transmit side of the engine: send operations by id, the packets on the device, and
-/// how many packets wait in peers' queues.
+/// The transmit side of the engine: send operations by id and the packets on the device.
 #[derive(Debug)]
 pub(super) struct TxSide {
     pub(super) ops: SeqMap<TxEntry>,
     pub(super) next_id: u32,
     /// Packets handed to the device.
     pub(super) wrs: WrTable<Pkt, 0>,
-    /// Packets queued at peers, not handed out yet.
-    pub(super) queued: usize,
 }
 
 impl TxSide {
@@ -59,8 +56,41 @@ impl TxSide {
             ops: SeqMap::new(cap),
             next_id: 1,
             wrs: WrTable::default(),
-            queued: 0,
         }
+    }
+
+    /// The next packet for the device, from the peers in turn: its payload is a slice of its
+    /// owner's buffer (a send's here, the emulation's through `ema_payload`: owner, range),
+    /// its headers are copied into the arena `hdr`. `None` for a packet whose owner is gone.
+    pub(super) fn next_packet(
+        &mut self,
+        peers: &mut Peers,
+        hdr: &mut HeaderArena,
+        ema_payload: impl Fn(&Owner, usize, usize) -> Option<Bytes>,
+    ) -> Option<Transmit> {
+        while let Some((dest, pkt)) = peers.next_packet() {
+            let payload = match pkt.owner {
+                Owner::Tx(id) => match self.ops.get(&id) {
+                    Some(t) => t.buf.slice(pkt.off..pkt.end),
+                    None => continue,
+                },
+                Owner::Handshake | Owner::Ctrl | Owner::Rd(_) => Bytes::new(),
+                Owner::Ema(_) | Owner::Resp(_) => match ema_payload(&pkt.owner, pkt.off, pkt.end) {
+                    Some(b) => b,
+                    None => continue,
+                },
+            };
+            let hdr = hdr.copy(pkt.hdr.bytes());
+            let wr_id = self.wrs.insert(pkt);
+            return Some(Transmit {
+                wr_id,
+                dest,
+                hdr,
+                payload,
+                kind: super::TransmitKind::Send,
+            });
+        }
+        None
     }
 }
 
@@ -242,7 +272,7 @@ pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
 
 impl Engine {
     fn again<T>(&mut self, op: T, why: &'static str, what: &'static str) -> Result<(), (Error, T)> {
-        self.stats.again += 1;
+        self.out.stats.again += 1;
         Err((Error::new(ErrorKind::Again, what).with_detail(why), op))
     }
 
@@ -272,7 +302,7 @@ impl Engine {
             return Err((Engine::closed_error("send"), op));
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.timers);
+            self.peers.expire_backoffs(now, &mut self.out.timers);
         }
         if self.tx.ops.len() >= self.cfg.max_tx_ops {
             return self.again(op, "max_tx_ops operations in flight", "send");
@@ -350,7 +380,7 @@ impl Engine {
             },
         );
         for p in pkts.drain(..) {
-            self.enqueue(p, false, false);
+            self.peers.enqueue(p, false, false);
         }
         self.pkt_scratch = pkts;
         Ok(())
@@ -450,41 +480,6 @@ impl Engine {
         Ok(())
     }
 
-    pub(super) fn poll_transmit_impl(&mut self, now: Instant) -> Option<Transmit> {
-        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
-            return None;
-        }
-        if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.timers);
-        }
-        while let Some((dest, pkt)) = self.peers.next_packet() {
-            self.tx.queued = self.tx.queued.saturating_sub(1);
-            let payload = match pkt.owner {
-                Owner::Tx(id) => match self.tx.ops.get(&id) {
-                    Some(t) => t.buf.slice(pkt.off..pkt.end),
-                    None => continue,
-                },
-                Owner::Handshake | Owner::Ctrl | Owner::Rd(_) => Bytes::new(),
-                Owner::Ema(_) | Owner::Resp(_) => {
-                    match self.ema_payload(&pkt.owner, pkt.off, pkt.end) {
-                        Some(b) => b,
-                        None => continue,
-                    }
-                }
-            };
-            let hdr = self.hdr.copy(pkt.hdr.bytes());
-            let wr_id = self.tx.wrs.insert(pkt);
-            return Some(Transmit {
-                wr_id,
-                dest,
-                hdr,
-                payload,
-                kind: super::TransmitKind::Send,
-            });
-        }
-        None
-    }
-
     pub(super) fn send_completion_impl(&mut self, now: Instant, wr_id: u64, status: Status) {
         if self.closed {
             return;
@@ -504,7 +499,7 @@ impl Engine {
             && !peer_fatal(status)
         {
             if status == Status::Success && pkt.rnr > 0 {
-                self.peers.reset_backoff(pkt.peer, &mut self.timers);
+                self.peers.reset_backoff(pkt.peer, &mut self.out.timers);
             }
             return self.ema_pkt_done(&pkt.owner, status);
         }
@@ -513,7 +508,7 @@ impl Engine {
                 if pkt.rnr > 0 {
                     // A resent packet got through: the peer's backoff is over and its wait
                     // starts afresh (libfabric's `efa_rdm_pke_release_tx`).
-                    self.peers.reset_backoff(pkt.peer, &mut self.timers);
+                    self.peers.reset_backoff(pkt.peer, &mut self.out.timers);
                 }
                 if let Owner::Tx(id) = pkt.owner {
                     self.read_pkt_done(id, &pkt);
@@ -524,7 +519,7 @@ impl Engine {
                 }
             }
             Status::RnrRetryExceeded => {
-                self.stats.rnr += 1;
+                self.out.stats.rnr += 1;
                 self.requeue_rnr(now, pkt);
             }
             s if peer_fatal(s) => self.fail_peer(pkt.peer, s.error_kind(), Some(s), "send failed"),
@@ -552,13 +547,14 @@ impl Engine {
             }
         }
         pkt.rnr = pkt.rnr.saturating_add(1);
-        self.stats.retransmits += 1;
+        self.out.stats.retransmits += 1;
         let again = pkt.rnr > 1;
         let pid = pkt.peer;
         let ctrl = !matches!(pkt.owner, Owner::Tx(_));
-        self.enqueue(pkt, ctrl, true);
+        self.peers.enqueue(pkt, ctrl, true);
         if again {
-            self.enter_backoff(pid, now);
+            self.peers
+                .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
         }
     }
 
@@ -579,9 +575,9 @@ impl Engine {
         };
         self.read_tx_gone(id, t.peer);
         let len = t.len;
-        self.stats.tx_msgs += 1;
-        self.stats.tx_bytes += len as u64;
-        self.events.push_back(Event::Send(SendDone {
+        self.out.stats.tx_msgs += 1;
+        self.out.stats.tx_bytes += len as u64;
+        self.out.events.push_back(Event::Send(SendDone {
             context: t.context,
             buf: t.buf,
             len,
@@ -597,15 +593,10 @@ impl Engine {
             return;
         };
         self.read_tx_gone(id, t.peer);
-        if let Some(p) = self.peers.get_mut(&t.peer) {
-            p.blocked.retain(|&x| x != id);
-            let before = p.data_q.len();
-            p.data_q.retain(|k| k.owner != Owner::Tx(id));
-            self.tx.queued = self.tx.queued.saturating_sub(before - p.data_q.len());
-        }
-        self.stats.errors += 1;
+        self.peers.withdraw(t.peer, Owner::Tx(id));
+        self.out.stats.errors += 1;
         tracing::debug!(error = %error, "send failed");
-        self.events.push_back(Event::Send(SendDone {
+        self.out.events.push_back(Event::Send(SendDone {
             context: t.context,
             buf: t.buf,
             len: 0,
@@ -709,7 +700,7 @@ impl Engine {
             t.pending += pkts.len();
         }
         for p in pkts.drain(..) {
-            self.enqueue(p, false, false);
+            self.peers.enqueue(p, false, false);
         }
         self.pkt_scratch = pkts;
     }
@@ -732,7 +723,8 @@ impl Engine {
             return;
         }
         if let Some(hdr) = self.encode(pkt) {
-            self.enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
+            self.peers
+                .enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
         }
     }
 }

@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
+use super::Event;
 use crate::proto::wire::{Packet, WireError};
+use crate::stats::EndpointStats;
 
 /// A multiplicative hasher for keys the engine chooses (operation, peer and claim ids). Keys a
 /// peer controls (message ids) use the standard, randomly keyed hasher instead.
@@ -801,5 +803,34 @@ impl TimerTable {
     /// The earliest armed timer.
     pub(super) fn next(&self) -> Option<Instant> {
         self.at.iter().flatten().min().copied()
+    }
+}
+
+/// What the engine's handlers report into, beside the sub-state they change (a split borrow of
+/// the engine, as quinn-proto hands its streams the connection's pieces they need): the
+/// completions for the application, the counters and the timers.
+#[derive(Debug, Default)]
+pub(super) struct Out {
+    pub(super) events: VecDeque<Event>,
+    /// `Event::RemoteWrite`s in `events`: peers cause them, so they are capped
+    /// ([`MAX_REMOTE_WRITE_EVENTS`](super::MAX_REMOTE_WRITE_EVENTS)); beyond, writes with
+    /// immediate data wait.
+    pub(super) remote_write_events: usize,
+    pub(super) stats: EndpointStats,
+    /// Every timer of the engine and its sub-states; `poll_timeout` is the earliest.
+    pub(super) timers: TimerTable,
+}
+
+impl Out {
+    /// Counts and logs a dropped packet.
+    pub(super) fn drop_pkt(&mut self, why: &'static str) {
+        self.stats.dropped_pkts += 1;
+        tracing::debug!(why, "dropped a packet");
+    }
+
+    /// Reports a peer's write with immediate data (counted among the capped events).
+    pub(super) fn remote_write(&mut self, done: super::RemoteWriteDone) {
+        self.remote_write_events += 1;
+        self.events.push_back(Event::RemoteWrite(done));
     }
 }

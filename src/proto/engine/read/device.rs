@@ -175,7 +175,7 @@ impl Engine {
         op: RmaOp,
         why: &'static str,
     ) -> Result<T, (Error, RmaOp)> {
-        self.stats.again += 1;
+        self.out.stats.again += 1;
         Err((Error::new(ErrorKind::Again, "rma").with_detail(why), op))
     }
 
@@ -213,7 +213,7 @@ impl Engine {
             return Ok(Some(op));
         }
         if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.timers);
+            self.peers.expire_backoffs(now, &mut self.out.timers);
         }
         let Some(pid) = self.peer_for_send(op.dest) else {
             let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");
@@ -384,7 +384,8 @@ impl Engine {
         self.rd
             .ops
             .insert(id, DevOp::LongReadRtw { peer: pid, op, len });
-        self.enqueue(Pkt::ctrl(pid, Owner::Rd(id), hdr), false, false);
+        self.peers
+            .enqueue(Pkt::ctrl(pid, Owner::Rd(id), hdr), false, false);
         None
     }
 
@@ -416,7 +417,8 @@ impl Engine {
             rma_iov: IovList::EMPTY,
         };
         if let Some(hdr) = self.encode(&pkt) {
-            self.enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
+            self.peers
+                .enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
         }
     }
 
@@ -467,14 +469,14 @@ impl Engine {
     ) {
         match (&error, path) {
             (Some(e), _) => {
-                self.stats.errors += 1;
+                self.out.stats.errors += 1;
                 tracing::debug!(error = %e, "RMA operation failed");
             }
-            (None, RmaPath::Device) => self.stats.device_rma_bytes += len as u64,
-            (None, RmaPath::Emulated) => self.stats.emulated_rma_bytes += len as u64,
+            (None, RmaPath::Device) => self.out.stats.device_rma_bytes += len as u64,
+            (None, RmaPath::Emulated) => self.out.stats.emulated_rma_bytes += len as u64,
         }
         let len = if error.is_some() { 0 } else { len };
-        self.events.push_back(Event::Rma(RmaDone {
+        self.out.events.push_back(Event::Rma(RmaDone {
             context,
             buf,
             len,
@@ -639,37 +641,6 @@ impl Engine {
         if let Some(op) = self.rd.ops.remove(&id) {
             self.finish_dev_op(op, None);
         }
-    }
-
-    /// [`Engine::handle_remote_write`]: one event per write with immediate data. The device
-    /// names the writer by GID and QPN only: it is reported as that queue pair's newest
-    /// incarnation (QKEY 0 when unknown).
-    pub(in crate::proto::engine) fn remote_write_impl(
-        &mut self,
-        now: Instant,
-        src: Source,
-        imm: u32,
-        len: usize,
-    ) {
-        let _ = now;
-        if self.closed {
-            return;
-        }
-        let addr = self
-            .peers
-            .newest(src.gid, src.qpn)
-            .and_then(|id| self.peers.get(&id))
-            .map_or(RawAddr::new(src.gid, src.qpn, 0), |p| p.addr);
-        // The device wrote already: the completion is kept; the endpoint stops reposting receive
-        // buffers while too many wait ([`Engine::remote_writes_full`]), which holds the device
-        // back (receiver not ready) on devices where a write with immediate data takes one.
-        self.remote_write_events += 1;
-        self.target_counts.count(true, true);
-        self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
-            src: addr,
-            data: imm,
-            len,
-        }));
     }
 
     /// A LONGREAD_RTW REQ failed on the device (not a peer failure): its operation fails.

@@ -134,7 +134,7 @@ impl Engine {
             .is_some_and(|p| p.hs_received || p.addr == self.local);
         if !known && self.cfg.device_rdma_read {
             self.trigger_handshake(pid);
-            self.stats.again += 1;
+            self.out.stats.again += 1;
             return Err(Error::new(ErrorKind::Again, "send").with_detail(
                 "a device-only region goes by the long-read protocol, which waits for the \
                  peer's handshake (requested): retry",
@@ -353,7 +353,8 @@ impl Engine {
                 t.recv_id = recv_id;
                 t.pending += 1;
             }
-            self.enqueue(Pkt::new(pid, Owner::Tx(send_id), hdr, at, at), false, false);
+            self.peers
+                .enqueue(Pkt::new(pid, Owner::Tx(send_id), hdr, at, at), false, false);
             return;
         }
         let ours = matches!(self.rd.ops.get(&send_id),
@@ -468,7 +469,7 @@ impl Engine {
         }
         if self.rx.in_progress > 0 {
             let at = now.checked_add(self.cfg.rx_stall_timeout);
-            self.timers.arm_if_stopped(Timer::RxStall, at);
+            self.out.timers.arm_if_stopped(Timer::RxStall, at);
         }
         if failed {
             tracing::debug!(rid, "RDMA read of a message failed: READ_NACK");

@@ -191,7 +191,7 @@ impl Engine {
         if t.pieces.outstanding > 0 || waiting {
             if waiting {
                 let at = now.checked_add(MEMORY_RETRY);
-                self.timers.arm_if_stopped(Timer::ReadRetry, at);
+                self.out.timers.arm_if_stopped(Timer::ReadRetry, at);
             }
             return;
         }
@@ -217,7 +217,8 @@ impl Engine {
         };
         self.target_counts.count(true, true);
         if let Some(data) = data {
-            self.events
+            self.out
+                .events
                 .push_back(Event::RemoteWrite(RemoteWriteDone { src, data, len }));
         }
         let eor = Packet::Eor {
@@ -230,7 +231,7 @@ impl Engine {
 
     /// Retries the writes into memory the application held locked.
     pub(in crate::proto::engine) fn read_timeout(&mut self, now: Instant) {
-        self.timers.stop(Timer::ReadRetry);
+        self.out.timers.stop(Timer::ReadRetry);
         let mut ids: Vec<u32> = self
             .rd
             .rtw

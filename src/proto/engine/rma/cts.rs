@@ -163,7 +163,8 @@ impl Engine {
                 })),
             },
         );
-        self.enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, n), false, false);
+        self.peers
+            .enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, n), false, false);
         Ok(())
     }
 
@@ -210,7 +211,8 @@ impl Engine {
                 })),
             },
         );
-        self.enqueue(Pkt::ctrl(pid, Owner::Ema(id), hdr), false, false);
+        self.peers
+            .enqueue(Pkt::ctrl(pid, Owner::Ema(id), hdr), false, false);
         Ok(())
     }
 
@@ -368,7 +370,7 @@ impl Engine {
         c.done = end;
         c.pkts += pkts.len();
         for p in pkts {
-            self.enqueue(p, false, false);
+            self.peers.enqueue(p, false, false);
         }
     }
 
@@ -608,11 +610,13 @@ impl Engine {
                 self.queue_ctrl(pid, &r);
             }
             if let (Some(d), Some(src)) = (cq_data, self.peers.get(&pid).map(|p| p.addr)) {
-                self.events.push_back(Event::RemoteWrite(RemoteWriteDone {
-                    src,
-                    data: d as u32,
-                    len: total,
-                }));
+                self.out
+                    .events
+                    .push_back(Event::RemoteWrite(RemoteWriteDone {
+                        src,
+                        data: d as u32,
+                        len: total,
+                    }));
             }
         } else if t.done == t.window_end {
             let grant = (t.total - t.done).min(credit);
@@ -674,7 +678,7 @@ impl Engine {
         self.push_ctsdata(&mut pkts, pid, owner, recv_id, off, to, from);
         self.ema.resp.insert(rid, (data, pkts.len()));
         for p in pkts {
-            self.enqueue(p, false, false);
+            self.peers.enqueue(p, false, false);
         }
         if let Some(t) = self.ema.tgt.get_mut(&tid) {
             t.done = to;
