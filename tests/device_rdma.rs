@@ -157,6 +157,15 @@ fn every_size(shm: bool) {
         off += len as u64;
     }
     drop(qb);
+    // Every operation counted once as RDMA; the packets count themselves, each byte once (a
+    // write's bytes went out once, with at most a header per packet; a read's came in).
+    let s = a.dev.stats();
+    assert_eq!(s.rdma_ops, 2 * sizes.len() as u64, "shm {shm}: {s:?}");
+    assert_eq!(s.rdma_bytes, 2 * total as u64, "shm {shm}: {s:?}");
+    assert!(
+        s.tx_bytes >= total as u64 && s.tx_bytes <= total as u64 + 64 * s.tx_pkts,
+        "shm {shm}: written bytes counted once: {s:?}"
+    );
 }
 
 #[test]

@@ -550,13 +550,17 @@ pub(crate) trait RdmaOps: RdmaHost {
                 let status = failed.unwrap_or(Status::Success);
                 let n = if status.is_ok() { total } else { 0 };
                 if status.is_ok() {
-                    stats::add(&self.counters().tx_bytes, total as u64);
+                    // The packets that carried it counted themselves in `tx_pkts`/`tx_bytes`.
+                    stats::inc(&self.counters().rdma_ops);
+                    stats::add(&self.counters().rdma_bytes, total as u64);
                 }
                 self.complete(DeviceCompletion::new(wr_id, status, Opcode::RdmaWrite, n));
             }
             Some(Op::Read {
                 wr_id, buf, got, ..
             }) => {
+                stats::inc(&self.counters().rdma_ops);
+                stats::add(&self.counters().rdma_bytes, got as u64);
                 let mut c = DeviceCompletion::new(wr_id, Status::Success, Opcode::RdmaRead, got);
                 c.buf = Some(buf);
                 self.complete(c);
