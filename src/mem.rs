@@ -223,17 +223,24 @@ impl RegionMem {
     /// byte. [`Domain::register`](crate::Domain::register) makes one for every region; devices
     /// outside the crate, and tests driving the protocol engine, make their own.
     pub fn new(buf: BytesMut) -> Arc<RegionMem> {
-        Arc::new(RegionMem {
-            addr: buf.as_ptr() as usize as u64,
-            len: buf.len(),
-            data: RwLock::new(Store::Owned(buf)),
+        let (addr, len) = (buf.as_ptr() as usize as u64, buf.len());
+        Arc::new(RegionMem::over(addr, len, Store::Owned(buf)))
+    }
+
+    /// The memory of `store`, named `addr` and `len` bytes long, with a new id, no waiters and
+    /// no dmabuf (the constructors that have one set it).
+    fn over(addr: u64, len: usize, store: Store) -> RegionMem {
+        RegionMem {
+            addr,
+            len,
+            data: RwLock::new(store),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
             id: next_region_id(),
             _claim: None,
             dmabuf: None,
             device_only: false,
-        })
+        }
     }
 
     /// A region over `len` bytes at `ptr` that it does not own: for devices outside the crate
@@ -258,17 +265,7 @@ impl RegionMem {
         // SAFETY: this function's contract is `Store::foreign`'s.
         let store = unsafe { Store::foreign(ptr, len) }?;
         addr.checked_add(len as u64)?;
-        Some(Arc::new(RegionMem {
-            addr,
-            len,
-            data: RwLock::new(store),
-            waiters: Mutex::new(Vec::new()),
-            leaked: AtomicBool::new(false),
-            id: next_region_id(),
-            _claim: None,
-            dmabuf: None,
-            device_only: false,
-        }))
+        Some(Arc::new(RegionMem::over(addr, len, store)))
     }
 
     /// Closes a region made by [`foreign`](RegionMem::foreign): waits for an access in progress
@@ -612,38 +609,20 @@ impl fmt::Debug for RegionMem {
 
 /// The guard [`MemoryRegion::read`](crate::mr::MemoryRegion::read) returns: the bytes of one
 /// range of the region; releases the lock, then signals waiting accesses.
-pub(crate) struct ReadGuard<'a> {
-    guard: Option<RwLockReadGuard<'a, Store>>,
-    mem: &'a RegionMem,
-    range: Range<usize>,
-}
-
-impl Deref for ReadGuard<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.guard
-            .as_deref()
-            .and_then(|b| b.get(self.range.clone()))
-            .unwrap_or(&[])
-    }
-}
-
-impl Drop for ReadGuard<'_> {
-    fn drop(&mut self) {
-        drop(self.guard.take());
-        self.mem.wake_waiters();
-    }
-}
+pub(crate) type ReadGuard<'a> = RangeGuard<'a, RwLockReadGuard<'a, Store>>;
 
 /// The guard [`MemoryRegion::write`](crate::mr::MemoryRegion::write) returns: the bytes of
 /// one range of the region; releases the lock, then signals waiting accesses.
-pub(crate) struct WriteGuard<'a> {
-    guard: Option<RwLockWriteGuard<'a, Store>>,
+pub(crate) type WriteGuard<'a> = RangeGuard<'a, RwLockWriteGuard<'a, Store>>;
+
+/// A read or write lock `G` on a region's store, giving the bytes of one range of it.
+pub(crate) struct RangeGuard<'a, G> {
+    guard: Option<G>,
     mem: &'a RegionMem,
     range: Range<usize>,
 }
 
-impl Deref for WriteGuard<'_> {
+impl<G: Deref<Target = Store>> Deref for RangeGuard<'_, G> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         self.guard
@@ -653,7 +632,7 @@ impl Deref for WriteGuard<'_> {
     }
 }
 
-impl DerefMut for WriteGuard<'_> {
+impl<G: DerefMut<Target = Store>> DerefMut for RangeGuard<'_, G> {
     fn deref_mut(&mut self) -> &mut [u8] {
         let range = self.range.clone();
         self.guard
@@ -663,7 +642,7 @@ impl DerefMut for WriteGuard<'_> {
     }
 }
 
-impl Drop for WriteGuard<'_> {
+impl<G> Drop for RangeGuard<'_, G> {
     fn drop(&mut self) {
         drop(self.guard.take());
         self.mem.wake_waiters();
