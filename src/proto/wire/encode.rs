@@ -165,9 +165,8 @@ impl Packet<'_> {
     /// For CTSDATA, READRSP and ATOMRSP `payload.len()` must equal `seg_length`
     /// ([`WireError::BadField`] otherwise).
     pub fn encode<B: BufMut>(&self, payload: &[u8], out: &mut B) -> Result<usize, WireError> {
-        if let Some(seg_length) = self.seg_length()
-            && u64::try_from(payload.len()).ok() != Some(seg_length)
-        {
+        let len_ok = |seg_length| u64::try_from(payload.len()).ok() == Some(seg_length);
+        if !self.seg_length().is_none_or(len_ok) {
             return Err(WireError::BadField("seg_length"));
         }
         let len = self.check(payload.len(), out.remaining_mut())?;
