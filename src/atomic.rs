@@ -52,6 +52,31 @@ pub enum AtomicOp {
     Mswap,
 }
 
+/// The position of `v` in `table` (a table of libfabric's numbering, in code order).
+fn code_in<T: PartialEq>(table: &[T], v: T) -> u32 {
+    table.iter().position(|t| *t == v).unwrap_or(0) as u32
+}
+
+/// The entry `code` of `table`; an error of `kind` for `op` when there is none.
+fn by_code<T: Copy>(table: &[T], code: u32, kind: ErrorKind, op: &'static str) -> Result<T> {
+    let found = usize::try_from(code).ok().and_then(|i| table.get(i));
+    found
+        .copied()
+        .ok_or_else(|| Error::new(kind, op).with_detail(format!("unknown code {code}")))
+}
+
+/// The pattern of the compare-and-swap family (`FI_CSWAP*`, [`compare_swap`]'s operations).
+macro_rules! cswap {
+    () => {
+        AtomicOp::Cswap
+            | AtomicOp::CswapNe
+            | AtomicOp::CswapLe
+            | AtomicOp::CswapLt
+            | AtomicOp::CswapGe
+            | AtomicOp::CswapGt
+    };
+}
+
 const OPS: [AtomicOp; 19] = [
     AtomicOp::Min,
     AtomicOp::Max,
@@ -77,29 +102,17 @@ const OPS: [AtomicOp; 19] = [
 impl AtomicOp {
     /// libfabric's code (`FI_MIN` = 0 ... `FI_MSWAP` = 18).
     pub fn code(self) -> u32 {
-        OPS.iter().position(|o| *o == self).unwrap_or(0) as u32
+        code_in(&OPS, self)
     }
 
     /// The operation of a libfabric code; unknown codes are `InvalidArgument`.
     pub fn from_code(code: u32) -> Result<AtomicOp> {
-        OPS.get(code as usize).copied().ok_or_else(|| {
-            Error::new(ErrorKind::InvalidArgument, "atomic op")
-                .with_detail(format!("unknown code {code}"))
-        })
+        by_code(&OPS, code, ErrorKind::InvalidArgument, "atomic op")
     }
 
     /// True for the compare operations (`FI_CSWAP*`, `FI_MSWAP`), which take a compare operand.
     pub fn is_compare(self) -> bool {
-        matches!(
-            self,
-            AtomicOp::Cswap
-                | AtomicOp::CswapNe
-                | AtomicOp::CswapLe
-                | AtomicOp::CswapLt
-                | AtomicOp::CswapGe
-                | AtomicOp::CswapGt
-                | AtomicOp::Mswap
-        )
+        matches!(self, cswap!() | AtomicOp::Mswap)
     }
 }
 
@@ -145,15 +158,12 @@ const TYPES: [AtomicType; 10] = [
 impl AtomicType {
     /// libfabric's code (`FI_INT8` = 0 ... `FI_DOUBLE` = 9).
     pub fn code(self) -> u32 {
-        TYPES.iter().position(|t| *t == self).unwrap_or(0) as u32
+        code_in(&TYPES, self)
     }
 
     /// The datatype of a libfabric code; unknown or unsupported codes are `NotSupported`.
     pub fn from_code(code: u32) -> Result<AtomicType> {
-        TYPES.get(code as usize).copied().ok_or_else(|| {
-            Error::new(ErrorKind::NotSupported, "atomic datatype")
-                .with_detail(format!("unknown code {code}"))
-        })
+        by_code(&TYPES, code, ErrorKind::NotSupported, "atomic datatype")
     }
 
     /// Size of one element in bytes.
@@ -203,12 +213,7 @@ macro_rules! int_op {
             AtomicOp::Bxor => x ^ o,
             AtomicOp::Read => x,
             AtomicOp::Write => o,
-            AtomicOp::Cswap
-            | AtomicOp::CswapNe
-            | AtomicOp::CswapLe
-            | AtomicOp::CswapLt
-            | AtomicOp::CswapGe
-            | AtomicOp::CswapGt => compare_swap($op, x, o, c),
+            cswap!() => compare_swap($op, x, o, c),
             AtomicOp::Mswap => (o & c) | (x & !c),
         }
     }};
@@ -241,12 +246,7 @@ macro_rules! float_op {
                 AtomicOp::Lxor => b((x != 0.0) ^ (o != 0.0)),
                 AtomicOp::Read => x,
                 AtomicOp::Write => o,
-                AtomicOp::Cswap
-                | AtomicOp::CswapNe
-                | AtomicOp::CswapLe
-                | AtomicOp::CswapLt
-                | AtomicOp::CswapGe
-                | AtomicOp::CswapGt => compare_swap($op, x, o, c),
+                cswap!() => compare_swap($op, x, o, c),
                 AtomicOp::Bor | AtomicOp::Band | AtomicOp::Bxor | AtomicOp::Mswap => return None,
             })
         })()

@@ -226,17 +226,24 @@ impl RegionMem {
     /// byte. [`Domain::register`](crate::Domain::register) makes one for every region; devices
     /// outside the crate, and tests driving the protocol engine, make their own.
     pub fn new(buf: BytesMut) -> Arc<RegionMem> {
-        Arc::new(RegionMem {
-            addr: buf.as_ptr() as usize as u64,
-            len: buf.len(),
-            data: ranges::RangeLock::new(Store::Owned(buf)),
+        let (addr, len) = (buf.as_ptr() as usize as u64, buf.len());
+        Arc::new(RegionMem::over(addr, len, Store::Owned(buf)))
+    }
+
+    /// The memory of `store`, named `addr` and `len` bytes long, with a new id, no waiters and
+    /// no dmabuf (the constructors that have one set it).
+    fn over(addr: u64, len: usize, store: Store) -> RegionMem {
+        RegionMem {
+            addr,
+            len,
+            data: ranges::RangeLock::new(store),
             waiters: Mutex::new(Vec::new()),
             leaked: AtomicBool::new(false),
             id: next_region_id(),
             _claim: None,
             dmabuf: None,
             device_only: false,
-        })
+        }
     }
 
     /// A region over `len` bytes at `ptr` that it does not own: for devices outside the crate
@@ -261,17 +268,7 @@ impl RegionMem {
         // SAFETY: this function's contract is `Store::foreign`'s.
         let store = unsafe { Store::foreign(ptr, len) }?;
         addr.checked_add(len as u64)?;
-        Some(Arc::new(RegionMem {
-            addr,
-            len,
-            data: ranges::RangeLock::new(store),
-            waiters: Mutex::new(Vec::new()),
-            leaked: AtomicBool::new(false),
-            id: next_region_id(),
-            _claim: None,
-            dmabuf: None,
-            device_only: false,
-        }))
+        Some(Arc::new(RegionMem::over(addr, len, store)))
     }
 
     /// Closes a region made by [`foreign`](RegionMem::foreign): waits for an access in progress

@@ -18,7 +18,7 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::Endpoint;
-use super::rdm::{OpFuture, OpState, RdmCore, Sink, Slot, refuse};
+use super::rdm::{OpFuture, OpState, RdmCore, Sink, Slot, local_completion, refuse};
 use crate::atomic::{AtomicOp, AtomicType};
 use crate::av::PeerId;
 use crate::cq::{
@@ -691,29 +691,7 @@ impl RdmCore {
             (RmaBuf::Atomic { fetch: Some(f), .. }, None, _) => Buffer::Recv(f),
             (RmaBuf::Atomic { operand, .. }, _, _) => Buffer::Send(operand),
         };
-        match r.error {
-            None => Ok(Completion {
-                context,
-                flags,
-                len: r.len,
-                data: None,
-                tag: 0,
-                source: None,
-                source_addr: None,
-                buf,
-            }),
-            Some(error) => Err(CompletionError {
-                context,
-                flags,
-                error,
-                len: 0,
-                olen: 0,
-                status: r.status,
-                data: None,
-                tag: 0,
-                buf,
-            }),
-        }
+        local_completion(context, flags, 0, r.len, r.error, r.status, buf)
     }
 
     /// The target-side completion of a peer's write with immediate data.

@@ -6,12 +6,11 @@
 //! the same bytes.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use parking_lot::Mutex;
 
+use super::RegionMem;
 use super::store::{self, AddressRange, Store};
-use super::{RegionMem, next_region_id};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The file ranges the CPU-mapped dmabuf regions of this process map: two regions over
@@ -141,16 +140,11 @@ impl RegionMem {
                  register_dmabuf needs a CPU mapping"
             ))
         })?;
+        let addr = mapped.addr() as usize as u64;
         Ok(Arc::new(RegionMem {
-            addr: mapped.addr() as usize as u64,
-            len,
-            data: super::ranges::RangeLock::new(Store::Mapped(mapped)),
-            waiters: Mutex::new(Vec::new()),
-            leaked: AtomicBool::new(false),
-            id: next_region_id(),
             _claim: Some(claim),
             dmabuf: Some((std::os::fd::OwnedFd::from(c.file), offset)),
-            device_only: false,
+            ..RegionMem::over(addr, len, Store::Mapped(mapped))
         }))
     }
 
@@ -178,15 +172,9 @@ impl RegionMem {
             Error::io(OP, e).with_detail("cannot reserve an address range to name the region")
         })?;
         Ok(Arc::new(RegionMem {
-            addr: range.addr(),
-            len,
-            data: super::ranges::RangeLock::new(Store::Device(range)),
-            waiters: Mutex::new(Vec::new()),
-            leaked: AtomicBool::new(false),
-            id: next_region_id(),
-            _claim: None,
             dmabuf: Some((std::os::fd::OwnedFd::from(c.file), offset)),
             device_only: true,
+            ..RegionMem::over(range.addr(), len, Store::Device(range))
         }))
     }
 

@@ -356,6 +356,19 @@ enum RdmaOp {
     },
 }
 
+impl RdmaOp {
+    /// The buffer the completion hands back: a read's own buffer; none for a write or a read
+    /// into a region.
+    fn into_buf(self) -> Option<BytesMut> {
+        match self {
+            RdmaOp::Read {
+                buf, into: None, ..
+            } => Some(buf),
+            RdmaOp::Read { .. } | RdmaOp::Write { .. } => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Item {
     at: Duration,
@@ -872,9 +885,7 @@ impl Sim {
                 wr_id,
                 status,
             } => {
-                let now = self.now();
-                let n = &mut self.nodes[node];
-                if n.alive && n.incarnation == inc {
+                if let Some((n, now)) = self.live(node, inc) {
                     n.in_flight = n.in_flight.saturating_sub(1);
                     n.engine.handle_send_completion(now, wr_id, status);
                 }
@@ -899,9 +910,7 @@ impl Sim {
                 status,
                 buf,
             } => {
-                let now = self.now();
-                let n = &mut self.nodes[node];
-                if n.alive && n.incarnation == inc {
+                if let Some((n, now)) = self.live(node, inc) {
                     n.in_flight = n.in_flight.saturating_sub(1);
                     n.engine.handle_rdma_completion(now, wr_id, status, buf);
                 }
@@ -913,13 +922,19 @@ impl Sim {
                 imm,
                 len,
             } => {
-                let now = self.now();
-                let n = &mut self.nodes[node];
-                if n.alive && n.incarnation == inc {
+                if let Some((n, now)) = self.live(node, inc) {
                     n.engine.handle_remote_write(now, src, imm, len);
                 }
             }
         }
+    }
+
+    /// Node `node` with the current time, if it is alive and still in incarnation `inc` (what
+    /// was sent to an earlier incarnation is lost with it).
+    fn live(&mut self, node: usize, inc: u64) -> Option<(&mut Node, Instant)> {
+        let now = self.now();
+        let n = &mut self.nodes[node];
+        (n.alive && n.incarnation == inc).then_some((n, now))
     }
 
     /// Polls the engines and performs what is due now; true if anything happened.
@@ -1097,26 +1112,23 @@ impl Sim {
             status,
             buf,
         };
+        // The target's memory is busy (the application holds the region): the NIC tries again.
+        let again = |op| Action::Rdma {
+            from,
+            inc,
+            to,
+            wr_id,
+            op,
+        };
         let Some(j) = self.target(&to) else {
             self.stats.unresponsive += 1;
-            let buf = match op {
-                RdmaOp::Read {
-                    buf, into: None, ..
-                } => Some(buf),
-                RdmaOp::Read { .. } | RdmaOp::Write { .. } => None,
-            };
-            let a = done(Status::UnresponsiveRemote, buf);
+            let a = done(Status::UnresponsiveRemote, op.into_buf());
             return self.schedule(self.cfg.unresponsive_after, a);
         };
         if self.nodes[j].no_ah.contains(&from) {
             self.stats.rdma_no_ah += 1;
-            let buf = match op {
-                RdmaOp::Read {
-                    buf, into: None, ..
-                } => Some(buf),
-                RdmaOp::Read { .. } | RdmaOp::Write { .. } => None,
-            };
-            return self.schedule(self.cfg.completion_delay, done(Status::UnknownPeer, buf));
+            let a = done(Status::UnknownPeer, op.into_buf());
+            return self.schedule(self.cfg.completion_delay, a);
         }
         let mem = self.nodes[j].device_mem.clone();
         let refused = Error::new(ErrorKind::RemoteAccess, "rdma");
@@ -1129,16 +1141,8 @@ impl Sim {
                 };
                 let status = match r {
                     Err(e) if e.kind() == ErrorKind::Again => {
-                        // The application holds the region: the NIC waits a little.
                         let op = RdmaOp::Write { remote, data, imm };
-                        let again = Action::Rdma {
-                            from,
-                            inc,
-                            to,
-                            wr_id,
-                            op,
-                        };
-                        return self.schedule(self.cfg.rnr_interval, again);
+                        return self.schedule(self.cfg.rnr_interval, again(op));
                     }
                     Err(_) => {
                         self.stats.rdma_refused += 1;
@@ -1176,14 +1180,7 @@ impl Sim {
                 let status = match r {
                     Err(e) if e.kind() == ErrorKind::Again => {
                         let op = RdmaOp::Read { remote, buf, into };
-                        let again = Action::Rdma {
-                            from,
-                            inc,
-                            to,
-                            wr_id,
-                            op,
-                        };
-                        return self.schedule(self.cfg.rnr_interval, again);
+                        return self.schedule(self.cfg.rnr_interval, again(op));
                     }
                     Err(e) if e.kind() == ErrorKind::MsgSize => Status::LocalBadLength,
                     Err(_) => {

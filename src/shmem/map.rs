@@ -22,8 +22,9 @@ use std::time::Duration;
 #[cfg(not(loom))]
 use bytes::BytesMut;
 
+use super::sync::Ordering;
 #[cfg(not(loom))]
-use super::sync::{AtomicU32, AtomicU64, Ordering};
+use super::sync::{AtomicU32, AtomicU64};
 
 // Under the model checker: a model of the shared memory and of the futex (see `super::model`).
 #[cfg(loom)]
@@ -117,30 +118,6 @@ impl Mapping {
         Some(unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() })
     }
 
-    /// The `u32` word at `off` (relaxed); `None` outside the mapping or unaligned.
-    pub(crate) fn load32(&self, off: usize) -> Option<u32> {
-        self.u32(off).map(|w| w.load(Ordering::Relaxed))
-    }
-
-    /// The `u64` word at `off` (relaxed); `None` outside the mapping or unaligned.
-    pub(crate) fn load64(&self, off: usize) -> Option<u64> {
-        self.u64(off).map(|w| w.load(Ordering::Relaxed))
-    }
-
-    /// Stores `v` at `off` (relaxed); nothing outside the mapping.
-    pub(crate) fn store32(&self, off: usize, v: u32) {
-        if let Some(w) = self.u32(off) {
-            w.store(v, Ordering::Relaxed);
-        }
-    }
-
-    /// Stores `v` at `off` (relaxed); nothing outside the mapping.
-    pub(crate) fn store64(&self, off: usize, v: u64) {
-        if let Some(w) = self.u64(off) {
-            w.store(v, Ordering::Relaxed);
-        }
-    }
-
     /// Copies `src` to `off`; false (nothing written) when the range leaves the mapping.
     pub(crate) fn write(&self, off: usize, src: &[u8]) -> bool {
         let Some(off) = self.range(off, src.len()) else {
@@ -192,6 +169,34 @@ impl Mapping {
             buf.set_len(buf.len() + n);
         }
         true
+    }
+}
+
+// Relaxed loads and stores of control words, through `u32`/`u64`: the same for the real
+// mapping and, under loom, its model.
+impl Mapping {
+    /// The `u32` word at `off` (relaxed); `None` outside the mapping or unaligned.
+    pub(crate) fn load32(&self, off: usize) -> Option<u32> {
+        self.u32(off).map(|w| w.load(Ordering::Relaxed))
+    }
+
+    /// The `u64` word at `off` (relaxed); `None` outside the mapping or unaligned.
+    pub(crate) fn load64(&self, off: usize) -> Option<u64> {
+        self.u64(off).map(|w| w.load(Ordering::Relaxed))
+    }
+
+    /// Stores `v` at `off` (relaxed); nothing outside the mapping or unaligned.
+    pub(crate) fn store32(&self, off: usize, v: u32) {
+        if let Some(w) = self.u32(off) {
+            w.store(v, Ordering::Relaxed);
+        }
+    }
+
+    /// Stores `v` at `off` (relaxed); nothing outside the mapping or unaligned.
+    pub(crate) fn store64(&self, off: usize, v: u64) {
+        if let Some(w) = self.u64(off) {
+            w.store(v, Ordering::Relaxed);
+        }
     }
 }
 

@@ -95,29 +95,7 @@ impl Mapping {
         (off % 8 == 0).then(|| &self.0.w64[off / 8])
     }
 
-    /// The `u32` word at `off` (relaxed).
-    pub(crate) fn load32(&self, off: usize) -> Option<u32> {
-        self.u32(off).map(|w| w.load(Ordering::Relaxed))
-    }
-
-    /// The `u64` word at `off` (relaxed).
-    pub(crate) fn load64(&self, off: usize) -> Option<u64> {
-        self.u64(off).map(|w| w.load(Ordering::Relaxed))
-    }
-
-    /// Stores `v` at `off` (relaxed).
-    pub(crate) fn store32(&self, off: usize, v: u32) {
-        if let Some(w) = self.u32(off) {
-            w.store(v, Ordering::Relaxed);
-        }
-    }
-
-    /// Stores `v` at `off` (relaxed).
-    pub(crate) fn store64(&self, off: usize, v: u64) {
-        if let Some(w) = self.u64(off) {
-            w.store(v, Ordering::Relaxed);
-        }
-    }
+    // `load32`, `load64`, `store32` and `store64` are the real mapping's (`super::map`).
 
     /// Calls `f(line, offset in the line, offset in the copy, bytes)` for each line piece of
     /// `off..off + n`.

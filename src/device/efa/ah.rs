@@ -236,8 +236,19 @@ pub fn get_shared<A, F: AhFactory<Ah = A>>(
     Ok(cache.lock().insert(gid, ah, ahn))
 }
 
+/// The link-local GID `fe80::n`, for tests.
+#[cfg(test)]
+pub(super) fn test_gid(n: u8) -> Gid {
+    let mut g = [0u8; 16];
+    g[0] = 0xfe;
+    g[1] = 0x80;
+    g[15] = n;
+    Gid(g)
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_gid as gid;
     use super::*;
     use crate::addr::RawAddr;
     use crate::error::Error;
@@ -319,14 +330,6 @@ mod tests {
                 ahn,
             ))
         }
-    }
-
-    fn gid(n: u8) -> Gid {
-        let mut g = [0u8; 16];
-        g[0] = 0xfe;
-        g[1] = 0x80;
-        g[15] = n;
-        Gid(g)
     }
 
     #[test]

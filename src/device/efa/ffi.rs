@@ -312,6 +312,15 @@ const _: () = {
 // not be created on any EFA. These do the lookup with the right check (docs/efa-hardware.md,
 // "rdma-sys").
 
+/// The provider's operation `$op` (a field of `verbs_context`) for the context `$ctx`, if the
+/// context is extended and its provider has it. Unsafe: `$ctx` must be a live context from
+/// `ibv_open_device`.
+macro_rules! provider_op {
+    ($ctx:expr, $op:ident) => {
+        verbs_ctx($ctx, std::mem::offset_of!(verbs_context, $op)).and_then(|v| (*v).$op)
+    };
+}
+
 /// The `verbs_context` around `ctx` when its `sz` covers the operation at `op_offset`.
 ///
 /// # Safety
@@ -340,17 +349,13 @@ pub unsafe fn create_qp_ex(ctx: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex
         // SAFETY: `ibv_qp_init_attr` is the prefix of `ibv_qp_init_attr_ex`, as verbs.h uses it.
         return unsafe { rdma_sys::ibv_create_qp((*attr).pd, attr as *mut ibv_qp_init_attr) };
     }
-    // SAFETY: the caller's context.
-    let op = unsafe { verbs_ctx(ctx, std::mem::offset_of!(verbs_context, create_qp_ex)) }
-        // SAFETY: found above.
-        .and_then(|v| unsafe { (*v).create_qp_ex });
+    // SAFETY: the caller's live context; the `verbs_context` around it is read only as far as
+    // its size says.
+    let op = unsafe { provider_op!(ctx, create_qp_ex) };
     match op {
         // SAFETY: the provider's operation, with the caller's arguments.
         Some(f) => unsafe { f(ctx, attr) },
-        None => {
-            set_errno(EOPNOTSUPP);
-            std::ptr::null_mut()
-        }
+        None => unsupported(),
     }
 }
 
@@ -363,17 +368,13 @@ pub unsafe fn create_cq_ex(
     ctx: *mut ibv_context,
     attr: *mut ibv_cq_init_attr_ex,
 ) -> *mut ibv_cq_ex {
-    // SAFETY: the caller's context.
-    let op = unsafe { verbs_ctx(ctx, std::mem::offset_of!(verbs_context, create_cq_ex)) }
-        // SAFETY: found above.
-        .and_then(|v| unsafe { (*v).create_cq_ex });
+    // SAFETY: the caller's live context; the `verbs_context` around it is read only as far as
+    // its size says.
+    let op = unsafe { provider_op!(ctx, create_cq_ex) };
     match op {
         // SAFETY: the provider's operation, with the caller's arguments.
         Some(f) => unsafe { f(ctx, attr) },
-        None => {
-            set_errno(EOPNOTSUPP);
-            std::ptr::null_mut()
-        }
+        None => unsupported(),
     }
 }
 
@@ -383,10 +384,9 @@ pub unsafe fn create_cq_ex(
 /// # Safety
 /// `ctx` is live; `attr` is writable.
 pub unsafe fn query_port(ctx: *mut ibv_context, port: u8, attr: *mut ibv_port_attr) -> c_int {
-    // SAFETY: the caller's context.
-    let op = unsafe { verbs_ctx(ctx, std::mem::offset_of!(verbs_context, query_port)) }
-        // SAFETY: found above.
-        .and_then(|v| unsafe { (*v).query_port });
+    // SAFETY: the caller's live context; the `verbs_context` around it is read only as far as
+    // its size says.
+    let op = unsafe { provider_op!(ctx, query_port) };
     match op {
         // SAFETY: the provider's operation, told the size of the caller's struct.
         Some(f) => unsafe { f(ctx, port, attr, std::mem::size_of::<ibv_port_attr>()) },
@@ -400,7 +400,10 @@ pub unsafe fn query_port(ctx: *mut ibv_context, port: u8, attr: *mut ibv_port_at
     }
 }
 
-fn set_errno(e: c_int) {
+/// Null with errno `EOPNOTSUPP`: what verbs.h's helpers return when the provider lacks the
+/// operation.
+fn unsupported<T>() -> *mut T {
     // SAFETY: the thread's errno location is always valid.
-    unsafe { *libc::__errno_location() = e };
+    unsafe { *libc::__errno_location() = EOPNOTSUPP };
+    std::ptr::null_mut()
 }

@@ -526,6 +526,22 @@ fn post_error(verb: &'static str, errno: i32) -> Error {
     }
 }
 
+/// A free slot of a bounce-buffer pool for `op`: `Closed` once the pool is gone (the queue pair
+/// is closed), `Again` with `none_free` when every slot is in use.
+fn take_slot<'p, M: Registration>(
+    pool: &'p mut Option<SlotPool<M>>,
+    op: &'static str,
+    none_free: &'static str,
+) -> Result<(&'p mut SlotPool<M>, u32)> {
+    let pool = pool
+        .as_mut()
+        .ok_or_else(|| Error::new(ErrorKind::Closed, op))?;
+    let slot = pool
+        .alloc()
+        .ok_or_else(|| Error::new(ErrorKind::Again, op).with_detail(none_free))?;
+    Ok((pool, slot))
+}
+
 impl<N: Nic> QueuePair for EfaQp<N> {
     fn addr(&self) -> RawAddr {
         self.addr
@@ -562,13 +578,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
                 )),
             );
         }
-        let pool = self
-            .recv_pool
-            .as_mut()
-            .ok_or_else(|| Error::new(ErrorKind::Closed, "post_recv"))?;
-        let slot = pool.alloc().ok_or_else(|| {
-            Error::new(ErrorKind::Again, "post_recv").with_detail("no free receive buffer")
-        })?;
+        let (pool, slot) = take_slot(&mut self.recv_pool, "post_recv", "no free receive buffer")?;
         let sge = pool.sge(slot, pool.slot_size());
         let token = self.table.insert(wr_id, Res::Recv { slot, buf });
         match self.nic.post_recv(token, sge) {
@@ -756,13 +766,7 @@ impl<N: Nic> EfaQp<N> {
         let slot = if len <= self.limits.inline_size {
             None
         } else {
-            let pool = self
-                .send_pool
-                .as_mut()
-                .ok_or_else(|| Error::new(ErrorKind::Closed, "post_send"))?;
-            let s = pool.alloc().ok_or_else(|| {
-                Error::new(ErrorKind::Again, "post_send").with_detail("no free send buffer")
-            })?;
+            let (pool, s) = take_slot(&mut self.send_pool, "post_send", "no free send buffer")?;
             // SAFETY: a free slot is posted to nothing.
             let bytes = unsafe { pool.slot_mut(s) };
             let (h, p) = (wr.hdr.len(), wr.payload.len());
@@ -811,14 +815,8 @@ impl<N: Nic> EfaQp<N> {
         } else {
             None
         };
-        let payload = match &mr {
-            Some(m) => Payload::Sge(super::nic::Sge {
-                addr: local.spare_capacity_mut().as_mut_ptr() as u64,
-                len: len as u32,
-                lkey: m.lkey(),
-            }),
-            None => self.empty_sge(),
-        };
+        let addr = local.spare_capacity_mut().as_mut_ptr() as u64;
+        let payload = self.local_sge(mr.as_ref(), addr, len);
         let op = SendOp::Read {
             rkey,
             raddr: remote.addr,
@@ -874,14 +872,7 @@ impl<N: Nic> EfaQp<N> {
         } else {
             None
         };
-        let payload = match &mr {
-            Some(m) => Payload::Sge(super::nic::Sge {
-                addr: local.as_ptr() as u64,
-                len: len as u32,
-                lkey: m.lkey(),
-            }),
-            None => self.empty_sge(),
-        };
+        let payload = self.local_sge(mr.as_deref(), local.as_ptr() as u64, len);
         let op = SendOp::Write {
             rkey,
             raddr: remote.addr,
@@ -1096,6 +1087,19 @@ impl<N: Nic> EfaQp<N> {
         match self.send_pool.as_ref() {
             Some(p) => Payload::Sge(p.sge(0, 0)),
             None => Payload::Empty,
+        }
+    }
+
+    /// The payload of an RDMA operation on the `len` local bytes at `addr`, registered as `mr`
+    /// (`None`: a zero-byte operation, [`empty_sge`](Self::empty_sge)).
+    fn local_sge(&self, mr: Option<&N::Mr>, addr: u64, len: usize) -> Payload<'static> {
+        match mr {
+            Some(m) => Payload::Sge(super::nic::Sge {
+                addr,
+                len: len as u32,
+                lkey: m.lkey(),
+            }),
+            None => self.empty_sge(),
         }
     }
 

@@ -1,18 +1,11 @@
 //! Tests of [`EfaQp`](super::EfaQp) against the fake NIC.
+use super::super::ah::test_gid as gid;
 use super::super::fake::FakeNic;
 use super::*;
 use crate::addr::Gid;
 use rdma_sys::ibv_wc_status::{IBV_WC_GENERAL_ERR, IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_SUCCESS};
 
 const MTU: usize = 256;
-
-fn gid(n: u8) -> Gid {
-    let mut g = [0u8; 16];
-    g[0] = 0xfe;
-    g[1] = 0x80;
-    g[15] = n;
-    Gid(g)
-}
 
 fn limits(caps: DeviceCaps) -> QpLimits {
     QpLimits {

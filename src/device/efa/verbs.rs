@@ -284,13 +284,24 @@ impl Pd {
             verbs_error("ibv_reg_mr", e)
                 .with_detail(format!("{len} bytes, access {access:#x}{hint}"))
         })?;
-        Ok(EfaMr {
+        // SAFETY: just registered on this PD.
+        Ok(unsafe { self.registered(mr) })
+    }
+
+    /// The region `mr` of this PD.
+    ///
+    /// # Safety
+    ///
+    /// `mr` was just returned by a registration verb of this PD, which fills the struct before
+    /// returning it.
+    unsafe fn registered(self: &Arc<Pd>, mr: NonNull<rdma_sys::ibv_mr>) -> EfaMr {
+        EfaMr {
             mr,
-            // SAFETY: just registered; libibverbs fills the struct before returning it.
+            // SAFETY: a registered region's struct, filled (the caller's contract).
             fields: unsafe { mr.as_ptr().read() },
             pd: self.clone(),
             dereg: None,
-        })
+        }
     }
 
     /// `ibv_reg_dmabuf_mr`.
@@ -315,13 +326,8 @@ impl Pd {
                 "fd {fd}, offset {offset}, {len} bytes, access {access:#x}"
             ))
         })?;
-        Ok(EfaMr {
-            mr,
-            // SAFETY: just registered; libibverbs fills the struct before returning it.
-            fields: unsafe { mr.as_ptr().read() },
-            pd: self.clone(),
-            dereg: None,
-        })
+        // SAFETY: just registered on this PD.
+        Ok(unsafe { self.registered(mr) })
     }
 }
 

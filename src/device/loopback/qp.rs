@@ -15,7 +15,7 @@ use super::rdma::RdmaOp;
 use super::wire::Wake;
 use crate::addr::RawAddr;
 use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, random_qkey,
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, Source, random_qkey,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
@@ -93,6 +93,14 @@ pub(super) struct QpState {
 }
 
 impl QpShared {
+    /// What a receiver sees of this queue pair.
+    pub(super) fn source(&self) -> Source {
+        Source {
+            gid: self.addr.gid,
+            qpn: self.addr.qpn,
+        }
+    }
+
     /// Queues a completion and schedules the notifier.
     pub(super) fn push(&self, c: DeviceCompletion, wake: &mut Wake) {
         self.state.lock().comps.push(c);

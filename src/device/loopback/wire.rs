@@ -324,24 +324,8 @@ impl WireState {
             Kind::Ud { .. } => false,
         };
         let mut taken = Vec::new();
-        for map_key in self
-            .by_event
-            .iter()
-            .filter(|(_, f)| mine(f))
-            .map(|(k, _)| *k)
-            .collect::<Vec<_>>()
-        {
-            taken.extend(self.by_event.remove(&map_key));
-        }
-        for map_key in self
-            .by_time
-            .iter()
-            .filter(|(_, f)| mine(f))
-            .map(|(k, _)| *k)
-            .collect::<Vec<_>>()
-        {
-            taken.extend(self.by_time.remove(&map_key));
-        }
+        take_flights(&mut self.by_event, mine, &mut taken);
+        take_flights(&mut self.by_time, mine, &mut taken);
         taken.sort_unstable_by_key(|f| f.seq);
         taken
             .into_iter()
@@ -391,15 +375,7 @@ impl WireState {
                 Kind::Ud { copies }
             }
             QpType::Srd => {
-                if fate.drop {
-                    // Lost on the wire; the device's retransmission arrives later.
-                    inc(&c.faults_dropped);
-                    inc(&c.retransmits);
-                    hold_events = true;
-                }
-                if fate.duplicate {
-                    inc(&c.faults_duplicated);
-                }
+                hold_events = srd_faults(&fate, c);
                 Kind::Srd(SrdSend {
                     sender: sender.clone(),
                     wr_id: wr.wr_id,
@@ -412,10 +388,7 @@ impl WireState {
         let flight = Flight {
             seq,
             dg: Datagram {
-                src: Source {
-                    gid: sender.addr.gid,
-                    qpn: sender.addr.qpn,
-                },
+                src: sender.source(),
                 dest: wr.dest,
                 qp_type: sender.qp_type,
                 hdr: wr.hdr,
@@ -445,23 +418,12 @@ impl WireState {
         let seq = self.seq;
         self.seq += 1;
         let fate = self.faults.next_fate();
-        let mut hold_events = fate.reorder;
-        if fate.drop {
-            inc(&c.faults_dropped);
-            inc(&c.retransmits);
-            hold_events = true;
-        }
-        if fate.duplicate {
-            inc(&c.faults_duplicated);
-            op.dup = true;
-        }
+        let hold_events = srd_faults(&fate, c);
+        op.dup |= fate.duplicate;
         let flight = Flight {
             seq,
             dg: Datagram {
-                src: Source {
-                    gid: sender.addr.gid,
-                    qpn: sender.addr.qpn,
-                },
+                src: sender.source(),
                 dest,
                 qp_type: QpType::Srd,
                 hdr: Bytes::new(),
@@ -720,4 +682,32 @@ fn complete(s: &SrdSend, status: Status, len: usize, wake: &mut Wake) {
         DeviceCompletion::new(s.wr_id, status, Opcode::Send, len),
         wake,
     );
+}
+
+/// Counts the faults `fate` deals an SRD transfer, which the device hides: a drop is lost on
+/// the wire and retransmitted later, a duplicate is suppressed at the target. True when the
+/// transfer's events wait (reordered, or retransmitted).
+fn srd_faults(fate: &Fate, c: &DeviceCounters) -> bool {
+    if fate.drop {
+        inc(&c.faults_dropped);
+        inc(&c.retransmits);
+    }
+    if fate.duplicate {
+        inc(&c.faults_duplicated);
+    }
+    fate.reorder || fate.drop
+}
+
+/// Moves the flights of `map` that `mine` selects to `taken`.
+fn take_flights<K: Ord + Copy>(
+    map: &mut BTreeMap<K, Flight>,
+    mine: impl Fn(&Flight) -> bool,
+    taken: &mut Vec<Flight>,
+) {
+    let keys: Vec<K> = map
+        .iter()
+        .filter(|(_, f)| mine(f))
+        .map(|(k, _)| *k)
+        .collect();
+    taken.extend(keys.iter().filter_map(|k| map.remove(k)));
 }

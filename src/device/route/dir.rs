@@ -235,17 +235,26 @@ mod tests {
         assert!(a.ends_with("-5000-00000001"), "{a}");
     }
 
-    #[test]
-    fn publish_lookup_remove() {
+    const SHM_GID: Gid = Gid([0xfd; 16]);
+
+    /// A fresh directory, its owner's uid, and this process's entry for the primary address
+    /// `addr(qpn, qkey)` whose shm queue pair is `shm_qpn`.
+    fn fixture(qpn: u16, qkey: u32, shm_qpn: u16) -> (tempfile::TempDir, u32, EntryInfo) {
         let dir = tempfile::tempdir().unwrap();
         let uid = std::fs::metadata(dir.path()).unwrap().uid();
-        let shm_gid = Gid([0xfd; 16]);
         let e = EntryInfo {
             pid: std::process::id(),
             netns: netns(),
-            primary: addr(5000, 9),
-            shm: RawAddr::new(shm_gid, 77, 9),
+            primary: addr(qpn, qkey),
+            shm: RawAddr::new(SHM_GID, shm_qpn, qkey),
         };
+        (dir, uid, e)
+    }
+
+    #[test]
+    fn publish_lookup_remove() {
+        let (dir, uid, e) = fixture(5000, 9, 77);
+        let shm_gid = SHM_GID;
         let entry = publish(dir.path(), uid, &e).unwrap().unwrap();
         let ns = netns();
         assert_eq!(
@@ -279,15 +288,8 @@ mod tests {
 
     #[test]
     fn stale_entries_are_removed() {
-        let dir = tempfile::tempdir().unwrap();
-        let uid = std::fs::metadata(dir.path()).unwrap().uid();
-        let shm_gid = Gid([0xfd; 16]);
-        let e = EntryInfo {
-            pid: std::process::id(),
-            netns: netns(),
-            primary: addr(6000, 3),
-            shm: RawAddr::new(shm_gid, 78, 3),
-        };
+        let (dir, uid, e) = fixture(6000, 3, 78);
+        let shm_gid = SHM_GID;
         // An entry nobody holds a lock on: what a dead process leaves.
         let path = dir.path().join(entry_name(uid, &e.primary));
         std::fs::write(&path, e.render()).unwrap();

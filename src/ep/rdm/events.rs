@@ -230,29 +230,8 @@ impl RdmCore {
             CompletionFlags::MSG
         };
         let buf = keep.unwrap_or(Buffer::Send(s.buf));
-        match s.error {
-            None => Ok(Completion {
-                context,
-                flags,
-                len: s.len,
-                data: None,
-                tag: s.tag.unwrap_or(0),
-                source: None,
-                source_addr: None,
-                buf,
-            }),
-            Some(error) => Err(CompletionError {
-                context,
-                flags,
-                error,
-                len: 0,
-                olen: 0,
-                status: s.status,
-                data: None,
-                tag: s.tag.unwrap_or(0),
-                buf,
-            }),
-        }
+        let tag = s.tag.unwrap_or(0);
+        local_completion(context, flags, tag, s.len, s.error, s.status, buf)
     }
 
     pub(super) fn recv_completion(
@@ -330,5 +309,42 @@ impl RdmCore {
                 buf,
             }),
         }
+    }
+}
+
+/// The completion of an operation this endpoint started (a send, an RMA or atomic operation):
+/// `len` bytes done, or else `error` with the device's `status`. It carries no remote CQ data
+/// and no source.
+pub(crate) fn local_completion(
+    context: u64,
+    flags: CompletionFlags,
+    tag: u64,
+    len: usize,
+    error: Option<Error>,
+    status: Option<Status>,
+    buf: Buffer,
+) -> std::result::Result<Completion, CompletionError> {
+    match error {
+        None => Ok(Completion {
+            context,
+            flags,
+            len,
+            data: None,
+            tag,
+            source: None,
+            source_addr: None,
+            buf,
+        }),
+        Some(error) => Err(CompletionError {
+            context,
+            flags,
+            error,
+            len: 0,
+            olen: 0,
+            status,
+            data: None,
+            tag,
+            buf,
+        }),
     }
 }

@@ -48,6 +48,7 @@ mod post;
 pub(super) use post::BatchRequest;
 
 use driver::push_ok;
+pub(crate) use events::local_completion;
 pub use future::{OpFuture, OpOutcome};
 pub use opts::EndpointOptions;
 use opts::LiveOptions;

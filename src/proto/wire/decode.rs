@@ -54,6 +54,22 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// A `u32` in an 8-byte slot (4 bytes of padding after it) when `present`: the
+    /// delivery-complete `send_id`, CTSDATA's connid trailer.
+    fn padded_u32(&mut self, present: bool) -> Result<Option<u32>> {
+        if !present {
+            return Ok(None);
+        }
+        let v = self.u32()?;
+        self.take(4)?;
+        Ok(Some(v))
+    }
+
+    /// A `u64` when `present`: the tag of a tagged REQ type, the CQ-data header.
+    fn u64_if(&mut self, present: bool) -> Result<Option<u64>> {
+        present.then(|| self.u64()).transpose()
+    }
+
     /// `n` bytes where `n` comes from the packet.
     fn take_len(&mut self, n: u64) -> Result<&'a [u8]> {
         self.take(usize::try_from(n).map_err(|_| WireError::Truncated)?)
@@ -130,114 +146,67 @@ pub fn decode(buf: &[u8]) -> std::result::Result<(Packet<'_>, &[u8]), WireError>
         return decode_req(ty, flags, r);
     }
     let connid = |slot: u32| (flags & CONNID_HDR != 0).then_some(slot);
+    // A struct expression evaluates its fields in the order written: each literal below lists
+    // the fields in wire order, each with its read.
     let packet = match ty {
-        PacketType::Cts => {
-            let slot = r.u32()?;
-            let send_id = r.u32()?;
-            let recv_id = r.u32()?;
-            let recv_length = r.u64()?;
-            Packet::Cts {
-                connid: connid(slot),
-                send_id,
-                recv_id,
-                recv_length,
-                read_req: flags & CTS_READ_REQ != 0,
-            }
-        }
-        PacketType::CtsData => {
-            let recv_id = r.u32()?;
-            let seg_length = r.u64()?;
-            let seg_offset = r.u64()?;
-            let connid = if flags & CONNID_HDR != 0 {
-                let c = r.u32()?;
-                r.take(4)?;
-                Some(c)
-            } else {
-                None
-            };
-            let data = r.take_len(seg_length)?;
-            let p = Packet::CtsData {
-                connid,
-                recv_id,
-                seg_length,
-                seg_offset,
-            };
-            return Ok((p, data));
-        }
-        PacketType::ReadRsp => {
-            let slot = r.u32()?;
-            let recv_id = r.u32()?;
-            let send_id = r.u32()?;
-            let seg_length = r.u64()?;
-            let data = r.take_len(seg_length)?;
-            let p = Packet::ReadRsp {
-                connid: connid(slot),
-                recv_id,
-                send_id,
-                seg_length,
-            };
-            return Ok((p, data));
-        }
+        PacketType::Cts => Packet::Cts {
+            connid: connid(r.u32()?),
+            send_id: r.u32()?,
+            recv_id: r.u32()?,
+            recv_length: r.u64()?,
+            read_req: flags & CTS_READ_REQ != 0,
+        },
+        PacketType::CtsData => Packet::CtsData {
+            recv_id: r.u32()?,
+            seg_length: r.u64()?,
+            seg_offset: r.u64()?,
+            connid: r.padded_u32(flags & CONNID_HDR != 0)?,
+        },
+        PacketType::ReadRsp => Packet::ReadRsp {
+            connid: connid(r.u32()?),
+            recv_id: r.u32()?,
+            send_id: r.u32()?,
+            seg_length: r.u64()?,
+        },
         PacketType::AtomRsp => {
             let slot = r.u32()?;
             let _reserved = r.u32()?;
-            let recv_id = r.u32()?;
-            let seg_length = r.u64()?;
-            let data = r.take_len(seg_length)?;
-            let p = Packet::AtomRsp {
+            Packet::AtomRsp {
                 connid: connid(slot),
-                recv_id,
-                seg_length,
-            };
-            return Ok((p, data));
-        }
-        PacketType::Eor => {
-            let send_id = r.u32()?;
-            let recv_id = r.u32()?;
-            let slot = r.u32()?;
-            Packet::Eor {
-                connid: connid(slot),
-                send_id,
-                recv_id,
+                recv_id: r.u32()?,
+                seg_length: r.u64()?,
             }
         }
-        PacketType::Receipt => {
-            let send_id = r.u32()?;
-            let msg_id = r.u32()?;
-            let slot = r.u32()?;
-            Packet::Receipt {
-                connid: connid(slot),
-                send_id,
-                msg_id,
-            }
-        }
-        PacketType::ReadNack => {
-            let send_id = r.u32()?;
-            let recv_id = r.u32()?;
-            let slot = r.u32()?;
-            Packet::ReadNack {
-                connid: connid(slot),
-                send_id,
-                recv_id,
-            }
-        }
-        PacketType::PeerError => {
-            let op_id = r.u32()?;
-            let ref_kind = r.u32()?;
-            let prov_errno = r.u32()?;
-            let slot = r.u32()?;
-            Packet::PeerError {
-                connid: connid(slot),
-                op_id,
-                ref_kind,
-                prov_errno,
-            }
-        }
+        PacketType::Eor => Packet::Eor {
+            send_id: r.u32()?,
+            recv_id: r.u32()?,
+            connid: connid(r.u32()?),
+        },
+        PacketType::Receipt => Packet::Receipt {
+            send_id: r.u32()?,
+            msg_id: r.u32()?,
+            connid: connid(r.u32()?),
+        },
+        PacketType::ReadNack => Packet::ReadNack {
+            send_id: r.u32()?,
+            recv_id: r.u32()?,
+            connid: connid(r.u32()?),
+        },
+        PacketType::PeerError => Packet::PeerError {
+            op_id: r.u32()?,
+            ref_kind: r.u32()?,
+            prov_errno: r.u32()?,
+            connid: connid(r.u32()?),
+        },
         PacketType::Handshake => Packet::Handshake(decode_handshake(flags, &mut r)?),
         // Every other decodable type is a REQ, handled above.
         _ => return Err(WireError::NotDecodable(ty)),
     };
-    Ok((packet, r.rest()))
+    let data = match packet.seg_length() {
+        Some(len) => r.take_len(len)?,
+        None => r.rest(),
+    };
+    Ok((packet, data))
 }
 
 fn decode_handshake(flags: u16, r: &mut Reader<'_>) -> Result<Handshake> {
@@ -303,11 +272,7 @@ fn decode_req_opt(flags: u16, r: &mut Reader<'_>) -> Result<ReqOpt> {
             .ok_or(WireError::BadField("raw_addr"))?;
         sender = Sender::RawAddr(addr);
     }
-    let cq_data = if flags & req_flags::CQ_DATA_HDR != 0 {
-        Some(r.u64()?)
-    } else {
-        None
-    };
+    let cq_data = r.u64_if(flags & req_flags::CQ_DATA_HDR != 0)?;
     if conn {
         sender = Sender::Connid(r.u32()?);
     }
@@ -322,150 +287,98 @@ fn decode_req(
     use PacketType as T;
     let tagged = ty.is_tagged();
     let dc = ty.is_dc();
+    let read_nack = flags & req_flags::READ_NACK != 0;
+    // As in `decode`: each literal lists the fields in wire order, each with its read.
     let packet = match ty {
-        T::EagerMsgRtm | T::EagerTagRtm | T::DcEagerMsgRtm | T::DcEagerTagRtm => {
-            let msg_id = r.u32()?;
-            let dc_send_id = if dc {
-                let id = r.u32()?;
-                r.take(4)?;
-                Some(id)
-            } else {
-                None
-            };
-            let tag = if tagged { Some(r.u64()?) } else { None };
-            Packet::EagerRtm {
-                opt: decode_req_opt(flags, &mut r)?,
-                msg_id,
-                tag,
-                dc_send_id,
-            }
-        }
+        T::EagerMsgRtm | T::EagerTagRtm | T::DcEagerMsgRtm | T::DcEagerTagRtm => Packet::EagerRtm {
+            msg_id: r.u32()?,
+            dc_send_id: r.padded_u32(dc)?,
+            tag: r.u64_if(tagged)?,
+            opt: decode_req_opt(flags, &mut r)?,
+        },
         T::MediumMsgRtm | T::MediumTagRtm | T::DcMediumMsgRtm | T::DcMediumTagRtm => {
-            let msg_id = r.u32()?;
-            let dc_send_id = if dc {
-                let id = r.u32()?;
-                r.take(4)?;
-                Some(id)
-            } else {
-                None
-            };
-            let msg_length = r.u64()?;
-            let seg_offset = r.u64()?;
-            let tag = if tagged { Some(r.u64()?) } else { None };
             Packet::MediumRtm {
+                msg_id: r.u32()?,
+                dc_send_id: r.padded_u32(dc)?,
+                msg_length: r.u64()?,
+                seg_offset: r.u64()?,
+                tag: r.u64_if(tagged)?,
                 opt: decode_req_opt(flags, &mut r)?,
-                msg_id,
-                msg_length,
-                seg_offset,
-                tag,
-                dc_send_id,
             }
         }
         T::LongCtsMsgRtm | T::LongCtsTagRtm | T::DcLongCtsMsgRtm | T::DcLongCtsTagRtm => {
-            let msg_id = r.u32()?;
-            let msg_length = r.u64()?;
-            let send_id = r.u32()?;
-            let credit_request = r.u32()?;
-            let tag = if tagged { Some(r.u64()?) } else { None };
             Packet::LongCtsRtm {
+                msg_id: r.u32()?,
+                msg_length: r.u64()?,
+                send_id: r.u32()?,
+                credit_request: r.u32()?,
+                tag: r.u64_if(tagged)?,
                 opt: decode_req_opt(flags, &mut r)?,
-                msg_id,
-                msg_length,
-                send_id,
-                credit_request,
-                tag,
                 dc,
-                read_nack: flags & req_flags::READ_NACK != 0,
+                read_nack,
             }
         }
         T::LongReadMsgRtm | T::LongReadTagRtm => {
-            let msg_id = r.u32()?;
-            let msg_length = r.u64()?;
-            let send_id = r.u32()?;
+            let (msg_id, msg_length, send_id) = (r.u32()?, r.u64()?, r.u32()?);
             let read_iov_count = r.u32()?;
-            let tag = if tagged { Some(r.u64()?) } else { None };
-            let opt = decode_req_opt(flags, &mut r)?;
             Packet::LongReadRtm {
-                opt,
                 msg_id,
                 msg_length,
                 send_id,
-                tag,
+                tag: r.u64_if(tagged)?,
+                opt: decode_req_opt(flags, &mut r)?,
                 read_iov: r.iovs(read_iov_count, "read_iov_count")?,
             }
         }
         T::RuntReadMsgRtm | T::RuntReadTagRtm => {
-            let msg_id = r.u32()?;
-            let msg_length = r.u64()?;
-            let send_id = r.u32()?;
+            let (msg_id, msg_length, send_id) = (r.u32()?, r.u64()?, r.u32()?);
             let read_iov_count = r.u32()?;
-            let seg_offset = r.u64()?;
-            let runt_length = r.u64()?;
-            let tag = if tagged { Some(r.u64()?) } else { None };
-            let opt = decode_req_opt(flags, &mut r)?;
             Packet::RuntReadRtm {
-                opt,
                 msg_id,
                 msg_length,
                 send_id,
-                seg_offset,
-                runt_length,
-                tag,
+                seg_offset: r.u64()?,
+                runt_length: r.u64()?,
+                tag: r.u64_if(tagged)?,
+                opt: decode_req_opt(flags, &mut r)?,
                 read_iov: r.iovs(read_iov_count, "read_iov_count")?,
             }
         }
         T::EagerRtw | T::DcEagerRtw => {
             let count = r.u32()?;
-            let dc_send_id = if dc {
-                let id = r.u32()?;
-                r.take(4)?;
-                Some(id)
-            } else {
-                None
-            };
-            let rma_iov = r.iovs(count, "rma_iov_count")?;
             Packet::EagerRtw {
+                dc_send_id: r.padded_u32(dc)?,
+                rma_iov: r.iovs(count, "rma_iov_count")?,
                 opt: decode_req_opt(flags, &mut r)?,
-                dc_send_id,
-                rma_iov,
             }
         }
         T::LongCtsRtw | T::DcLongCtsRtw => {
             let count = r.u32()?;
-            let msg_length = r.u64()?;
-            let send_id = r.u32()?;
-            let credit_request = r.u32()?;
-            let rma_iov = r.iovs(count, "rma_iov_count")?;
             Packet::LongCtsRtw {
+                msg_length: r.u64()?,
+                send_id: r.u32()?,
+                credit_request: r.u32()?,
+                rma_iov: r.iovs(count, "rma_iov_count")?,
                 opt: decode_req_opt(flags, &mut r)?,
-                msg_length,
-                send_id,
-                credit_request,
                 dc,
-                read_nack: flags & req_flags::READ_NACK != 0,
-                rma_iov,
+                read_nack,
             }
         }
         T::LongReadRtw => {
             let count = r.u32()?;
-            let msg_length = r.u64()?;
-            let send_id = r.u32()?;
+            let (msg_length, send_id) = (r.u64()?, r.u32()?);
             let read_iov_count = r.u32()?;
-            let rma_iov = r.iovs(count, "rma_iov_count")?;
-            let opt = decode_req_opt(flags, &mut r)?;
             Packet::LongReadRtw {
-                opt,
                 msg_length,
                 send_id,
-                rma_iov,
+                rma_iov: r.iovs(count, "rma_iov_count")?,
+                opt: decode_req_opt(flags, &mut r)?,
                 read_iov: r.iovs(read_iov_count, "read_iov_count")?,
             }
         }
         T::ShortRtr | T::LongCtsRtr => {
             let count = r.u32()?;
-            let msg_length = r.u64()?;
-            let recv_id = r.u32()?;
-            let recv_length = r.u32()?;
+            let (msg_length, recv_id, recv_length) = (r.u64()?, r.u32()?, r.u32()?);
             let rma_iov = r.iovs(count, "rma_iov_count")?;
             let opt = decode_req_opt(flags, &mut r)?;
             if ty == T::ShortRtr {
@@ -486,12 +399,8 @@ fn decode_req(
             }
         }
         T::WriteRta | T::DcWriteRta | T::FetchRta | T::CompareRta => {
-            let msg_id = r.u32()?;
-            let count = r.u32()?;
-            let atomic_datatype = r.u32()?;
-            let atomic_op = r.u32()?;
-            let id = r.u32()?;
-            let rma_iov = r.iovs(count, "rma_iov_count")?;
+            let (msg_id, count) = (r.u32()?, r.u32()?);
+            let (atomic_datatype, atomic_op, id) = (r.u32()?, r.u32()?, r.u32()?);
             let kind = match ty {
                 T::DcWriteRta => RtaKind::DcWrite { send_id: id },
                 T::FetchRta => RtaKind::Fetch { recv_id: id },
@@ -499,12 +408,12 @@ fn decode_req(
                 _ => RtaKind::Write,
             };
             Packet::Rta {
-                opt: decode_req_opt(flags, &mut r)?,
-                kind,
                 msg_id,
+                kind,
                 atomic_datatype,
                 atomic_op,
-                rma_iov,
+                rma_iov: r.iovs(count, "rma_iov_count")?,
+                opt: decode_req_opt(flags, &mut r)?,
             }
         }
         _ => return Err(WireError::NotDecodable(ty)),

@@ -68,25 +68,27 @@ struct W<'b, B: BufMut> {
 }
 
 impl<B: BufMut> W<'_, B> {
-    fn u8(&mut self, v: u8) {
-        self.out.put_u8(v);
-        self.n += 1;
-    }
-    fn u16(&mut self, v: u16) {
-        self.out.put_u16_le(v);
-        self.n += 2;
-    }
-    fn u32(&mut self, v: u32) {
-        self.out.put_u32_le(v);
-        self.n += 4;
-    }
-    fn u64(&mut self, v: u64) {
-        self.out.put_u64_le(v);
-        self.n += 8;
-    }
+    // `BufMut::put_u32_le` and its siblings are `put_slice` of `to_le_bytes`, as these are.
+    #[inline]
     fn bytes(&mut self, b: &[u8]) {
         self.out.put_slice(b);
         self.n += b.len();
+    }
+    #[inline]
+    fn u8(&mut self, v: u8) {
+        self.bytes(&[v]);
+    }
+    #[inline]
+    fn u16(&mut self, v: u16) {
+        self.bytes(&v.to_le_bytes());
+    }
+    #[inline]
+    fn u32(&mut self, v: u32) {
+        self.bytes(&v.to_le_bytes());
+    }
+    #[inline]
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
     }
     fn iovs(&mut self, l: IovList<'_>) {
         for v in l {
@@ -114,9 +116,10 @@ impl<B: BufMut> W<'_, B> {
             self.u64(t);
         }
     }
-    fn dc(&mut self, id: Option<u32>) {
-        if let Some(id) = id {
-            self.u32(id);
+    /// A `u32` in an 8-byte slot (4 bytes of padding after it), when there is one.
+    fn padded_u32(&mut self, v: Option<u32>) {
+        if let Some(v) = v {
+            self.u32(v);
             self.u32(0);
         }
     }
@@ -162,15 +165,9 @@ impl Packet<'_> {
     /// For CTSDATA, READRSP and ATOMRSP `payload.len()` must equal `seg_length`
     /// ([`WireError::BadField`] otherwise).
     pub fn encode<B: BufMut>(&self, payload: &[u8], out: &mut B) -> Result<usize, WireError> {
-        match *self {
-            Packet::CtsData { seg_length, .. }
-            | Packet::ReadRsp { seg_length, .. }
-            | Packet::AtomRsp { seg_length, .. }
-                if u64::try_from(payload.len()).ok() != Some(seg_length) =>
-            {
-                return Err(WireError::BadField("seg_length"));
-            }
-            _ => {}
+        let len_ok = |seg_length| u64::try_from(payload.len()).ok() == Some(seg_length);
+        if !self.seg_length().is_none_or(len_ok) {
+            return Err(WireError::BadField("seg_length"));
         }
         let len = self.check(payload.len(), out.remaining_mut())?;
         let mut w = W { out, n: 0 };
@@ -200,7 +197,7 @@ impl Packet<'_> {
                 dc_send_id,
             } => {
                 w.u32(msg_id);
-                w.dc(dc_send_id);
+                w.padded_u32(dc_send_id);
                 w.tag(tag);
                 w.opt(opt);
             }
@@ -213,7 +210,7 @@ impl Packet<'_> {
                 dc_send_id,
             } => {
                 w.u32(msg_id);
-                w.dc(dc_send_id);
+                w.padded_u32(dc_send_id);
                 w.u64(msg_length);
                 w.u64(seg_offset);
                 w.tag(tag);
@@ -277,7 +274,7 @@ impl Packet<'_> {
                 rma_iov,
             } => {
                 w.u32(count(rma_iov));
-                w.dc(dc_send_id);
+                w.padded_u32(dc_send_id);
                 w.iovs(rma_iov);
                 w.opt(opt);
             }
@@ -375,10 +372,7 @@ impl Packet<'_> {
                 w.u32(recv_id);
                 w.u64(seg_length);
                 w.u64(seg_offset);
-                if let Some(c) = connid {
-                    w.u32(c);
-                    w.u32(0);
-                }
+                w.padded_u32(connid);
             }
             Packet::ReadRsp {
                 connid,
@@ -416,17 +410,11 @@ impl Packet<'_> {
                 for x in words {
                     w.u64(*x);
                 }
-                if let Some(c) = h.connid {
-                    w.u32(c);
-                    w.u32(0);
-                }
+                w.padded_u32(h.connid);
                 if let Some(id) = h.host_id {
                     w.u64(id);
                 }
-                if let Some(v) = h.device_version {
-                    w.u32(v);
-                    w.u32(0);
-                }
+                w.padded_u32(h.device_version);
                 if let Some((qpn, qkey)) = h.user_recv_qp {
                     w.u32(qpn);
                     w.u32(qkey);

@@ -537,6 +537,17 @@ impl<'a> Packet<'a> {
         }
     }
 
+    /// The `seg_length` of CTSDATA, READRSP and ATOMRSP, whose data is exactly that many bytes
+    /// after the headers; `None` for the others (their data is the rest of the packet).
+    pub(super) fn seg_length(&self) -> Option<u64> {
+        match *self {
+            Packet::CtsData { seg_length, .. }
+            | Packet::ReadRsp { seg_length, .. }
+            | Packet::AtomRsp { seg_length, .. } => Some(seg_length),
+            _ => None,
+        }
+    }
+
     /// The `rma_iov` list of RTW, RTR and RTA packets (empty for the others).
     pub fn rma_iov(&self) -> IovList<'a> {
         match *self {

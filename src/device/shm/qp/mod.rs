@@ -293,14 +293,7 @@ impl State {
             let batch = std::mem::take(&mut self.rdma.outbox);
             // The shm device starts writes from bytes only (`Local::Bytes`): no region part.
             for (_, wr, _) in batch {
-                match self.try_send(&wr, now) {
-                    Sent::Done(s, n) => self.complete_send(wr.wr_id, s, n),
-                    Sent::Inflight => {}
-                    Sent::Full => {
-                        self.backlog.push_back(Pending { wr, since: now });
-                        self.next_timer = min_opt(self.next_timer, Some(now + BACKLOG_RETRY));
-                    }
-                }
+                self.send_or_queue(wr, now);
             }
         }
     }

@@ -243,6 +243,12 @@ impl State {
             self.run_backlog(now);
             return Ok(());
         }
+        self.send_or_queue(wr, now);
+        Ok(())
+    }
+
+    /// Sends `wr` now, or, when its ring is full, queues it in the backlog and arms the retry.
+    pub(super) fn send_or_queue(&mut self, wr: SendWr, now: Instant) {
         match self.try_send(&wr, now) {
             Sent::Done(s, n) => self.complete_send(wr.wr_id, s, n),
             Sent::Inflight => {}
@@ -251,7 +257,6 @@ impl State {
                 self.next_timer = min_opt(self.next_timer, Some(now + BACKLOG_RETRY));
             }
         }
-        Ok(())
     }
 
     /// Tries the sends waiting for room again, in order (per destination).
