@@ -15,7 +15,7 @@
 //! split by direction: `peer` (identification, handshake, backoff, failure), `tx` (protocol
 //! choice, packet queues, CTS/RECEIPT, device completions), `rx` (reordering, matching,
 //! segments, CTSDATA, receives, peek/claim/discard) and `read` (device RDMA, long/runting read,
-//! EOR, READ_NACK, LONGREAD_RTW).
+//! EOR, READ_NACK, LONGREAD_RTW), sharing the leaf types of `types` and `wr`.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -40,7 +40,9 @@ mod recv;
 mod rma;
 mod rx;
 mod tx;
+mod types;
 mod util;
+mod wr;
 
 pub use config::{EngineConfig, EngineLimits, EngineSizes};
 pub use counts::TargetCounts;
@@ -51,7 +53,7 @@ pub use ops::{
 };
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
-use tx::Pkt;
+use types::Pkt;
 use util::{Hdr, HeaderArena, Out, Timer};
 
 /// The RDM protocol engine of one endpoint.
@@ -636,9 +638,6 @@ impl Engine {
         std::mem::take(&mut self.target_counts)
     }
 
-    // ---- shared helpers ----
-
-    /// Counts and logs a dropped packet.
     /// Counts a packet the caller dropped before it reached [`Engine::handle_recv`] (the device
     /// could not say where it came from).
     pub fn count_dropped(&mut self, why: &'static str) {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 #[cfg(doc)]
 use super::Engine;
 use super::EngineConfig;
-use super::tx::{Owner, Pkt};
+use super::types::{Owner, Pkt};
 use super::util::{GenSlab, Hdr, Out, Timer, TimerTable};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use super::peer::our_sender;
-use super::tx::{Owner, Pkt};
+use super::types::{Owner, Pkt};
 use super::{Engine, Event, RemoteWriteDone, RmaBuf, RmaKind, RmaOp, RmaPath};
 use crate::atomic::{AtomicOp, AtomicType};
 use crate::device::{RemoteIov, Status};

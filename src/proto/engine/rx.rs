@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
+use super::types::{Kind, LOCAL_PEER};
 use super::util::{IdMap, RangeSet, SeqMap};
 use super::{Engine, Error, ErrorKind, Event, RecvDone, RecvOp};
 use super::{MultiRecv, PostedItem};
@@ -16,25 +17,6 @@ use crate::proto::matching::Matcher;
 use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
 use crate::proto::wire::Packet;
-
-/// Which protocol an inbound message uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
-    Eager,
-    Medium,
-    LongCts {
-        send_id: u32,
-    },
-    /// LONGREAD_RTM: read by this side (`read.rs`), then EOR.
-    LongRead {
-        send_id: u32,
-    },
-    /// RUNTREAD_RTM: `runt` bytes in packets, the rest read by this side.
-    RuntRead {
-        send_id: u32,
-        runt: u64,
-    },
-}
 
 /// Where a matched message goes.
 #[derive(Debug)]
@@ -156,7 +138,7 @@ pub(super) struct RxEntry {
     pub(super) in_progress: bool,
     pub(super) state: RxState,
     /// Long-read and runting-read messages: what to read and how far it got (`read.rs`).
-    pub(super) read: Option<Box<super::read::RxRead>>,
+    pub(super) read: Option<Box<super::wr::RxRead>>,
 }
 
 impl RxEntry {
@@ -188,7 +170,7 @@ pub(super) struct Rtm {
     pub(super) msg_length: Option<u64>,
     pub(super) seg_offset: u64,
     /// The sender's buffers (long-read and runting-read messages).
-    pub(super) read: Option<super::read::ReadIovs>,
+    pub(super) read: Option<super::wr::ReadIovs>,
 }
 
 impl Rtm {
@@ -261,7 +243,7 @@ impl Rtm {
                 dc_send_id: None,
                 msg_length: Some(msg_length),
                 seg_offset: 0,
-                read: Some(super::read::ReadIovs::of(read_iov)),
+                read: Some(super::wr::ReadIovs::of(read_iov)),
             },
             Packet::RuntReadRtm {
                 ref opt,
@@ -283,7 +265,7 @@ impl Rtm {
                 dc_send_id: None,
                 msg_length: Some(msg_length),
                 seg_offset,
-                read: Some(super::read::ReadIovs::of(read_iov)),
+                read: Some(super::wr::ReadIovs::of(read_iov)),
             },
             _ => return None,
         })
@@ -494,9 +476,7 @@ impl Engine {
                 last: now,
                 in_progress: false,
                 state,
-                read: m
-                    .read
-                    .and_then(|iovs| super::read::RxRead::new(m.kind, iovs)),
+                read: m.read.and_then(|iovs| super::wr::RxRead::new(m.kind, iovs)),
             },
         );
         if let Some(p) = self.peers.get_mut(&pid) {
@@ -880,7 +860,7 @@ impl Engine {
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
     pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done) {
         if let Some(send_id) = msg.dc_send_id {
-            if msg.peer == super::local::LOCAL_PEER {
+            if msg.peer == LOCAL_PEER {
                 self.local_receipts.push_back((msg.src, send_id));
             } else {
                 let r = Packet::Receipt {

@@ -8,8 +8,9 @@ use bytes::Bytes;
 
 use super::peer::our_sender;
 use super::peer::{Peers, peer_fatal};
-use super::read::ReadProto;
+use super::types::{MsgHdr, Owner, Pkt, Proto, medium_segments};
 use super::util::{Hdr, HeaderArena, SeqMap, WrTable};
+use super::wr::ReadProto;
 use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
 use crate::device::Status;
 use crate::proto::wire::{
@@ -17,30 +18,6 @@ use crate::proto::wire::{
     RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, ReqOpt, Sender, req_flags,
 };
 
-/// Alignment of medium segments in host memory (libfabric's `EFA_RDM_DEFAULT_MEMORY_ALIGNMENT`).
-const MEDIUM_ALIGN: usize = 8;
-
-/// What a packet belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Owner {
-    /// A packet of a send operation (REQ or CTSDATA).
-    Tx(u32),
-    /// Our HANDSHAKE.
-    Handshake,
-    /// A CTS or RECEIPT (owned by no application operation).
-    Ctrl,
-    /// A REQ of an RMA operation of `read.rs` (LONGREAD_RTW).
-    Rd(u32),
-    /// A packet of an emulated RMA operation (`rma.rs`), payload from its buffer.
-    Ema(u32),
-    /// A response of the emulation's target side (READRSP, ATOMRSP) with its payload.
-    Resp(u32),
-}
-
-/// A packet queued for, or handed to, the device.
-///
-/// It holds no reference-counted buffer: its headers are inline and its payload is a range of
-/// its send's buffer, turned into the `Transmit`'s `Bytes` when it goes to the device (and
 /// The transmit side of the engine: send operations by id and the packets on the device.
 #[derive(Debug)]
 pub(super) struct TxSide {
@@ -92,50 +69,6 @@ impl TxSide {
         }
         None
     }
-}
-
-/// again if an RNR sends it once more).
-#[derive(Debug)]
-pub(super) struct Pkt {
-    pub(super) peer: u64,
-    pub(super) owner: Owner,
-    pub(super) hdr: Hdr,
-    /// The payload: bytes `off..end` of the buffer of send `owner` (none for other owners).
-    pub(super) off: usize,
-    pub(super) end: usize,
-    /// RNR completions this packet has met.
-    pub(super) rnr: u8,
-}
-
-impl Pkt {
-    /// A control packet (no payload).
-    pub(super) fn ctrl(peer: u64, owner: Owner, hdr: Hdr) -> Pkt {
-        Pkt::new(peer, owner, hdr, 0, 0)
-    }
-
-    /// A packet of send `owner` carrying bytes `off..end` of its buffer.
-    pub(super) fn new(peer: u64, owner: Owner, hdr: Hdr, off: usize, end: usize) -> Pkt {
-        Pkt {
-            peer,
-            owner,
-            hdr,
-            off,
-            end,
-            rnr: 0,
-        }
-    }
-}
-
-/// The protocol a send uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Proto {
-    Eager,
-    Medium,
-    LongCts,
-    /// LONGREAD_RTM: the receiver reads the message, then EOR.
-    LongRead,
-    /// RUNTREAD_RTM: runt bytes in packets, the receiver reads the rest, then EOR.
-    RuntRead,
 }
 
 /// A send operation in flight.
@@ -225,49 +158,6 @@ fn eager_header(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<
         h.put(&c.to_le_bytes());
     }
     h
-}
-
-/// The fields every packet of one message shares.
-pub(super) struct MsgHdr {
-    pub(super) pid: u64,
-    pub(super) send_id: u32,
-    pub(super) opt: ReqOpt,
-    pub(super) msg_id: u32,
-    pub(super) tag: Option<u64>,
-    pub(super) dc: bool,
-}
-
-/// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
-/// equal, aligned segments, the remainder on the last one or in one more packet. The segment
-/// sizes in order, without allocating.
-pub(super) fn medium_segments(total: usize, max: usize) -> impl Iterator<Item = usize> {
-    // (segments of `single`, the size of the last of them, an extra last segment).
-    let (single, cnt, last, extra) = if total == 0 || max == 0 {
-        (total, 1, total, 0)
-    } else {
-        let cnt = (total - 1) / max + 1;
-        let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
-        if single == 0 {
-            single = total.min(max);
-        }
-        let cnt = total / single;
-        let rem = total - cnt * single;
-        if rem > 0 && single + rem <= max {
-            (single, cnt, single + rem, 0)
-        } else {
-            (single, cnt, single, rem)
-        }
-    };
-    let extra = (extra > 0).then_some(extra);
-    (0..cnt)
-        .map(move |i| if i + 1 == cnt { last } else { single })
-        .chain(extra)
-}
-
-/// [`medium_segments`] as a vector.
-#[cfg(test)]
-pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
-    medium_segments(total, max).collect()
 }
 
 impl Engine {
@@ -731,9 +621,10 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::{eager_header, eager_header_len, medium_split};
+    use super::{eager_header, eager_header_len};
     use crate::addr::{Gid, RawAddr};
     use crate::fault::{Rng, test_seed};
+    use crate::proto::engine::types::medium_split;
     use crate::proto::wire::{Packet, ReqOpt, Sender};
 
     #[test]

@@ -5,56 +5,6 @@ use super::*;
 use crate::proto::engine::peer::our_sender;
 use crate::proto::engine::util::Timer;
 
-/// Where a long/runting-read message is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Phase {
-    /// Not matched yet.
-    Idle,
-    /// Reads on the device (or queued for it).
-    Reading,
-    /// Read (or nothing to read): EOR sent.
-    Done,
-    /// Cannot read: READ_NACK goes once the runt has arrived.
-    NackPending,
-    /// READ_NACK sent: waiting for the sender's long-CTS REQ.
-    Nacked,
-}
-
-/// The read state of an inbound long/runting-read message (`RxEntry::read`).
-#[derive(Debug)]
-pub(in crate::proto::engine) struct RxRead {
-    send_id: u32,
-    iovs: ReadIovs,
-    /// The reads start here: the runt (bytes sent in packets) is before.
-    start: usize,
-    phase: Phase,
-    pieces: Pieces,
-}
-
-impl RxRead {
-    pub(in crate::proto::engine) fn new(kind: Kind, iovs: ReadIovs) -> Option<Box<RxRead>> {
-        let (send_id, start) = match kind {
-            Kind::LongRead { send_id } => (send_id, 0),
-            Kind::RuntRead { send_id, runt } => {
-                (send_id, usize::try_from(runt).unwrap_or(usize::MAX))
-            }
-            _ => return None,
-        };
-        Some(Box::new(RxRead {
-            send_id,
-            iovs,
-            start,
-            phase: Phase::Idle,
-            pieces: Pieces::default(),
-        }))
-    }
-
-    /// Reads are on the device: the receive is not stalled.
-    pub(in crate::proto::engine) fn reading(&self) -> bool {
-        self.phase == Phase::Reading
-    }
-}
-
 /// A read-based message we send.
 #[derive(Debug)]
 pub(super) struct TxRead {
@@ -65,13 +15,6 @@ pub(super) struct TxRead {
     /// The region peers read: `(key, address)`; a region send (`SendOp::region_len`) reads
     /// the rest of its bytes from it after a READ_NACK.
     pub(super) region: (u64, u64),
-}
-
-/// The read-based protocol a message uses.
-#[derive(Clone, Copy, Debug)]
-pub(in crate::proto::engine) enum ReadProto {
-    Long(RemoteIov),
-    Runt(RemoteIov, usize),
 }
 
 impl Engine {

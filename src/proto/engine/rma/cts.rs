@@ -20,9 +20,10 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::super::read::{ReadIovs, carve, write_range};
-use super::super::tx::{Owner, Pkt};
+use super::super::read::write_range;
+use super::super::types::{Owner, Pkt};
 use super::super::util::RangeSet;
+use super::super::wr::{ReadIovs, carve};
 use super::super::{Engine, Event, RemoteWriteDone, RmaMemory};
 use super::{EmaOp, OpKind, Work};
 use crate::device::{RemoteIov, Status};
