@@ -540,7 +540,7 @@ const KNOWN_SIBLING_CYCLES: &[&str] = &[
 
 /// The engine's shape (issue 31, points 1 and 7), as ratchets: `impl Engine` blocks outside
 /// `engine.rs`, `*_impl` forwarding functions and `engine.rs`'s length may only go down; the
-/// goals are 0, 0 and 800 lines.
+/// goals are 0, 0 (reached: none may come back) and 800 lines.
 #[test]
 fn the_engine_only_gets_leaner() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/proto");
@@ -573,15 +573,12 @@ fn the_engine_only_gets_leaner() {
         "engine: {impl_blocks} impl Engine blocks outside engine.rs, {forwards} *_impl functions, engine.rs {lines} lines"
     );
     assert!(
-        impl_blocks <= MAX_IMPL_ENGINE_OUTSIDE
-            && forwards <= MAX_IMPL_FORWARDS
-            && lines <= MAX_ENGINE_RS_LINES,
+        impl_blocks <= MAX_IMPL_ENGINE_OUTSIDE && forwards == 0 && lines <= MAX_ENGINE_RS_LINES,
         "the engine grew back: {impl_blocks} `impl Engine` blocks outside engine.rs (at most \
-         {MAX_IMPL_ENGINE_OUTSIDE}), {forwards} `*_impl` functions (at most {MAX_IMPL_FORWARDS}), \
+         {MAX_IMPL_ENGINE_OUTSIDE}), {forwards} `*_impl` functions (none: the goal is reached), \
          engine.rs {lines} lines (at most {MAX_ENGINE_RS_LINES}); lower the ceilings when they fall"
     );
 }
 
-const MAX_IMPL_ENGINE_OUTSIDE: usize = 8;
-const MAX_IMPL_FORWARDS: usize = 3;
-const MAX_ENGINE_RS_LINES: usize = 776;
+const MAX_IMPL_ENGINE_OUTSIDE: usize = 7;
+const MAX_ENGINE_RS_LINES: usize = 769;

@@ -23,18 +23,19 @@ use std::time::{Duration, Instant};
 use super::util::WrTable;
 use bytes::{Bytes, BytesMut};
 
-use super::peer::{Peers, peer_fatal};
+use super::peer::Peers;
 use super::rx::{RxEntry, RxState};
-use super::types::{Kind, MsgHdr, Owner, Pkt, Proto, medium_segments};
-use super::util::IdMap;
-use super::wr::{Phase, Pieces, ReadIovs, ReadProto, Wr, WrOwner, WrWhat, carve};
+use super::tx::Cx;
+use super::types::{Kind, Owner, Pkt};
+use super::util::{IdMap, encode};
+use super::wr::{Phase, Pieces, ReadIovs, Wr, WrOwner, WrWhat, carve};
 use super::{
     Engine, Error, ErrorKind, Event, RemoteWriteDone, RmaBuf, RmaDone, RmaKind, RmaMemory, RmaOp,
-    RmaPath, SendOp, Transmit, TransmitKind,
+    RmaPath, Transmit, TransmitKind,
 };
 use crate::device::{RemoteIov, Status};
 use crate::mem::RegionSlice;
-use crate::proto::wire::{ExtraFeature, IovList, Packet, PacketType, ReqOpt, Sender};
+use crate::proto::wire::{ExtraFeature, IovList, Packet, ReqOpt};
 
 /// Marks the `wr_id`s of RDMA work requests (those of packets have bit 63 clear).
 const RDMA_WR: u64 = 1 << 63;
@@ -46,8 +47,6 @@ const RTW_SEGMENT: usize = 1 << 20;
 /// RMA operations that may wait for HANDSHAKEs at once
 /// (`EFA_RDM_MAX_QUEUED_OPE_BEFORE_HANDSHAKE`); beyond, `Again`.
 const MAX_QUEUED_BEFORE_HANDSHAKE: usize = 16;
-/// Runt sizes are multiples of this (host memory alignment, as medium segments).
-const RUNT_ALIGN: usize = 8;
 /// Retry of a write into memory the application holds locked (`RmaMemory` said `Again`).
 const MEMORY_RETRY: Duration = Duration::from_micros(20);
 
@@ -56,7 +55,6 @@ mod msg;
 mod rtw;
 
 use device::DevOp;
-use msg::TxRead;
 use rtw::RtwTarget;
 pub(super) use rtw::write_range;
 
@@ -77,10 +75,6 @@ pub(super) struct ReadState {
     outstanding: WrTable<Wr, RDMA_WR>,
     rtw: IdMap<u32, RtwTarget>,
     next_rtw: u32,
-    /// Our read-based messages whose EOR or READ_NACK has not come (libfabric's
-    /// `num_read_msg_in_flight`; runting reads are used only when it is 0).
-    read_msgs: usize,
-    tx_read: IdMap<u32, TxRead>,
     /// Alternates work requests and packets in `poll_transmit`.
     turn: bool,
     /// The queue pair has unsolicited write-recv.
@@ -88,6 +82,70 @@ pub(super) struct ReadState {
 }
 
 impl ReadState {
+    /// The device completed RDMA work request `wr_id` (`buf`: a read's buffer handed back).
+    /// A write that met RNR, or any request the target refused for want of an AH for us, goes
+    /// again (backing off; the latter after introducing us) and `None` is returned; else the
+    /// work request, to be handed to its owner.
+    pub(super) fn completed(
+        &mut self,
+        now: Instant,
+        wr_id: u64,
+        status: Status,
+        buf: Option<BytesMut>,
+        cx: &mut Cx<'_>,
+    ) -> Option<Wr> {
+        let Some(mut w) = self.outstanding.take(wr_id) else {
+            tracing::debug!(wr_id, "RDMA completion for an unknown work request");
+            return None;
+        };
+        if status == Status::RnrRetryExceeded
+            && matches!(w.what, WrWhat::Write { .. })
+            && cx.peers.contains_key(&w.peer)
+        {
+            // A write with immediate data found no receive buffer at the target: again at
+            // once, backing off from its second RNR on (as packets).
+            cx.out.stats.rnr += 1;
+            cx.out.stats.retransmits += 1;
+            w.rnr = w.rnr.saturating_add(1);
+            let (again, pid) = (w.rnr > 1, w.peer);
+            self.wrs.push_front(w);
+            if again {
+                cx.peers
+                    .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+            }
+            return None;
+        }
+        if status == Status::UnknownPeer
+            && w.no_ah < NO_AH_RETRIES
+            && cx.peers.contains_key(&w.peer)
+        {
+            // EFA: the target's NIC holds no AH for us (it evicted it, or never made one), so it
+            // refuses our RDMA. A datagram carrying our raw address makes its provider create
+            // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
+            // it learns the GID of); then the work request goes again, after a backoff.
+            cx.out.stats.retransmits += 1;
+            w.no_ah += 1;
+            if let WrWhat::Read { buf: slot, .. } = &mut w.what {
+                *slot = buf;
+            }
+            let pid = w.peer;
+            self.wrs.push_front(w);
+            cx.peers.introduce(pid, cx.local);
+            cx.peers
+                .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+            return None;
+        }
+        if let WrWhat::Read { buf: slot, .. } = &mut w.what {
+            *slot = buf;
+        }
+        Some(w)
+    }
+
+    /// True when `id` is the id of a device RMA operation in flight.
+    pub(super) fn owns_id(&self, id: u32) -> bool {
+        !self.ops.is_empty() && self.ops.contains_key(&id)
+    }
+
     /// Work requests wait for room on the device.
     pub(super) fn has_wrs(&self) -> bool {
         !self.wrs.is_empty()
@@ -225,32 +283,6 @@ impl Engine {
         self.segment(WRITE_SEGMENT)
     }
 
-    /// Both sides can RDMA-read: this side's device and configuration, and the peer's
-    /// HANDSHAKE (feature bit and p2p) — libfabric's `efa_both_support_rdma_read`. Towards
-    /// ourselves only this side counts (what it advertises: not when it counts remote reads).
-    pub(super) fn both_read(&self, pid: u64) -> bool {
-        self.cfg.device_rdma_read
-            && self.peers.get(&pid).is_some_and(|p| {
-                if p.addr == self.local {
-                    !self.remote_events.1
-                } else {
-                    p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaRead)
-                }
-            })
-    }
-
-    /// Both sides can RDMA-write (`efa_both_support_rdma_write`).
-    fn both_write(&self, pid: u64) -> bool {
-        self.cfg.device_rdma_write
-            && self.peers.get(&pid).is_some_and(|p| {
-                if p.addr == self.local {
-                    !self.remote_events.0
-                } else {
-                    p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaWrite)
-                }
-            })
-    }
-
     /// A write with immediate data may go to the device: both sides agree on unsolicited
     /// write-recv.
     fn imm_ok(&self, pid: u64) -> bool {
@@ -306,76 +338,9 @@ impl Engine {
         self.rd.wrs.clear();
         self.rd.outstanding.clear();
         self.rd.rtw.clear();
-        self.rd.tx_read.clear();
-        self.rd.read_msgs = 0;
+        self.tx.read_close();
         self.rd.waiting = 0;
         self.out.timers.stop(Timer::ReadRetry);
-    }
-
-    /// [`Engine::handle_rdma_completion`].
-    pub(super) fn rdma_completion_impl(
-        &mut self,
-        now: Instant,
-        wr_id: u64,
-        status: Status,
-        buf: Option<BytesMut>,
-    ) {
-        if self.closed {
-            return;
-        }
-        let Some(mut w) = self.rd.outstanding.take(wr_id) else {
-            tracing::debug!(wr_id, "RDMA completion for an unknown work request");
-            return;
-        };
-        if status == Status::RnrRetryExceeded
-            && matches!(w.what, WrWhat::Write { .. })
-            && self.peers.contains_key(&w.peer)
-        {
-            // A write with immediate data found no receive buffer at the target: again at
-            // once, backing off from its second RNR on (as packets).
-            self.out.stats.rnr += 1;
-            self.out.stats.retransmits += 1;
-            w.rnr = w.rnr.saturating_add(1);
-            let (again, pid) = (w.rnr > 1, w.peer);
-            self.rd.wrs.push_front(w);
-            if again {
-                self.peers
-                    .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
-            }
-            return;
-        }
-        if status == Status::UnknownPeer
-            && w.no_ah < NO_AH_RETRIES
-            && self.peers.contains_key(&w.peer)
-        {
-            // EFA: the target's NIC holds no AH for us (it evicted it, or never made one), so it
-            // refuses our RDMA. A datagram carrying our raw address makes its provider create
-            // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
-            // it learns the GID of); then the work request goes again, after a backoff.
-            self.out.stats.retransmits += 1;
-            w.no_ah += 1;
-            if let WrWhat::Read { buf: slot, .. } = &mut w.what {
-                *slot = buf;
-            }
-            let pid = w.peer;
-            self.rd.wrs.push_front(w);
-            self.introduce(pid);
-            self.peers
-                .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
-            return;
-        }
-        if let WrWhat::Read { buf: slot, .. } = &mut w.what {
-            *slot = buf;
-        }
-        let pid = w.peer;
-        match w.owner {
-            WrOwner::Op(id) => self.op_wr_done(id, w, status),
-            WrOwner::Rx(rid) => self.rx_wr_done(now, rid, w, status),
-            WrOwner::Rtw(id) => self.rtw_wr_done(now, id, w, status),
-        }
-        if peer_fatal(status) && self.peers.contains_key(&pid) {
-            self.fail_peer(pid, status.error_kind(), Some(status), "RDMA failed");
-        }
     }
 
     /// EOR, READ_NACK and LONGREAD_RTW.

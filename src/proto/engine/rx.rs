@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
+use super::tx::cts_credit;
 use super::types::{Kind, LOCAL_PEER};
-use super::util::{IdMap, RangeSet, SeqMap};
+use super::util::{IdMap, Out, RangeSet, SeqMap};
 use super::{Engine, Error, ErrorKind, Event, RecvDone, RecvOp};
 use super::{MultiRecv, PostedItem};
 use crate::addr::RawAddr;
@@ -96,6 +97,16 @@ pub(super) struct RxSide {
 }
 
 impl RxSide {
+    /// A matched receive left (completed or failed): when none is in progress, no stall timer.
+    pub(super) fn left(&mut self, in_progress: bool, out: &mut Out) {
+        if in_progress {
+            self.in_progress = self.in_progress.saturating_sub(1);
+            if self.in_progress == 0 {
+                out.timers.stop(Timer::RxStall);
+            }
+        }
+    }
+
     pub(super) fn new(cap: usize) -> RxSide {
         RxSide {
             ops: SeqMap::new(cap),
@@ -741,7 +752,7 @@ impl Engine {
 
     /// Grants the sender of long-CTS message `rid` its next window.
     pub(super) fn send_cts(&mut self, rid: u32) {
-        let credit = self.cts_credit();
+        let credit = cts_credit(&self.cfg);
         let qkey = self.local.qkey;
         let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
@@ -760,7 +771,7 @@ impl Engine {
             recv_length: window as u64,
             read_req: false,
         };
-        self.queue_ctrl(pid, &cts);
+        self.peers.queue_ctrl(pid, &cts);
     }
 
     /// A CTSDATA packet: data of a long-CTS message within the window granted.
@@ -832,7 +843,7 @@ impl Engine {
                 p.inbound.remove(&e.msg_id);
             }
         }
-        self.rx_left(e.in_progress);
+        self.rx.left(e.in_progress, &mut self.out);
         Some(e)
     }
 
@@ -868,7 +879,7 @@ impl Engine {
                     send_id,
                     msg_id: msg.msg_id,
                 };
-                self.queue_ctrl(msg.peer, &r);
+                self.peers.queue_ctrl(msg.peer, &r);
             }
         }
         let Some(context) = sink.context else { return };
