@@ -581,4 +581,4 @@ fn the_engine_only_gets_leaner() {
 }
 
 const MAX_IMPL_ENGINE_OUTSIDE: usize = 7;
-const MAX_ENGINE_RS_LINES: usize = 769;
+const MAX_ENGINE_RS_LINES: usize = 764;

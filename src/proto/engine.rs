@@ -166,18 +166,13 @@ impl Engine {
             let e = Error::new(ErrorKind::NoMemory, "send").with_detail("peer table full");
             return Err((e, op));
         };
-        let (rd, ema) = (&self.rd, &self.ema);
-        let mut cx = tx::Cx {
-            cfg: &self.cfg,
-            local: self.local,
-            remote_events: self.remote_events,
-            memory: self.memory.as_deref(),
-            peers: &mut self.peers,
-            out: &mut self.out,
-            rng: &mut self.rng,
-        };
-        let taken = |id| rd.owns_id(id) || ema.owns_send_id(id);
-        self.tx.send(pid, op, taken, &mut cx)
+        let (tx, rd, ema, mut cx) = self.parts();
+        tx.send(
+            pid,
+            op,
+            |id| rd.owns_id(id) || ema.owns_send_id(id),
+            &mut cx,
+        )
     }
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
@@ -295,7 +290,7 @@ impl Engine {
         if self.closed {
             return;
         }
-        let (_, rd, mut cx) = self.parts();
+        let (_, rd, _, mut cx) = self.parts();
         let Some(w) = rd.completed(now, wr_id, status, buf, &mut cx) else {
             return;
         };
@@ -381,7 +376,7 @@ impl Engine {
             } => {
                 // The id says whose it is (one id space: `alloc_tx_id`).
                 if !self.ema.owns_send_id(send_id) {
-                    let (tx, _, mut cx) = self.parts();
+                    let (tx, _, _, mut cx) = self.parts();
                     tx.handle_cts(pid, send_id, recv_id, recv_length, &mut cx);
                 } else if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
                     self.drop_pkt("CTS for an RMA operation of another peer or state");
@@ -407,7 +402,7 @@ impl Engine {
                 send_id, msg_id, ..
             } => {
                 if !self.ema.owns_send_id(send_id) {
-                    let (tx, _, mut cx) = self.parts();
+                    let (tx, _, _, mut cx) = self.parts();
                     tx.handle_receipt(pid, send_id, msg_id, &mut cx);
                 } else if !self.ema_receipt(pid, send_id) {
                     self.drop_pkt("RECEIPT for an RMA operation of another peer or a read");
@@ -437,7 +432,7 @@ impl Engine {
         if self.closed {
             return;
         }
-        let (tx, _, mut cx) = self.parts();
+        let (tx, _, _, mut cx) = self.parts();
         match tx.completed(now, wr_id, status, &mut cx) {
             tx::Then::Nothing => {}
             tx::Then::Ema(owner, s) => self.ema_pkt_done(&owner, s),
@@ -572,7 +567,7 @@ impl Engine {
             self.abort_rx(id, ErrorKind::Canceled, "close");
         }
         self.rx.cancel_all(&mut self.out);
-        let (tx, _, mut cx) = self.parts();
+        let (tx, _, _, mut cx) = self.parts();
         for id in tx.ops.sorted_keys() {
             let e = Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed");
             tx.fail(id, e, None, &mut cx);
@@ -704,7 +699,7 @@ impl Engine {
         let Some((first, blocked)) = self.peers.handshake_arrived(pid, h) else {
             return;
         };
-        let (tx, _, mut cx) = self.parts();
+        let (tx, _, _, mut cx) = self.parts();
         for id in blocked {
             tx.schedule_ctsdata(id, &mut cx);
         }
@@ -740,7 +735,7 @@ impl Engine {
             .map(|(id, _)| id)
             .collect();
         tids.sort_unstable();
-        let (tx, _, mut cx) = self.parts();
+        let (tx, _, _, mut cx) = self.parts();
         for tid in tids {
             tx.fail(
                 tid,
@@ -753,8 +748,8 @@ impl Engine {
         self.ema_fail(Some(pid), &Error::new(kind, "rma").with_detail(why), status);
     }
 
-    /// The transmit side, the RDMA side and what their handlers reach.
-    fn parts(&mut self) -> (&mut tx::TxSide, &mut read::ReadState, tx::Cx<'_>) {
+    /// The transmit side, the RDMA side, the emulation and what their handlers reach.
+    fn parts(&mut self) -> (&mut tx::TxSide, &mut read::ReadState, &rma::Ema, tx::Cx<'_>) {
         let cx = tx::Cx {
             cfg: &self.cfg,
             local: self.local,
@@ -764,6 +759,6 @@ impl Engine {
             out: &mut self.out,
             rng: &mut self.rng,
         };
-        (&mut self.tx, &mut self.rd, cx)
+        (&mut self.tx, &mut self.rd, &self.ema, cx)
     }
 }

@@ -8,7 +8,7 @@ impl Engine {
     /// EOR: the receiver read a message (or the target of LONGREAD_RTW placed a write).
     pub(super) fn handle_eor(&mut self, pid: u64, send_id: u32) {
         if self.tx.ops.contains_key(&send_id) {
-            let (tx, _, mut cx) = self.parts();
+            let (tx, _, _, mut cx) = self.parts();
             return tx.handle_eor(pid, send_id, &mut cx);
         }
         let ours = matches!(self.rd.ops.get(&send_id),
@@ -32,7 +32,7 @@ impl Engine {
     /// LONGREAD_RTW starts again as an emulated write.
     pub(super) fn handle_read_nack(&mut self, now: Instant, pid: u64, send_id: u32, recv_id: u32) {
         if self.tx.ops.contains_key(&send_id) {
-            let (tx, _, mut cx) = self.parts();
+            let (tx, _, _, mut cx) = self.parts();
             return tx.handle_read_nack(pid, send_id, recv_id, &mut cx);
         }
         let ours = matches!(self.rd.ops.get(&send_id),
