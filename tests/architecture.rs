@@ -4,7 +4,7 @@
 //! Reads the sources (not the compiled crate): for every top-level module (`src/x.rs` and
 //! `src/x/**`), the top-level modules its non-test code names through `crate::` paths, including
 //! `use crate::{a::B, c}` groups and names the crate root re-exports (`crate::Domain` is
-//! `domain`'s). Comments and `#[cfg(test)] mod tests` blocks at the end of a file are left out.
+//! `domain`'s). Comments and `#[cfg(test)] mod tests` modules (wherever they are) are left out.
 //! Then the dependency graph must be acyclic; a cycle is printed with the edges that make it.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -20,13 +20,25 @@ fn rs_files(p: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The source without comment lines and without a trailing `#[cfg(test)] mod tests` block.
+/// The source without comment lines and without its `#[cfg(test)] mod tests` modules: an
+/// inline one is left out up to its closing brace (the first `}` at the start of a line, as
+/// rustfmt writes it), so items after it are still read; `mod tests;` is one line.
 fn code(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]\nmod tests") {
-        Some(i) => &text[..i],
-        None => text,
-    };
-    text.lines()
+    const TESTS: &str = "#[cfg(test)]\nmod tests";
+    let mut kept = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(TESTS) {
+        kept.push_str(&rest[..i]);
+        let after = &rest[i + TESTS.len()..];
+        let end = if after.trim_start().starts_with(';') {
+            after.find(';').map_or(after.len(), |k| k + 1)
+        } else {
+            after.find("\n}").map_or(after.len(), |k| k + 2)
+        };
+        rest = &after[end..];
+    }
+    kept.push_str(rest);
+    kept.lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
         .join("\n")
@@ -410,7 +422,7 @@ fn named_paths(module: &[String], code: &str) -> Vec<Vec<String>> {
 }
 
 /// Import cycles between sibling modules at every level (issue 31, point 7), as strongly
-/// connected sets of siblings, e.g. `proto::engine: {local, peer, read, rx, tx}`: an edge
+/// connected sets of siblings, e.g. `rail: {ctrl, rx, state, tx}`: an edge
 /// `a -> b` between children of one module when code under `a` names `b` (explicit paths, see
 /// [`named_paths`]).
 fn sibling_cycles() -> BTreeSet<String> {
@@ -522,26 +534,27 @@ const KNOWN_SIBLING_CYCLES: &[&str] = &[
     "device::udp: {link, srd}",
     // `local::ring` takes its types from the channel files it abstracts over.
     "local: {chan, ring}",
-    // The engine's sub-files (issue 31, point 1).
-    "proto::engine: {local, peer, read, rx, tx}",
     "rail: {addr, wire}",
     "rail: {ctrl, rx, state, tx}",
 ];
 
 /// The engine's shape (issue 31, points 1 and 7), as ratchets: `impl Engine` blocks outside
 /// `engine.rs`, `*_impl` forwarding functions and `engine.rs`'s length may only go down; the
-/// goals are 0, 0 and 800 lines.
+/// goals are 0, 0 (reached: none may come back) and 800 lines.
 #[test]
 fn the_engine_only_gets_leaner() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/proto");
-    let mut files = Vec::new();
+    let mut files = vec![src.join("engine.rs")];
     rs_files(&src.join("engine"), &mut files);
     let mut impl_blocks = 0;
     let mut forwards = 0;
     for f in &files {
         let c = code(&std::fs::read_to_string(f).unwrap());
-        impl_blocks += c.matches("impl Engine {").count();
-        impl_blocks += c.matches("impl Engine{").count();
+        // `*_impl` functions count in engine.rs too; `impl Engine` blocks only outside it.
+        if !f.ends_with("proto/engine.rs") {
+            impl_blocks += c.matches("impl Engine {").count();
+            impl_blocks += c.matches("impl Engine{").count();
+        }
         forwards += c
             .match_indices("fn ")
             .filter(|(i, _)| {
@@ -560,15 +573,12 @@ fn the_engine_only_gets_leaner() {
         "engine: {impl_blocks} impl Engine blocks outside engine.rs, {forwards} *_impl functions, engine.rs {lines} lines"
     );
     assert!(
-        impl_blocks <= MAX_IMPL_ENGINE_OUTSIDE
-            && forwards <= MAX_IMPL_FORWARDS
-            && lines <= MAX_ENGINE_RS_LINES,
+        impl_blocks <= MAX_IMPL_ENGINE_OUTSIDE && forwards == 0 && lines <= MAX_ENGINE_RS_LINES,
         "the engine grew back: {impl_blocks} `impl Engine` blocks outside engine.rs (at most \
-         {MAX_IMPL_ENGINE_OUTSIDE}), {forwards} `*_impl` functions (at most {MAX_IMPL_FORWARDS}), \
+         {MAX_IMPL_ENGINE_OUTSIDE}), {forwards} `*_impl` functions (none: the goal is reached), \
          engine.rs {lines} lines (at most {MAX_ENGINE_RS_LINES}); lower the ceilings when they fall"
     );
 }
 
-const MAX_IMPL_ENGINE_OUTSIDE: usize = 8;
-const MAX_IMPL_FORWARDS: usize = 3;
-const MAX_ENGINE_RS_LINES: usize = 777;
+const MAX_IMPL_ENGINE_OUTSIDE: usize = 7;
+const MAX_ENGINE_RS_LINES: usize = 764;

@@ -15,7 +15,7 @@
 //! split by direction: `peer` (identification, handshake, backoff, failure), `tx` (protocol
 //! choice, packet queues, CTS/RECEIPT, device completions), `rx` (reordering, matching,
 //! segments, CTSDATA, receives, peek/claim/discard) and `read` (device RDMA, long/runting read,
-//! EOR, READ_NACK, LONGREAD_RTW).
+//! EOR, READ_NACK, LONGREAD_RTW), sharing the leaf types of `types` and `wr`.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -40,7 +40,9 @@ mod recv;
 mod rma;
 mod rx;
 mod tx;
+mod types;
 mod util;
+mod wr;
 
 pub use config::{EngineConfig, EngineLimits, EngineSizes};
 pub use counts::TargetCounts;
@@ -51,8 +53,7 @@ pub use ops::{
 };
 use recv::{MultiRecv, PostedItem};
 use rx::Done;
-use tx::Pkt;
-use util::{Hdr, HeaderArena, Out, Timer};
+use util::{HeaderArena, Out, Timer};
 
 /// The RDM protocol engine of one endpoint.
 #[derive(Debug)]
@@ -78,8 +79,6 @@ pub struct Engine {
     memory: Option<std::sync::Arc<dyn RmaMemory>>,
     /// Arena the headers handed to the device are copied into.
     hdr: HeaderArena,
-    /// Reused list of the packets a send or a CTS window creates (no allocation per message).
-    pkt_scratch: Vec<Pkt>,
     /// Device RDMA and the read-based protocols (`read.rs`).
     rd: read::ReadState,
     /// Emulated RMA and atomics (`rma.rs`).
@@ -110,7 +109,6 @@ impl Engine {
             out: Out::default(),
             memory: None,
             hdr: HeaderArena::default(),
-            pkt_scratch: Vec::new(),
             rd: read::ReadState::default(),
             ema: rma::Ema::default(),
             local_receipts: VecDeque::new(),
@@ -152,7 +150,29 @@ impl Engine {
         reason = "the refused operation is handed back by value"
     )]
     pub fn send(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
-        self.send_impl(now, op)
+        if self.closed {
+            return Err((Engine::closed_error("send"), op));
+        }
+        if self.peers.in_backoff() {
+            self.peers.expire_backoffs(now, &mut self.out.timers);
+        }
+        if self.tx.ops.len() >= self.cfg.max_tx_ops {
+            return Err((
+                self.out.again("send", "max_tx_ops operations in flight"),
+                op,
+            ));
+        }
+        let Some(pid) = self.peer_for_send(op.dest) else {
+            let e = Error::new(ErrorKind::NoMemory, "send").with_detail("peer table full");
+            return Err((e, op));
+        };
+        let (tx, rd, ema, mut cx) = self.parts();
+        tx.send(
+            pid,
+            op,
+            |id| rd.owns_id(id) || ema.owns_send_id(id),
+            &mut cx,
+        )
     }
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
@@ -257,17 +277,6 @@ impl Engine {
         }
     }
 
-    /// Emulated RMA and atomics (RTW / RTR / RTA). Filled in by the emulated-RMA work.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value, as send and post_recv do"
-    )]
-    fn rma_emulated(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
-        let _ = now;
-        let op = Engine::own_buffers(op)?;
-        self.ema_start(op)
-    }
-
     /// The device completed the RDMA work request `wr_id` (a [`TransmitKind::RdmaWrite`] or
     /// [`TransmitKind::RdmaRead`] handed out by [`Engine::poll_transmit`]); `buf` is the read
     /// buffer the device handed back.
@@ -278,7 +287,22 @@ impl Engine {
         status: Status,
         buf: Option<BytesMut>,
     ) {
-        self.rdma_completion_impl(now, wr_id, status, buf)
+        if self.closed {
+            return;
+        }
+        let (_, rd, _, mut cx) = self.parts();
+        let Some(w) = rd.completed(now, wr_id, status, buf, &mut cx) else {
+            return;
+        };
+        let pid = w.peer;
+        match w.owner {
+            wr::WrOwner::Op(id) => self.op_wr_done(id, w, status),
+            wr::WrOwner::Rx(rid) => self.rx_wr_done(now, rid, w, status),
+            wr::WrOwner::Rtw(id) => self.rtw_wr_done(now, id, w, status),
+        }
+        if peer::peer_fatal(status) && self.peers.contains_key(&pid) {
+            self.fail_peer(pid, status.error_kind(), Some(status), "RDMA failed");
+        }
     }
 
     /// The device placed a peer's RDMA write with immediate data (`imm`, `len` bytes) in this
@@ -351,8 +375,9 @@ impl Engine {
                 ..
             } => {
                 // The id says whose it is (one id space: `alloc_tx_id`).
-                if !self.ema_owns_send_id(send_id) {
-                    self.handle_cts(pid, send_id, recv_id, recv_length)
+                if !self.ema.owns_send_id(send_id) {
+                    let (tx, _, _, mut cx) = self.parts();
+                    tx.handle_cts(pid, send_id, recv_id, recv_length, &mut cx);
                 } else if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
                     self.drop_pkt("CTS for an RMA operation of another peer or state");
                 }
@@ -368,64 +393,21 @@ impl Engine {
                     self.drop_pkt("CTSDATA for an RMA operation of another peer or state");
                 }
             }
-            Packet::LongCtsRtw {
-                opt,
-                msg_length,
-                send_id,
-                dc,
-                rma_iov,
-                ..
-            } => self.ema_longcts_rtw(
-                now,
-                pid,
-                rma_iov,
-                msg_length,
-                send_id,
-                dc,
-                opt.cq_data,
-                payload,
-            ),
-            Packet::LongCtsRtr {
-                msg_length,
-                recv_id,
-                recv_length,
-                rma_iov,
-                ..
-            } => self.ema_longcts_rtr(now, pid, rma_iov, msg_length, recv_id, recv_length),
+            Packet::LongCtsRtw { .. }
+            | Packet::LongCtsRtr { .. }
+            | Packet::EagerRtw { .. }
+            | Packet::ShortRtr { .. }
+            | Packet::Rta { .. } => self.ema_request(now, pid, &pkt, payload),
             Packet::Receipt {
                 send_id, msg_id, ..
             } => {
-                if !self.ema_owns_send_id(send_id) {
-                    self.handle_receipt(pid, send_id, msg_id)
+                if !self.ema.owns_send_id(send_id) {
+                    let (tx, _, _, mut cx) = self.parts();
+                    tx.handle_receipt(pid, send_id, msg_id, &mut cx);
                 } else if !self.ema_receipt(pid, send_id) {
                     self.drop_pkt("RECEIPT for an RMA operation of another peer or a read");
                 }
             }
-            Packet::EagerRtw {
-                opt,
-                dc_send_id,
-                rma_iov,
-            } => self.ema_rtw(now, pid, rma_iov, dc_send_id, opt.cq_data, payload),
-            Packet::ShortRtr {
-                rma_iov, recv_id, ..
-            } => self.ema_rtr(now, pid, rma_iov, recv_id),
-            Packet::Rta {
-                kind,
-                msg_id,
-                atomic_datatype,
-                atomic_op,
-                rma_iov,
-                ..
-            } => self.ema_rta(
-                now,
-                pid,
-                kind,
-                msg_id,
-                atomic_op,
-                atomic_datatype,
-                rma_iov,
-                payload,
-            ),
             Packet::ReadRsp {
                 recv_id, send_id, ..
             } => self.ema_readrsp(pid, recv_id, send_id, payload),
@@ -447,7 +429,18 @@ impl Engine {
 
     /// The device completed the packet `wr_id` handed out by [`Engine::poll_transmit`].
     pub fn handle_send_completion(&mut self, now: Instant, wr_id: u64, status: Status) {
-        self.send_completion_impl(now, wr_id, status)
+        if self.closed {
+            return;
+        }
+        let (tx, _, _, mut cx) = self.parts();
+        match tx.completed(now, wr_id, status, &mut cx) {
+            tx::Then::Nothing => {}
+            tx::Then::Ema(owner, s) => self.ema_pkt_done(&owner, s),
+            tx::Then::FailPeer(pid, s) => {
+                self.fail_peer(pid, s.error_kind(), Some(s), "send failed")
+            }
+            tx::Then::ReadReqFailed(id, s) => self.read_req_failed(id, s),
+        }
     }
 
     /// Runs due timers (RNR backoff, stalled receives).
@@ -574,13 +567,10 @@ impl Engine {
             self.abort_rx(id, ErrorKind::Canceled, "close");
         }
         self.rx.cancel_all(&mut self.out);
-        let tids = self.tx.ops.sorted_keys();
-        for id in tids {
-            self.fail_tx(
-                id,
-                Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed"),
-                None,
-            );
+        let (tx, _, _, mut cx) = self.parts();
+        for id in tx.ops.sorted_keys() {
+            let e = Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed");
+            tx.fail(id, e, None, &mut cx);
         }
         self.read_close();
         self.ema_fail(
@@ -636,9 +626,6 @@ impl Engine {
         std::mem::take(&mut self.target_counts)
     }
 
-    // ---- shared helpers ----
-
-    /// Counts and logs a dropped packet.
     /// Counts a packet the caller dropped before it reached [`Engine::handle_recv`] (the device
     /// could not say where it came from).
     pub fn count_dropped(&mut self, why: &'static str) {
@@ -652,17 +639,6 @@ impl Engine {
     fn drop_pkt_type(&mut self, pkt: &Packet<'_>) {
         self.out.stats.dropped_pkts += 1;
         tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
-    }
-
-    /// Encodes a packet's headers; `None` only if the codec refuses (a bug).
-    fn encode(&self, pkt: &Packet<'_>) -> Option<Hdr> {
-        match Hdr::encode(pkt) {
-            Ok(h) => Some(h),
-            Err(e) => {
-                tracing::error!(error = %e, ty = %pkt.packet_type(), "could not encode a packet");
-                None
-            }
-        }
     }
 
     fn closed_error(op: &'static str) -> Error {
@@ -712,7 +688,7 @@ impl Engine {
             self.remote_events,
             self.rd_unsolicited_write_recv(),
         );
-        if let Some(hdr) = self.encode(&Packet::Handshake(hs)) {
+        if let Some(hdr) = util::encode(&Packet::Handshake(hs)) {
             self.peers.queue_handshake(pid, hdr);
         }
     }
@@ -723,8 +699,9 @@ impl Engine {
         let Some((first, blocked)) = self.peers.handshake_arrived(pid, h) else {
             return;
         };
+        let (tx, _, _, mut cx) = self.parts();
         for id in blocked {
-            self.schedule_ctsdata(id);
+            tx.schedule_ctsdata(id, &mut cx);
         }
         self.ema_handshake(now, pid);
         if first {
@@ -758,20 +735,30 @@ impl Engine {
             .map(|(id, _)| id)
             .collect();
         tids.sort_unstable();
+        let (tx, _, _, mut cx) = self.parts();
         for tid in tids {
-            self.fail_tx(tid, Error::new(kind, "send").with_detail(why), status);
+            tx.fail(
+                tid,
+                Error::new(kind, "send").with_detail(why),
+                status,
+                &mut cx,
+            );
         }
         self.read_peer_failed(pid, kind, status, why);
         self.ema_fail(Some(pid), &Error::new(kind, "rma").with_detail(why), status);
     }
 
-    /// A matched receive left (completed or failed): when none is in progress, no stall timer.
-    fn rx_left(&mut self, in_progress: bool) {
-        if in_progress {
-            self.rx.in_progress = self.rx.in_progress.saturating_sub(1);
-            if self.rx.in_progress == 0 {
-                self.out.timers.stop(Timer::RxStall);
-            }
-        }
+    /// The transmit side, the RDMA side, the emulation and what their handlers reach.
+    fn parts(&mut self) -> (&mut tx::TxSide, &mut read::ReadState, &rma::Ema, tx::Cx<'_>) {
+        let cx = tx::Cx {
+            cfg: &self.cfg,
+            local: self.local,
+            remote_events: self.remote_events,
+            memory: self.memory.as_deref(),
+            peers: &mut self.peers,
+            out: &mut self.out,
+            rng: &mut self.rng,
+        };
+        (&mut self.tx, &mut self.rd, &self.ema, cx)
     }
 }

@@ -12,12 +12,10 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 
-use super::rx::{Kind, Rtm, RxState, Sink};
+use super::rx::{Rtm, RxState, Sink};
+use super::types::{Kind, LOCAL_PEER};
 use super::{Done, Engine};
 use crate::addr::RawAddr;
-
-/// The peer id of entries of the local path (no engine peer: no reorder window, no handshake).
-pub(super) const LOCAL_PEER: u64 = u64::MAX;
 
 /// Appends `n` bytes of the chunk being delivered to the buffer (which has the room).
 pub type CopyFn<'a> = &'a mut dyn FnMut(&mut BytesMut, usize);

@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 #[cfg(doc)]
 use super::Engine;
 use super::EngineConfig;
-use super::tx::{Owner, Pkt};
-use super::util::{GenSlab, Hdr, Out, Timer, TimerTable};
+use super::types::{Owner, Pkt};
+use super::util::{GenSlab, Hdr, Out, Timer, TimerTable, encode};
 use crate::addr::{Gid, RawAddr};
 use crate::device::{Source, Status};
 use crate::fault::Rng;
 use crate::proto::reorder::ReorderWindow;
-use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, Packet, Sender};
+use crate::proto::wire::{ExtraFeature, ExtraInfo, Handshake, IovList, Packet, ReqOpt, Sender};
 
 /// Connids remembered per (GID, QPN) after their incarnation was replaced.
 const RETIRED_PER_QP: usize = 8;
@@ -442,6 +442,79 @@ impl Peers {
     /// Our HANDSHAKE has not gone to `pid` yet (a known peer).
     pub(super) fn handshake_due(&self, pid: u64) -> bool {
         self.get(&pid).is_some_and(|p| !p.hs_sent)
+    }
+
+    /// Queues a control packet (CTS, RECEIPT, EOR, READ_NACK) to `pid`.
+    pub(super) fn queue_ctrl(&mut self, pid: u64, pkt: &Packet<'_>) {
+        if !self.contains_key(&pid) {
+            return;
+        }
+        if let Some(hdr) = encode(pkt) {
+            self.enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
+        }
+    }
+
+    /// Makes a peer that does not know us send its HANDSHAKE: a 0-byte EAGER_RTW (libfabric's
+    /// `efa_rdm_ep_trigger_handshake`), unless one of our REQs went to it already.
+    pub(super) fn trigger_handshake(&mut self, pid: u64, local: RawAddr) {
+        let Some(p) = self.get_mut(&pid) else {
+            return;
+        };
+        if p.hs_received || p.hs_triggered || p.next_msg_id != 0 {
+            return;
+        }
+        p.hs_triggered = true;
+        self.introduce(pid, local);
+    }
+
+    /// Sends `pid` a 0-byte EAGER_RTW with our raw address `local` (libfabric's handshake
+    /// trigger), whatever was sent before: its receipt makes the peer's provider hold an AH
+    /// for us.
+    pub(super) fn introduce(&mut self, pid: u64, local: RawAddr) {
+        let pkt = Packet::EagerRtw {
+            opt: ReqOpt {
+                sender: Sender::RawAddr(local),
+                cq_data: None,
+            },
+            dc_send_id: None,
+            rma_iov: IovList::EMPTY,
+        };
+        self.queue_ctrl(pid, &pkt);
+    }
+
+    /// Both sides can RDMA-read: this side's device and configuration, and the peer's
+    /// HANDSHAKE (feature bit and p2p) — libfabric's `efa_both_support_rdma_read`. Towards
+    /// ourselves (`local`) only this side counts: not when it counts remote reads
+    /// (`remote_reads`, what it advertises).
+    pub(super) fn both_read(
+        &self,
+        pid: u64,
+        cfg: &EngineConfig,
+        local: RawAddr,
+        remote_reads: bool,
+    ) -> bool {
+        cfg.device_rdma_read && self.both(pid, local, remote_reads, ExtraFeature::RdmaRead)
+    }
+
+    /// Both sides can RDMA-write (`efa_both_support_rdma_write`), as [`Peers::both_read`].
+    pub(super) fn both_write(
+        &self,
+        pid: u64,
+        cfg: &EngineConfig,
+        local: RawAddr,
+        remote_writes: bool,
+    ) -> bool {
+        cfg.device_rdma_write && self.both(pid, local, remote_writes, ExtraFeature::RdmaWrite)
+    }
+
+    fn both(&self, pid: u64, local: RawAddr, counted: bool, f: ExtraFeature) -> bool {
+        self.get(&pid).is_some_and(|p| {
+            if p.addr == local {
+                !counted
+            } else {
+                p.hs_received && p.p2p && p.features.has(f)
+            }
+        })
     }
 
     /// Queues our HANDSHAKE (`hdr`) to `pid`; it goes once.

@@ -23,18 +23,19 @@ use std::time::{Duration, Instant};
 use super::util::WrTable;
 use bytes::{Bytes, BytesMut};
 
-use super::peer::{Peers, peer_fatal};
-use super::rx::{Kind, RxEntry, RxState};
-use super::tx::{MsgHdr, Owner, Pkt, Proto, medium_segments};
-use super::util::IdMap;
+use super::peer::Peers;
+use super::rx::{RxEntry, RxState};
+use super::tx::Cx;
+use super::types::{Kind, Owner, Pkt};
+use super::util::{IdMap, encode};
+use super::wr::{Phase, Pieces, ReadIovs, Wr, WrOwner, WrWhat, carve};
 use super::{
     Engine, Error, ErrorKind, Event, RemoteWriteDone, RmaBuf, RmaDone, RmaKind, RmaMemory, RmaOp,
-    RmaPath, SendOp, Transmit, TransmitKind,
+    RmaPath, Transmit, TransmitKind,
 };
-use crate::addr::RawAddr;
 use crate::device::{RemoteIov, Status};
 use crate::mem::RegionSlice;
-use crate::proto::wire::{ExtraFeature, IOV_LIMIT, IovList, Packet, PacketType, ReqOpt, Sender};
+use crate::proto::wire::{ExtraFeature, IovList, Packet, ReqOpt};
 
 /// Marks the `wr_id`s of RDMA work requests (those of packets have bit 63 clear).
 const RDMA_WR: u64 = 1 << 63;
@@ -46,8 +47,6 @@ const RTW_SEGMENT: usize = 1 << 20;
 /// RMA operations that may wait for HANDSHAKEs at once
 /// (`EFA_RDM_MAX_QUEUED_OPE_BEFORE_HANDSHAKE`); beyond, `Again`.
 const MAX_QUEUED_BEFORE_HANDSHAKE: usize = 16;
-/// Runt sizes are multiples of this (host memory alignment, as medium segments).
-const RUNT_ALIGN: usize = 8;
 /// Retry of a write into memory the application holds locked (`RmaMemory` said `Again`).
 const MEMORY_RETRY: Duration = Duration::from_micros(20);
 
@@ -56,228 +55,8 @@ mod msg;
 mod rtw;
 
 use device::DevOp;
-use msg::TxRead;
-pub(super) use msg::{ReadProto, RxRead};
 use rtw::RtwTarget;
 pub(super) use rtw::write_range;
-
-const NO_IOV: RemoteIov = RemoteIov {
-    addr: 0,
-    len: 0,
-    key: 0,
-};
-
-/// A packet's `read_iov` / `rma_iov` list, copied out (at most [`IOV_LIMIT`] entries).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct ReadIovs {
-    n: usize,
-    v: [RemoteIov; IOV_LIMIT],
-}
-
-impl ReadIovs {
-    pub(super) fn of(l: &IovList<'_>) -> ReadIovs {
-        let mut r = ReadIovs {
-            n: 0,
-            v: [NO_IOV; IOV_LIMIT],
-        };
-        for (slot, iov) in r.v.iter_mut().zip(l.iter()) {
-            *slot = iov;
-            r.n += 1;
-        }
-        r
-    }
-
-    pub(super) fn as_slice(&self) -> &[RemoteIov] {
-        self.v.get(..self.n).unwrap_or(&[])
-    }
-
-    pub(super) fn total(&self) -> Option<u64> {
-        self.as_slice()
-            .iter()
-            .try_fold(0u64, |a, i| a.checked_add(i.len))
-    }
-}
-
-/// The remote ranges that hold bytes `from..to` of the concatenation of `iovs`, each at most
-/// `seg` long and within one iov; `None` when the iovs end before `to`.
-pub(super) fn carve(
-    iovs: &[RemoteIov],
-    from: usize,
-    to: usize,
-    seg: usize,
-) -> Option<Vec<RemoteIov>> {
-    let (mut pos, to, seg) = (from as u64, to as u64, seg.max(1) as u64);
-    let mut out = Vec::new();
-    let mut base = 0u64;
-    for iov in iovs {
-        if pos >= to {
-            break;
-        }
-        let end = base.checked_add(iov.len)?;
-        while pos < to && pos < end {
-            let n = (end.min(to) - pos).min(seg);
-            out.push(RemoteIov {
-                addr: iov.addr.checked_add(pos - base)?,
-                len: n,
-                key: iov.key,
-            });
-            pos += n;
-        }
-        base = end;
-    }
-    (pos >= to).then_some(out)
-}
-
-/// A destination buffer cut into pieces that are read separately.
-#[derive(Debug, Default)]
-struct Pieces {
-    /// Expected length and buffer of each piece (`None` while it is on the device).
-    bufs: Vec<(usize, Option<BytesMut>)>,
-    /// The capacity beyond the last piece.
-    rest: BytesMut,
-    /// Pieces not completed yet.
-    outstanding: usize,
-    /// The first failure.
-    error: Option<Status>,
-}
-
-impl Pieces {
-    /// Cuts `buf` (capacity at least `start + Σ lens`): `buf` keeps `..start`, the pieces follow.
-    fn cut(buf: &mut BytesMut, start: usize, lens: &[usize]) -> (Pieces, Vec<BytesMut>) {
-        let end = start + lens.iter().sum::<usize>();
-        let rest = buf.split_off(end);
-        let mut tail = buf.split_off(start);
-        let mut out = Vec::with_capacity(lens.len());
-        for &n in lens {
-            let next = tail.split_off(n);
-            out.push(std::mem::replace(&mut tail, next));
-        }
-        let pieces = Pieces {
-            bufs: lens.iter().map(|&n| (n, None)).collect(),
-            rest,
-            outstanding: lens.len(),
-            error: None,
-        };
-        (pieces, out)
-    }
-
-    /// The pieces of a read of `lens` bytes from offset `start` on, and the work request each
-    /// makes: slices of `region` (the buffer stays whole) when there is one, else pieces cut
-    /// from `buf`.
-    fn targets(
-        buf: &mut BytesMut,
-        region: Option<&RegionSlice>,
-        start: usize,
-        lens: &[usize],
-    ) -> (Pieces, Vec<WrWhat>) {
-        let Some(g) = region else {
-            let (pieces, bufs) = Pieces::cut(buf, start, lens);
-            let what = bufs
-                .into_iter()
-                .enumerate()
-                .map(|(piece, b)| WrWhat::Read {
-                    piece,
-                    buf: Some(b),
-                    region: None,
-                })
-                .collect();
-            return (pieces, what);
-        };
-        let mut off = start;
-        let what = lens
-            .iter()
-            .enumerate()
-            .map(|(piece, &n)| {
-                let region = g.sub(off, n);
-                off += n;
-                WrWhat::Read {
-                    piece,
-                    buf: None,
-                    region,
-                }
-            })
-            .collect();
-        let pieces = Pieces {
-            bufs: lens.iter().map(|&n| (n, None)).collect(),
-            rest: BytesMut::new(),
-            outstanding: lens.len(),
-            error: None,
-        };
-        (pieces, what)
-    }
-
-    /// A piece came back (or will not: `buf` is `None`).
-    fn put(&mut self, i: usize, buf: Option<BytesMut>, status: Status) {
-        if let Some(slot) = self.bufs.get_mut(i) {
-            if slot.1.is_none() {
-                slot.1 = buf;
-            }
-        }
-        self.outstanding = self.outstanding.saturating_sub(1);
-        if !status.is_ok() && self.error.is_none() {
-            self.error = Some(status);
-        }
-    }
-
-    /// `head` (made `start` long), the pieces and the spare capacity, joined again; a piece
-    /// that did not come back is replaced by zeros.
-    fn join(self, mut head: BytesMut, start: usize) -> BytesMut {
-        if head.len() != start {
-            head.resize(start, 0);
-        }
-        for (n, b) in self.bufs {
-            let mut b = b.unwrap_or_else(|| BytesMut::zeroed(n));
-            if b.len() != n {
-                b.resize(n, 0);
-            }
-            head.unsplit(b);
-        }
-        head.unsplit(self.rest);
-        head
-    }
-}
-
-/// Who a work request serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum WrOwner {
-    /// A device RMA operation (`ReadState::ops`).
-    Op(u32),
-    /// The reads of a long/runting-read message (`Engine::rx`, by `recv_id`).
-    Rx(u32),
-    /// The reads of a LONGREAD_RTW target (`ReadState::rtw`).
-    Rtw(u32),
-}
-
-#[derive(Debug)]
-enum WrWhat {
-    /// Bytes `off..end` of the operation's buffer.
-    Write {
-        off: usize,
-        end: usize,
-        imm: Option<u32>,
-    },
-    /// Piece `piece`; its buffer (`None` once on the device, or allocated when posted), or
-    /// the slice of the operation's region it lands in.
-    Read {
-        piece: usize,
-        buf: Option<BytesMut>,
-        region: Option<RegionSlice>,
-    },
-}
-
-/// One RDMA work request, queued or on the device.
-#[derive(Debug)]
-struct Wr {
-    owner: WrOwner,
-    peer: u64,
-    dest: RawAddr,
-    remote: RemoteIov,
-    what: WrWhat,
-    /// RNR completions met (writes with immediate data).
-    rnr: u8,
-    /// `UnknownPeer` (EFA status 14: the target holds no AH for us) completions met.
-    no_ah: u8,
-}
 
 /// How often a device RDMA work request is posted again after the target said it holds no AH
 /// for us (status 14), each time after introducing ourselves and backing off, before the
@@ -296,10 +75,6 @@ pub(super) struct ReadState {
     outstanding: WrTable<Wr, RDMA_WR>,
     rtw: IdMap<u32, RtwTarget>,
     next_rtw: u32,
-    /// Our read-based messages whose EOR or READ_NACK has not come (libfabric's
-    /// `num_read_msg_in_flight`; runting reads are used only when it is 0).
-    read_msgs: usize,
-    tx_read: IdMap<u32, TxRead>,
     /// Alternates work requests and packets in `poll_transmit`.
     turn: bool,
     /// The queue pair has unsolicited write-recv.
@@ -307,6 +82,70 @@ pub(super) struct ReadState {
 }
 
 impl ReadState {
+    /// The device completed RDMA work request `wr_id` (`buf`: a read's buffer handed back).
+    /// A write that met RNR, or any request the target refused for want of an AH for us, goes
+    /// again (backing off; the latter after introducing us) and `None` is returned; else the
+    /// work request, to be handed to its owner.
+    pub(super) fn completed(
+        &mut self,
+        now: Instant,
+        wr_id: u64,
+        status: Status,
+        buf: Option<BytesMut>,
+        cx: &mut Cx<'_>,
+    ) -> Option<Wr> {
+        let Some(mut w) = self.outstanding.take(wr_id) else {
+            tracing::debug!(wr_id, "RDMA completion for an unknown work request");
+            return None;
+        };
+        if status == Status::RnrRetryExceeded
+            && matches!(w.what, WrWhat::Write { .. })
+            && cx.peers.contains_key(&w.peer)
+        {
+            // A write with immediate data found no receive buffer at the target: again at
+            // once, backing off from its second RNR on (as packets).
+            cx.out.stats.rnr += 1;
+            cx.out.stats.retransmits += 1;
+            w.rnr = w.rnr.saturating_add(1);
+            let (again, pid) = (w.rnr > 1, w.peer);
+            self.wrs.push_front(w);
+            if again {
+                cx.peers
+                    .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+            }
+            return None;
+        }
+        if status == Status::UnknownPeer
+            && w.no_ah < NO_AH_RETRIES
+            && cx.peers.contains_key(&w.peer)
+        {
+            // EFA: the target's NIC holds no AH for us (it evicted it, or never made one), so it
+            // refuses our RDMA. A datagram carrying our raw address makes its provider create
+            // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
+            // it learns the GID of); then the work request goes again, after a backoff.
+            cx.out.stats.retransmits += 1;
+            w.no_ah += 1;
+            if let WrWhat::Read { buf: slot, .. } = &mut w.what {
+                *slot = buf;
+            }
+            let pid = w.peer;
+            self.wrs.push_front(w);
+            cx.peers.introduce(pid, cx.local);
+            cx.peers
+                .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+            return None;
+        }
+        if let WrWhat::Read { buf: slot, .. } = &mut w.what {
+            *slot = buf;
+        }
+        Some(w)
+    }
+
+    /// True when `id` is the id of a device RMA operation in flight.
+    pub(super) fn owns_id(&self, id: u32) -> bool {
+        !self.ops.is_empty() && self.ops.contains_key(&id)
+    }
+
     /// Work requests wait for room on the device.
     pub(super) fn has_wrs(&self) -> bool {
         !self.wrs.is_empty()
@@ -444,32 +283,6 @@ impl Engine {
         self.segment(WRITE_SEGMENT)
     }
 
-    /// Both sides can RDMA-read: this side's device and configuration, and the peer's
-    /// HANDSHAKE (feature bit and p2p) — libfabric's `efa_both_support_rdma_read`. Towards
-    /// ourselves only this side counts (what it advertises: not when it counts remote reads).
-    pub(super) fn both_read(&self, pid: u64) -> bool {
-        self.cfg.device_rdma_read
-            && self.peers.get(&pid).is_some_and(|p| {
-                if p.addr == self.local {
-                    !self.remote_events.1
-                } else {
-                    p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaRead)
-                }
-            })
-    }
-
-    /// Both sides can RDMA-write (`efa_both_support_rdma_write`).
-    fn both_write(&self, pid: u64) -> bool {
-        self.cfg.device_rdma_write
-            && self.peers.get(&pid).is_some_and(|p| {
-                if p.addr == self.local {
-                    !self.remote_events.0
-                } else {
-                    p.hs_received && p.p2p && p.features.has(ExtraFeature::RdmaWrite)
-                }
-            })
-    }
-
     /// A write with immediate data may go to the device: both sides agree on unsolicited
     /// write-recv.
     fn imm_ok(&self, pid: u64) -> bool {
@@ -525,76 +338,9 @@ impl Engine {
         self.rd.wrs.clear();
         self.rd.outstanding.clear();
         self.rd.rtw.clear();
-        self.rd.tx_read.clear();
-        self.rd.read_msgs = 0;
+        self.tx.read_close();
         self.rd.waiting = 0;
         self.out.timers.stop(Timer::ReadRetry);
-    }
-
-    /// [`Engine::handle_rdma_completion`].
-    pub(super) fn rdma_completion_impl(
-        &mut self,
-        now: Instant,
-        wr_id: u64,
-        status: Status,
-        buf: Option<BytesMut>,
-    ) {
-        if self.closed {
-            return;
-        }
-        let Some(mut w) = self.rd.outstanding.take(wr_id) else {
-            tracing::debug!(wr_id, "RDMA completion for an unknown work request");
-            return;
-        };
-        if status == Status::RnrRetryExceeded
-            && matches!(w.what, WrWhat::Write { .. })
-            && self.peers.contains_key(&w.peer)
-        {
-            // A write with immediate data found no receive buffer at the target: again at
-            // once, backing off from its second RNR on (as packets).
-            self.out.stats.rnr += 1;
-            self.out.stats.retransmits += 1;
-            w.rnr = w.rnr.saturating_add(1);
-            let (again, pid) = (w.rnr > 1, w.peer);
-            self.rd.wrs.push_front(w);
-            if again {
-                self.peers
-                    .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
-            }
-            return;
-        }
-        if status == Status::UnknownPeer
-            && w.no_ah < NO_AH_RETRIES
-            && self.peers.contains_key(&w.peer)
-        {
-            // EFA: the target's NIC holds no AH for us (it evicted it, or never made one), so it
-            // refuses our RDMA. A datagram carrying our raw address makes its provider create
-            // one (libfabric inserts an implicit peer; our efa device makes an AH for a sender
-            // it learns the GID of); then the work request goes again, after a backoff.
-            self.out.stats.retransmits += 1;
-            w.no_ah += 1;
-            if let WrWhat::Read { buf: slot, .. } = &mut w.what {
-                *slot = buf;
-            }
-            let pid = w.peer;
-            self.rd.wrs.push_front(w);
-            self.introduce(pid);
-            self.peers
-                .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
-            return;
-        }
-        if let WrWhat::Read { buf: slot, .. } = &mut w.what {
-            *slot = buf;
-        }
-        let pid = w.peer;
-        match w.owner {
-            WrOwner::Op(id) => self.op_wr_done(id, w, status),
-            WrOwner::Rx(rid) => self.rx_wr_done(now, rid, w, status),
-            WrOwner::Rtw(id) => self.rtw_wr_done(now, id, w, status),
-        }
-        if peer_fatal(status) && self.peers.contains_key(&pid) {
-            self.fail_peer(pid, status.error_kind(), Some(status), "RDMA failed");
-        }
     }
 
     /// EOR, READ_NACK and LONGREAD_RTW.
@@ -624,48 +370,5 @@ impl Engine {
             }
             _ => self.drop_pkt_type(pkt),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Pieces, carve};
-    use crate::device::RemoteIov;
-    use bytes::BytesMut;
-
-    fn iov(addr: u64, len: u64, key: u64) -> RemoteIov {
-        RemoteIov { addr, len, key }
-    }
-
-    #[test]
-    fn carve_splits_at_iovs_and_segments() {
-        let iovs = [iov(1000, 10, 1), iov(5000, 20, 2)];
-        let v = carve(&iovs, 4, 26, 8).unwrap();
-        assert_eq!(v, vec![iov(1004, 6, 1), iov(5000, 8, 2), iov(5008, 8, 2)]);
-        assert_eq!(carve(&iovs, 0, 31, 100), None, "beyond the iovs");
-        assert_eq!(carve(&iovs, 7, 7, 100), Some(vec![]));
-    }
-
-    #[test]
-    fn pieces_join_without_copying() {
-        let mut buf = BytesMut::with_capacity(100);
-        buf.extend_from_slice(b"abc");
-        let base = buf.as_ptr();
-        let (p, bufs) = Pieces::cut(&mut buf, 10, &[30, 30, 5]);
-        assert_eq!(buf.capacity(), 10);
-        let mut p = p;
-        for (i, mut b) in bufs.into_iter().enumerate() {
-            let n = b.capacity();
-            b.extend(std::iter::repeat_n(b'0' + i as u8, n));
-            p.put(i, Some(b), crate::device::Status::Success);
-        }
-        let out = p.join(buf, 10);
-        assert_eq!(out.len(), 75);
-        assert_eq!(out.capacity(), 100);
-        assert_eq!(out.as_ptr(), base, "joined in place");
-        assert_eq!(&out[..3], b"abc");
-        assert_eq!(&out[3..10], &[0; 7]);
-        assert!(out[10..40].iter().all(|&c| c == b'0'));
-        assert!(out[70..75].iter().all(|&c| c == b'2'));
     }
 }

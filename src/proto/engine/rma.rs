@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use super::peer::our_sender;
-use super::tx::{Owner, Pkt};
+use super::types::{Owner, Pkt};
+use super::util::encode;
 use super::{Engine, Event, RemoteWriteDone, RmaBuf, RmaKind, RmaOp, RmaPath};
 use crate::atomic::{AtomicOp, AtomicType};
 use crate::device::{RemoteIov, Status};
@@ -162,6 +163,11 @@ impl Start {
 }
 
 impl Ema {
+    /// True when `id` is the send-side id of an emulated operation in flight.
+    pub(super) fn owns_send_id(&self, id: u32) -> bool {
+        !self.ops.is_empty() && self.ops.contains_key(&id)
+    }
+
     /// The payload of a packet of the emulation (`None`: its owner is gone).
     pub(super) fn payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
         match owner {
@@ -186,6 +192,74 @@ impl Ema {
 }
 
 impl Engine {
+    /// A request of a peer's RMA or atomic operation (LONGCTS_RTW, LONGCTS_RTR, EAGER_RTW,
+    /// SHORT_RTR, RTA): this side is its target.
+    pub(super) fn ema_request(&mut self, now: Instant, pid: u64, pkt: &Packet<'_>, payload: &[u8]) {
+        match *pkt {
+            Packet::LongCtsRtw {
+                opt,
+                msg_length,
+                send_id,
+                dc,
+                rma_iov,
+                ..
+            } => self.ema_longcts_rtw(
+                now,
+                pid,
+                rma_iov,
+                msg_length,
+                send_id,
+                dc,
+                opt.cq_data,
+                payload,
+            ),
+            Packet::LongCtsRtr {
+                msg_length,
+                recv_id,
+                recv_length,
+                rma_iov,
+                ..
+            } => self.ema_longcts_rtr(now, pid, rma_iov, msg_length, recv_id, recv_length),
+            Packet::EagerRtw {
+                opt,
+                dc_send_id,
+                rma_iov,
+            } => self.ema_rtw(now, pid, rma_iov, dc_send_id, opt.cq_data, payload),
+            Packet::ShortRtr {
+                rma_iov, recv_id, ..
+            } => self.ema_rtr(now, pid, rma_iov, recv_id),
+            Packet::Rta {
+                kind,
+                msg_id,
+                atomic_datatype,
+                atomic_op,
+                rma_iov,
+                ..
+            } => self.ema_rta(
+                now,
+                pid,
+                kind,
+                msg_id,
+                atomic_op,
+                atomic_datatype,
+                rma_iov,
+                payload,
+            ),
+            _ => self.drop_pkt_type(pkt),
+        }
+    }
+
+    /// Emulated RMA and atomics (RTW / RTR / RTA). The operation owns its buffers from here on.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused operation is handed back by value, as send and post_recv do"
+    )]
+    pub(super) fn rma_emulated(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
+        let _ = now;
+        let op = Engine::own_buffers(op)?;
+        self.ema_start(op)
+    }
+
     fn ema_sender(&self, pid: u64) -> Sender {
         our_sender(
             self.local,
@@ -283,9 +357,7 @@ impl Engine {
             rma_iov: IovList::new(&one),
         };
         let mtu = self.cfg.mtu;
-        let hdr = self
-            .encode(&pkt)
-            .filter(|h| h.bytes().len().saturating_add(len) <= mtu);
+        let hdr = encode(&pkt).filter(|h| h.bytes().len().saturating_add(len) <= mtu);
         let Some(hdr) = hdr else {
             // Longer than one packet: long-CTS, delivery complete like the eager write (so a
             // write that completed is in the target's memory, and one refused midway fails
@@ -343,7 +415,7 @@ impl Engine {
             recv_id: s.id,
             rma_iov: IovList::new(&one),
         };
-        let Some(hdr) = self.encode(&pkt) else {
+        let Some(hdr) = encode(&pkt) else {
             return back(Error::new(ErrorKind::Io, "read"), buf);
         };
         self.ema.ops.insert(
@@ -411,9 +483,7 @@ impl Engine {
             rma_iov: IovList::new(&one),
         };
         let mtu = self.cfg.mtu;
-        let hdr = self
-            .encode(&pkt)
-            .filter(|h| h.bytes().len() + pay.len() <= mtu);
+        let hdr = encode(&pkt).filter(|h| h.bytes().len() + pay.len() <= mtu);
         let hdr = match (check, hdr) {
             (Ok(()), Some(h)) => h,
             (check, _) => {
@@ -548,10 +618,6 @@ impl Engine {
 
     /// A RECEIPT: true when it answered an emulated write or atomic.
     /// True when `id` is the send-side id of an emulated RMA operation in flight.
-    pub(super) fn ema_owns_send_id(&self, id: u32) -> bool {
-        !self.ema.ops.is_empty() && self.ema.ops.contains_key(&id)
-    }
-
     pub(super) fn ema_receipt(&mut self, pid: u64, send_id: u32) -> bool {
         match self.ema.ops.get_mut(&send_id) {
             Some(op) if op.pid == pid && !matches!(op.kind, OpKind::Read(_)) => {
@@ -659,18 +725,17 @@ impl Engine {
         let (Some(iov), None) = (it.next(), it.next()) else {
             return self.drop_pkt("SHORT_RTR with other than one range");
         };
-        let fits = self
-            .encode(&Packet::ReadRsp {
-                connid: Some(self.local.qkey),
-                recv_id,
-                send_id: 0,
-                seg_length: iov.len,
-            })
-            .is_some_and(|h| {
-                (h.bytes().len() as u64)
-                    .checked_add(iov.len)
-                    .is_some_and(|n| n <= self.cfg.mtu as u64)
-            });
+        let fits = encode(&Packet::ReadRsp {
+            connid: Some(self.local.qkey),
+            recv_id,
+            send_id: 0,
+            seg_length: iov.len,
+        })
+        .is_some_and(|h| {
+            (h.bytes().len() as u64)
+                .checked_add(iov.len)
+                .is_some_and(|n| n <= self.cfg.mtu as u64)
+        });
         if !fits {
             return self.drop_pkt("SHORT_RTR larger than one READRSP");
         }
@@ -817,7 +882,7 @@ impl Engine {
                                 send_id,
                                 msg_id: 0,
                             };
-                            self.queue_ctrl(pid, &r);
+                            self.peers.queue_ctrl(pid, &r);
                         }
                         if let (Some(d), Some(src)) =
                             (*cq_data, self.peers.get(&pid).map(|p| p.addr))
@@ -920,7 +985,7 @@ impl Engine {
                                     send_id,
                                     msg_id: *msg_id,
                                 };
-                                self.queue_ctrl(pid, &r);
+                                self.peers.queue_ctrl(pid, &r);
                             }
                             RtaKind::Fetch { recv_id } | RtaKind::Compare { recv_id } => {
                                 let pkt = Packet::AtomRsp {
@@ -940,7 +1005,7 @@ impl Engine {
 
     /// Queues a response packet carrying `data`.
     fn ema_respond(&mut self, pid: u64, pkt: &Packet<'_>, data: Bytes) {
-        let Some(hdr) = self.encode(pkt) else {
+        let Some(hdr) = encode(pkt) else {
             return;
         };
         let id = self.ema.next_resp;
@@ -988,6 +1053,6 @@ impl Engine {
             ref_kind: peer_error_ref::OPE_INDEX,
             prov_errno: u32::from(status.code()),
         };
-        self.queue_ctrl(pid, &pkt);
+        self.peers.queue_ctrl(pid, &pkt);
     }
 }

@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::util::{IdMap, RangeSet, SeqMap};
+use super::tx::cts_credit;
+use super::types::{Kind, LOCAL_PEER};
+use super::util::{IdMap, Out, RangeSet, SeqMap};
 use super::{Engine, Error, ErrorKind, Event, RecvDone, RecvOp};
 use super::{MultiRecv, PostedItem};
 use crate::addr::RawAddr;
@@ -16,25 +18,6 @@ use crate::proto::matching::Matcher;
 use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
 use crate::proto::wire::Packet;
-
-/// Which protocol an inbound message uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
-    Eager,
-    Medium,
-    LongCts {
-        send_id: u32,
-    },
-    /// LONGREAD_RTM: read by this side (`read.rs`), then EOR.
-    LongRead {
-        send_id: u32,
-    },
-    /// RUNTREAD_RTM: `runt` bytes in packets, the rest read by this side.
-    RuntRead {
-        send_id: u32,
-        runt: u64,
-    },
-}
 
 /// Where a matched message goes.
 #[derive(Debug)]
@@ -114,6 +97,16 @@ pub(super) struct RxSide {
 }
 
 impl RxSide {
+    /// A matched receive left (completed or failed): when none is in progress, no stall timer.
+    pub(super) fn left(&mut self, in_progress: bool, out: &mut Out) {
+        if in_progress {
+            self.in_progress = self.in_progress.saturating_sub(1);
+            if self.in_progress == 0 {
+                out.timers.stop(Timer::RxStall);
+            }
+        }
+    }
+
     pub(super) fn new(cap: usize) -> RxSide {
         RxSide {
             ops: SeqMap::new(cap),
@@ -156,7 +149,7 @@ pub(super) struct RxEntry {
     pub(super) in_progress: bool,
     pub(super) state: RxState,
     /// Long-read and runting-read messages: what to read and how far it got (`read.rs`).
-    pub(super) read: Option<Box<super::read::RxRead>>,
+    pub(super) read: Option<Box<super::wr::RxRead>>,
 }
 
 impl RxEntry {
@@ -188,7 +181,7 @@ pub(super) struct Rtm {
     pub(super) msg_length: Option<u64>,
     pub(super) seg_offset: u64,
     /// The sender's buffers (long-read and runting-read messages).
-    pub(super) read: Option<super::read::ReadIovs>,
+    pub(super) read: Option<super::wr::ReadIovs>,
 }
 
 impl Rtm {
@@ -261,7 +254,7 @@ impl Rtm {
                 dc_send_id: None,
                 msg_length: Some(msg_length),
                 seg_offset: 0,
-                read: Some(super::read::ReadIovs::of(read_iov)),
+                read: Some(super::wr::ReadIovs::of(read_iov)),
             },
             Packet::RuntReadRtm {
                 ref opt,
@@ -283,7 +276,7 @@ impl Rtm {
                 dc_send_id: None,
                 msg_length: Some(msg_length),
                 seg_offset,
-                read: Some(super::read::ReadIovs::of(read_iov)),
+                read: Some(super::wr::ReadIovs::of(read_iov)),
             },
             _ => return None,
         })
@@ -494,9 +487,7 @@ impl Engine {
                 last: now,
                 in_progress: false,
                 state,
-                read: m
-                    .read
-                    .and_then(|iovs| super::read::RxRead::new(m.kind, iovs)),
+                read: m.read.and_then(|iovs| super::wr::RxRead::new(m.kind, iovs)),
             },
         );
         if let Some(p) = self.peers.get_mut(&pid) {
@@ -761,7 +752,7 @@ impl Engine {
 
     /// Grants the sender of long-CTS message `rid` its next window.
     pub(super) fn send_cts(&mut self, rid: u32) {
-        let credit = self.cts_credit();
+        let credit = cts_credit(&self.cfg);
         let qkey = self.local.qkey;
         let Some(e) = self.rx.ops.get_mut(&rid) else {
             return;
@@ -780,7 +771,7 @@ impl Engine {
             recv_length: window as u64,
             read_req: false,
         };
-        self.queue_ctrl(pid, &cts);
+        self.peers.queue_ctrl(pid, &cts);
     }
 
     /// A CTSDATA packet: data of a long-CTS message within the window granted.
@@ -852,7 +843,7 @@ impl Engine {
                 p.inbound.remove(&e.msg_id);
             }
         }
-        self.rx_left(e.in_progress);
+        self.rx.left(e.in_progress, &mut self.out);
         Some(e)
     }
 
@@ -880,7 +871,7 @@ impl Engine {
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
     pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done) {
         if let Some(send_id) = msg.dc_send_id {
-            if msg.peer == super::local::LOCAL_PEER {
+            if msg.peer == LOCAL_PEER {
                 self.local_receipts.push_back((msg.src, send_id));
             } else {
                 let r = Packet::Receipt {
@@ -888,7 +879,7 @@ impl Engine {
                     send_id,
                     msg_id: msg.msg_id,
                 };
-                self.queue_ctrl(msg.peer, &r);
+                self.peers.queue_ctrl(msg.peer, &r);
             }
         }
         let Some(context) = sink.context else { return };

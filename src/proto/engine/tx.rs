@@ -8,39 +8,22 @@ use bytes::Bytes;
 
 use super::peer::our_sender;
 use super::peer::{Peers, peer_fatal};
-use super::read::ReadProto;
-use super::util::{Hdr, HeaderArena, SeqMap, WrTable};
-use super::{Engine, Error, ErrorKind, Event, SendDone, SendOp, Transmit};
-use crate::device::Status;
+use super::types::{MsgHdr, Owner, Pkt, Proto, medium_segments};
+use super::util::{Hdr, HeaderArena, IdMap, Out, SeqMap, WrTable, encode};
+use super::wr::ReadProto;
+use super::{EngineConfig, Error, ErrorKind, Event, RmaMemory, SendDone, SendOp, Transmit};
+use crate::addr::RawAddr;
+use crate::device::{RemoteIov, Status};
+use crate::fault::Rng;
 use crate::proto::wire::{
-    CONNID_HDR_LEN, CQ_DATA_HDR_LEN, CTSDATA_MAX_HEADER_LEN, PROTOCOL_VERSION, Packet, PacketType,
-    RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, ReqOpt, Sender, req_flags,
+    CONNID_HDR_LEN, CQ_DATA_HDR_LEN, CTSDATA_MAX_HEADER_LEN, IovList, PROTOCOL_VERSION, Packet,
+    PacketType, RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, ReqOpt, Sender, req_flags,
 };
 
-/// Alignment of medium segments in host memory (libfabric's `EFA_RDM_DEFAULT_MEMORY_ALIGNMENT`).
-const MEDIUM_ALIGN: usize = 8;
+mod read;
 
-/// What a packet belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Owner {
-    /// A packet of a send operation (REQ or CTSDATA).
-    Tx(u32),
-    /// Our HANDSHAKE.
-    Handshake,
-    /// A CTS or RECEIPT (owned by no application operation).
-    Ctrl,
-    /// A REQ of an RMA operation of `read.rs` (LONGREAD_RTW).
-    Rd(u32),
-    /// A packet of an emulated RMA operation (`rma.rs`), payload from its buffer.
-    Ema(u32),
-    /// A response of the emulation's target side (READRSP, ATOMRSP) with its payload.
-    Resp(u32),
-}
+use read::TxRead;
 
-/// A packet queued for, or handed to, the device.
-///
-/// It holds no reference-counted buffer: its headers are inline and its payload is a range of
-/// its send's buffer, turned into the `Transmit`'s `Bytes` when it goes to the device (and
 /// The transmit side of the engine: send operations by id and the packets on the device.
 #[derive(Debug)]
 pub(super) struct TxSide {
@@ -48,6 +31,12 @@ pub(super) struct TxSide {
     pub(super) next_id: u32,
     /// Packets handed to the device.
     pub(super) wrs: WrTable<Pkt, 0>,
+    /// Reused list of the packets a send or a CTS window creates (no allocation per message).
+    scratch: Vec<Pkt>,
+    /// Our read-based messages whose EOR or READ_NACK has not come (libfabric's
+    /// `num_read_msg_in_flight`; runting reads are used only when it is 0).
+    read_msgs: usize,
+    tx_read: IdMap<u32, TxRead>,
 }
 
 impl TxSide {
@@ -56,6 +45,9 @@ impl TxSide {
             ops: SeqMap::new(cap),
             next_id: 1,
             wrs: WrTable::default(),
+            scratch: Vec::new(),
+            read_msgs: 0,
+            tx_read: IdMap::default(),
         }
     }
 
@@ -92,50 +84,6 @@ impl TxSide {
         }
         None
     }
-}
-
-/// again if an RNR sends it once more).
-#[derive(Debug)]
-pub(super) struct Pkt {
-    pub(super) peer: u64,
-    pub(super) owner: Owner,
-    pub(super) hdr: Hdr,
-    /// The payload: bytes `off..end` of the buffer of send `owner` (none for other owners).
-    pub(super) off: usize,
-    pub(super) end: usize,
-    /// RNR completions this packet has met.
-    pub(super) rnr: u8,
-}
-
-impl Pkt {
-    /// A control packet (no payload).
-    pub(super) fn ctrl(peer: u64, owner: Owner, hdr: Hdr) -> Pkt {
-        Pkt::new(peer, owner, hdr, 0, 0)
-    }
-
-    /// A packet of send `owner` carrying bytes `off..end` of its buffer.
-    pub(super) fn new(peer: u64, owner: Owner, hdr: Hdr, off: usize, end: usize) -> Pkt {
-        Pkt {
-            peer,
-            owner,
-            hdr,
-            off,
-            end,
-            rnr: 0,
-        }
-    }
-}
-
-/// The protocol a send uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Proto {
-    Eager,
-    Medium,
-    LongCts,
-    /// LONGREAD_RTM: the receiver reads the message, then EOR.
-    LongRead,
-    /// RUNTREAD_RTM: runt bytes in packets, the receiver reads the rest, then EOR.
-    RuntRead,
 }
 
 /// A send operation in flight.
@@ -227,103 +175,75 @@ fn eager_header(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<
     h
 }
 
-/// The fields every packet of one message shares.
-pub(super) struct MsgHdr {
-    pub(super) pid: u64,
-    pub(super) send_id: u32,
-    pub(super) opt: ReqOpt,
-    pub(super) msg_id: u32,
-    pub(super) tag: Option<u64>,
-    pub(super) dc: bool,
+/// What the transmit side's handlers reach besides their own state (a split borrow of the
+/// engine): the configuration, our address, the memory, the peers they queue packets to, the
+/// completions and counters, the backoff's randomness.
+pub(super) struct Cx<'a> {
+    pub(super) cfg: &'a EngineConfig,
+    pub(super) local: RawAddr,
+    /// The application counts peers' writes / reads of its memory
+    /// (`Engine::set_remote_events`).
+    pub(super) remote_events: (bool, bool),
+    /// The memory region sends read from.
+    pub(super) memory: Option<&'a dyn RmaMemory>,
+    pub(super) peers: &'a mut Peers,
+    pub(super) out: &'a mut Out,
+    pub(super) rng: &'a mut Rng,
 }
 
-/// How libfabric splits a medium message over packets (`efa_rdm_ope_prepare_to_post_send`):
-/// equal, aligned segments, the remainder on the last one or in one more packet. The segment
-/// sizes in order, without allocating.
-pub(super) fn medium_segments(total: usize, max: usize) -> impl Iterator<Item = usize> {
-    // (segments of `single`, the size of the last of them, an extra last segment).
-    let (single, cnt, last, extra) = if total == 0 || max == 0 {
-        (total, 1, total, 0)
-    } else {
-        let cnt = (total - 1) / max + 1;
-        let mut single = ((total - 1) / cnt + 1) & !(MEDIUM_ALIGN - 1);
-        if single == 0 {
-            single = total.min(max);
-        }
-        let cnt = total / single;
-        let rem = total - cnt * single;
-        if rem > 0 && single + rem <= max {
-            (single, cnt, single + rem, 0)
-        } else {
-            (single, cnt, single, rem)
-        }
-    };
-    let extra = (extra > 0).then_some(extra);
-    (0..cnt)
-        .map(move |i| if i + 1 == cnt { last } else { single })
-        .chain(extra)
+/// What the dispatcher does after a send completion the transmit side took
+/// ([`TxSide::completed`]): work for another sub-state.
+pub(super) enum Then {
+    Nothing,
+    /// A packet of the RMA emulation completed (`Ema::pkt_done`).
+    Ema(Owner, Status),
+    /// The device says the peer is gone.
+    FailPeer(u64, Status),
+    /// The REQ of device RMA operation `id` (LONGREAD_RTW) failed.
+    ReadReqFailed(u32, Status),
 }
 
-/// [`medium_segments`] as a vector.
-#[cfg(test)]
-pub(super) fn medium_split(total: usize, max: usize) -> Vec<usize> {
-    medium_segments(total, max).collect()
-}
-
-impl Engine {
-    fn again<T>(&mut self, op: T, why: &'static str, what: &'static str) -> Result<(), (Error, T)> {
-        self.out.stats.again += 1;
-        Err((Error::new(ErrorKind::Again, what).with_detail(why), op))
-    }
-
+impl TxSide {
     /// A send-side id no operation uses: messages, device RMA and emulated RMA draw from this
-    /// one space, so a CTS, CTSDATA or RECEIPT finds its owner by its id alone.
-    pub(super) fn alloc_tx_id(&mut self) -> u32 {
+    /// one space (`taken` says which ids the others hold), so a CTS, CTSDATA or RECEIPT finds
+    /// its owner by its id alone.
+    pub(super) fn alloc_id(&mut self, taken: impl Fn(u32) -> bool) -> u32 {
         loop {
-            let id = self.tx.next_id;
-            self.tx.next_id = self.tx.next_id.wrapping_add(1);
-            if !self.tx.ops.contains_key(&id) && !self.rd_owns_id(id) && !self.ema_owns_send_id(id)
-            {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1);
+            if !self.ops.contains_key(&id) && !taken(id) {
                 return id;
             }
         }
     }
 
+    /// Starts send `op` to peer `pid` (the caller checked `max_tx_ops` and found the peer):
+    /// chooses its protocol and queues its first packets. `taken` as in
+    /// [`TxSide::alloc_id`].
     #[allow(
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
     )]
-    pub(super) fn send_impl(
+    pub(super) fn send(
         &mut self,
-        now: Instant,
+        pid: u64,
         mut op: SendOp,
+        taken: impl Fn(u32) -> bool,
+        cx: &mut Cx<'_>,
     ) -> Result<(), (Error, SendOp)> {
-        if self.closed {
-            return Err((Engine::closed_error("send"), op));
-        }
-        if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.out.timers);
-        }
-        if self.tx.ops.len() >= self.cfg.max_tx_ops {
-            return self.again(op, "max_tx_ops operations in flight", "send");
-        }
-        let Some(pid) = self.peer_for_send(op.dest) else {
-            let e = Error::new(ErrorKind::NoMemory, "send").with_detail("peer table full");
-            return Err((e, op));
-        };
-        let Some(peer) = self.peers.get(&pid) else {
+        let Some(peer) = cx.peers.get(&pid) else {
             return Err((Error::new(ErrorKind::Io, "send"), op));
         };
         if peer.backoff_until.is_some() {
-            return self.again(op, "peer in RNR backoff", "send");
+            return Err((cx.out.again("send", "peer in RNR backoff"), op));
         }
-        let sender = our_sender(self.local, peer.hs_received);
+        let sender = our_sender(cx.local, peer.hs_received);
         let msg_id = peer.next_msg_id;
         let opt = ReqOpt {
             sender,
             cq_data: op.data.map(u64::from),
         };
-        let send_id = self.alloc_tx_id();
+        let send_id = self.alloc_id(taken);
         let tag = op.tag;
         let dc = op.delivery_complete;
         let m = MsgHdr {
@@ -335,33 +255,33 @@ impl Engine {
             dc,
         };
         let len = op.len();
-        let device_only = match self.device_only_send(pid, &op) {
+        let device_only = match self.device_only_send(pid, &op, cx) {
             Ok(d) => d,
             Err(e) => return Err((e, op)),
         };
-        let rp = self.read_protocol(pid, &op, device_only);
+        let rp = self.read_protocol(pid, &op, device_only, cx);
         if op.region_len.is_some() {
-            if let Err(e) = self.region_packet_bytes(&mut op, rp) {
+            if let Err(e) = region_packet_bytes(&mut op, rp, cx.memory) {
                 return Err((e, op));
             }
         }
-        let mut pkts = std::mem::take(&mut self.pkt_scratch);
+        let mut pkts = std::mem::take(&mut self.scratch);
         let packed = match rp {
-            Some(rp) => self.packetize_read(&mut pkts, &m, len, rp),
-            None => self.packetize(&mut pkts, &m, len),
+            Some(rp) => self.packetize_read(&mut pkts, &m, len, rp, cx),
+            None => packetize(&mut pkts, &m, len, cx.cfg),
         };
         let (proto, scheduled) = match packed {
             Ok(x) => x,
             Err(e) => {
                 pkts.clear();
-                self.pkt_scratch = pkts;
+                self.scratch = pkts;
                 return Err((e, op));
             }
         };
-        if let Some(p) = self.peers.get_mut(&pid) {
+        if let Some(p) = cx.peers.get_mut(&pid) {
             p.next_msg_id = p.next_msg_id.wrapping_add(1);
         }
-        self.tx.ops.insert(
+        self.ops.insert(
             send_id,
             TxEntry {
                 peer: pid,
@@ -380,116 +300,27 @@ impl Engine {
             },
         );
         for p in pkts.drain(..) {
-            self.peers.enqueue(p, false, false);
+            cx.peers.enqueue(p, false, false);
         }
-        self.pkt_scratch = pkts;
+        self.scratch = pkts;
         Ok(())
     }
 
-    /// A region send (`SendOp::region_len`): reads into `op.buf` the bytes that go in packets
-    /// now, none for a long read, the runt of a runting read, all of them otherwise.
-    fn region_packet_bytes(&self, op: &mut SendOp, rp: Option<ReadProto>) -> Result<(), Error> {
-        let Some((key, addr)) = op.read_key else {
-            return Err(Error::new(ErrorKind::InvalidArgument, "send")
-                .with_detail("region_len without read_key"));
-        };
-        let need = match rp {
-            Some(ReadProto::Long(_)) => 0,
-            Some(ReadProto::Runt(_, runt)) => runt,
-            None => op.len(),
-        };
-        if need > 0 {
-            op.buf = self.region_bytes(key, addr, need)?;
-        }
-        Ok(())
-    }
-
-    /// The packets a message is sent in now (all of eager and medium, the first of long-CTS),
-    /// appended to `pkts`; the protocol and the bytes they carry.
-    fn packetize(
+    /// The device completed packet `wr_id`: a send's packet counts down (and completes it),
+    /// RNR puts it back, a failure fails its send; what concerns another sub-state is returned.
+    pub(super) fn completed(
         &mut self,
-        pkts: &mut Vec<Pkt>,
-        m: &MsgHdr,
-        len: usize,
-    ) -> Result<(Proto, usize), Error> {
-        let mtu = self.cfg.mtu;
-        let (opt, msg_id, tag) = (m.opt, m.msg_id, m.tag);
-        let dc_send_id = m.dc.then_some(m.send_id);
-        if mtu
-            .checked_sub(eager_header_len(&opt, tag.is_some(), m.dc))
-            .is_some_and(|cap| len <= cap)
-        {
-            let hdr = eager_header(&opt, msg_id, tag, dc_send_id);
-            pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, 0, len));
-            return Ok((Proto::Eager, len));
-        }
-        if len <= self.cfg.max_medium_msg_size {
-            let seg = |seg_offset: u64| Packet::MediumRtm {
-                opt,
-                msg_id,
-                msg_length: len as u64,
-                seg_offset,
-                tag,
-                dc_send_id,
-            };
-            let cap = mtu.saturating_sub(seg(0).header_len());
-            if cap == 0 {
-                return Err(
-                    Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small")
-                );
-            }
-            let mut off = 0;
-            for n in medium_segments(len, cap) {
-                self.push_pkt(pkts, m, &seg(off as u64), off, off + n)?;
-                off += n;
-            }
-            return Ok((Proto::Medium, off));
-        }
-        let first = Packet::LongCtsRtm {
-            opt,
-            msg_id,
-            msg_length: len as u64,
-            send_id: m.send_id,
-            credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
-            tag,
-            dc: m.dc,
-            read_nack: false,
-        };
-        let cap = mtu.saturating_sub(first.header_len());
-        if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
-            return Err(Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small"));
-        }
-        let n = cap.min(len);
-        self.push_pkt(pkts, m, &first, 0, n)?;
-        Ok((Proto::LongCts, n))
-    }
-
-    /// Encodes `pkt` and appends it, with bytes `a..b` of the message as payload, to `pkts`.
-    pub(super) fn push_pkt(
-        &mut self,
-        pkts: &mut Vec<Pkt>,
-        m: &MsgHdr,
-        pkt: &Packet<'_>,
-        a: usize,
-        b: usize,
-    ) -> Result<(), Error> {
-        let Some(hdr) = self.encode(pkt) else {
-            return Err(Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"));
-        };
-        pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, a, b));
-        Ok(())
-    }
-
-    pub(super) fn send_completion_impl(&mut self, now: Instant, wr_id: u64, status: Status) {
-        if self.closed {
-            return;
-        }
-        let Some(pkt) = self.tx.wrs.take(wr_id) else {
+        now: Instant,
+        wr_id: u64,
+        status: Status,
+        cx: &mut Cx<'_>,
+    ) -> Then {
+        let Some(pkt) = self.wrs.take(wr_id) else {
             tracing::debug!(wr_id, "send completion for an unknown work request");
-            return;
+            return Then::Nothing;
         };
         if status == Status::Success
-            && let Some(p) = self.peers.get_mut(&pkt.peer)
+            && let Some(p) = cx.peers.get_mut(&pkt.peer)
         {
             // The device delivered to it: it answers at its address.
             p.verified = true;
@@ -499,70 +330,71 @@ impl Engine {
             && !peer_fatal(status)
         {
             if status == Status::Success && pkt.rnr > 0 {
-                self.peers.reset_backoff(pkt.peer, &mut self.out.timers);
+                cx.peers.reset_backoff(pkt.peer, &mut cx.out.timers);
             }
-            return self.ema_pkt_done(&pkt.owner, status);
+            return Then::Ema(pkt.owner, status);
         }
         match status {
             Status::Success => {
                 if pkt.rnr > 0 {
                     // A resent packet got through: the peer's backoff is over and its wait
                     // starts afresh (libfabric's `efa_rdm_pke_release_tx`).
-                    self.peers.reset_backoff(pkt.peer, &mut self.out.timers);
+                    cx.peers.reset_backoff(pkt.peer, &mut cx.out.timers);
                 }
                 if let Owner::Tx(id) = pkt.owner {
-                    self.read_pkt_done(id, &pkt);
-                    if let Some(t) = self.tx.ops.get_mut(&id) {
+                    self.read_pkt_done(id, &pkt, cx.peers);
+                    if let Some(t) = self.ops.get_mut(&id) {
                         t.pending = t.pending.saturating_sub(1);
-                        self.maybe_complete_tx(id);
+                        self.maybe_complete(id, cx);
                     }
                 }
             }
             Status::RnrRetryExceeded => {
-                self.out.stats.rnr += 1;
-                self.requeue_rnr(now, pkt);
+                cx.out.stats.rnr += 1;
+                self.requeue_rnr(now, pkt, cx);
             }
-            s if peer_fatal(s) => self.fail_peer(pkt.peer, s.error_kind(), Some(s), "send failed"),
+            s if peer_fatal(s) => return Then::FailPeer(pkt.peer, s),
             s => match pkt.owner {
                 Owner::Tx(id) => {
                     let e = Error::new(s.error_kind(), "send")
                         .with_detail(format!("device status {s}"));
-                    self.fail_tx(id, e, Some(s));
+                    self.fail(id, e, Some(s), cx);
                 }
-                Owner::Rd(id) => self.read_req_failed(id, s),
+                Owner::Rd(id) => return Then::ReadReqFailed(id, s),
                 _ => tracing::debug!(status = %s, "a control packet failed; dropped"),
             },
         }
+        Then::Nothing
     }
 
     /// RNR: the packet goes back to the front of its peer's queue; from its second RNR on, the
     /// peer backs off.
-    fn requeue_rnr(&mut self, now: Instant, mut pkt: Pkt) {
-        if !self.peers.contains_key(&pkt.peer) {
+    fn requeue_rnr(&mut self, now: Instant, mut pkt: Pkt, cx: &mut Cx<'_>) {
+        if !cx.peers.contains_key(&pkt.peer) {
             return;
         }
         if let Owner::Tx(id) = pkt.owner {
-            if !self.tx.ops.contains_key(&id) {
+            if !self.ops.contains_key(&id) {
                 return;
             }
         }
         pkt.rnr = pkt.rnr.saturating_add(1);
-        self.out.stats.retransmits += 1;
+        cx.out.stats.retransmits += 1;
         let again = pkt.rnr > 1;
         let pid = pkt.peer;
         let ctrl = !matches!(pkt.owner, Owner::Tx(_));
-        self.peers.enqueue(pkt, ctrl, true);
+        cx.peers.enqueue(pkt, ctrl, true);
         if again {
-            self.peers
-                .rnr_backoff(pid, now, &self.cfg, &mut self.rng, &mut self.out.timers);
+            cx.peers
+                .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
         }
     }
 
     /// Completes a send when all its packets are done, all its bytes sent and (delivery
     /// complete) its RECEIPT arrived.
-    pub(super) fn maybe_complete_tx(&mut self, id: u32) {
+    pub(super) fn maybe_complete(&mut self, id: u32, cx: &mut Cx<'_>) {
         // Read-based messages are delivery complete by nature (EOR), without RECEIPT.
-        let done = self.tx.ops.get(&id).is_some_and(|t| {
+        let done = self.ops.get(&id).is_some_and(|t| {
             t.pending == 0
                 && t.scheduled == t.len
                 && (!t.dc || t.receipt || matches!(t.proto, Proto::LongRead | Proto::RuntRead))
@@ -570,14 +402,14 @@ impl Engine {
         if !done {
             return;
         }
-        let Some(t) = self.tx.ops.remove(&id) else {
+        let Some(t) = self.ops.remove(&id) else {
             return;
         };
-        self.read_tx_gone(id, t.peer);
+        self.read_gone(id, t.peer, cx.peers);
         let len = t.len;
-        self.out.stats.tx_msgs += 1;
-        self.out.stats.tx_bytes += len as u64;
-        self.out.events.push_back(Event::Send(SendDone {
+        cx.out.stats.tx_msgs += 1;
+        cx.out.stats.tx_bytes += len as u64;
+        cx.out.events.push_back(Event::Send(SendDone {
             context: t.context,
             buf: t.buf,
             len,
@@ -588,15 +420,15 @@ impl Engine {
     }
 
     /// Fails a send at once; its packets still on the device complete unnoticed.
-    pub(super) fn fail_tx(&mut self, id: u32, error: Error, status: Option<Status>) {
-        let Some(t) = self.tx.ops.remove(&id) else {
+    pub(super) fn fail(&mut self, id: u32, error: Error, status: Option<Status>, cx: &mut Cx<'_>) {
+        let Some(t) = self.ops.remove(&id) else {
             return;
         };
-        self.read_tx_gone(id, t.peer);
-        self.peers.withdraw(t.peer, Owner::Tx(id));
-        self.out.stats.errors += 1;
+        self.read_gone(id, t.peer, cx.peers);
+        cx.peers.withdraw(t.peer, Owner::Tx(id));
+        cx.out.stats.errors += 1;
         tracing::debug!(error = %error, "send failed");
-        self.out.events.push_back(Event::Send(SendDone {
+        cx.out.events.push_back(Event::Send(SendDone {
             context: t.context,
             buf: t.buf,
             len: 0,
@@ -608,132 +440,254 @@ impl Engine {
 
     /// A CTS: the receiver grants `recv_length` more bytes of a long-CTS send (a CTS with
     /// READ_REQ goes to the emulation, `rma/cts.rs`).
-    pub(super) fn handle_cts(&mut self, pid: u64, send_id: u32, recv_id: u32, recv_length: u64) {
-        let Some(t) = self.tx.ops.get_mut(&send_id) else {
-            return self.drop_pkt("CTS for an unknown send_id");
+    pub(super) fn handle_cts(
+        &mut self,
+        pid: u64,
+        send_id: u32,
+        recv_id: u32,
+        recv_length: u64,
+        cx: &mut Cx<'_>,
+    ) {
+        let Some(t) = self.ops.get_mut(&send_id) else {
+            return cx.out.drop_pkt("CTS for an unknown send_id");
         };
         if t.peer != pid || t.proto != Proto::LongCts {
-            return self.drop_pkt("CTS for a send that is not a long-CTS send to this peer");
+            return cx
+                .out
+                .drop_pkt("CTS for a send that is not a long-CTS send to this peer");
         }
         if t.scheduled != t.window_end {
-            return self.drop_pkt("CTS while a window is still being sent");
+            return cx.out.drop_pkt("CTS while a window is still being sent");
         }
         let end = usize::try_from(recv_length)
             .ok()
             .and_then(|n| t.scheduled.checked_add(n));
         let end = match end {
             Some(e) if recv_length > 0 && e <= t.len => e,
-            _ => return self.drop_pkt("CTS with a zero window or beyond the message"),
+            _ => {
+                return cx
+                    .out
+                    .drop_pkt("CTS with a zero window or beyond the message");
+            }
         };
         t.window_end = end;
         t.recv_id = recv_id;
-        let hs = self.peers.get(&pid).is_some_and(|p| p.hs_received);
+        let hs = cx.peers.get(&pid).is_some_and(|p| p.hs_received);
         if hs {
-            self.schedule_ctsdata(send_id);
-        } else if let Some(p) = self.peers.get_mut(&pid) {
+            self.schedule_ctsdata(send_id, cx);
+        } else if let Some(p) = cx.peers.get_mut(&pid) {
             // CTSDATA carries our connid after its header; it waits for the peer's HANDSHAKE.
             p.blocked.push(send_id);
         }
     }
 
-    /// Payload bytes of one CTSDATA packet (libfabric's `max_data_payload_size`).
-    pub(super) fn ctsdata_room(&self) -> usize {
-        self.cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1)
-    }
-
-    /// Bytes of one CTS window: `tx_min_credits` CTSDATA packets' worth.
-    pub(super) fn cts_credit(&self) -> usize {
-        self.cfg
-            .tx_min_credits
-            .max(1)
-            .saturating_mul(self.ctsdata_room())
-    }
-
-    /// Appends to `pkts` the CTSDATA packets to `pid` carrying bytes `from..to` of a long-CTS
-    /// transfer the peer knows as `recv_id`; a packet's payload is bytes `off - base ..` of its
-    /// owner's buffer. Returns where the packets end (`to`, unless a header failed to encode).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn push_ctsdata(
-        &self,
-        pkts: &mut Vec<Pkt>,
-        pid: u64,
-        owner: Owner,
-        recv_id: u32,
-        from: usize,
-        to: usize,
-        base: usize,
-    ) -> usize {
-        let max = self.ctsdata_room();
-        let mut off = from;
-        while off < to {
-            let n = max.min(to - off);
-            let h = Packet::CtsData {
-                connid: Some(self.local.qkey),
-                recv_id,
-                seg_length: n as u64,
-                seg_offset: off as u64,
-            };
-            let Some(hdr) = self.encode(&h) else {
-                break;
-            };
-            pkts.push(Pkt::new(pid, owner, hdr, off - base, off - base + n));
-            off += n;
-        }
-        off
-    }
-
     /// Queues the CTSDATA packets of the window granted to send `id`.
-    pub(super) fn schedule_ctsdata(&mut self, id: u32) {
-        let Some(t) = self.tx.ops.get(&id) else {
+    pub(super) fn schedule_ctsdata(&mut self, id: u32, cx: &mut Cx<'_>) {
+        let Some(t) = self.ops.get(&id) else {
             return;
         };
         let (pid, recv_id, off, end) = (t.peer, t.recv_id, t.scheduled, t.window_end);
-        let mut pkts = std::mem::take(&mut self.pkt_scratch);
-        if self.push_ctsdata(&mut pkts, pid, Owner::Tx(id), recv_id, off, end, 0) != end {
+        let mut pkts = std::mem::take(&mut self.scratch);
+        let (cfg, local) = (cx.cfg, cx.local);
+        if push_ctsdata(
+            &mut pkts,
+            pid,
+            Owner::Tx(id),
+            recv_id,
+            off..end,
+            0,
+            cfg,
+            local,
+        ) != end
+        {
             pkts.clear();
-            self.pkt_scratch = pkts;
+            self.scratch = pkts;
             let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
-            return self.fail_tx(id, e, None);
+            return self.fail(id, e, None, cx);
         }
-        if let Some(t) = self.tx.ops.get_mut(&id) {
+        if let Some(t) = self.ops.get_mut(&id) {
             t.scheduled = end;
             t.pending += pkts.len();
         }
         for p in pkts.drain(..) {
-            self.peers.enqueue(p, false, false);
+            cx.peers.enqueue(p, false, false);
         }
-        self.pkt_scratch = pkts;
+        self.scratch = pkts;
     }
 
     /// A RECEIPT: the data of delivery-complete send `send_id` is in the receiver's buffer.
-    pub(super) fn handle_receipt(&mut self, pid: u64, send_id: u32, msg_id: u32) {
-        let Some(t) = self.tx.ops.get_mut(&send_id) else {
-            return self.drop_pkt("RECEIPT for an unknown send_id");
+    pub(super) fn handle_receipt(&mut self, pid: u64, send_id: u32, msg_id: u32, cx: &mut Cx<'_>) {
+        let Some(t) = self.ops.get_mut(&send_id) else {
+            return cx.out.drop_pkt("RECEIPT for an unknown send_id");
         };
         if t.peer != pid || !t.dc || t.msg_id != msg_id || t.receipt {
-            return self.drop_pkt("RECEIPT that does not match its send");
+            return cx.out.drop_pkt("RECEIPT that does not match its send");
         }
         t.receipt = true;
-        self.maybe_complete_tx(send_id);
+        self.maybe_complete(send_id, cx);
     }
+}
 
-    /// Queues a control packet (CTS, RECEIPT) to `pid`.
-    pub(super) fn queue_ctrl(&mut self, pid: u64, pkt: &Packet<'_>) {
-        if !self.peers.contains_key(&pid) {
-            return;
-        }
-        if let Some(hdr) = self.encode(pkt) {
-            self.peers
-                .enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
-        }
+/// A region send (`SendOp::region_len`): reads into `op.buf` the bytes that go in packets
+/// now, none for a long read, the runt of a runting read, all of them otherwise.
+fn region_packet_bytes(
+    op: &mut SendOp,
+    rp: Option<ReadProto>,
+    memory: Option<&dyn RmaMemory>,
+) -> Result<(), Error> {
+    let Some((key, addr)) = op.read_key else {
+        return Err(Error::new(ErrorKind::InvalidArgument, "send")
+            .with_detail("region_len without read_key"));
+    };
+    let need = match rp {
+        Some(ReadProto::Long(_)) => 0,
+        Some(ReadProto::Runt(_, runt)) => runt,
+        None => op.len(),
+    };
+    if need > 0 {
+        op.buf = region_bytes(memory, key, addr, need)?;
     }
+    Ok(())
+}
+
+/// `len` bytes of a region send, read through the engine's memory (the application must
+/// not hold the region's lock while it sends from it: `Again` then).
+pub(super) fn region_bytes(
+    memory: Option<&dyn RmaMemory>,
+    key: u64,
+    addr: u64,
+    len: usize,
+) -> Result<Bytes, Error> {
+    let Some(mem) = memory else {
+        return Err(Error::new(ErrorKind::InvalidArgument, "send")
+            .with_detail("a region send needs the engine's memory (Engine::set_memory)"));
+    };
+    mem.read(key, addr, len as u64)
+}
+
+/// The packets a message is sent in now (all of eager and medium, the first of long-CTS),
+/// appended to `pkts`; the protocol and the bytes they carry.
+fn packetize(
+    pkts: &mut Vec<Pkt>,
+    m: &MsgHdr,
+    len: usize,
+    cfg: &EngineConfig,
+) -> Result<(Proto, usize), Error> {
+    let mtu = cfg.mtu;
+    let (opt, msg_id, tag) = (m.opt, m.msg_id, m.tag);
+    let dc_send_id = m.dc.then_some(m.send_id);
+    if mtu
+        .checked_sub(eager_header_len(&opt, tag.is_some(), m.dc))
+        .is_some_and(|cap| len <= cap)
+    {
+        let hdr = eager_header(&opt, msg_id, tag, dc_send_id);
+        pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, 0, len));
+        return Ok((Proto::Eager, len));
+    }
+    if len <= cfg.max_medium_msg_size {
+        let seg = |seg_offset: u64| Packet::MediumRtm {
+            opt,
+            msg_id,
+            msg_length: len as u64,
+            seg_offset,
+            tag,
+            dc_send_id,
+        };
+        let cap = mtu.saturating_sub(seg(0).header_len());
+        if cap == 0 {
+            return Err(Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small"));
+        }
+        let mut off = 0;
+        for n in medium_segments(len, cap) {
+            push_pkt(pkts, m, &seg(off as u64), off, off + n)?;
+            off += n;
+        }
+        return Ok((Proto::Medium, off));
+    }
+    let first = Packet::LongCtsRtm {
+        opt,
+        msg_id,
+        msg_length: len as u64,
+        send_id: m.send_id,
+        credit_request: u32::try_from(cfg.tx_min_credits).unwrap_or(u32::MAX),
+        tag,
+        dc: m.dc,
+        read_nack: false,
+    };
+    let cap = mtu.saturating_sub(first.header_len());
+    if mtu <= CTSDATA_MAX_HEADER_LEN || cap == 0 {
+        return Err(Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small"));
+    }
+    let n = cap.min(len);
+    push_pkt(pkts, m, &first, 0, n)?;
+    Ok((Proto::LongCts, n))
+}
+
+/// Encodes `pkt` and appends it, with bytes `a..b` of the message as payload, to `pkts`.
+pub(super) fn push_pkt(
+    pkts: &mut Vec<Pkt>,
+    m: &MsgHdr,
+    pkt: &Packet<'_>,
+    a: usize,
+    b: usize,
+) -> Result<(), Error> {
+    let Some(hdr) = encode(pkt) else {
+        return Err(Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed"));
+    };
+    pkts.push(Pkt::new(m.pid, Owner::Tx(m.send_id), hdr, a, b));
+    Ok(())
+}
+
+/// Payload bytes of one CTSDATA packet (libfabric's `max_data_payload_size`).
+pub(super) fn ctsdata_room(cfg: &EngineConfig) -> usize {
+    cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1)
+}
+
+/// Bytes of one CTS window: `tx_min_credits` CTSDATA packets' worth.
+pub(super) fn cts_credit(cfg: &EngineConfig) -> usize {
+    cfg.tx_min_credits.max(1).saturating_mul(ctsdata_room(cfg))
+}
+
+/// Appends to `pkts` the CTSDATA packets to `pid` carrying bytes `range` of a long-CTS
+/// transfer the peer knows as `recv_id`; a packet's payload is bytes `off - base ..` of its
+/// owner's buffer. Returns where the packets end (`range.end`, unless a header failed to
+/// encode).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn push_ctsdata(
+    pkts: &mut Vec<Pkt>,
+    pid: u64,
+    owner: Owner,
+    recv_id: u32,
+    range: std::ops::Range<usize>,
+    base: usize,
+    cfg: &EngineConfig,
+    local: RawAddr,
+) -> usize {
+    let max = ctsdata_room(cfg);
+    let (mut off, to) = (range.start, range.end);
+    while off < to {
+        let n = max.min(to - off);
+        let h = Packet::CtsData {
+            connid: Some(local.qkey),
+            recv_id,
+            seg_length: n as u64,
+            seg_offset: off as u64,
+        };
+        let Some(hdr) = encode(&h) else {
+            break;
+        };
+        pkts.push(Pkt::new(pid, owner, hdr, off - base, off - base + n));
+        off += n;
+    }
+    off
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{eager_header, eager_header_len, medium_split};
+    use super::{eager_header, eager_header_len};
     use crate::addr::{Gid, RawAddr};
     use crate::fault::{Rng, test_seed};
+    use crate::proto::engine::types::medium_split;
     use crate::proto::wire::{Packet, ReqOpt, Sender};
 
     #[test]

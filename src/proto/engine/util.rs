@@ -806,6 +806,17 @@ impl TimerTable {
     }
 }
 
+/// Encodes a packet's headers; `None` only if the codec refuses (a bug).
+pub(super) fn encode(pkt: &Packet<'_>) -> Option<Hdr> {
+    match Hdr::encode(pkt) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::error!(error = %e, ty = %pkt.packet_type(), "could not encode a packet");
+            None
+        }
+    }
+}
+
 /// What the engine's handlers report into, beside the sub-state they change (a split borrow of
 /// the engine, as quinn-proto hands its streams the connection's pieces they need): the
 /// completions for the application, the counters and the timers.
@@ -826,6 +837,12 @@ impl Out {
     pub(super) fn drop_pkt(&mut self, why: &'static str) {
         self.stats.dropped_pkts += 1;
         tracing::debug!(why, "dropped a packet");
+    }
+
+    /// Counts an operation refused with `Again` and says why.
+    pub(super) fn again(&mut self, what: &'static str, why: &'static str) -> crate::Error {
+        self.stats.again += 1;
+        crate::Error::new(crate::ErrorKind::Again, what).with_detail(why)
     }
 
     /// Reports a peer's write with immediate data (counted among the capped events).

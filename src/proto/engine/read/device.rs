@@ -73,19 +73,31 @@ impl Engine {
         }
         match &op.kind {
             RmaKind::Write { data, .. } => {
-                if self.both_write(pid) && (data.is_none() || self.imm_ok(pid)) {
+                if self
+                    .peers
+                    .both_write(pid, &self.cfg, self.local, self.remote_events.0)
+                    && (data.is_none() || self.imm_ok(pid))
+                {
                     Route::Device
                 } else if op.local_key.is_some()
                     && len > 0
                     && len >= self.cfg.inter_min_read_write_size
-                    && self.both_read(pid)
+                    && self
+                        .peers
+                        .both_read(pid, &self.cfg, self.local, self.remote_events.1)
                 {
                     Route::LongReadRtw
                 } else {
                     Route::Emulated
                 }
             }
-            RmaKind::Read { .. } if self.both_read(pid) => Route::Device,
+            RmaKind::Read { .. }
+                if self
+                    .peers
+                    .both_read(pid, &self.cfg, self.local, self.remote_events.1) =>
+            {
+                Route::Device
+            }
             _ => Route::Emulated,
         }
     }
@@ -179,14 +191,12 @@ impl Engine {
         Err((Error::new(ErrorKind::Again, "rma").with_detail(why), op))
     }
 
-    /// True when `id` is the id of a device RMA operation in flight.
-    pub(in crate::proto::engine) fn rd_owns_id(&self, id: u32) -> bool {
-        !self.rd.ops.is_empty() && self.rd.ops.contains_key(&id)
-    }
-
     pub(in crate::proto::engine) fn new_op_id(&mut self) -> u32 {
         loop {
-            let id = self.alloc_tx_id();
+            let (rd, ema) = (&self.rd, &self.ema);
+            let id = self
+                .tx
+                .alloc_id(|id| rd.owns_id(id) || ema.owns_send_id(id));
             if !self.rd.ops.contains_key(&id) {
                 return id;
             }
@@ -243,7 +253,7 @@ impl Engine {
             let id = self.new_op_id();
             self.rd.ops.insert(id, DevOp::Waiting { peer: pid, op });
             self.rd.waiting += 1;
-            self.trigger_handshake(pid);
+            self.peers.trigger_handshake(pid, self.local);
             return Ok(None);
         }
         Ok(self.start_rma(pid, op))
@@ -380,46 +390,13 @@ impl Engine {
             rma_iov: IovList::new(&rma),
             read_iov: IovList::new(&read),
         };
-        let hdr = self.encode(&pkt)?;
+        let hdr = encode(&pkt)?;
         self.rd
             .ops
             .insert(id, DevOp::LongReadRtw { peer: pid, op, len });
         self.peers
             .enqueue(Pkt::ctrl(pid, Owner::Rd(id), hdr), false, false);
         None
-    }
-
-    /// Makes a peer that does not know us send its HANDSHAKE: a 0-byte EAGER_RTW (libfabric's
-    /// `efa_rdm_ep_trigger_handshake`), unless one of our REQs went to it already.
-    pub(super) fn trigger_handshake(&mut self, pid: u64) {
-        let Some(p) = self.peers.get_mut(&pid) else {
-            return;
-        };
-        if p.hs_received || p.hs_triggered || p.next_msg_id != 0 {
-            return;
-        }
-        p.hs_triggered = true;
-        self.introduce(pid);
-    }
-
-    /// Sends `pid` a 0-byte EAGER_RTW with our raw address (libfabric's handshake trigger),
-    /// whatever was sent before: its receipt makes the peer's provider hold an AH for us.
-    pub(super) fn introduce(&mut self, pid: u64) {
-        if !self.peers.contains_key(&pid) {
-            return;
-        }
-        let pkt = Packet::EagerRtw {
-            opt: ReqOpt {
-                sender: Sender::RawAddr(self.local),
-                cq_data: None,
-            },
-            dc_send_id: None,
-            rma_iov: IovList::EMPTY,
-        };
-        if let Some(hdr) = self.encode(&pkt) {
-            self.peers
-                .enqueue(Pkt::ctrl(pid, Owner::Ctrl, hdr), true, false);
-        }
     }
 
     /// The peer's HANDSHAKE arrived: the operations that waited for it choose their protocol,
@@ -602,7 +579,7 @@ impl Engine {
         }
     }
 
-    pub(super) fn op_wr_done(&mut self, id: u32, w: Wr, status: Status) {
+    pub(in crate::proto::engine) fn op_wr_done(&mut self, id: u32, w: Wr, status: Status) {
         let Some(op) = self.rd.ops.get_mut(&id) else {
             return;
         };

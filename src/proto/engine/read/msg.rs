@@ -2,287 +2,14 @@
 //! READ_NACK at the sender, the receiver's reads, EOR and READ_NACK, the long-CTS continuation.
 
 use super::*;
-use crate::proto::engine::peer::our_sender;
 use crate::proto::engine::util::Timer;
 
-/// Where a long/runting-read message is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Phase {
-    /// Not matched yet.
-    Idle,
-    /// Reads on the device (or queued for it).
-    Reading,
-    /// Read (or nothing to read): EOR sent.
-    Done,
-    /// Cannot read: READ_NACK goes once the runt has arrived.
-    NackPending,
-    /// READ_NACK sent: waiting for the sender's long-CTS REQ.
-    Nacked,
-}
-
-/// The read state of an inbound long/runting-read message (`RxEntry::read`).
-#[derive(Debug)]
-pub(in crate::proto::engine) struct RxRead {
-    send_id: u32,
-    iovs: ReadIovs,
-    /// The reads start here: the runt (bytes sent in packets) is before.
-    start: usize,
-    phase: Phase,
-    pieces: Pieces,
-}
-
-impl RxRead {
-    pub(in crate::proto::engine) fn new(kind: Kind, iovs: ReadIovs) -> Option<Box<RxRead>> {
-        let (send_id, start) = match kind {
-            Kind::LongRead { send_id } => (send_id, 0),
-            Kind::RuntRead { send_id, runt } => {
-                (send_id, usize::try_from(runt).unwrap_or(usize::MAX))
-            }
-            _ => return None,
-        };
-        Some(Box::new(RxRead {
-            send_id,
-            iovs,
-            start,
-            phase: Phase::Idle,
-            pieces: Pieces::default(),
-        }))
-    }
-
-    /// Reads are on the device: the receive is not stalled.
-    pub(in crate::proto::engine) fn reading(&self) -> bool {
-        self.phase == Phase::Reading
-    }
-}
-
-/// A read-based message we send.
-#[derive(Debug)]
-pub(super) struct TxRead {
-    /// Runt bytes not yet completed (counted in the peer's `runt_in_flight`).
-    pub(super) runt_left: usize,
-    /// Counted in `ReadState::read_msgs` (EOR or READ_NACK still to come).
-    pub(super) reading: bool,
-    /// The region peers read: `(key, address)`; a region send (`SendOp::region_len`) reads
-    /// the rest of its bytes from it after a READ_NACK.
-    pub(super) region: (u64, u64),
-}
-
-/// The read-based protocol a message uses.
-#[derive(Clone, Copy, Debug)]
-pub(in crate::proto::engine) enum ReadProto {
-    Long(RemoteIov),
-    Runt(RemoteIov, usize),
-}
-
 impl Engine {
-    /// The read-based protocol for a send, if any (libfabric's `efa_rdm_msg_select_rtm`): the
-    /// buffer is registered, the message is at least `inter_min_read_message_size`, both sides
-    /// can RDMA-read (so never before the HANDSHAKE: then the size decides as usual). A runting
-    /// read when no other read message is in flight, the runt is not zero and no delivery
-    /// complete is asked for; else long read.
-    pub(in crate::proto::engine) fn read_protocol(
-        &self,
-        pid: u64,
-        op: &SendOp,
-        device_only: bool,
-    ) -> Option<ReadProto> {
-        let (key, addr) = op.read_key?;
-        let len = op.len();
-        let small = len < self.cfg.inter_min_read_message_size && !device_only;
-        if len == 0 || small || !self.both_read(pid) {
-            return None;
-        }
-        let iov = RemoteIov {
-            addr,
-            len: len as u64,
-            key,
-        };
-        let in_flight = self.peers.get(&pid)?.runt_in_flight;
-        let runt = self.cfg.runt_size.saturating_sub(in_flight).min(len) & !(RUNT_ALIGN - 1);
-        // A device-only region has no runt to put in packets: its bytes are the NIC's alone.
-        if self.rd.read_msgs == 0 && runt > 0 && !op.delivery_complete && !device_only {
-            Some(ReadProto::Runt(iov, runt))
-        } else {
-            Some(ReadProto::Long(iov))
-        }
-    }
-
-    /// Whether `op` sends device-only memory ([`RmaMemory::device_only`] of its read key), and
-    /// whether it may go now: `Ok(true)` for such a send, which goes by the long-read protocol
-    /// alone (an empty one by eager, which carries no byte); `Ok(false)` for any other send.
-    /// `Again` while the peer's HANDSHAKE (which says whether it can RDMA-read) is unknown (it
-    /// is triggered, as libfabric does for protocols that need the peer's features);
-    /// `NotSupported` when the peer or this side cannot RDMA-read: nothing else moves the
-    /// bytes without the CPU.
-    pub(in crate::proto::engine) fn device_only_send(
-        &mut self,
-        pid: u64,
-        op: &SendOp,
-    ) -> Result<bool, Error> {
-        let Some((key, _)) = op.read_key.filter(|_| op.region_len.is_some()) else {
-            return Ok(false);
-        };
-        if !self.memory.as_ref().is_some_and(|m| m.device_only(key)) {
-            return Ok(false);
-        }
-        if op.is_empty() || self.both_read(pid) {
-            return Ok(true);
-        }
-        let known = self
-            .peers
-            .get(&pid)
-            .is_some_and(|p| p.hs_received || p.addr == self.local);
-        if !known && self.cfg.device_rdma_read {
-            self.trigger_handshake(pid);
-            self.out.stats.again += 1;
-            return Err(Error::new(ErrorKind::Again, "send").with_detail(
-                "a device-only region goes by the long-read protocol, which waits for the \
-                 peer's handshake (requested): retry",
-            ));
-        }
-        Err(crate::mem::device_only_error("send").with_detail(
-            "a device-only region goes only by the long-read protocol, and this peer cannot \
-             RDMA-read it (or device RDMA read is off here): its bytes cannot go in packets",
-        ))
-    }
-
-    /// `len` bytes of a region send, read through the engine's memory (the application must
-    /// not hold the region's lock while it sends from it: `Again` then).
-    pub(in crate::proto::engine) fn region_bytes(
-        &self,
-        key: u64,
-        addr: u64,
-        len: usize,
-    ) -> Result<Bytes, Error> {
-        let Some(mem) = self.memory.as_ref() else {
-            return Err(Error::new(ErrorKind::InvalidArgument, "send")
-                .with_detail("a region send needs the engine's memory (Engine::set_memory)"));
-        };
-        mem.read(key, addr, len as u64)
-    }
-
-    /// The packets of a read-based message: one LONGREAD_RTM, or the RUNTREAD_RTMs carrying
-    /// the runt (split as medium segments).
-    pub(in crate::proto::engine) fn packetize_read(
-        &mut self,
-        pkts: &mut Vec<Pkt>,
-        m: &MsgHdr,
-        len: usize,
-        rp: ReadProto,
-    ) -> Result<(Proto, usize), Error> {
-        match rp {
-            ReadProto::Long(iov) => {
-                let iovs = [iov];
-                let pkt = Packet::LongReadRtm {
-                    opt: m.opt,
-                    msg_id: m.msg_id,
-                    msg_length: len as u64,
-                    send_id: m.send_id,
-                    tag: m.tag,
-                    read_iov: IovList::new(&iovs),
-                };
-                self.push_pkt(pkts, m, &pkt, 0, 0)?;
-                self.rd.read_msgs += 1;
-                let tr = TxRead {
-                    runt_left: 0,
-                    reading: true,
-                    region: (iov.key, iov.addr),
-                };
-                self.rd.tx_read.insert(m.send_id, tr);
-                Ok((Proto::LongRead, 0))
-            }
-            ReadProto::Runt(iov, runt) => {
-                let iovs = [iov];
-                let seg = |seg_offset: u64| Packet::RuntReadRtm {
-                    opt: m.opt,
-                    msg_id: m.msg_id,
-                    msg_length: len as u64,
-                    send_id: m.send_id,
-                    seg_offset,
-                    runt_length: runt as u64,
-                    tag: m.tag,
-                    read_iov: IovList::new(&iovs),
-                };
-                let cap = self.cfg.mtu.saturating_sub(seg(0).header_len());
-                if cap == 0 {
-                    return Err(
-                        Error::new(ErrorKind::InvalidArgument, "send").with_detail("MTU too small")
-                    );
-                }
-                let mut off = 0;
-                for n in medium_segments(runt, cap) {
-                    self.push_pkt(pkts, m, &seg(off as u64), off, off + n)?;
-                    off += n;
-                }
-                let reading = runt < len;
-                if reading {
-                    self.rd.read_msgs += 1;
-                }
-                let tr = TxRead {
-                    runt_left: runt,
-                    reading,
-                    region: (iov.key, iov.addr),
-                };
-                self.rd.tx_read.insert(m.send_id, tr);
-                if let Some(p) = self.peers.get_mut(&m.pid) {
-                    p.runt_in_flight += runt;
-                }
-                Ok((Proto::RuntRead, runt))
-            }
-        }
-    }
-
-    /// A packet of send `id` completed: a runt's bytes are no longer in flight.
-    pub(in crate::proto::engine) fn read_pkt_done(&mut self, id: u32, pkt: &Pkt) {
-        let runt = [
-            PacketType::RuntReadMsgRtm.id(),
-            PacketType::RuntReadTagRtm.id(),
-        ];
-        if !pkt.hdr.bytes().first().is_some_and(|t| runt.contains(t)) {
-            return;
-        }
-        let Some(tr) = self.rd.tx_read.get_mut(&id) else {
-            return;
-        };
-        let n = pkt.end.saturating_sub(pkt.off).min(tr.runt_left);
-        tr.runt_left -= n;
-        if let Some(p) = self.peers.get_mut(&pkt.peer) {
-            p.runt_in_flight = p.runt_in_flight.saturating_sub(n);
-        }
-    }
-
-    /// Send `id` to `peer` is gone (completed or failed): its read bookkeeping too.
-    pub(in crate::proto::engine) fn read_tx_gone(&mut self, id: u32, peer: u64) {
-        let Some(tr) = self.rd.tx_read.remove(&id) else {
-            return;
-        };
-        if tr.reading {
-            self.rd.read_msgs = self.rd.read_msgs.saturating_sub(1);
-        }
-        if let Some(p) = self.peers.get_mut(&peer) {
-            p.runt_in_flight = p.runt_in_flight.saturating_sub(tr.runt_left);
-        }
-    }
-
-    pub(super) fn read_msg_answered(&mut self, send_id: u32) {
-        if let Some(tr) = self.rd.tx_read.get_mut(&send_id) {
-            if std::mem::take(&mut tr.reading) {
-                self.rd.read_msgs = self.rd.read_msgs.saturating_sub(1);
-            }
-        }
-    }
-
     /// EOR: the receiver read a message (or the target of LONGREAD_RTW placed a write).
     pub(super) fn handle_eor(&mut self, pid: u64, send_id: u32) {
-        if let Some(t) = self.tx.ops.get_mut(&send_id) {
-            let reading = matches!(t.proto, Proto::LongRead | Proto::RuntRead);
-            if t.peer != pid || !reading || t.scheduled >= t.len {
-                return self.drop_pkt("EOR that does not match its send");
-            }
-            t.scheduled = t.len;
-            t.window_end = t.scheduled;
-            self.read_msg_answered(send_id);
-            return self.maybe_complete_tx(send_id);
+        if self.tx.ops.contains_key(&send_id) {
+            let (tx, _, _, mut cx) = self.parts();
+            return tx.handle_eor(pid, send_id, &mut cx);
         }
         let ours = matches!(self.rd.ops.get(&send_id),
             Some(DevOp::LongReadRtw { peer, .. }) if *peer == pid);
@@ -301,61 +28,12 @@ impl Engine {
         }
     }
 
-    /// READ_NACK: the receiver cannot read. A message goes on as long-CTS (a LONGCTS REQ with
-    /// the READ_NACK flag and no data, then CTS / CTSDATA from where the runt ended); a
+    /// READ_NACK: the receiver cannot read. A message goes on as long-CTS (`TxSide`); a
     /// LONGREAD_RTW starts again as an emulated write.
     pub(super) fn handle_read_nack(&mut self, now: Instant, pid: u64, send_id: u32, recv_id: u32) {
-        if let Some(t) = self.tx.ops.get(&send_id) {
-            let reading = matches!(t.proto, Proto::LongRead | Proto::RuntRead);
-            if t.peer != pid || !reading || t.scheduled >= t.len {
-                return self.drop_pkt("READ_NACK that does not match its send");
-            }
-            // A region send holds only its runt: the rest now goes in packets too.
-            let region = self.rd.tx_read.get(&send_id).map(|r| r.region);
-            if let Some((key, addr)) = region.filter(|_| t.buf.len() < t.len) {
-                match self.region_bytes(key, addr, t.len) {
-                    Ok(b) => {
-                        if let Some(t) = self.tx.ops.get_mut(&send_id) {
-                            t.buf = b;
-                        }
-                    }
-                    Err(e) => return self.fail_tx(send_id, e, None),
-                }
-            }
-            let Some(t) = self.tx.ops.get(&send_id) else {
-                return;
-            };
-            let hs = self.peers.get(&pid).is_some_and(|p| p.hs_received);
-            let sender = our_sender(self.local, hs);
-            let pkt = Packet::LongCtsRtm {
-                opt: ReqOpt {
-                    sender,
-                    cq_data: None,
-                },
-                msg_id: t.msg_id,
-                msg_length: t.len as u64,
-                send_id,
-                credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
-                tag: t.tag,
-                dc: t.dc,
-                read_nack: true,
-            };
-            let at = t.scheduled;
-            let Some(hdr) = self.encode(&pkt) else {
-                let e = Error::new(ErrorKind::Io, "send").with_detail("packet encoding failed");
-                return self.fail_tx(send_id, e, None);
-            };
-            self.read_msg_answered(send_id);
-            if let Some(t) = self.tx.ops.get_mut(&send_id) {
-                tracing::debug!(send_id, "READ_NACK: the message goes on as long-CTS");
-                t.proto = Proto::LongCts;
-                t.window_end = t.scheduled;
-                t.recv_id = recv_id;
-                t.pending += 1;
-            }
-            self.peers
-                .enqueue(Pkt::new(pid, Owner::Tx(send_id), hdr, at, at), false, false);
-            return;
+        if self.tx.ops.contains_key(&send_id) {
+            let (tx, _, _, mut cx) = self.parts();
+            return tx.handle_read_nack(pid, send_id, recv_id, &mut cx);
         }
         let ours = matches!(self.rd.ops.get(&send_id),
             Some(DevOp::LongReadRtw { peer, .. }) if *peer == pid);
@@ -432,7 +110,13 @@ impl Engine {
         }
     }
 
-    pub(super) fn rx_wr_done(&mut self, now: Instant, rid: u32, w: Wr, status: Status) {
+    pub(in crate::proto::engine) fn rx_wr_done(
+        &mut self,
+        now: Instant,
+        rid: u32,
+        w: Wr,
+        status: Status,
+    ) {
         let WrWhat::Read { piece, buf, region } = w.what else {
             return;
         };
@@ -500,7 +184,7 @@ impl Engine {
             send_id,
             recv_id: rid,
         };
-        self.queue_ctrl(pid, &eor);
+        self.peers.queue_ctrl(pid, &eor);
         if complete {
             self.complete_rx(rid);
         }
@@ -526,7 +210,7 @@ impl Engine {
             send_id: r.send_id,
             recv_id: rid,
         };
-        self.queue_ctrl(pid, &nack);
+        self.peers.queue_ctrl(pid, &nack);
     }
 
     /// A runt segment of `rid` arrived (and the message is not complete).

@@ -81,7 +81,7 @@ impl Engine {
         };
         let (Some(len), Some(ranges)) = (len, ranges) else {
             tracing::debug!(send_id, "LONGREAD_RTW cannot be read here: READ_NACK");
-            return self.queue_ctrl(pid, &nack);
+            return self.peers.queue_ctrl(pid, &nack);
         };
         if ranges.is_empty() {
             return self.rtw_finish(pid, send_id, len, data);
@@ -135,7 +135,13 @@ impl Engine {
         self.rd.rtw.insert(id, t);
     }
 
-    pub(super) fn rtw_wr_done(&mut self, now: Instant, id: u32, w: Wr, status: Status) {
+    pub(in crate::proto::engine) fn rtw_wr_done(
+        &mut self,
+        now: Instant,
+        id: u32,
+        w: Wr,
+        status: Status,
+    ) {
         let WrWhat::Read { piece, buf, .. } = w.what else {
             return;
         };
@@ -205,7 +211,7 @@ impl Engine {
                 send_id: t.send_id,
                 recv_id: id,
             };
-            return self.queue_ctrl(t.peer, &nack);
+            return self.peers.queue_ctrl(t.peer, &nack);
         }
         self.rtw_finish(t.peer, t.send_id, t.len, t.data);
     }
@@ -226,7 +232,7 @@ impl Engine {
             send_id,
             recv_id: 0,
         };
-        self.queue_ctrl(pid, &eor);
+        self.peers.queue_ctrl(pid, &eor);
     }
 
     /// Retries the writes into memory the application held locked.

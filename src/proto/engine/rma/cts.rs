@@ -20,9 +20,12 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::super::read::{ReadIovs, carve, write_range};
-use super::super::tx::{Owner, Pkt};
+use super::super::read::write_range;
+use super::super::tx::{cts_credit, push_ctsdata};
+use super::super::types::{Owner, Pkt};
 use super::super::util::RangeSet;
+use super::super::util::encode;
+use super::super::wr::{ReadIovs, carve};
 use super::super::{Engine, Event, RemoteWriteDone, RmaMemory};
 use super::{EmaOp, OpKind, Work};
 use crate::device::{RemoteIov, Status};
@@ -81,7 +84,7 @@ impl Engine {
             send_id: 0,
             seg_length: 0,
         };
-        let hdr = self.encode(&rsp).map_or(self.cfg.mtu, |h| h.bytes().len());
+        let hdr = encode(&rsp).map_or(self.cfg.mtu, |h| h.bytes().len());
         self.cfg.mtu.saturating_sub(hdr)
     }
 
@@ -134,7 +137,7 @@ impl Engine {
             read_nack: false,
             rma_iov: IovList::new(&one),
         };
-        let Some(hdr) = self.encode(&req) else {
+        let Some(hdr) = encode(&req) else {
             return Err((Error::new(ErrorKind::Io, "write"), buf));
         };
         let room = self.cfg.mtu.saturating_sub(hdr.bytes().len());
@@ -179,7 +182,7 @@ impl Engine {
     ) -> Result<(), (Error, BytesMut)> {
         let len = buf.len();
         let id = self.ema_recv_id();
-        let window = len.min(self.cts_credit());
+        let window = len.min(cts_credit(&self.cfg));
         let one = [remote];
         let req = Packet::LongCtsRtr {
             opt,
@@ -188,7 +191,7 @@ impl Engine {
             recv_length: u32::try_from(window).unwrap_or(u32::MAX),
             rma_iov: IovList::new(&one),
         };
-        let Some(hdr) = self.encode(&req) else {
+        let Some(hdr) = encode(&req) else {
             return Err((Error::new(ErrorKind::Io, "read"), buf));
         };
         let window = window.min(u32::MAX as usize);
@@ -269,7 +272,7 @@ impl Engine {
 
     /// Data of one of our long-CTS reads (READRSP or CTSDATA), at `off`.
     pub(super) fn cts_read_data(&mut self, pid: u64, id: u32, off: u64, data: &[u8]) {
-        let credit = self.cts_credit();
+        let credit = cts_credit(&self.cfg);
         let qkey = self.local.qkey;
         let Some(op) = self.ema.ops.get_mut(&id) else {
             return self.drop_pkt("CTSDATA for no read");
@@ -312,7 +315,7 @@ impl Engine {
                 recv_length: grant as u64,
                 read_req: true,
             };
-            self.queue_ctrl(pid, &cts);
+            self.peers.queue_ctrl(pid, &cts);
         }
     }
 
@@ -363,7 +366,16 @@ impl Engine {
         };
         let (from, to) = (c.done, c.window_end);
         let mut pkts = Vec::new();
-        let end = self.push_ctsdata(&mut pkts, pid, Owner::Ema(id), recv_id, from, to, 0);
+        let end = push_ctsdata(
+            &mut pkts,
+            pid,
+            Owner::Ema(id),
+            recv_id,
+            from..to,
+            0,
+            &self.cfg,
+            self.local,
+        );
         let Some(c) = self.ema.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
             return;
         };
@@ -591,7 +603,7 @@ impl Engine {
             }
             Ok(()) => {}
         }
-        let credit = self.cts_credit();
+        let credit = cts_credit(&self.cfg);
         let qkey = self.local.qkey;
         let Some(t) = self.ema.tgt.get_mut(&tid) else {
             return Ok(());
@@ -607,7 +619,7 @@ impl Engine {
                     send_id,
                     msg_id: 0,
                 };
-                self.queue_ctrl(pid, &r);
+                self.peers.queue_ctrl(pid, &r);
             }
             if let (Some(d), Some(src)) = (cq_data, self.peers.get(&pid).map(|p| p.addr)) {
                 self.out
@@ -628,7 +640,7 @@ impl Engine {
                 recv_length: grant as u64,
                 read_req: false,
             };
-            self.queue_ctrl(pid, &cts);
+            self.peers.queue_ctrl(pid, &cts);
         }
         Ok(())
     }
@@ -670,12 +682,21 @@ impl Engine {
                 send_id: tid,
                 seg_length: n as u64,
             };
-            if let Some(hdr) = self.encode(&rsp) {
+            if let Some(hdr) = encode(&rsp) {
                 pkts.push(Pkt::new(pid, owner, hdr, 0, n));
                 off = n;
             }
         }
-        self.push_ctsdata(&mut pkts, pid, owner, recv_id, off, to, from);
+        push_ctsdata(
+            &mut pkts,
+            pid,
+            owner,
+            recv_id,
+            off..to,
+            from,
+            &self.cfg,
+            self.local,
+        );
         self.ema.resp.insert(rid, (data, pkts.len()));
         for p in pkts {
             self.peers.enqueue(p, false, false);
