@@ -42,7 +42,7 @@
 //! * A region the application holds locked (`Again`) is treated like a missing receive buffer:
 //!   receiver-not-ready, retried by the sender's SRD layer.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 

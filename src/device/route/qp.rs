@@ -1,7 +1,9 @@
 //! The routed queue pair: a primary queue pair (its address is the address) and an shm queue pair
 //! for peers on this host, behind one [`QueuePair`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt};
 use std::fmt;
 use std::sync::Arc;
 

@@ -3,7 +3,11 @@
 //! unresponsive-peer timeout. The rules are in `docs/udp-device.md`.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+
+// Keyed by what peers send (addresses, connection ids): a fast hash with a random seed per map
+// (foldhash), not SipHash, which showed in the per-packet profile.
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
