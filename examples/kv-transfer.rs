@@ -187,7 +187,10 @@ impl Plan {
                 size_str(self.page as u64)
             ));
         }
-        if self.region < 2 * self.page || self.region % self.page != 0 || self.region > MAX_SIZE {
+        if self.region < 2 * self.page
+            || !self.region.is_multiple_of(self.page)
+            || self.region > MAX_SIZE
+        {
             return Err(format!(
                 "-M {}: the region must be a whole number (at least two) of {}-byte pages, at \
                  most 1 GiB",
@@ -279,7 +282,7 @@ fn source_of(src: &[usize], j: usize, round: usize) -> usize {
 /// page gets in two rounds in a row) differ mod 251, so their bytes differ at every offset: a
 /// page half written over last round's content cannot pass its check.
 fn body_seq(p: usize, n: usize) -> u64 {
-    if p == n - 1 && (n - 1) % 251 == 0 {
+    if p == n - 1 && (n - 1).is_multiple_of(251) {
         // n - 1 ≡ 0 would repeat page 0's bytes; page n - 2 has 250.
         1
     } else {
@@ -532,7 +535,7 @@ fn check_table(plan: &Plan, t: &PageTable) -> Res<()> {
     let mut seen = vec![false; plan.pages()];
     for &o in &t.offsets {
         let o = o as usize;
-        if o % plan.page != 0
+        if !o.is_multiple_of(plan.page)
             || o / plan.page >= plan.pages()
             || std::mem::replace(&mut seen[o / plan.page], true)
         {
@@ -639,7 +642,10 @@ impl Kv<'_> {
                 // The receiver says nothing during a round but why it failed, or its "ok" for
                 // the round (which may come before the last doorbells' completions do).
                 spins = spins.wrapping_add(1);
-                if !checked && spins % 4096 == 0 && watch.as_ref().is_some_and(|w| w.has_news()) {
+                if !checked
+                    && spins.is_multiple_of(4096)
+                    && watch.as_ref().is_some_and(|w| w.has_news())
+                {
                     self.round_checked(oob, round)?;
                     checked = true;
                 }
@@ -794,7 +800,7 @@ impl Kv<'_> {
                 self.poll()?;
                 if self.done.is_empty() {
                     spins = spins.wrapping_add(1);
-                    if spins % 1024 == 0 && last_progress.elapsed() > self.stall {
+                    if spins.is_multiple_of(1024) && last_progress.elapsed() > self.stall {
                         let missing: Vec<usize> = (round * bpr..(round + 1) * bpr)
                             .filter(|&b| !seen[b])
                             .take(8)
@@ -805,7 +811,7 @@ impl Kv<'_> {
                             self.stall.as_secs()
                         ));
                     }
-                    if spins % (64 << 10) == 0 && watch.as_ref().is_some_and(|w| w.gone()) {
+                    if spins.is_multiple_of(64 << 10) && watch.as_ref().is_some_and(|w| w.gone()) {
                         return Err("the sender closed the out-of-band connection".into());
                     }
                     continue;

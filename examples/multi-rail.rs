@@ -405,7 +405,7 @@ fn hex(b: &[u8]) -> String {
 
 fn unhex(s: &str) -> Res<Vec<u8>> {
     let s = s.trim();
-    if s.len() % 2 != 0 || !s.is_ascii() {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
         return Err(format!("not hex: {s:?}"));
     }
     (0..s.len())

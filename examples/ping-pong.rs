@@ -733,12 +733,12 @@ impl<E: PingEp> PingPong<'_, E> {
             // The clock only every 1024 polls: a clock read costs as much as an idle poll; the
             // out-of-band connection (three system calls) every 64 Ki polls.
             spins = spins.wrapping_add(1);
-            if spins % (64 << 10) == 0 && self.watch.as_ref().is_some_and(|w| w.gone()) {
+            if spins.is_multiple_of(64 << 10) && self.watch.as_ref().is_some_and(|w| w.gone()) {
                 return Err(
                     "the peer closed the out-of-band connection: it exited or failed".into(),
                 );
             }
-            if spins % 1024 == 0
+            if spins.is_multiple_of(1024)
                 && Instant::now() > *deadline.get_or_insert_with(|| Instant::now() + self.timeout)
             {
                 return Err(if self.reliable {

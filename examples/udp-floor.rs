@@ -121,7 +121,7 @@ fn recv(sock: &UdpSocket, buf: &mut [u8]) -> Res<usize> {
             Ok((n, _)) => return Ok(n),
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 spins = spins.wrapping_add(1);
-                if spins % 4096 == 0 && Instant::now() > deadline {
+                if spins.is_multiple_of(4096) && Instant::now() > deadline {
                     return Err("no reply within 5 s (datagram lost?)".into());
                 }
             }

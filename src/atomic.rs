@@ -286,7 +286,7 @@ pub fn validate(
 ) -> Result<()> {
     let size = datatype.size();
     let bad = |why: String| Err(Error::new(ErrorKind::InvalidArgument, "atomic").with_detail(why));
-    if len == 0 || len % size != 0 {
+    if len == 0 || !len.is_multiple_of(size) {
         return bad(format!(
             "{len} bytes is not a whole number of {datatype:?} elements"
         ));

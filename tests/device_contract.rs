@@ -234,7 +234,11 @@ fn datagrams_arrive_intact_once_with_imm_and_source() {
                 if ty == QpType::Srd {
                     assert_eq!(i, recvd, "{k}: SRD delivers in order here");
                 }
-                assert_eq!(c.imm, (i % 2 == 0).then_some(i as u32 * 7), "{k} {ty:?}");
+                assert_eq!(
+                    c.imm,
+                    i.is_multiple_of(2).then_some(i as u32 * 7),
+                    "{k} {ty:?}"
+                );
                 let src = a.addr();
                 assert_eq!(
                     c.src,

@@ -1754,7 +1754,7 @@ fn emulated_writes_reads_and_atomics_under_faults() {
         let ok = sim.run_until(|sim| {
             while next < N {
                 let i = next as usize;
-                let imm = (i % 2 == 0).then_some(next);
+                let imm = (i.is_multiple_of(2)).then_some(next);
                 let op = write_op(
                     a1,
                     TBASE + (i * SLOT) as u64,

@@ -287,7 +287,7 @@ impl Oob {
             progress()?;
             spins = spins.wrapping_add(1);
             // The peer's end costs three system calls to look at: every 256 passes.
-            if spins % 256 == 0 {
+            if spins.is_multiple_of(256) {
                 if watch.gone() {
                     return Ok(());
                 }

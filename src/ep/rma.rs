@@ -524,7 +524,7 @@ impl RdmCore {
         };
         let size = req.datatype.size();
         let n = req.operand.len();
-        let why = if n == 0 || n % size != 0 {
+        let why = if n == 0 || !n.is_multiple_of(size) {
             Some(format!(
                 "operand of {n} bytes is not a whole, non-zero number of {:?} elements",
                 req.datatype

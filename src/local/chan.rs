@@ -141,7 +141,11 @@ pub(crate) struct Geometry {
 impl Geometry {
     /// `slots` (a power of two) slots of `chunk` bytes (a multiple of 64).
     pub(crate) fn new(slots: u32, chunk: u32) -> Option<Geometry> {
-        if !slots.is_power_of_two() || slots > MAX_SLOTS || chunk > MAX_CHUNK || chunk % 64 != 0 {
+        if !slots.is_power_of_two()
+            || slots > MAX_SLOTS
+            || chunk > MAX_CHUNK
+            || !chunk.is_multiple_of(64)
+        {
             return None;
         }
         let stride = chunk + SLOT_HDR as u32;

@@ -444,7 +444,7 @@ impl<C: Channels> LocalPath<C> {
         let polls = self.pace.polls.count();
         if !self.pace.app_polls.load(Ordering::Relaxed) {
             self.chans.awake();
-            if polls % APP_SAMPLE == 0 {
+            if polls.is_multiple_of(APP_SAMPLE) {
                 self.sample_app_polls(clock);
             }
         }
@@ -452,7 +452,9 @@ impl<C: Channels> LocalPath<C> {
         let mut busy = drained;
         if busy {
             self.stuck_head = None;
-        } else if polls % STUCK_CHECK_POLLS == 0 || !self.pace.app_polls.load(Ordering::Relaxed) {
+        } else if polls.is_multiple_of(STUCK_CHECK_POLLS)
+            || !self.pace.app_polls.load(Ordering::Relaxed)
+        {
             self.check_stuck(clock);
         }
         while let Some((src, token)) = engine.same_host().take_receipt() {
@@ -481,7 +483,7 @@ impl<C: Channels> LocalPath<C> {
         }
         // Whether the peer consumed a slot is read from the peer's ring, whose cache line the
         // peer is working on: a busy-polling application looks only every few passes.
-        let look = polls % REAP_EVERY == 0 || !self.pace.app_polls.load(Ordering::Relaxed);
+        let look = polls.is_multiple_of(REAP_EVERY) || !self.pace.app_polls.load(Ordering::Relaxed);
         if look && !self.consuming.is_empty() {
             moved |= self.reap();
         }

@@ -80,7 +80,7 @@ fn check_range(
         return Err(bad("empty range".into()));
     }
     let page = store::page_size();
-    if offset % page != 0 {
+    if !offset.is_multiple_of(page) {
         return Err(bad(format!(
             "offset {offset} is not a multiple of the page size ({page} bytes)"
         )));

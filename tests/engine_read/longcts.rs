@@ -73,7 +73,7 @@ fn long_writes_and_reads_go_long_cts_in_windows_under_faults() {
         let mem1 = mems[1].clone();
         let ok = sim.run_until(|sim| {
             while next < n {
-                let imm = (next % 3 != 0).then_some(next as u32);
+                let imm = (!next.is_multiple_of(3)).then_some(next as u32);
                 let addr = TBASE + (next * SLOT) as u64;
                 let op = write_op(a1, addr, datas[next].clone(), imm, next as u64);
                 match sim.rma(0, op) {

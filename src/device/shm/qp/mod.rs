@@ -441,7 +441,7 @@ impl Shared {
     /// clock, so every [`TIMER_POLLS`]th poll takes the full pass anyway. A stale answer only
     /// delays the work to the next poll; the NIC thread never relies on it.
     fn idle(&self, polls: u64) -> bool {
-        if polls % TIMER_POLLS == 0 || self.cq_len.load(Ordering::Relaxed) != 0 {
+        if polls.is_multiple_of(TIMER_POLLS) || self.cq_len.load(Ordering::Relaxed) != 0 {
             return false;
         }
         let ring = Ring::new(&self.map, &self.geo);
