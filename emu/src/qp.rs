@@ -3,13 +3,15 @@
 //! checking every lkey, as the NIC's DMA engine would); completions copy received data back into
 //! the posted buffers and become EFA work completions in the queue pair's CQs.
 
+use std::collections::VecDeque;
 use std::os::raw::c_int;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use efa::device::{
-    DeviceCompletion, Opcode, QpType, QueuePair, RemoteIov, SendWr, Status, UNSOLICITED_WR_ID,
+    DeviceCompletion, Opcode, QpType, QueuePair, RdmaKind, RdmaWr, RemoteIov, SendWr, Status,
+    UNSOLICITED_WR_ID,
 };
 use efa::{Gid, RawAddr};
 use parking_lot::Mutex;
@@ -185,6 +187,15 @@ impl Prepared {
 
 /// `post_one`'s "too long" (completed with `LOCAL_ERROR_BAD_LENGTH`, not refused).
 const EBADLEN: i32 = -1;
+
+/// Requests of one post on their way to the device as lists, with the request index and the
+/// pending record of each.
+#[derive(Default)]
+struct DeviceList {
+    sends: VecDeque<SendWr>,
+    rdma: VecDeque<RdmaWr>,
+    keys: Vec<(usize, u64)>,
+}
 
 /// Total bytes of a scatter/gather list.
 fn total(sges: &[ibv_sge]) -> usize {
@@ -411,18 +422,147 @@ impl QpCore {
             named.push(r.sges.clone());
             good.push(r.inline.is_some() || self.translate(&mut r.sges, write));
         }
+        if self.nic.pacer.is_some() {
+            // Under a bandwidth cap each request waits for its turn on its own.
+            for (i, ((r, ok), named)) in reqs.into_iter().zip(good).zip(named).enumerate() {
+                if !ok {
+                    self.complete_local(r.wr_id, Status::InvalidLkey);
+                    continue;
+                }
+                let wr_id = r.wr_id;
+                match self.post_one(r, named) {
+                    Err(e) if e == EBADLEN => self.complete_local(wr_id, Status::LocalBadLength),
+                    r => r.map_err(|e| (i, e))?,
+                }
+            }
+            return Ok(());
+        }
+        // One doorbell, one list for the device: runs of sends, and of RDMA operations, each
+        // posted as one list (one system call on the udp device), in the order posted.
+        let mut list = DeviceList::default();
         for (i, ((r, ok), named)) in reqs.into_iter().zip(good).zip(named).enumerate() {
             if !ok {
                 self.complete_local(r.wr_id, Status::InvalidLkey);
                 continue;
             }
             let wr_id = r.wr_id;
-            match self.post_one(r, named) {
-                Err(e) if e == EBADLEN => self.complete_local(wr_id, Status::LocalBadLength),
-                r => r.map_err(|e| (i, e))?,
+            let p = match self.prepare(r, named) {
+                Ok(Some(p)) => p,
+                Ok(None) => continue,
+                Err(e) if e == EBADLEN => {
+                    self.complete_local(wr_id, Status::LocalBadLength);
+                    continue;
+                }
+                Err(e) => {
+                    self.post_list(&mut list)?;
+                    return Err((i, e));
+                }
+            };
+            self.add_to_list(&mut list, i, p)?;
+        }
+        self.post_list(&mut list)
+    }
+
+    /// Adds a prepared request to `list` (request `i` of the post), reading its bytes now; a
+    /// run of the other kind is posted first.
+    fn add_to_list(
+        &self,
+        list: &mut DeviceList,
+        i: usize,
+        p: Prepared,
+    ) -> Result<(), (usize, i32)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let send = matches!(p, Prepared::Send { .. });
+        if (send && !list.rdma.is_empty()) || (!send && !list.sends.is_empty()) {
+            self.post_list(list)?;
+        }
+        match p {
+            Prepared::Send {
+                wr_id,
+                dest,
+                src,
+                imm,
+            } => {
+                let Some(payload) = self.fetch(wr_id, src, false) else {
+                    return Ok(());
+                };
+                let key = self.pending.lock().insert(Pending::Send { wr_id }) as u64;
+                list.keys.push((i, key));
+                list.sends.push_back(SendWr {
+                    wr_id: key,
+                    dest,
+                    hdr: Bytes::new(),
+                    payload,
+                    imm,
+                });
+            }
+            Prepared::Write {
+                wr_id,
+                dest,
+                src,
+                remote,
+                imm,
+            } => {
+                let Some(local) = self.fetch(wr_id, src, false) else {
+                    return Ok(());
+                };
+                self.nic.rdma_writes.fetch_add(1, Relaxed);
+                let key = self.pending.lock().insert(Pending::Send { wr_id }) as u64;
+                list.keys.push((i, key));
+                list.rdma.push_back(RdmaWr {
+                    wr_id: key,
+                    dest,
+                    kind: RdmaKind::Write { local, remote, imm },
+                });
+            }
+            Prepared::Read {
+                pending,
+                dest,
+                remote,
+                ..
+            } => {
+                self.nic.rdma_reads.fetch_add(1, Relaxed);
+                let key = self.pending.lock().insert(pending) as u64;
+                list.keys.push((i, key));
+                list.rdma.push_back(RdmaWr {
+                    wr_id: key,
+                    dest,
+                    kind: RdmaKind::Read {
+                        local: BytesMut::with_capacity(remote.len as usize),
+                        remote,
+                    },
+                });
             }
         }
         Ok(())
+    }
+
+    /// Posts what `list` holds. The device stops a list at its first refusal: that request and
+    /// the ones after it are not posted (their records are dropped), and the refusal names the
+    /// request's index in the post.
+    fn post_list(&self, list: &mut DeviceList) -> Result<(), (usize, i32)> {
+        let res = {
+            let mut dev = self.dev.lock();
+            if !list.sends.is_empty() {
+                dev.post_send_list(&mut list.sends)
+            } else if !list.rdma.is_empty() {
+                dev.post_rdma_list(&mut list.rdma)
+            } else {
+                Ok(())
+            }
+        };
+        let keys = std::mem::take(&mut list.keys);
+        let Err((failed, e)) = res else {
+            return Ok(());
+        };
+        let mut pending = self.pending.lock();
+        let first = keys.iter().position(|&(_, k)| k == failed).unwrap_or(0);
+        for &(_, k) in &keys[first..] {
+            pending.try_remove(k as usize);
+        }
+        list.sends.clear();
+        list.rdma.clear();
+        Err((keys.get(first).map_or(0, |&(i, _)| i), errno_of(&e)))
     }
 
     /// Posts one checked request: at once, or, on a device with a bandwidth cap whose bucket
