@@ -328,24 +328,13 @@ pub(crate) fn is_packed(b: &[u8]) -> bool {
 /// entry decodes as an SRD data, ack or NAK datagram (never UD, never packed again) with the
 /// packed datagram's destination and source QKEYs; else the whole datagram is malformed.
 pub(crate) fn decode_packed(b: &[u8]) -> Result<(u32, Packed<'_>), Malformed> {
-    if b.len() < PACKED_LEN {
-        return Err("truncated packed header");
-    }
-    if b.get(0..2) != Some(&MAGIC[..]) {
-        return Err("bad magic");
-    }
-    if b.get(2) != Some(&VERSION) {
-        return Err("unknown version");
-    }
+    check_common(b, PACKED_LEN, "truncated packed header")?;
     if b.get(3) != Some(&T_PACKED) {
         return Err("not a packed datagram");
     }
     let flags = b.get(4).copied().ok_or("truncated")?;
     if flags & !FLAG_HELLO != 0 {
         return Err("unknown flags");
-    }
-    if b.get(5..8) != Some(&[0u8, 0, 0][..]) {
-        return Err("reserved bytes not zero");
     }
     let dst_qkey = u32_at(b, 8).ok_or("truncated")?;
     let src_qkey = u32_at(b, 12).ok_or("truncated")?;
@@ -381,28 +370,33 @@ pub(crate) fn decode_packed(b: &[u8]) -> Result<(u32, Packed<'_>), Malformed> {
     ))
 }
 
+/// The `N` bytes at `at`, if `b` has them.
+#[inline]
+fn bytes_at<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
+    b.get(at..at.checked_add(N)?)?.try_into().ok()
+}
+
+#[inline]
 fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_le_bytes(
-        b.get(at..at.checked_add(2)?)?.try_into().ok()?,
-    ))
+    bytes_at(b, at).map(u16::from_le_bytes)
 }
 
+#[inline]
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(
-        b.get(at..at.checked_add(4)?)?.try_into().ok()?,
-    ))
+    bytes_at(b, at).map(u32::from_le_bytes)
 }
 
+#[inline]
 fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(
-        b.get(at..at.checked_add(8)?)?.try_into().ok()?,
-    ))
+    bytes_at(b, at).map(u64::from_le_bytes)
 }
 
-/// Decodes a datagram: its destination QKEY and its contents.
-pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
-    if b.len() < COMMON_LEN {
-        return Err("shorter than the common header");
+/// Checks the fixed parts of the common header every datagram starts with: at least `min`
+/// bytes (else `short`), the magic, the version and the zero reserved bytes.
+#[inline]
+fn check_common(b: &[u8], min: usize, short: Malformed) -> Result<(), Malformed> {
+    if b.len() < min {
+        return Err(short);
     }
     if b.get(0..2) != Some(&MAGIC[..]) {
         return Err("bad magic");
@@ -413,6 +407,29 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
     if b.get(5..8) != Some(&[0u8, 0, 0][..]) {
         return Err("reserved bytes not zero");
     }
+    Ok(())
+}
+
+/// Reads the fixed part of an acknowledgement at `at`, laid out alike in an ACK datagram and
+/// piggybacked on data: `conn` (4), bitmap length (2, at most [`MAX_BITMAP`]), reserved (2,
+/// zero), `cum` (8). `truncated` is the error when `b` ends inside it.
+#[inline]
+fn ack_fields(b: &[u8], at: usize, truncated: Malformed) -> Result<(u32, usize, u64), Malformed> {
+    let conn = u32_at(b, at).ok_or(truncated)?;
+    let n = u16_at(b, at + 4).ok_or(truncated)? as usize;
+    if u16_at(b, at + 6) != Some(0) {
+        return Err("reserved bytes not zero");
+    }
+    let cum = u64_at(b, at + 8).ok_or(truncated)?;
+    if n > MAX_BITMAP {
+        return Err("ack bitmap too long");
+    }
+    Ok((conn, n, cum))
+}
+
+/// Decodes a datagram: its destination QKEY and its contents.
+pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
+    check_common(b, COMMON_LEN, "shorter than the common header")?;
     let ty = b.get(3).copied().ok_or("truncated")?;
     let flags = b.get(4).copied().ok_or("truncated")?;
     let dst_qkey = u32_at(b, 8).ok_or("truncated")?;
@@ -452,15 +469,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
             }
             let mut at = DATA_LEN;
             let ack = if flags & FLAG_ACK != 0 {
-                let conn = u32_at(b, at).ok_or("truncated piggybacked ack")?;
-                let n = u16_at(b, at + 4).ok_or("truncated piggybacked ack")? as usize;
-                if u16_at(b, at + 6) != Some(0) {
-                    return Err("reserved bytes not zero");
-                }
-                let cum = u64_at(b, at + 8).ok_or("truncated piggybacked ack")?;
-                if n > MAX_BITMAP {
-                    return Err("ack bitmap too long");
-                }
+                let (conn, n, cum) = ack_fields(b, at, "truncated piggybacked ack")?;
                 at += PIGGY_LEN;
                 let bitmap = b.get(at..at + n).ok_or("truncated piggybacked ack")?;
                 at += n;
@@ -506,15 +515,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
                 return Err("unknown flags");
             }
             let src_qkey = u32_at(b, 12).ok_or("truncated ack")?;
-            let conn = u32_at(b, 16).ok_or("truncated ack")?;
-            let n = u16_at(b, 20).ok_or("truncated ack")? as usize;
-            if u16_at(b, 22) != Some(0) {
-                return Err("reserved bytes not zero");
-            }
-            let cum = u64_at(b, 24).ok_or("truncated ack")?;
-            if n > MAX_BITMAP {
-                return Err("ack bitmap too long");
-            }
+            let (conn, n, cum) = ack_fields(b, 16, "truncated ack")?;
             if b.len() != ACK_LEN + n {
                 return Err("ack length does not match its bitmap");
             }
