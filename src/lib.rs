@@ -81,6 +81,109 @@ macro_rules! with_setters {
     };
 }
 
+/// Writes a builder's setters: `name(value) -> Self` stores `value` in the builder's field
+/// `name`, or with `in inner` in the field `name` of the builder's field `inner`. Each setter keeps
+/// its own docs; a field marked `=> Some` is an `Option` and gets `Some(value)`.
+macro_rules! builder_setters {
+    (
+        $ty:ty, in $inner:ident {
+            $( $(#[$m:meta])* $name:ident: $t:ty $(=> $some:ident)?; )*
+        }
+    ) => {
+        impl $ty {
+            $( builder_setters!(@setter [$inner] $(#[$m])* $name: $t $(=> $some)?); )*
+        }
+    };
+    (
+        $ty:ty {
+            $( $(#[$m:meta])* $name:ident: $t:ty $(=> $some:ident)?; )*
+        }
+    ) => {
+        impl $ty {
+            $( builder_setters!(@setter [] $(#[$m])* $name: $t $(=> $some)?); )*
+        }
+    };
+    (@setter [$($inner:ident)?] $(#[$m:meta])* $name:ident: $t:ty $(=> $some:ident)?) => {
+        $(#[$m])*
+        pub fn $name(mut self, value: $t) -> Self {
+            self $(.$inner)? .$name = builder_setters!(@value value $($some)?);
+            self
+        }
+    };
+    (@value $v:ident Some) => {
+        Some($v)
+    };
+    (@value $v:ident) => {
+        $v
+    };
+}
+
+/// Declares one of the crate's small bit sets (`Access`, `CompletionFlags`, `CounterEvents`): the
+/// struct (with the attributes given), its members as constants with their libfabric names,
+/// `empty`, `contains`, `is_empty`, `bits`, `|` and `|=`, and a `Debug` that lists the members
+/// set as `[FI_A | FI_B]`.
+macro_rules! bit_set {
+    (
+        $(#[$m:meta])*
+        pub struct $ty:ident($bits:ty) {
+            $( $(#[$cm:meta])* $c:ident = $v:expr => $s:literal; )*
+        }
+    ) => {
+        $(#[$m])*
+        pub struct $ty($bits);
+
+        impl $ty {
+            $( $(#[$cm])* pub const $c: $ty = $ty($v); )*
+
+            const NAMES: &'static [($ty, &'static str)] = &[$(($ty::$c, $s)),*];
+
+            /// The empty set.
+            pub const fn empty() -> $ty {
+                $ty(0)
+            }
+
+            /// True when every member of `other` is in `self`.
+            pub const fn contains(self, other: $ty) -> bool {
+                self.0 & other.0 == other.0
+            }
+
+            /// True when the set is empty.
+            pub const fn is_empty(self) -> bool {
+                self.0 == 0
+            }
+
+            /// The raw bits.
+            pub const fn bits(self) -> $bits {
+                self.0
+            }
+        }
+
+        impl std::ops::BitOr for $ty {
+            type Output = $ty;
+            fn bitor(self, o: $ty) -> $ty {
+                $ty(self.0 | o.0)
+            }
+        }
+
+        impl std::ops::BitOrAssign for $ty {
+            fn bitor_assign(&mut self, o: $ty) {
+                self.0 |= o.0;
+            }
+        }
+
+        impl std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let names: Vec<&str> = $ty::NAMES
+                    .iter()
+                    .filter(|(m, _)| self.contains(*m))
+                    .map(|(_, n)| *n)
+                    .collect();
+                write!(f, "[{}]", names.join(" | "))
+            }
+        }
+    };
+}
+
 pub mod addr;
 pub mod atomic;
 pub mod av;
