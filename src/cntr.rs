@@ -367,23 +367,7 @@ impl Counter {
     }
 }
 
-impl std::os::fd::AsFd for Counter {
-    /// [`Counter::wait_fd`].
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.inner
-            .notifier
-            .fd()
-            .expect("the wait descriptor is made by Counter::new, which fails without it")
-    }
-}
-
-impl std::os::fd::AsRawFd for Counter {
-    /// [`Counter::wait_fd`].
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsFd;
-        self.as_fd().as_raw_fd()
-    }
-}
+wait_fd_impls!(Counter);
 
 impl fmt::Debug for Counter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -689,22 +689,22 @@ impl CompletionQueue {
     }
 
     pub(crate) fn push(&self, c: Completion) {
-        if self.inner.discard {
-            return;
-        }
-        let mut s = self.inner.state.lock();
-        self.check_room(&s);
-        s.ok.push_back(c);
-        self.inner.set_count(&s);
+        self.push_with(|s| s.ok.push_back(c));
     }
 
     pub(crate) fn push_err(&self, e: CompletionError) {
+        self.push_with(|s| s.err.push_back(e));
+    }
+
+    /// Adds one entry with `add` under the lock (nothing on a queue that keeps nothing).
+    #[inline]
+    fn push_with(&self, add: impl FnOnce(&mut CqState)) {
         if self.inner.discard {
             return;
         }
         let mut s = self.inner.state.lock();
         self.check_room(&s);
-        s.err.push_back(e);
+        add(&mut s);
         self.inner.set_count(&s);
     }
 
@@ -764,23 +764,7 @@ impl CompletionQueue {
     }
 }
 
-impl std::os::fd::AsFd for CompletionQueue {
-    /// [`CompletionQueue::wait_fd`].
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.inner
-            .notifier
-            .fd()
-            .expect("the wait descriptor is made by CompletionQueue::new, which fails without it")
-    }
-}
-
-impl std::os::fd::AsRawFd for CompletionQueue {
-    /// [`CompletionQueue::wait_fd`].
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsFd;
-        self.as_fd().as_raw_fd()
-    }
-}
+wait_fd_impls!(CompletionQueue);
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -118,25 +118,11 @@ macro_rules! builder_setters {
     };
 }
 
-/// Declares one of the crate's small bit sets (`Access`, `CompletionFlags`, `CounterEvents`): the
-/// struct (with the attributes given), its members as constants with their libfabric names,
-/// `empty`, `contains`, `is_empty`, `bits`, `|` and `|=`, and a `Debug` that lists the members
-/// set as `[FI_A | FI_B]`.
-macro_rules! bit_set {
-    (
-        $(#[$m:meta])*
-        pub struct $ty:ident($bits:ty) {
-            $( $(#[$cm:meta])* $c:ident = $v:expr => $s:literal; )*
-        }
-    ) => {
-        $(#[$m])*
-        pub struct $ty($bits);
-
+/// What every bit set of the crate has (the `bit_set!` ones here and `info`'s `flags!`):
+/// `empty`, `contains`, `is_empty`, `bits`, `|` and `|=`, for a tuple struct over `$bits`.
+macro_rules! bit_ops {
+    ($ty:ident: $bits:ty) => {
         impl $ty {
-            $( $(#[$cm])* pub const $c: $ty = $ty($v); )*
-
-            const NAMES: &'static [($ty, &'static str)] = &[$(($ty::$c, $s)),*];
-
             /// The empty set.
             pub const fn empty() -> $ty {
                 $ty(0)
@@ -152,7 +138,7 @@ macro_rules! bit_set {
                 self.0 == 0
             }
 
-            /// The raw bits.
+            /// The raw bits (libfabric's values).
             pub const fn bits(self) -> $bits {
                 self.0
             }
@@ -170,6 +156,29 @@ macro_rules! bit_set {
                 self.0 |= o.0;
             }
         }
+    };
+}
+
+/// Declares one of the crate's small bit sets (`Access`, `CompletionFlags`, `CounterEvents`): the
+/// struct (with the attributes given), its members as constants with their libfabric names,
+/// `bit_ops!`, and a `Debug` that lists the members set as `[FI_A | FI_B]`.
+macro_rules! bit_set {
+    (
+        $(#[$m:meta])*
+        pub struct $ty:ident($bits:ty) {
+            $( $(#[$cm:meta])* $c:ident = $v:expr => $s:literal; )*
+        }
+    ) => {
+        $(#[$m])*
+        pub struct $ty($bits);
+
+        impl $ty {
+            $( $(#[$cm])* pub const $c: $ty = $ty($v); )*
+
+            const NAMES: &'static [($ty, &'static str)] = &[$(($ty::$c, $s)),*];
+        }
+
+        bit_ops!($ty: $bits);
 
         impl std::fmt::Debug for $ty {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -179,6 +188,32 @@ macro_rules! bit_set {
                     .map(|(_, n)| *n)
                     .collect();
                 write!(f, "[{}]", names.join(" | "))
+            }
+        }
+    };
+}
+
+/// `AsFd` and `AsRawFd` for a waitable object (`CompletionQueue`, `Counter`) whose
+/// `inner.notifier` holds its wait descriptor (made by its `new`, which fails without one): the
+/// descriptor its `wait_fd` returns.
+macro_rules! wait_fd_impls {
+    ($ty:ident) => {
+        impl std::os::fd::AsFd for $ty {
+            #[doc = concat!("[`", stringify!($ty), "::wait_fd`].")]
+            fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+                self.inner.notifier.fd().expect(concat!(
+                    "the wait descriptor is made by ",
+                    stringify!($ty),
+                    "::new, which fails without it"
+                ))
+            }
+        }
+
+        impl std::os::fd::AsRawFd for $ty {
+            #[doc = concat!("[`", stringify!($ty), "::wait_fd`].")]
+            fn as_raw_fd(&self) -> std::os::fd::RawFd {
+                use std::os::fd::AsFd;
+                self.as_fd().as_raw_fd()
             }
         }
     };

@@ -89,6 +89,21 @@ pub(crate) enum NakReason {
     UnknownPeer = 5,
 }
 
+impl NakReason {
+    /// How the send a NAK of this reason answers fails; `None` for [`NakReason::Rnr`], after
+    /// which the sender tries again.
+    pub(crate) fn failure(self) -> Option<crate::device::Status> {
+        use crate::device::Status;
+        match self {
+            NakReason::Rnr => None,
+            NakReason::BadLength => Some(Status::RemoteBadLength),
+            NakReason::BadAddress => Some(Status::RemoteBadAddress),
+            NakReason::Forgotten => Some(Status::RemoteAbort),
+            NakReason::UnknownPeer => Some(Status::UnknownPeer),
+        }
+    }
+}
+
 /// Why a datagram was rejected.
 pub(crate) type Malformed = &'static str;
 
