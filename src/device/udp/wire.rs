@@ -583,6 +583,27 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
 mod tests {
     use super::*;
 
+    /// A plain data header of sender QKEY 9, connection 3 (no immediate, no flag).
+    fn data_hdr(try_: u32, seq: u64, base: u64) -> DataHdr {
+        DataHdr {
+            src_qkey: 9,
+            conn: 3,
+            try_,
+            seq,
+            base,
+            imm: None,
+            ack_req: false,
+            rdma: false,
+        }
+    }
+
+    /// Asserts that every strict prefix of `b` fails to decode.
+    fn every_cut_is_refused(b: &[u8]) {
+        for cut in 0..b.len() {
+            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
+        }
+    }
+
     #[test]
     fn ud_round_trip() {
         let mut b = Vec::new();
@@ -614,16 +635,7 @@ mod tests {
     #[test]
     fn data_ack_nak_round_trip() {
         let mut b = Vec::new();
-        let h = DataHdr {
-            src_qkey: 9,
-            conn: 3,
-            try_: 2,
-            seq: 1000,
-            base: 990,
-            imm: None,
-            ack_req: false,
-            rdma: false,
-        };
+        let h = data_hdr(2, 1000, 990);
         encode_data(&mut b, 5, &h, b"ab", b"cd");
         assert_eq!(b.len(), DATA_LEN + 4);
         assert_eq!(decode(&b).unwrap(), (5, Packet::Data(h, b"abcd")));
@@ -650,9 +662,7 @@ mod tests {
             decode(&b).unwrap(),
             (5, Packet::DataAck(h3, pa, &[0b11, 0x80][..], b"xyz"))
         );
-        for cut in 0..b.len() {
-            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
-        }
+        every_cut_is_refused(&b);
 
         let a = AckHdr {
             src_qkey: 1,
@@ -678,20 +688,9 @@ mod tests {
     #[test]
     fn rejects_inconsistent() {
         let mut b = Vec::new();
-        let h = DataHdr {
-            src_qkey: 9,
-            conn: 3,
-            try_: 0,
-            seq: 10,
-            base: 10,
-            imm: None,
-            ack_req: false,
-            rdma: false,
-        };
+        let h = data_hdr(0, 10, 10);
         encode_data(&mut b, 5, &h, b"", b"abc");
-        for cut in 0..b.len() {
-            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
-        }
+        every_cut_is_refused(&b);
         let mut long = b.clone();
         long.push(0);
         assert!(decode(&long).is_err());
@@ -736,14 +735,9 @@ mod tests {
     #[test]
     fn packed_round_trip_and_refusals() {
         let h = DataHdr {
-            src_qkey: 9,
-            conn: 3,
-            try_: 0,
-            seq: 10,
-            base: 10,
             imm: Some(4),
-            ack_req: false,
             rdma: true,
+            ..data_hdr(0, 10, 10)
         };
         let (mut d, mut a, mut n) = (Vec::new(), Vec::new(), Vec::new());
         encode_data(&mut d, 5, &h, b"hd", b"payload");
