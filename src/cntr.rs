@@ -37,7 +37,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::ops::{BitOr, BitOrAssign};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -49,82 +48,36 @@ use crate::domain::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 
-/// The operations a counter counts on an endpoint (`fi_ep_bind` flags of a counter): any
-/// combination of the six kinds libfabric has.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct CounterEvents(u8);
+bit_set! {
+    /// The operations a counter counts on an endpoint (`fi_ep_bind` flags of a counter): any
+    /// combination of the six kinds libfabric has.
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct CounterEvents(u8) {
+        /// Sends (`FI_SEND`): messages, tagged messages and injects this endpoint sent.
+        SEND = 1 => "FI_SEND";
+        /// Receives (`FI_RECV`): messages this endpoint received (each message of a multi-receive
+        /// buffer).
+        RECV = 2 => "FI_RECV";
+        /// Reads (`FI_READ`): RMA reads and fetching atomics this endpoint initiated.
+        READ = 4 => "FI_READ";
+        /// Writes (`FI_WRITE`): RMA writes and non-fetching atomics this endpoint initiated.
+        WRITE = 8 => "FI_WRITE";
+        /// Peers' reads of this side's memory (`FI_REMOTE_READ`, RDM only).
+        REMOTE_READ = 16 => "FI_REMOTE_READ";
+        /// Peers' writes (and atomics) into this side's memory (`FI_REMOTE_WRITE`, RDM only).
+        REMOTE_WRITE = 32 => "FI_REMOTE_WRITE";
+    }
+}
 
 impl CounterEvents {
-    /// Sends (`FI_SEND`): messages, tagged messages and injects this endpoint sent.
-    pub const SEND: CounterEvents = CounterEvents(1);
-    /// Receives (`FI_RECV`): messages this endpoint received (each message of a multi-receive
-    /// buffer).
-    pub const RECV: CounterEvents = CounterEvents(2);
-    /// Reads (`FI_READ`): RMA reads and fetching atomics this endpoint initiated.
-    pub const READ: CounterEvents = CounterEvents(4);
-    /// Writes (`FI_WRITE`): RMA writes and non-fetching atomics this endpoint initiated.
-    pub const WRITE: CounterEvents = CounterEvents(8);
-    /// Peers' reads of this side's memory (`FI_REMOTE_READ`, RDM only).
-    pub const REMOTE_READ: CounterEvents = CounterEvents(16);
-    /// Peers' writes (and atomics) into this side's memory (`FI_REMOTE_WRITE`, RDM only).
-    pub const REMOTE_WRITE: CounterEvents = CounterEvents(32);
-
-    const NAMES: [(CounterEvents, &'static str); 6] = [
-        (CounterEvents::SEND, "FI_SEND"),
-        (CounterEvents::RECV, "FI_RECV"),
-        (CounterEvents::READ, "FI_READ"),
-        (CounterEvents::WRITE, "FI_WRITE"),
-        (CounterEvents::REMOTE_READ, "FI_REMOTE_READ"),
-        (CounterEvents::REMOTE_WRITE, "FI_REMOTE_WRITE"),
-    ];
-
-    /// No event.
-    pub const fn empty() -> CounterEvents {
-        CounterEvents(0)
-    }
-
     /// All six.
     pub const fn all() -> CounterEvents {
         CounterEvents(63)
     }
 
-    /// True when every event of `other` is set.
-    pub const fn contains(self, other: CounterEvents) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// True when no event is set.
-    pub const fn is_empty(self) -> bool {
-        self.0 == 0
-    }
-
     /// True when an event of `other` is set here too.
     pub const fn intersects(self, other: CounterEvents) -> bool {
         self.0 & other.0 != 0
-    }
-}
-
-impl BitOr for CounterEvents {
-    type Output = CounterEvents;
-    fn bitor(self, o: CounterEvents) -> CounterEvents {
-        CounterEvents(self.0 | o.0)
-    }
-}
-
-impl BitOrAssign for CounterEvents {
-    fn bitor_assign(&mut self, o: CounterEvents) {
-        self.0 |= o.0;
-    }
-}
-
-impl fmt::Debug for CounterEvents {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = CounterEvents::NAMES
-            .iter()
-            .filter(|(c, _)| self.contains(*c))
-            .map(|(_, n)| *n)
-            .collect();
-        write!(f, "[{}]", names.join(" | "))
     }
 }
 
@@ -414,23 +367,7 @@ impl Counter {
     }
 }
 
-impl std::os::fd::AsFd for Counter {
-    /// [`Counter::wait_fd`].
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.inner
-            .notifier
-            .fd()
-            .expect("the wait descriptor is made by Counter::new, which fails without it")
-    }
-}
-
-impl std::os::fd::AsRawFd for Counter {
-    /// [`Counter::wait_fd`].
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsFd;
-        self.as_fd().as_raw_fd()
-    }
-}
+wait_fd_impls!(Counter);
 
 impl fmt::Debug for Counter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -8,7 +8,6 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
-use std::ops::{BitOr, BitOrAssign};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -29,88 +28,34 @@ use crate::notify::Notifier;
 mod sources;
 pub(crate) use sources::Sources;
 
-/// Completion flags (`FI_SEND`, `FI_RECV`, `FI_MSG`, `FI_REMOTE_CQ_DATA`, ...).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
-pub struct CompletionFlags(u32);
-
-impl CompletionFlags {
-    /// A send (`FI_SEND`).
-    pub const SEND: CompletionFlags = CompletionFlags(1);
-    /// A receive (`FI_RECV`).
-    pub const RECV: CompletionFlags = CompletionFlags(2);
-    /// A two-sided message (`FI_MSG`).
-    pub const MSG: CompletionFlags = CompletionFlags(4);
-    /// A tagged message (`FI_TAGGED`).
-    pub const TAGGED: CompletionFlags = CompletionFlags(8);
-    /// An RMA operation (`FI_RMA`).
-    pub const RMA: CompletionFlags = CompletionFlags(16);
-    /// An RMA read (`FI_READ`).
-    pub const READ: CompletionFlags = CompletionFlags(32);
-    /// An RMA write (`FI_WRITE`).
-    pub const WRITE: CompletionFlags = CompletionFlags(64);
-    /// A peer read this side's memory (`FI_REMOTE_READ`).
-    pub const REMOTE_READ: CompletionFlags = CompletionFlags(128);
-    /// A peer wrote this side's memory (`FI_REMOTE_WRITE`).
-    pub const REMOTE_WRITE: CompletionFlags = CompletionFlags(256);
-    /// The completion carries the peer's immediate data (`FI_REMOTE_CQ_DATA`).
-    pub const REMOTE_CQ_DATA: CompletionFlags = CompletionFlags(512);
-    /// A multi-receive buffer (`FI_MULTI_RECV`): set on the completion that releases it.
-    pub const MULTI_RECV: CompletionFlags = CompletionFlags(1024);
-    /// An atomic operation (`FI_ATOMIC`).
-    pub const ATOMIC: CompletionFlags = CompletionFlags(2048);
-
-    const NAMES: [(CompletionFlags, &'static str); 12] = [
-        (CompletionFlags::SEND, "FI_SEND"),
-        (CompletionFlags::RECV, "FI_RECV"),
-        (CompletionFlags::MSG, "FI_MSG"),
-        (CompletionFlags::TAGGED, "FI_TAGGED"),
-        (CompletionFlags::RMA, "FI_RMA"),
-        (CompletionFlags::READ, "FI_READ"),
-        (CompletionFlags::WRITE, "FI_WRITE"),
-        (CompletionFlags::REMOTE_READ, "FI_REMOTE_READ"),
-        (CompletionFlags::REMOTE_WRITE, "FI_REMOTE_WRITE"),
-        (CompletionFlags::REMOTE_CQ_DATA, "FI_REMOTE_CQ_DATA"),
-        (CompletionFlags::MULTI_RECV, "FI_MULTI_RECV"),
-        (CompletionFlags::ATOMIC, "FI_ATOMIC"),
-    ];
-
-    /// No flag.
-    pub const fn empty() -> CompletionFlags {
-        CompletionFlags(0)
-    }
-
-    /// True when every flag of `other` is set.
-    pub const fn contains(self, other: CompletionFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// The raw bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-}
-
-impl BitOr for CompletionFlags {
-    type Output = CompletionFlags;
-    fn bitor(self, o: CompletionFlags) -> CompletionFlags {
-        CompletionFlags(self.0 | o.0)
-    }
-}
-
-impl BitOrAssign for CompletionFlags {
-    fn bitor_assign(&mut self, o: CompletionFlags) {
-        self.0 |= o.0;
-    }
-}
-
-impl fmt::Debug for CompletionFlags {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = CompletionFlags::NAMES
-            .iter()
-            .filter(|(c, _)| self.contains(*c))
-            .map(|(_, n)| *n)
-            .collect();
-        write!(f, "[{}]", names.join(" | "))
+bit_set! {
+    /// Completion flags (`FI_SEND`, `FI_RECV`, `FI_MSG`, `FI_REMOTE_CQ_DATA`, ...).
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+    pub struct CompletionFlags(u32) {
+        /// A send (`FI_SEND`).
+        SEND = 1 => "FI_SEND";
+        /// A receive (`FI_RECV`).
+        RECV = 2 => "FI_RECV";
+        /// A two-sided message (`FI_MSG`).
+        MSG = 4 => "FI_MSG";
+        /// A tagged message (`FI_TAGGED`).
+        TAGGED = 8 => "FI_TAGGED";
+        /// An RMA operation (`FI_RMA`).
+        RMA = 16 => "FI_RMA";
+        /// An RMA read (`FI_READ`).
+        READ = 32 => "FI_READ";
+        /// An RMA write (`FI_WRITE`).
+        WRITE = 64 => "FI_WRITE";
+        /// A peer read this side's memory (`FI_REMOTE_READ`).
+        REMOTE_READ = 128 => "FI_REMOTE_READ";
+        /// A peer wrote this side's memory (`FI_REMOTE_WRITE`).
+        REMOTE_WRITE = 256 => "FI_REMOTE_WRITE";
+        /// The completion carries the peer's immediate data (`FI_REMOTE_CQ_DATA`).
+        REMOTE_CQ_DATA = 512 => "FI_REMOTE_CQ_DATA";
+        /// A multi-receive buffer (`FI_MULTI_RECV`): set on the completion that releases it.
+        MULTI_RECV = 1024 => "FI_MULTI_RECV";
+        /// An atomic operation (`FI_ATOMIC`).
+        ATOMIC = 2048 => "FI_ATOMIC";
     }
 }
 
@@ -744,22 +689,22 @@ impl CompletionQueue {
     }
 
     pub(crate) fn push(&self, c: Completion) {
-        if self.inner.discard {
-            return;
-        }
-        let mut s = self.inner.state.lock();
-        self.check_room(&s);
-        s.ok.push_back(c);
-        self.inner.set_count(&s);
+        self.push_with(|s| s.ok.push_back(c));
     }
 
     pub(crate) fn push_err(&self, e: CompletionError) {
+        self.push_with(|s| s.err.push_back(e));
+    }
+
+    /// Adds one entry with `add` under the lock (nothing on a queue that keeps nothing).
+    #[inline]
+    fn push_with(&self, add: impl FnOnce(&mut CqState)) {
         if self.inner.discard {
             return;
         }
         let mut s = self.inner.state.lock();
         self.check_room(&s);
-        s.err.push_back(e);
+        add(&mut s);
         self.inner.set_count(&s);
     }
 
@@ -819,23 +764,7 @@ impl CompletionQueue {
     }
 }
 
-impl std::os::fd::AsFd for CompletionQueue {
-    /// [`CompletionQueue::wait_fd`].
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.inner
-            .notifier
-            .fd()
-            .expect("the wait descriptor is made by CompletionQueue::new, which fails without it")
-    }
-}
-
-impl std::os::fd::AsRawFd for CompletionQueue {
-    /// [`CompletionQueue::wait_fd`].
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsFd;
-        self.as_fd().as_raw_fd()
-    }
-}
+wait_fd_impls!(CompletionQueue);
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -81,6 +81,17 @@ pub struct FaultConfig {
     pub max_delay: Duration,
 }
 
+builder_setters! {
+    FaultConfig {
+        /// Sets the drop probability.
+        drop: f64;
+        /// Sets the duplication probability.
+        duplicate: f64;
+        /// Sets the reordering probability.
+        reorder: f64;
+    }
+}
+
 impl FaultConfig {
     /// No faults, with a seed.
     pub fn seeded(seed: u64) -> FaultConfig {
@@ -88,24 +99,6 @@ impl FaultConfig {
             seed,
             ..Default::default()
         }
-    }
-
-    /// Sets the drop probability.
-    pub fn drop(mut self, p: f64) -> Self {
-        self.drop = p;
-        self
-    }
-
-    /// Sets the duplication probability.
-    pub fn duplicate(mut self, p: f64) -> Self {
-        self.duplicate = p;
-        self
-    }
-
-    /// Sets the reordering probability.
-    pub fn reorder(mut self, p: f64) -> Self {
-        self.reorder = p;
-        self
     }
 
     /// Sets the delay probability and the longest delay.

@@ -81,6 +81,144 @@ macro_rules! with_setters {
     };
 }
 
+/// Writes a builder's setters: `name(value) -> Self` stores `value` in the builder's field
+/// `name`, or with `in inner` in the field `name` of the builder's field `inner`. Each setter keeps
+/// its own docs; a field marked `=> Some` is an `Option` and gets `Some(value)`.
+macro_rules! builder_setters {
+    (
+        $ty:ty, in $inner:ident {
+            $( $(#[$m:meta])* $name:ident: $t:ty $(=> $some:ident)?; )*
+        }
+    ) => {
+        impl $ty {
+            $( builder_setters!(@setter [$inner] $(#[$m])* $name: $t $(=> $some)?); )*
+        }
+    };
+    (
+        $ty:ty {
+            $( $(#[$m:meta])* $name:ident: $t:ty $(=> $some:ident)?; )*
+        }
+    ) => {
+        impl $ty {
+            $( builder_setters!(@setter [] $(#[$m])* $name: $t $(=> $some)?); )*
+        }
+    };
+    (@setter [$($inner:ident)?] $(#[$m:meta])* $name:ident: $t:ty $(=> $some:ident)?) => {
+        $(#[$m])*
+        pub fn $name(mut self, value: $t) -> Self {
+            self $(.$inner)? .$name = builder_setters!(@value value $($some)?);
+            self
+        }
+    };
+    (@value $v:ident Some) => {
+        Some($v)
+    };
+    (@value $v:ident) => {
+        $v
+    };
+}
+
+/// What every bit set of the crate has (the `bit_set!` ones here and `info`'s `flags!`):
+/// `empty`, `contains`, `is_empty`, `bits`, `|` and `|=`, for a tuple struct over `$bits`.
+macro_rules! bit_ops {
+    ($ty:ident: $bits:ty) => {
+        impl $ty {
+            /// The empty set.
+            pub const fn empty() -> $ty {
+                $ty(0)
+            }
+
+            /// True when every member of `other` is in `self`.
+            pub const fn contains(self, other: $ty) -> bool {
+                self.0 & other.0 == other.0
+            }
+
+            /// True when the set is empty.
+            pub const fn is_empty(self) -> bool {
+                self.0 == 0
+            }
+
+            /// The raw bits (libfabric's values).
+            pub const fn bits(self) -> $bits {
+                self.0
+            }
+        }
+
+        impl std::ops::BitOr for $ty {
+            type Output = $ty;
+            fn bitor(self, o: $ty) -> $ty {
+                $ty(self.0 | o.0)
+            }
+        }
+
+        impl std::ops::BitOrAssign for $ty {
+            fn bitor_assign(&mut self, o: $ty) {
+                self.0 |= o.0;
+            }
+        }
+    };
+}
+
+/// Declares one of the crate's small bit sets (`Access`, `CompletionFlags`, `CounterEvents`): the
+/// struct (with the attributes given), its members as constants with their libfabric names,
+/// `bit_ops!`, and a `Debug` that lists the members set as `[FI_A | FI_B]`.
+macro_rules! bit_set {
+    (
+        $(#[$m:meta])*
+        pub struct $ty:ident($bits:ty) {
+            $( $(#[$cm:meta])* $c:ident = $v:expr => $s:literal; )*
+        }
+    ) => {
+        $(#[$m])*
+        pub struct $ty($bits);
+
+        impl $ty {
+            $( $(#[$cm])* pub const $c: $ty = $ty($v); )*
+
+            const NAMES: &'static [($ty, &'static str)] = &[$(($ty::$c, $s)),*];
+        }
+
+        bit_ops!($ty: $bits);
+
+        impl std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let names: Vec<&str> = $ty::NAMES
+                    .iter()
+                    .filter(|(m, _)| self.contains(*m))
+                    .map(|(_, n)| *n)
+                    .collect();
+                write!(f, "[{}]", names.join(" | "))
+            }
+        }
+    };
+}
+
+/// `AsFd` and `AsRawFd` for a waitable object (`CompletionQueue`, `Counter`) whose
+/// `inner.notifier` holds its wait descriptor (made by its `new`, which fails without one): the
+/// descriptor its `wait_fd` returns.
+macro_rules! wait_fd_impls {
+    ($ty:ident) => {
+        impl std::os::fd::AsFd for $ty {
+            #[doc = concat!("[`", stringify!($ty), "::wait_fd`].")]
+            fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+                self.inner.notifier.fd().expect(concat!(
+                    "the wait descriptor is made by ",
+                    stringify!($ty),
+                    "::new, which fails without it"
+                ))
+            }
+        }
+
+        impl std::os::fd::AsRawFd for $ty {
+            #[doc = concat!("[`", stringify!($ty), "::wait_fd`].")]
+            fn as_raw_fd(&self) -> std::os::fd::RawFd {
+                use std::os::fd::AsFd;
+                self.as_fd().as_raw_fd()
+            }
+        }
+    };
+}
+
 pub mod addr;
 pub mod atomic;
 pub mod av;

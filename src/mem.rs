@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::ops::{BitOr, BitOrAssign, Deref, DerefMut, Range};
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -34,85 +34,35 @@ pub(crate) use dmabuf::device_only_error;
 pub use store::SharedMapping;
 pub(crate) use store::Store;
 
-/// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
-/// `FI_REMOTE_READ`, `FI_REMOTE_WRITE`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
-pub struct Access(u32);
+bit_set! {
+    /// Access rights of a memory region (`FI_SEND`, `FI_RECV`, `FI_READ`, `FI_WRITE`,
+    /// `FI_REMOTE_READ`, `FI_REMOTE_WRITE`).
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+    pub struct Access(u32) {
+        /// Local source of sends.
+        SEND = 1 => "FI_SEND";
+        /// Local target of receives.
+        RECV = 2 => "FI_RECV";
+        /// Local target of RMA reads this side initiates.
+        READ = 4 => "FI_READ";
+        /// Local source of RMA writes this side initiates.
+        WRITE = 8 => "FI_WRITE";
+        /// Peers may read it.
+        REMOTE_READ = 16 => "FI_REMOTE_READ";
+        /// Peers may write it.
+        REMOTE_WRITE = 32 => "FI_REMOTE_WRITE";
+    }
+}
 
 impl Access {
-    /// Local source of sends.
-    pub const SEND: Access = Access(1);
-    /// Local target of receives.
-    pub const RECV: Access = Access(2);
-    /// Local target of RMA reads this side initiates.
-    pub const READ: Access = Access(4);
-    /// Local source of RMA writes this side initiates.
-    pub const WRITE: Access = Access(8);
-    /// Peers may read it.
-    pub const REMOTE_READ: Access = Access(16);
-    /// Peers may write it.
-    pub const REMOTE_WRITE: Access = Access(32);
     /// Every local access.
     pub const LOCAL: Access = Access(1 | 2 | 4 | 8);
     /// Both remote accesses.
     pub const REMOTE: Access = Access(16 | 32);
 
-    const NAMES: [(Access, &'static str); 6] = [
-        (Access::SEND, "FI_SEND"),
-        (Access::RECV, "FI_RECV"),
-        (Access::READ, "FI_READ"),
-        (Access::WRITE, "FI_WRITE"),
-        (Access::REMOTE_READ, "FI_REMOTE_READ"),
-        (Access::REMOTE_WRITE, "FI_REMOTE_WRITE"),
-    ];
-
-    /// No access at all.
-    pub const fn empty() -> Access {
-        Access(0)
-    }
-
-    /// True when every right of `other` is in `self`.
-    pub const fn contains(self, other: Access) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// True when no right is set.
-    pub const fn is_empty(self) -> bool {
-        self.0 == 0
-    }
-
     /// True when peers may read or write.
     pub const fn is_remote(self) -> bool {
         self.0 & Access::REMOTE.0 != 0
-    }
-
-    /// The raw bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-}
-
-impl BitOr for Access {
-    type Output = Access;
-    fn bitor(self, o: Access) -> Access {
-        Access(self.0 | o.0)
-    }
-}
-
-impl BitOrAssign for Access {
-    fn bitor_assign(&mut self, o: Access) {
-        self.0 |= o.0;
-    }
-}
-
-impl fmt::Debug for Access {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = Access::NAMES
-            .iter()
-            .filter(|(a, _)| self.contains(*a))
-            .map(|(_, n)| *n)
-            .collect();
-        write!(f, "[{}]", names.join(" | "))
     }
 }
 

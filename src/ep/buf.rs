@@ -120,14 +120,11 @@ impl RecvTarget {
         limit: usize,
         op: &'static str,
     ) -> Result<RecvTarget, PostError> {
-        let checked = check_iov(parts.len(), limit, op).and_then(|()| {
-            parts.iter().try_for_each(|p| match p {
-                RecvBuf::Bytes(_) => Ok(()),
-                RecvBuf::Region(r) => r
-                    .check_local(domain, need, op)
-                    .and_then(|()| r.check_cpu(op)),
-            })
+        let regions = parts.iter().filter_map(|p| match p {
+            RecvBuf::Bytes(_) => None,
+            RecvBuf::Region(r) => Some(r),
         });
+        let checked = check_iov(parts.len(), limit, regions, domain, need, op);
         match checked {
             Ok(()) => Ok(RecvTarget::Iov { parts }),
             Err(error) => Err(PostError {
@@ -275,11 +272,23 @@ fn part_room(p: &RecvBuf) -> usize {
     }
 }
 
-/// `InvalidArgument` for more than `limit` parts of a scatter or gather.
-fn check_iov(n: usize, limit: usize, op: &'static str) -> Result<()> {
+/// Checks a scatter or gather of `n` parts: `InvalidArgument` for more than `limit`; each of its
+/// `regions` must be of `domain`, grant `need` and be reachable by the CPU.
+fn check_iov<'a>(
+    n: usize,
+    limit: usize,
+    regions: impl Iterator<Item = &'a MemoryRegion>,
+    domain: &Domain,
+    need: Access,
+    op: &'static str,
+) -> Result<()> {
     if n > limit {
         return Err(Error::new(ErrorKind::InvalidArgument, op)
             .with_detail(format!("{n} buffers is more than iov_limit {limit}")));
+    }
+    for r in regions {
+        r.check_local(domain, need, op)?;
+        r.check_cpu(op)?;
     }
     Ok(())
 }
@@ -294,14 +303,11 @@ pub(crate) fn gather(
     limit: usize,
     op: &'static str,
 ) -> Result<(Bytes, Vec<Buffer>), PostError> {
-    let checked = check_iov(parts.len(), limit, op).and_then(|()| {
-        parts.iter().try_for_each(|p| match p {
-            SendBuf::Bytes(_) => Ok(()),
-            SendBuf::Region(r) => r
-                .check_local(domain, need, op)
-                .and_then(|()| r.check_cpu(op)),
-        })
+    let regions = parts.iter().filter_map(|p| match p {
+        SendBuf::Bytes(_) => None,
+        SendBuf::Region(r) => Some(r),
     });
+    let checked = check_iov(parts.len(), limit, regions, domain, need, op);
     let mut out = BytesMut::new();
     if checked.is_ok() {
         out.reserve(parts.iter().map(SendBuf::len).sum());

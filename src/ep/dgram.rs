@@ -33,23 +33,23 @@ pub const MSG_PREFIX_SIZE: usize = 40;
 /// Largest batch of device completions taken per progress pass.
 const POLL_BATCH: usize = 64;
 
-impl EndpointBuilder<Dgram> {
-    /// `FI_MSG_PREFIX` mode, as EFA's DGRAM endpoints require: every send buffer starts with
-    /// [`MSG_PREFIX_SIZE`] bytes the endpoint skips, and every receive places the datagram after a
-    /// [`MSG_PREFIX_SIZE`]-byte area (zeroed) with `len` counting the prefix. Off by default: the
-    /// crate reports the source in the completion instead, so buffers hold only data.
-    pub fn msg_prefix(mut self, on: bool) -> Self {
-        self.msg_prefix = on;
-        self
+builder_setters! {
+    EndpointBuilder<Dgram> {
+        /// `FI_MSG_PREFIX` mode, as EFA's DGRAM endpoints require: every send buffer starts with
+        /// [`MSG_PREFIX_SIZE`] bytes the endpoint skips, and every receive places the datagram after a
+        /// [`MSG_PREFIX_SIZE`]-byte area (zeroed) with `len` counting the prefix. Off by default: the
+        /// crate reports the source in the completion instead, so buffers hold only data.
+        msg_prefix: bool;
     }
+}
 
+impl EndpointBuilder<Dgram> {
     /// Creates the endpoint and its UD queue pair.
     ///
     /// Errors: `InvalidArgument` when a completion queue or the address vector is missing or
     /// belongs to another domain, or a queue size exceeds the device's; device errors.
     pub fn build(self) -> Result<Endpoint<Dgram>> {
         let parts = self.parts()?;
-        let (tx_cq, rx_cq, av) = (parts.tx_cq.clone(), parts.rx_cq.clone(), parts.av.clone());
         let attr = self.domain.attr().clone();
         let (send_depth, recv_depth) = self.qp_depths(&attr)?;
         let notifier = Self::qp_notifier(&parts, None);
@@ -67,9 +67,9 @@ impl EndpointBuilder<Dgram> {
         tracing::debug!(%addr, send_depth, recv_depth, "dgram_ep_open");
         let core = Arc::new(DgramCore {
             domain: self.domain.clone(),
-            av,
-            tx_cq: tx_cq.clone(),
-            rx_cq: rx_cq.clone(),
+            av: parts.av.clone(),
+            tx_cq: parts.tx_cq.clone(),
+            rx_cq: parts.rx_cq.clone(),
             counters: parts.counters.clone(),
             addr,
             mtu: attr.mtu,
@@ -86,12 +86,7 @@ impl EndpointBuilder<Dgram> {
             send_depth,
             recv_depth,
         });
-        let weak: std::sync::Weak<dyn ProgressSource> = Arc::downgrade(&core) as _;
-        core.counters.bind(&weak);
-        tx_cq.bind(weak.clone());
-        if !rx_cq.same(&tx_cq) {
-            rx_cq.bind(weak);
-        }
+        parts.bind(Arc::downgrade(&core) as _);
         Ok(Endpoint::from_core(core))
     }
 }

@@ -169,6 +169,18 @@ pub(crate) struct Parts {
     pub(crate) counters: Bound,
 }
 
+impl Parts {
+    /// Makes the endpoint `source` the one the completion queues and counters drive when
+    /// polled or waited on.
+    pub(crate) fn bind(&self, source: std::sync::Weak<dyn crate::cq::ProgressSource>) {
+        self.counters.bind(&source);
+        self.tx_cq.bind(source.clone());
+        if !self.rx_cq.same(&self.tx_cq) {
+            self.rx_cq.bind(source);
+        }
+    }
+}
+
 impl<K: EndpointKind> EndpointBuilder<K> {
     /// One completion queue for sends and receives.
     pub fn cq(mut self, cq: &CompletionQueue) -> Self {

@@ -90,20 +90,9 @@ pub struct WriteOptions {
     pub delivery_complete: bool,
 }
 
-impl WriteOptions {
-    /// Sets [`data`](Self::data) to `Some(data)`: a write with immediate data.
-    #[must_use]
-    pub fn with_data(mut self, data: u32) -> Self {
-        self.data = Some(data);
-        self
-    }
-
-    /// Sets [`delivery_complete`](Self::delivery_complete).
-    #[must_use]
-    pub fn with_delivery_complete(mut self, on: bool) -> Self {
-        self.delivery_complete = on;
-        self
-    }
+with_setters! {
+    WriteOptions { with_delivery_complete => delivery_complete: bool }
+    some { with_data => data: u32 }
 }
 
 /// Which operations of an endpoint run emulated by the protocol engine rather than as device

@@ -125,33 +125,17 @@ macro_rules! flags {
             $( $(#[$cm])* pub const $c: $name = $name($bit); )*
             const NAMES: &'static [(u64, &'static str)] = &[$(($bit, $s)),*];
 
-            /// No flag.
-            pub const fn empty() -> Self {
-                $name(0)
-            }
             /// Every flag this type names.
             pub const fn all() -> Self {
                 $name(0 $(| $bit)*)
-            }
-            /// libfabric's bit values.
-            pub const fn bits(self) -> u64 {
-                self.0
             }
             /// From libfabric's bit values; bits this type does not name are dropped.
             pub const fn from_bits_truncate(bits: u64) -> Self {
                 $name(bits & Self::all().0)
             }
-            /// True when every flag of `other` is set in `self`.
-            pub const fn contains(self, other: Self) -> bool {
-                self.0 & other.0 == other.0
-            }
             /// True when `self` and `other` share a flag.
             pub const fn intersects(self, other: Self) -> bool {
                 self.0 & other.0 != 0
-            }
-            /// True when no flag is set.
-            pub const fn is_empty(self) -> bool {
-                self.0 == 0
             }
             /// The libfabric names of the set flags, in bit order.
             pub fn names(self) -> impl Iterator<Item = &'static str> {
@@ -162,17 +146,7 @@ macro_rules! flags {
             }
         }
 
-        impl std::ops::BitOr for $name {
-            type Output = $name;
-            fn bitor(self, rhs: $name) -> $name {
-                $name(self.0 | rhs.0)
-            }
-        }
-        impl std::ops::BitOrAssign for $name {
-            fn bitor_assign(&mut self, rhs: $name) {
-                self.0 |= rhs.0;
-            }
-        }
+        bit_ops!($name: u64);
         impl std::ops::BitAnd for $name {
             type Output = $name;
             fn bitand(self, rhs: $name) -> $name {

@@ -29,6 +29,42 @@ pub struct Hints {
     pub(super) topology: Option<Arc<Topology>>,
 }
 
+builder_setters! {
+    Hints {
+        /// Only this endpoint type.
+        ep_type: EpType => Some;
+        /// Capabilities the application needs; entries lacking any of them are left out.
+        caps: Caps;
+        /// Modes the application supports. With [`Mode::MSG_PREFIX`], DGRAM entries ask for a
+        /// [`DGRAM_MSG_PREFIX_SIZE`]-byte prefix in every buffer as libfabric's EFA does; without it
+        /// (the default), they need none.
+        mode: Mode;
+        /// Local IP address the `udp` device binds (default `127.0.0.1`).
+        addr: IpAddr => Some;
+        /// Use this configuration instead of reading `FI_EFA_*` from the environment.
+        config: Config => Some;
+        /// Order the NICs by their distance from the target given (a GPU's PCI bus id, or a NUMA node),
+        /// nearest first, as [`Topology::nics_near`] ranks them; each listed NIC's
+        /// [`Info::distance`] says how far it is. Devices without a PCI location (`udp`, `shm`,
+        /// `loopback`) keep their order after the NICs, with no distance. The topology is read
+        /// from sysfs ([`Topology::detect`]) unless [`Hints::topology`] gives one; a target it
+        /// does not have is a `NoData` error.
+        ///
+        /// ```no_run
+        /// use efa::topo::Near;
+        /// let gpu = "0000:53:00.0".parse()?;
+        /// let infos = efa::getinfo(&efa::Hints::new().provider("efa").near(Near::Device(gpu)))?;
+        /// let nearest = &infos[0]; // the NIC closest to that GPU
+        /// # Ok::<(), efa::Error>(())
+        /// ```
+        near: Near => Some;
+        /// With [`Hints::near`]: leave out NICs farther from the target than the distance given (only the
+        /// NICs under the GPU's own PCI switch with [`Distance::Pix`]); devices without a PCI
+        /// location are kept.
+        max_distance: Distance => Some;
+    }
+}
+
 impl Hints {
     /// No constraints: every device and endpoint type, configuration from the environment.
     pub fn new() -> Hints {
@@ -41,69 +77,10 @@ impl Hints {
         self
     }
 
-    /// Only this endpoint type.
-    pub fn ep_type(mut self, ep_type: EpType) -> Hints {
-        self.ep_type = Some(ep_type);
-        self
-    }
-
-    /// Capabilities the application needs; entries lacking any of them are left out.
-    pub fn caps(mut self, caps: Caps) -> Hints {
-        self.caps = caps;
-        self
-    }
-
-    /// Modes the application supports. With [`Mode::MSG_PREFIX`], DGRAM entries ask for a
-    /// [`DGRAM_MSG_PREFIX_SIZE`]-byte prefix in every buffer as libfabric's EFA does; without it
-    /// (the default), they need none.
-    pub fn mode(mut self, mode: Mode) -> Hints {
-        self.mode = mode;
-        self
-    }
-
-    /// Local IP address the `udp` device binds (default `127.0.0.1`).
-    pub fn addr(mut self, addr: IpAddr) -> Hints {
-        self.addr = Some(addr);
-        self
-    }
-
-    /// Use this configuration instead of reading `FI_EFA_*` from the environment.
-    pub fn config(mut self, config: Config) -> Hints {
-        self.config = Some(config);
-        self
-    }
-
     /// Only the device with this name (`udp-127.0.0.1`) or domain name (`udp-127.0.0.1-dgrm`),
     /// as `fi_info -d`.
     pub fn domain(mut self, name: &str) -> Hints {
         self.domain = Some(name.to_string());
-        self
-    }
-
-    /// Order the NICs by their distance from `target` (a GPU's PCI bus id, or a NUMA node),
-    /// nearest first, as [`Topology::nics_near`] ranks them; each listed NIC's
-    /// [`Info::distance`] says how far it is. Devices without a PCI location (`udp`, `shm`,
-    /// `loopback`) keep their order after the NICs, with no distance. The topology is read
-    /// from sysfs ([`Topology::detect`]) unless [`Hints::topology`] gives one; a target it
-    /// does not have is a `NoData` error.
-    ///
-    /// ```no_run
-    /// use efa::topo::Near;
-    /// let gpu = "0000:53:00.0".parse()?;
-    /// let infos = efa::getinfo(&efa::Hints::new().provider("efa").near(Near::Device(gpu)))?;
-    /// let nearest = &infos[0]; // the NIC closest to that GPU
-    /// # Ok::<(), efa::Error>(())
-    /// ```
-    pub fn near(mut self, target: Near) -> Hints {
-        self.near = Some(target);
-        self
-    }
-
-    /// With [`Hints::near`]: leave out NICs farther from the target than `max` (only the
-    /// NICs under the GPU's own PCI switch with [`Distance::Pix`]); devices without a PCI
-    /// location are kept.
-    pub fn max_distance(mut self, max: Distance) -> Hints {
-        self.max_distance = Some(max);
         self
     }
 

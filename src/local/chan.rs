@@ -783,14 +783,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn messages_pass_in_order_and_a_full_ring_refuses() {
+    /// A channel of `slots` 64-byte slots owned by `me` (in network namespace `netns`), in a
+    /// fresh directory.
+    fn own_chan(slots: u32, netns: u64, me: &RawAddr) -> (tempfile::TempDir, OwnChan) {
         let dir = tempfile::tempdir().unwrap();
-        let geo = Geometry::new(4, 64).unwrap();
-        let me = addr(9);
-        let own = OwnChan::create(dir.path(), map::uid(), 5, &me, geo)
+        let geo = Geometry::new(slots, 64).unwrap();
+        let own = OwnChan::create(dir.path(), map::uid(), netns, me, geo)
             .unwrap()
             .unwrap();
+        (dir, own)
+    }
+
+    #[test]
+    fn messages_pass_in_order_and_a_full_ring_refuses() {
+        let me = addr(9);
+        let (dir, own) = own_chan(4, 5, &me);
         assert!(matches!(
             PeerChan::open(dir.path(), map::uid(), 6, &me),
             Err(OpenError::Unusable(_))
@@ -845,11 +852,7 @@ mod tests {
 
     #[test]
     fn a_slot_reserved_and_never_published_can_be_skipped() {
-        let dir = tempfile::tempdir().unwrap();
-        let geo = Geometry::new(4, 64).unwrap();
-        let own = OwnChan::create(dir.path(), map::uid(), 1, &addr(1), geo)
-            .unwrap()
-            .unwrap();
+        let (dir, own) = own_chan(4, 1, &addr(1));
         let peer = PeerChan::open(dir.path(), map::uid(), 1, &addr(1)).unwrap();
         assert_eq!(own.reserved_head(), None, "empty ring");
         let h = SlotHdr {
@@ -883,11 +886,7 @@ mod tests {
 
     #[test]
     fn a_closed_or_dead_channel_is_seen() {
-        let dir = tempfile::tempdir().unwrap();
-        let geo = Geometry::new(2, 64).unwrap();
-        let mut own = OwnChan::create(dir.path(), map::uid(), 1, &addr(1), geo)
-            .unwrap()
-            .unwrap();
+        let (dir, mut own) = own_chan(2, 1, &addr(1));
         let peer = PeerChan::open(dir.path(), map::uid(), 1, &addr(1)).unwrap();
         own.close();
         assert_eq!(peer.liveness(), Liveness::Closed);
@@ -940,12 +939,8 @@ mod tests {
     /// that is not there (a planted or stale one) makes the sender ring the futex instead.
     #[test]
     fn a_sleeping_application_is_woken_through_its_descriptor_not_the_futex() {
-        let dir = tempfile::tempdir().unwrap();
-        let geo = Geometry::new(8, 64).unwrap();
         let me = addr(21);
-        let own = OwnChan::create(dir.path(), map::uid(), 5, &me, geo)
-            .unwrap()
-            .unwrap();
+        let (dir, own) = own_chan(8, 5, &me);
         let n = crate::notify::Notifier::new();
         let fd = n.fd().expect("an epoll descriptor");
         n.watch(own.ring().wake_fd().expect("a wake pipe"));
@@ -1018,12 +1013,8 @@ mod tests {
         use std::time::{Duration, Instant};
         let seed = test_seed();
         println!("seed {seed}");
-        let dir = tempfile::tempdir().unwrap();
-        let geo = Geometry::new(4, 64).unwrap();
         let me = addr(22);
-        let own = OwnChan::create(dir.path(), map::uid(), 5, &me, geo)
-            .unwrap()
-            .unwrap();
+        let (dir, own) = own_chan(4, 5, &me);
         let n = crate::notify::Notifier::new();
         assert!(n.fd().is_some());
         n.watch(own.ring().wake_fd().unwrap());

@@ -64,13 +64,24 @@ impl AddressRange {
     }
 }
 
+/// Unmaps `len` bytes at `ptr` when their owner is dropped; a failure (which leaves the range
+/// mapped) is logged naming `what`.
+///
+/// # Safety
+///
+/// `ptr` starts a mapping (or reservation) of `len` bytes owned by the caller, unmapped once,
+/// that nothing reaches any more.
+unsafe fn unmap(ptr: NonNull<u8>, len: usize, what: &str) {
+    // SAFETY: as the caller guarantees.
+    if unsafe { libc::munmap(ptr.as_ptr().cast(), len) } != 0 {
+        tracing::error!(error = %std::io::Error::last_os_error(), what, "munmap failed");
+    }
+}
+
 impl Drop for AddressRange {
     fn drop(&mut self) {
         // SAFETY: reserved in `reserve` with this length, released once; nothing is behind it.
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-        if rc != 0 {
-            tracing::error!(error = %std::io::Error::last_os_error(), "munmap of a device-only region's address range failed");
-        }
+        unsafe { unmap(self.ptr, self.len, "a device-only region's address range") };
     }
 }
 
@@ -150,10 +161,7 @@ impl Drop for SharedMapping {
         // reached only through owners that drop this value when nothing points into it any
         // more: a region's store (once no range of the region is held, after its device
         // registrations are gone), the emulated NIC's registration (after deregistration).
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-        if rc != 0 {
-            tracing::error!(error = %std::io::Error::last_os_error(), "munmap of a dmabuf region failed");
-        }
+        unsafe { unmap(self.ptr, self.len, "a dmabuf region") };
     }
 }
 

@@ -218,44 +218,29 @@ pub const DEFAULT_CTRL_TIMEOUT: Duration = Duration::from_millis(500);
 /// Default [`RailGroupBuilder::inline_size`].
 pub const DEFAULT_INLINE_SIZE: usize = 8 << 10;
 
+builder_setters! {
+    RailGroupBuilder, in set {
+        /// The smallest stripe (default 128 KiB): a transfer shorter than twice this goes on one
+        /// rail; longer ones are cut into stripes of at least this. At least 1.
+        min_stripe: usize;
+        /// The largest stripe (default 8 MiB): longer transfers are cut into more stripes than
+        /// four per rail.
+        max_stripe: usize;
+        /// Stripes one rail keeps in flight (default 4); a rail takes the next stripe when one of
+        /// its own completes.
+        depth: usize;
+        /// Messages up to this many bytes go whole in one control message (default 8 KiB); longer
+        /// ones are written into the receiver's buffer by RMA, striped.
+        inline_size: usize;
+        /// How long a control message (a small message, a large one's handshake, a write's
+        /// notification) waits for the peer group's acknowledgement before it is sent again on
+        /// another rail (default 500 ms; doubling on each try up to 16 times this). Copies are
+        /// harmless: the peer drops them. Not zero.
+        ctrl_timeout: Duration;
+    }
+}
+
 impl RailGroupBuilder {
-    /// The smallest stripe (default 128 KiB): a transfer shorter than twice this goes on one
-    /// rail; longer ones are cut into stripes of at least this. At least 1.
-    pub fn min_stripe(mut self, bytes: usize) -> Self {
-        self.set.min_stripe = bytes;
-        self
-    }
-
-    /// The largest stripe (default 8 MiB): longer transfers are cut into more stripes than
-    /// four per rail.
-    pub fn max_stripe(mut self, bytes: usize) -> Self {
-        self.set.max_stripe = bytes;
-        self
-    }
-
-    /// Stripes one rail keeps in flight (default 4); a rail takes the next stripe when one of
-    /// its own completes.
-    pub fn depth(mut self, n: usize) -> Self {
-        self.set.depth = n;
-        self
-    }
-
-    /// Messages up to this many bytes go whole in one control message (default 8 KiB); longer
-    /// ones are written into the receiver's buffer by RMA, striped.
-    pub fn inline_size(mut self, bytes: usize) -> Self {
-        self.set.inline_size = bytes;
-        self
-    }
-
-    /// How long a control message (a small message, a large one's handshake, a write's
-    /// notification) waits for the peer group's acknowledgement before it is sent again on
-    /// another rail (default 500 ms; doubling on each try up to 16 times this). Copies are
-    /// harmless: the peer drops them. Not zero.
-    pub fn ctrl_timeout(mut self, t: Duration) -> Self {
-        self.set.ctrl_timeout = t;
-        self
-    }
-
     /// Gives every rail's endpoint a progress thread pinned near its NIC
     /// ([`ProgressCpu::NearDevice`](crate::ProgressCpu::NearDevice)). Default off: polling the
     /// group drives its rails.

@@ -5,6 +5,14 @@ use std::fmt;
 
 use super::{PciDevice, Topology};
 
+/// Each of `devs` with its [`label`].
+fn labelled(devs: &[PciDevice]) -> Vec<(String, &PciDevice)> {
+    devs.iter()
+        .enumerate()
+        .map(|(i, d)| (label(d, i), d))
+        .collect()
+}
+
 /// The label of GPU-class device `i` (`GPU0`, `ACC3`) or NIC `i` (`NIC0`).
 fn label(d: &PciDevice, i: usize) -> String {
     format!("{}{i}", d.class)
@@ -29,18 +37,7 @@ pub struct Matrix<'a>(pub(super) &'a Topology);
 impl fmt::Display for Matrix<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let t = self.0;
-        let gpus: Vec<(String, &PciDevice)> = t
-            .gpus
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (label(d, i), d))
-            .collect();
-        let nics: Vec<(String, &PciDevice)> = t
-            .nics
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (label(d, i), d))
-            .collect();
+        let (gpus, nics) = (labelled(&t.gpus), labelled(&t.nics));
         let rows: Vec<&(String, &PciDevice)> = gpus.iter().chain(&nics).collect();
         if rows.is_empty() {
             return writeln!(f, "no NIC or GPU under {}", t.root.display());

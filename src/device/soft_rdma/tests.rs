@@ -127,11 +127,16 @@ fn setup(len: usize) -> (Host, Host, Arc<RegionMem>, u64, RemoteIov) {
     (a, b, mem, key, remote)
 }
 
-/// Runs the exchange up to the READ_DONE the initiator sends; returns its bytes and wr_id.
-fn until_done(a: &mut Host, b: &mut Host, remote: RemoteIov) -> (u64, Vec<u8>) {
+/// `a` starts a read of `remote` from `b` (queue pair 2, QKEY 7); returns what it sent.
+fn read_request(a: &mut Host, remote: RemoteIov) -> Vec<(u64, Vec<u8>)> {
     let dest = RawAddr::new(Gid([0; 16]), 2, 7);
     a.rdma_read(9, None, dest, BytesMut::new(), remote).unwrap();
-    let req = a.sent();
+    a.sent()
+}
+
+/// Runs the exchange up to the READ_DONE the initiator sends; returns its bytes and wr_id.
+fn until_done(a: &mut Host, b: &mut Host, remote: RemoteIov) -> (u64, Vec<u8>) {
+    let req = read_request(a, remote);
     assert_eq!(req.len(), 1);
     assert_eq!(req[0].1[1], F_CMA, "the request asks for a direct copy");
     assert_eq!(b.deliver_rdma(src(1), 7, None, &req[0].1), Served::Ok);
@@ -206,9 +211,7 @@ fn a_failed_or_misdirected_copy_asks_again_for_the_data() {
     for outcome in [CmaCopy::WrongProcess, CmaCopy::Failed] {
         let (mut a, mut b, _mem, _key, remote) = setup(10_000);
         a.copy = outcome;
-        let dest = RawAddr::new(Gid([0; 16]), 2, 7);
-        a.rdma_read(9, None, dest, BytesMut::new(), remote).unwrap();
-        let req = a.sent();
+        let req = read_request(&mut a, remote);
         assert_eq!(b.deliver_rdma(src(1), 7, None, &req[0].1), Served::Ok);
         let grant = b.sent();
         a.deliver_rdma(src(2), 7, None, &grant[0].1);
@@ -238,9 +241,7 @@ fn a_failed_or_misdirected_copy_asks_again_for_the_data() {
 fn a_target_without_cma_answers_a_direct_request_with_chunks() {
     let (mut a, mut b, _mem, _key, remote) = setup(10_000);
     b.cookie = None;
-    let dest = RawAddr::new(Gid([0; 16]), 2, 7);
-    a.rdma_read(9, None, dest, BytesMut::new(), remote).unwrap();
-    let req = a.sent();
+    let req = read_request(&mut a, remote);
     assert_eq!(b.deliver_rdma(src(1), 7, None, &req[0].1), Served::Ok);
     let chunks = b.sent();
     assert!(chunks.len() >= 3, "10000 bytes in 4048-byte chunks");

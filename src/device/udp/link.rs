@@ -647,20 +647,9 @@ impl Link {
     fn handle_packed(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
         let (dst_qkey, packed) = match wire::decode_packed(data) {
             Ok(x) => x,
-            Err(why) => {
-                stats::inc(&self.ctx.counters().malformed_dropped);
-                tracing::debug!(%src, len = data.len(), why, "udp: dropped malformed packed datagram");
-                return;
-            }
+            Err(why) => return self.drop_malformed(src, "packed", data.len(), why),
         };
-        if !self.is_srd() {
-            stats::inc(&self.ctx.counters().malformed_dropped);
-            tracing::debug!(%src, "udp: dropped a packed datagram at a UD queue pair");
-            return;
-        }
-        if dst_qkey != self.ctx.qkey {
-            stats::inc(&self.ctx.counters().stale_dropped);
-            tracing::trace!(%src, dst_qkey, qkey = self.ctx.qkey, "udp: dropped packed datagram with a stale QKEY");
+        if !self.accepts(src, dst_qkey, self.is_srd(), "packed", data.len()) {
             return;
         }
         self.srd
@@ -671,24 +660,46 @@ impl Link {
         }
     }
 
+    /// Whether a decoded datagram (`what`: packed, SRD or UD) is for this queue pair: of its
+    /// type (`type_ok`), else dropped as malformed; for its QKEY, else dropped as stale.
+    #[inline]
+    fn accepts(
+        &self,
+        src: SocketAddr,
+        dst_qkey: u32,
+        type_ok: bool,
+        what: &'static str,
+        len: usize,
+    ) -> bool {
+        if !type_ok {
+            self.drop_malformed(src, what, len, "for the other queue pair type");
+            return false;
+        }
+        if dst_qkey != self.ctx.qkey {
+            stats::inc(&self.ctx.counters().stale_dropped);
+            tracing::trace!(%src, what, dst_qkey, qkey = self.ctx.qkey, "udp: dropped a datagram with a stale QKEY");
+            return false;
+        }
+        true
+    }
+
+    /// Counts and logs a dropped datagram (`what`: packed, single, SRD or UD) that does not
+    /// decode, or does not suit this queue pair (`why`).
+    #[cold]
+    fn drop_malformed(&self, src: SocketAddr, what: &'static str, len: usize, why: &'static str) {
+        stats::inc(&self.ctx.counters().malformed_dropped);
+        tracing::debug!(%src, what, len, why, "udp: dropped a malformed datagram");
+    }
+
     /// Handles one (not packed) datagram from `src`.
     fn handle_one(&mut self, data: &[u8], src: SocketAddr, now: Instant) {
         let (dst_qkey, pkt) = match wire::decode(data) {
             Ok(x) => x,
-            Err(why) => {
-                stats::inc(&self.ctx.counters().malformed_dropped);
-                tracing::debug!(%src, len = data.len(), why, "udp: dropped malformed datagram");
-                return;
-            }
+            Err(why) => return self.drop_malformed(src, "single", data.len(), why),
         };
-        if self.is_srd() == matches!(pkt, Packet::Ud { .. }) {
-            stats::inc(&self.ctx.counters().malformed_dropped);
-            tracing::debug!(%src, "udp: dropped a datagram of the other queue pair type");
-            return;
-        }
-        if dst_qkey != self.ctx.qkey {
-            stats::inc(&self.ctx.counters().stale_dropped);
-            tracing::trace!(%src, dst_qkey, qkey = self.ctx.qkey, "udp: dropped datagram with a stale QKEY");
+        let ud = matches!(pkt, Packet::Ud { .. });
+        let what = if ud { "UD" } else { "SRD" };
+        if !self.accepts(src, dst_qkey, self.is_srd() != ud, what, data.len()) {
             return;
         }
         match pkt {

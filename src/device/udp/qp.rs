@@ -962,27 +962,12 @@ impl QueuePair for UdpQp {
         self.post_one_rdma(RdmaWr { wr_id, dest, kind })
     }
 
-    /// One system call (or as few as the socket allows) for the whole list.
+    /// One system call (or as few as the socket allows) for the whole list ([`Self::post_list`]).
     fn post_rdma_list(
         &mut self,
         wrs: &mut VecDeque<RdmaWr>,
     ) -> std::result::Result<(), (u64, Error)> {
-        if wrs.is_empty() {
-            return Ok(());
-        }
-        let mut st = self.shared.state.lock();
-        let now = Instant::now();
-        let mut r = Ok(());
-        while let Some(wr) = wrs.pop_front() {
-            let wr_id = wr.wr_id;
-            if let Err(e) = st.post_rdma_wr(now, wr) {
-                r = Err((wr_id, e));
-                break;
-            }
-        }
-        st.send_out(now);
-        self.shared.after_post(st);
-        r
+        self.post_list(wrs, |w| w.wr_id, |st, now, wr| st.post_rdma_wr(now, wr))
     }
 
     fn qp_type(&self) -> QpType {
@@ -1035,22 +1020,7 @@ impl QueuePair for UdpQp {
         &mut self,
         wrs: &mut VecDeque<SendWr>,
     ) -> std::result::Result<(), (u64, Error)> {
-        if wrs.is_empty() {
-            return Ok(());
-        }
-        let mut st = self.shared.state.lock();
-        let now = Instant::now();
-        let mut r = Ok(());
-        while let Some(wr) = wrs.pop_front() {
-            let wr_id = wr.wr_id;
-            if let Err(e) = st.post_send(wr, now) {
-                r = Err((wr_id, e));
-                break;
-            }
-        }
-        st.send_out(now);
-        self.shared.after_post(st);
-        r
+        self.post_list(wrs, |w| w.wr_id, |st, now, wr| st.post_send(wr, now))
     }
 
     fn post_recv(&mut self, wr_id: u64, buf: BytesMut) -> Result<()> {
@@ -1114,6 +1084,34 @@ impl UdpQp {
         if r.is_ok() {
             st.send_out(now);
         }
+        self.shared.after_post(st);
+        r
+    }
+
+    /// Posts the work requests at the front of `wrs` (popping each) under one lock until one is
+    /// refused, then sends what they queued with one `send_out` (one system call, or as few as
+    /// the socket allows); the refused one's `wr_id` (by `id`) and error come back, the rest stay
+    /// in `wrs`.
+    fn post_list<W>(
+        &mut self,
+        wrs: &mut VecDeque<W>,
+        id: impl Fn(&W) -> u64,
+        mut post: impl FnMut(&mut State, Instant, W) -> Result<()>,
+    ) -> std::result::Result<(), (u64, Error)> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut st = self.shared.state.lock();
+        let now = Instant::now();
+        let mut r = Ok(());
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = id(&wr);
+            if let Err(e) = post(&mut st, now, wr) {
+                r = Err((wr_id, e));
+                break;
+            }
+        }
+        st.send_out(now);
         self.shared.after_post(st);
         r
     }

@@ -158,16 +158,13 @@ enum Slot {
     /// Refused with RNR at this attempt; only a later attempt may be delivered.
     Refused(u32),
     Delivered,
-    /// Delivered into a too-short buffer; duplicates get a bad-length NAK again.
-    BadLen,
-    /// An RDMA access refused (bad key, range or right); duplicates get the NAK again.
-    Denied,
-    /// An RDMA access refused for want of an address handle for the initiator; duplicates get
-    /// the NAK again (the initiator posts a new work request once the target has one).
-    NoAh,
-    /// Below the floor of a sender whose state was forgotten: it may have been delivered before,
-    /// so it is refused (NAK `Forgotten`, the send fails) rather than delivered again.
-    Lost,
+    /// Failed for good, and answered with a NAK of this reason; duplicates get it again:
+    /// `BadLength`, delivered into a too-short buffer; `BadAddress`, an RDMA access refused (bad
+    /// key, range or right); `UnknownPeer`, an RDMA access refused for want of an address
+    /// handle for the initiator (it posts a new work request once the target has one);
+    /// `Forgotten`, below the floor of a sender whose state was forgotten: it may have been
+    /// delivered before, so it is refused (the send fails) rather than delivered again.
+    Failed(NakReason),
 }
 
 /// Receive state is kept per sending queue pair and connection: (its address, its QKEY, the
@@ -597,21 +594,9 @@ impl Srd {
                 // The sender retransmitted: our acknowledgement may have been lost.
                 ack(rx, true);
             }
-            Slot::BadLen => {
+            Slot::Failed(reason) => {
                 stats::inc(&cx.counters().duplicates_dropped);
-                nak(cx, NakReason::BadLength);
-            }
-            Slot::Denied => {
-                stats::inc(&cx.counters().duplicates_dropped);
-                nak(cx, NakReason::BadAddress);
-            }
-            Slot::NoAh => {
-                stats::inc(&cx.counters().duplicates_dropped);
-                nak(cx, NakReason::UnknownPeer);
-            }
-            Slot::Lost => {
-                stats::inc(&cx.counters().duplicates_dropped);
-                nak(cx, NakReason::Forgotten);
+                nak(cx, reason);
             }
             Slot::Refused(t) if h.try_ <= t => {
                 stats::inc(&cx.counters().duplicates_dropped);
@@ -620,7 +605,7 @@ impl Srd {
             Slot::Empty | Slot::Refused(_) if h.seq < rx.floor => {
                 // This state was forgotten once and this packet may have been delivered then.
                 tracing::debug!(%src, seq = h.seq, "udp: packet of a forgotten sender state, failing it");
-                *slot = Slot::Lost;
+                *slot = Slot::Failed(NakReason::Forgotten);
                 stats::inc(&cx.counters().stale_dropped);
                 nak(cx, NakReason::Forgotten);
             }
@@ -630,11 +615,11 @@ impl Srd {
                 cx.deliver(src, h.imm, payload)
             } {
                 Delivery::Denied => {
-                    *slot = Slot::Denied;
+                    *slot = Slot::Failed(NakReason::BadAddress);
                     nak(cx, NakReason::BadAddress);
                 }
                 Delivery::NoAh => {
-                    *slot = Slot::NoAh;
+                    *slot = Slot::Failed(NakReason::UnknownPeer);
                     nak(cx, NakReason::UnknownPeer);
                 }
                 Delivery::NoBuffer => {
@@ -643,7 +628,7 @@ impl Srd {
                     nak(cx, NakReason::Rnr);
                 }
                 Delivery::BadLength => {
-                    *slot = Slot::BadLen;
+                    *slot = Slot::Failed(NakReason::BadLength);
                     nak(cx, NakReason::BadLength);
                 }
                 Delivery::Ok => {
@@ -796,28 +781,14 @@ impl Srd {
         let conn = p.conn;
         p.last_heard = now;
         p.last_active = now;
-        match n.reason {
-            NakReason::BadLength => {
+        match n.reason.failure() {
+            Some(status) => {
                 if let Some(inf) = p.inflight.remove(&n.seq) {
-                    cx.complete_send(inf.op.wr_id, Status::RemoteBadLength, 0);
+                    cx.complete_send(inf.op.wr_id, status, 0);
                 }
             }
-            NakReason::BadAddress => {
-                if let Some(inf) = p.inflight.remove(&n.seq) {
-                    cx.complete_send(inf.op.wr_id, Status::RemoteBadAddress, 0);
-                }
-            }
-            NakReason::Forgotten => {
-                if let Some(inf) = p.inflight.remove(&n.seq) {
-                    cx.complete_send(inf.op.wr_id, Status::RemoteAbort, 0);
-                }
-            }
-            NakReason::UnknownPeer => {
-                if let Some(inf) = p.inflight.remove(&n.seq) {
-                    cx.complete_send(inf.op.wr_id, Status::UnknownPeer, 0);
-                }
-            }
-            NakReason::Rnr => {
+            // Receiver not ready: retried.
+            None => {
                 stats::inc(&cx.counters().rnr_naks_received);
                 let Some(inf) = p.inflight.get_mut(&n.seq) else {
                     return;

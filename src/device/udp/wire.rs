@@ -89,6 +89,21 @@ pub(crate) enum NakReason {
     UnknownPeer = 5,
 }
 
+impl NakReason {
+    /// How the send a NAK of this reason answers fails; `None` for [`NakReason::Rnr`], after
+    /// which the sender tries again.
+    pub(crate) fn failure(self) -> Option<crate::device::Status> {
+        use crate::device::Status;
+        match self {
+            NakReason::Rnr => None,
+            NakReason::BadLength => Some(Status::RemoteBadLength),
+            NakReason::BadAddress => Some(Status::RemoteBadAddress),
+            NakReason::Forgotten => Some(Status::RemoteAbort),
+            NakReason::UnknownPeer => Some(Status::UnknownPeer),
+        }
+    }
+}
+
 /// Why a datagram was rejected.
 pub(crate) type Malformed = &'static str;
 
@@ -328,24 +343,13 @@ pub(crate) fn is_packed(b: &[u8]) -> bool {
 /// entry decodes as an SRD data, ack or NAK datagram (never UD, never packed again) with the
 /// packed datagram's destination and source QKEYs; else the whole datagram is malformed.
 pub(crate) fn decode_packed(b: &[u8]) -> Result<(u32, Packed<'_>), Malformed> {
-    if b.len() < PACKED_LEN {
-        return Err("truncated packed header");
-    }
-    if b.get(0..2) != Some(&MAGIC[..]) {
-        return Err("bad magic");
-    }
-    if b.get(2) != Some(&VERSION) {
-        return Err("unknown version");
-    }
+    check_common(b, PACKED_LEN, "truncated packed header")?;
     if b.get(3) != Some(&T_PACKED) {
         return Err("not a packed datagram");
     }
     let flags = b.get(4).copied().ok_or("truncated")?;
     if flags & !FLAG_HELLO != 0 {
         return Err("unknown flags");
-    }
-    if b.get(5..8) != Some(&[0u8, 0, 0][..]) {
-        return Err("reserved bytes not zero");
     }
     let dst_qkey = u32_at(b, 8).ok_or("truncated")?;
     let src_qkey = u32_at(b, 12).ok_or("truncated")?;
@@ -381,28 +385,33 @@ pub(crate) fn decode_packed(b: &[u8]) -> Result<(u32, Packed<'_>), Malformed> {
     ))
 }
 
+/// The `N` bytes at `at`, if `b` has them.
+#[inline]
+fn bytes_at<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
+    b.get(at..at.checked_add(N)?)?.try_into().ok()
+}
+
+#[inline]
 fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_le_bytes(
-        b.get(at..at.checked_add(2)?)?.try_into().ok()?,
-    ))
+    bytes_at(b, at).map(u16::from_le_bytes)
 }
 
+#[inline]
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(
-        b.get(at..at.checked_add(4)?)?.try_into().ok()?,
-    ))
+    bytes_at(b, at).map(u32::from_le_bytes)
 }
 
+#[inline]
 fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(
-        b.get(at..at.checked_add(8)?)?.try_into().ok()?,
-    ))
+    bytes_at(b, at).map(u64::from_le_bytes)
 }
 
-/// Decodes a datagram: its destination QKEY and its contents.
-pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
-    if b.len() < COMMON_LEN {
-        return Err("shorter than the common header");
+/// Checks the fixed parts of the common header every datagram starts with: at least `min`
+/// bytes (else `short`), the magic, the version and the zero reserved bytes.
+#[inline]
+fn check_common(b: &[u8], min: usize, short: Malformed) -> Result<(), Malformed> {
+    if b.len() < min {
+        return Err(short);
     }
     if b.get(0..2) != Some(&MAGIC[..]) {
         return Err("bad magic");
@@ -413,6 +422,29 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
     if b.get(5..8) != Some(&[0u8, 0, 0][..]) {
         return Err("reserved bytes not zero");
     }
+    Ok(())
+}
+
+/// Reads the fixed part of an acknowledgement at `at`, laid out alike in an ACK datagram and
+/// piggybacked on data: `conn` (4), bitmap length (2, at most [`MAX_BITMAP`]), reserved (2,
+/// zero), `cum` (8). `truncated` is the error when `b` ends inside it.
+#[inline]
+fn ack_fields(b: &[u8], at: usize, truncated: Malformed) -> Result<(u32, usize, u64), Malformed> {
+    let conn = u32_at(b, at).ok_or(truncated)?;
+    let n = u16_at(b, at + 4).ok_or(truncated)? as usize;
+    if u16_at(b, at + 6) != Some(0) {
+        return Err("reserved bytes not zero");
+    }
+    let cum = u64_at(b, at + 8).ok_or(truncated)?;
+    if n > MAX_BITMAP {
+        return Err("ack bitmap too long");
+    }
+    Ok((conn, n, cum))
+}
+
+/// Decodes a datagram: its destination QKEY and its contents.
+pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
+    check_common(b, COMMON_LEN, "shorter than the common header")?;
     let ty = b.get(3).copied().ok_or("truncated")?;
     let flags = b.get(4).copied().ok_or("truncated")?;
     let dst_qkey = u32_at(b, 8).ok_or("truncated")?;
@@ -452,15 +484,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
             }
             let mut at = DATA_LEN;
             let ack = if flags & FLAG_ACK != 0 {
-                let conn = u32_at(b, at).ok_or("truncated piggybacked ack")?;
-                let n = u16_at(b, at + 4).ok_or("truncated piggybacked ack")? as usize;
-                if u16_at(b, at + 6) != Some(0) {
-                    return Err("reserved bytes not zero");
-                }
-                let cum = u64_at(b, at + 8).ok_or("truncated piggybacked ack")?;
-                if n > MAX_BITMAP {
-                    return Err("ack bitmap too long");
-                }
+                let (conn, n, cum) = ack_fields(b, at, "truncated piggybacked ack")?;
                 at += PIGGY_LEN;
                 let bitmap = b.get(at..at + n).ok_or("truncated piggybacked ack")?;
                 at += n;
@@ -506,15 +530,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
                 return Err("unknown flags");
             }
             let src_qkey = u32_at(b, 12).ok_or("truncated ack")?;
-            let conn = u32_at(b, 16).ok_or("truncated ack")?;
-            let n = u16_at(b, 20).ok_or("truncated ack")? as usize;
-            if u16_at(b, 22) != Some(0) {
-                return Err("reserved bytes not zero");
-            }
-            let cum = u64_at(b, 24).ok_or("truncated ack")?;
-            if n > MAX_BITMAP {
-                return Err("ack bitmap too long");
-            }
+            let (conn, n, cum) = ack_fields(b, 16, "truncated ack")?;
             if b.len() != ACK_LEN + n {
                 return Err("ack length does not match its bitmap");
             }
@@ -567,6 +583,27 @@ pub(crate) fn decode(b: &[u8]) -> Result<(u32, Packet<'_>), Malformed> {
 mod tests {
     use super::*;
 
+    /// A plain data header of sender QKEY 9, connection 3 (no immediate, no flag).
+    fn data_hdr(try_: u32, seq: u64, base: u64) -> DataHdr {
+        DataHdr {
+            src_qkey: 9,
+            conn: 3,
+            try_,
+            seq,
+            base,
+            imm: None,
+            ack_req: false,
+            rdma: false,
+        }
+    }
+
+    /// Asserts that every strict prefix of `b` fails to decode.
+    fn every_cut_is_refused(b: &[u8]) {
+        for cut in 0..b.len() {
+            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
+        }
+    }
+
     #[test]
     fn ud_round_trip() {
         let mut b = Vec::new();
@@ -598,16 +635,7 @@ mod tests {
     #[test]
     fn data_ack_nak_round_trip() {
         let mut b = Vec::new();
-        let h = DataHdr {
-            src_qkey: 9,
-            conn: 3,
-            try_: 2,
-            seq: 1000,
-            base: 990,
-            imm: None,
-            ack_req: false,
-            rdma: false,
-        };
+        let h = data_hdr(2, 1000, 990);
         encode_data(&mut b, 5, &h, b"ab", b"cd");
         assert_eq!(b.len(), DATA_LEN + 4);
         assert_eq!(decode(&b).unwrap(), (5, Packet::Data(h, b"abcd")));
@@ -634,9 +662,7 @@ mod tests {
             decode(&b).unwrap(),
             (5, Packet::DataAck(h3, pa, &[0b11, 0x80][..], b"xyz"))
         );
-        for cut in 0..b.len() {
-            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
-        }
+        every_cut_is_refused(&b);
 
         let a = AckHdr {
             src_qkey: 1,
@@ -662,20 +688,9 @@ mod tests {
     #[test]
     fn rejects_inconsistent() {
         let mut b = Vec::new();
-        let h = DataHdr {
-            src_qkey: 9,
-            conn: 3,
-            try_: 0,
-            seq: 10,
-            base: 10,
-            imm: None,
-            ack_req: false,
-            rdma: false,
-        };
+        let h = data_hdr(0, 10, 10);
         encode_data(&mut b, 5, &h, b"", b"abc");
-        for cut in 0..b.len() {
-            assert!(decode(&b[..cut]).is_err(), "cut {cut}");
-        }
+        every_cut_is_refused(&b);
         let mut long = b.clone();
         long.push(0);
         assert!(decode(&long).is_err());
@@ -720,14 +735,9 @@ mod tests {
     #[test]
     fn packed_round_trip_and_refusals() {
         let h = DataHdr {
-            src_qkey: 9,
-            conn: 3,
-            try_: 0,
-            seq: 10,
-            base: 10,
             imm: Some(4),
-            ack_req: false,
             rdma: true,
+            ..data_hdr(0, 10, 10)
         };
         let (mut d, mut a, mut n) = (Vec::new(), Vec::new(), Vec::new());
         encode_data(&mut d, 5, &h, b"hd", b"payload");

@@ -4,15 +4,22 @@
 use super::*;
 use crate::progress::Background;
 
-impl EndpointBuilder<Rdm> {
-    /// Starts a progress thread that drives the endpoint while the application does not poll
-    /// (real automatic progress). Off by default: progress is manual, driven by polling or
-    /// waiting on the completion queues.
-    pub fn progress_thread(mut self, on: bool) -> Self {
-        self.progress_thread = on;
-        self
+builder_setters! {
+    EndpointBuilder<Rdm> {
+        /// Starts a progress thread that drives the endpoint while the application does not poll
+        /// (real automatic progress). Off by default: progress is manual, driven by polling or
+        /// waiting on the completion queues.
+        progress_thread: bool;
+        /// Whether messages to peers on this host bypass the protocol engine through shared-memory
+        /// channels (default on; it takes effect on devices with a shm directory: `shm`, and `udp`
+        /// or `efa` routed over shm). Off, such peers are reached through the device as any other.
+        /// Matching, ordering and completions are the same either way; see `docs/rdm.md`, "Local
+        /// fast path".
+        local_path: bool;
     }
+}
 
+impl EndpointBuilder<Rdm> {
     /// Where the progress thread runs: unpinned (default), on one CPU, or near the device's NUMA
     /// node. Implies [`progress_thread(true)`](Self::progress_thread) unless `Unpinned`. A CPU
     /// the process may not run on makes [`build`](Self::build) fail with `InvalidArgument`.
@@ -24,20 +31,9 @@ impl EndpointBuilder<Rdm> {
         self
     }
 
-    /// Whether messages to peers on this host bypass the protocol engine through shared-memory
-    /// channels (default on; it takes effect on devices with a shm directory: `shm`, and `udp`
-    /// or `efa` routed over shm). Off, such peers are reached through the device as any other.
-    /// Matching, ordering and completions are the same either way; see `docs/rdm.md`, "Local
-    /// fast path".
-    pub fn local_path(mut self, on: bool) -> Self {
-        self.local_path = on;
-        self
-    }
-
     /// Creates the endpoint, its SRD queue pair and its protocol engine.
     pub fn build(self) -> Result<Endpoint<Rdm>> {
         let parts = self.parts()?;
-        let (tx_cq, rx_cq, av) = (parts.tx_cq.clone(), parts.rx_cq.clone(), parts.av.clone());
         let attr = self.domain.attr().clone();
         if attr.gid.to_ip().is_unspecified() {
             // Peers check the raw address an RDM endpoint puts in its packets against where the
@@ -117,9 +113,9 @@ impl EndpointBuilder<Rdm> {
         let region_write = use_rdma && qp.region_rdma_write();
         let core = Arc::new(RdmCore {
             domain: self.domain.clone(),
-            av,
-            tx_cq: tx_cq.clone(),
-            rx_cq: rx_cq.clone(),
+            av: parts.av.clone(),
+            tx_cq: parts.tx_cq.clone(),
+            rx_cq: parts.rx_cq.clone(),
             counters: parts.counters.clone(),
             addr,
             region_send_min: if use_rdma && attr.caps.rdma_read {
@@ -174,11 +170,7 @@ impl EndpointBuilder<Rdm> {
         if let Some(l) = core.state.lock().local.as_ref() {
             l.set_source(weak.clone());
         }
-        core.counters.bind(&weak);
-        tx_cq.bind(weak.clone());
-        if !rx_cq.same(&tx_cq) {
-            rx_cq.bind(weak);
-        }
+        parts.bind(weak);
         if self.progress_thread {
             let w = Arc::downgrade(&core);
             let stop = core.stop.clone();

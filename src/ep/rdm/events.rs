@@ -223,12 +223,7 @@ impl RdmCore {
         context: u64,
         keep: Option<Buffer>,
     ) -> std::result::Result<Completion, CompletionError> {
-        let mut flags = CompletionFlags::SEND;
-        flags |= if s.tag.is_some() {
-            CompletionFlags::TAGGED
-        } else {
-            CompletionFlags::MSG
-        };
+        let flags = CompletionFlags::SEND | msg_kind(s.tag.is_some());
         let buf = keep.unwrap_or(Buffer::Send(s.buf));
         let tag = s.tag.unwrap_or(0);
         local_completion(context, flags, tag, s.len, s.error, s.status, buf)
@@ -241,12 +236,7 @@ impl RdmCore {
         target: Option<RecvTarget>,
         cache: &mut SrcCache,
     ) -> std::result::Result<Completion, CompletionError> {
-        let mut flags = CompletionFlags::RECV;
-        flags |= if r.tag.is_some() {
-            CompletionFlags::TAGGED
-        } else {
-            CompletionFlags::MSG
-        };
+        let mut flags = CompletionFlags::RECV | msg_kind(r.tag.is_some());
         if r.data.is_some() {
             flags |= CompletionFlags::REMOTE_CQ_DATA;
         }
@@ -309,6 +299,16 @@ impl RdmCore {
                 buf,
             }),
         }
+    }
+}
+
+/// `FI_TAGGED` for a tagged message, `FI_MSG` for another.
+#[inline]
+fn msg_kind(tagged: bool) -> CompletionFlags {
+    if tagged {
+        CompletionFlags::TAGGED
+    } else {
+        CompletionFlags::MSG
     }
 }
 

@@ -119,27 +119,11 @@ impl SendOptions {
     pub fn tagged(tag: u64) -> Self {
         SendOptions::default().with_tag(tag)
     }
+}
 
-    /// Sets [`tag`](Self::tag) to `Some(tag)`: a tagged send.
-    #[must_use]
-    pub fn with_tag(mut self, tag: u64) -> Self {
-        self.tag = Some(tag);
-        self
-    }
-
-    /// Sets [`data`](Self::data) to `Some(data)`: 4 bytes of remote CQ data.
-    #[must_use]
-    pub fn with_data(mut self, data: u32) -> Self {
-        self.data = Some(data);
-        self
-    }
-
-    /// Sets [`delivery_complete`](Self::delivery_complete).
-    #[must_use]
-    pub fn with_delivery_complete(mut self, on: bool) -> Self {
-        self.delivery_complete = on;
-        self
-    }
+with_setters! {
+    SendOptions { with_delivery_complete => delivery_complete: bool }
+    some { with_tag => tag: u64, with_data => data: u32 }
 }
 
 impl RecvOptions {
@@ -154,20 +138,11 @@ impl RecvOptions {
         self.tag = Some((tag, ignore));
         self
     }
+}
 
-    /// Sets [`from`](Self::from) to `Some(peer)`: only from this peer.
-    #[must_use]
-    pub fn with_from(mut self, peer: PeerId) -> Self {
-        self.from = Some(peer);
-        self
-    }
-
-    /// Sets [`multi_recv`](Self::multi_recv) to `Some(min_free)`: a multi-receive buffer.
-    #[must_use]
-    pub fn with_multi_recv(mut self, min_free: usize) -> Self {
-        self.multi_recv = Some(min_free);
-        self
-    }
+with_setters! {
+    RecvOptions {}
+    some { with_from => from: PeerId, with_multi_recv => multi_recv: usize }
 }
 
 /// One send of a batch ([`Endpoint::send_batch`]).

@@ -166,60 +166,31 @@ impl RequestedOptions {
     }
 }
 
-impl EndpointBuilder<Rdm> {
-    /// `FI_OPT_EFA_RNR_RETRY` (see [`EndpointOptions::rnr_retry`]): 0 to 7, 7 for ever.
-    /// `NotSupported` at [`build`](Self::build) on a device whose retry count cannot be set.
-    pub fn rnr_retry(mut self, n: u8) -> Self {
-        self.options.rnr_retry = Some(n);
-        self
-    }
-
-    /// `FI_OPT_EFA_USE_DEVICE_RDMA` for this endpoint (see
-    /// [`EndpointOptions::use_device_rdma`]); `true` on a device without RDMA is `NotSupported`
-    /// at [`build`](Self::build). Default: the domain's `FI_EFA_USE_DEVICE_RDMA`.
-    pub fn use_device_rdma(mut self, on: bool) -> Self {
-        self.options.use_device_rdma = Some(on);
-        self
-    }
-
-    /// `FI_OPT_SHARED_MEMORY_PERMITTED` (see [`EndpointOptions::shared_memory_permitted`]).
-    pub fn shared_memory_permitted(mut self, on: bool) -> Self {
-        self.options.shared_memory_permitted = Some(on);
-        self
-    }
-
-    /// `FI_OPT_EFA_SENDRECV_IN_ORDER_ALIGNED_128_BYTES` (see
-    /// [`EndpointOptions::sendrecv_in_order_aligned_128_bytes`]).
-    pub fn sendrecv_in_order_aligned_128_bytes(mut self, on: bool) -> Self {
-        self.options.sendrecv_in_order_aligned_128_bytes = on;
-        self
-    }
-
-    /// `FI_OPT_EFA_WRITE_IN_ORDER_ALIGNED_128_BYTES` (see
-    /// [`EndpointOptions::write_in_order_aligned_128_bytes`]): `true` makes
-    /// [`build`](Self::build) fail with `NotSupported`.
-    pub fn write_in_order_aligned_128_bytes(mut self, on: bool) -> Self {
-        self.options.write_in_order_aligned_128_bytes = on;
-        self
-    }
-
-    /// `FI_OPT_MIN_MULTI_RECV` (see [`EndpointOptions::min_multi_recv`]).
-    pub fn min_multi_recv(mut self, n: usize) -> Self {
-        self.options.min_multi_recv = Some(n);
-        self
-    }
-
-    /// `FI_OPT_MAX_MSG_SIZE` (see [`EndpointOptions::max_msg_size`]).
-    pub fn max_msg_size(mut self, n: usize) -> Self {
-        self.options.max_msg_size = Some(n);
-        self
-    }
-
-    /// `FI_OPT_INJECT_RMA_SIZE` (see [`EndpointOptions::inject_rma_size`]); more than the inject
-    /// size is `InvalidArgument` at [`build`](Self::build).
-    pub fn inject_rma_size(mut self, n: usize) -> Self {
-        self.options.inject_rma_size = Some(n);
-        self
+builder_setters! {
+    EndpointBuilder<Rdm>, in options {
+        /// `FI_OPT_EFA_RNR_RETRY` (see [`EndpointOptions::rnr_retry`]): 0 to 7, 7 for ever.
+        /// `NotSupported` at [`build`](Self::build) on a device whose retry count cannot be set.
+        rnr_retry: u8 => Some;
+        /// `FI_OPT_EFA_USE_DEVICE_RDMA` for this endpoint (see
+        /// [`EndpointOptions::use_device_rdma`]); `true` on a device without RDMA is `NotSupported`
+        /// at [`build`](Self::build). Default: the domain's `FI_EFA_USE_DEVICE_RDMA`.
+        use_device_rdma: bool => Some;
+        /// `FI_OPT_SHARED_MEMORY_PERMITTED` (see [`EndpointOptions::shared_memory_permitted`]).
+        shared_memory_permitted: bool => Some;
+        /// `FI_OPT_EFA_SENDRECV_IN_ORDER_ALIGNED_128_BYTES` (see
+        /// [`EndpointOptions::sendrecv_in_order_aligned_128_bytes`]).
+        sendrecv_in_order_aligned_128_bytes: bool;
+        /// `FI_OPT_EFA_WRITE_IN_ORDER_ALIGNED_128_BYTES` (see
+        /// [`EndpointOptions::write_in_order_aligned_128_bytes`]): `true` makes
+        /// [`build`](Self::build) fail with `NotSupported`.
+        write_in_order_aligned_128_bytes: bool;
+        /// `FI_OPT_MIN_MULTI_RECV` (see [`EndpointOptions::min_multi_recv`]).
+        min_multi_recv: usize => Some;
+        /// `FI_OPT_MAX_MSG_SIZE` (see [`EndpointOptions::max_msg_size`]).
+        max_msg_size: usize => Some;
+        /// `FI_OPT_INJECT_RMA_SIZE` (see [`EndpointOptions::inject_rma_size`]); more than the inject
+        /// size is `InvalidArgument` at [`build`](Self::build).
+        inject_rma_size: usize => Some;
     }
 }
 

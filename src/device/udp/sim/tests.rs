@@ -33,6 +33,12 @@ fn network(nc: NetConfig, hosts: &[(QpType, u8)]) -> (Net, Vec<usize>) {
     (net, ids)
 }
 
+/// A network of two SRD queue pairs that retry RNR for ever.
+fn srd_pair(nc: NetConfig) -> (Net, usize, usize) {
+    let (net, h) = network(nc, &[(QpType::Srd, RNR_FOREVER); 2]);
+    (net, h[0], h[1])
+}
+
 /// Posts MTU-sized receive buffers with work request ids `ids` on `host`.
 fn post_recvs(net: &mut Net, host: usize, ids: std::ops::Range<u64>) {
     for id in ids {
@@ -210,9 +216,7 @@ fn srd_delivers_every_message_once_intact_on_a_faulty_network() {
 fn sends_to_a_vanished_host_fail_unresponsive_in_time() {
     let seed = test_seed();
     let cfg = udp_config();
-    let srd = (QpType::Srd, RNR_FOREVER);
-    let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
-    let (a, b) = (h[0], h[1]);
+    let (mut net, a, b) = srd_pair(NetConfig::clean(seed));
     post_recvs(&mut net, b, 0..1);
     send(&mut net, a, b, 0, 100, seed);
     let mut done = Vec::new();
@@ -245,9 +249,7 @@ fn sends_to_a_vanished_host_fail_unresponsive_in_time() {
 /// Two SRD hosts, `n` receive buffers posted on the second and message 0 delivered (the
 /// sender has a round-trip estimate): the network and the hosts' indices.
 fn warm_pair(seed: u64, n: u32) -> (Net, usize, usize) {
-    let srd = (QpType::Srd, RNR_FOREVER);
-    let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
-    let (a, b) = (h[0], h[1]);
+    let (mut net, a, b) = srd_pair(NetConfig::clean(seed));
     post_recvs(&mut net, b, 0..u64::from(n));
     send(&mut net, a, b, 0, 100, seed);
     assert!(net.run_until(Duration::from_secs(1), |net| !net.poll(a).is_empty()));
@@ -735,9 +737,7 @@ fn small_bursts(net: &mut Net, a: usize, b: usize, bursts: u32, seed: u64) {
 #[test]
 fn a_queue_pair_whose_qkey_changed_packs_under_the_new_one() {
     let seed = test_seed();
-    let srd = (QpType::Srd, RNR_FOREVER);
-    let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
-    let (a, b) = (h[0], h[1]);
+    let (mut net, a, b) = srd_pair(NetConfig::clean(seed));
     net.set_qkey(a, 0x5a5a);
     net.set_qkey(b, 0x6b6b);
     small_bursts(&mut net, a, b, 20, seed);
@@ -765,9 +765,7 @@ fn small_packets_to_one_peer_leave_packed_and_arrive_exactly_once() {
         } else {
             NetConfig::clean(seed)
         };
-        let srd = (QpType::Srd, RNR_FOREVER);
-        let (mut net, h) = network(nc, &[srd, srd]);
-        let (a, b) = (h[0], h[1]);
+        let (mut net, a, b) = srd_pair(nc);
         small_bursts(&mut net, a, b, 60, seed);
         let s = net.host(a).counters.snapshot();
         let r = net.host(b).counters.snapshot();
@@ -798,9 +796,7 @@ fn small_packets_to_one_peer_leave_packed_and_arrive_exactly_once() {
 #[test]
 fn a_peer_of_the_older_wire_is_never_sent_packed_datagrams() {
     let seed = test_seed();
-    let srd = (QpType::Srd, RNR_FOREVER);
-    let (mut net, h) = network(NetConfig::faulty(seed), &[srd, srd]);
-    let (a, old) = (h[0], h[1]);
+    let (mut net, a, old) = srd_pair(NetConfig::faulty(seed));
     net.old_wire(old);
     small_bursts(&mut net, a, old, 20, seed);
     assert_eq!(counter(&net, a, |c| c.tx_packed), 0, "seed {seed}");
@@ -820,9 +816,7 @@ fn a_peer_of_the_older_wire_is_never_sent_packed_datagrams() {
 fn a_malformed_packed_datagram_is_dropped_whole_and_counted() {
     use super::super::wire;
     let seed = test_seed();
-    let srd = (QpType::Srd, RNR_FOREVER);
-    let (mut net, h) = network(NetConfig::clean(seed), &[srd, srd]);
-    let (a, b) = (h[0], h[1]);
+    let (mut net, a, b) = srd_pair(NetConfig::clean(seed));
     post_recvs(&mut net, b, 0..4);
     let (from, qkey, own) = (net.host(a).addr, net.addr(a).qkey, net.addr(b).qkey);
     let data = |own: u32, seq: u64| {
