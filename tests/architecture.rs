@@ -540,7 +540,8 @@ const KNOWN_SIBLING_CYCLES: &[&str] = &[
 
 /// The engine's shape (issue 31, points 1 and 7), as ratchets: `impl Engine` blocks outside
 /// `engine.rs`, `*_impl` forwarding functions and `engine.rs`'s length may only go down; the
-/// goals are 0, 0 (reached: none may come back) and 800 lines.
+/// goals, 0, 0 and under 800 lines, are reached: no `impl Engine` block or forwarder may come
+/// back, and `engine.rs` (the dispatcher) may only get shorter.
 #[test]
 fn the_engine_only_gets_leaner() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/proto");
@@ -573,12 +574,12 @@ fn the_engine_only_gets_leaner() {
         "engine: {impl_blocks} impl Engine blocks outside engine.rs, {forwards} *_impl functions, engine.rs {lines} lines"
     );
     assert!(
-        impl_blocks <= MAX_IMPL_ENGINE_OUTSIDE && forwards == 0 && lines <= MAX_ENGINE_RS_LINES,
-        "the engine grew back: {impl_blocks} `impl Engine` blocks outside engine.rs (at most \
-         {MAX_IMPL_ENGINE_OUTSIDE}), {forwards} `*_impl` functions (none: the goal is reached), \
-         engine.rs {lines} lines (at most {MAX_ENGINE_RS_LINES}); lower the ceilings when they fall"
+        impl_blocks == 0 && forwards == 0 && lines <= MAX_ENGINE_RS_LINES,
+        "the engine grew back: {impl_blocks} `impl Engine` blocks outside engine.rs and \
+         {forwards} `*_impl` functions (none: the goals are reached; a sub-state's logic is a \
+         method of the sub-state), engine.rs {lines} lines (at most {MAX_ENGINE_RS_LINES}); \
+         lower the ceiling when it falls"
     );
 }
 
-const MAX_IMPL_ENGINE_OUTSIDE: usize = 7;
-const MAX_ENGINE_RS_LINES: usize = 764;
+const MAX_ENGINE_RS_LINES: usize = 756;

@@ -32,6 +32,7 @@ use crate::stats::EndpointStats;
 mod budget;
 mod config;
 mod counts;
+mod cx;
 mod local;
 mod ops;
 mod peer;
@@ -46,6 +47,7 @@ mod wr;
 
 pub use config::{EngineConfig, EngineLimits, EngineSizes};
 pub use counts::TargetCounts;
+use cx::Cx;
 pub use local::{CopyFn, LocalMsg, SameHost};
 pub use ops::{
     Event, MAX_REMOTE_WRITE_EVENTS, Peeked, RecvDone, RecvOp, RemoteWriteDone, Resources, RmaBuf,
@@ -81,6 +83,8 @@ pub struct Engine {
     hdr: HeaderArena,
     /// Device RDMA and the read-based protocols (`read.rs`).
     rd: read::ReadState,
+    /// RDMA work requests waiting for room on the device.
+    wrs: VecDeque<wr::Wr>,
     /// Emulated RMA and atomics (`rma.rs`).
     ema: rma::Ema,
     /// Delivery-complete acknowledgements the local path owes (`local.rs`).
@@ -110,6 +114,7 @@ impl Engine {
             memory: None,
             hdr: HeaderArena::default(),
             rd: read::ReadState::default(),
+            wrs: VecDeque::new(),
             ema: rma::Ema::default(),
             local_receipts: VecDeque::new(),
             target_counts: TargetCounts::default(),
@@ -153,26 +158,10 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
         }
-        if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.out.timers);
-        }
-        if self.tx.ops.len() >= self.cfg.max_tx_ops {
-            return Err((
-                self.out.again("send", "max_tx_ops operations in flight"),
-                op,
-            ));
-        }
-        let Some(pid) = self.peer_for_send(op.dest) else {
-            let e = Error::new(ErrorKind::NoMemory, "send").with_detail("peer table full");
-            return Err((e, op));
-        };
-        let (tx, rd, ema, mut cx) = self.parts();
-        tx.send(
-            pid,
-            op,
-            |id| rd.owns_id(id) || ema.owns_send_id(id),
-            &mut cx,
-        )
+        let mut p = self.parts();
+        let (rd, ema) = (&*p.rd, &*p.ema);
+        let taken = |id| rd.owns_id(id) || ema.owns_send_id(id);
+        p.tx.send(now, op, taken, &mut p.cx)
     }
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
@@ -185,21 +174,8 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("recv"), op));
         }
-        match self.rx.post(op, self.cfg.max_rx_ops, &mut self.out)? {
-            recv::Posting::Done => {}
-            recv::Posting::Matched(rid, sink) => self.start_matched(now, rid, sink, None),
-            recv::Posting::Multi(m) => {
-                while let Some((rid, sink, retired)) = self.rx.next_multi_match(&m) {
-                    self.start_matched(now, rid, sink, None);
-                    if retired {
-                        self.rx.multi_retired(&m, &mut self.out);
-                        return Ok(());
-                    }
-                }
-                self.rx.queue_multi(m);
-            }
-        }
-        Ok(())
+        let mut p = self.parts();
+        p.rx.post_recv(now, op, &mut p.cx)
     }
 
     /// Cancels the oldest posted receive with `context` that has not started matching; it
@@ -237,11 +213,8 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("recv_claimed"), op));
         }
-        let (rid, sink) = self
-            .rx
-            .take_claimed(claim, op, self.cfg.max_rx_ops, &mut self.out)?;
-        self.start_matched(now, rid, sink, None);
-        Ok(())
+        let mut p = self.parts();
+        p.rx.recv_claimed(now, claim, op, &mut p.cx)
     }
 
     /// Discards an unexpected tagged message (`FI_DISCARD`); its sender's operation still
@@ -253,9 +226,20 @@ impl Engine {
         let (p, entry) = self.rx.discard(tag, ignore, src)?;
         if let Some((rid, last)) = entry {
             // Received and thrown away, so that the sender completes normally.
-            self.start_matched(last, rid, rx::Sink::discard(), None);
+            let mut p = self.parts();
+            p.rx.start_matched(last, rid, rx::Sink::discard(), None, &mut p.cx);
         }
         Ok(p)
+    }
+
+    /// Tells the engine whether its queue pair lets RDMA writes with immediate data land without
+    /// a posted receive buffer
+    /// ([`DeviceCaps::unsolicited_write_recv`](crate::device::DeviceCaps::unsolicited_write_recv)):
+    /// advertised in the HANDSHAKE (with RDMA write), and device
+    /// writes with immediate data are used only towards peers with the same setting, as
+    /// libfabric. Default false. (An addition to the declared API.)
+    pub fn set_unsolicited_write_recv(&mut self, on: bool) {
+        self.rd.set_unsolicited(on);
     }
 
     /// Gives the engine the memory peers' emulated RMA and atomics reach. Without it, such
@@ -270,10 +254,19 @@ impl Engine {
         reason = "the refused operation is handed back by value, as send and post_recv do"
     )]
     pub fn rma(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
+        if self.closed {
+            return Err((Engine::closed_error("rma"), op));
+        }
         // Device RDMA (and LONGREAD_RTW) first; the op comes back when it must be emulated.
-        match self.try_device_rma(now, op)? {
+        let mut p = self.parts();
+        let ema = &*p.ema;
+        let taken = |id| ema.owns_send_id(id);
+        match p.rd.try_device(now, op, p.tx, taken, &mut p.cx)? {
             None => Ok(()),
-            Some(op) => self.rma_emulated(now, op),
+            Some(op) => {
+                let mut p = self.parts();
+                p.ema.start(op, p.tx, p.rd, p.rx, &mut p.cx)
+            }
         }
     }
 
@@ -290,16 +283,10 @@ impl Engine {
         if self.closed {
             return;
         }
-        let (_, rd, _, mut cx) = self.parts();
-        let Some(w) = rd.completed(now, wr_id, status, buf, &mut cx) else {
+        let mut p = self.parts();
+        let Some(pid) = p.rd.completed(now, wr_id, status, buf, p.rx, &mut p.cx) else {
             return;
         };
-        let pid = w.peer;
-        match w.owner {
-            wr::WrOwner::Op(id) => self.op_wr_done(id, w, status),
-            wr::WrOwner::Rx(rid) => self.rx_wr_done(now, rid, w, status),
-            wr::WrOwner::Rtw(id) => self.rtw_wr_done(now, id, w, status),
-        }
         if peer::peer_fatal(status) && self.peers.contains_key(&pid) {
             self.fail_peer(pid, status.error_kind(), Some(status), "RDMA failed");
         }
@@ -316,10 +303,10 @@ impl Engine {
         // receive buffers while too many wait ([`Engine::remote_writes_full`]), which holds the
         // device back (receiver not ready) on devices where a write with immediate data takes
         // one.
-        self.target_counts.count(true, true);
-        let src = self.peers.writer(src);
-        self.out.remote_write(RemoteWriteDone {
-            src,
+        let cx = self.parts().cx;
+        cx.counts.count(true, true);
+        cx.out.remote_write(RemoteWriteDone {
+            src: cx.peers.writer(src),
             data: imm,
             len,
         });
@@ -343,14 +330,23 @@ impl Engine {
         let Some(pid) = self.identify(now, src, &pkt) else {
             return;
         };
+        let mut p = self.parts();
         match pkt {
             Packet::EagerRtm { .. }
             | Packet::MediumRtm { .. }
             | Packet::LongCtsRtm { .. }
             | Packet::LongReadRtm { .. }
-            | Packet::RuntReadRtm { .. } => self.handle_rtm(now, pid, &pkt, payload),
+            | Packet::RuntReadRtm { .. } => {
+                let ema = &*p.ema;
+                let taken = |id| ema.owns_recv_id(id);
+                if p.rx.handle_rtm(now, pid, &pkt, payload, taken, &mut p.cx) {
+                    p.ema.drain(now, pid, p.rx, &mut p.cx);
+                }
+            }
             Packet::LongReadRtw { .. } | Packet::Eor { .. } | Packet::ReadNack { .. } => {
-                self.handle_read_pkt(now, pid, &pkt, payload)
+                if let Some(op) = p.rd.handle_pkt(pid, &pkt, p.tx, &mut p.cx) {
+                    self.emulate(op);
+                }
             }
             Packet::EagerRtw {
                 rma_iov,
@@ -367,59 +363,64 @@ impl Engine {
                 recv_length,
                 read_req: true,
                 ..
-            } => self.ema_cts_read(now, pid, send_id, recv_id, recv_length),
+            } => p
+                .ema
+                .cts_read(now, pid, send_id, recv_id, recv_length, &mut p.cx),
+            // The id says whose it is (one id space: `TxSide::alloc_id`).
+            Packet::Cts {
+                send_id,
+                recv_id,
+                recv_length,
+                ..
+            } if p.ema.owns_send_id(send_id) => {
+                p.ema
+                    .cts_write(now, pid, send_id, recv_id, recv_length, &mut p.cx)
+            }
             Packet::Cts {
                 send_id,
                 recv_id,
                 recv_length,
                 ..
             } => {
-                // The id says whose it is (one id space: `alloc_tx_id`).
-                if !self.ema.owns_send_id(send_id) {
-                    let (tx, _, _, mut cx) = self.parts();
-                    tx.handle_cts(pid, send_id, recv_id, recv_length, &mut cx);
-                } else if !self.ema_cts_write(now, pid, send_id, recv_id, recv_length) {
-                    self.drop_pkt("CTS for an RMA operation of another peer or state");
-                }
+                p.tx.handle_cts(pid, send_id, recv_id, recv_length, &mut p.cx)
             }
             Packet::CtsData {
                 recv_id,
                 seg_offset,
                 ..
+            } if p.ema.owns_recv_id(recv_id) => p
+                .ema
+                .ctsdata(now, pid, recv_id, seg_offset, payload, &mut p.cx),
+            Packet::CtsData {
+                recv_id,
+                seg_offset,
+                ..
             } => {
-                if !self.ema_owns_recv_id(recv_id) {
-                    self.handle_ctsdata(now, pid, recv_id, seg_offset, payload)
-                } else if !self.ema_ctsdata(now, pid, recv_id, seg_offset, payload) {
-                    self.drop_pkt("CTSDATA for an RMA operation of another peer or state");
-                }
+                p.rx.handle_ctsdata(now, pid, recv_id, seg_offset, payload, &mut p.cx)
             }
             Packet::LongCtsRtw { .. }
             | Packet::LongCtsRtr { .. }
             | Packet::EagerRtw { .. }
             | Packet::ShortRtr { .. }
-            | Packet::Rta { .. } => self.ema_request(now, pid, &pkt, payload),
+            | Packet::Rta { .. } => p.ema.request(now, pid, &pkt, payload, p.rx, &mut p.cx),
+            Packet::Receipt { send_id, .. } if p.ema.owns_send_id(send_id) => {
+                p.ema.receipt(pid, send_id, p.cx.out)
+            }
             Packet::Receipt {
                 send_id, msg_id, ..
-            } => {
-                if !self.ema.owns_send_id(send_id) {
-                    let (tx, _, _, mut cx) = self.parts();
-                    tx.handle_receipt(pid, send_id, msg_id, &mut cx);
-                } else if !self.ema_receipt(pid, send_id) {
-                    self.drop_pkt("RECEIPT for an RMA operation of another peer or a read");
-                }
-            }
+            } => p.tx.handle_receipt(pid, send_id, msg_id, &mut p.cx),
             Packet::ReadRsp {
                 recv_id, send_id, ..
-            } => self.ema_readrsp(pid, recv_id, send_id, payload),
-            Packet::AtomRsp { recv_id, .. } => self.ema_atomrsp(pid, recv_id, payload),
+            } => p.ema.readrsp(pid, recv_id, send_id, payload, &mut p.cx),
+            Packet::AtomRsp { recv_id, .. } => p.ema.atomrsp(pid, recv_id, payload, p.cx.out),
             Packet::PeerError {
                 op_id,
                 ref_kind: wire::peer_error_ref::OPE_INDEX,
                 prov_errno,
                 ..
-            } => self.ema_peer_error(pid, op_id, prov_errno),
+            } => p.ema.peer_error(pid, op_id, prov_errno, p.cx.out),
             // Exhaustive: a new packet type does not compile until it has its arm here.
-            Packet::PeerError { .. } => self.drop_pkt_type(&pkt),
+            Packet::PeerError { .. } => p.cx.out.drop_pkt_type(&pkt),
         }
         // Every packet from a peer makes sure our HANDSHAKE goes to it (once).
         if self.peers.contains_key(&pid) {
@@ -432,14 +433,14 @@ impl Engine {
         if self.closed {
             return;
         }
-        let (tx, _, _, mut cx) = self.parts();
-        match tx.completed(now, wr_id, status, &mut cx) {
+        let mut p = self.parts();
+        match p.tx.completed(now, wr_id, status, &mut p.cx) {
             tx::Then::Nothing => {}
-            tx::Then::Ema(owner, s) => self.ema_pkt_done(&owner, s),
+            tx::Then::Ema(owner, s) => self.ema.pkt_done(&owner, s, &mut self.out),
             tx::Then::FailPeer(pid, s) => {
                 self.fail_peer(pid, s.error_kind(), Some(s), "send failed")
             }
-            tx::Then::ReadReqFailed(id, s) => self.read_req_failed(id, s),
+            tx::Then::ReadReqFailed(id, s) => self.rd.req_failed(id, s, &mut self.out),
         }
     }
 
@@ -448,28 +449,19 @@ impl Engine {
         if self.closed {
             return;
         }
-        if self.out.timers.expired(Timer::Backoff, now) {
-            self.peers.expire_backoffs(now, &mut self.out.timers);
+        let mut p = self.parts();
+        let (cx, due) = (&mut p.cx, |cx: &Cx<'_>, t| cx.out.timers.expired(t, now));
+        if due(cx, Timer::Backoff) {
+            cx.peers.expire_backoffs(now, &mut cx.out.timers);
         }
-        if self.out.timers.expired(Timer::RxStall, now) {
-            // Receives that got no packet for `rx_stall_timeout` fail.
-            let stall = self.cfg.rx_stall_timeout;
-            let (stalled, mut next) = self.rx.stalled(now, stall);
-            for rid in stalled {
-                self.stall_rx(rid, now);
-                if self.rx.ops.contains_key(&rid) {
-                    let due = now.checked_add(stall).unwrap_or(now);
-                    next = Some(next.map_or(due, |n| n.min(due)));
-                }
-            }
-            let next = if self.rx.in_progress > 0 { next } else { None };
-            self.out.timers.set(Timer::RxStall, next);
+        if due(cx, Timer::RxStall) {
+            p.rx.stall_timeout(now, cx);
         }
-        if self.out.timers.expired(Timer::ReadRetry, now) {
-            self.read_timeout(now);
+        if due(cx, Timer::ReadRetry) {
+            p.rd.timeout(now, cx);
         }
-        if self.out.timers.expired(Timer::EmaRetry, now) {
-            self.ema_timeout(now);
+        if due(cx, Timer::EmaRetry) {
+            p.ema.timeout(now, cx);
         }
     }
 
@@ -483,24 +475,25 @@ impl Engine {
         }
         let (tx, peers, hdr) = (&mut self.tx, &mut self.peers, &mut self.hdr);
         let ema = |o: &_, a, b| self.ema.payload(o, a, b);
-        if !self.rd.has_wrs() {
+        if self.wrs.is_empty() {
             return tx.next_packet(peers, hdr, ema);
         }
         // Packets and RDMA work requests take turns (the device's send queue holds both).
+        let wrs = &mut self.wrs;
         if self.rd.rdma_turn() {
             self.rd
-                .next_wr(peers)
+                .next_wr(wrs, peers)
                 .or_else(|| tx.next_packet(peers, hdr, ema))
         } else {
             tx.next_packet(peers, hdr, ema)
-                .or_else(|| self.rd.next_wr(peers))
+                .or_else(|| self.rd.next_wr(wrs, peers))
         }
     }
 
     /// True when [`Engine::poll_transmit`] may have something (packets queued, peers in
     /// backoff, RDMA work requests waiting); false means it certainly has nothing.
     pub fn transmit_pending(&self) -> bool {
-        self.peers.has_ready() || self.peers.in_backoff() || self.rd.has_wrs()
+        self.peers.has_ready() || self.peers.in_backoff() || !self.wrs.is_empty()
     }
 
     /// Messages and bytes held without a receive now (what [`Engine::resources`] reports as
@@ -560,48 +553,32 @@ impl Engine {
             return;
         }
         self.closed = true;
-        self.rx.matcher.remove_unexpected_where(|_| true);
         // Receives first (pieces of multi-receive buffers before the buffers themselves).
-        let ids = self.rx.ops.sorted_keys();
-        for id in ids {
-            self.abort_rx(id, ErrorKind::Canceled, "close");
-        }
-        self.rx.cancel_all(&mut self.out);
-        let (tx, _, _, mut cx) = self.parts();
-        for id in tx.ops.sorted_keys() {
-            let e = Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed");
-            tx.fail(id, e, None, &mut cx);
-        }
-        self.read_close();
-        self.ema_fail(
-            None,
-            &Engine::closed_error("rma").with_detail("endpoint closed"),
-            None,
-        );
-        self.rx.claimed.clear();
-        self.tx.wrs.clear();
-        self.peers
-            .close(self.cfg.recvwin_size, &mut self.out.timers);
-        self.budget.reset();
-        self.rx.user_ops = 0;
-        self.out.timers.stop(Timer::RxStall);
-        self.rx.in_progress = 0;
+        let mut p = self.parts();
+        p.rx.close(&mut p.cx);
+        p.tx.close(&mut p.cx);
+        p.rd.close(&mut p.cx);
+        let e = Engine::closed_error("rma").with_detail("endpoint closed");
+        p.ema.fail(None, &e, None, p.cx.out);
+        p.cx.peers
+            .close(p.cx.cfg.recvwin_size, &mut p.cx.out.timers);
+        p.cx.budget.reset();
     }
 
     /// What the engine holds now.
     pub fn resources(&self) -> Resources {
         Resources {
-            tx_ops: self.tx.ops.len() + self.rd_ops() + self.ema_ops(),
+            tx_ops: self.tx.ops.len() + self.rd.ops_len() + self.ema.ops_len(),
             rx_ops: self.rx.user_ops,
             unexpected_msgs: self.budget.unexpected().0,
             unexpected_bytes: self.budget.unexpected().1,
             reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
             buffered_msgs: self.budget.held().0,
             buffered_bytes: self.budget.held().1,
-            queued_pkts: self.peers.queued() + self.rd_queued_wrs(),
+            queued_pkts: self.peers.queued() + self.wrs.len(),
             outstanding_pkts: self.wrs_outstanding(),
             peers: self.peers.len(),
-            target_ops: self.ema_target_ops() + self.rd_targets(),
+            target_ops: self.ema.target_ops() + self.rd.targets(),
             remote_write_events: self.out.remote_write_events,
         }
     }
@@ -636,9 +613,9 @@ impl Engine {
         self.out.drop_pkt(why);
     }
 
-    fn drop_pkt_type(&mut self, pkt: &Packet<'_>) {
-        self.out.stats.dropped_pkts += 1;
-        tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
+    /// Packets and RDMA work requests on the device (bounded by `max_outstanding_tx`).
+    fn wrs_outstanding(&self) -> usize {
+        self.tx.wrs.len() + self.rd.outstanding()
     }
 
     fn closed_error(op: &'static str) -> Error {
@@ -670,13 +647,6 @@ impl Engine {
         Some(pid)
     }
 
-    /// The peer a send to `dest` goes to, created if new; `None` when the table is full.
-    fn peer_for_send(&mut self, dest: RawAddr) -> Option<u64> {
-        let max = self.budget.limits.max_peers;
-        self.peers
-            .for_send(dest, max, self.cfg.recvwin_size, &mut self.out)
-    }
-
     /// Queues our HANDSHAKE to `pid` unless it went already.
     fn queue_handshake(&mut self, pid: u64) {
         if !self.peers.handshake_due(pid) {
@@ -686,7 +656,7 @@ impl Engine {
             &self.cfg,
             self.local,
             self.remote_events,
-            self.rd_unsolicited_write_recv(),
+            self.rd.unsolicited(),
         );
         if let Some(hdr) = util::encode(&Packet::Handshake(hs)) {
             self.peers.queue_handshake(pid, hdr);
@@ -699,13 +669,21 @@ impl Engine {
         let Some((first, blocked)) = self.peers.handshake_arrived(pid, h) else {
             return;
         };
-        let (tx, _, _, mut cx) = self.parts();
+        let mut p = self.parts();
         for id in blocked {
-            tx.schedule_ctsdata(id, &mut cx);
+            p.tx.schedule_ctsdata(id, &mut p.cx);
         }
-        self.ema_handshake(now, pid);
+        p.ema.handshake(now, pid, &mut p.cx);
         if first {
-            self.read_handshake_arrived(now, pid);
+            loop {
+                let mut p = self.parts();
+                let ema = &*p.ema;
+                let taken = |id| ema.owns_send_id(id);
+                let Some(op) = p.rd.next_after_handshake(pid, p.tx, taken, &mut p.cx) else {
+                    break;
+                };
+                self.emulate(op);
+            }
         }
     }
 
@@ -720,45 +698,59 @@ impl Engine {
         if p.held_back {
             self.budget.hold_change(p.addr, false);
         }
-        let addr = p.addr;
-        self.rx.matcher.remove_unexpected_where(|u| u.src == addr);
-        let mut rids: Vec<u32> = p.inbound.values().copied().collect();
-        rids.sort_unstable();
-        for rid in rids {
-            self.abort_rx(rid, kind, why);
-        }
-        let mut tids: Vec<u32> = self
-            .tx
-            .ops
-            .iter()
-            .filter(|(_, t)| t.peer == pid)
-            .map(|(id, _)| id)
-            .collect();
-        tids.sort_unstable();
-        let (tx, _, _, mut cx) = self.parts();
-        for tid in tids {
-            tx.fail(
-                tid,
-                Error::new(kind, "send").with_detail(why),
-                status,
-                &mut cx,
-            );
-        }
-        self.read_peer_failed(pid, kind, status, why);
-        self.ema_fail(Some(pid), &Error::new(kind, "rma").with_detail(why), status);
+        let g = types::Gone { kind, status, why };
+        let Parts {
+            tx,
+            rx,
+            rd,
+            ema,
+            mut cx,
+        } = self.parts();
+        rx.peer_gone(&p, g, &mut cx);
+        tx.peer_failed(pid, g, &mut cx);
+        rd.peer_failed(pid, g, &mut cx);
+        ema.fail(Some(pid), &g.error("rma"), status, cx.out);
     }
 
-    /// The transmit side, the RDMA side, the emulation and what their handlers reach.
-    fn parts(&mut self) -> (&mut tx::TxSide, &mut read::ReadState, &rma::Ema, tx::Cx<'_>) {
-        let cx = tx::Cx {
-            cfg: &self.cfg,
-            local: self.local,
-            remote_events: self.remote_events,
-            memory: self.memory.as_deref(),
-            peers: &mut self.peers,
-            out: &mut self.out,
-            rng: &mut self.rng,
-        };
-        (&mut self.tx, &mut self.rd, &self.ema, cx)
+    /// Starts `op` with the emulation; a refused one completes with its error.
+    fn emulate(&mut self, op: RmaOp) {
+        let mut p = self.parts();
+        if let Err((e, op)) = p.ema.start(op, p.tx, p.rd, p.rx, &mut p.cx) {
+            let buf = RmaBuf::from_kind(op.kind);
+            p.cx.out
+                .rma_done(op.context, buf, 0, RmaPath::Emulated, Some(e), None);
+        }
     }
+
+    /// The sub-states and what their handlers reach (a split borrow of the engine).
+    fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            tx: &mut self.tx,
+            rx: &mut self.rx,
+            rd: &mut self.rd,
+            ema: &mut self.ema,
+            cx: Cx {
+                cfg: &self.cfg,
+                local: self.local,
+                remote_events: self.remote_events,
+                memory: self.memory.as_deref(),
+                peers: &mut self.peers,
+                budget: &mut self.budget,
+                wrs: &mut self.wrs,
+                out: &mut self.out,
+                rng: &mut self.rng,
+                counts: &mut self.target_counts,
+                receipts: &mut self.local_receipts,
+            },
+        }
+    }
+}
+
+/// The engine's sub-states and the context their handlers take ([`Engine::parts`]).
+struct Parts<'a> {
+    tx: &'a mut tx::TxSide,
+    rx: &'a mut rx::RxSide,
+    rd: &'a mut read::ReadState,
+    ema: &'a mut rma::Ema,
+    cx: Cx<'a>,
 }

@@ -92,7 +92,8 @@ impl SameHost<'_> {
                     data: m.data,
                     dc_send_id: m.dc_token,
                 };
-                self.0.finish_rx(sink, &done);
+                let mut p = self.0.parts();
+                p.rx.finish_rx(sink, &done, &mut p.cx);
                 return None;
             }
         }
@@ -112,14 +113,24 @@ impl SameHost<'_> {
             seg_offset: 0,
             read: None,
         };
-        let rid = self
-            .0
-            .new_rx_from(now, LOCAL_PEER, src, &rtm, m.msg_len, RxState::Waiting);
-        match posted.and_then(|i| self.0.rx.take_posted(tagged, i, m.msg_len)) {
-            Some(sink) => self.0.start_matched(now, rid, sink, None),
+        let mut p = self.0.parts();
+        let (rx, ema, cx) = (p.rx, &*p.ema, &mut p.cx);
+        let taken = |id| ema.owns_recv_id(id);
+        let rid = rx.new_rx(
+            now,
+            LOCAL_PEER,
+            src,
+            &rtm,
+            m.msg_len,
+            RxState::Waiting,
+            taken,
+            cx,
+        );
+        match posted.and_then(|i| rx.take_posted(tagged, i, m.msg_len)) {
+            Some(sink) => rx.start_matched(now, rid, sink, None, cx),
             None => {
-                self.0.out.stats.unexpected_msgs += 1;
-                self.0.queue_unexpected(rid);
+                cx.out.stats.unexpected_msgs += 1;
+                rx.queue_unexpected(rid, cx);
             }
         }
         self.local_data(now, rid, 0, n, copy);
@@ -186,7 +197,7 @@ impl SameHost<'_> {
         if self.0.closed {
             return;
         }
-        if let Some(pid) = self.0.peer_for_send(addr) {
+        if let Some(pid) = self.0.parts().cx.peer_for_send(addr) {
             self.0.queue_handshake(pid);
         }
     }
@@ -201,10 +212,12 @@ impl SameHost<'_> {
             .get(&rid)
             .is_some_and(|e| e.peer == LOCAL_PEER)
         {
-            self.0.abort_rx(
+            let mut p = self.0.parts();
+            p.rx.abort_rx(
                 rid,
                 crate::error::ErrorKind::ConnectionAborted,
                 "the sender's message was cut short",
+                &mut p.cx,
             );
         }
     }
@@ -217,9 +230,10 @@ impl SameHost<'_> {
 
     /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.
     fn local_data(&mut self, now: Instant, rid: u32, off: usize, n: usize, copy: CopyFn<'_>) {
-        let engine = &mut *self.0;
-        let fits = engine.budget.fits(n);
-        let Some(e) = engine.rx.ops.get_mut(&rid) else {
+        let mut p = self.0.parts();
+        let (rx, cx) = (p.rx, &mut p.cx);
+        let fits = cx.budget.fits(n);
+        let Some(e) = rx.ops.get_mut(&rid) else {
             return;
         };
         e.received += n;
@@ -232,7 +246,7 @@ impl SameHost<'_> {
             RxState::Matched(sink) => {
                 place_local(sink, off, n, copy);
                 if complete {
-                    engine.complete_rx(rid);
+                    rx.complete_rx(rid, cx);
                 }
             }
             RxState::Dropped => {}
@@ -248,7 +262,7 @@ impl SameHost<'_> {
                 let unexp = !matches!(e.state, RxState::Waiting);
                 e.held.push((off, b.freeze()));
                 e.held_bytes += n;
-                engine.budget.add_bytes(n, unexp);
+                cx.budget.add_bytes(n, unexp);
             }
         }
     }

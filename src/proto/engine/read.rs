@@ -6,9 +6,10 @@
 //!   operation waits for it (a 0-byte EAGER_RTW makes the peer send it), as libfabric does;
 //! * **LONGREAD_RTW**: a long write from a registered buffer, read by the target, then EOR;
 //! * **LONGREAD_RTM / RUNTREAD_RTM**: large messages from a registered buffer, read by the
-//!   receiver (after a runt sent in packets), then EOR;
-//! * **READ_NACK**: a receiver that cannot read makes the sender fall back to long-CTS (messages)
-//!   or to the emulated write (LONGREAD_RTW).
+//!   receiver (after a runt sent in packets: `rx/read.rs`), then EOR;
+//! * **READ_NACK**: a receiver that cannot read makes the sender fall back to long-CTS (messages,
+//!   `tx/read.rs`) or to the emulated write (LONGREAD_RTW: the operation is handed back to the
+//!   dispatcher, which gives it to the emulation).
 //!
 //! The choices are described in `docs/protocol.md`, "Device RDMA and the read-based protocols".
 //!
@@ -16,22 +17,21 @@
 //! ([`BytesMut::split_off`]), each piece goes to the device and comes back in its completion, and
 //! the pieces are joined again ([`BytesMut::unsplit`], which is O(1) for neighbouring pieces).
 
-use crate::proto::engine::util::Timer;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::util::WrTable;
 use bytes::{Bytes, BytesMut};
 
+use super::cx::Cx;
 use super::peer::Peers;
-use super::rx::{RxEntry, RxState};
-use super::tx::Cx;
-use super::types::{Kind, Owner, Pkt};
-use super::util::{IdMap, encode};
-use super::wr::{Phase, Pieces, ReadIovs, Wr, WrOwner, WrWhat, carve};
+use super::rx::RxSide;
+use super::tx::TxSide;
+use super::types::{Gone, Owner, Pkt};
+use super::util::{IdMap, Out, Timer, WrTable, encode, sorted};
+use super::wr::{Pieces, ReadIovs, Wr, WrOwner, WrWhat, carve, read_segment, write_segment};
 use super::{
-    Engine, Error, ErrorKind, Event, RemoteWriteDone, RmaBuf, RmaDone, RmaKind, RmaMemory, RmaOp,
-    RmaPath, Transmit, TransmitKind,
+    Error, ErrorKind, RemoteWriteDone, RmaBuf, RmaKind, RmaMemory, RmaOp, RmaPath, Transmit,
+    TransmitKind,
 };
 use crate::device::{RemoteIov, Status};
 use crate::mem::RegionSlice;
@@ -39,8 +39,6 @@ use crate::proto::wire::{ExtraFeature, IovList, Packet, ReqOpt};
 
 /// Marks the `wr_id`s of RDMA work requests (those of packets have bit 63 clear).
 const RDMA_WR: u64 = 1 << 63;
-/// Largest piece of a device write (libfabric's `efa_write_segment_size`).
-const WRITE_SEGMENT: u64 = 1 << 30;
 /// Largest piece a LONGREAD_RTW target reads at once: its buffer is held until written into
 /// the memory, so this bounds what a peer makes the target allocate per work request.
 const RTW_SEGMENT: usize = 1 << 20;
@@ -51,10 +49,10 @@ const MAX_QUEUED_BEFORE_HANDSHAKE: usize = 16;
 const MEMORY_RETRY: Duration = Duration::from_micros(20);
 
 mod device;
-mod msg;
 mod rtw;
 
 use device::DevOp;
+pub(super) use device::own_buffers;
 use rtw::RtwTarget;
 pub(super) use rtw::write_range;
 
@@ -69,8 +67,6 @@ pub(super) struct ReadState {
     ops: IdMap<u32, DevOp>,
     /// Operations in `ops` waiting for a HANDSHAKE.
     waiting: usize,
-    /// Work requests waiting for room on the device.
-    wrs: VecDeque<Wr>,
     /// Work requests on the device.
     outstanding: WrTable<Wr, RDMA_WR>,
     rtw: IdMap<u32, RtwTarget>,
@@ -85,15 +81,17 @@ impl ReadState {
     /// The device completed RDMA work request `wr_id` (`buf`: a read's buffer handed back).
     /// A write that met RNR, or any request the target refused for want of an AH for us, goes
     /// again (backing off; the latter after introducing us) and `None` is returned; else the
-    /// work request, to be handed to its owner.
+    /// work request goes to its owner (a device RMA operation, a LONGREAD_RTW target here, or
+    /// a message's reads in `rx`) and its peer is returned.
     pub(super) fn completed(
         &mut self,
         now: Instant,
         wr_id: u64,
         status: Status,
         buf: Option<BytesMut>,
+        rx: &mut RxSide,
         cx: &mut Cx<'_>,
-    ) -> Option<Wr> {
+    ) -> Option<u64> {
         let Some(mut w) = self.outstanding.take(wr_id) else {
             tracing::debug!(wr_id, "RDMA completion for an unknown work request");
             return None;
@@ -108,7 +106,7 @@ impl ReadState {
             cx.out.stats.retransmits += 1;
             w.rnr = w.rnr.saturating_add(1);
             let (again, pid) = (w.rnr > 1, w.peer);
-            self.wrs.push_front(w);
+            cx.wrs.push_front(w);
             if again {
                 cx.peers
                     .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
@@ -129,7 +127,7 @@ impl ReadState {
                 *slot = buf;
             }
             let pid = w.peer;
-            self.wrs.push_front(w);
+            cx.wrs.push_front(w);
             cx.peers.introduce(pid, cx.local);
             cx.peers
                 .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
@@ -138,17 +136,18 @@ impl ReadState {
         if let WrWhat::Read { buf: slot, .. } = &mut w.what {
             *slot = buf;
         }
-        Some(w)
+        let pid = w.peer;
+        match w.owner {
+            WrOwner::Op(id) => self.op_wr_done(id, w, status, cx),
+            WrOwner::Rx(rid) => rx.read_done(now, rid, w, status, cx),
+            WrOwner::Rtw(id) => self.rtw_wr_done(now, id, w, status, cx),
+        }
+        Some(pid)
     }
 
     /// True when `id` is the id of a device RMA operation in flight.
     pub(super) fn owns_id(&self, id: u32) -> bool {
         !self.ops.is_empty() && self.ops.contains_key(&id)
-    }
-
-    /// Work requests wait for room on the device.
-    pub(super) fn has_wrs(&self) -> bool {
-        !self.wrs.is_empty()
     }
 
     /// Whose turn it is on the device when packets and RDMA work requests both wait: true for
@@ -158,14 +157,14 @@ impl ReadState {
         self.turn
     }
 
-    /// The next RDMA work request for the device (skipping peers in RNR backoff).
-    pub(super) fn next_wr(&mut self, peers: &Peers) -> Option<Transmit> {
+    /// The next RDMA work request of the queue `wrs` for the device (skipping peers in RNR
+    /// backoff).
+    pub(super) fn next_wr(&mut self, wrs: &mut VecDeque<Wr>, peers: &Peers) -> Option<Transmit> {
         loop {
-            let i = self
-                .wrs
+            let i = wrs
                 .iter()
                 .position(|w| peers.get(&w.peer).is_none_or(|p| p.backoff_until.is_none()))?;
-            let mut w = self.wrs.remove(i)?;
+            let mut w = wrs.remove(i)?;
             let (payload, kind) = match &mut w.what {
                 WrWhat::Write { off, end, imm } => {
                     let (buf, region) = match w.owner {
@@ -226,137 +225,94 @@ impl ReadState {
             });
         }
     }
-}
 
-impl Engine {
-    /// Tells the engine whether its queue pair lets RDMA writes with immediate data land without
-    /// a posted receive buffer
-    /// ([`DeviceCaps::unsolicited_write_recv`](crate::device::DeviceCaps::unsolicited_write_recv)):
-    /// advertised in the HANDSHAKE (with RDMA write), and device
-    /// writes with immediate data are used only towards peers with the same setting, as
-    /// libfabric. Default false. (An addition to the declared API.)
-    pub fn set_unsolicited_write_recv(&mut self, on: bool) {
-        self.rd.unsolicited = on;
+    /// Whether the queue pair lets RDMA writes with immediate data land without a posted
+    /// receive buffer (`Engine::set_unsolicited_write_recv`).
+    pub(super) fn set_unsolicited(&mut self, on: bool) {
+        self.unsolicited = on;
     }
 
-    pub(super) fn rd_unsolicited_write_recv(&self) -> bool {
-        self.rd.unsolicited
+    pub(super) fn unsolicited(&self) -> bool {
+        self.unsolicited
     }
 
     /// RMA operations of this module in flight (counted as operations in `Resources::tx_ops`).
-    pub(in crate::proto::engine) fn rd_ops(&self) -> usize {
-        self.rd.ops.len()
+    pub(super) fn ops_len(&self) -> usize {
+        self.ops.len()
     }
 
     /// LONGREAD_RTW writes of peers this side reads and places.
-    pub(super) fn rd_targets(&self) -> usize {
-        self.rd.rtw.len()
+    pub(super) fn targets(&self) -> usize {
+        self.rtw.len()
     }
 
-    /// RDMA work requests waiting for room on the device.
-    pub(super) fn rd_queued_wrs(&self) -> usize {
-        self.rd.wrs.len()
-    }
-
-    /// Packets and RDMA work requests on the device (bounded by `max_outstanding_tx`).
-    pub(super) fn wrs_outstanding(&self) -> usize {
-        self.tx.wrs.len() + self.rd.outstanding.len()
-    }
-
-    fn segment(&self, limit: u64) -> usize {
-        let limit = if limit == 0 { WRITE_SEGMENT } else { limit };
-        let seg = match self.cfg.max_rdma_size {
-            0 => limit,
-            m => limit.min(m),
-        };
-        usize::try_from(seg).unwrap_or(usize::MAX)
-    }
-
-    /// Largest piece of a read: `min(inter_read_segment_size, max_rdma_size)` (`max_rdma_size`
-    /// 0: no limit of its own).
-    fn read_segment(&self) -> usize {
-        self.segment(self.cfg.inter_read_segment_size as u64)
-    }
-
-    /// Largest piece of a device write: `min(1 GiB, max_rdma_size)`.
-    fn write_segment(&self) -> usize {
-        self.segment(WRITE_SEGMENT)
+    /// RDMA work requests on the device.
+    pub(super) fn outstanding(&self) -> usize {
+        self.outstanding.len()
     }
 
     /// A write with immediate data may go to the device: both sides agree on unsolicited
     /// write-recv.
-    fn imm_ok(&self, pid: u64) -> bool {
-        self.peers.get(&pid).is_some_and(|p| {
-            p.addr == self.local
-                || p.features.has(ExtraFeature::UnsolicitedWriteRecv) == self.rd.unsolicited
+    fn imm_ok(&self, pid: u64, cx: &Cx<'_>) -> bool {
+        cx.peers.get(&pid).is_some_and(|p| {
+            p.addr == cx.local
+                || p.features.has(ExtraFeature::UnsolicitedWriteRecv) == self.unsolicited
         })
     }
 
     /// The peer is gone: its RMA operations fail, the LONGREAD_RTW reads from it stop.
-    pub(super) fn read_peer_failed(
-        &mut self,
-        pid: u64,
-        kind: ErrorKind,
-        status: Option<Status>,
-        why: &'static str,
-    ) {
-        let mut ids: Vec<u32> = self
-            .rd
-            .ops
-            .iter()
-            .filter(|(_, o)| o.peer() == pid)
-            .map(|(&id, _)| id)
-            .collect();
-        ids.sort_unstable();
-        for id in ids {
+    pub(super) fn peer_failed(&mut self, pid: u64, g: Gone, cx: &mut Cx<'_>) {
+        let ids = self.ops.iter().filter(|(_, o)| o.peer() == pid);
+        for id in sorted(ids.map(|(&id, _)| id)) {
             // An operation with work requests on the device ends with their completions: a
             // write the target's device acknowledged before the peer failed (it got its data and
             // exited) succeeded, and a read's buffer is not handed back while the device may
             // still fill it. Only what was not posted yet is withdrawn, failing the operation.
             let on_device = self
-                .rd
                 .outstanding
                 .values()
                 .any(|w| w.owner == WrOwner::Op(id));
             if on_device {
-                self.withdraw_queued(id, status.unwrap_or(Status::UnresponsiveRemote));
+                let status = g.status.unwrap_or(Status::UnresponsiveRemote);
+                self.withdraw_queued(id, status, cx.wrs);
             } else {
-                self.abort_op(id, kind, status, why);
+                self.abort_op(id, g.kind, g.status, g.why, cx);
             }
         }
-        self.rd.rtw.retain(|_, t| t.peer != pid);
-        self.rd.wrs.retain(|w| w.peer != pid);
+        self.rtw.retain(|_, t| t.peer != pid);
+        cx.wrs.retain(|w| w.peer != pid);
     }
 
     /// `close()`: every operation of this module completes with `Canceled`.
-    pub(super) fn read_close(&mut self) {
-        let mut ids: Vec<u32> = self.rd.ops.keys().copied().collect();
-        ids.sort_unstable();
-        for id in ids {
-            self.abort_op(id, ErrorKind::Canceled, None, "endpoint closed");
+    pub(super) fn close(&mut self, cx: &mut Cx<'_>) {
+        for id in sorted(self.ops.keys().copied()) {
+            self.abort_op(id, ErrorKind::Canceled, None, "endpoint closed", cx);
         }
-        self.rd.wrs.clear();
-        self.rd.outstanding.clear();
-        self.rd.rtw.clear();
-        self.tx.read_close();
-        self.rd.waiting = 0;
-        self.out.timers.stop(Timer::ReadRetry);
+        cx.wrs.clear();
+        self.outstanding.clear();
+        self.rtw.clear();
+        self.waiting = 0;
+        cx.out.timers.stop(Timer::ReadRetry);
     }
 
-    /// EOR, READ_NACK and LONGREAD_RTW.
-    pub(super) fn handle_read_pkt(
+    /// EOR, READ_NACK (a read-based message's go to the transmit side `tx`) and LONGREAD_RTW.
+    /// A LONGREAD_RTW the target NACKed comes back, to be emulated.
+    pub(super) fn handle_pkt(
         &mut self,
-        now: Instant,
         pid: u64,
         pkt: &Packet<'_>,
-        payload: &[u8],
-    ) {
-        let _ = payload;
+        tx: &mut TxSide,
+        cx: &mut Cx<'_>,
+    ) -> Option<RmaOp> {
         match *pkt {
-            Packet::Eor { send_id, .. } => self.handle_eor(pid, send_id),
+            Packet::Eor { send_id, .. } if tx.ops.contains_key(&send_id) => {
+                tx.handle_eor(pid, send_id, cx)
+            }
+            Packet::Eor { send_id, .. } => self.handle_eor(pid, send_id, cx.out),
             Packet::ReadNack {
                 send_id, recv_id, ..
-            } => self.handle_read_nack(now, pid, send_id, recv_id),
+            } if tx.ops.contains_key(&send_id) => tx.handle_read_nack(pid, send_id, recv_id, cx),
+            Packet::ReadNack { send_id, .. } => return self.handle_read_nack(pid, send_id, cx.out),
             Packet::LongReadRtw {
                 ref opt,
                 msg_length,
@@ -366,9 +322,10 @@ impl Engine {
             } => {
                 let data = opt.cq_data.map(|d| d as u32);
                 let (rma, read) = (ReadIovs::of(rma_iov), ReadIovs::of(read_iov));
-                self.handle_longread_rtw(pid, data, msg_length, send_id, rma, read)
+                self.handle_longread_rtw(pid, data, msg_length, send_id, rma, read, cx)
             }
-            _ => self.drop_pkt_type(pkt),
+            _ => cx.out.drop_pkt_type(pkt),
         }
+        None
     }
 }

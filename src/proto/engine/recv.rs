@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
+use super::cx::Cx;
 use super::rx::{RxSide, RxState, Sink};
 use super::util::Out;
 use super::{Error, ErrorKind, Event, Peeked, RecvDone, RecvOp};
@@ -192,6 +193,52 @@ impl RxSide {
         for mid in mids {
             self.retire_multi(mid, Some(ErrorKind::Canceled), out);
         }
+    }
+
+    /// Posts a receive (`Engine::post_recv`): matched at once against unexpected messages
+    /// (which start being received into it), else queued.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
+    pub(super) fn post_recv(
+        &mut self,
+        now: Instant,
+        op: RecvOp,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), (Error, RecvOp)> {
+        match self.post(op, cx.cfg.max_rx_ops, cx.out)? {
+            Posting::Done => {}
+            Posting::Matched(rid, sink) => self.start_matched(now, rid, sink, None, cx),
+            Posting::Multi(m) => {
+                while let Some((rid, sink, retired)) = self.next_multi_match(&m) {
+                    self.start_matched(now, rid, sink, None, cx);
+                    if retired {
+                        self.multi_retired(&m, cx.out);
+                        return Ok(());
+                    }
+                }
+                self.queue_multi(m);
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives claimed message `claim` into `op` (`Engine::recv_claimed`).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the refused receive is handed back by value"
+    )]
+    pub(super) fn recv_claimed(
+        &mut self,
+        now: Instant,
+        claim: u64,
+        op: RecvOp,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), (Error, RecvOp)> {
+        let (rid, sink) = self.take_claimed(claim, op, cx.cfg.max_rx_ops, cx.out)?;
+        self.start_matched(now, rid, sink, None, cx);
+        Ok(())
     }
 
     /// Posts a receive (at most `max_rx_ops`; more is `Again`, the receive handed back): an

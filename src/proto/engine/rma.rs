@@ -11,7 +11,7 @@
 //!   COMPARE answered by ATOMRSP), with a `msg_id` of the peer's message sequence: the target
 //!   applies them in the reorder window's order, after the messages sent before them.
 //! * At the target, memory the application holds locked (`Again`) is retried from
-//!   [`Engine::handle_timeout`] in arrival order; nothing is dropped.
+//!   `Engine::handle_timeout` ([`Ema::timeout`]) in arrival order; nothing is dropped.
 
 use crate::proto::engine::util::Timer;
 use std::collections::{HashMap, VecDeque};
@@ -19,10 +19,14 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 
+use super::cx::Cx;
 use super::peer::our_sender;
+use super::read::ReadState;
+use super::rx::{Ready, RxSide};
+use super::tx::TxSide;
 use super::types::{Owner, Pkt};
-use super::util::encode;
-use super::{Engine, Event, RemoteWriteDone, RmaBuf, RmaKind, RmaOp, RmaPath};
+use super::util::{Out, encode};
+use super::{Event, RemoteWriteDone, RmaBuf, RmaKind, RmaOp, RmaPath};
 use crate::atomic::{AtomicOp, AtomicType};
 use crate::device::{RemoteIov, Status};
 use crate::error::{Error, ErrorKind};
@@ -168,6 +172,16 @@ impl Ema {
         !self.ops.is_empty() && self.ops.contains_key(&id)
     }
 
+    /// Peers' operations the emulation serves (see [`super::Resources::target_ops`]).
+    pub(super) fn target_ops(&self) -> usize {
+        self.tgt.len() + self.retry.len() + self.rta.len() + self.resp.len()
+    }
+
+    /// Operations of the emulation in flight.
+    pub(super) fn ops_len(&self) -> usize {
+        self.ops.len()
+    }
+
     /// The payload of a packet of the emulation (`None`: its owner is gone).
     pub(super) fn payload(&self, owner: &Owner, off: usize, end: usize) -> Option<Bytes> {
         match owner {
@@ -191,10 +205,18 @@ impl Ema {
     }
 }
 
-impl Engine {
+impl Ema {
     /// A request of a peer's RMA or atomic operation (LONGCTS_RTW, LONGCTS_RTR, EAGER_RTW,
     /// SHORT_RTR, RTA): this side is its target.
-    pub(super) fn ema_request(&mut self, now: Instant, pid: u64, pkt: &Packet<'_>, payload: &[u8]) {
+    pub(super) fn request(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        pkt: &Packet<'_>,
+        payload: &[u8],
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
+    ) {
         match *pkt {
             Packet::LongCtsRtw {
                 opt,
@@ -203,7 +225,7 @@ impl Engine {
                 dc,
                 rma_iov,
                 ..
-            } => self.ema_longcts_rtw(
+            } => self.longcts_rtw(
                 now,
                 pid,
                 rma_iov,
@@ -212,6 +234,8 @@ impl Engine {
                 dc,
                 opt.cq_data,
                 payload,
+                rx,
+                cx,
             ),
             Packet::LongCtsRtr {
                 msg_length,
@@ -219,15 +243,15 @@ impl Engine {
                 recv_length,
                 rma_iov,
                 ..
-            } => self.ema_longcts_rtr(now, pid, rma_iov, msg_length, recv_id, recv_length),
+            } => self.longcts_rtr(now, pid, rma_iov, msg_length, recv_id, recv_length, rx, cx),
             Packet::EagerRtw {
                 opt,
                 dc_send_id,
                 rma_iov,
-            } => self.ema_rtw(now, pid, rma_iov, dc_send_id, opt.cq_data, payload),
+            } => self.rtw(now, pid, rma_iov, dc_send_id, opt.cq_data, payload, cx),
             Packet::ShortRtr {
                 rma_iov, recv_id, ..
-            } => self.ema_rtr(now, pid, rma_iov, recv_id),
+            } => self.rtr(now, pid, rma_iov, recv_id, cx),
             Packet::Rta {
                 kind,
                 msg_id,
@@ -235,7 +259,7 @@ impl Engine {
                 atomic_op,
                 rma_iov,
                 ..
-            } => self.ema_rta(
+            } => self.rta(
                 now,
                 pid,
                 kind,
@@ -244,71 +268,44 @@ impl Engine {
                 atomic_datatype,
                 rma_iov,
                 payload,
+                rx,
+                cx,
             ),
-            _ => self.drop_pkt_type(pkt),
+            _ => cx.out.drop_pkt_type(pkt),
         }
     }
 
-    /// Emulated RMA and atomics (RTW / RTR / RTA). The operation owns its buffers from here on.
+    /// Starts an emulated operation (RTW / RTR / RTA); it owns its buffers from here on.
+    /// The ids come from the transmit side's space (`tx`, `rd`: the ids device RMA holds) and,
+    /// for a long-CTS read, the receive side's (`rx`).
     #[allow(
         clippy::result_large_err,
         reason = "the refused operation is handed back by value, as send and post_recv do"
     )]
-    pub(super) fn rma_emulated(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
-        let _ = now;
-        let op = Engine::own_buffers(op)?;
-        self.ema_start(op)
-    }
-
-    fn ema_sender(&self, pid: u64) -> Sender {
-        our_sender(
-            self.local,
-            self.peers.get(&pid).is_some_and(|p| p.hs_received),
-        )
-    }
-
-    fn ema_new_id(&mut self) -> u32 {
-        loop {
-            let id = self.new_op_id();
-            if !self.ema.ops.contains_key(&id) {
-                return id;
-            }
-        }
-    }
-
-    /// Peers' operations the emulation serves (see [`super::Resources::target_ops`]).
-    pub(super) fn ema_target_ops(&self) -> usize {
-        self.ema.tgt.len() + self.ema.retry.len() + self.ema.rta.len() + self.ema.resp.len()
-    }
-
-    /// Operations of the emulation in flight.
-    pub(super) fn ema_ops(&self) -> usize {
-        self.ema.ops.len()
-    }
-
-    /// Starts an emulated operation.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
-    pub(super) fn ema_start(&mut self, op: RmaOp) -> Result<(), (Error, RmaOp)> {
-        if self.closed {
-            return Err((Engine::closed_error("rma"), op));
-        }
-        if self.tx.ops.len() + self.rd_ops() + self.ema.ops.len() >= self.cfg.max_tx_ops {
+    pub(super) fn start(
+        &mut self,
+        op: RmaOp,
+        tx: &mut TxSide,
+        rd: &ReadState,
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), (Error, RmaOp)> {
+        let op = super::read::own_buffers(op)?;
+        if tx.ops.len() + rd.ops_len() + self.ops.len() >= cx.cfg.max_tx_ops {
             return Err((
                 Error::new(ErrorKind::Again, "rma").with_detail("max_tx_ops operations in flight"),
                 op,
             ));
         }
-        let Some(pid) = self.peer_for_send(op.dest) else {
+        let Some(pid) = cx.peer_for_send(op.dest) else {
             let e = Error::new(ErrorKind::NoMemory, "rma").with_detail("peer table full");
             return Err((e, op));
         };
+        let hs = cx.peers.get(&pid).is_some_and(|p| p.hs_received);
         let s = Start {
             pid,
-            sender: self.ema_sender(pid),
-            id: self.ema_new_id(),
+            sender: our_sender(cx.local, hs),
+            id: tx.alloc_id(|id| rd.owns_id(id) || self.owns_send_id(id)),
             dest: op.dest,
             remote: op.remote,
             local_key: op.local_key,
@@ -316,15 +313,15 @@ impl Engine {
             context: op.context,
         };
         match op.kind {
-            RmaKind::Write { buf, data } => self.ema_start_write(s, buf, data),
-            RmaKind::Read { buf } => self.ema_start_read(s, buf),
+            RmaKind::Write { buf, data } => self.start_write(s, buf, data, cx),
+            RmaKind::Read { buf } => self.start_read(s, buf, rx, cx),
             RmaKind::Atomic {
                 op,
                 datatype,
                 operand,
                 compare,
                 fetch,
-            } => self.ema_start_atomic(s, op, datatype, operand, compare, fetch),
+            } => self.start_atomic(s, op, datatype, operand, compare, fetch, cx),
         }
     }
 
@@ -333,11 +330,12 @@ impl Engine {
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
     )]
-    fn ema_start_write(
+    fn start_write(
         &mut self,
         s: Start,
         buf: Bytes,
         data: Option<u32>,
+        cx: &mut Cx<'_>,
     ) -> Result<(), (Error, RmaOp)> {
         let back = |e: Error, buf: Bytes| Err((e, s.op(RmaKind::Write { buf, data })));
         let len = buf.len();
@@ -356,18 +354,19 @@ impl Engine {
             dc_send_id: Some(s.id),
             rma_iov: IovList::new(&one),
         };
-        let mtu = self.cfg.mtu;
+        let mtu = cx.cfg.mtu;
         let hdr = encode(&pkt).filter(|h| h.bytes().len().saturating_add(len) <= mtu);
         let Some(hdr) = hdr else {
             // Longer than one packet: long-CTS, delivery complete like the eager write (so a
             // write that completed is in the target's memory, and one refused midway fails
             // here).
-            return match self.cts_write_start(s.pid, s.id, opt, s.remote, buf, true, s.context) {
+            let (pid, id, remote, context) = (s.pid, s.id, s.remote, s.context);
+            return match self.cts_write_start(pid, id, opt, remote, buf, true, context, cx) {
                 Ok(()) => Ok(()),
                 Err((e, buf)) => back(e, buf),
             };
         };
-        self.ema.ops.insert(
+        self.ops.insert(
             s.id,
             EmaOp {
                 pid: s.pid,
@@ -380,7 +379,7 @@ impl Engine {
                 cts: None,
             },
         );
-        self.peers
+        cx.peers
             .enqueue(Pkt::new(s.pid, Owner::Ema(s.id), hdr, 0, len), false, false);
         Ok(())
     }
@@ -390,7 +389,13 @@ impl Engine {
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
     )]
-    fn ema_start_read(&mut self, s: Start, mut buf: BytesMut) -> Result<(), (Error, RmaOp)> {
+    fn start_read(
+        &mut self,
+        s: Start,
+        mut buf: BytesMut,
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), (Error, RmaOp)> {
         let back = |e: Error, buf: BytesMut| Err((e, s.op(RmaKind::Read { buf })));
         let len = usize::try_from(s.remote.len).unwrap_or(usize::MAX);
         if len > isize::MAX as usize / 2 {
@@ -402,8 +407,8 @@ impl Engine {
             sender: s.sender,
             cq_data: None,
         };
-        if len > self.readrsp_room() {
-            return match self.cts_read_start(s.pid, opt, s.remote, buf, s.context) {
+        if len > cts::readrsp_room(cx) {
+            return match self.cts_read_start(s.pid, opt, s.remote, buf, s.context, rx, cx) {
                 Ok(()) => Ok(()),
                 Err((e, buf)) => back(e, buf),
             };
@@ -418,7 +423,7 @@ impl Engine {
         let Some(hdr) = encode(&pkt) else {
             return back(Error::new(ErrorKind::Io, "read"), buf);
         };
-        self.ema.ops.insert(
+        self.ops.insert(
             s.id,
             EmaOp {
                 pid: s.pid,
@@ -431,7 +436,7 @@ impl Engine {
                 cts: None,
             },
         );
-        self.peers
+        cx.peers
             .enqueue(Pkt::ctrl(s.pid, Owner::Ema(s.id), hdr), false, false);
         Ok(())
     }
@@ -441,7 +446,8 @@ impl Engine {
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
     )]
-    fn ema_start_atomic(
+    #[allow(clippy::too_many_arguments)]
+    fn start_atomic(
         &mut self,
         s: Start,
         aop: AtomicOp,
@@ -449,6 +455,7 @@ impl Engine {
         operand: Bytes,
         compare: Option<Bytes>,
         fetch: Option<BytesMut>,
+        cx: &mut Cx<'_>,
     ) -> Result<(), (Error, RmaOp)> {
         let id = s.id;
         let len = usize::try_from(s.remote.len).unwrap_or(usize::MAX);
@@ -469,7 +476,7 @@ impl Engine {
             None if aop == AtomicOp::Read => Bytes::new(),
             None => operand.clone(),
         };
-        let msg_id = self.peers.get(&s.pid).map_or(0, |p| p.next_msg_id);
+        let msg_id = cx.peers.get(&s.pid).map_or(0, |p| p.next_msg_id);
         let one = [s.remote];
         let pkt = Packet::Rta {
             opt: ReqOpt {
@@ -482,7 +489,7 @@ impl Engine {
             atomic_op: aop.code(),
             rma_iov: IovList::new(&one),
         };
-        let mtu = self.cfg.mtu;
+        let mtu = cx.cfg.mtu;
         let hdr = encode(&pkt).filter(|h| h.bytes().len() + pay.len() <= mtu);
         let hdr = match (check, hdr) {
             (Ok(()), Some(h)) => h,
@@ -501,11 +508,11 @@ impl Engine {
                 return Err((e, s.op(kind)));
             }
         };
-        if let Some(p) = self.peers.get_mut(&s.pid) {
+        if let Some(p) = cx.peers.get_mut(&s.pid) {
             p.next_msg_id = p.next_msg_id.wrapping_add(1);
         }
         let n = pay.len();
-        self.ema.ops.insert(
+        self.ops.insert(
             id,
             EmaOp {
                 pid: s.pid,
@@ -523,39 +530,39 @@ impl Engine {
         );
         // Read atomics carry no payload: the packet's range is empty.
         let end = if aop == AtomicOp::Read { 0 } else { n };
-        self.peers
+        cx.peers
             .enqueue(Pkt::new(s.pid, Owner::Ema(id), hdr, 0, end), false, false);
         Ok(())
     }
 
     /// A packet of the emulation left the device: responses free their payload; a failed
     /// request fails its operation.
-    pub(super) fn ema_pkt_done(&mut self, owner: &Owner, status: Status) {
+    pub(super) fn pkt_done(&mut self, owner: &Owner, status: Status, out: &mut Out) {
         match *owner {
             Owner::Resp(id) => {
-                if let Some((_, n)) = self.ema.resp.get_mut(&id) {
+                if let Some((_, n)) = self.resp.get_mut(&id) {
                     *n = n.saturating_sub(1);
                     if *n == 0 {
-                        self.ema.resp.remove(&id);
+                        self.resp.remove(&id);
                     }
                 }
             }
-            Owner::Ema(id) if status.is_ok() => self.cts_pkt_sent(id),
+            Owner::Ema(id) if status.is_ok() => self.cts_pkt_sent(id, out),
             Owner::Ema(id) => {
                 let e = Error::new(status.error_kind(), "rma")
                     .with_detail(format!("device status {status}"));
-                if let Some(op) = self.ema.ops.get_mut(&id) {
+                if let Some(op) = self.ops.get_mut(&id) {
                     op.error.get_or_insert((e, Some(status)));
                     op.waiting = op.waiting.saturating_sub(1);
                 }
-                self.ema_maybe_done(id);
+                self.maybe_done(id, out);
             }
             _ => {}
         }
     }
 
-    fn ema_maybe_done(&mut self, id: u32) {
-        let Some(op) = self.ema.ops.get_mut(&id) else {
+    fn maybe_done(&mut self, id: u32, out: &mut Out) {
+        let Some(op) = self.ops.get_mut(&id) else {
             return;
         };
         // A long-CTS operation ends at its first error (its packets still queued are skipped).
@@ -566,11 +573,11 @@ impl Engine {
         if busy {
             return;
         }
-        let Some(op) = self.ema.ops.remove(&id) else {
+        let Some(op) = self.ops.remove(&id) else {
             return;
         };
-        if op.cts.is_some() && !self.ema.blocked.is_empty() {
-            self.ema.blocked.retain(|&(_, s)| s != Side::Op(id));
+        if op.cts.is_some() && !self.blocked.is_empty() {
+            self.blocked.retain(|&(_, s)| s != Side::Op(id));
         }
         let (error, status) = match op.error {
             Some((e, s)) => (Some(e), s),
@@ -588,96 +595,118 @@ impl Engine {
                 RmaBuf::Atomic { operand, fetch }
             }
         };
-        self.rma_event(op.context, buf, op.len, RmaPath::Emulated, error, status);
+        out.rma_done(op.context, buf, op.len, RmaPath::Emulated, error, status);
     }
 
     /// Fails every operation towards `pid` (peer failure) or every one (close, `pid` `None`).
-    pub(super) fn ema_fail(&mut self, pid: Option<u64>, e: &Error, status: Option<Status>) {
+    pub(super) fn fail(
+        &mut self,
+        pid: Option<u64>,
+        e: &Error,
+        status: Option<Status>,
+        out: &mut Out,
+    ) {
         let ids: Vec<u32> = self
-            .ema
             .ops
             .iter()
             .filter(|(_, o)| pid.is_none_or(|p| o.pid == p))
             .map(|(k, _)| *k)
             .collect();
         for id in ids {
-            if let Some(op) = self.ema.ops.get_mut(&id) {
+            if let Some(op) = self.ops.get_mut(&id) {
                 op.error = Some((e.clone(), status));
                 op.waiting = 0;
             }
-            self.ema_maybe_done(id);
+            self.maybe_done(id, out);
         }
         self.cts_forget(pid);
         if pid.is_none() {
-            self.ema.retry.clear();
-            self.ema.retry_bytes = 0;
-            self.ema.rta.clear();
-            self.ema.resp.clear();
+            self.retry.clear();
+            self.retry_bytes = 0;
+            self.rta.clear();
+            self.resp.clear();
         }
     }
 
-    /// A RECEIPT: true when it answered an emulated write or atomic.
-    /// True when `id` is the send-side id of an emulated RMA operation in flight.
-    pub(super) fn ema_receipt(&mut self, pid: u64, send_id: u32) -> bool {
-        match self.ema.ops.get_mut(&send_id) {
+    /// A RECEIPT for an emulated operation (`send_id` is one's): it answered a write or an
+    /// atomic.
+    pub(super) fn receipt(&mut self, pid: u64, send_id: u32, out: &mut Out) {
+        match self.ops.get_mut(&send_id) {
             Some(op) if op.pid == pid && !matches!(op.kind, OpKind::Read(_)) => {
                 op.waiting = op.waiting.saturating_sub(1);
-                self.ema_maybe_done(send_id);
-                true
+                self.maybe_done(send_id, out);
             }
-            _ => false,
+            _ => out.drop_pkt("RECEIPT for an RMA operation of another peer or a read"),
         }
     }
 
     /// A READRSP: the answer to a SHORT_RTR, or the start of a LONGCTS_RTR's data.
-    pub(super) fn ema_readrsp(&mut self, pid: u64, recv_id: u32, send_id: u32, data: &[u8]) {
-        let Some(op) = self.ema.ops.get_mut(&recv_id) else {
-            return self.drop_pkt("READRSP for no read");
+    pub(super) fn readrsp(
+        &mut self,
+        pid: u64,
+        recv_id: u32,
+        send_id: u32,
+        data: &[u8],
+        cx: &mut Cx<'_>,
+    ) {
+        let Some(op) = self.ops.get_mut(&recv_id) else {
+            return cx.out.drop_pkt("READRSP for no read");
         };
-        if op.cts.is_some() {
-            return self.cts_readrsp(pid, recv_id, send_id, data);
+        if let Some(c) = op.cts.as_deref_mut() {
+            // A long-CTS read: the responder's id and the first bytes.
+            if op.pid != pid || c.peer_id.is_some() {
+                return cx
+                    .out
+                    .drop_pkt("READRSP that does not start a long-CTS read");
+            }
+            c.peer_id = Some(send_id);
+            return self.cts_read_data(pid, recv_id, 0, data, cx);
         }
         let OpKind::Read(b) = &mut op.kind else {
-            return self.drop_pkt("READRSP for an operation that is not a read");
+            return cx
+                .out
+                .drop_pkt("READRSP for an operation that is not a read");
         };
         if op.pid != pid || data.len() != op.len || op.waiting == 0 {
-            return self.drop_pkt("READRSP from another peer, of the wrong length or repeated");
+            return cx
+                .out
+                .drop_pkt("READRSP from another peer, of the wrong length or repeated");
         }
         if let Some(dst) = b.get_mut(..data.len()) {
             dst.copy_from_slice(data);
         }
         op.waiting = 0;
-        self.ema_maybe_done(recv_id);
+        self.maybe_done(recv_id, cx.out);
     }
 
     /// An ATOMRSP: the previous values of a fetch or compare atomic.
-    pub(super) fn ema_atomrsp(&mut self, pid: u64, recv_id: u32, data: &[u8]) {
-        let Some(op) = self.ema.ops.get_mut(&recv_id) else {
-            return self.drop_pkt("ATOMRSP for no atomic");
+    pub(super) fn atomrsp(&mut self, pid: u64, recv_id: u32, data: &[u8], out: &mut Out) {
+        let Some(op) = self.ops.get_mut(&recv_id) else {
+            return out.drop_pkt("ATOMRSP for no atomic");
         };
         let OpKind::Atomic {
             fetch: Some(f),
             operand_len,
         } = &mut op.kind
         else {
-            return self.drop_pkt("ATOMRSP for no fetching atomic");
+            return out.drop_pkt("ATOMRSP for no fetching atomic");
         };
         if op.pid != pid || data.len() != *operand_len {
-            return self.drop_pkt("ATOMRSP from another peer or of the wrong length");
+            return out.drop_pkt("ATOMRSP from another peer or of the wrong length");
         }
         f.clear();
         f.extend_from_slice(data);
         op.waiting = op.waiting.saturating_sub(1);
-        self.ema_maybe_done(recv_id);
+        self.maybe_done(recv_id, out);
     }
 
     /// A PEER_ERROR: the target refused one of our operations.
-    pub(super) fn ema_peer_error(&mut self, pid: u64, op_id: u32, prov_errno: u32) {
-        let Some(op) = self.ema.ops.get_mut(&op_id) else {
-            return self.drop_pkt("PEER_ERROR for no operation");
+    pub(super) fn peer_error(&mut self, pid: u64, op_id: u32, prov_errno: u32, out: &mut Out) {
+        let Some(op) = self.ops.get_mut(&op_id) else {
+            return out.drop_pkt("PEER_ERROR for no operation");
         };
         if op.pid != pid {
-            return self.drop_pkt("PEER_ERROR from another peer");
+            return out.drop_pkt("PEER_ERROR from another peer");
         }
         let status = u8::try_from(prov_errno)
             .ok()
@@ -687,13 +716,14 @@ impl Engine {
             .with_detail(format!("the target refused it: {status}"));
         op.error.get_or_insert((e, Some(status)));
         op.waiting = op.waiting.saturating_sub(1);
-        self.ema_maybe_done(op_id);
+        self.maybe_done(op_id, out);
     }
 
     // ---- target side ----
 
     /// An EAGER_RTW or DC_EAGER_RTW with its data.
-    pub(super) fn ema_rtw(
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rtw(
         &mut self,
         now: Instant,
         pid: u64,
@@ -701,13 +731,16 @@ impl Engine {
         dc_send_id: Option<u32>,
         cq_data: Option<u64>,
         data: &[u8],
+        cx: &mut Cx<'_>,
     ) {
         let iovs: Vec<RemoteIov> = rma_iov.iter().collect();
         let total = iovs.iter().try_fold(0u64, |t, i| t.checked_add(i.len));
         if total != Some(data.len() as u64) {
-            return self.drop_pkt("RTW whose ranges and data differ in length");
+            return cx
+                .out
+                .drop_pkt("RTW whose ranges and data differ in length");
         }
-        self.ema_target(
+        self.target(
             now,
             Work::Write {
                 pid,
@@ -716,17 +749,25 @@ impl Engine {
                 dc_send_id,
                 cq_data,
             },
+            cx,
         );
     }
 
     /// A SHORT_RTR.
-    pub(super) fn ema_rtr(&mut self, now: Instant, pid: u64, rma_iov: IovList<'_>, recv_id: u32) {
+    pub(super) fn rtr(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        rma_iov: IovList<'_>,
+        recv_id: u32,
+        cx: &mut Cx<'_>,
+    ) {
         let mut it = rma_iov.iter();
         let (Some(iov), None) = (it.next(), it.next()) else {
-            return self.drop_pkt("SHORT_RTR with other than one range");
+            return cx.out.drop_pkt("SHORT_RTR with other than one range");
         };
         let fits = encode(&Packet::ReadRsp {
-            connid: Some(self.local.qkey),
+            connid: Some(cx.local.qkey),
             recv_id,
             send_id: 0,
             seg_length: iov.len,
@@ -734,17 +775,17 @@ impl Engine {
         .is_some_and(|h| {
             (h.bytes().len() as u64)
                 .checked_add(iov.len)
-                .is_some_and(|n| n <= self.cfg.mtu as u64)
+                .is_some_and(|n| n <= cx.cfg.mtu as u64)
         });
         if !fits {
-            return self.drop_pkt("SHORT_RTR larger than one READRSP");
+            return cx.out.drop_pkt("SHORT_RTR larger than one READRSP");
         }
-        self.ema_target(now, Work::Read { pid, iov, recv_id });
+        self.target(now, Work::Read { pid, iov, recv_id }, cx);
     }
 
     /// An RTA: held in the peer's reorder window until its turn.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn ema_rta(
+    pub(super) fn rta(
         &mut self,
         now: Instant,
         pid: u64,
@@ -754,16 +795,18 @@ impl Engine {
         datatype: u32,
         rma_iov: IovList<'_>,
         data: &[u8],
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
     ) {
         let mut it = rma_iov.iter();
         let (Some(iov), None) = (it.next(), it.next()) else {
-            self.drop_pkt("RTA with other than one range");
-            return self.skip_msg_id(now, pid, msg_id);
+            cx.out.drop_pkt("RTA with other than one range");
+            return self.skip_msg_id(now, pid, msg_id, rx, cx);
         };
         // An atomic's operands fit one packet; so does what it fetches.
-        if iov.len > self.cfg.mtu as u64 || data.len() > self.cfg.mtu {
-            self.drop_pkt("RTA larger than a packet");
-            return self.skip_msg_id(now, pid, msg_id);
+        if iov.len > cx.cfg.mtu as u64 || data.len() > cx.cfg.mtu {
+            cx.out.drop_pkt("RTA larger than a packet");
+            return self.skip_msg_id(now, pid, msg_id, rx, cx);
         }
         let w = Work::Atomic {
             pid,
@@ -774,35 +817,53 @@ impl Engine {
             iov,
             data: Bytes::copy_from_slice(data),
         };
-        match self.window_slot(now, pid, msg_id) {
+        match rx.window_slot(now, pid, msg_id, |id| self.owns_recv_id(id), cx) {
             Some(rid) => {
-                self.ema.rta.insert(rid, w);
-                self.drain_ready(now, pid);
+                self.rta.insert(rid, w);
+                self.drain(now, pid, rx, cx);
             }
-            None => self.drop_pkt("RTA outside the reorder window"),
+            None => cx.out.drop_pkt("RTA outside the reorder window"),
         }
     }
 
-    /// An atomic's turn came (`rx.rs` processes its placeholder entry).
-    pub(super) fn ema_rta_turn(&mut self, now: Instant, rid: u32) -> bool {
-        match self.ema.rta.remove(&rid) {
-            Some(w) => {
-                self.ema_target(now, w);
-                true
+    /// Skips `msg_id` of a REQ this engine does not implement, so the window moves on.
+    fn skip_msg_id(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        msg_id: u32,
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
+    ) {
+        if rx
+            .window_slot(now, pid, msg_id, |id| self.owns_recv_id(id), cx)
+            .is_some()
+        {
+            self.drain(now, pid, rx, cx);
+        }
+    }
+
+    /// Processes the messages of `pid` that are next in order (`rx`); an atomic among them is
+    /// applied in its turn, after the messages sent before it.
+    pub(super) fn drain(&mut self, now: Instant, pid: u64, rx: &mut RxSide, cx: &mut Cx<'_>) {
+        while let Some(ready) = rx.next_ready(now, pid, cx) {
+            if let Ready::Atomic(rid) = ready {
+                if let Some(w) = self.rta.remove(&rid) {
+                    self.target(now, w, cx);
+                }
             }
-            None => false,
         }
     }
 
     /// Runs target work now, or after the work waiting before it. The waiting work is bounded:
     /// beyond `max_buffered_bytes` of held data a request is refused (PEER_ERROR, `RemoteAbort`)
     /// instead of growing memory while the application holds a region.
-    fn ema_target(&mut self, now: Instant, w: Work) {
-        let w = if self.ema.retry.is_empty() {
-            match self.ema_run(w) {
+    fn target(&mut self, now: Instant, w: Work, cx: &mut Cx<'_>) {
+        let w = if self.retry.is_empty() {
+            match self.run(w, cx) {
                 None => return,
                 Some(w) => {
-                    self.out.timers.set(Timer::EmaRetry, Some(now + RETRY));
+                    cx.out.timers.set(Timer::EmaRetry, Some(now + RETRY));
                     w
                 }
             }
@@ -810,43 +871,43 @@ impl Engine {
             w
         };
         let n = w.held_bytes();
-        if self.ema.retry_bytes.saturating_add(n) > self.budget.limits.max_buffered_bytes {
+        if self.retry_bytes.saturating_add(n) > cx.budget.limits.max_buffered_bytes {
             tracing::debug!("emulated RMA: too much work waits for locked regions; refused");
-            return self.ema_refuse(&w, Status::RemoteAbort);
+            return self.refuse(&w, Status::RemoteAbort, cx);
         }
-        self.ema.retry_bytes += n;
-        self.ema.retry.push_back(w);
+        self.retry_bytes += n;
+        self.retry.push_back(w);
     }
 
     /// Retries target work whose region was locked.
-    pub(super) fn ema_timeout(&mut self, now: Instant) {
-        if !self.out.timers.expired(Timer::EmaRetry, now) {
+    pub(super) fn timeout(&mut self, now: Instant, cx: &mut Cx<'_>) {
+        if !cx.out.timers.expired(Timer::EmaRetry, now) {
             return;
         }
-        self.out.timers.stop(Timer::EmaRetry);
-        while let Some(w) = self.ema.retry.pop_front() {
+        cx.out.timers.stop(Timer::EmaRetry);
+        while let Some(w) = self.retry.pop_front() {
             let n = w.held_bytes();
-            match self.ema_run(w) {
+            match self.run(w, cx) {
                 Some(w) => {
-                    self.ema.retry.push_front(w);
-                    self.out.timers.set(Timer::EmaRetry, Some(now + RETRY));
+                    self.retry.push_front(w);
+                    cx.out.timers.set(Timer::EmaRetry, Some(now + RETRY));
                     return;
                 }
-                None => self.ema.retry_bytes = self.ema.retry_bytes.saturating_sub(n),
+                None => self.retry_bytes = self.retry_bytes.saturating_sub(n),
             }
         }
     }
 
     /// Applies target work; hands it back when the region is locked (`Again`).
-    fn ema_run(&mut self, w: Work) -> Option<Work> {
-        let Some(mem) = self.memory.clone() else {
-            self.ema_refuse(&w, Status::RemoteBadAddress);
+    fn run(&mut self, w: Work, cx: &mut Cx<'_>) -> Option<Work> {
+        let Some(mem) = cx.memory else {
+            self.refuse(&w, Status::RemoteBadAddress, cx);
             return None;
         };
         match &w {
             Work::Write { cq_data, .. }
                 if cq_data.is_some()
-                    && self.out.remote_write_events >= super::MAX_REMOTE_WRITE_EVENTS =>
+                    && cx.out.remote_write_events >= super::MAX_REMOTE_WRITE_EVENTS =>
             {
                 // The application has not taken the completions of earlier writes: this one
                 // waits (untouched memory), as for a locked region.
@@ -872,56 +933,53 @@ impl Engine {
                 }
                 match res {
                     Err(e) if e.kind() == ErrorKind::Again => return Some(w),
-                    Err(_) => self.ema_refuse(&w, Status::RemoteBadAddress),
+                    Err(_) => self.refuse(&w, Status::RemoteBadAddress, cx),
                     Ok(()) => {
-                        self.target_counts.count(true, true);
+                        cx.counts.count(true, true);
                         let pid = *pid;
                         if let Some(send_id) = *dc_send_id {
                             let r = Packet::Receipt {
-                                connid: Some(self.local.qkey),
+                                connid: Some(cx.local.qkey),
                                 send_id,
                                 msg_id: 0,
                             };
-                            self.peers.queue_ctrl(pid, &r);
+                            cx.peers.queue_ctrl(pid, &r);
                         }
-                        if let (Some(d), Some(src)) =
-                            (*cq_data, self.peers.get(&pid).map(|p| p.addr))
+                        if let (Some(d), Some(src)) = (*cq_data, cx.peers.get(&pid).map(|p| p.addr))
                         {
-                            self.out.remote_write_events += 1;
-                            self.out
-                                .events
-                                .push_back(Event::RemoteWrite(RemoteWriteDone {
-                                    src,
-                                    data: d as u32,
-                                    len: data.len(),
-                                }));
+                            cx.out.remote_write_events += 1;
+                            cx.out.events.push_back(Event::RemoteWrite(RemoteWriteDone {
+                                src,
+                                data: d as u32,
+                                len: data.len(),
+                            }));
                         }
                     }
                 }
             }
             Work::Place { tid, off, data } => {
-                if self.cts_place(&*mem, *tid, *off, data).is_err() {
+                if self.cts_place(mem, *tid, *off, data, cx).is_err() {
                     return Some(w);
                 }
             }
             Work::Respond { tid } => {
-                if self.cts_respond(&*mem, *tid).is_err() {
+                if self.cts_respond(mem, *tid, cx).is_err() {
                     return Some(w);
                 }
             }
             Work::Read { pid, iov, recv_id } => match mem.read(iov.key, iov.addr, iov.len) {
                 Err(e) if e.kind() == ErrorKind::Again => return Some(w),
-                Err(_) => self.ema_refuse(&w, Status::RemoteBadAddress),
+                Err(_) => self.refuse(&w, Status::RemoteBadAddress, cx),
                 Ok(bytes) => {
-                    self.target_counts.count(false, true);
+                    cx.counts.count(false, true);
                     let (pid, recv_id) = (*pid, *recv_id);
                     let pkt = Packet::ReadRsp {
-                        connid: Some(self.local.qkey),
+                        connid: Some(cx.local.qkey),
                         recv_id,
                         send_id: 0,
                         seg_length: bytes.len() as u64,
                     };
-                    self.ema_respond(pid, &pkt, bytes);
+                    self.respond(pid, &pkt, bytes, cx);
                 }
             },
             Work::Atomic {
@@ -936,7 +994,7 @@ impl Engine {
                 let (Ok(aop), Ok(dt)) =
                     (AtomicOp::from_code(*op), AtomicType::from_code(*datatype))
                 else {
-                    self.ema_refuse(&w, Status::UnsupportedOp);
+                    self.refuse(&w, Status::UnsupportedOp, cx);
                     return None;
                 };
                 let len = iov.len as usize;
@@ -945,7 +1003,7 @@ impl Engine {
                         (&data[..len], Some(&data[len..]))
                     }
                     RtaKind::Compare { .. } => {
-                        self.ema_refuse(&w, Status::RemoteBadLength);
+                        self.refuse(&w, Status::RemoteBadLength, cx);
                         return None;
                     }
                     _ if aop == AtomicOp::Read => (&[0u8; 0][..], None),
@@ -971,29 +1029,29 @@ impl Engine {
                             ErrorKind::RemoteAccess | ErrorKind::NotSupported
                         ) =>
                     {
-                        self.ema_refuse(&w, Status::RemoteBadAddress)
+                        self.refuse(&w, Status::RemoteBadAddress, cx)
                     }
-                    Err(_) => self.ema_refuse(&w, Status::RemoteBadLength),
+                    Err(_) => self.refuse(&w, Status::RemoteBadLength, cx),
                     Ok(old) => {
-                        self.target_counts.count(aop != AtomicOp::Read, true);
+                        cx.counts.count(aop != AtomicOp::Read, true);
                         let pid = *pid;
                         match *kind {
                             RtaKind::Write => {}
                             RtaKind::DcWrite { send_id } => {
                                 let r = Packet::Receipt {
-                                    connid: Some(self.local.qkey),
+                                    connid: Some(cx.local.qkey),
                                     send_id,
                                     msg_id: *msg_id,
                                 };
-                                self.peers.queue_ctrl(pid, &r);
+                                cx.peers.queue_ctrl(pid, &r);
                             }
                             RtaKind::Fetch { recv_id } | RtaKind::Compare { recv_id } => {
                                 let pkt = Packet::AtomRsp {
-                                    connid: Some(self.local.qkey),
+                                    connid: Some(cx.local.qkey),
                                     recv_id,
                                     seg_length: old.len() as u64,
                                 };
-                                self.ema_respond(pid, &pkt, old);
+                                self.respond(pid, &pkt, old, cx);
                             }
                         }
                     }
@@ -1004,22 +1062,22 @@ impl Engine {
     }
 
     /// Queues a response packet carrying `data`.
-    fn ema_respond(&mut self, pid: u64, pkt: &Packet<'_>, data: Bytes) {
+    fn respond(&mut self, pid: u64, pkt: &Packet<'_>, data: Bytes, cx: &mut Cx<'_>) {
         let Some(hdr) = encode(pkt) else {
             return;
         };
-        let id = self.ema.next_resp;
-        self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
+        let id = self.next_resp;
+        self.next_resp = self.next_resp.wrapping_add(1);
         let n = data.len();
-        self.ema.resp.insert(id, (data, 1));
-        self.peers
+        self.resp.insert(id, (data, 1));
+        cx.peers
             .enqueue(Pkt::new(pid, Owner::Resp(id), hdr, 0, n), true, false);
     }
 
     /// Tells the initiator its operation was refused (PEER_ERROR naming its id); requests that
     /// expect no answer (plain EAGER_RTW, WRITE_RTA from other implementations) are dropped and
     /// counted.
-    fn ema_refuse(&mut self, w: &Work, status: Status) {
+    fn refuse(&mut self, w: &Work, status: Status, cx: &mut Cx<'_>) {
         let (pid, op_id) = match w {
             Work::Write {
                 pid,
@@ -1030,29 +1088,31 @@ impl Engine {
             Work::Atomic { pid, kind, .. } if !matches!(kind, RtaKind::Write) => (*pid, kind.id()),
             Work::Place { tid, .. } | Work::Respond { tid } => match self.cts_work_ids(*tid) {
                 Some(ids) => {
-                    self.ema.tgt.remove(tid);
+                    self.tgt.remove(tid);
                     ids
                 }
                 None => return,
             },
             _ => {
-                self.target_counts.count(w.writes(), false);
-                return self.drop_pkt("emulated RMA refused by the memory (no answer expected)");
+                cx.counts.count(w.writes(), false);
+                return cx
+                    .out
+                    .drop_pkt("emulated RMA refused by the memory (no answer expected)");
             }
         };
-        self.target_counts.count(w.writes(), false);
-        self.refuse_op(pid, op_id, status);
+        cx.counts.count(w.writes(), false);
+        refuse_op(pid, op_id, status, cx);
     }
+}
 
-    /// PEER_ERROR (OPE_INDEX) naming the initiator's operation `op_id`, with the EFA status.
-    fn refuse_op(&mut self, pid: u64, op_id: u32, status: Status) {
-        tracing::debug!(%status, "emulated RMA refused");
-        let pkt = Packet::PeerError {
-            connid: Some(self.local.qkey),
-            op_id,
-            ref_kind: peer_error_ref::OPE_INDEX,
-            prov_errno: u32::from(status.code()),
-        };
-        self.peers.queue_ctrl(pid, &pkt);
-    }
+/// PEER_ERROR (OPE_INDEX) naming the initiator's operation `op_id`, with the EFA status.
+fn refuse_op(pid: u64, op_id: u32, status: Status, cx: &mut Cx<'_>) {
+    tracing::debug!(%status, "emulated RMA refused");
+    let pkt = Packet::PeerError {
+        connid: Some(cx.local.qkey),
+        op_id,
+        ref_kind: peer_error_ref::OPE_INDEX,
+        prov_errno: u32::from(status.code()),
+    };
+    cx.peers.queue_ctrl(pid, &pkt);
 }

@@ -2,15 +2,16 @@
 //! (or the unexpected queue), segment placement, CTS windows and CTSDATA, RECEIPT, application
 //! receives (multi-receive, cancel, peek / claim / discard) and stalled receives.
 
-use crate::proto::engine::util::Timer;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
+use super::cx::Cx;
+use super::peer::Peer;
 use super::tx::cts_credit;
-use super::types::{Kind, LOCAL_PEER};
-use super::util::{IdMap, Out, RangeSet, SeqMap};
-use super::{Engine, Error, ErrorKind, Event, RecvDone, RecvOp};
+use super::types::{Gone, Kind, LOCAL_PEER};
+use super::util::{IdMap, Out, RangeSet, SeqMap, Timer, next_free_id, sorted};
+use super::{Error, ErrorKind, Event, RecvDone, RecvOp};
 use super::{MultiRecv, PostedItem};
 use crate::addr::RawAddr;
 use crate::mem::RegionSlice;
@@ -18,6 +19,8 @@ use crate::proto::matching::Matcher;
 use crate::proto::matching::Unexpected;
 use crate::proto::reorder::Arrival;
 use crate::proto::wire::Packet;
+
+mod read;
 
 /// Where a matched message goes.
 #[derive(Debug)]
@@ -185,7 +188,7 @@ pub(super) struct Rtm {
 }
 
 impl Rtm {
-    fn of(pkt: &Packet<'_>) -> Option<Rtm> {
+    pub(super) fn of(pkt: &Packet<'_>) -> Option<Rtm> {
         let data = |o: &crate::proto::wire::ReqOpt| o.cq_data.map(|d| d as u32);
         Some(match *pkt {
             Packet::EagerRtm {
@@ -312,20 +315,33 @@ fn place(sink: &mut Sink, off: usize, data: &[u8]) {
     }
 }
 
-impl Engine {
-    pub(super) fn alloc_rx_id(&mut self) -> u32 {
-        loop {
-            let id = self.rx.next_id;
-            self.rx.next_id = self.rx.next_id.wrapping_add(1);
-            // Unique among the ids peers echo in CTSDATA (the emulation's long-CTS ones too).
-            if !self.rx.ops.contains_key(&id) && !self.ema_owns_recv_id(id) {
-                return id;
-            }
-        }
+/// What [`RxSide::next_ready`] processed: a message, or the placeholder of an emulated atomic
+/// whose turn came (the emulation applies it now, `Ema::rta_turn`).
+pub(super) enum Ready {
+    Message,
+    Atomic(u32),
+}
+
+impl RxSide {
+    /// A receive-side id no inbound message uses and `taken` (the emulation's long-CTS ids)
+    /// does not hold: one space for the ids peers echo in CTSDATA.
+    pub(super) fn alloc_id(&mut self, taken: impl Fn(u32) -> bool) -> u32 {
+        let ops = &self.ops;
+        next_free_id(&mut self.next_id, |id| ops.contains_key(&id) || taken(id))
     }
 
-    /// An RTM packet (eager, medium segment, long-CTS first chunk) from peer `pid`.
-    pub(super) fn handle_rtm(&mut self, now: Instant, pid: u64, pkt: &Packet<'_>, data: &[u8]) {
+    /// An RTM packet (eager, medium segment, long-CTS first chunk, long/runting read) from peer
+    /// `pid`; `taken` as in [`RxSide::alloc_id`]. True when messages of `pid` may be next in
+    /// order now: the caller drains its window ([`RxSide::next_ready`]).
+    pub(super) fn handle_rtm(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        pkt: &Packet<'_>,
+        data: &[u8],
+        taken: impl Fn(u32) -> bool,
+        cx: &mut Cx<'_>,
+    ) -> bool {
         if let Packet::LongCtsRtm {
             read_nack: true,
             msg_id,
@@ -334,37 +350,50 @@ impl Engine {
             ..
         } = *pkt
         {
-            // The sender continues a NACKed read message as long-CTS (`read.rs`).
-            return self.handle_nack_rtm(now, pid, msg_id, send_id, dc);
+            // The sender continues a NACKed read message as long-CTS (`rx/read.rs`).
+            self.handle_nack_rtm(now, pid, msg_id, send_id, dc, cx);
+            return false;
         }
         let Some(m) = Rtm::of(pkt) else {
-            return self.drop_pkt("read-NACK REQ without a long-read message");
+            cx.out.drop_pkt("read-NACK REQ without a long-read message");
+            return false;
         };
-        let Some(peer) = self.peers.get(&pid) else {
-            return;
+        let Some(peer) = cx.peers.get(&pid) else {
+            return false;
         };
-        let exp = peer.robuf.expected();
+        let (exp, src) = (peer.robuf.expected(), peer.addr);
         // The expected id is never in `inbound` (messages waiting in the window are after it,
         // processed ones before it).
         debug_assert!(m.msg_id != exp || !peer.inbound.contains_key(&m.msg_id));
+        let eager_turn = m.kind == Kind::Eager && m.msg_id == exp;
+        let known = if eager_turn {
+            None
+        } else {
+            peer.inbound.get(&m.msg_id).copied()
+        };
         let mut unmatched = false;
-        if m.kind == Kind::Eager && m.msg_id == exp {
-            let src = peer.addr;
-            if self.eager_in_order(now, pid, src, &m, data) {
-                return;
+        if eager_turn {
+            match self.eager_in_order(pid, src, &m, data, &taken, cx) {
+                Some(passed) => return passed,
+                None => unmatched = true,
             }
-            unmatched = true;
-        } else if let Some(&rid) = peer.inbound.get(&m.msg_id) {
-            return self.continue_rtm(now, rid, &m, data);
+        } else if let Some(rid) = known {
+            self.continue_rtm(now, rid, &m, data, cx);
+            return false;
         }
         if (m.msg_id.wrapping_sub(exp) as i32) < 0 {
-            return self.drop_pkt("REQ with an already processed msg_id");
+            cx.out.drop_pkt("REQ with an already processed msg_id");
+            return false;
         }
         let n = data.len();
         let msg_len = match (m.kind, m.msg_length.map(usize::try_from)) {
             (Kind::Eager, _) => n,
             (_, Some(Ok(l))) => l,
-            _ => return self.drop_pkt("REQ with a message length beyond this host"),
+            _ => {
+                cx.out
+                    .drop_pkt("REQ with a message length beyond this host");
+                return false;
+            }
         };
         let off = usize::try_from(m.seg_offset).unwrap_or(usize::MAX);
         let valid = match m.kind {
@@ -379,7 +408,9 @@ impl Engine {
             }
         };
         if !valid {
-            return self.drop_pkt("REQ segment inconsistent with its message length");
+            cx.out
+                .drop_pkt("REQ segment inconsistent with its message length");
+            return false;
         }
         let ready = m.msg_id == exp;
         // Past `max_buffered_msgs` the message is held all the same: the device acknowledged
@@ -387,48 +418,50 @@ impl Engine {
         // kept by the caller, which posts no more device receive buffers than the budget left
         // (receiver-not-ready pushes the senders back), so an excess is at most the buffers
         // already posted (issue 17, defect 2).
-        if !ready && !self.budget.room_for_msg() {
+        if !ready && !cx.budget.room_for_msg() {
             tracing::debug!("over max_buffered_msgs: held (the device is held back)");
         }
-        let rid = self.new_rx(now, pid, &m, msg_len, RxState::Waiting);
-        if let Some(e) = self.rx.ops.get_mut(&rid) {
+        let rid = self.new_rx(now, pid, src, &m, msg_len, RxState::Waiting, taken, cx);
+        if let Some(e) = self.ops.get_mut(&rid) {
             e.received = n;
             if n > 0 {
                 e.ranges.insert(off as u64, (off + n) as u64);
             }
         }
-        if let Some(p) = self.peers.get_mut(&pid) {
+        if let Some(p) = cx.peers.get_mut(&pid) {
             if p.robuf.insert(m.msg_id, rid) != Arrival::Stored {
                 // Cannot happen (checked above); keep the state consistent anyway.
                 p.inbound.remove(&m.msg_id);
-                self.remove_unmatched(rid);
-                return self.drop_pkt("duplicate msg_id");
+                self.remove_unmatched(rid, cx);
+                cx.out.drop_pkt("duplicate msg_id");
+                return false;
             }
         }
         if ready {
-            if let Some(p) = self.peers.get_mut(&pid) {
+            if let Some(p) = cx.peers.get_mut(&pid) {
                 p.robuf.pop_ready();
             }
-            self.process(now, rid, Some((off, data)), unmatched);
+            self.process(now, rid, Some((off, data)), unmatched, cx);
         } else {
-            self.out.stats.reorder_buffered += 1;
-            self.hold(rid, off, data);
+            cx.out.stats.reorder_buffered += 1;
+            self.hold(rid, off, data, cx);
         }
-        self.drain_ready(now, pid);
-    }
-
-    /// Skips `msg_id` of a REQ this engine does not implement, so the window moves on.
-    pub(super) fn skip_msg_id(&mut self, now: Instant, pid: u64, msg_id: u32) {
-        if self.window_slot(now, pid, msg_id).is_some() {
-            self.drain_ready(now, pid);
-        }
+        true
     }
 
     /// Reserves `msg_id` of peer `pid` in its reorder window with a placeholder entry (state
-    /// `Dropped`) and returns the entry's id; the caller drains the window. `None` for an id
+    /// `Dropped`: a REQ this engine does not implement, or an emulated atomic waiting for its
+    /// turn) and returns the entry's id; the caller drains the window. `None` for an id
     /// already seen or processed.
-    pub(super) fn window_slot(&mut self, now: Instant, pid: u64, msg_id: u32) -> Option<u32> {
-        let p = self.peers.get(&pid)?;
+    pub(super) fn window_slot(
+        &mut self,
+        now: Instant,
+        pid: u64,
+        msg_id: u32,
+        taken: impl Fn(u32) -> bool,
+        cx: &mut Cx<'_>,
+    ) -> Option<u32> {
+        let p = cx.peers.get(&pid)?;
         if p.inbound.contains_key(&msg_id) || (msg_id.wrapping_sub(p.robuf.expected()) as i32) < 0 {
             return None;
         }
@@ -442,21 +475,18 @@ impl Engine {
             seg_offset: 0,
             read: None,
         };
-        let rid = self.new_rx(now, pid, &m, 0, RxState::Dropped);
-        if let Some(p) = self.peers.get_mut(&pid) {
+        let src = p.addr;
+        let rid = self.new_rx(now, pid, src, &m, 0, RxState::Dropped, taken, cx);
+        if let Some(p) = cx.peers.get_mut(&pid) {
             p.robuf.insert(msg_id, rid);
         }
         Some(rid)
     }
 
-    fn new_rx(&mut self, now: Instant, pid: u64, m: &Rtm, msg_len: usize, state: RxState) -> u32 {
-        let src = self.peers.get(&pid).map(|p| p.addr).unwrap_or_default();
-        self.new_rx_from(now, pid, src, m, msg_len, state)
-    }
-
     /// A new inbound message entry of peer `pid` (the local path's `LOCAL_PEER` too) from `src`,
-    /// counted as held.
-    pub(super) fn new_rx_from(
+    /// counted as held; `taken` as in [`RxSide::alloc_id`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new_rx(
         &mut self,
         now: Instant,
         pid: u64,
@@ -464,9 +494,11 @@ impl Engine {
         m: &Rtm,
         msg_len: usize,
         state: RxState,
+        taken: impl Fn(u32) -> bool,
+        cx: &mut Cx<'_>,
     ) -> u32 {
-        let rid = self.alloc_rx_id();
-        self.rx.ops.insert(
+        let rid = self.alloc_id(taken);
+        self.ops.insert(
             rid,
             RxEntry {
                 peer: pid,
@@ -490,11 +522,11 @@ impl Engine {
                 read: m.read.and_then(|iovs| super::wr::RxRead::new(m.kind, iovs)),
             },
         );
-        if let Some(p) = self.peers.get_mut(&pid) {
+        if let Some(p) = cx.peers.get_mut(&pid) {
             p.inbound.insert(m.msg_id, rid);
         }
-        self.budget.add_msg();
-        self.budget.peer_held(&mut self.peers, pid, 1, 0, true);
+        cx.budget.add_msg();
+        cx.budget.peer_held(cx.peers, pid, 1, 0, true);
         rid
     }
 
@@ -502,12 +534,12 @@ impl Engine {
     /// `max_buffered_bytes` it is held all the same (the device acknowledged it: nothing
     /// acknowledged is dropped); the caller keeps the bound by posting no more device receive
     /// buffers than the budget left.
-    pub(super) fn hold(&mut self, rid: u32, off: usize, data: &[u8]) {
+    pub(super) fn hold(&mut self, rid: u32, off: usize, data: &[u8], cx: &mut Cx<'_>) {
         if data.is_empty() {
             return;
         }
-        let fits = self.budget.fits(data.len());
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+        let fits = cx.budget.fits(data.len());
+        let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
         if !fits {
@@ -516,15 +548,15 @@ impl Engine {
         let n = data.len();
         e.held.push((off, Bytes::copy_from_slice(data)));
         e.held_bytes += n;
-        self.budget
+        cx.budget
             .add_bytes(n, matches!(e.state, RxState::Unexpected | RxState::Claimed));
         let pid = e.peer;
-        self.budget.peer_held(&mut self.peers, pid, 0, n, true);
+        cx.budget.peer_held(cx.peers, pid, 0, n, true);
     }
 
     /// A further packet of a message whose first packet arrived (medium segments).
-    fn continue_rtm(&mut self, now: Instant, rid: u32, m: &Rtm, data: &[u8]) {
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+    fn continue_rtm(&mut self, now: Instant, rid: u32, m: &Rtm, data: &[u8], cx: &mut Cx<'_>) {
+        let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
         let same_kind = match (m.kind, e.kind) {
@@ -537,7 +569,9 @@ impl Engine {
             && m.tag.unwrap_or(0) == e.tag
             && m.tag.is_some() == e.tagged;
         if !consistent {
-            return self.drop_pkt("duplicate or inconsistent REQ for a known msg_id");
+            return cx
+                .out
+                .drop_pkt("duplicate or inconsistent REQ for a known msg_id");
         }
         let n = data.len();
         let off = usize::try_from(m.seg_offset).unwrap_or(usize::MAX);
@@ -546,10 +580,10 @@ impl Engine {
             _ => e.msg_len,
         };
         let Some(end) = off.checked_add(n).filter(|&end| n > 0 && end <= limit) else {
-            return self.drop_pkt("medium segment beyond its message");
+            return cx.out.drop_pkt("medium segment beyond its message");
         };
         if !e.ranges.insert(off as u64, end as u64) {
-            return self.drop_pkt("duplicate medium segment");
+            return cx.out.drop_pkt("duplicate medium segment");
         }
         e.received += n;
         e.last = now;
@@ -559,52 +593,58 @@ impl Engine {
             RxState::Matched(sink) => {
                 place(sink, off, data);
                 if complete {
-                    self.complete_rx(rid);
+                    self.complete_rx(rid, cx);
                 } else if reading {
-                    self.runt_progress(rid);
+                    // A runt segment: a READ_NACK may wait for the whole runt.
+                    self.maybe_nack(rid, cx);
                 }
             }
-            RxState::Dropped => self.out.stats.dropped_pkts += 1,
-            RxState::Waiting | RxState::Unexpected | RxState::Claimed => self.hold(rid, off, data),
+            RxState::Dropped => cx.out.stats.dropped_pkts += 1,
+            RxState::Waiting | RxState::Unexpected | RxState::Claimed => {
+                self.hold(rid, off, data, cx)
+            }
         }
     }
 
-    /// Processes the messages of `pid` that are next in order.
-    pub(super) fn drain_ready(&mut self, now: Instant, pid: u64) {
-        loop {
-            let Some(p) = self.peers.get_mut(&pid) else {
-                return;
-            };
-            let Some((_, rid)) = p.robuf.pop_ready() else {
-                return;
-            };
-            self.process(now, rid, None, false);
+    /// Processes the next message of `pid` in order, if its turn has come: matched or made
+    /// unexpected; a placeholder is forgotten, and when it holds an emulated atomic's place
+    /// the caller hands that its turn ([`Ready::Atomic`]). `None` when none is ready.
+    pub(super) fn next_ready(&mut self, now: Instant, pid: u64, cx: &mut Cx<'_>) -> Option<Ready> {
+        let (_, rid) = cx.peers.get_mut(&pid)?.robuf.pop_ready()?;
+        if self
+            .ops
+            .get(&rid)
+            .is_some_and(|e| matches!(e.state, RxState::Dropped))
+        {
+            // Its later packets are stale now; nothing more to keep.
+            self.remove_unmatched(rid, cx);
+            return Some(Ready::Atomic(rid));
         }
+        self.process(now, rid, None, false, cx);
+        Some(Ready::Message)
     }
 
     /// The fast path of the usual case: an eager message whose turn it is (`msg_id` is the
     /// expected one) and that a posted receive matches is placed and completed at once, without
-    /// an `RxEntry` (what [`Engine::handle_rtm`] then [`Engine::process`] would do with one).
-    /// False, changing nothing, when no posted receive takes it.
+    /// an `RxEntry` (what [`RxSide::handle_rtm`] then [`RxSide::process`] would do with one).
+    /// `None`, changing nothing, when no posted receive takes it; else whether later messages
+    /// were waiting for this one (the caller drains the window).
     fn eager_in_order(
         &mut self,
-        now: Instant,
         pid: u64,
         src: RawAddr,
         m: &Rtm,
         data: &[u8],
-    ) -> bool {
+        taken: impl Fn(u32) -> bool,
+        cx: &mut Cx<'_>,
+    ) -> Option<bool> {
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        let Some(idx) = self.rx.matcher.find_posted(tagged, src, tag) else {
-            return false;
-        };
-        let Some(mut sink) = self.rx.take_posted(tagged, idx, data.len()) else {
-            return false;
-        };
+        let idx = self.matcher.find_posted(tagged, src, tag)?;
+        let mut sink = self.take_posted(tagged, idx, data.len())?;
         // The id the entry would have had, so that later ids are the same.
-        self.alloc_rx_id();
-        let passed = self.peers.get_mut(&pid).is_some_and(|p| {
+        self.alloc_id(taken);
+        let passed = cx.peers.get_mut(&pid).is_some_and(|p| {
             let ok = p.robuf.pass(m.msg_id);
             debug_assert!(ok, "the expected msg_id passes");
             p.robuf.held() > 0
@@ -621,12 +661,8 @@ impl Engine {
             data: m.data,
             dc_send_id: m.dc_send_id,
         };
-        self.finish_rx(sink, &msg);
-        if passed {
-            // Later messages were waiting for this one.
-            self.drain_ready(now, pid);
-        }
-        true
+        self.finish_rx(sink, &msg, cx);
+        Some(passed)
     }
 
     /// A message's turn has come (all earlier ones from its peer were processed): match it
@@ -634,59 +670,53 @@ impl Engine {
     /// handled that was not copied out.
     ///
     /// `unmatched`: the caller found already that no posted receive matches.
-    pub(super) fn process(
+    fn process(
         &mut self,
         now: Instant,
         rid: u32,
         fresh: Option<(usize, &[u8])>,
         unmatched: bool,
+        cx: &mut Cx<'_>,
     ) {
-        let Some(e) = self.rx.ops.get(&rid) else {
+        let Some(e) = self.ops.get(&rid) else {
             return;
         };
-        if matches!(e.state, RxState::Dropped) {
-            // Its later packets are stale now; nothing more to keep. An emulated atomic's
-            // placeholder: its turn to be applied.
-            self.remove_unmatched(rid);
-            self.ema_rta_turn(now, rid);
-            return;
-        }
         let (tagged, src, tag, msg_len) = (e.tagged, e.src, e.tag, e.msg_len);
         let posted = if unmatched {
             None
         } else {
-            self.rx.matcher.find_posted(tagged, src, tag)
+            self.matcher.find_posted(tagged, src, tag)
         };
         if let Some(idx) = posted {
-            if let Some(sink) = self.rx.take_posted(tagged, idx, msg_len) {
-                return self.start_matched(now, rid, sink, fresh);
+            if let Some(sink) = self.take_posted(tagged, idx, msg_len) {
+                return self.start_matched(now, rid, sink, fresh, cx);
             }
         }
         // Unexpected.
-        self.out.stats.unexpected_msgs += 1;
-        if self.budget.over_msgs() {
+        cx.out.stats.unexpected_msgs += 1;
+        if cx.budget.over_msgs() {
             tracing::debug!(
                 "over max_buffered_msgs: unexpected message held (the device is held back)"
             );
         }
-        if !self.queue_unexpected(rid) {
+        if !self.queue_unexpected(rid, cx) {
             return;
         }
         if let Some((off, data)) = fresh {
-            self.hold(rid, off, data);
+            self.hold(rid, off, data, cx);
         }
     }
 
     /// Puts message `rid` on the unexpected queue (no receive matched it); false when there is
     /// no such message.
-    pub(super) fn queue_unexpected(&mut self, rid: u32) -> bool {
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+    pub(super) fn queue_unexpected(&mut self, rid: u32, cx: &mut Cx<'_>) -> bool {
+        let Some(e) = self.ops.get_mut(&rid) else {
             return false;
         };
         e.state = RxState::Unexpected;
         let (tagged, src, tag) = (e.tagged, e.src, e.tag);
-        self.budget.became_unexpected(e.held_bytes);
-        self.rx.matcher.push_unexpected(
+        cx.budget.became_unexpected(e.held_bytes);
+        self.matcher.push_unexpected(
             tagged,
             Unexpected {
                 src,
@@ -697,15 +727,17 @@ impl Engine {
         true
     }
 
-    /// The message found its buffer: held data is placed, long-CTS asks for the rest.
+    /// The message found its buffer: held data is placed, long-CTS asks for the rest, a
+    /// long/runting read starts reading.
     pub(super) fn start_matched(
         &mut self,
         now: Instant,
         rid: u32,
         mut sink: Sink,
         fresh: Option<(usize, &[u8])>,
+        cx: &mut Cx<'_>,
     ) {
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+        let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
         let unexp = match e.state {
@@ -713,7 +745,7 @@ impl Engine {
             RxState::Waiting => false,
             RxState::Matched(_) | RxState::Dropped => return,
         };
-        self.budget.release(e.held_bytes, unexp);
+        cx.budget.release(e.held_bytes, unexp);
         let (pid, released) = (e.peer, e.held_bytes);
         sink.buf.clear();
         for (off, bytes) in std::mem::take(&mut e.held) {
@@ -729,32 +761,30 @@ impl Engine {
             e.received == e.msg_len,
             matches!(e.kind, Kind::LongCts { .. }),
         );
-        self.budget
-            .peer_held(&mut self.peers, pid, 1, released, false);
+        cx.budget.peer_held(cx.peers, pid, 1, released, false);
         if whole {
-            return self.complete_rx(rid);
+            return self.complete_rx(rid, cx);
         }
         if long_cts {
-            self.send_cts(rid);
+            self.send_cts(rid, cx);
         }
-        if let Some(e) = self.rx.ops.get_mut(&rid) {
+        if let Some(e) = self.ops.get_mut(&rid) {
             e.in_progress = true;
         }
-        self.rx.in_progress += 1;
+        self.in_progress += 1;
         {
-            let at = now.checked_add(self.cfg.rx_stall_timeout);
-            self.out.timers.arm_if_stopped(Timer::RxStall, at);
+            let at = now.checked_add(cx.cfg.rx_stall_timeout);
+            cx.out.timers.arm_if_stopped(Timer::RxStall, at);
         }
-        if self.rx.ops.get(&rid).is_some_and(|e| e.read.is_some()) {
-            self.start_rx_read(now, rid);
+        if self.ops.get(&rid).is_some_and(|e| e.read.is_some()) {
+            self.start_read(now, rid, cx);
         }
     }
 
     /// Grants the sender of long-CTS message `rid` its next window.
-    pub(super) fn send_cts(&mut self, rid: u32) {
-        let credit = cts_credit(&self.cfg);
-        let qkey = self.local.qkey;
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+    pub(super) fn send_cts(&mut self, rid: u32, cx: &mut Cx<'_>) {
+        let credit = cts_credit(cx.cfg);
+        let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
         let Kind::LongCts { send_id } = e.kind else {
@@ -765,13 +795,13 @@ impl Engine {
         e.window_end = e.received + window;
         let pid = e.peer;
         let cts = Packet::Cts {
-            connid: Some(qkey),
+            connid: Some(cx.local.qkey),
             send_id,
             recv_id: rid,
             recv_length: window as u64,
             read_req: false,
         };
-        self.peers.queue_ctrl(pid, &cts);
+        cx.peers.queue_ctrl(pid, &cts);
     }
 
     /// A CTSDATA packet: data of a long-CTS message within the window granted.
@@ -782,12 +812,15 @@ impl Engine {
         recv_id: u32,
         seg_offset: u64,
         data: &[u8],
+        cx: &mut Cx<'_>,
     ) {
-        let Some(e) = self.rx.ops.get_mut(&recv_id) else {
-            return self.drop_pkt("CTSDATA for an unknown recv_id");
+        let Some(e) = self.ops.get_mut(&recv_id) else {
+            return cx.out.drop_pkt("CTSDATA for an unknown recv_id");
         };
         if e.peer != pid || !matches!(e.kind, Kind::LongCts { .. }) || !e.matched() {
-            return self.drop_pkt("CTSDATA for a message that is not receiving from this peer");
+            return cx
+                .out
+                .drop_pkt("CTSDATA for a message that is not receiving from this peer");
         }
         let n = data.len();
         let off = usize::try_from(seg_offset).unwrap_or(usize::MAX);
@@ -795,10 +828,10 @@ impl Engine {
             && off >= e.window_start
             && off.checked_add(n).is_some_and(|end| end <= e.window_end);
         if !ok {
-            return self.drop_pkt("CTSDATA outside the window");
+            return cx.out.drop_pkt("CTSDATA outside the window");
         }
         if !e.ranges.insert(off as u64, (off + n) as u64) {
-            return self.drop_pkt("duplicate CTSDATA");
+            return cx.out.drop_pkt("duplicate CTSDATA");
         }
         e.received += n;
         e.last = now;
@@ -807,49 +840,49 @@ impl Engine {
         }
         let (received, msg_len, window_end) = (e.received, e.msg_len, e.window_end);
         if received == msg_len {
-            self.complete_rx(recv_id);
+            self.complete_rx(recv_id, cx);
         } else if received == window_end {
-            self.send_cts(recv_id);
+            self.send_cts(recv_id, cx);
         }
     }
 
     /// Removes an entry that has no buffer (waiting, unexpected, claimed, dropped) without a
     /// completion, releasing what it held.
-    pub(super) fn remove_unmatched(&mut self, rid: u32) {
-        let Some(e) = self.rx.ops.remove(&rid) else {
+    pub(super) fn remove_unmatched(&mut self, rid: u32, cx: &mut Cx<'_>) {
+        let Some(e) = self.ops.remove(&rid) else {
             return;
         };
-        if let Some(p) = self.peers.get_mut(&e.peer) {
+        if let Some(p) = cx.peers.get_mut(&e.peer) {
             if p.inbound.get(&e.msg_id) == Some(&rid) {
                 p.inbound.remove(&e.msg_id);
             }
         }
-        self.budget.release(
+        cx.budget.release(
             e.held_bytes,
             matches!(e.state, RxState::Unexpected | RxState::Claimed),
         );
-        self.budget
-            .peer_held(&mut self.peers, e.peer, 1, e.held_bytes, false);
+        cx.budget
+            .peer_held(cx.peers, e.peer, 1, e.held_bytes, false);
     }
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
-    pub(super) fn take_entry(&mut self, rid: u32) -> Option<RxEntry> {
-        let mut e = self.rx.ops.remove(&rid)?;
+    fn take_entry(&mut self, rid: u32, cx: &mut Cx<'_>) -> Option<RxEntry> {
+        let mut e = self.ops.remove(&rid)?;
         if e.read.is_some() {
-            self.read_entry_removed(rid, &mut e);
+            read::entry_removed(rid, &mut e, cx.wrs);
         }
-        if let Some(p) = self.peers.get_mut(&e.peer) {
+        if let Some(p) = cx.peers.get_mut(&e.peer) {
             if p.inbound.get(&e.msg_id) == Some(&rid) {
                 p.inbound.remove(&e.msg_id);
             }
         }
-        self.rx.left(e.in_progress, &mut self.out);
+        self.left(e.in_progress, cx.out);
         Some(e)
     }
 
     /// The whole message is in place: RECEIPT for delivery complete, and the completion.
-    pub(super) fn complete_rx(&mut self, rid: u32) {
-        let Some(e) = self.take_entry(rid) else {
+    pub(super) fn complete_rx(&mut self, rid: u32, cx: &mut Cx<'_>) {
+        let Some(e) = self.take_entry(rid, cx) else {
             return;
         };
         let RxState::Matched(sink) = e.state else {
@@ -865,28 +898,29 @@ impl Engine {
             data: e.data,
             dc_send_id: e.dc_send_id,
         };
-        self.finish_rx(sink, &msg);
+        self.finish_rx(sink, &msg, cx);
     }
 
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
-    pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done) {
+    pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done, cx: &mut Cx<'_>) {
         if let Some(send_id) = msg.dc_send_id {
             if msg.peer == LOCAL_PEER {
-                self.local_receipts.push_back((msg.src, send_id));
+                cx.receipts.push_back((msg.src, send_id));
             } else {
                 let r = Packet::Receipt {
-                    connid: Some(self.local.qkey),
+                    connid: Some(cx.local.qkey),
                     send_id,
                     msg_id: msg.msg_id,
                 };
-                self.peers.queue_ctrl(msg.peer, &r);
+                cx.peers.queue_ctrl(msg.peer, &r);
             }
         }
         let Some(context) = sink.context else { return };
         let olen = msg.msg_len - sink.place;
+        let out = &mut *cx.out;
         let error = if olen > 0 {
-            self.out.stats.errors += 1;
-            self.out.stats.truncated += 1;
+            out.stats.errors += 1;
+            out.stats.truncated += 1;
             Some(
                 Error::new(ErrorKind::Truncated, "recv").with_detail(format!(
                     "message of {} bytes, buffer of {}",
@@ -894,11 +928,11 @@ impl Engine {
                 )),
             )
         } else {
-            self.out.stats.rx_msgs += 1;
-            self.out.stats.rx_bytes += sink.place as u64;
+            out.stats.rx_msgs += 1;
+            out.stats.rx_bytes += sink.place as u64;
             None
         };
-        self.out.events.push_back(Event::Recv(RecvDone {
+        out.events.push_back(Event::Recv(RecvDone {
             context,
             buf: sink.buf,
             len: sink.place,
@@ -910,28 +944,59 @@ impl Engine {
             error,
             in_region: sink.in_region,
         }));
-        self.rx.piece_done(sink.multi, &mut self.out);
+        self.piece_done(sink.multi, out);
     }
 
     /// A receive ends without its message (peer failure, stall, close): an error completion
     /// for a matched receive, nothing for a message without one.
-    pub(super) fn abort_rx(&mut self, rid: u32, kind: ErrorKind, why: &'static str) {
-        let Some(e) = self.rx.ops.get(&rid) else {
+    pub(super) fn abort_rx(
+        &mut self,
+        rid: u32,
+        kind: ErrorKind,
+        why: &'static str,
+        cx: &mut Cx<'_>,
+    ) {
+        let Some(e) = self.ops.get(&rid) else {
             return;
         };
         if !e.matched() {
             if matches!(e.state, RxState::Claimed) {
-                self.rx.claimed.retain(|_, r| *r != rid);
+                self.claimed.retain(|_, r| *r != rid);
             }
-            return self.remove_unmatched(rid);
+            return self.remove_unmatched(rid, cx);
         }
-        let Some(e) = self.take_entry(rid) else {
+        let Some(e) = self.take_entry(rid, cx) else {
             return;
         };
         let RxState::Matched(sink) = e.state else {
             return;
         };
-        self.fail_sink(sink, (e.tagged.then_some(e.tag), e.data, e.src), kind, why);
+        let msg = (e.tagged.then_some(e.tag), e.data, e.src);
+        self.fail_sink(sink, msg, kind, why, cx.out);
+    }
+
+    /// The peer `p` is gone: its unexpected messages are dropped, the receives in progress from
+    /// it fail.
+    pub(super) fn peer_gone(&mut self, p: &Peer, g: Gone, cx: &mut Cx<'_>) {
+        let addr = p.addr;
+        self.matcher.remove_unexpected_where(|u| u.src == addr);
+        for rid in sorted(p.inbound.values().copied()) {
+            self.abort_rx(rid, g.kind, g.why, cx);
+        }
+    }
+
+    /// `close()`: every receive completes with `Canceled` (pieces of multi-receive buffers
+    /// before the buffers themselves), nothing is kept.
+    pub(super) fn close(&mut self, cx: &mut Cx<'_>) {
+        self.matcher.remove_unexpected_where(|_| true);
+        for id in self.ops.sorted_keys() {
+            self.abort_rx(id, ErrorKind::Canceled, "close", cx);
+        }
+        self.cancel_all(cx.out);
+        self.claimed.clear();
+        self.user_ops = 0;
+        cx.out.timers.stop(Timer::RxStall);
+        self.in_progress = 0;
     }
 
     /// The error completion of a receive whose message will not (all) arrive.
@@ -941,14 +1006,15 @@ impl Engine {
         msg: (Option<u64>, Option<u32>, RawAddr),
         kind: ErrorKind,
         why: &'static str,
+        out: &mut Out,
     ) {
         let Some(context) = sink.context else { return };
-        self.out.stats.errors += 1;
+        out.stats.errors += 1;
         if kind == ErrorKind::Canceled {
-            self.out.stats.canceled += 1;
+            out.stats.canceled += 1;
         }
         sink.buf.clear();
-        self.out.events.push_back(Event::Recv(RecvDone {
+        out.events.push_back(Event::Recv(RecvDone {
             context,
             buf: sink.buf,
             len: 0,
@@ -960,22 +1026,38 @@ impl Engine {
             error: Some(Error::new(kind, "recv").with_detail(why)),
             in_region: None,
         }));
-        self.rx.piece_done(sink.multi, &mut self.out);
+        self.piece_done(sink.multi, out);
+    }
+
+    /// `Timer::RxStall` expired: receives that got no packet for `rx_stall_timeout` fail
+    /// ([`RxSide::stall_rx`]); the timer is set again for the next one.
+    pub(super) fn stall_timeout(&mut self, now: Instant, cx: &mut Cx<'_>) {
+        let stall = cx.cfg.rx_stall_timeout;
+        let (stalled, mut next) = self.stalled(now, stall);
+        for rid in stalled {
+            self.stall_rx(rid, now, cx);
+            if self.ops.contains_key(&rid) {
+                let due = now.checked_add(stall).unwrap_or(now);
+                next = Some(next.map_or(due, |n| n.min(due)));
+            }
+        }
+        let next = if self.in_progress > 0 { next } else { None };
+        cx.out.timers.set(Timer::RxStall, next);
     }
 
     /// A matched receive got no packet for `rx_stall_timeout`: its application receive fails,
     /// but the message goes on being received and thrown away, so that a sender that is only
     /// slow (long RNR backoffs) still completes (no RECEIPT is sent for it, though). A message
     /// that is already being thrown away and stalls again is forgotten.
-    pub(super) fn stall_rx(&mut self, rid: u32, now: Instant) {
-        let Some(e) = self.rx.ops.get_mut(&rid) else {
+    fn stall_rx(&mut self, rid: u32, now: Instant, cx: &mut Cx<'_>) {
+        let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
         let RxState::Matched(sink) = &mut e.state else {
             return;
         };
         if sink.context.is_none() {
-            self.take_entry(rid);
+            self.take_entry(rid, cx);
             return;
         }
         let user = std::mem::replace(sink, Sink::discard());
@@ -987,6 +1069,7 @@ impl Engine {
             msg,
             ErrorKind::ConnectionAborted,
             "no packet from the sender for rx_stall_timeout",
+            cx.out,
         );
     }
 }

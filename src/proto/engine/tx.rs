@@ -6,15 +6,15 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
+use super::cx::Cx;
 use super::peer::our_sender;
 use super::peer::{Peers, peer_fatal};
-use super::types::{MsgHdr, Owner, Pkt, Proto, medium_segments};
-use super::util::{Hdr, HeaderArena, IdMap, Out, SeqMap, WrTable, encode};
+use super::types::{Gone, MsgHdr, Owner, Pkt, Proto, medium_segments};
+use super::util::{Hdr, HeaderArena, IdMap, SeqMap, WrTable, encode, next_free_id, sorted};
 use super::wr::ReadProto;
 use super::{EngineConfig, Error, ErrorKind, Event, RmaMemory, SendDone, SendOp, Transmit};
 use crate::addr::RawAddr;
 use crate::device::{RemoteIov, Status};
-use crate::fault::Rng;
 use crate::proto::wire::{
     CONNID_HDR_LEN, CQ_DATA_HDR_LEN, CTSDATA_MAX_HEADER_LEN, IovList, PROTOCOL_VERSION, Packet,
     PacketType, RAW_ADDR_HDR_ADDR_LEN, RAW_ADDR_HDR_LEN, ReqOpt, Sender, req_flags,
@@ -175,22 +175,6 @@ fn eager_header(opt: &ReqOpt, msg_id: u32, tag: Option<u64>, dc_send_id: Option<
     h
 }
 
-/// What the transmit side's handlers reach besides their own state (a split borrow of the
-/// engine): the configuration, our address, the memory, the peers they queue packets to, the
-/// completions and counters, the backoff's randomness.
-pub(super) struct Cx<'a> {
-    pub(super) cfg: &'a EngineConfig,
-    pub(super) local: RawAddr,
-    /// The application counts peers' writes / reads of its memory
-    /// (`Engine::set_remote_events`).
-    pub(super) remote_events: (bool, bool),
-    /// The memory region sends read from.
-    pub(super) memory: Option<&'a dyn RmaMemory>,
-    pub(super) peers: &'a mut Peers,
-    pub(super) out: &'a mut Out,
-    pub(super) rng: &'a mut Rng,
-}
-
 /// What the dispatcher does after a send completion the transmit side took
 /// ([`TxSide::completed`]): work for another sub-state.
 pub(super) enum Then {
@@ -208,29 +192,34 @@ impl TxSide {
     /// one space (`taken` says which ids the others hold), so a CTS, CTSDATA or RECEIPT finds
     /// its owner by its id alone.
     pub(super) fn alloc_id(&mut self, taken: impl Fn(u32) -> bool) -> u32 {
-        loop {
-            let id = self.next_id;
-            self.next_id = self.next_id.wrapping_add(1);
-            if !self.ops.contains_key(&id) && !taken(id) {
-                return id;
-            }
-        }
+        let ops = &self.ops;
+        next_free_id(&mut self.next_id, |id| ops.contains_key(&id) || taken(id))
     }
 
-    /// Starts send `op` to peer `pid` (the caller checked `max_tx_ops` and found the peer):
-    /// chooses its protocol and queues its first packets. `taken` as in
-    /// [`TxSide::alloc_id`].
+    /// Starts send `op`: `Again` when `max_tx_ops` are in flight or the peer is in RNR
+    /// backoff, `NoMemory` when the peer table is full; else chooses its protocol and queues
+    /// its first packets. `taken` as in [`TxSide::alloc_id`].
     #[allow(
         clippy::result_large_err,
         reason = "the refused operation is handed back by value"
     )]
     pub(super) fn send(
         &mut self,
-        pid: u64,
+        now: Instant,
         mut op: SendOp,
         taken: impl Fn(u32) -> bool,
         cx: &mut Cx<'_>,
     ) -> Result<(), (Error, SendOp)> {
+        if cx.peers.in_backoff() {
+            cx.peers.expire_backoffs(now, &mut cx.out.timers);
+        }
+        if self.ops.len() >= cx.cfg.max_tx_ops {
+            return Err((cx.out.again("send", "max_tx_ops operations in flight"), op));
+        }
+        let Some(pid) = cx.peer_for_send(op.dest) else {
+            let e = Error::new(ErrorKind::NoMemory, "send").with_detail("peer table full");
+            return Err((e, op));
+        };
         let Some(peer) = cx.peers.get(&pid) else {
             return Err((Error::new(ErrorKind::Io, "send"), op));
         };
@@ -436,6 +425,24 @@ impl TxSide {
             error: Some(error),
             status,
         }));
+    }
+
+    /// The peer `pid` is gone: its sends fail.
+    pub(super) fn peer_failed(&mut self, pid: u64, g: Gone, cx: &mut Cx<'_>) {
+        let ids = self.ops.iter().filter(|(_, t)| t.peer == pid);
+        for id in sorted(ids.map(|(id, _)| id)) {
+            self.fail(id, g.error("send"), g.status, cx);
+        }
+    }
+
+    /// `close()`: every send completes with `Canceled`; nothing is kept.
+    pub(super) fn close(&mut self, cx: &mut Cx<'_>) {
+        for id in self.ops.sorted_keys() {
+            let e = Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed");
+            self.fail(id, e, None, cx);
+        }
+        self.read_close();
+        self.wrs.clear();
     }
 
     /// A CTS: the receiver grants `recv_length` more bytes of a long-CTS send (a CTS with

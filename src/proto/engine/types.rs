@@ -2,9 +2,27 @@
 //! `util`): the packets queued to the device and who owns them, the protocols of sends and of
 //! inbound messages, the fields every packet of a message shares.
 
+use crate::device::Status;
+use crate::error::{Error, ErrorKind};
 use crate::proto::wire::ReqOpt;
 
 use super::util::Hdr;
+
+/// Why a peer's operations end (`Engine::fail_peer`): each sub-state fails its own with it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Gone {
+    pub(super) kind: ErrorKind,
+    /// The device's status, when the device said so.
+    pub(super) status: Option<Status>,
+    pub(super) why: &'static str,
+}
+
+impl Gone {
+    /// The error an operation `op` ends with.
+    pub(super) fn error(&self, op: &'static str) -> Error {
+        Error::new(self.kind, op).with_detail(self.why)
+    }
+}
 
 /// The peer id of entries of the local path (no engine peer: no reorder window, no handshake).
 pub(super) const LOCAL_PEER: u64 = u64::MAX;

@@ -817,6 +817,26 @@ pub(super) fn encode(pkt: &Packet<'_>) -> Option<Hdr> {
     }
 }
 
+/// The ids `ids` yields, in ascending order (what a failure or a close walks: a stable order
+/// for the completions it reports).
+pub(super) fn sorted(ids: impl Iterator<Item = u32>) -> Vec<u32> {
+    let mut v: Vec<u32> = ids.collect();
+    v.sort_unstable();
+    v
+}
+
+/// The next id from the counter `next` (wrapping) that `taken` does not hold.
+#[inline]
+pub(super) fn next_free_id(next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
+    loop {
+        let id = *next;
+        *next = next.wrapping_add(1);
+        if !taken(id) {
+            return id;
+        }
+    }
+}
+
 /// What the engine's handlers report into, beside the sub-state they change (a split borrow of
 /// the engine, as quinn-proto hands its streams the connection's pieces they need): the
 /// completions for the application, the counters and the timers.
@@ -843,6 +863,41 @@ impl Out {
     pub(super) fn again(&mut self, what: &'static str, why: &'static str) -> crate::Error {
         self.stats.again += 1;
         crate::Error::new(crate::ErrorKind::Again, what).with_detail(why)
+    }
+
+    /// Counts and logs a dropped packet of a type this engine does not implement.
+    pub(super) fn drop_pkt_type(&mut self, pkt: &Packet<'_>) {
+        self.stats.dropped_pkts += 1;
+        tracing::debug!(ty = %pkt.packet_type(), "dropped a packet of a type this engine does not implement");
+    }
+
+    /// The completion of an RMA or atomic operation (counted: bytes by path, or an error).
+    pub(super) fn rma_done(
+        &mut self,
+        context: u64,
+        buf: super::RmaBuf,
+        len: usize,
+        path: super::RmaPath,
+        error: Option<crate::Error>,
+        status: Option<crate::device::Status>,
+    ) {
+        match (&error, path) {
+            (Some(e), _) => {
+                self.stats.errors += 1;
+                tracing::debug!(error = %e, "RMA operation failed");
+            }
+            (None, super::RmaPath::Device) => self.stats.device_rma_bytes += len as u64,
+            (None, super::RmaPath::Emulated) => self.stats.emulated_rma_bytes += len as u64,
+        }
+        let len = if error.is_some() { 0 } else { len };
+        self.events.push_back(Event::Rma(super::RmaDone {
+            context,
+            buf,
+            len,
+            path,
+            error,
+            status,
+        }));
     }
 
     /// Reports a peer's write with immediate data (counted among the capped events).

@@ -6,6 +6,7 @@
 
 use bytes::BytesMut;
 
+use super::EngineConfig;
 use super::types::Kind;
 use crate::addr::RawAddr;
 use crate::device::{RemoteIov, Status};
@@ -17,6 +18,30 @@ const NO_IOV: RemoteIov = RemoteIov {
     len: 0,
     key: 0,
 };
+
+/// Largest piece of a device write (libfabric's `efa_write_segment_size`).
+pub(super) const WRITE_SEGMENT: u64 = 1 << 30;
+
+/// Largest piece of an RDMA work request: `min(limit, max_rdma_size)` (`limit` 0: 1 GiB;
+/// `max_rdma_size` 0: no limit of its own).
+fn segment(cfg: &EngineConfig, limit: u64) -> usize {
+    let limit = if limit == 0 { WRITE_SEGMENT } else { limit };
+    let seg = match cfg.max_rdma_size {
+        0 => limit,
+        m => limit.min(m),
+    };
+    usize::try_from(seg).unwrap_or(usize::MAX)
+}
+
+/// Largest piece of a read: `min(inter_read_segment_size, max_rdma_size)`.
+pub(super) fn read_segment(cfg: &EngineConfig) -> usize {
+    segment(cfg, cfg.inter_read_segment_size as u64)
+}
+
+/// Largest piece of a device write: `min(1 GiB, max_rdma_size)`.
+pub(super) fn write_segment(cfg: &EngineConfig) -> usize {
+    segment(cfg, WRITE_SEGMENT)
+}
 
 /// A packet's `read_iov` / `rma_iov` list, copied out (at most [`IOV_LIMIT`] entries).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -228,6 +253,27 @@ pub(super) struct Wr {
     pub(super) rnr: u8,
     /// `UnknownPeer` (EFA status 14: the target holds no AH for us) completions met.
     pub(super) no_ah: u8,
+}
+
+impl Wr {
+    /// A work request of `owner` towards peer `pid` at `dest`, before any retry.
+    pub(super) fn new(
+        owner: WrOwner,
+        peer: u64,
+        dest: RawAddr,
+        remote: RemoteIov,
+        what: WrWhat,
+    ) -> Wr {
+        Wr {
+            owner,
+            peer,
+            dest,
+            remote,
+            what,
+            rnr: 0,
+            no_ah: 0,
+        }
+    }
 }
 
 /// Where a long/runting-read message is.

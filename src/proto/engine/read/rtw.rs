@@ -2,7 +2,7 @@
 //! READ_NACK.
 
 use super::*;
-use crate::proto::engine::util::Timer;
+use crate::proto::engine::Event;
 
 /// The target of a LONGREAD_RTW: reads the initiator's buffer and writes it into the memory.
 #[derive(Debug)]
@@ -40,9 +40,10 @@ pub(in crate::proto::engine) fn write_range(
     Ok(())
 }
 
-impl Engine {
+impl ReadState {
     /// LONGREAD_RTW: read the initiator's buffer, write it into `rma_iov`, then EOR; READ_NACK
     /// when this side cannot (no RDMA read, no memory, a bad range or key here or there).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn handle_longread_rtw(
         &mut self,
         pid: u64,
@@ -51,14 +52,15 @@ impl Engine {
         send_id: u32,
         rma: ReadIovs,
         read: ReadIovs,
+        cx: &mut Cx<'_>,
     ) {
         let nack = Packet::ReadNack {
-            connid: Some(self.local.qkey),
+            connid: Some(cx.local.qkey),
             send_id,
             recv_id: 0,
         };
         let len = usize::try_from(msg_length).ok();
-        let writable = match (&self.memory, len) {
+        let writable = match (cx.memory, len) {
             // The target range must exist before anything is read into it.
             (Some(mem), Some(_)) => {
                 rma.total() == Some(msg_length) && {
@@ -72,27 +74,25 @@ impl Engine {
             }
             _ => false,
         };
-        let seg = self.read_segment().min(RTW_SEGMENT);
+        let seg = read_segment(cx.cfg).min(RTW_SEGMENT);
         let ranges = match len {
-            Some(len) if writable && self.cfg.device_rdma_read => {
-                carve(read.as_slice(), 0, len, seg)
-            }
+            Some(len) if writable && cx.cfg.device_rdma_read => carve(read.as_slice(), 0, len, seg),
             _ => None,
         };
         let (Some(len), Some(ranges)) = (len, ranges) else {
             tracing::debug!(send_id, "LONGREAD_RTW cannot be read here: READ_NACK");
-            return self.peers.queue_ctrl(pid, &nack);
+            return cx.peers.queue_ctrl(pid, &nack);
         };
         if ranges.is_empty() {
-            return self.rtw_finish(pid, send_id, len, data);
+            return rtw_finish(pid, send_id, len, data, cx);
         }
-        let Some(dest) = self.peers.get(&pid).map(|p| p.addr) else {
+        let Some(dest) = cx.peers.get(&pid).map(|p| p.addr) else {
             return;
         };
         let id = loop {
-            self.rd.next_rtw = self.rd.next_rtw.wrapping_add(1);
-            if !self.rd.rtw.contains_key(&self.rd.next_rtw) {
-                break self.rd.next_rtw;
+            self.next_rtw = self.next_rtw.wrapping_add(1);
+            if !self.rtw.contains_key(&self.next_rtw) {
+                break self.next_rtw;
             }
         };
         let mut offs = Vec::with_capacity(ranges.len());
@@ -108,19 +108,13 @@ impl Engine {
             error: None,
         };
         for (i, remote) in ranges.into_iter().enumerate() {
-            self.rd.wrs.push_back(Wr {
-                owner: WrOwner::Rtw(id),
-                peer: pid,
-                dest,
-                remote,
-                what: WrWhat::Read {
-                    region: None,
-                    piece: i,
-                    buf: None,
-                },
-                rnr: 0,
-                no_ah: 0,
-            });
+            let what = WrWhat::Read {
+                region: None,
+                piece: i,
+                buf: None,
+            };
+            cx.wrs
+                .push_back(Wr::new(WrOwner::Rtw(id), pid, dest, remote, what));
         }
         let t = RtwTarget {
             peer: pid,
@@ -132,20 +126,22 @@ impl Engine {
             pieces,
             unwritten: Vec::new(),
         };
-        self.rd.rtw.insert(id, t);
+        self.rtw.insert(id, t);
     }
 
-    pub(in crate::proto::engine) fn rtw_wr_done(
+    /// A read of LONGREAD_RTW target `id` completed.
+    pub(super) fn rtw_wr_done(
         &mut self,
         now: Instant,
         id: u32,
         w: Wr,
         status: Status,
+        cx: &mut Cx<'_>,
     ) {
         let WrWhat::Read { piece, buf, .. } = w.what else {
             return;
         };
-        let Some(t) = self.rd.rtw.get_mut(&id) else {
+        let Some(t) = self.rtw.get_mut(&id) else {
             return;
         };
         let want = t.pieces.bufs.get(piece).map_or(0, |b| b.0);
@@ -159,21 +155,20 @@ impl Engine {
             _ => status,
         };
         t.pieces.put(piece, None, status);
-        self.rtw_write_out(now, id);
+        self.rtw_write_out(now, id, cx);
     }
 
     /// Writes what LONGREAD_RTW target `id` read into the memory; when all is read and written,
     /// EOR (or READ_NACK after a failure).
-    pub(super) fn rtw_write_out(&mut self, now: Instant, id: u32) {
-        let mem = self.memory.clone();
-        let Some(t) = self.rd.rtw.get_mut(&id) else {
+    fn rtw_write_out(&mut self, now: Instant, id: u32, cx: &mut Cx<'_>) {
+        let Some(t) = self.rtw.get_mut(&id) else {
             return;
         };
         if t.pieces.error.is_none() {
             let mut keep = Vec::new();
             for (off, b) in std::mem::take(&mut t.unwritten) {
-                let r = match &mem {
-                    Some(m) => write_range(m.as_ref(), &t.rma, off, &b),
+                let r = match cx.memory {
+                    Some(m) => write_range(m, &t.rma, off, &b),
                     None => Err(Error::new(ErrorKind::RemoteAccess, "rma")),
                 };
                 match r {
@@ -197,49 +192,29 @@ impl Engine {
         if t.pieces.outstanding > 0 || waiting {
             if waiting {
                 let at = now.checked_add(MEMORY_RETRY);
-                self.out.timers.arm_if_stopped(Timer::ReadRetry, at);
+                cx.out.timers.arm_if_stopped(Timer::ReadRetry, at);
             }
             return;
         }
-        let Some(t) = self.rd.rtw.remove(&id) else {
+        let Some(t) = self.rtw.remove(&id) else {
             return;
         };
         if t.pieces.error.is_some() {
             tracing::debug!(send_id = t.send_id, "LONGREAD_RTW failed here: READ_NACK");
             let nack = Packet::ReadNack {
-                connid: Some(self.local.qkey),
+                connid: Some(cx.local.qkey),
                 send_id: t.send_id,
                 recv_id: id,
             };
-            return self.peers.queue_ctrl(t.peer, &nack);
+            return cx.peers.queue_ctrl(t.peer, &nack);
         }
-        self.rtw_finish(t.peer, t.send_id, t.len, t.data);
+        rtw_finish(t.peer, t.send_id, t.len, t.data, cx);
     }
 
-    /// A LONGREAD_RTW is in place: the remote CQ data (if any) is reported, EOR goes back.
-    pub(super) fn rtw_finish(&mut self, pid: u64, send_id: u32, len: usize, data: Option<u32>) {
-        let Some(src) = self.peers.get(&pid).map(|p| p.addr) else {
-            return;
-        };
-        self.target_counts.count(true, true);
-        if let Some(data) = data {
-            self.out
-                .events
-                .push_back(Event::RemoteWrite(RemoteWriteDone { src, data, len }));
-        }
-        let eor = Packet::Eor {
-            connid: Some(self.local.qkey),
-            send_id,
-            recv_id: 0,
-        };
-        self.peers.queue_ctrl(pid, &eor);
-    }
-
-    /// Retries the writes into memory the application held locked.
-    pub(in crate::proto::engine) fn read_timeout(&mut self, now: Instant) {
-        self.out.timers.stop(Timer::ReadRetry);
+    /// Retries the writes into memory the application held locked (`Timer::ReadRetry`).
+    pub(in crate::proto::engine) fn timeout(&mut self, now: Instant, cx: &mut Cx<'_>) {
+        cx.out.timers.stop(Timer::ReadRetry);
         let mut ids: Vec<u32> = self
-            .rd
             .rtw
             .iter()
             .filter(|(_, t)| !t.unwritten.is_empty())
@@ -247,7 +222,62 @@ impl Engine {
             .collect();
         ids.sort_unstable();
         for id in ids {
-            self.rtw_write_out(now, id);
+            self.rtw_write_out(now, id, cx);
         }
     }
+
+    // ---- the initiator ----
+
+    /// EOR of one of our LONGREAD_RTW: the target placed the write.
+    pub(super) fn handle_eor(&mut self, pid: u64, send_id: u32, out: &mut Out) {
+        let ours = matches!(self.ops.get(&send_id),
+            Some(DevOp::LongReadRtw { peer, .. }) if *peer == pid);
+        if !ours {
+            return out.drop_pkt("EOR for an unknown send_id");
+        }
+        if let Some(DevOp::LongReadRtw { op, len, .. }) = self.ops.remove(&send_id) {
+            let buf = RmaBuf::from_kind(op.kind);
+            out.rma_done(op.context, buf, len, RmaPath::Emulated, None, None);
+        }
+    }
+
+    /// READ_NACK of one of our LONGREAD_RTW: the target cannot read it, the write is handed
+    /// back to be emulated.
+    pub(super) fn handle_read_nack(
+        &mut self,
+        pid: u64,
+        send_id: u32,
+        out: &mut Out,
+    ) -> Option<RmaOp> {
+        let ours = matches!(self.ops.get(&send_id),
+            Some(DevOp::LongReadRtw { peer, .. }) if *peer == pid);
+        if !ours {
+            out.drop_pkt("READ_NACK for an unknown send_id");
+            return None;
+        }
+        let Some(DevOp::LongReadRtw { op, .. }) = self.ops.remove(&send_id) else {
+            return None;
+        };
+        tracing::debug!(send_id, "READ_NACK: the write is emulated");
+        Some(op)
+    }
+}
+
+/// A LONGREAD_RTW is in place: the remote CQ data (if any) is reported, EOR goes back.
+fn rtw_finish(pid: u64, send_id: u32, len: usize, data: Option<u32>, cx: &mut Cx<'_>) {
+    let Some(src) = cx.peers.get(&pid).map(|p| p.addr) else {
+        return;
+    };
+    cx.counts.count(true, true);
+    if let Some(data) = data {
+        cx.out
+            .events
+            .push_back(Event::RemoteWrite(RemoteWriteDone { src, data, len }));
+    }
+    let eor = Packet::Eor {
+        connid: Some(cx.local.qkey),
+        send_id,
+        recv_id: 0,
+    };
+    cx.peers.queue_ctrl(pid, &eor);
 }

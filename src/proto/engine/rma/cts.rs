@@ -20,14 +20,15 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
+use super::super::cx::Cx;
 use super::super::read::write_range;
+use super::super::rx::RxSide;
 use super::super::tx::{cts_credit, push_ctsdata};
 use super::super::types::{Owner, Pkt};
-use super::super::util::RangeSet;
-use super::super::util::encode;
+use super::super::util::{Out, RangeSet, encode};
 use super::super::wr::{ReadIovs, carve};
-use super::super::{Engine, Event, RemoteWriteDone, RmaMemory};
-use super::{EmaOp, OpKind, Work};
+use super::super::{Event, RemoteWriteDone, RmaMemory};
+use super::{Ema, EmaOp, OpKind, Work, refuse_op};
 use crate::device::{RemoteIov, Status};
 use crate::error::{Error, ErrorKind};
 use crate::proto::wire::{CTSDATA_MAX_HEADER_LEN, IovList, Packet, ReqOpt};
@@ -46,6 +47,30 @@ pub(super) struct CtsOp {
     pub(super) pkts: usize,
     /// Read: the ranges received (an overlap is a duplicate and dropped).
     pub(super) got: RangeSet,
+}
+
+/// Bytes of a READRSP's payload at most.
+pub(super) fn readrsp_room(cx: &Cx<'_>) -> usize {
+    let rsp = Packet::ReadRsp {
+        connid: Some(cx.local.qkey),
+        recv_id: 0,
+        send_id: 0,
+        seg_length: 0,
+    };
+    let hdr = encode(&rsp).map_or(cx.cfg.mtu, |h| h.bytes().len());
+    cx.cfg.mtu.saturating_sub(hdr)
+}
+
+impl Ema {
+    /// True when `id` is an id `Ema::recv_id` handed out and still in use.
+    pub(in crate::proto::engine) fn owns_recv_id(&self, id: u32) -> bool {
+        (!self.tgt.is_empty() && self.tgt.contains_key(&id))
+            || (!self.ops.is_empty()
+                && self
+                    .ops
+                    .get(&id)
+                    .is_some_and(|o| o.cts.is_some() && matches!(o.kind, OpKind::Read(_))))
+    }
 }
 
 /// A long-CTS operation of a peer that this side serves.
@@ -75,40 +100,17 @@ enum TgtKind {
     },
 }
 
-impl Engine {
-    /// Bytes of a READRSP's payload at most.
-    pub(super) fn readrsp_room(&self) -> usize {
-        let rsp = Packet::ReadRsp {
-            connid: Some(self.local.qkey),
-            recv_id: 0,
-            send_id: 0,
-            seg_length: 0,
-        };
-        let hdr = encode(&rsp).map_or(self.cfg.mtu, |h| h.bytes().len());
-        self.cfg.mtu.saturating_sub(hdr)
-    }
-
+impl Ema {
     /// An id for state that a peer names in `recv_id` (CTSDATA, READRSP): unique among the
-    /// receive entries (`alloc_rx_id`) and the emulation's operations and targets (whose other
-    /// ids come from the send ids), so CTSDATA finds its owner.
-    pub(super) fn ema_recv_id(&mut self) -> u32 {
+    /// receive entries (`RxSide::alloc_id`) and the emulation's operations and targets (whose
+    /// other ids come from the send ids), so CTSDATA finds its owner.
+    fn recv_id(&self, rx: &mut RxSide) -> u32 {
         loop {
-            let id = self.alloc_rx_id();
-            if !self.ema.ops.contains_key(&id) && !self.ema.tgt.contains_key(&id) {
+            let id = rx.alloc_id(|id| self.owns_recv_id(id));
+            if !self.ops.contains_key(&id) && !self.tgt.contains_key(&id) {
                 return id;
             }
         }
-    }
-
-    /// True when `id` is an id [`Engine::ema_recv_id`] handed out and still in use.
-    pub(in crate::proto::engine) fn ema_owns_recv_id(&self, id: u32) -> bool {
-        (!self.ema.tgt.is_empty() && self.ema.tgt.contains_key(&id))
-            || (!self.ema.ops.is_empty()
-                && self
-                    .ema
-                    .ops
-                    .get(&id)
-                    .is_some_and(|o| o.cts.is_some() && matches!(o.kind, OpKind::Read(_))))
     }
 
     // ---- initiator ----
@@ -125,6 +127,7 @@ impl Engine {
         buf: Bytes,
         dc: bool,
         context: u64,
+        cx: &mut Cx<'_>,
     ) -> Result<(), (Error, Bytes)> {
         let len = buf.len();
         let one = [remote];
@@ -132,7 +135,7 @@ impl Engine {
             opt,
             msg_length: len as u64,
             send_id: id,
-            credit_request: u32::try_from(self.cfg.tx_min_credits).unwrap_or(u32::MAX),
+            credit_request: u32::try_from(cx.cfg.tx_min_credits).unwrap_or(u32::MAX),
             dc,
             read_nack: false,
             rma_iov: IovList::new(&one),
@@ -140,13 +143,13 @@ impl Engine {
         let Some(hdr) = encode(&req) else {
             return Err((Error::new(ErrorKind::Io, "write"), buf));
         };
-        let room = self.cfg.mtu.saturating_sub(hdr.bytes().len());
-        if self.cfg.mtu <= CTSDATA_MAX_HEADER_LEN {
+        let room = cx.cfg.mtu.saturating_sub(hdr.bytes().len());
+        if cx.cfg.mtu <= CTSDATA_MAX_HEADER_LEN {
             let e = Error::new(ErrorKind::InvalidArgument, "write").with_detail("MTU too small");
             return Err((e, buf));
         }
         let n = room.min(len);
-        self.ema.ops.insert(
+        self.ops.insert(
             id,
             EmaOp {
                 pid,
@@ -166,12 +169,13 @@ impl Engine {
                 })),
             },
         );
-        self.peers
+        cx.peers
             .enqueue(Pkt::new(pid, Owner::Ema(id), hdr, 0, n), false, false);
         Ok(())
     }
 
     /// Starts a LONGCTS_RTR granting the first window; `buf` is `len` bytes long.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn cts_read_start(
         &mut self,
         pid: u64,
@@ -179,10 +183,12 @@ impl Engine {
         remote: RemoteIov,
         buf: BytesMut,
         context: u64,
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
     ) -> Result<(), (Error, BytesMut)> {
         let len = buf.len();
-        let id = self.ema_recv_id();
-        let window = len.min(cts_credit(&self.cfg));
+        let id = self.recv_id(rx);
+        let window = len.min(cts_credit(cx.cfg));
         let one = [remote];
         let req = Packet::LongCtsRtr {
             opt,
@@ -195,7 +201,7 @@ impl Engine {
             return Err((Error::new(ErrorKind::Io, "read"), buf));
         };
         let window = window.min(u32::MAX as usize);
-        self.ema.ops.insert(
+        self.ops.insert(
             id,
             EmaOp {
                 pid,
@@ -214,32 +220,39 @@ impl Engine {
                 })),
             },
         );
-        self.peers
+        cx.peers
             .enqueue(Pkt::ctrl(pid, Owner::Ema(id), hdr), false, false);
         Ok(())
     }
 
-    /// A CTS without READ_REQ: true when it granted a window of one of our long-CTS writes.
-    pub(in crate::proto::engine) fn ema_cts_write(
+    /// A CTS without READ_REQ for one of our long-CTS writes (`send_id` is an emulated
+    /// operation's): the next window.
+    pub(in crate::proto::engine) fn cts_write(
         &mut self,
         now: Instant,
         pid: u64,
         send_id: u32,
         recv_id: u32,
         recv_length: u64,
-    ) -> bool {
-        let Some(op) = self.ema.ops.get_mut(&send_id) else {
-            return false;
+        cx: &mut Cx<'_>,
+    ) {
+        let Some(op) = self.ops.get_mut(&send_id) else {
+            return cx
+                .out
+                .drop_pkt("CTS for an RMA operation of another peer or state");
         };
         let (Some(c), OpKind::Write) = (op.cts.as_deref_mut(), &op.kind) else {
-            return false;
+            return cx
+                .out
+                .drop_pkt("CTS for an RMA operation of another peer or state");
         };
         if op.pid != pid {
-            return false;
+            return cx
+                .out
+                .drop_pkt("CTS for an RMA operation of another peer or state");
         }
         if op.error.is_some() {
-            self.drop_pkt("CTS for a failed write");
-            return true;
+            return cx.out.drop_pkt("CTS for a failed write");
         }
         let end = usize::try_from(recv_length)
             .ok()
@@ -250,48 +263,47 @@ impl Engine {
                 c.peer_id = Some(recv_id);
             }
             _ => {
-                self.drop_pkt("CTS outside the write, or while a window is being sent");
-                return true;
+                cx.out
+                    .drop_pkt("CTS outside the write, or while a window is being sent");
+                return;
             }
         }
-        self.cts_send_window(now, pid, Side::Op(send_id));
-        true
-    }
-
-    /// A READRSP for a LONGCTS_RTR: the responder's id and the first bytes.
-    pub(super) fn cts_readrsp(&mut self, pid: u64, recv_id: u32, send_id: u32, data: &[u8]) {
-        let Some(op) = self.ema.ops.get_mut(&recv_id) else {
-            return self.drop_pkt("READRSP for no read");
-        };
-        match op.cts.as_deref_mut() {
-            Some(c) if op.pid == pid && c.peer_id.is_none() => c.peer_id = Some(send_id),
-            _ => return self.drop_pkt("READRSP that does not start a long-CTS read"),
-        }
-        self.cts_read_data(pid, recv_id, 0, data);
+        self.cts_send_window(now, pid, Side::Op(send_id), cx);
     }
 
     /// Data of one of our long-CTS reads (READRSP or CTSDATA), at `off`.
-    pub(super) fn cts_read_data(&mut self, pid: u64, id: u32, off: u64, data: &[u8]) {
-        let credit = cts_credit(&self.cfg);
-        let qkey = self.local.qkey;
-        let Some(op) = self.ema.ops.get_mut(&id) else {
-            return self.drop_pkt("CTSDATA for no read");
+    pub(super) fn cts_read_data(
+        &mut self,
+        pid: u64,
+        id: u32,
+        off: u64,
+        data: &[u8],
+        cx: &mut Cx<'_>,
+    ) {
+        let credit = cts_credit(cx.cfg);
+        let qkey = cx.local.qkey;
+        let Some(op) = self.ops.get_mut(&id) else {
+            return cx.out.drop_pkt("CTSDATA for no read");
         };
         let (Some(c), OpKind::Read(buf)) = (op.cts.as_deref_mut(), &mut op.kind) else {
-            return self.drop_pkt("CTSDATA for an operation that is not a long-CTS read");
+            return cx
+                .out
+                .drop_pkt("CTSDATA for an operation that is not a long-CTS read");
         };
         if op.pid != pid || op.error.is_some() {
-            return self.drop_pkt("CTSDATA from another peer or for a failed read");
+            return cx
+                .out
+                .drop_pkt("CTSDATA from another peer or for a failed read");
         }
         let n = data.len() as u64;
         let end = off
             .checked_add(n)
             .filter(|&e| n > 0 && e <= c.window_end as u64);
         let Some(end) = end else {
-            return self.drop_pkt("read data outside the window granted");
+            return cx.out.drop_pkt("read data outside the window granted");
         };
         if !c.got.insert(off, end) {
-            return self.drop_pkt("duplicate read data");
+            return cx.out.drop_pkt("duplicate read data");
         }
         if let Some(dst) = buf.get_mut(off as usize..end as usize) {
             dst.copy_from_slice(data);
@@ -300,7 +312,7 @@ impl Engine {
         let (done, window_end, len) = (c.done, c.window_end, op.len);
         if done == len {
             op.waiting = 0;
-            return self.ema_maybe_done(id);
+            return self.maybe_done(id, cx.out);
         }
         if done == window_end {
             let Some(responder) = c.peer_id else {
@@ -315,50 +327,50 @@ impl Engine {
                 recv_length: grant as u64,
                 read_req: true,
             };
-            self.peers.queue_ctrl(pid, &cts);
+            cx.peers.queue_ctrl(pid, &cts);
         }
     }
 
     /// A device completion of one of our long-CTS operations' packets (success).
-    pub(super) fn cts_pkt_sent(&mut self, id: u32) {
-        let Some(c) = self.ema.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
+    pub(super) fn cts_pkt_sent(&mut self, id: u32, out: &mut Out) {
+        let Some(c) = self.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
             return;
         };
         c.pkts = c.pkts.saturating_sub(1);
-        self.ema_maybe_done(id);
+        self.maybe_done(id, out);
     }
 
     /// Queues the CTSDATA (and for a read's first window the READRSP) of the window granted.
     /// Waits for the peer's HANDSHAKE: CTSDATA carries our connid after its header.
-    fn cts_send_window(&mut self, now: Instant, pid: u64, side: Side) {
-        if !self.peers.get(&pid).is_some_and(|p| p.hs_received) {
-            if !self.ema.blocked.contains(&(pid, side)) {
-                self.ema.blocked.push((pid, side));
+    fn cts_send_window(&mut self, now: Instant, pid: u64, side: Side, cx: &mut Cx<'_>) {
+        if !cx.peers.get(&pid).is_some_and(|p| p.hs_received) {
+            if !self.blocked.contains(&(pid, side)) {
+                self.blocked.push((pid, side));
             }
             return;
         }
         match side {
-            Side::Op(id) => self.cts_send_write_window(pid, id),
-            Side::Tgt(tid) => self.ema_target(now, Work::Respond { tid }),
+            Side::Op(id) => self.cts_send_write_window(pid, id, cx),
+            Side::Tgt(tid) => self.target(now, Work::Respond { tid }, cx),
         }
     }
 
     /// The peer's HANDSHAKE arrived: windows that waited for it go.
-    pub(in crate::proto::engine) fn ema_handshake(&mut self, now: Instant, pid: u64) {
-        if self.ema.blocked.is_empty() {
+    pub(in crate::proto::engine) fn handshake(&mut self, now: Instant, pid: u64, cx: &mut Cx<'_>) {
+        if self.blocked.is_empty() {
             return;
         }
-        let (ready, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.ema.blocked)
+        let (ready, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.blocked)
             .into_iter()
             .partition(|&(p, _)| p == pid);
-        self.ema.blocked = later;
+        self.blocked = later;
         for (p, side) in ready {
-            self.cts_send_window(now, p, side);
+            self.cts_send_window(now, p, side, cx);
         }
     }
 
-    fn cts_send_write_window(&mut self, pid: u64, id: u32) {
-        let Some(c) = self.ema.ops.get(&id).and_then(|o| o.cts.as_deref()) else {
+    fn cts_send_write_window(&mut self, pid: u64, id: u32, cx: &mut Cx<'_>) {
+        let Some(c) = self.ops.get(&id).and_then(|o| o.cts.as_deref()) else {
             return;
         };
         let Some(recv_id) = c.peer_id else {
@@ -373,16 +385,16 @@ impl Engine {
             recv_id,
             from..to,
             0,
-            &self.cfg,
-            self.local,
+            cx.cfg,
+            cx.local,
         );
-        let Some(c) = self.ema.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
+        let Some(c) = self.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
             return;
         };
         c.done = end;
         c.pkts += pkts.len();
         for p in pkts {
-            self.peers.enqueue(p, false, false);
+            cx.peers.enqueue(p, false, false);
         }
     }
 
@@ -390,7 +402,7 @@ impl Engine {
 
     /// A LONGCTS_RTW or DC_LONGCTS_RTW: checks every range, places the first bytes, then CTS.
     #[allow(clippy::too_many_arguments)]
-    pub(in crate::proto::engine) fn ema_longcts_rtw(
+    pub(in crate::proto::engine) fn longcts_rtw(
         &mut self,
         now: Instant,
         pid: u64,
@@ -400,19 +412,22 @@ impl Engine {
         dc: bool,
         cq_data: Option<u64>,
         data: &[u8],
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
     ) {
         if data.len() as u64 > msg_length {
-            return self.drop_pkt("LONGCTS_RTW carrying more than its length");
+            return cx.out.drop_pkt("LONGCTS_RTW carrying more than its length");
         }
-        let Some((rma, total)) = self.cts_accept(pid, rma_iov, msg_length, send_id, true) else {
+        let Some((rma, total)) = self.cts_accept(pid, rma_iov, msg_length, send_id, true, cx)
+        else {
             return;
         };
-        let tid = self.ema_recv_id();
+        let tid = self.recv_id(rx);
         let mut got = RangeSet::default();
         if !data.is_empty() {
             got.insert(0, data.len() as u64);
         }
-        self.ema.tgt.insert(
+        self.tgt.insert(
             tid,
             Tgt {
                 pid,
@@ -429,11 +444,12 @@ impl Engine {
             },
         );
         let data = Bytes::copy_from_slice(data);
-        self.ema_target(now, Work::Place { tid, off: 0, data });
+        self.target(now, Work::Place { tid, off: 0, data }, cx);
     }
 
     /// A LONGCTS_RTR: checks every range, then READRSP and CTSDATA for the first window.
-    pub(in crate::proto::engine) fn ema_longcts_rtr(
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::proto::engine) fn longcts_rtr(
         &mut self,
         now: Instant,
         pid: u64,
@@ -441,15 +457,18 @@ impl Engine {
         msg_length: u64,
         recv_id: u32,
         recv_length: u32,
+        rx: &mut RxSide,
+        cx: &mut Cx<'_>,
     ) {
         if recv_length == 0 || msg_length == 0 {
-            return self.drop_pkt("LONGCTS_RTR with an empty window or range");
+            return cx.out.drop_pkt("LONGCTS_RTR with an empty window or range");
         }
-        let Some((rma, total)) = self.cts_accept(pid, rma_iov, msg_length, recv_id, false) else {
+        let Some((rma, total)) = self.cts_accept(pid, rma_iov, msg_length, recv_id, false, cx)
+        else {
             return;
         };
-        let tid = self.ema_recv_id();
-        self.ema.tgt.insert(
+        let tid = self.recv_id(rx);
+        self.tgt.insert(
             tid,
             Tgt {
                 pid,
@@ -461,20 +480,21 @@ impl Engine {
                 kind: TgtKind::Read { recv_id },
             },
         );
-        self.cts_send_window(now, pid, Side::Tgt(tid));
+        self.cts_send_window(now, pid, Side::Tgt(tid), cx);
     }
 
     /// A CTS with READ_REQ: the requester grants the next window of a read we serve.
-    pub(in crate::proto::engine) fn ema_cts_read(
+    pub(in crate::proto::engine) fn cts_read(
         &mut self,
         now: Instant,
         pid: u64,
         send_id: u32,
         recv_id: u32,
         recv_length: u64,
+        cx: &mut Cx<'_>,
     ) {
-        let Some(t) = self.ema.tgt.get_mut(&send_id) else {
-            return self.drop_pkt("CTS (read) for an unknown send_id");
+        let Some(t) = self.tgt.get_mut(&send_id) else {
+            return cx.out.drop_pkt("CTS (read) for an unknown send_id");
         };
         let ok = t.pid == pid
             && matches!(t.kind, TgtKind::Read { recv_id: r } if r == recv_id)
@@ -485,51 +505,49 @@ impl Engine {
                 .and_then(|n| t.done.checked_add(n))
                 .is_some_and(|e| e <= t.total);
         if !ok {
-            return self.drop_pkt("CTS (read) that does not match its read");
+            return cx.out.drop_pkt("CTS (read) that does not match its read");
         }
         t.window_end += recv_length as usize;
-        self.cts_send_window(now, pid, Side::Tgt(send_id));
+        self.cts_send_window(now, pid, Side::Tgt(send_id), cx);
     }
 
-    /// CTSDATA of a long-CTS write we serve: true when `recv_id` names one.
-    pub(in crate::proto::engine) fn ema_ctsdata(
+    /// CTSDATA of a long-CTS write we serve or of one of our long-CTS reads (`recv_id` is an
+    /// id of the emulation's).
+    pub(in crate::proto::engine) fn ctsdata(
         &mut self,
         now: Instant,
         pid: u64,
         recv_id: u32,
         off: u64,
         data: &[u8],
-    ) -> bool {
-        if let Some(t) = self.ema.tgt.get_mut(&recv_id) {
+        cx: &mut Cx<'_>,
+    ) {
+        if let Some(t) = self.tgt.get_mut(&recv_id) {
             if t.pid != pid || !matches!(t.kind, TgtKind::Write { .. }) {
-                self.drop_pkt("CTSDATA from another peer or for a read");
-                return true;
+                return cx.out.drop_pkt("CTSDATA from another peer or for a read");
             }
             let n = data.len() as u64;
             let end = off
                 .checked_add(n)
                 .filter(|&e| n > 0 && e <= t.window_end as u64);
             let Some(end) = end else {
-                self.drop_pkt("CTSDATA outside the window granted");
-                return true;
+                return cx.out.drop_pkt("CTSDATA outside the window granted");
             };
             if !t.got.insert(off, end) {
-                self.drop_pkt("duplicate CTSDATA");
-                return true;
+                return cx.out.drop_pkt("duplicate CTSDATA");
             }
             let w = Work::Place {
                 tid: recv_id,
                 off: off as usize,
                 data: Bytes::copy_from_slice(data),
             };
-            self.ema_target(now, w);
-            return true;
+            return self.target(now, w, cx);
         }
-        if self.ema_owns_recv_id(recv_id) {
-            self.cts_read_data(pid, recv_id, off, data);
-            return true;
+        if self.owns_recv_id(recv_id) {
+            return self.cts_read_data(pid, recv_id, off, data, cx);
         }
-        false
+        cx.out
+            .drop_pkt("CTSDATA for an RMA operation of another peer or state")
     }
 
     /// Whether this side serves a long-CTS request: its ranges must add up to `msg_length` (else
@@ -543,30 +561,32 @@ impl Engine {
         msg_length: u64,
         op_id: u32,
         write: bool,
+        cx: &mut Cx<'_>,
     ) -> Option<(ReadIovs, usize)> {
         let rma = ReadIovs::of(&rma_iov);
         if rma_iov.len() != rma.as_slice().len() || rma.total() != Some(msg_length) {
-            self.drop_pkt("long-CTS request whose ranges and length differ");
+            cx.out
+                .drop_pkt("long-CTS request whose ranges and length differ");
             return None;
         }
         let Ok(total) = usize::try_from(msg_length) else {
-            self.drop_pkt("long-CTS request longer than memory");
+            cx.out.drop_pkt("long-CTS request longer than memory");
             return None;
         };
-        let in_memory = self.memory.as_deref().is_some_and(|mem| {
+        let in_memory = cx.memory.is_some_and(|mem| {
             rma.as_slice()
                 .iter()
                 .all(|iov| mem.check(iov.key, iov.addr, iov.len, write).is_ok())
         });
         if !in_memory {
-            self.target_counts.count(write, false);
-            self.refuse_op(pid, op_id, Status::RemoteBadAddress);
+            cx.counts.count(write, false);
+            refuse_op(pid, op_id, Status::RemoteBadAddress, cx);
             return None;
         }
-        if self.ema.tgt.len() >= self.cfg.max_rx_ops {
+        if self.tgt.len() >= cx.cfg.max_rx_ops {
             tracing::debug!("long-CTS request: max_rx_ops peer operations served already");
-            self.target_counts.count(write, false);
-            self.refuse_op(pid, op_id, Status::RemoteAbort);
+            cx.counts.count(write, false);
+            refuse_op(pid, op_id, Status::RemoteAbort, cx);
             return None;
         }
         Some((rma, total))
@@ -579,8 +599,9 @@ impl Engine {
         tid: u32,
         off: usize,
         data: &[u8],
+        cx: &mut Cx<'_>,
     ) -> Result<(), ()> {
-        let Some(t) = self.ema.tgt.get(&tid) else {
+        let Some(t) = self.tgt.get(&tid) else {
             return Ok(());
         };
         let TgtKind::Write {
@@ -596,39 +617,37 @@ impl Engine {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
                 // The region went away (or changed) since the request was checked.
-                self.ema.tgt.remove(&tid);
-                self.target_counts.count(true, false);
-                self.refuse_op(pid, send_id, Status::RemoteBadAddress);
+                self.tgt.remove(&tid);
+                cx.counts.count(true, false);
+                refuse_op(pid, send_id, Status::RemoteBadAddress, cx);
                 return Ok(());
             }
             Ok(()) => {}
         }
-        let credit = cts_credit(&self.cfg);
-        let qkey = self.local.qkey;
-        let Some(t) = self.ema.tgt.get_mut(&tid) else {
+        let credit = cts_credit(cx.cfg);
+        let qkey = cx.local.qkey;
+        let Some(t) = self.tgt.get_mut(&tid) else {
             return Ok(());
         };
         t.done += data.len();
         if t.done == t.total {
             let total = t.total;
-            self.ema.tgt.remove(&tid);
-            self.target_counts.count(true, true);
+            self.tgt.remove(&tid);
+            cx.counts.count(true, true);
             if dc {
                 let r = Packet::Receipt {
                     connid: Some(qkey),
                     send_id,
                     msg_id: 0,
                 };
-                self.peers.queue_ctrl(pid, &r);
+                cx.peers.queue_ctrl(pid, &r);
             }
-            if let (Some(d), Some(src)) = (cq_data, self.peers.get(&pid).map(|p| p.addr)) {
-                self.out
-                    .events
-                    .push_back(Event::RemoteWrite(RemoteWriteDone {
-                        src,
-                        data: d as u32,
-                        len: total,
-                    }));
+            if let (Some(d), Some(src)) = (cq_data, cx.peers.get(&pid).map(|p| p.addr)) {
+                cx.out.events.push_back(Event::RemoteWrite(RemoteWriteDone {
+                    src,
+                    data: d as u32,
+                    len: total,
+                }));
             }
         } else if t.done == t.window_end {
             let grant = (t.total - t.done).min(credit);
@@ -640,15 +659,20 @@ impl Engine {
                 recv_length: grant as u64,
                 read_req: false,
             };
-            self.peers.queue_ctrl(pid, &cts);
+            cx.peers.queue_ctrl(pid, &cts);
         }
         Ok(())
     }
 
     /// Target work: reads the window granted to read `tid` and queues it as READRSP (first) and
     /// CTSDATA. `Err(())`: the region is locked.
-    pub(super) fn cts_respond(&mut self, mem: &dyn RmaMemory, tid: u32) -> Result<(), ()> {
-        let Some(t) = self.ema.tgt.get(&tid) else {
+    pub(super) fn cts_respond(
+        &mut self,
+        mem: &dyn RmaMemory,
+        tid: u32,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), ()> {
+        let Some(t) = self.tgt.get(&tid) else {
             return Ok(());
         };
         let TgtKind::Read { recv_id } = t.kind else {
@@ -661,23 +685,23 @@ impl Engine {
         let data = match read_range(mem, &t.rma, from, to) {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
-                self.ema.tgt.remove(&tid);
-                self.target_counts.count(false, false);
-                self.refuse_op(pid, recv_id, Status::RemoteBadAddress);
+                self.tgt.remove(&tid);
+                cx.counts.count(false, false);
+                refuse_op(pid, recv_id, Status::RemoteBadAddress, cx);
                 return Ok(());
             }
             Ok(d) => d,
         };
-        let rid = self.ema.next_resp;
-        self.ema.next_resp = self.ema.next_resp.wrapping_add(1);
+        let rid = self.next_resp;
+        self.next_resp = self.next_resp.wrapping_add(1);
         let owner = Owner::Resp(rid);
         let mut pkts = Vec::new();
         // The first window starts with one READRSP (the responder's id, the first bytes).
         let mut off = from;
         if from == 0 {
-            let n = self.readrsp_room().max(1).min(to);
+            let n = readrsp_room(cx).max(1).min(to);
             let rsp = Packet::ReadRsp {
-                connid: Some(self.local.qkey),
+                connid: Some(cx.local.qkey),
                 recv_id,
                 send_id: tid,
                 seg_length: n as u64,
@@ -694,18 +718,18 @@ impl Engine {
             recv_id,
             off..to,
             from,
-            &self.cfg,
-            self.local,
+            cx.cfg,
+            cx.local,
         );
-        self.ema.resp.insert(rid, (data, pkts.len()));
+        self.resp.insert(rid, (data, pkts.len()));
         for p in pkts {
-            self.peers.enqueue(p, false, false);
+            cx.peers.enqueue(p, false, false);
         }
-        if let Some(t) = self.ema.tgt.get_mut(&tid) {
+        if let Some(t) = self.tgt.get_mut(&tid) {
             t.done = to;
             if t.done == t.total {
-                self.ema.tgt.remove(&tid);
-                self.target_counts.count(false, true);
+                self.tgt.remove(&tid);
+                cx.counts.count(false, true);
             }
         }
         Ok(())
@@ -713,15 +737,13 @@ impl Engine {
 
     /// Forgets the long-CTS work of `pid` (every peer's when `None`) it serves.
     pub(super) fn cts_forget(&mut self, pid: Option<u64>) {
-        self.ema.tgt.retain(|_, t| pid.is_some_and(|p| t.pid != p));
-        self.ema
-            .blocked
-            .retain(|(p, _)| pid.is_some_and(|x| *p != x));
+        self.tgt.retain(|_, t| pid.is_some_and(|p| t.pid != p));
+        self.blocked.retain(|(p, _)| pid.is_some_and(|x| *p != x));
     }
 
     /// The target id a work item belongs to, and the initiator's id to refuse.
     pub(super) fn cts_work_ids(&self, tid: u32) -> Option<(u64, u32)> {
-        self.ema.tgt.get(&tid).map(|t| match t.kind {
+        self.tgt.get(&tid).map(|t| match t.kind {
             TgtKind::Write { send_id, .. } => (t.pid, send_id),
             TgtKind::Read { recv_id } => (t.pid, recv_id),
         })

@@ -290,7 +290,7 @@ impl TxSide {
     }
 
     /// `close()`: no read-based message is in flight any more.
-    pub(in crate::proto::engine) fn read_close(&mut self) {
+    pub(super) fn read_close(&mut self) {
         self.tx_read.clear();
         self.read_msgs = 0;
     }
