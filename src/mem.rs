@@ -395,6 +395,32 @@ impl RegionMem {
         out
     }
 
+    /// Whether the `len` bytes at `addr` could be read now, without reading them: `Busy` while
+    /// a write guard or a write holds some of them (then `waiter` is signalled at its release),
+    /// `OutOfRange` when they are not inside the region or it is closed. For a grant that lets
+    /// a peer copy the bytes itself (shm's direct reads).
+    pub(crate) fn try_probe_read(
+        &self,
+        addr: u64,
+        len: u64,
+        waiter: Option<&Arc<Notifier>>,
+    ) -> TryAccess<()> {
+        let Some(r) = self.range(addr, len) else {
+            return TryAccess::OutOfRange;
+        };
+        let Some(held) = self.try_lock(r, false, waiter) else {
+            return TryAccess::Busy;
+        };
+        let res = if held.bytes().len() as u64 != len || self.is_closed() {
+            TryAccess::OutOfRange
+        } else {
+            TryAccess::Done(())
+        };
+        drop(held);
+        self.wake_waiters();
+        res
+    }
+
     /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write guard or a write
     /// holds some of the bytes (then `waiter` is signalled at its release), `OutOfRange` as
     /// there.

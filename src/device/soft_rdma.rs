@@ -733,10 +733,14 @@ pub(crate) trait RdmaOps: RdmaHost {
         let dest = RawAddr::new(src.source.gid, src.source.qpn, src_qkey);
         let cookie = self.cma_cookie().filter(|_| flags & F_CMA != 0 && len > 0);
         let mut out = BytesMut::new();
-        // A grant copies nothing here: the lock is only tried (a region the application holds
-        // locked is not granted, as it is not read).
-        let want = if cookie.is_some() { 0 } else { len };
-        match mem.try_read_into(addr, want, &mut out, None) {
+        // A grant copies nothing here: the bytes' lock is only tried (bytes the application
+        // holds locked are not granted, as they are not read).
+        let tried = if cookie.is_some() {
+            mem.try_probe_read(addr, len, None)
+        } else {
+            mem.try_read_into(addr, len, &mut out, None)
+        };
+        match tried {
             TryAccess::Done(()) => {}
             TryAccess::Busy => return Served::NotReady,
             TryAccess::OutOfRange => return Served::Denied,
