@@ -174,8 +174,13 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("recv"), op));
         }
-        let mut p = self.parts();
-        p.rx.post_recv(now, op, &mut p.cx)
+        // Only a receive that matched at once needs the handlers' context.
+        let posting = self.rx.post(op, self.cfg.max_rx_ops, &mut self.out)?;
+        if !matches!(posting, recv::Posting::Done) {
+            let mut p = self.parts();
+            p.rx.posted(now, posting, &mut p.cx);
+        }
+        Ok(())
     }
 
     /// Cancels the oldest posted receive with `context` that has not started matching; it

@@ -195,19 +195,11 @@ impl RxSide {
         }
     }
 
-    /// Posts a receive (`Engine::post_recv`): matched at once against unexpected messages
-    /// (which start being received into it), else queued.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
-    pub(super) fn post_recv(
-        &mut self,
-        now: Instant,
-        op: RecvOp,
-        cx: &mut Cx<'_>,
-    ) -> Result<(), (Error, RecvOp)> {
-        match self.post(op, cx.cfg.max_rx_ops, cx.out)? {
+    /// What follows the posting of a receive ([`RxSide::post`]) when it matched at once: the
+    /// matched message starts being received into it (a multi-receive buffer takes every
+    /// unexpected message that fits, then waits for more).
+    pub(super) fn posted(&mut self, now: Instant, posting: Posting, cx: &mut Cx<'_>) {
+        match posting {
             Posting::Done => {}
             Posting::Matched(rid, sink) => self.start_matched(now, rid, sink, None, cx),
             Posting::Multi(m) => {
@@ -215,13 +207,12 @@ impl RxSide {
                     self.start_matched(now, rid, sink, None, cx);
                     if retired {
                         self.multi_retired(&m, cx.out);
-                        return Ok(());
+                        return;
                     }
                 }
                 self.queue_multi(m);
             }
         }
-        Ok(())
     }
 
     /// Receives claimed message `claim` into `op` (`Engine::recv_claimed`).
@@ -248,6 +239,7 @@ impl RxSide {
         clippy::result_large_err,
         reason = "the refused receive is handed back by value"
     )]
+    #[inline]
     pub(super) fn post(
         &mut self,
         mut op: RecvOp,

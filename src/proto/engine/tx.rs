@@ -297,6 +297,7 @@ impl TxSide {
 
     /// The device completed packet `wr_id`: a send's packet counts down (and completes it),
     /// RNR puts it back, a failure fails its send; what concerns another sub-state is returned.
+    #[inline]
     pub(super) fn completed(
         &mut self,
         now: Instant,
@@ -381,6 +382,7 @@ impl TxSide {
 
     /// Completes a send when all its packets are done, all its bytes sent and (delivery
     /// complete) its RECEIPT arrived.
+    #[inline]
     pub(super) fn maybe_complete(&mut self, id: u32, cx: &mut Cx<'_>) {
         // Read-based messages are delivery complete by nature (EOR), without RECEIPT.
         let done = self.ops.get(&id).is_some_and(|t| {
