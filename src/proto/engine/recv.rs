@@ -197,10 +197,6 @@ impl RxSide {
 
     /// Posts a receive (`Engine::post_recv`): matched at once against unexpected messages
     /// (which start being received into it), else queued.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub(super) fn post_recv(
         &mut self,
         now: Instant,
@@ -225,10 +221,6 @@ impl RxSide {
     }
 
     /// Receives claimed message `claim` into `op` (`Engine::recv_claimed`).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub(super) fn recv_claimed(
         &mut self,
         now: Instant,
@@ -244,10 +236,6 @@ impl RxSide {
     /// Posts a receive (at most `max_rx_ops`; more is `Again`, the receive handed back): an
     /// ordinary receive takes the oldest unexpected message it matches or is queued; a
     /// multi-receive buffer is matched by the engine ([`Posting::Multi`]).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub(super) fn post(
         &mut self,
         mut op: RecvOp,
@@ -428,10 +416,6 @@ impl RxSide {
 
     /// The receive `op` takes the message claimed under `claim`: its id and the sink to start
     /// receiving it into. `NoMessage` for an unknown claim, `Again` past `max_rx_ops`.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub(super) fn take_claimed(
         &mut self,
         claim: u64,

@@ -199,10 +199,6 @@ impl TxSide {
     /// Starts send `op`: `Again` when `max_tx_ops` are in flight or the peer is in RNR
     /// backoff, `NoMemory` when the peer table is full; else chooses its protocol and queues
     /// its first packets. `taken` as in [`TxSide::alloc_id`].
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     pub(super) fn send(
         &mut self,
         now: Instant,
