@@ -361,6 +361,35 @@ impl RegionMem {
         self.data.lock(range, write, false)
     }
 
+    /// What the non-blocking accesses share: takes the `len` bytes at `addr` (for writing when
+    /// `write`) without waiting, hands them to `access`, then releases them and wakes the
+    /// waiters. `OutOfRange` when the bytes are not all inside the region, `Busy` when a guard
+    /// or an access holds some of them (then `waiter` is signalled at its release).
+    #[inline]
+    fn try_access<T>(
+        &self,
+        addr: u64,
+        len: u64,
+        write: bool,
+        waiter: Option<&Arc<Notifier>>,
+        access: impl FnOnce(&mut ranges::Held<'_>) -> TryAccess<T>,
+    ) -> TryAccess<T> {
+        let Some(r) = self.range(addr, len) else {
+            return TryAccess::OutOfRange;
+        };
+        let Some(mut held) = self.try_lock(r, write, waiter) else {
+            return TryAccess::Busy;
+        };
+        let out = if held.bytes().len() as u64 != len {
+            TryAccess::OutOfRange
+        } else {
+            access(&mut held)
+        };
+        drop(held);
+        self.wake_waiters();
+        out
+    }
+
     /// Non-blocking write of `src` at `addr`, gated: once the bytes are held and the range
     /// checked, `gate` decides whether to write (`Some(r)`: write, then `Done(Some(r))`; `None`:
     /// write nothing, `Done(None)`). `Busy` when a guard or an access holds some of the bytes
@@ -373,15 +402,10 @@ impl RegionMem {
         waiter: Option<&Arc<Notifier>>,
         gate: impl FnOnce() -> Option<R>,
     ) -> TryAccess<Option<R>> {
-        let Some(r) = self.range(addr, src.len() as u64) else {
-            return TryAccess::OutOfRange;
-        };
-        let Some(mut held) = self.try_lock(r, true, waiter) else {
-            return TryAccess::Busy;
-        };
-        let out = if held.bytes().len() != src.len() || src.is_empty() && self.is_closed() {
-            TryAccess::OutOfRange
-        } else {
+        self.try_access(addr, src.len() as u64, true, waiter, |held| {
+            if src.is_empty() && self.is_closed() {
+                return TryAccess::OutOfRange;
+            }
             match gate() {
                 Some(v) => {
                     held.bytes_mut().copy_from_slice(src);
@@ -389,10 +413,7 @@ impl RegionMem {
                 }
                 None => TryAccess::Done(None),
             }
-        };
-        drop(held);
-        self.wake_waiters();
-        out
+        })
     }
 
     /// Whether the `len` bytes at `addr` could be read now, without reading them: `Busy` while
@@ -405,20 +426,13 @@ impl RegionMem {
         len: u64,
         waiter: Option<&Arc<Notifier>>,
     ) -> TryAccess<()> {
-        let Some(r) = self.range(addr, len) else {
-            return TryAccess::OutOfRange;
-        };
-        let Some(held) = self.try_lock(r, false, waiter) else {
-            return TryAccess::Busy;
-        };
-        let res = if held.bytes().len() as u64 != len || self.is_closed() {
-            TryAccess::OutOfRange
-        } else {
-            TryAccess::Done(())
-        };
-        drop(held);
-        self.wake_waiters();
-        res
+        self.try_access(addr, len, false, waiter, |_| {
+            if self.is_closed() {
+                TryAccess::OutOfRange
+            } else {
+                TryAccess::Done(())
+            }
+        })
     }
 
     /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write guard or a write
@@ -431,22 +445,14 @@ impl RegionMem {
         out: &mut BytesMut,
         waiter: Option<&Arc<Notifier>>,
     ) -> TryAccess<()> {
-        let Some(r) = self.range(addr, len) else {
-            return TryAccess::OutOfRange;
-        };
-        let Some(held) = self.try_lock(r, false, waiter) else {
-            return TryAccess::Busy;
-        };
-        let res = if held.bytes().len() as u64 != len || len == 0 && self.is_closed() {
-            TryAccess::OutOfRange
-        } else {
+        self.try_access(addr, len, false, waiter, |held| {
+            if len == 0 && self.is_closed() {
+                return TryAccess::OutOfRange;
+            }
             out.clear();
             out.extend_from_slice(held.bytes());
             TryAccess::Done(())
-        };
-        drop(held);
-        self.wake_waiters();
-        res
+        })
     }
 
     /// This memory's identity, unique in the process (never 0): a key names it only while it

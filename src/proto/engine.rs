@@ -17,6 +17,13 @@
 //! segments, CTSDATA, receives, peek/claim/discard) and `read` (device RDMA, long/runting read,
 //! EOR, READ_NACK, LONGREAD_RTW), sharing the leaf types of `types` and `wr`.
 
+// The engine's operations hand a refused operation back by value (`Err((error, op))`), so the
+// caller keeps its buffers: the `Err` side is as large as the operation.
+#![allow(
+    clippy::result_large_err,
+    reason = "a refused operation is handed back by value"
+)]
+
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -150,10 +157,6 @@ impl Engine {
 
     /// Starts a send. `Again` (with the operation handed back) when `max_tx_ops` are in flight
     /// or the peer is in RNR backoff; `MsgSize` never (any size is allowed).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     pub fn send(&mut self, now: Instant, op: SendOp) -> Result<(), (Error, SendOp)> {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
@@ -166,10 +169,6 @@ impl Engine {
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
     /// the operation handed back) when `max_rx_ops` are posted.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub fn post_recv(&mut self, now: Instant, op: RecvOp) -> Result<(), (Error, RecvOp)> {
         if self.closed {
             return Err((Engine::closed_error("recv"), op));
@@ -205,10 +204,6 @@ impl Engine {
     }
 
     /// Receives a claimed message into `op.buf`.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub fn recv_claimed(
         &mut self,
         now: Instant,
@@ -254,10 +249,6 @@ impl Engine {
     }
 
     /// Starts an RMA or atomic operation; `Again` when `max_tx_ops` operations are in flight.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value, as send and post_recv do"
-    )]
     pub fn rma(&mut self, now: Instant, op: RmaOp) -> Result<(), (Error, RmaOp)> {
         if self.closed {
             return Err((Engine::closed_error("rma"), op));

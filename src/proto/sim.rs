@@ -34,6 +34,12 @@
 //! assert_eq!(&r.buf[..], b"hello");
 //! ```
 
+// As the engine's, the simulator's operations hand a refused operation back by value.
+#![allow(
+    clippy::result_large_err,
+    reason = "a refused operation is handed back by value"
+)]
+
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 use std::net::Ipv4Addr;
@@ -248,10 +254,6 @@ pub struct Datagram {
 pub trait Beside: std::fmt::Debug {
     /// Takes a send whose destination it reaches: `Ok(None)`. `Ok(Some(op))`: not one of its
     /// peers, the engine sends it. `Err`: refused (`Again` when too many are in flight).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     fn send(
         &mut self,
         engine: &mut Engine,
@@ -293,18 +295,22 @@ pub struct Node {
     no_ah: std::collections::HashSet<usize>,
 }
 
+/// A datagram on its way to (the device of) `to`, after `rnr` receiver-not-ready refusals.
+#[derive(Debug)]
+struct Arrival {
+    from: usize,
+    src: Source,
+    to: RawAddr,
+    wr_id: u64,
+    inc: u64,
+    hdr: Bytes,
+    payload: Bytes,
+    rnr: u32,
+}
+
 #[derive(Debug)]
 enum Action {
-    Arrive {
-        from: usize,
-        src: Source,
-        to: RawAddr,
-        wr_id: u64,
-        inc: u64,
-        hdr: Bytes,
-        payload: Bytes,
-        rnr: u32,
-    },
+    Arrive(Arrival),
     Complete {
         node: usize,
         inc: u64,
@@ -573,10 +579,6 @@ impl Sim {
     }
 
     /// Starts a send on node `i` at the current virtual time.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     pub fn send(&mut self, i: usize, op: SendOp) -> Result<(), (Error, SendOp)> {
         let now = self.now();
         let n = &mut self.nodes[i];
@@ -591,10 +593,6 @@ impl Sim {
     }
 
     /// Posts a receive on node `i`.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub fn post_recv(&mut self, i: usize, op: RecvOp) -> Result<(), (Error, RecvOp)> {
         let now = self.now();
         self.nodes[i].engine.post_recv(now, op)
@@ -734,16 +732,7 @@ impl Sim {
                 .max(self.nodes[from].engine.config().mtu)
         {
             self.stats.oversize += 1;
-            let status = Status::LocalBadLength;
-            self.schedule(
-                Duration::ZERO,
-                Action::Complete {
-                    node: from,
-                    inc,
-                    wr_id: t.wr_id,
-                    status,
-                },
-            );
+            self.complete_after(Duration::ZERO, from, inc, t.wr_id, Status::LocalBadLength);
             return;
         }
         if let Some(tap) = &mut self.tap {
@@ -756,19 +745,12 @@ impl Sim {
                 bytes,
             });
         }
-        let mut delay = self.cfg.latency;
-        if !self.cfg.jitter.is_zero() {
-            delay += Duration::from_nanos(self.rng.below(self.cfg.jitter.as_nanos() as u64));
-        }
-        if self.rng.chance(self.cfg.loss) {
-            self.stats.lost += 1;
-            delay += self.cfg.retransmit_delay * (1 + self.rng.below(3) as u32);
-        }
+        let delay = self.transit_delay();
         if self.rng.chance(self.cfg.duplicate) {
             self.stats.duplicates += 1;
         }
         let src = self.source(from);
-        let action = Action::Arrive {
+        let action = Action::Arrive(Arrival {
             from,
             src,
             to: t.dest,
@@ -777,6 +759,39 @@ impl Sim {
             hdr: t.hdr,
             payload: t.payload,
             rnr: 0,
+        });
+        self.schedule(delay, action);
+    }
+
+    /// How long a datagram or RDMA work request takes to arrive: the latency, a random jitter,
+    /// and, when "lost", one to three retransmission delays.
+    fn transit_delay(&mut self) -> Duration {
+        let mut delay = self.cfg.latency;
+        if !self.cfg.jitter.is_zero() {
+            delay += Duration::from_nanos(self.rng.below(self.cfg.jitter.as_nanos() as u64));
+        }
+        if self.rng.chance(self.cfg.loss) {
+            self.stats.lost += 1;
+            delay += self.cfg.retransmit_delay * (1 + self.rng.below(3) as u32);
+        }
+        delay
+    }
+
+    /// Schedules, `delay` from now, the send completion of work request `wr_id` of node `node`
+    /// (incarnation `inc`) with `status`.
+    fn complete_after(
+        &mut self,
+        delay: Duration,
+        node: usize,
+        inc: u64,
+        wr_id: u64,
+        status: Status,
+    ) {
+        let action = Action::Complete {
+            node,
+            inc,
+            wr_id,
+            status,
         };
         self.schedule(delay, action);
     }
@@ -785,9 +800,58 @@ impl Sim {
         self.nodes.iter().position(|n| n.alive && n.addr == *to)
     }
 
+    /// A datagram reaches the device of its destination: no such node (the sender's completion
+    /// says so after a while), no receive buffer (receiver not ready: tried again or failed),
+    /// or delivered to the engine, then the sender's completion.
+    fn arrive(&mut self, a: Arrival) {
+        let (from, inc, wr_id) = (a.from, a.inc, a.wr_id);
+        let Some(j) = self.target(&a.to) else {
+            self.stats.unresponsive += 1;
+            let after = self.cfg.unresponsive_after;
+            return self.complete_after(after, from, inc, wr_id, Status::UnresponsiveRemote);
+        };
+        if self.nodes[j].free_bufs == 0 {
+            self.stats.rnr_naks += 1;
+            let after = self.cfg.rnr_interval;
+            if a.rnr >= self.cfg.rnr_retry {
+                self.stats.rnr_exceeded += 1;
+                return self.complete_after(after, from, inc, wr_id, Status::RnrRetryExceeded);
+            }
+            return self.schedule(
+                after,
+                Action::Arrive(Arrival {
+                    rnr: a.rnr + 1,
+                    ..a
+                }),
+            );
+        }
+        self.stats.delivered += 1;
+        self.stats.delivered_bytes += a.payload.len() as u64;
+        let now = self.now();
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        buf.extend_from_slice(&a.hdr);
+        buf.extend_from_slice(&a.payload);
+        let node = &mut self.nodes[j];
+        node.free_bufs -= 1;
+        node.no_ah.remove(&from);
+        node.engine.handle_recv(now, a.src, &buf);
+        self.scratch = buf;
+        let jinc = self.nodes[j].incarnation;
+        if self.cfg.rx_repost_delay.is_zero() {
+            self.nodes[j].free_bufs += 1;
+        } else {
+            self.schedule(
+                self.cfg.rx_repost_delay,
+                Action::Repost { node: j, inc: jinc },
+            );
+        }
+        self.complete_after(self.cfg.completion_delay, from, inc, wr_id, Status::Success);
+    }
+
     fn act(&mut self, action: Action) {
         let reaches = match &action {
-            Action::Arrive { to, .. } => self.target(to),
+            Action::Arrive(a) => self.target(&a.to),
             a => a.node(),
         };
         if let Some(n) = reaches.and_then(|i| self.nodes.get_mut(i)) {
@@ -797,96 +861,14 @@ impl Sim {
             }
         }
         match action {
-            Action::Arrive {
-                from,
-                src,
-                to,
-                wr_id,
-                inc,
-                hdr,
-                payload,
-                rnr,
-            } => {
-                let Some(j) = self.target(&to) else {
-                    self.stats.unresponsive += 1;
-                    let status = Status::UnresponsiveRemote;
-                    return self.schedule(
-                        self.cfg.unresponsive_after,
-                        Action::Complete {
-                            node: from,
-                            inc,
-                            wr_id,
-                            status,
-                        },
-                    );
-                };
-                if self.nodes[j].free_bufs == 0 {
-                    self.stats.rnr_naks += 1;
-                    if rnr >= self.cfg.rnr_retry {
-                        self.stats.rnr_exceeded += 1;
-                        let status = Status::RnrRetryExceeded;
-                        return self.schedule(
-                            self.cfg.rnr_interval,
-                            Action::Complete {
-                                node: from,
-                                inc,
-                                wr_id,
-                                status,
-                            },
-                        );
-                    }
-                    let again = Action::Arrive {
-                        from,
-                        src,
-                        to,
-                        wr_id,
-                        inc,
-                        hdr,
-                        payload,
-                        rnr: rnr + 1,
-                    };
-                    return self.schedule(self.cfg.rnr_interval, again);
-                }
-                self.stats.delivered += 1;
-                self.stats.delivered_bytes += payload.len() as u64;
-                let now = self.now();
-                let mut buf = std::mem::take(&mut self.scratch);
-                buf.clear();
-                buf.extend_from_slice(&hdr);
-                buf.extend_from_slice(&payload);
-                let node = &mut self.nodes[j];
-                node.free_bufs -= 1;
-                node.no_ah.remove(&from);
-                node.engine.handle_recv(now, src, &buf);
-                self.scratch = buf;
-                let jinc = self.nodes[j].incarnation;
-                if self.cfg.rx_repost_delay.is_zero() {
-                    self.nodes[j].free_bufs += 1;
-                } else {
-                    self.schedule(
-                        self.cfg.rx_repost_delay,
-                        Action::Repost { node: j, inc: jinc },
-                    );
-                }
-                let status = Status::Success;
-                self.schedule(
-                    self.cfg.completion_delay,
-                    Action::Complete {
-                        node: from,
-                        inc,
-                        wr_id,
-                        status,
-                    },
-                );
-            }
+            Action::Arrive(a) => self.arrive(a),
             Action::Complete {
                 node,
                 inc,
                 wr_id,
                 status,
             } => {
-                if let Some((n, now)) = self.live(node, inc) {
-                    n.in_flight = n.in_flight.saturating_sub(1);
+                if let Some((n, now)) = self.completing(node, inc) {
                     n.engine.handle_send_completion(now, wr_id, status);
                 }
             }
@@ -910,8 +892,7 @@ impl Sim {
                 status,
                 buf,
             } => {
-                if let Some((n, now)) = self.live(node, inc) {
-                    n.in_flight = n.in_flight.saturating_sub(1);
+                if let Some((n, now)) = self.completing(node, inc) {
                     n.engine.handle_rdma_completion(now, wr_id, status, buf);
                 }
             }
@@ -931,6 +912,14 @@ impl Sim {
 
     /// Node `node` with the current time, if it is alive and still in incarnation `inc` (what
     /// was sent to an earlier incarnation is lost with it).
+    /// A work request of node `node` (incarnation `inc`) completes: the node, no longer counting
+    /// it in flight, if it is still that incarnation.
+    fn completing(&mut self, node: usize, inc: u64) -> Option<(&mut Node, Instant)> {
+        let (n, now) = self.live(node, inc)?;
+        n.in_flight = n.in_flight.saturating_sub(1);
+        Some((n, now))
+    }
+
     fn live(&mut self, node: usize, inc: u64) -> Option<(&mut Node, Instant)> {
         let now = self.now();
         let n = &mut self.nodes[node];
@@ -1032,10 +1021,6 @@ impl Sim {
     }
 
     /// Starts an RMA operation on node `i`.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     pub fn rma(&mut self, i: usize, op: RmaOp) -> Result<(), (Error, RmaOp)> {
         let now = self.now();
         self.nodes[i].engine.rma(now, op)
@@ -1083,14 +1068,7 @@ impl Sim {
             },
             TransmitKind::Send => return,
         };
-        let mut delay = self.cfg.latency;
-        if !self.cfg.jitter.is_zero() {
-            delay += Duration::from_nanos(self.rng.below(self.cfg.jitter.as_nanos() as u64));
-        }
-        if self.rng.chance(self.cfg.loss) {
-            self.stats.lost += 1;
-            delay += self.cfg.retransmit_delay * (1 + self.rng.below(3) as u32);
-        }
+        let delay = self.transit_delay();
         let action = Action::Rdma {
             from,
             inc,
@@ -1211,7 +1189,7 @@ impl Action {
             Action::Complete { node, .. }
             | Action::RdmaDone { node, .. }
             | Action::RemoteWrite { node, .. } => Some(*node),
-            Action::Arrive { .. } | Action::Repost { .. } | Action::Rdma { .. } => None,
+            Action::Arrive(_) | Action::Repost { .. } | Action::Rdma { .. } => None,
         }
     }
 }

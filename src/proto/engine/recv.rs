@@ -141,42 +141,45 @@ impl RxSide {
         let Some(m) = self.multi.remove(&mid) else {
             return;
         };
+        self.finish_empty(m.context, m.buf, None, true, m.error, out);
+    }
+
+    /// A posted receive's `Canceled` completion.
+    pub(super) fn cancel_event(&mut self, op: RecvOp, out: &mut Out) {
+        let tag = op.tag.map(|t| t.0);
+        let canceled = Some(ErrorKind::Canceled);
+        self.finish_empty(op.context, op.buf, tag, false, canceled, out);
+    }
+
+    /// The completion of a receive operation that carries no message (a canceled receive, a
+    /// multi-receive buffer's final one), failed with `error` if any; the operation is no longer
+    /// the application's.
+    fn finish_empty(
+        &mut self,
+        context: u64,
+        buf: BytesMut,
+        tag: Option<u64>,
+        multi_recv_done: bool,
+        error: Option<ErrorKind>,
+        out: &mut Out,
+    ) {
         self.user_ops = self.user_ops.saturating_sub(1);
-        if let Some(k) = m.error {
+        if let Some(k) = error {
             out.stats.errors += 1;
             if k == ErrorKind::Canceled {
                 out.stats.canceled += 1;
             }
         }
         out.events.push_back(Event::Recv(RecvDone {
-            context: m.context,
-            buf: m.buf,
+            context,
+            buf,
             len: 0,
             olen: 0,
-            tag: None,
+            tag,
             data: None,
             src: None,
-            multi_recv_done: true,
-            error: m.error.map(|k| Error::new(k, "recv")),
-            in_region: None,
-        }));
-    }
-
-    /// A posted receive's `Canceled` completion.
-    pub(super) fn cancel_event(&mut self, op: RecvOp, out: &mut Out) {
-        self.user_ops = self.user_ops.saturating_sub(1);
-        out.stats.errors += 1;
-        out.stats.canceled += 1;
-        out.events.push_back(Event::Recv(RecvDone {
-            context: op.context,
-            buf: op.buf,
-            len: 0,
-            olen: 0,
-            tag: op.tag.map(|t| t.0),
-            data: None,
-            src: None,
-            multi_recv_done: false,
-            error: Some(Error::new(ErrorKind::Canceled, "recv")),
+            multi_recv_done,
+            error: error.map(|k| Error::new(k, "recv")),
             in_region: None,
         }));
     }
@@ -216,10 +219,6 @@ impl RxSide {
     }
 
     /// Receives claimed message `claim` into `op` (`Engine::recv_claimed`).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub(super) fn recv_claimed(
         &mut self,
         now: Instant,
@@ -235,10 +234,6 @@ impl RxSide {
     /// Posts a receive (at most `max_rx_ops`; more is `Again`, the receive handed back): an
     /// ordinary receive takes the oldest unexpected message it matches or is queued; a
     /// multi-receive buffer is matched by the engine ([`Posting::Multi`]).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     #[inline]
     pub(super) fn post(
         &mut self,
@@ -420,10 +415,6 @@ impl RxSide {
 
     /// The receive `op` takes the message claimed under `claim`: its id and the sink to start
     /// receiving it into. `NoMessage` for an unknown claim, `Again` past `max_rx_ops`.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused receive is handed back by value"
-    )]
     pub(super) fn take_claimed(
         &mut self,
         claim: u64,

@@ -278,10 +278,6 @@ impl Ema {
     /// Starts an emulated operation (RTW / RTR / RTA); it owns its buffers from here on.
     /// The ids come from the transmit side's space (`tx`, `rd`: the ids device RMA holds) and,
     /// for a long-CTS read, the receive side's (`rx`).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value, as send and post_recv do"
-    )]
     pub(super) fn start(
         &mut self,
         op: RmaOp,
@@ -326,10 +322,6 @@ impl Ema {
     }
 
     /// An emulated write: one EAGER_RTW when it fits a packet, else long-CTS.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     fn start_write(
         &mut self,
         s: Start,
@@ -385,10 +377,6 @@ impl Ema {
     }
 
     /// An emulated read: one SHORT_RTR when the response fits a packet, else long-CTS.
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     fn start_read(
         &mut self,
         s: Start,
@@ -442,10 +430,6 @@ impl Ema {
     }
 
     /// An emulated atomic: one RTA packet (its operands must fit).
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     #[allow(clippy::too_many_arguments)]
     fn start_atomic(
         &mut self,

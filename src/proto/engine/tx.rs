@@ -199,10 +199,6 @@ impl TxSide {
     /// Starts send `op`: `Again` when `max_tx_ops` are in flight or the peer is in RNR
     /// backoff, `NoMemory` when the peer table is full; else chooses its protocol and queues
     /// its first packets. `taken` as in [`TxSide::alloc_id`].
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     pub(super) fn send(
         &mut self,
         now: Instant,
@@ -468,16 +464,10 @@ impl TxSide {
         if t.scheduled != t.window_end {
             return cx.out.drop_pkt("CTS while a window is still being sent");
         }
-        let end = usize::try_from(recv_length)
-            .ok()
-            .and_then(|n| t.scheduled.checked_add(n));
-        let end = match end {
-            Some(e) if recv_length > 0 && e <= t.len => e,
-            _ => {
-                return cx
-                    .out
-                    .drop_pkt("CTS with a zero window or beyond the message");
-            }
+        let Some(end) = cts_window_end(t.scheduled, recv_length, t.len) else {
+            return cx
+                .out
+                .drop_pkt("CTS with a zero window or beyond the message");
         };
         t.window_end = end;
         t.recv_id = recv_id;
@@ -650,6 +640,14 @@ pub(super) fn push_pkt(
 /// Payload bytes of one CTSDATA packet (libfabric's `max_data_payload_size`).
 pub(super) fn ctsdata_room(cfg: &EngineConfig) -> usize {
     cfg.mtu.saturating_sub(CTSDATA_MAX_HEADER_LEN).max(1)
+}
+
+/// Where the window a CTS grants ends: `recv_length` more bytes after the `sent` bytes of a
+/// `len`-byte long-CTS transfer. `None` for an empty window or one past the transfer.
+#[inline]
+pub(super) fn cts_window_end(sent: usize, recv_length: u64, len: usize) -> Option<usize> {
+    let n = usize::try_from(recv_length).ok().filter(|&n| n > 0)?;
+    sent.checked_add(n).filter(|&end| end <= len)
 }
 
 /// Bytes of one CTS window: `tx_min_credits` CTSDATA packets' worth.

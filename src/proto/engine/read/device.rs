@@ -105,10 +105,6 @@ impl ReadState {
     /// operation back (`Ok(Some)`) when it must be emulated (atomics, no RDMA on this side or
     /// the peer's, writes with immediate data across an unsolicited write-recv mismatch).
     /// `taken` as in [`ReadState::new_id`].
-    #[allow(
-        clippy::result_large_err,
-        reason = "the refused operation is handed back by value"
-    )]
     pub(in crate::proto::engine) fn try_device(
         &mut self,
         now: Instant,
@@ -528,10 +524,6 @@ fn validate(op: &RmaOp) -> Result<(), Error> {
 /// device RDMA gets buffers of its own: a write's bytes are copied out of the region, a
 /// read gets room (the endpoint copies its data into the region at completion). A
 /// device-only region cannot be copied: `NotSupported`.
-#[allow(
-    clippy::result_large_err,
-    reason = "the refused operation is handed back by value"
-)]
 pub(in crate::proto::engine) fn own_buffers(mut op: RmaOp) -> Result<RmaOp, (Error, RmaOp)> {
     let Some(region) = op.local_region.take() else {
         return Ok(op);

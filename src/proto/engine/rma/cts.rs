@@ -23,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use super::super::cx::Cx;
 use super::super::read::write_range;
 use super::super::rx::RxSide;
-use super::super::tx::{cts_credit, push_ctsdata};
+use super::super::tx::{cts_credit, cts_window_end, push_ctsdata};
 use super::super::types::{Owner, Pkt};
 use super::super::util::{Out, RangeSet, encode};
 use super::super::wr::{ReadIovs, carve};
@@ -254,20 +254,14 @@ impl Ema {
         if op.error.is_some() {
             return cx.out.drop_pkt("CTS for a failed write");
         }
-        let end = usize::try_from(recv_length)
-            .ok()
-            .and_then(|n| c.done.checked_add(n));
-        match end {
-            Some(e) if recv_length > 0 && c.done == c.window_end && e <= op.len => {
-                c.window_end = e;
-                c.peer_id = Some(recv_id);
-            }
-            _ => {
-                cx.out
-                    .drop_pkt("CTS outside the write, or while a window is being sent");
-                return;
-            }
-        }
+        let end = cts_window_end(c.done, recv_length, op.len).filter(|_| c.done == c.window_end);
+        let Some(end) = end else {
+            return cx
+                .out
+                .drop_pkt("CTS outside the write, or while a window is being sent");
+        };
+        c.window_end = end;
+        c.peer_id = Some(recv_id);
         self.cts_send_window(now, pid, Side::Op(send_id), cx);
     }
 
@@ -295,11 +289,7 @@ impl Ema {
                 .out
                 .drop_pkt("CTSDATA from another peer or for a failed read");
         }
-        let n = data.len() as u64;
-        let end = off
-            .checked_add(n)
-            .filter(|&e| n > 0 && e <= c.window_end as u64);
-        let Some(end) = end else {
+        let Some(end) = in_window(off, data, c.window_end) else {
             return cx.out.drop_pkt("read data outside the window granted");
         };
         if !c.got.insert(off, end) {
@@ -498,16 +488,12 @@ impl Ema {
         };
         let ok = t.pid == pid
             && matches!(t.kind, TgtKind::Read { recv_id: r } if r == recv_id)
-            && t.done == t.window_end
-            && recv_length > 0
-            && usize::try_from(recv_length)
-                .ok()
-                .and_then(|n| t.done.checked_add(n))
-                .is_some_and(|e| e <= t.total);
-        if !ok {
+            && t.done == t.window_end;
+        let end = cts_window_end(t.done, recv_length, t.total).filter(|_| ok);
+        let Some(end) = end else {
             return cx.out.drop_pkt("CTS (read) that does not match its read");
-        }
-        t.window_end += recv_length as usize;
+        };
+        t.window_end = end;
         self.cts_send_window(now, pid, Side::Tgt(send_id), cx);
     }
 
@@ -526,11 +512,7 @@ impl Ema {
             if t.pid != pid || !matches!(t.kind, TgtKind::Write { .. }) {
                 return cx.out.drop_pkt("CTSDATA from another peer or for a read");
             }
-            let n = data.len() as u64;
-            let end = off
-                .checked_add(n)
-                .filter(|&e| n > 0 && e <= t.window_end as u64);
-            let Some(end) = end else {
+            let Some(end) = in_window(off, data, t.window_end) else {
                 return cx.out.drop_pkt("CTSDATA outside the window granted");
             };
             if !t.got.insert(off, end) {
@@ -771,4 +753,12 @@ fn read_range(mem: &dyn RmaMemory, rma: &ReadIovs, from: usize, to: usize) -> cr
         out.extend_from_slice(&mem.read(r.key, r.addr, r.len)?);
     }
     Ok(out.freeze())
+}
+
+/// Where `data`, at `off` of a long-CTS transfer, ends, if it is not empty and lies within the
+/// windows granted so far (up to `window_end`).
+fn in_window(off: u64, data: &[u8], window_end: usize) -> Option<u64> {
+    let n = data.len() as u64;
+    off.checked_add(n)
+        .filter(|&end| n > 0 && end <= window_end as u64)
 }
