@@ -763,7 +763,12 @@ mod tests {
             ..ShmConfig::in_dir(dir.path())
         })
         .unwrap();
-        let mut a = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
+        // RNR retried for ever: the datagram waits in b's ring until the test takes it (with a
+        // finite retry count a slow test thread could see the sender give it back first, and
+        // the send fail with `RnrRetryExceeded`, which is not what this test is about).
+        let mut attr = QpAttr::new(QpType::Srd);
+        attr.rnr_retry = 7;
+        let mut a = dev.create_qp(attr).unwrap();
         let b = dev.create_qp(QpAttr::new(QpType::Srd)).unwrap();
         // No receive posted at b: the datagram waits in b's ring (published, or marked RNR).
         a.post_send(SendWr {
