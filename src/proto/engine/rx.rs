@@ -902,6 +902,7 @@ impl RxSide {
     }
 
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
+    #[inline]
     pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done, cx: &mut Cx<'_>) {
         if let Some(send_id) = msg.dc_send_id {
             if msg.peer == LOCAL_PEER {
