@@ -67,40 +67,20 @@ use util::{HeaderArena, Out, Timer};
 /// The RDM protocol engine of one endpoint.
 #[derive(Debug)]
 pub struct Engine {
-    cfg: EngineConfig,
-    local: RawAddr,
-    rng: Rng,
     closed: bool,
-
-    /// The peers, finding them, their turns and backoffs.
-    peers: peer::Peers,
+    /// The configuration, the peers, the budget, the completions and the rest every handler
+    /// reaches (`cx.rs`), kept together so that a handler gets them as one reference.
+    cx: Cx,
     /// Send operations by `send_id`.
     tx: tx::TxSide,
-
     /// The receive side: inbound messages, matching, multi-receive buffers, claimed messages.
     rx: rx::RxSide,
-    /// Messages and bytes held without a receive.
-    budget: budget::Budget,
-
-    /// The completions, counters and timers every handler reports into.
-    out: Out,
-    /// Memory peers reach with emulated RMA and atomics.
-    memory: Option<std::sync::Arc<dyn RmaMemory>>,
     /// Arena the headers handed to the device are copied into.
     hdr: HeaderArena,
     /// Device RDMA and the read-based protocols (`read.rs`).
     rd: read::ReadState,
-    /// RDMA work requests waiting for room on the device.
-    wrs: VecDeque<wr::Wr>,
     /// Emulated RMA and atomics (`rma.rs`).
     ema: rma::Ema,
-    /// Delivery-complete acknowledgements the local path owes (`local.rs`).
-    local_receipts: VecDeque<(RawAddr, u32)>,
-    /// Peers' RMA served since the last [`Engine::take_target_counts`].
-    target_counts: TargetCounts,
-    /// The application counts peers' writes / reads of its memory
-    /// ([`Engine::set_remote_events`]).
-    remote_events: (bool, bool),
 }
 
 impl Engine {
@@ -109,23 +89,25 @@ impl Engine {
         let rng = Rng::new(cfg.seed ^ 0x5eed_e761_9e00_0000);
         let (max_tx, max_rx) = (cfg.max_tx_ops, cfg.max_rx_ops);
         Engine {
-            cfg,
-            local,
-            rng,
             closed: false,
-            peers: peer::Peers::default(),
+            cx: Cx {
+                cfg,
+                local,
+                remote_events: (false, false),
+                memory: None,
+                peers: peer::Peers::default(),
+                budget: budget::Budget::new(EngineLimits::default()),
+                wrs: VecDeque::new(),
+                out: Out::default(),
+                rng,
+                counts: TargetCounts::default(),
+                receipts: VecDeque::new(),
+            },
             tx: tx::TxSide::new(2 * max_tx),
             rx: rx::RxSide::new((2 * max_rx).max(4096)),
-            budget: budget::Budget::new(EngineLimits::default()),
-            out: Out::default(),
-            memory: None,
             hdr: HeaderArena::default(),
             rd: read::ReadState::default(),
-            wrs: VecDeque::new(),
             ema: rma::Ema::default(),
-            local_receipts: VecDeque::new(),
-            target_counts: TargetCounts::default(),
-            remote_events: (false, false),
         }
     }
 
@@ -137,22 +119,22 @@ impl Engine {
 
     /// The endpoint's own address.
     pub fn local_addr(&self) -> RawAddr {
-        self.local
+        self.cx.local
     }
 
     /// Replaces the memory bounds (an addition to the declared API).
     pub fn set_limits(&mut self, limits: EngineLimits) {
-        self.budget.limits = limits;
+        self.cx.budget.limits = limits;
     }
 
     /// The memory bounds in force.
     pub fn limits(&self) -> EngineLimits {
-        self.budget.limits
+        self.cx.budget.limits
     }
 
     /// The configuration.
     pub fn config(&self) -> &EngineConfig {
-        &self.cfg
+        &self.cx.cfg
     }
 
     /// Starts a send. `Again` (with the operation handed back) when `max_tx_ops` are in flight
@@ -161,10 +143,10 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("send"), op));
         }
-        let mut p = self.parts();
+        let p = self.parts();
         let (rd, ema) = (&*p.rd, &*p.ema);
         let taken = |id| rd.owns_id(id) || ema.owns_send_id(id);
-        p.tx.send(now, op, taken, &mut p.cx)
+        p.tx.send(now, op, taken, p.cx)
     }
 
     /// Posts a receive: matched at once against unexpected messages, else queued. `Again` (with
@@ -174,10 +156,10 @@ impl Engine {
             return Err((Engine::closed_error("recv"), op));
         }
         // Only a receive that matched at once needs the handlers' context.
-        let posting = self.rx.post(op, self.cfg.max_rx_ops, &mut self.out)?;
+        let posting = self.rx.post(op, self.cx.cfg.max_rx_ops, &mut self.cx.out)?;
         if !matches!(posting, recv::Posting::Done) {
-            let mut p = self.parts();
-            p.rx.posted(now, posting, &mut p.cx);
+            let p = self.parts();
+            p.rx.posted(now, posting, p.cx);
         }
         Ok(())
     }
@@ -185,7 +167,7 @@ impl Engine {
     /// Cancels the oldest posted receive with `context` that has not started matching; it
     /// completes with `Canceled`. Returns false when there is none.
     pub fn cancel_recv(&mut self, context: u64) -> bool {
-        !self.closed && self.rx.cancel(context, &mut self.out)
+        !self.closed && self.rx.cancel(context, &mut self.cx.out)
     }
 
     /// Looks for an unexpected tagged message (`FI_PEEK`); with `claim` it is reserved for
@@ -213,8 +195,8 @@ impl Engine {
         if self.closed {
             return Err((Engine::closed_error("recv_claimed"), op));
         }
-        let mut p = self.parts();
-        p.rx.recv_claimed(now, claim, op, &mut p.cx)
+        let p = self.parts();
+        p.rx.recv_claimed(now, claim, op, p.cx)
     }
 
     /// Discards an unexpected tagged message (`FI_DISCARD`); its sender's operation still
@@ -226,8 +208,8 @@ impl Engine {
         let (p, entry) = self.rx.discard(tag, ignore, src)?;
         if let Some((rid, last)) = entry {
             // Received and thrown away, so that the sender completes normally.
-            let mut p = self.parts();
-            p.rx.start_matched(last, rid, rx::Sink::discard(), None, &mut p.cx);
+            let p = self.parts();
+            p.rx.start_matched(last, rid, rx::Sink::discard(), None, p.cx);
         }
         Ok(p)
     }
@@ -245,7 +227,7 @@ impl Engine {
     /// Gives the engine the memory peers' emulated RMA and atomics reach. Without it, such
     /// requests are refused with [`Status::RemoteBadAddress`].
     pub fn set_memory(&mut self, mem: std::sync::Arc<dyn RmaMemory>) {
-        self.memory = Some(mem);
+        self.cx.memory = Some(mem);
     }
 
     /// Starts an RMA or atomic operation; `Again` when `max_tx_ops` operations are in flight.
@@ -254,14 +236,14 @@ impl Engine {
             return Err((Engine::closed_error("rma"), op));
         }
         // Device RDMA (and LONGREAD_RTW) first; the op comes back when it must be emulated.
-        let mut p = self.parts();
+        let p = self.parts();
         let ema = &*p.ema;
         let taken = |id| ema.owns_send_id(id);
-        match p.rd.try_device(now, op, p.tx, taken, &mut p.cx)? {
+        match p.rd.try_device(now, op, p.tx, taken, p.cx)? {
             None => Ok(()),
             Some(op) => {
-                let mut p = self.parts();
-                p.ema.start(op, p.tx, p.rd, p.rx, &mut p.cx)
+                let p = self.parts();
+                p.ema.start(op, p.tx, p.rd, p.rx, p.cx)
             }
         }
     }
@@ -279,11 +261,11 @@ impl Engine {
         if self.closed {
             return;
         }
-        let mut p = self.parts();
-        let Some(pid) = p.rd.completed(now, wr_id, status, buf, p.rx, &mut p.cx) else {
+        let p = self.parts();
+        let Some(pid) = p.rd.completed(now, wr_id, status, buf, p.rx, p.cx) else {
             return;
         };
-        if peer::peer_fatal(status) && self.peers.contains_key(&pid) {
+        if peer::peer_fatal(status) && self.cx.peers.contains_key(&pid) {
             self.fail_peer(pid, status.error_kind(), Some(status), "RDMA failed");
         }
     }
@@ -318,7 +300,7 @@ impl Engine {
         let (pkt, payload) = match wire::decode(data) {
             Ok(x) => x,
             Err(e) => {
-                self.out.stats.dropped_pkts += 1;
+                self.cx.out.stats.dropped_pkts += 1;
                 tracing::debug!(error = %e, len = data.len(), "dropped an undecodable packet");
                 return;
             }
@@ -326,7 +308,7 @@ impl Engine {
         let Some(pid) = self.identify(now, src, &pkt) else {
             return;
         };
-        let mut p = self.parts();
+        let p = self.parts();
         match pkt {
             Packet::EagerRtm { .. }
             | Packet::MediumRtm { .. }
@@ -335,12 +317,12 @@ impl Engine {
             | Packet::RuntReadRtm { .. } => {
                 let ema = &*p.ema;
                 let taken = |id| ema.owns_recv_id(id);
-                if p.rx.handle_rtm(now, pid, &pkt, payload, taken, &mut p.cx) {
-                    p.ema.drain(now, pid, p.rx, &mut p.cx);
+                if p.rx.handle_rtm(now, pid, &pkt, payload, taken, p.cx) {
+                    p.ema.drain(now, pid, p.rx, p.cx);
                 }
             }
             Packet::LongReadRtw { .. } | Packet::Eor { .. } | Packet::ReadNack { .. } => {
-                if let Some(op) = p.rd.handle_pkt(pid, &pkt, p.tx, &mut p.cx) {
+                if let Some(op) = p.rd.handle_pkt(pid, &pkt, p.tx, p.cx) {
                     self.emulate(op);
                 }
             }
@@ -361,7 +343,7 @@ impl Engine {
                 ..
             } => p
                 .ema
-                .cts_read(now, pid, send_id, recv_id, recv_length, &mut p.cx),
+                .cts_read(now, pid, send_id, recv_id, recv_length, p.cx),
             // The id says whose it is (one id space: `TxSide::alloc_id`).
             Packet::Cts {
                 send_id,
@@ -370,56 +352,54 @@ impl Engine {
                 ..
             } if p.ema.owns_send_id(send_id) => {
                 p.ema
-                    .cts_write(now, pid, send_id, recv_id, recv_length, &mut p.cx)
+                    .cts_write(now, pid, send_id, recv_id, recv_length, p.cx)
             }
             Packet::Cts {
                 send_id,
                 recv_id,
                 recv_length,
                 ..
-            } => {
-                p.tx.handle_cts(pid, send_id, recv_id, recv_length, &mut p.cx)
+            } => p.tx.handle_cts(pid, send_id, recv_id, recv_length, p.cx),
+            Packet::CtsData {
+                recv_id,
+                seg_offset,
+                ..
+            } if p.ema.owns_recv_id(recv_id) => {
+                p.ema.ctsdata(now, pid, recv_id, seg_offset, payload, p.cx)
             }
             Packet::CtsData {
                 recv_id,
                 seg_offset,
                 ..
-            } if p.ema.owns_recv_id(recv_id) => p
-                .ema
-                .ctsdata(now, pid, recv_id, seg_offset, payload, &mut p.cx),
-            Packet::CtsData {
-                recv_id,
-                seg_offset,
-                ..
             } => {
-                p.rx.handle_ctsdata(now, pid, recv_id, seg_offset, payload, &mut p.cx)
+                p.rx.handle_ctsdata(now, pid, recv_id, seg_offset, payload, p.cx)
             }
             Packet::LongCtsRtw { .. }
             | Packet::LongCtsRtr { .. }
             | Packet::EagerRtw { .. }
             | Packet::ShortRtr { .. }
-            | Packet::Rta { .. } => p.ema.request(now, pid, &pkt, payload, p.rx, &mut p.cx),
+            | Packet::Rta { .. } => p.ema.request(now, pid, &pkt, payload, p.rx, p.cx),
             Packet::Receipt { send_id, .. } if p.ema.owns_send_id(send_id) => {
-                p.ema.receipt(pid, send_id, p.cx.out)
+                p.ema.receipt(pid, send_id, &mut p.cx.out)
             }
             Packet::Receipt {
                 send_id, msg_id, ..
-            } => p.tx.handle_receipt(pid, send_id, msg_id, &mut p.cx),
+            } => p.tx.handle_receipt(pid, send_id, msg_id, p.cx),
             Packet::ReadRsp {
                 recv_id, send_id, ..
-            } => p.ema.readrsp(pid, recv_id, send_id, payload, &mut p.cx),
-            Packet::AtomRsp { recv_id, .. } => p.ema.atomrsp(pid, recv_id, payload, p.cx.out),
+            } => p.ema.readrsp(pid, recv_id, send_id, payload, p.cx),
+            Packet::AtomRsp { recv_id, .. } => p.ema.atomrsp(pid, recv_id, payload, &mut p.cx.out),
             Packet::PeerError {
                 op_id,
                 ref_kind: wire::peer_error_ref::OPE_INDEX,
                 prov_errno,
                 ..
-            } => p.ema.peer_error(pid, op_id, prov_errno, p.cx.out),
+            } => p.ema.peer_error(pid, op_id, prov_errno, &mut p.cx.out),
             // Exhaustive: a new packet type does not compile until it has its arm here.
             Packet::PeerError { .. } => p.cx.out.drop_pkt_type(&pkt),
         }
         // Every packet from a peer makes sure our HANDSHAKE goes to it (once).
-        if self.peers.contains_key(&pid) {
+        if self.cx.peers.contains_key(&pid) {
             self.queue_handshake(pid);
         }
     }
@@ -429,14 +409,14 @@ impl Engine {
         if self.closed {
             return;
         }
-        let mut p = self.parts();
-        match p.tx.completed(now, wr_id, status, &mut p.cx) {
+        let p = self.parts();
+        match p.tx.completed(now, wr_id, status, p.cx) {
             tx::Then::Nothing => {}
-            tx::Then::Ema(owner, s) => self.ema.pkt_done(&owner, s, &mut self.out),
+            tx::Then::Ema(owner, s) => self.ema.pkt_done(&owner, s, &mut self.cx.out),
             tx::Then::FailPeer(pid, s) => {
                 self.fail_peer(pid, s.error_kind(), Some(s), "send failed")
             }
-            tx::Then::ReadReqFailed(id, s) => self.rd.req_failed(id, s, &mut self.out),
+            tx::Then::ReadReqFailed(id, s) => self.rd.req_failed(id, s, &mut self.cx.out),
         }
     }
 
@@ -446,7 +426,7 @@ impl Engine {
             return;
         }
         let mut p = self.parts();
-        let (cx, due) = (&mut p.cx, |cx: &Cx<'_>, t| cx.out.timers.expired(t, now));
+        let (cx, due) = (&mut p.cx, |cx: &Cx, t| cx.out.timers.expired(t, now));
         if due(cx, Timer::Backoff) {
             cx.peers.expire_backoffs(now, &mut cx.out.timers);
         }
@@ -463,19 +443,19 @@ impl Engine {
 
     /// The next packet to post, if the device has room (`max_outstanding_tx`).
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
-        if self.closed || self.wrs_outstanding() >= self.cfg.max_outstanding_tx {
+        if self.closed || self.wrs_outstanding() >= self.cx.cfg.max_outstanding_tx {
             return None;
         }
-        if self.peers.in_backoff() {
-            self.peers.expire_backoffs(now, &mut self.out.timers);
+        if self.cx.peers.in_backoff() {
+            self.cx.peers.expire_backoffs(now, &mut self.cx.out.timers);
         }
-        let (tx, peers, hdr) = (&mut self.tx, &mut self.peers, &mut self.hdr);
+        let (tx, peers, hdr) = (&mut self.tx, &mut self.cx.peers, &mut self.hdr);
         let ema = |o: &_, a, b| self.ema.payload(o, a, b);
-        if self.wrs.is_empty() {
+        if self.cx.wrs.is_empty() {
             return tx.next_packet(peers, hdr, ema);
         }
         // Packets and RDMA work requests take turns (the device's send queue holds both).
-        let wrs = &mut self.wrs;
+        let wrs = &mut self.cx.wrs;
         if self.rd.rdma_turn() {
             self.rd
                 .next_wr(wrs, peers)
@@ -489,13 +469,13 @@ impl Engine {
     /// True when [`Engine::poll_transmit`] may have something (packets queued, peers in
     /// backoff, RDMA work requests waiting); false means it certainly has nothing.
     pub fn transmit_pending(&self) -> bool {
-        self.peers.has_ready() || self.peers.in_backoff() || !self.wrs.is_empty()
+        self.cx.peers.has_ready() || self.cx.peers.in_backoff() || !self.cx.wrs.is_empty()
     }
 
     /// Messages and bytes held without a receive now (what [`Engine::resources`] reports as
     /// `buffered_msgs` and `buffered_bytes`, without its walk over the peers).
     pub fn buffered(&self) -> (usize, usize) {
-        self.budget.held()
+        self.cx.budget.held()
     }
 
     /// The next change of which peers the device should hold back: `(peer, true)` when a peer
@@ -506,30 +486,30 @@ impl Engine {
     /// ([`QueuePair::hold_source`](crate::device::QueuePair::hold_source)), so one flooding peer
     /// cannot use up the budget that holds every peer back (issue 17, defect 2).
     pub fn poll_hold(&mut self) -> Option<(RawAddr, bool)> {
-        self.budget.poll_change()
+        self.cx.budget.poll_change()
     }
 
     /// True when messages wait without a receive (unexpected or claimed).
     pub fn has_unexpected(&self) -> bool {
-        self.budget.unexpected().0 > 0
+        self.cx.budget.unexpected().0 > 0
     }
 
     /// True when [`Engine::poll_event`] has a completion.
     pub fn has_events(&self) -> bool {
-        !self.out.events.is_empty()
+        !self.cx.out.events.is_empty()
     }
 
     /// [`MAX_REMOTE_WRITE_EVENTS`] completions of peers' writes with immediate data wait for
     /// the application: the caller should hold the device back (stop reposting receive buffers).
     pub fn remote_writes_full(&self) -> bool {
-        self.out.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
+        self.cx.out.remote_write_events >= MAX_REMOTE_WRITE_EVENTS
     }
 
     /// The next completion.
     pub fn poll_event(&mut self) -> Option<Event> {
-        let ev = self.out.events.pop_front();
+        let ev = self.cx.out.events.pop_front();
         if matches!(ev, Some(Event::RemoteWrite(_))) {
-            self.out.remote_write_events = self.out.remote_write_events.saturating_sub(1);
+            self.cx.out.remote_write_events = self.cx.out.remote_write_events.saturating_sub(1);
         }
         ev
     }
@@ -539,7 +519,7 @@ impl Engine {
         if self.closed {
             return None;
         }
-        self.out.timers.next()
+        self.cx.out.timers.next()
     }
 
     /// Closes: every operation still in flight completes with `Canceled` (collect them with
@@ -550,12 +530,12 @@ impl Engine {
         }
         self.closed = true;
         // Receives first (pieces of multi-receive buffers before the buffers themselves).
-        let mut p = self.parts();
-        p.rx.close(&mut p.cx);
-        p.tx.close(&mut p.cx);
-        p.rd.close(&mut p.cx);
+        let p = self.parts();
+        p.rx.close(p.cx);
+        p.tx.close(p.cx);
+        p.rd.close(p.cx);
         let e = Engine::closed_error("rma").with_detail("endpoint closed");
-        p.ema.fail(None, &e, None, p.cx.out);
+        p.ema.fail(None, &e, None, &mut p.cx.out);
         p.cx.peers
             .close(p.cx.cfg.recvwin_size, &mut p.cx.out.timers);
         p.cx.budget.reset();
@@ -566,22 +546,22 @@ impl Engine {
         Resources {
             tx_ops: self.tx.ops.len() + self.rd.ops_len() + self.ema.ops_len(),
             rx_ops: self.rx.user_ops,
-            unexpected_msgs: self.budget.unexpected().0,
-            unexpected_bytes: self.budget.unexpected().1,
-            reorder_held: self.peers.values().map(|p| p.robuf.held()).sum(),
-            buffered_msgs: self.budget.held().0,
-            buffered_bytes: self.budget.held().1,
-            queued_pkts: self.peers.queued() + self.wrs.len(),
+            unexpected_msgs: self.cx.budget.unexpected().0,
+            unexpected_bytes: self.cx.budget.unexpected().1,
+            reorder_held: self.cx.peers.values().map(|p| p.robuf.held()).sum(),
+            buffered_msgs: self.cx.budget.held().0,
+            buffered_bytes: self.cx.budget.held().1,
+            queued_pkts: self.cx.peers.queued() + self.cx.wrs.len(),
             outstanding_pkts: self.wrs_outstanding(),
-            peers: self.peers.len(),
+            peers: self.cx.peers.len(),
             target_ops: self.ema.target_ops() + self.rd.targets(),
-            remote_write_events: self.out.remote_write_events,
+            remote_write_events: self.cx.out.remote_write_events,
         }
     }
 
     /// Counters.
     pub fn stats(&self) -> EndpointStats {
-        self.out.stats
+        self.cx.out.stats
     }
 
     /// The application counts peers' writes (`writes`) or reads (`reads`) of this side's
@@ -591,12 +571,12 @@ impl Engine {
     /// this side sees each one land ([`Engine::take_target_counts`]). Set it before the first
     /// HANDSHAKE goes out.
     pub fn set_remote_events(&mut self, writes: bool, reads: bool) {
-        self.remote_events = (writes, reads);
+        self.cx.remote_events = (writes, reads);
     }
 
     /// Takes the count of peers' RMA this side served since the last call.
     pub fn take_target_counts(&mut self) -> TargetCounts {
-        std::mem::take(&mut self.target_counts)
+        std::mem::take(&mut self.cx.counts)
     }
 
     /// Counts a packet the caller dropped before it reached [`Engine::handle_recv`] (the device
@@ -606,7 +586,7 @@ impl Engine {
     }
 
     fn drop_pkt(&mut self, why: &'static str) {
-        self.out.drop_pkt(why);
+        self.cx.out.drop_pkt(why);
     }
 
     /// Packets and RDMA work requests on the device (bounded by `max_outstanding_tx`).
@@ -624,20 +604,25 @@ impl Engine {
     /// replaces the older ones at its queue pair ([`peer::Peers::replaced_by`]) and adds it.
     /// `None` (counted) for stale, unknown or unidentifiable senders.
     fn identify(&mut self, now: Instant, src: Source, pkt: &Packet<'_>) -> Option<u64> {
-        let pid = match self.peers.identify(src, pkt, &mut self.out) {
+        let pid = match self.cx.peers.identify(src, pkt, &mut self.cx.out) {
             peer::Who::Peer(id) => id,
             peer::Who::Nobody => return None,
             peer::Who::New(addr) => {
-                let max = self.budget.limits.max_peers;
-                for (id, qkey) in self.peers.replaced_by(addr, now, self.cfg.rx_stall_timeout) {
+                let max = self.cx.budget.limits.max_peers;
+                for (id, qkey) in self
+                    .cx
+                    .peers
+                    .replaced_by(addr, now, self.cx.cfg.rx_stall_timeout)
+                {
                     self.fail_peer(id, ErrorKind::ConnectionAborted, None, "peer restarted");
-                    self.peers.retire(addr.gid, addr.qpn, qkey, max);
+                    self.cx.peers.retire(addr.gid, addr.qpn, qkey, max);
                 }
-                self.peers
-                    .new_peer(addr, max, self.cfg.recvwin_size, &mut self.out)?
+                self.cx
+                    .peers
+                    .new_peer(addr, max, self.cx.cfg.recvwin_size, &mut self.cx.out)?
             }
         };
-        if let Some(p) = self.peers.get_mut(&pid) {
+        if let Some(p) = self.cx.peers.get_mut(&pid) {
             p.last_heard = Some(now);
         }
         Some(pid)
@@ -645,37 +630,37 @@ impl Engine {
 
     /// Queues our HANDSHAKE to `pid` unless it went already.
     fn queue_handshake(&mut self, pid: u64) {
-        if !self.peers.handshake_due(pid) {
+        if !self.cx.peers.handshake_due(pid) {
             return;
         }
         let hs = peer::handshake(
-            &self.cfg,
-            self.local,
-            self.remote_events,
+            &self.cx.cfg,
+            self.cx.local,
+            self.cx.remote_events,
             self.rd.unsolicited(),
         );
         if let Some(hdr) = util::encode(&Packet::Handshake(hs)) {
-            self.peers.queue_handshake(pid, hdr);
+            self.cx.peers.queue_handshake(pid, hdr);
         }
     }
 
     /// The peer's HANDSHAKE: held CTSDATA windows go out and RMA operations that waited for
     /// it choose their protocol.
     fn handle_handshake(&mut self, now: Instant, pid: u64, h: &wire::Handshake) {
-        let Some((first, blocked)) = self.peers.handshake_arrived(pid, h) else {
+        let Some((first, blocked)) = self.cx.peers.handshake_arrived(pid, h) else {
             return;
         };
-        let mut p = self.parts();
+        let p = self.parts();
         for id in blocked {
-            p.tx.schedule_ctsdata(id, &mut p.cx);
+            p.tx.schedule_ctsdata(id, p.cx);
         }
-        p.ema.handshake(now, pid, &mut p.cx);
+        p.ema.handshake(now, pid, p.cx);
         if first {
             loop {
-                let mut p = self.parts();
+                let p = self.parts();
                 let ema = &*p.ema;
                 let taken = |id| ema.owns_send_id(id);
-                let Some(op) = p.rd.next_after_handshake(pid, p.tx, taken, &mut p.cx) else {
+                let Some(op) = p.rd.next_after_handshake(pid, p.tx, taken, p.cx) else {
                     break;
                 };
                 self.emulate(op);
@@ -687,12 +672,12 @@ impl Engine {
     /// it fail with `kind`, its unexpected and reordered messages are dropped, and its state is
     /// forgotten so that a new incarnation starts afresh.
     fn fail_peer(&mut self, pid: u64, kind: ErrorKind, status: Option<Status>, why: &'static str) {
-        let Some(p) = self.peers.remove(&pid) else {
+        let Some(p) = self.cx.peers.remove(&pid) else {
             return;
         };
         tracing::debug!(peer = %p.addr, ?kind, ?status, why, "peer failed");
         if p.held_back {
-            self.budget.hold_change(p.addr, false);
+            self.cx.budget.hold_change(p.addr, false);
         }
         let g = types::Gone { kind, status, why };
         let Parts {
@@ -700,18 +685,18 @@ impl Engine {
             rx,
             rd,
             ema,
-            mut cx,
+            cx,
         } = self.parts();
-        rx.peer_gone(&p, g, &mut cx);
-        tx.peer_failed(pid, g, &mut cx);
-        rd.peer_failed(pid, g, &mut cx);
-        ema.fail(Some(pid), &g.error("rma"), status, cx.out);
+        rx.peer_gone(&p, g, cx);
+        tx.peer_failed(pid, g, cx);
+        rd.peer_failed(pid, g, cx);
+        ema.fail(Some(pid), &g.error("rma"), status, &mut cx.out);
     }
 
     /// Starts `op` with the emulation; a refused one completes with its error.
     fn emulate(&mut self, op: RmaOp) {
-        let mut p = self.parts();
-        if let Err((e, op)) = p.ema.start(op, p.tx, p.rd, p.rx, &mut p.cx) {
+        let p = self.parts();
+        if let Err((e, op)) = p.ema.start(op, p.tx, p.rd, p.rx, p.cx) {
             let buf = RmaBuf::from_kind(op.kind);
             p.cx.out
                 .rma_done(op.context, buf, 0, RmaPath::Emulated, Some(e), None);
@@ -725,19 +710,7 @@ impl Engine {
             rx: &mut self.rx,
             rd: &mut self.rd,
             ema: &mut self.ema,
-            cx: Cx {
-                cfg: &self.cfg,
-                local: self.local,
-                remote_events: self.remote_events,
-                memory: self.memory.as_deref(),
-                peers: &mut self.peers,
-                budget: &mut self.budget,
-                wrs: &mut self.wrs,
-                out: &mut self.out,
-                rng: &mut self.rng,
-                counts: &mut self.target_counts,
-                receipts: &mut self.local_receipts,
-            },
+            cx: &mut self.cx,
         }
     }
 }
@@ -748,5 +721,5 @@ struct Parts<'a> {
     rx: &'a mut rx::RxSide,
     rd: &'a mut read::ReadState,
     ema: &'a mut rma::Ema,
-    cx: Cx<'a>,
+    cx: &'a mut Cx,
 }

@@ -75,7 +75,7 @@ impl SameHost<'_> {
         }
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
-        self.0.out.stats.local_rx_msgs += 1;
+        self.0.cx.out.stats.local_rx_msgs += 1;
         let posted = self.0.rx.matcher.find_posted(tagged, src, tag);
         if n == m.msg_len {
             // The common case: the whole message in one chunk, a receive waiting for it.
@@ -92,13 +92,13 @@ impl SameHost<'_> {
                     data: m.data,
                     dc_send_id: m.dc_token,
                 };
-                let mut p = self.0.parts();
-                p.rx.finish_rx(sink, &done, &mut p.cx);
+                let p = self.0.parts();
+                p.rx.finish_rx(sink, &done, p.cx);
                 return None;
             }
         }
         let now = now();
-        if posted.is_none() && !self.0.budget.room_for_msg() {
+        if posted.is_none() && !self.0.cx.budget.room_for_msg() {
             // The local path asks `local_must_wait` first; a message past the bound anyway
             // (a re-matched one) is held, never dropped.
             tracing::debug!("over max_buffered_msgs: local message held");
@@ -174,8 +174,8 @@ impl SameHost<'_> {
         rid: Option<u32>,
         n: usize,
     ) -> bool {
-        let room_msgs = first.is_none() || self.0.budget.room_for_msg();
-        if room_msgs && self.0.budget.fits(n) {
+        let room_msgs = first.is_none() || self.0.cx.budget.room_for_msg();
+        if room_msgs && self.0.cx.budget.fits(n) {
             return false;
         }
         match (first, rid) {
@@ -212,12 +212,12 @@ impl SameHost<'_> {
             .get(&rid)
             .is_some_and(|e| e.peer == LOCAL_PEER)
         {
-            let mut p = self.0.parts();
+            let p = self.0.parts();
             p.rx.abort_rx(
                 rid,
                 crate::error::ErrorKind::ConnectionAborted,
                 "the sender's message was cut short",
-                &mut p.cx,
+                p.cx,
             );
         }
     }
@@ -225,7 +225,7 @@ impl SameHost<'_> {
     /// The next delivery-complete acknowledgement the local path owes: `(sender, token)` of a
     /// local message flagged delivery complete that is now in its buffer.
     pub fn take_receipt(&mut self) -> Option<(RawAddr, u32)> {
-        self.0.local_receipts.pop_front()
+        self.0.cx.receipts.pop_front()
     }
 
     /// Places or holds `n` bytes at `off` of local message `rid`; completes it when whole.

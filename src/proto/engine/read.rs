@@ -90,7 +90,7 @@ impl ReadState {
         status: Status,
         buf: Option<BytesMut>,
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<u64> {
         let Some(mut w) = self.outstanding.take(wr_id) else {
             tracing::debug!(wr_id, "RDMA completion for an unknown work request");
@@ -109,7 +109,7 @@ impl ReadState {
             cx.wrs.push_front(w);
             if again {
                 cx.peers
-                    .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+                    .rnr_backoff(pid, now, &cx.cfg, &mut cx.rng, &mut cx.out.timers);
             }
             return None;
         }
@@ -130,7 +130,7 @@ impl ReadState {
             cx.wrs.push_front(w);
             cx.peers.introduce(pid, cx.local);
             cx.peers
-                .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+                .rnr_backoff(pid, now, &cx.cfg, &mut cx.rng, &mut cx.out.timers);
             return None;
         }
         if let WrWhat::Read { buf: slot, .. } = &mut w.what {
@@ -253,7 +253,7 @@ impl ReadState {
 
     /// A write with immediate data may go to the device: both sides agree on unsolicited
     /// write-recv.
-    fn imm_ok(&self, pid: u64, cx: &Cx<'_>) -> bool {
+    fn imm_ok(&self, pid: u64, cx: &Cx) -> bool {
         cx.peers.get(&pid).is_some_and(|p| {
             p.addr == cx.local
                 || p.features.has(ExtraFeature::UnsolicitedWriteRecv) == self.unsolicited
@@ -261,7 +261,7 @@ impl ReadState {
     }
 
     /// The peer is gone: its RMA operations fail, the LONGREAD_RTW reads from it stop.
-    pub(super) fn peer_failed(&mut self, pid: u64, g: Gone, cx: &mut Cx<'_>) {
+    pub(super) fn peer_failed(&mut self, pid: u64, g: Gone, cx: &mut Cx) {
         let ids = self.ops.iter().filter(|(_, o)| o.peer() == pid);
         for id in sorted(ids.map(|(&id, _)| id)) {
             // An operation with work requests on the device ends with their completions: a
@@ -274,7 +274,7 @@ impl ReadState {
                 .any(|w| w.owner == WrOwner::Op(id));
             if on_device {
                 let status = g.status.unwrap_or(Status::UnresponsiveRemote);
-                self.withdraw_queued(id, status, cx.wrs);
+                self.withdraw_queued(id, status, &mut cx.wrs);
             } else {
                 self.abort_op(id, g.kind, g.status, g.why, cx);
             }
@@ -284,7 +284,7 @@ impl ReadState {
     }
 
     /// `close()`: every operation of this module completes with `Canceled`.
-    pub(super) fn close(&mut self, cx: &mut Cx<'_>) {
+    pub(super) fn close(&mut self, cx: &mut Cx) {
         for id in sorted(self.ops.keys().copied()) {
             self.abort_op(id, ErrorKind::Canceled, None, "endpoint closed", cx);
         }
@@ -302,17 +302,19 @@ impl ReadState {
         pid: u64,
         pkt: &Packet<'_>,
         tx: &mut TxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<RmaOp> {
         match *pkt {
             Packet::Eor { send_id, .. } if tx.ops.contains_key(&send_id) => {
                 tx.handle_eor(pid, send_id, cx)
             }
-            Packet::Eor { send_id, .. } => self.handle_eor(pid, send_id, cx.out),
+            Packet::Eor { send_id, .. } => self.handle_eor(pid, send_id, &mut cx.out),
             Packet::ReadNack {
                 send_id, recv_id, ..
             } if tx.ops.contains_key(&send_id) => tx.handle_read_nack(pid, send_id, recv_id, cx),
-            Packet::ReadNack { send_id, .. } => return self.handle_read_nack(pid, send_id, cx.out),
+            Packet::ReadNack { send_id, .. } => {
+                return self.handle_read_nack(pid, send_id, &mut cx.out);
+            }
             Packet::LongReadRtw {
                 ref opt,
                 msg_length,

@@ -201,7 +201,7 @@ impl RxSide {
     /// What follows the posting of a receive ([`RxSide::post`]) when it matched at once: the
     /// matched message starts being received into it (a multi-receive buffer takes every
     /// unexpected message that fits, then waits for more).
-    pub(super) fn posted(&mut self, now: Instant, posting: Posting, cx: &mut Cx<'_>) {
+    pub(super) fn posted(&mut self, now: Instant, posting: Posting, cx: &mut Cx) {
         match posting {
             Posting::Done => {}
             Posting::Matched(rid, sink) => self.start_matched(now, rid, sink, None, cx),
@@ -209,7 +209,7 @@ impl RxSide {
                 while let Some((rid, sink, retired)) = self.next_multi_match(&m) {
                     self.start_matched(now, rid, sink, None, cx);
                     if retired {
-                        self.multi_retired(&m, cx.out);
+                        self.multi_retired(&m, &mut cx.out);
                         return;
                     }
                 }
@@ -224,9 +224,9 @@ impl RxSide {
         now: Instant,
         claim: u64,
         op: RecvOp,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, RecvOp)> {
-        let (rid, sink) = self.take_claimed(claim, op, cx.cfg.max_rx_ops, cx.out)?;
+        let (rid, sink) = self.take_claimed(claim, op, cx.cfg.max_rx_ops, &mut cx.out)?;
         self.start_matched(now, rid, sink, None, cx);
         Ok(())
     }

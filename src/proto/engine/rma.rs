@@ -215,7 +215,7 @@ impl Ema {
         pkt: &Packet<'_>,
         payload: &[u8],
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         match *pkt {
             Packet::LongCtsRtw {
@@ -284,7 +284,7 @@ impl Ema {
         tx: &mut TxSide,
         rd: &ReadState,
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, RmaOp)> {
         let op = super::read::own_buffers(op)?;
         if tx.ops.len() + rd.ops_len() + self.ops.len() >= cx.cfg.max_tx_ops {
@@ -327,7 +327,7 @@ impl Ema {
         s: Start,
         buf: Bytes,
         data: Option<u32>,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, RmaOp)> {
         let back = |e: Error, buf: Bytes| Err((e, s.op(RmaKind::Write { buf, data })));
         let len = buf.len();
@@ -382,7 +382,7 @@ impl Ema {
         s: Start,
         mut buf: BytesMut,
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, RmaOp)> {
         let back = |e: Error, buf: BytesMut| Err((e, s.op(RmaKind::Read { buf })));
         let len = usize::try_from(s.remote.len).unwrap_or(usize::MAX);
@@ -439,7 +439,7 @@ impl Ema {
         operand: Bytes,
         compare: Option<Bytes>,
         fetch: Option<BytesMut>,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, RmaOp)> {
         let id = s.id;
         let len = usize::try_from(s.remote.len).unwrap_or(usize::MAX);
@@ -631,7 +631,7 @@ impl Ema {
         recv_id: u32,
         send_id: u32,
         data: &[u8],
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(op) = self.ops.get_mut(&recv_id) else {
             return cx.out.drop_pkt("READRSP for no read");
@@ -660,7 +660,7 @@ impl Ema {
             dst.copy_from_slice(data);
         }
         op.waiting = 0;
-        self.maybe_done(recv_id, cx.out);
+        self.maybe_done(recv_id, &mut cx.out);
     }
 
     /// An ATOMRSP: the previous values of a fetch or compare atomic.
@@ -715,7 +715,7 @@ impl Ema {
         dc_send_id: Option<u32>,
         cq_data: Option<u64>,
         data: &[u8],
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let iovs: Vec<RemoteIov> = rma_iov.iter().collect();
         let total = iovs.iter().try_fold(0u64, |t, i| t.checked_add(i.len));
@@ -744,7 +744,7 @@ impl Ema {
         pid: u64,
         rma_iov: IovList<'_>,
         recv_id: u32,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let mut it = rma_iov.iter();
         let (Some(iov), None) = (it.next(), it.next()) else {
@@ -780,7 +780,7 @@ impl Ema {
         rma_iov: IovList<'_>,
         data: &[u8],
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let mut it = rma_iov.iter();
         let (Some(iov), None) = (it.next(), it.next()) else {
@@ -811,14 +811,7 @@ impl Ema {
     }
 
     /// Skips `msg_id` of a REQ this engine does not implement, so the window moves on.
-    fn skip_msg_id(
-        &mut self,
-        now: Instant,
-        pid: u64,
-        msg_id: u32,
-        rx: &mut RxSide,
-        cx: &mut Cx<'_>,
-    ) {
+    fn skip_msg_id(&mut self, now: Instant, pid: u64, msg_id: u32, rx: &mut RxSide, cx: &mut Cx) {
         if rx
             .window_slot(now, pid, msg_id, |id| self.owns_recv_id(id), cx)
             .is_some()
@@ -829,7 +822,7 @@ impl Ema {
 
     /// Processes the messages of `pid` that are next in order (`rx`); an atomic among them is
     /// applied in its turn, after the messages sent before it.
-    pub(super) fn drain(&mut self, now: Instant, pid: u64, rx: &mut RxSide, cx: &mut Cx<'_>) {
+    pub(super) fn drain(&mut self, now: Instant, pid: u64, rx: &mut RxSide, cx: &mut Cx) {
         while let Some(ready) = rx.next_ready(now, pid, cx) {
             if let Ready::Atomic(rid) = ready {
                 if let Some(w) = self.rta.remove(&rid) {
@@ -842,7 +835,7 @@ impl Ema {
     /// Runs target work now, or after the work waiting before it. The waiting work is bounded:
     /// beyond `max_buffered_bytes` of held data a request is refused (PEER_ERROR, `RemoteAbort`)
     /// instead of growing memory while the application holds a region.
-    fn target(&mut self, now: Instant, w: Work, cx: &mut Cx<'_>) {
+    fn target(&mut self, now: Instant, w: Work, cx: &mut Cx) {
         let w = if self.retry.is_empty() {
             match self.run(w, cx) {
                 None => return,
@@ -864,7 +857,7 @@ impl Ema {
     }
 
     /// Retries target work whose region was locked.
-    pub(super) fn timeout(&mut self, now: Instant, cx: &mut Cx<'_>) {
+    pub(super) fn timeout(&mut self, now: Instant, cx: &mut Cx) {
         if !cx.out.timers.expired(Timer::EmaRetry, now) {
             return;
         }
@@ -883,11 +876,13 @@ impl Ema {
     }
 
     /// Applies target work; hands it back when the region is locked (`Again`).
-    fn run(&mut self, w: Work, cx: &mut Cx<'_>) -> Option<Work> {
-        let Some(mem) = cx.memory else {
+    fn run(&mut self, w: Work, cx: &mut Cx) -> Option<Work> {
+        // (A handle of its own: the handlers below take the context mutably.)
+        let Some(mem) = cx.memory.clone() else {
             self.refuse(&w, Status::RemoteBadAddress, cx);
             return None;
         };
+        let mem: &dyn super::RmaMemory = &*mem;
         match &w {
             Work::Write { cq_data, .. }
                 if cq_data.is_some()
@@ -1046,7 +1041,7 @@ impl Ema {
     }
 
     /// Queues a response packet carrying `data`.
-    fn respond(&mut self, pid: u64, pkt: &Packet<'_>, data: Bytes, cx: &mut Cx<'_>) {
+    fn respond(&mut self, pid: u64, pkt: &Packet<'_>, data: Bytes, cx: &mut Cx) {
         let Some(hdr) = encode(pkt) else {
             return;
         };
@@ -1061,7 +1056,7 @@ impl Ema {
     /// Tells the initiator its operation was refused (PEER_ERROR naming its id); requests that
     /// expect no answer (plain EAGER_RTW, WRITE_RTA from other implementations) are dropped and
     /// counted.
-    fn refuse(&mut self, w: &Work, status: Status, cx: &mut Cx<'_>) {
+    fn refuse(&mut self, w: &Work, status: Status, cx: &mut Cx) {
         let (pid, op_id) = match w {
             Work::Write {
                 pid,
@@ -1090,7 +1085,7 @@ impl Ema {
 }
 
 /// PEER_ERROR (OPE_INDEX) naming the initiator's operation `op_id`, with the EFA status.
-fn refuse_op(pid: u64, op_id: u32, status: Status, cx: &mut Cx<'_>) {
+fn refuse_op(pid: u64, op_id: u32, status: Status, cx: &mut Cx) {
     tracing::debug!(%status, "emulated RMA refused");
     let pkt = Packet::PeerError {
         connid: Some(cx.local.qkey),

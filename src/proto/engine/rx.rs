@@ -340,7 +340,7 @@ impl RxSide {
         pkt: &Packet<'_>,
         data: &[u8],
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> bool {
         if let Packet::LongCtsRtm {
             read_nack: true,
@@ -459,7 +459,7 @@ impl RxSide {
         pid: u64,
         msg_id: u32,
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<u32> {
         let p = cx.peers.get(&pid)?;
         if p.inbound.contains_key(&msg_id) || (msg_id.wrapping_sub(p.robuf.expected()) as i32) < 0 {
@@ -495,7 +495,7 @@ impl RxSide {
         msg_len: usize,
         state: RxState,
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> u32 {
         let rid = self.alloc_id(taken);
         self.ops.insert(
@@ -526,7 +526,7 @@ impl RxSide {
             p.inbound.insert(m.msg_id, rid);
         }
         cx.budget.add_msg();
-        cx.budget.peer_held(cx.peers, pid, 1, 0, true);
+        cx.budget.peer_held(&mut cx.peers, pid, 1, 0, true);
         rid
     }
 
@@ -534,7 +534,7 @@ impl RxSide {
     /// `max_buffered_bytes` it is held all the same (the device acknowledged it: nothing
     /// acknowledged is dropped); the caller keeps the bound by posting no more device receive
     /// buffers than the budget left.
-    pub(super) fn hold(&mut self, rid: u32, off: usize, data: &[u8], cx: &mut Cx<'_>) {
+    pub(super) fn hold(&mut self, rid: u32, off: usize, data: &[u8], cx: &mut Cx) {
         if data.is_empty() {
             return;
         }
@@ -551,11 +551,11 @@ impl RxSide {
         cx.budget
             .add_bytes(n, matches!(e.state, RxState::Unexpected | RxState::Claimed));
         let pid = e.peer;
-        cx.budget.peer_held(cx.peers, pid, 0, n, true);
+        cx.budget.peer_held(&mut cx.peers, pid, 0, n, true);
     }
 
     /// A further packet of a message whose first packet arrived (medium segments).
-    fn continue_rtm(&mut self, now: Instant, rid: u32, m: &Rtm, data: &[u8], cx: &mut Cx<'_>) {
+    fn continue_rtm(&mut self, now: Instant, rid: u32, m: &Rtm, data: &[u8], cx: &mut Cx) {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
@@ -609,7 +609,7 @@ impl RxSide {
     /// Processes the next message of `pid` in order, if its turn has come: matched or made
     /// unexpected; a placeholder is forgotten, and when it holds an emulated atomic's place
     /// the caller hands that its turn ([`Ready::Atomic`]). `None` when none is ready.
-    pub(super) fn next_ready(&mut self, now: Instant, pid: u64, cx: &mut Cx<'_>) -> Option<Ready> {
+    pub(super) fn next_ready(&mut self, now: Instant, pid: u64, cx: &mut Cx) -> Option<Ready> {
         let (_, rid) = cx.peers.get_mut(&pid)?.robuf.pop_ready()?;
         if self
             .ops
@@ -636,7 +636,7 @@ impl RxSide {
         m: &Rtm,
         data: &[u8],
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<bool> {
         let tagged = m.tag.is_some();
         let tag = m.tag.unwrap_or(0);
@@ -676,7 +676,7 @@ impl RxSide {
         rid: u32,
         fresh: Option<(usize, &[u8])>,
         unmatched: bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(e) = self.ops.get(&rid) else {
             return;
@@ -709,7 +709,7 @@ impl RxSide {
 
     /// Puts message `rid` on the unexpected queue (no receive matched it); false when there is
     /// no such message.
-    pub(super) fn queue_unexpected(&mut self, rid: u32, cx: &mut Cx<'_>) -> bool {
+    pub(super) fn queue_unexpected(&mut self, rid: u32, cx: &mut Cx) -> bool {
         let Some(e) = self.ops.get_mut(&rid) else {
             return false;
         };
@@ -735,7 +735,7 @@ impl RxSide {
         rid: u32,
         mut sink: Sink,
         fresh: Option<(usize, &[u8])>,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
@@ -761,7 +761,7 @@ impl RxSide {
             e.received == e.msg_len,
             matches!(e.kind, Kind::LongCts { .. }),
         );
-        cx.budget.peer_held(cx.peers, pid, 1, released, false);
+        cx.budget.peer_held(&mut cx.peers, pid, 1, released, false);
         if whole {
             return self.complete_rx(rid, cx);
         }
@@ -782,8 +782,8 @@ impl RxSide {
     }
 
     /// Grants the sender of long-CTS message `rid` its next window.
-    pub(super) fn send_cts(&mut self, rid: u32, cx: &mut Cx<'_>) {
-        let credit = cts_credit(cx.cfg);
+    pub(super) fn send_cts(&mut self, rid: u32, cx: &mut Cx) {
+        let credit = cts_credit(&cx.cfg);
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
@@ -812,7 +812,7 @@ impl RxSide {
         recv_id: u32,
         seg_offset: u64,
         data: &[u8],
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(e) = self.ops.get_mut(&recv_id) else {
             return cx.out.drop_pkt("CTSDATA for an unknown recv_id");
@@ -848,7 +848,7 @@ impl RxSide {
 
     /// Removes an entry that has no buffer (waiting, unexpected, claimed, dropped) without a
     /// completion, releasing what it held.
-    pub(super) fn remove_unmatched(&mut self, rid: u32, cx: &mut Cx<'_>) {
+    pub(super) fn remove_unmatched(&mut self, rid: u32, cx: &mut Cx) {
         let Some(e) = self.ops.remove(&rid) else {
             return;
         };
@@ -862,26 +862,26 @@ impl RxSide {
             matches!(e.state, RxState::Unexpected | RxState::Claimed),
         );
         cx.budget
-            .peer_held(cx.peers, e.peer, 1, e.held_bytes, false);
+            .peer_held(&mut cx.peers, e.peer, 1, e.held_bytes, false);
     }
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
-    fn take_entry(&mut self, rid: u32, cx: &mut Cx<'_>) -> Option<RxEntry> {
+    fn take_entry(&mut self, rid: u32, cx: &mut Cx) -> Option<RxEntry> {
         let mut e = self.ops.remove(&rid)?;
         if e.read.is_some() {
-            read::entry_removed(rid, &mut e, cx.wrs);
+            read::entry_removed(rid, &mut e, &mut cx.wrs);
         }
         if let Some(p) = cx.peers.get_mut(&e.peer) {
             if p.inbound.get(&e.msg_id) == Some(&rid) {
                 p.inbound.remove(&e.msg_id);
             }
         }
-        self.left(e.in_progress, cx.out);
+        self.left(e.in_progress, &mut cx.out);
         Some(e)
     }
 
     /// The whole message is in place: RECEIPT for delivery complete, and the completion.
-    pub(super) fn complete_rx(&mut self, rid: u32, cx: &mut Cx<'_>) {
+    pub(super) fn complete_rx(&mut self, rid: u32, cx: &mut Cx) {
         let Some(e) = self.take_entry(rid, cx) else {
             return;
         };
@@ -903,7 +903,7 @@ impl RxSide {
 
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
     #[inline]
-    pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done, cx: &mut Cx<'_>) {
+    pub(super) fn finish_rx(&mut self, sink: Sink, msg: &Done, cx: &mut Cx) {
         if let Some(send_id) = msg.dc_send_id {
             if msg.peer == LOCAL_PEER {
                 cx.receipts.push_back((msg.src, send_id));
@@ -918,7 +918,7 @@ impl RxSide {
         }
         let Some(context) = sink.context else { return };
         let olen = msg.msg_len - sink.place;
-        let out = &mut *cx.out;
+        let out = &mut cx.out;
         let error = if olen > 0 {
             out.stats.errors += 1;
             out.stats.truncated += 1;
@@ -950,13 +950,7 @@ impl RxSide {
 
     /// A receive ends without its message (peer failure, stall, close): an error completion
     /// for a matched receive, nothing for a message without one.
-    pub(super) fn abort_rx(
-        &mut self,
-        rid: u32,
-        kind: ErrorKind,
-        why: &'static str,
-        cx: &mut Cx<'_>,
-    ) {
+    pub(super) fn abort_rx(&mut self, rid: u32, kind: ErrorKind, why: &'static str, cx: &mut Cx) {
         let Some(e) = self.ops.get(&rid) else {
             return;
         };
@@ -973,12 +967,12 @@ impl RxSide {
             return;
         };
         let msg = (e.tagged.then_some(e.tag), e.data, e.src);
-        self.fail_sink(sink, msg, kind, why, cx.out);
+        self.fail_sink(sink, msg, kind, why, &mut cx.out);
     }
 
     /// The peer `p` is gone: its unexpected messages are dropped, the receives in progress from
     /// it fail.
-    pub(super) fn peer_gone(&mut self, p: &Peer, g: Gone, cx: &mut Cx<'_>) {
+    pub(super) fn peer_gone(&mut self, p: &Peer, g: Gone, cx: &mut Cx) {
         let addr = p.addr;
         self.matcher.remove_unexpected_where(|u| u.src == addr);
         for rid in sorted(p.inbound.values().copied()) {
@@ -988,12 +982,12 @@ impl RxSide {
 
     /// `close()`: every receive completes with `Canceled` (pieces of multi-receive buffers
     /// before the buffers themselves), nothing is kept.
-    pub(super) fn close(&mut self, cx: &mut Cx<'_>) {
+    pub(super) fn close(&mut self, cx: &mut Cx) {
         self.matcher.remove_unexpected_where(|_| true);
         for id in self.ops.sorted_keys() {
             self.abort_rx(id, ErrorKind::Canceled, "close", cx);
         }
-        self.cancel_all(cx.out);
+        self.cancel_all(&mut cx.out);
         self.claimed.clear();
         self.user_ops = 0;
         cx.out.timers.stop(Timer::RxStall);
@@ -1032,7 +1026,7 @@ impl RxSide {
 
     /// `Timer::RxStall` expired: receives that got no packet for `rx_stall_timeout` fail
     /// ([`RxSide::stall_rx`]); the timer is set again for the next one.
-    pub(super) fn stall_timeout(&mut self, now: Instant, cx: &mut Cx<'_>) {
+    pub(super) fn stall_timeout(&mut self, now: Instant, cx: &mut Cx) {
         let stall = cx.cfg.rx_stall_timeout;
         let (stalled, mut next) = self.stalled(now, stall);
         for rid in stalled {
@@ -1050,7 +1044,7 @@ impl RxSide {
     /// but the message goes on being received and thrown away, so that a sender that is only
     /// slow (long RNR backoffs) still completes (no RECEIPT is sent for it, though). A message
     /// that is already being thrown away and stalls again is forgotten.
-    fn stall_rx(&mut self, rid: u32, now: Instant, cx: &mut Cx<'_>) {
+    fn stall_rx(&mut self, rid: u32, now: Instant, cx: &mut Cx) {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
@@ -1070,7 +1064,7 @@ impl RxSide {
             msg,
             ErrorKind::ConnectionAborted,
             "no packet from the sender for rx_stall_timeout",
-            cx.out,
+            &mut cx.out,
         );
     }
 }

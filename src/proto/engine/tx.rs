@@ -204,7 +204,7 @@ impl TxSide {
         now: Instant,
         mut op: SendOp,
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, SendOp)> {
         if cx.peers.in_backoff() {
             cx.peers.expire_backoffs(now, &mut cx.out.timers);
@@ -246,14 +246,14 @@ impl TxSide {
         };
         let rp = self.read_protocol(pid, &op, device_only, cx);
         if op.region_len.is_some() {
-            if let Err(e) = region_packet_bytes(&mut op, rp, cx.memory) {
+            if let Err(e) = region_packet_bytes(&mut op, rp, cx.memory.as_deref()) {
                 return Err((e, op));
             }
         }
         let mut pkts = std::mem::take(&mut self.scratch);
         let packed = match rp {
             Some(rp) => self.packetize_read(&mut pkts, &m, len, rp, cx),
-            None => packetize(&mut pkts, &m, len, cx.cfg),
+            None => packetize(&mut pkts, &m, len, &cx.cfg),
         };
         let (proto, scheduled) = match packed {
             Ok(x) => x,
@@ -299,7 +299,7 @@ impl TxSide {
         now: Instant,
         wr_id: u64,
         status: Status,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Then {
         let Some(pkt) = self.wrs.take(wr_id) else {
             tracing::debug!(wr_id, "send completion for an unknown work request");
@@ -328,7 +328,7 @@ impl TxSide {
                     cx.peers.reset_backoff(pkt.peer, &mut cx.out.timers);
                 }
                 if let Owner::Tx(id) = pkt.owner {
-                    self.read_pkt_done(id, &pkt, cx.peers);
+                    self.read_pkt_done(id, &pkt, &mut cx.peers);
                     if let Some(t) = self.ops.get_mut(&id) {
                         t.pending = t.pending.saturating_sub(1);
                         self.maybe_complete(id, cx);
@@ -355,7 +355,7 @@ impl TxSide {
 
     /// RNR: the packet goes back to the front of its peer's queue; from its second RNR on, the
     /// peer backs off.
-    fn requeue_rnr(&mut self, now: Instant, mut pkt: Pkt, cx: &mut Cx<'_>) {
+    fn requeue_rnr(&mut self, now: Instant, mut pkt: Pkt, cx: &mut Cx) {
         if !cx.peers.contains_key(&pkt.peer) {
             return;
         }
@@ -372,14 +372,14 @@ impl TxSide {
         cx.peers.enqueue(pkt, ctrl, true);
         if again {
             cx.peers
-                .rnr_backoff(pid, now, cx.cfg, cx.rng, &mut cx.out.timers);
+                .rnr_backoff(pid, now, &cx.cfg, &mut cx.rng, &mut cx.out.timers);
         }
     }
 
     /// Completes a send when all its packets are done, all its bytes sent and (delivery
     /// complete) its RECEIPT arrived.
     #[inline]
-    pub(super) fn maybe_complete(&mut self, id: u32, cx: &mut Cx<'_>) {
+    pub(super) fn maybe_complete(&mut self, id: u32, cx: &mut Cx) {
         // Read-based messages are delivery complete by nature (EOR), without RECEIPT.
         let done = self.ops.get(&id).is_some_and(|t| {
             t.pending == 0
@@ -392,7 +392,7 @@ impl TxSide {
         let Some(t) = self.ops.remove(&id) else {
             return;
         };
-        self.read_gone(id, t.peer, cx.peers);
+        self.read_gone(id, t.peer, &mut cx.peers);
         let len = t.len;
         cx.out.stats.tx_msgs += 1;
         cx.out.stats.tx_bytes += len as u64;
@@ -407,11 +407,11 @@ impl TxSide {
     }
 
     /// Fails a send at once; its packets still on the device complete unnoticed.
-    pub(super) fn fail(&mut self, id: u32, error: Error, status: Option<Status>, cx: &mut Cx<'_>) {
+    pub(super) fn fail(&mut self, id: u32, error: Error, status: Option<Status>, cx: &mut Cx) {
         let Some(t) = self.ops.remove(&id) else {
             return;
         };
-        self.read_gone(id, t.peer, cx.peers);
+        self.read_gone(id, t.peer, &mut cx.peers);
         cx.peers.withdraw(t.peer, Owner::Tx(id));
         cx.out.stats.errors += 1;
         tracing::debug!(error = %error, "send failed");
@@ -426,7 +426,7 @@ impl TxSide {
     }
 
     /// The peer `pid` is gone: its sends fail.
-    pub(super) fn peer_failed(&mut self, pid: u64, g: Gone, cx: &mut Cx<'_>) {
+    pub(super) fn peer_failed(&mut self, pid: u64, g: Gone, cx: &mut Cx) {
         let ids = self.ops.iter().filter(|(_, t)| t.peer == pid);
         for id in sorted(ids.map(|(id, _)| id)) {
             self.fail(id, g.error("send"), g.status, cx);
@@ -434,7 +434,7 @@ impl TxSide {
     }
 
     /// `close()`: every send completes with `Canceled`; nothing is kept.
-    pub(super) fn close(&mut self, cx: &mut Cx<'_>) {
+    pub(super) fn close(&mut self, cx: &mut Cx) {
         for id in self.ops.sorted_keys() {
             let e = Error::new(ErrorKind::Canceled, "send").with_detail("endpoint closed");
             self.fail(id, e, None, cx);
@@ -451,7 +451,7 @@ impl TxSide {
         send_id: u32,
         recv_id: u32,
         recv_length: u64,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(t) = self.ops.get_mut(&send_id) else {
             return cx.out.drop_pkt("CTS for an unknown send_id");
@@ -481,13 +481,13 @@ impl TxSide {
     }
 
     /// Queues the CTSDATA packets of the window granted to send `id`.
-    pub(super) fn schedule_ctsdata(&mut self, id: u32, cx: &mut Cx<'_>) {
+    pub(super) fn schedule_ctsdata(&mut self, id: u32, cx: &mut Cx) {
         let Some(t) = self.ops.get(&id) else {
             return;
         };
         let (pid, recv_id, off, end) = (t.peer, t.recv_id, t.scheduled, t.window_end);
         let mut pkts = std::mem::take(&mut self.scratch);
-        let (cfg, local) = (cx.cfg, cx.local);
+        let (cfg, local) = (&cx.cfg, cx.local);
         if push_ctsdata(
             &mut pkts,
             pid,
@@ -515,7 +515,7 @@ impl TxSide {
     }
 
     /// A RECEIPT: the data of delivery-complete send `send_id` is in the receiver's buffer.
-    pub(super) fn handle_receipt(&mut self, pid: u64, send_id: u32, msg_id: u32, cx: &mut Cx<'_>) {
+    pub(super) fn handle_receipt(&mut self, pid: u64, send_id: u32, msg_id: u32, cx: &mut Cx) {
         let Some(t) = self.ops.get_mut(&send_id) else {
             return cx.out.drop_pkt("RECEIPT for an unknown send_id");
         };

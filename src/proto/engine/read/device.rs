@@ -67,12 +67,12 @@ fn device_key(key: u64) -> bool {
 
 impl ReadState {
     /// Where `op` goes, once the peer's HANDSHAKE is known.
-    fn route(&self, pid: u64, op: &RmaOp, cx: &Cx<'_>) -> Route {
+    fn route(&self, pid: u64, op: &RmaOp, cx: &Cx) -> Route {
         let len = op.local_len();
         if !device_key(op.remote.key) {
             return Route::Emulated;
         }
-        let (cfg, local, events) = (cx.cfg, cx.local, cx.remote_events);
+        let (cfg, local, events) = (&cx.cfg, cx.local, cx.remote_events);
         match &op.kind {
             RmaKind::Write { data, .. } => {
                 if cx.peers.both_write(pid, cfg, local, events.0)
@@ -111,9 +111,9 @@ impl ReadState {
         op: RmaOp,
         tx: &mut TxSide,
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<Option<RmaOp>, (Error, RmaOp)> {
-        if !could_use_device(&op, cx.cfg) {
+        if !could_use_device(&op, &cx.cfg) {
             return Ok(Some(op));
         }
         if cx.peers.in_backoff() {
@@ -161,7 +161,7 @@ impl ReadState {
         op: RmaOp,
         tx: &mut TxSide,
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<RmaOp> {
         let route = self.route(pid, &op, cx);
         if route == Route::Emulated {
@@ -175,7 +175,7 @@ impl ReadState {
     }
 
     /// Queues the work requests of device write or read `op`, operation `id`.
-    fn start_device(&mut self, pid: u64, id: u32, op: RmaOp, cx: &mut Cx<'_>) -> Option<RmaOp> {
+    fn start_device(&mut self, pid: u64, id: u32, op: RmaOp, cx: &mut Cx) -> Option<RmaOp> {
         if matches!(op.kind, RmaKind::Atomic { .. }) {
             return Some(op);
         }
@@ -197,7 +197,7 @@ impl ReadState {
         };
         match kind {
             RmaKind::Write { buf, data } => {
-                let seg = write_segment(cx.cfg);
+                let seg = write_segment(&cx.cfg);
                 let len = local_region.as_ref().map_or(buf.len(), |r| r.len);
                 let n = if len == 0 { 1 } else { (len - 1) / seg + 1 };
                 let mut wrs: Vec<Wr> = (0..n)
@@ -230,7 +230,7 @@ impl ReadState {
             }
             RmaKind::Read { mut buf } => {
                 let len = usize::try_from(remote.len).unwrap_or(usize::MAX);
-                let seg = read_segment(cx.cfg);
+                let seg = read_segment(&cx.cfg);
                 let lens: Vec<usize> = if len == 0 {
                     vec![0]
                 } else {
@@ -262,13 +262,7 @@ impl ReadState {
 
     /// Sends LONGREAD_RTW for `op`, operation `id`: the target reads our registered buffer
     /// (`local_key`).
-    fn start_longread_rtw(
-        &mut self,
-        pid: u64,
-        id: u32,
-        op: RmaOp,
-        cx: &mut Cx<'_>,
-    ) -> Option<RmaOp> {
+    fn start_longread_rtw(&mut self, pid: u64, id: u32, op: RmaOp, cx: &mut Cx) -> Option<RmaOp> {
         let (RmaKind::Write { data, .. }, Some((key, addr))) = (&op.kind, op.local_key) else {
             return Some(op);
         };
@@ -309,7 +303,7 @@ impl ReadState {
         pid: u64,
         tx: &mut TxSide,
         taken: impl Fn(u32) -> bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<RmaOp> {
         loop {
             let id = self
@@ -384,11 +378,11 @@ impl ReadState {
         kind: ErrorKind,
         status: Option<Status>,
         why: &'static str,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         // Its queued work requests are withdrawn (a read's pieces come back); those on the
         // device complete into nothing.
-        self.withdraw_queued(id, Status::Flushed, cx.wrs);
+        self.withdraw_queued(id, Status::Flushed, &mut cx.wrs);
         let Some(op) = self.ops.remove(&id) else {
             return;
         };
@@ -396,7 +390,7 @@ impl ReadState {
             self.waiting = self.waiting.saturating_sub(1);
         }
         let e = Error::new(kind, "rma").with_detail(why);
-        Self::finish(op, Some((e, status)), cx.out);
+        Self::finish(op, Some((e, status)), &mut cx.out);
     }
 
     /// Withdraws the queued (not yet posted) work requests of operation `id` from `wrs`; the
@@ -433,7 +427,7 @@ impl ReadState {
     }
 
     /// A work request of device RMA operation `id` completed.
-    pub(super) fn op_wr_done(&mut self, id: u32, w: Wr, status: Status, cx: &mut Cx<'_>) {
+    pub(super) fn op_wr_done(&mut self, id: u32, w: Wr, status: Status, cx: &mut Cx) {
         let Some(op) = self.ops.get_mut(&id) else {
             return;
         };
@@ -470,7 +464,7 @@ impl ReadState {
             DevOp::Waiting { .. } | DevOp::LongReadRtw { .. } => return,
         }
         if let Some(op) = self.ops.remove(&id) {
-            Self::finish(op, None, cx.out);
+            Self::finish(op, None, &mut cx.out);
         }
     }
 

@@ -52,7 +52,7 @@ impl ReadState {
         send_id: u32,
         rma: ReadIovs,
         read: ReadIovs,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let nack = Packet::ReadNack {
             connid: Some(cx.local.qkey),
@@ -60,7 +60,7 @@ impl ReadState {
             recv_id: 0,
         };
         let len = usize::try_from(msg_length).ok();
-        let writable = match (cx.memory, len) {
+        let writable = match (cx.memory.as_deref(), len) {
             // The target range must exist before anything is read into it.
             (Some(mem), Some(_)) => {
                 rma.total() == Some(msg_length) && {
@@ -74,7 +74,7 @@ impl ReadState {
             }
             _ => false,
         };
-        let seg = read_segment(cx.cfg).min(RTW_SEGMENT);
+        let seg = read_segment(&cx.cfg).min(RTW_SEGMENT);
         let ranges = match len {
             Some(len) if writable && cx.cfg.device_rdma_read => carve(read.as_slice(), 0, len, seg),
             _ => None,
@@ -136,7 +136,7 @@ impl ReadState {
         id: u32,
         w: Wr,
         status: Status,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let WrWhat::Read { piece, buf, .. } = w.what else {
             return;
@@ -160,14 +160,14 @@ impl ReadState {
 
     /// Writes what LONGREAD_RTW target `id` read into the memory; when all is read and written,
     /// EOR (or READ_NACK after a failure).
-    fn rtw_write_out(&mut self, now: Instant, id: u32, cx: &mut Cx<'_>) {
+    fn rtw_write_out(&mut self, now: Instant, id: u32, cx: &mut Cx) {
         let Some(t) = self.rtw.get_mut(&id) else {
             return;
         };
         if t.pieces.error.is_none() {
             let mut keep = Vec::new();
             for (off, b) in std::mem::take(&mut t.unwritten) {
-                let r = match cx.memory {
+                let r = match cx.memory.as_deref() {
                     Some(m) => write_range(m, &t.rma, off, &b),
                     None => Err(Error::new(ErrorKind::RemoteAccess, "rma")),
                 };
@@ -212,7 +212,7 @@ impl ReadState {
     }
 
     /// Retries the writes into memory the application held locked (`Timer::ReadRetry`).
-    pub(in crate::proto::engine) fn timeout(&mut self, now: Instant, cx: &mut Cx<'_>) {
+    pub(in crate::proto::engine) fn timeout(&mut self, now: Instant, cx: &mut Cx) {
         cx.out.timers.stop(Timer::ReadRetry);
         let mut ids: Vec<u32> = self
             .rtw
@@ -264,7 +264,7 @@ impl ReadState {
 }
 
 /// A LONGREAD_RTW is in place: the remote CQ data (if any) is reported, EOR goes back.
-fn rtw_finish(pid: u64, send_id: u32, len: usize, data: Option<u32>, cx: &mut Cx<'_>) {
+fn rtw_finish(pid: u64, send_id: u32, len: usize, data: Option<u32>, cx: &mut Cx) {
     let Some(src) = cx.peers.get(&pid).map(|p| p.addr) else {
         return;
     };

@@ -50,7 +50,7 @@ pub(super) struct CtsOp {
 }
 
 /// Bytes of a READRSP's payload at most.
-pub(super) fn readrsp_room(cx: &Cx<'_>) -> usize {
+pub(super) fn readrsp_room(cx: &Cx) -> usize {
     let rsp = Packet::ReadRsp {
         connid: Some(cx.local.qkey),
         recv_id: 0,
@@ -127,7 +127,7 @@ impl Ema {
         buf: Bytes,
         dc: bool,
         context: u64,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, Bytes)> {
         let len = buf.len();
         let one = [remote];
@@ -184,11 +184,11 @@ impl Ema {
         buf: BytesMut,
         context: u64,
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), (Error, BytesMut)> {
         let len = buf.len();
         let id = self.recv_id(rx);
-        let window = len.min(cts_credit(cx.cfg));
+        let window = len.min(cts_credit(&cx.cfg));
         let one = [remote];
         let req = Packet::LongCtsRtr {
             opt,
@@ -234,7 +234,7 @@ impl Ema {
         send_id: u32,
         recv_id: u32,
         recv_length: u64,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(op) = self.ops.get_mut(&send_id) else {
             return cx
@@ -266,15 +266,8 @@ impl Ema {
     }
 
     /// Data of one of our long-CTS reads (READRSP or CTSDATA), at `off`.
-    pub(super) fn cts_read_data(
-        &mut self,
-        pid: u64,
-        id: u32,
-        off: u64,
-        data: &[u8],
-        cx: &mut Cx<'_>,
-    ) {
-        let credit = cts_credit(cx.cfg);
+    pub(super) fn cts_read_data(&mut self, pid: u64, id: u32, off: u64, data: &[u8], cx: &mut Cx) {
+        let credit = cts_credit(&cx.cfg);
         let qkey = cx.local.qkey;
         let Some(op) = self.ops.get_mut(&id) else {
             return cx.out.drop_pkt("CTSDATA for no read");
@@ -302,7 +295,7 @@ impl Ema {
         let (done, window_end, len) = (c.done, c.window_end, op.len);
         if done == len {
             op.waiting = 0;
-            return self.maybe_done(id, cx.out);
+            return self.maybe_done(id, &mut cx.out);
         }
         if done == window_end {
             let Some(responder) = c.peer_id else {
@@ -332,7 +325,7 @@ impl Ema {
 
     /// Queues the CTSDATA (and for a read's first window the READRSP) of the window granted.
     /// Waits for the peer's HANDSHAKE: CTSDATA carries our connid after its header.
-    fn cts_send_window(&mut self, now: Instant, pid: u64, side: Side, cx: &mut Cx<'_>) {
+    fn cts_send_window(&mut self, now: Instant, pid: u64, side: Side, cx: &mut Cx) {
         if !cx.peers.get(&pid).is_some_and(|p| p.hs_received) {
             if !self.blocked.contains(&(pid, side)) {
                 self.blocked.push((pid, side));
@@ -346,7 +339,7 @@ impl Ema {
     }
 
     /// The peer's HANDSHAKE arrived: windows that waited for it go.
-    pub(in crate::proto::engine) fn handshake(&mut self, now: Instant, pid: u64, cx: &mut Cx<'_>) {
+    pub(in crate::proto::engine) fn handshake(&mut self, now: Instant, pid: u64, cx: &mut Cx) {
         if self.blocked.is_empty() {
             return;
         }
@@ -359,7 +352,7 @@ impl Ema {
         }
     }
 
-    fn cts_send_write_window(&mut self, pid: u64, id: u32, cx: &mut Cx<'_>) {
+    fn cts_send_write_window(&mut self, pid: u64, id: u32, cx: &mut Cx) {
         let Some(c) = self.ops.get(&id).and_then(|o| o.cts.as_deref()) else {
             return;
         };
@@ -375,7 +368,7 @@ impl Ema {
             recv_id,
             from..to,
             0,
-            cx.cfg,
+            &cx.cfg,
             cx.local,
         );
         let Some(c) = self.ops.get_mut(&id).and_then(|o| o.cts.as_deref_mut()) else {
@@ -403,7 +396,7 @@ impl Ema {
         cq_data: Option<u64>,
         data: &[u8],
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         if data.len() as u64 > msg_length {
             return cx.out.drop_pkt("LONGCTS_RTW carrying more than its length");
@@ -448,7 +441,7 @@ impl Ema {
         recv_id: u32,
         recv_length: u32,
         rx: &mut RxSide,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         if recv_length == 0 || msg_length == 0 {
             return cx.out.drop_pkt("LONGCTS_RTR with an empty window or range");
@@ -481,7 +474,7 @@ impl Ema {
         send_id: u32,
         recv_id: u32,
         recv_length: u64,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(t) = self.tgt.get_mut(&send_id) else {
             return cx.out.drop_pkt("CTS (read) for an unknown send_id");
@@ -506,7 +499,7 @@ impl Ema {
         recv_id: u32,
         off: u64,
         data: &[u8],
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         if let Some(t) = self.tgt.get_mut(&recv_id) {
             if t.pid != pid || !matches!(t.kind, TgtKind::Write { .. }) {
@@ -543,7 +536,7 @@ impl Ema {
         msg_length: u64,
         op_id: u32,
         write: bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Option<(ReadIovs, usize)> {
         let rma = ReadIovs::of(&rma_iov);
         if rma_iov.len() != rma.as_slice().len() || rma.total() != Some(msg_length) {
@@ -555,7 +548,7 @@ impl Ema {
             cx.out.drop_pkt("long-CTS request longer than memory");
             return None;
         };
-        let in_memory = cx.memory.is_some_and(|mem| {
+        let in_memory = cx.memory.as_deref().is_some_and(|mem| {
             rma.as_slice()
                 .iter()
                 .all(|iov| mem.check(iov.key, iov.addr, iov.len, write).is_ok())
@@ -581,7 +574,7 @@ impl Ema {
         tid: u32,
         off: usize,
         data: &[u8],
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), ()> {
         let Some(t) = self.tgt.get(&tid) else {
             return Ok(());
@@ -606,7 +599,7 @@ impl Ema {
             }
             Ok(()) => {}
         }
-        let credit = cts_credit(cx.cfg);
+        let credit = cts_credit(&cx.cfg);
         let qkey = cx.local.qkey;
         let Some(t) = self.tgt.get_mut(&tid) else {
             return Ok(());
@@ -652,7 +645,7 @@ impl Ema {
         &mut self,
         mem: &dyn RmaMemory,
         tid: u32,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(), ()> {
         let Some(t) = self.tgt.get(&tid) else {
             return Ok(());
@@ -700,7 +693,7 @@ impl Ema {
             recv_id,
             off..to,
             from,
-            cx.cfg,
+            &cx.cfg,
             cx.local,
         );
         self.resp.insert(rid, (data, pkts.len()));

@@ -13,8 +13,8 @@ use crate::proto::wire::Packet;
 
 impl RxSide {
     /// The message `rid` was matched: read what fits of its non-runt part, or NACK.
-    pub(super) fn start_read(&mut self, now: Instant, rid: u32, cx: &mut Cx<'_>) {
-        let seg = read_segment(cx.cfg);
+    pub(super) fn start_read(&mut self, now: Instant, rid: u32, cx: &mut Cx) {
+        let seg = read_segment(&cx.cfg);
         let can = cx.cfg.device_rdma_read;
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
@@ -74,7 +74,7 @@ impl RxSide {
         rid: u32,
         w: Wr,
         status: Status,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let WrWhat::Read { piece, buf, region } = w.what else {
             return;
@@ -125,7 +125,7 @@ impl RxSide {
 
     /// The read part is in place (or there was nothing to read): EOR, and the completion if
     /// the runt is in too.
-    fn read_finished(&mut self, rid: u32, cx: &mut Cx<'_>) {
+    fn read_finished(&mut self, rid: u32, cx: &mut Cx) {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
@@ -150,7 +150,7 @@ impl RxSide {
 
     /// Sends the READ_NACK of `rid` once its runt has all arrived (libfabric sends it after
     /// the last RUNTREAD packet: the long-CTS part then starts where the runt ends).
-    pub(super) fn maybe_nack(&mut self, rid: u32, cx: &mut Cx<'_>) {
+    pub(super) fn maybe_nack(&mut self, rid: u32, cx: &mut Cx) {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
@@ -179,7 +179,7 @@ impl RxSide {
         msg_id: u32,
         send_id: u32,
         dc: bool,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(&rid) = cx.peers.get(&pid).and_then(|p| p.inbound.get(&msg_id)) else {
             return cx.out.drop_pkt("read-NACK REQ without a long-read message");

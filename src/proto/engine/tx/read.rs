@@ -29,7 +29,7 @@ impl TxSide {
         pid: u64,
         op: &SendOp,
         device_only: bool,
-        cx: &Cx<'_>,
+        cx: &Cx,
     ) -> Option<ReadProto> {
         let (key, addr) = op.read_key?;
         let len = op.len();
@@ -63,12 +63,12 @@ impl TxSide {
         &mut self,
         pid: u64,
         op: &SendOp,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<bool, Error> {
         let Some((key, _)) = op.read_key.filter(|_| op.region_len.is_some()) else {
             return Ok(false);
         };
-        if !cx.memory.is_some_and(|m| m.device_only(key)) {
+        if !cx.memory.as_deref().is_some_and(|m| m.device_only(key)) {
             return Ok(false);
         }
         if op.is_empty() || both_read(pid, cx) {
@@ -100,7 +100,7 @@ impl TxSide {
         m: &MsgHdr,
         len: usize,
         rp: ReadProto,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) -> Result<(Proto, usize), Error> {
         match rp {
             ReadProto::Long(iov) => {
@@ -211,7 +211,7 @@ impl TxSide {
     }
 
     /// EOR for our send `send_id` (the caller found it ours): the receiver read the message.
-    pub(in crate::proto::engine) fn handle_eor(&mut self, pid: u64, send_id: u32, cx: &mut Cx<'_>) {
+    pub(in crate::proto::engine) fn handle_eor(&mut self, pid: u64, send_id: u32, cx: &mut Cx) {
         let Some(t) = self.ops.get_mut(&send_id) else {
             return;
         };
@@ -233,7 +233,7 @@ impl TxSide {
         pid: u64,
         send_id: u32,
         recv_id: u32,
-        cx: &mut Cx<'_>,
+        cx: &mut Cx,
     ) {
         let Some(t) = self.ops.get(&send_id) else {
             return;
@@ -245,7 +245,7 @@ impl TxSide {
         // A region send holds only its runt: the rest now goes in packets too.
         let region = self.tx_read.get(&send_id).map(|r| r.region);
         if let Some((key, addr)) = region.filter(|_| t.buf.len() < t.len) {
-            match region_bytes(cx.memory, key, addr, t.len) {
+            match region_bytes(cx.memory.as_deref(), key, addr, t.len) {
                 Ok(b) => {
                     if let Some(t) = self.ops.get_mut(&send_id) {
                         t.buf = b;
@@ -296,7 +296,7 @@ impl TxSide {
     }
 }
 
-fn both_read(pid: u64, cx: &Cx<'_>) -> bool {
+fn both_read(pid: u64, cx: &Cx) -> bool {
     cx.peers
-        .both_read(pid, cx.cfg, cx.local, cx.remote_events.1)
+        .both_read(pid, &cx.cfg, cx.local, cx.remote_events.1)
 }
