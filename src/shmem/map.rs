@@ -90,12 +90,14 @@ impl Mapping {
     }
 
     /// The byte range `off..off + n`, if it lies inside the mapping.
+    #[inline]
     fn range(&self, off: usize, n: usize) -> Option<usize> {
         let end = off.checked_add(n)?;
         (end <= self.len).then_some(off)
     }
 
     /// The 32-bit control word at `off` (4-aligned, inside the mapping).
+    #[inline]
     pub(crate) fn u32(&self, off: usize) -> Option<&AtomicU32> {
         let off = self.range(off, 4)?;
         if off % 4 != 0 {
@@ -109,6 +111,7 @@ impl Mapping {
     }
 
     /// The 64-bit control word at `off` (8-aligned, inside the mapping).
+    #[inline]
     pub(crate) fn u64(&self, off: usize) -> Option<&AtomicU64> {
         let off = self.range(off, 8)?;
         if off % 8 != 0 {
@@ -176,16 +179,19 @@ impl Mapping {
 // mapping and, under loom, its model.
 impl Mapping {
     /// The `u32` word at `off` (relaxed); `None` outside the mapping or unaligned.
+    #[inline]
     pub(crate) fn load32(&self, off: usize) -> Option<u32> {
         self.u32(off).map(|w| w.load(Ordering::Relaxed))
     }
 
     /// The `u64` word at `off` (relaxed); `None` outside the mapping or unaligned.
+    #[inline]
     pub(crate) fn load64(&self, off: usize) -> Option<u64> {
         self.u64(off).map(|w| w.load(Ordering::Relaxed))
     }
 
     /// Stores `v` at `off` (relaxed); nothing outside the mapping or unaligned.
+    #[inline]
     pub(crate) fn store32(&self, off: usize, v: u32) {
         if let Some(w) = self.u32(off) {
             w.store(v, Ordering::Relaxed);
@@ -193,6 +199,7 @@ impl Mapping {
     }
 
     /// Stores `v` at `off` (relaxed); nothing outside the mapping or unaligned.
+    #[inline]
     pub(crate) fn store64(&self, off: usize, v: u64) {
         if let Some(w) = self.u64(off) {
             w.store(v, Ordering::Relaxed);
