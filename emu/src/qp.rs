@@ -458,18 +458,20 @@ impl QpCore {
                     return Err((i, e));
                 }
             };
-            self.add_to_list(&mut list, i, p)?;
+            self.add_to_list(&mut list, i, p, false)?;
         }
         self.post_list(&mut list)
     }
 
-    /// Adds a prepared request to `list` (request `i` of the post), reading its bytes now; a
-    /// run of the other kind is posted first.
+    /// Adds a prepared request to `list` (request `i` of the post), reading its bytes now
+    /// (`late`: it waited since it was posted; see [`Self::fetch`]); a run of the other kind is
+    /// posted first.
     fn add_to_list(
         &self,
         list: &mut DeviceList,
         i: usize,
         p: Prepared,
+        late: bool,
     ) -> Result<(), (usize, i32)> {
         use std::sync::atomic::Ordering::Relaxed;
         let send = matches!(p, Prepared::Send { .. });
@@ -483,7 +485,7 @@ impl QpCore {
                 src,
                 imm,
             } => {
-                let Some(payload) = self.fetch(wr_id, src, false) else {
+                let Some(payload) = self.fetch(wr_id, src, late) else {
                     return Ok(());
                 };
                 let key = self.pending.lock().insert(Pending::Send { wr_id }) as u64;
@@ -503,7 +505,7 @@ impl QpCore {
                 remote,
                 imm,
             } => {
-                let Some(local) = self.fetch(wr_id, src, false) else {
+                let Some(local) = self.fetch(wr_id, src, late) else {
                     return Ok(());
                 };
                 self.nic.rdma_writes.fetch_add(1, Relaxed);
@@ -658,55 +660,10 @@ impl QpCore {
     /// Gives a prepared request to the device, reading its bytes now (`late`: it waited since
     /// it was posted; see [`Self::fetch`]).
     fn submit(&self, p: Prepared, late: bool) -> Result<(), i32> {
-        use std::sync::atomic::Ordering::Relaxed;
-        match p {
-            Prepared::Send {
-                wr_id,
-                dest,
-                src,
-                imm,
-            } => {
-                let Some(payload) = self.fetch(wr_id, src, late) else {
-                    return Ok(());
-                };
-                self.post_tracked(Pending::Send { wr_id }, |dev, key| {
-                    dev.post_send(SendWr {
-                        wr_id: key,
-                        dest,
-                        hdr: Bytes::new(),
-                        payload,
-                        imm,
-                    })
-                })
-            }
-            Prepared::Write {
-                wr_id,
-                dest,
-                src,
-                remote,
-                imm,
-            } => {
-                let Some(data) = self.fetch(wr_id, src, late) else {
-                    return Ok(());
-                };
-                self.nic.rdma_writes.fetch_add(1, Relaxed);
-                self.post_tracked(Pending::Send { wr_id }, |dev, key| {
-                    dev.post_write(key, dest, data, remote, imm)
-                })
-            }
-            Prepared::Read {
-                pending,
-                dest,
-                remote,
-                ..
-            } => {
-                self.nic.rdma_reads.fetch_add(1, Relaxed);
-                let len = remote.len as usize;
-                self.post_tracked(pending, |dev, key| {
-                    dev.post_read(key, dest, BytesMut::with_capacity(len), remote)
-                })
-            }
-        }
+        let mut list = DeviceList::default();
+        self.add_to_list(&mut list, 0, p, late)
+            .and_then(|()| self.post_list(&mut list))
+            .map_err(|(_, e)| e)
     }
 
     /// Posts a request that waited for the bandwidth cap (on the pacing thread); a refusal
