@@ -171,6 +171,14 @@ pub(crate) enum TryAccess<R> {
     OutOfRange,
 }
 
+/// Whether [`RegionMem::access`] waits for the bytes, or only tries them (registering the
+/// notifier, if any, to be signalled when they are released).
+#[derive(Clone, Copy)]
+enum Wait<'a> {
+    Block,
+    Try(Option<&'a Arc<Notifier>>),
+}
+
 impl RegionMem {
     /// A region's memory owning `buf` (its `len()` bytes), named from the address of its first
     /// byte. [`Domain::register`](crate::Domain::register) makes one for every region; devices
@@ -294,18 +302,14 @@ impl RegionMem {
     /// hold a guard on those bytes.
     pub fn write_at(&self, addr: u64, src: &[u8]) -> Result<()> {
         self.check_cpu("mr_remote_write")?;
-        let written = self.range(addr, src.len() as u64).is_some_and(|r| {
-            let mut g = self.write_range(r);
-            let done = g.len() == src.len();
-            if done {
-                g.copy_from_slice(src);
-            }
-            done
-        });
-        if written || src.is_empty() && self.range(addr, 0).is_some() && !self.is_closed() {
-            return Ok(());
+        let len = src.len() as u64;
+        match self.access(addr, len, true, Wait::Block, |held| {
+            held.bytes_mut().copy_from_slice(src);
+            TryAccess::Done(())
+        }) {
+            TryAccess::Done(()) => Ok(()),
+            _ => Err(self.out_of_range("mr_remote_write", addr, len)),
         }
-        Err(self.out_of_range("mr_remote_write", addr, src.len() as u64))
     }
 
     /// Replaces the contents of `out` with the `len` bytes at `addr`, blocking while a write guard
@@ -315,16 +319,14 @@ impl RegionMem {
     /// hold a write guard on those bytes.
     pub fn read_into(&self, addr: u64, len: u64, out: &mut BytesMut) -> Result<()> {
         self.check_cpu("mr_remote_read")?;
-        let Some(r) = self.range(addr, len) else {
-            return Err(self.out_of_range("mr_remote_read", addr, len));
-        };
-        let g = self.read_range(r);
-        if g.len() as u64 != len || len == 0 && self.is_closed() {
-            return Err(self.out_of_range("mr_remote_read", addr, len));
+        match self.access(addr, len, false, Wait::Block, |held| {
+            out.clear();
+            out.extend_from_slice(held.bytes());
+            TryAccess::Done(())
+        }) {
+            TryAccess::Done(()) => Ok(()),
+            _ => Err(self.out_of_range("mr_remote_read", addr, len)),
         }
-        out.clear();
-        out.extend_from_slice(&g);
-        Ok(())
     }
 
     /// Registers `w` to be signalled at the next release of the lock.
@@ -361,26 +363,31 @@ impl RegionMem {
         self.data.lock(range, write, false)
     }
 
-    /// What the non-blocking accesses share: takes the `len` bytes at `addr` (for writing when
-    /// `write`) without waiting, hands them to `access`, then releases them and wakes the
-    /// waiters. `OutOfRange` when the bytes are not all inside the region, `Busy` when a guard
-    /// or an access holds some of them (then `waiter` is signalled at its release).
+    /// What every access of a range shares: takes the `len` bytes at `addr` (for writing when
+    /// `write`), waiting for them or not (`wait`), hands them to `access`, then releases them
+    /// and wakes the waiters. `OutOfRange` when the bytes are not all inside the region or it
+    /// is closed, `Busy` (only without waiting) when a guard or an access holds some of them.
     #[inline]
-    fn try_access<T>(
+    fn access<T>(
         &self,
         addr: u64,
         len: u64,
         write: bool,
-        waiter: Option<&Arc<Notifier>>,
+        wait: Wait<'_>,
         access: impl FnOnce(&mut ranges::Held<'_>) -> TryAccess<T>,
     ) -> TryAccess<T> {
         let Some(r) = self.range(addr, len) else {
             return TryAccess::OutOfRange;
         };
-        let Some(mut held) = self.try_lock(r, write, waiter) else {
+        let held = match wait {
+            Wait::Block => self.data.lock(r, write, true),
+            Wait::Try(waiter) => self.try_lock(r, write, waiter),
+        };
+        let Some(mut held) = held else {
             return TryAccess::Busy;
         };
-        let out = if held.bytes().len() as u64 != len {
+        // (An empty range holds nothing: only the closed flag says the region is gone.)
+        let out = if held.bytes().len() as u64 != len || len == 0 && self.is_closed() {
             TryAccess::OutOfRange
         } else {
             access(&mut held)
@@ -402,18 +409,19 @@ impl RegionMem {
         waiter: Option<&Arc<Notifier>>,
         gate: impl FnOnce() -> Option<R>,
     ) -> TryAccess<Option<R>> {
-        self.try_access(addr, src.len() as u64, true, waiter, |held| {
-            if src.is_empty() && self.is_closed() {
-                return TryAccess::OutOfRange;
-            }
-            match gate() {
+        self.access(
+            addr,
+            src.len() as u64,
+            true,
+            Wait::Try(waiter),
+            |held| match gate() {
                 Some(v) => {
                     held.bytes_mut().copy_from_slice(src);
                     TryAccess::Done(Some(v))
                 }
                 None => TryAccess::Done(None),
-            }
-        })
+            },
+        )
     }
 
     /// Whether the `len` bytes at `addr` could be read now, without reading them: `Busy` while
@@ -426,13 +434,7 @@ impl RegionMem {
         len: u64,
         waiter: Option<&Arc<Notifier>>,
     ) -> TryAccess<()> {
-        self.try_access(addr, len, false, waiter, |_| {
-            if self.is_closed() {
-                TryAccess::OutOfRange
-            } else {
-                TryAccess::Done(())
-            }
-        })
+        self.access(addr, len, false, Wait::Try(waiter), |_| TryAccess::Done(()))
     }
 
     /// Non-blocking [`read_into`](RegionMem::read_into): `Busy` when a write guard or a write
@@ -445,10 +447,7 @@ impl RegionMem {
         out: &mut BytesMut,
         waiter: Option<&Arc<Notifier>>,
     ) -> TryAccess<()> {
-        self.try_access(addr, len, false, waiter, |held| {
-            if len == 0 && self.is_closed() {
-                return TryAccess::OutOfRange;
-            }
+        self.access(addr, len, false, Wait::Try(waiter), |held| {
             out.clear();
             out.extend_from_slice(held.bytes());
             TryAccess::Done(())
@@ -864,22 +863,16 @@ pub(crate) fn remote_atomic(
         .check_or_error(key, need, addr, len as u64, OP)?;
     mem.check_cpu(OP)?;
     crate::atomic::validate(op, datatype, len, operand, compare)?;
-    let Some(r) = mem.range(addr, len as u64) else {
-        return Err(mem.out_of_range(OP, addr, len as u64));
-    };
-    let Some(mut held) = mem.try_lock(r, true, None) else {
-        return Err(busy(OP));
-    };
-    let data = held.bytes_mut();
-    let out = if data.len() != len || len == 0 && mem.is_closed() {
-        Err(mem.out_of_range(OP, addr, len as u64))
-    } else {
+    let done = mem.access(addr, len as u64, true, Wait::Try(None), |held| {
+        let data = held.bytes_mut();
         let old = Bytes::copy_from_slice(data);
-        crate::atomic::apply(op, datatype, data, operand, compare).map(|()| old)
-    };
-    drop(held);
-    mem.wake_waiters();
-    out
+        TryAccess::Done(crate::atomic::apply(op, datatype, data, operand, compare).map(|()| old))
+    });
+    match done {
+        TryAccess::Done(r) => r,
+        TryAccess::Busy => Err(busy(OP)),
+        TryAccess::OutOfRange => Err(mem.out_of_range(OP, addr, len as u64)),
+    }
 }
 
 /// How many leading bytes `Debug` shows of a buffer.
