@@ -298,6 +298,22 @@ fn write_bytes(buf: &SendBuf, core: &RdmCore) -> Result<Bytes> {
     }
 }
 
+/// A region a read or a fetching atomic puts its result in: it grants `READ` and holds `len`
+/// bytes (`InvalidArgument` otherwise).
+fn result_region(
+    r: &MemoryRegion,
+    domain: &crate::domain::Domain,
+    len: usize,
+    op: &'static str,
+) -> Result<()> {
+    r.check_local(domain, Access::READ, op)?;
+    if r.len() < len {
+        return Err(Error::new(ErrorKind::InvalidArgument, op)
+            .with_detail(format!("region of {} bytes cannot hold {len}", r.len())));
+    }
+    Ok(())
+}
+
 /// The key and address peers can read a region by (it has `REMOTE_READ`), for the read-based
 /// protocols.
 fn readable(r: &MemoryRegion) -> Option<(u64, u64)> {
@@ -434,12 +450,7 @@ impl RdmCore {
                 (b, None)
             }
             ReadInto::Buf(RecvBuf::Region(r)) => {
-                if let Err(e) = r.check_local(&self.domain, Access::READ, "read") {
-                    return Err(refuse(e, Buffer::Region(r)));
-                }
-                if r.len() < len {
-                    let e = Error::new(ErrorKind::InvalidArgument, "read")
-                        .with_detail(format!("region of {} bytes cannot hold {len}", r.len()));
+                if let Err(e) = result_region(&r, &self.domain, len, "read") {
                     return Err(refuse(e, Buffer::Region(r)));
                 }
                 let target = super::buf::RecvTarget::Region {
@@ -559,20 +570,8 @@ impl RdmCore {
                 (Some(f), None)
             }
             Some(RecvBuf::Region(r)) => {
-                let checked = r
-                    .check_local(&self.domain, Access::READ, "fetch_atomic")
-                    .and_then(|()| r.check_cpu("fetch_atomic"))
-                    .and_then(|()| {
-                        if r.len() < n {
-                            Err(
-                                Error::new(ErrorKind::InvalidArgument, "fetch_atomic").with_detail(
-                                    format!("region of {} bytes cannot hold {n}", r.len()),
-                                ),
-                            )
-                        } else {
-                            Ok(())
-                        }
-                    });
+                let checked = result_region(&r, &self.domain, n, "fetch_atomic")
+                    .and_then(|()| r.check_cpu("fetch_atomic"));
                 if let Err(e) = checked {
                     return Err(refuse(e, Buffer::Region(r)));
                 }
