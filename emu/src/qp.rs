@@ -185,7 +185,7 @@ impl Prepared {
     }
 }
 
-/// `post_one`'s "too long" (completed with `LOCAL_ERROR_BAD_LENGTH`, not refused).
+/// `prepare`'s "too long" (completed with `LOCAL_ERROR_BAD_LENGTH`, not refused).
 const EBADLEN: i32 = -1;
 
 /// Requests of one post on their way to the device as lists, with the request index and the
@@ -422,23 +422,9 @@ impl QpCore {
             named.push(r.sges.clone());
             good.push(r.inline.is_some() || self.translate(&mut r.sges, write));
         }
-        if self.nic.pacer.is_some() {
-            // Under a bandwidth cap each request waits for its turn on its own.
-            for (i, ((r, ok), named)) in reqs.into_iter().zip(good).zip(named).enumerate() {
-                if !ok {
-                    self.complete_local(r.wr_id, Status::InvalidLkey);
-                    continue;
-                }
-                let wr_id = r.wr_id;
-                match self.post_one(r, named) {
-                    Err(e) if e == EBADLEN => self.complete_local(wr_id, Status::LocalBadLength),
-                    r => r.map_err(|e| (i, e))?,
-                }
-            }
-            return Ok(());
-        }
         // One doorbell, one list for the device: runs of sends, and of RDMA operations, each
-        // posted as one list (one system call on the udp device), in the order posted.
+        // posted as one list (one system call on the udp device), in the order posted; under a
+        // bandwidth cap, those the cap lets go now.
         let mut list = DeviceList::default();
         for (i, ((r, ok), named)) in reqs.into_iter().zip(good).zip(named).enumerate() {
             if !ok {
@@ -457,6 +443,9 @@ impl QpCore {
                     self.post_list(&mut list)?;
                     return Err((i, e));
                 }
+            };
+            let Some(p) = self.pace(p) else {
+                continue;
             };
             self.add_to_list(&mut list, i, p, false)?;
         }
@@ -567,24 +556,18 @@ impl QpCore {
         Err((keys.get(first).map_or(0, |&(i, _)| i), errno_of(&e)))
     }
 
-    /// Posts one checked request: at once, or, on a device with a bandwidth cap whose bucket
-    /// cannot pay its bytes now, later from the device's pacing thread, which reads its data
-    /// only then (as a NIC's DMA engine reads a send's buffers when it sends them).
-    fn post_one(self: &Arc<Self>, r: SendReq, named: Vec<ibv_sge>) -> Result<(), i32> {
-        let Some(p) = self.prepare(r, named)? else {
-            return Ok(());
+    /// A prepared request the device may be given now: on a device with a bandwidth cap whose
+    /// bucket cannot pay its bytes now, `None`: it waits for the device's pacing thread, which
+    /// reads its data only then (as a NIC's DMA engine reads a send's buffers when it sends
+    /// them) and posts it ([`Self::submit_paced`]).
+    fn pace(self: &Arc<Self>, p: Prepared) -> Option<Prepared> {
+        let Some(pacer) = &self.nic.pacer else {
+            return Some(p);
         };
-        let p = match &self.nic.pacer {
-            Some(pacer) => {
-                let owner = Arc::as_ptr(self) as usize;
-                match pacer.admit(p.bytes(), owner, (self.clone(), p)) {
-                    Some((_, p)) => p,
-                    None => return Ok(()),
-                }
-            }
-            None => p,
-        };
-        self.submit(p, false)
+        let owner = Arc::as_ptr(self) as usize;
+        pacer
+            .admit(p.bytes(), owner, (self.clone(), p))
+            .map(|(_, p)| p)
     }
 
     /// Turns a request into what the device is given: the bytes of a send or write, the
