@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
 
+pub(crate) mod copy;
 mod dmabuf;
 mod ranges;
 mod store;
@@ -304,7 +305,7 @@ impl RegionMem {
         self.check_cpu("mr_remote_write")?;
         let len = src.len() as u64;
         match self.access(addr, len, true, Wait::Block, |held| {
-            held.bytes_mut().copy_from_slice(src);
+            copy::copy(held.bytes_mut(), src);
             TryAccess::Done(())
         }) {
             TryAccess::Done(()) => Ok(()),
@@ -321,7 +322,7 @@ impl RegionMem {
         self.check_cpu("mr_remote_read")?;
         match self.access(addr, len, false, Wait::Block, |held| {
             out.clear();
-            out.extend_from_slice(held.bytes());
+            copy::extend(out, held.bytes());
             TryAccess::Done(())
         }) {
             TryAccess::Done(()) => Ok(()),
@@ -416,7 +417,7 @@ impl RegionMem {
             Wait::Try(waiter),
             |held| match gate() {
                 Some(v) => {
-                    held.bytes_mut().copy_from_slice(src);
+                    copy::copy(held.bytes_mut(), src);
                     TryAccess::Done(Some(v))
                 }
                 None => TryAccess::Done(None),
@@ -449,7 +450,7 @@ impl RegionMem {
     ) -> TryAccess<()> {
         self.access(addr, len, false, Wait::Try(waiter), |held| {
             out.clear();
-            out.extend_from_slice(held.bytes());
+            copy::extend(out, held.bytes());
             TryAccess::Done(())
         })
     }

@@ -805,7 +805,7 @@ pub(crate) trait RdmaOps: RdmaHost {
             stats::inc(&self.counters().malformed_dropped);
             return;
         }
-        buf[off..off + body.len()].copy_from_slice(body);
+        crate::mem::copy::copy(&mut buf[off..off + body.len()], body);
         *got += body.len();
         if *got >= *want {
             self.rdma_finish(tag);

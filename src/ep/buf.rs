@@ -219,7 +219,7 @@ impl RecvTarget {
                         .len()
                         .min(region.len() - offset)
                         .min(in_region.unwrap_or(usize::MAX));
-                    region.write()[offset..offset + n].copy_from_slice(&down[..n]);
+                    crate::mem::copy::copy(&mut region.write()[offset..offset + n], &down[..n]);
                 }
                 Buffer::Region(region)
             }
@@ -235,12 +235,12 @@ impl RecvTarget {
                             RecvBuf::Bytes(mut b) => {
                                 if filled {
                                     b.clear();
-                                    b.extend_from_slice(mine);
+                                    crate::mem::copy::extend(&mut b, mine);
                                 }
                                 Buffer::Recv(b)
                             }
                             RecvBuf::Region(mut r) => {
-                                r.write()[..n].copy_from_slice(mine);
+                                crate::mem::copy::copy(&mut r.write()[..n], mine);
                                 Buffer::Region(r)
                             }
                         }

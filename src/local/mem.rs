@@ -202,7 +202,7 @@ impl Channels for MemChannels {
         let st = self.own.st.lock();
         match st.slots.get(h.data_off).and_then(Option::as_ref) {
             Some(s) if n <= h.hdr.len as usize && n <= s.bytes.len() => {
-                buf.extend_from_slice(&s.bytes[..n]);
+                crate::mem::copy::extend(buf, &s.bytes[..n]);
                 true
             }
             _ => false,

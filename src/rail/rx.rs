@@ -173,7 +173,7 @@ impl State {
             Ctrl::Msg { data, .. } => {
                 buf.clear();
                 let n = data.len().min(cap);
-                buf.extend_from_slice(&data[..n]);
+                crate::mem::copy::extend(&mut buf, &data[..n]);
                 let result = truncated(data.len(), cap);
                 let done = recv_done(peer, context, n, result, buf);
                 self.peers[peer].rx.active.push_back(Entry::Done(done));

@@ -129,9 +129,7 @@ impl Mapping {
         // SAFETY: the destination range lies inside the mapping (checked), the source is a
         // valid slice in private memory, so the two cannot overlap. Concurrent writers in other
         // processes can only make the bytes garbage, which every reader validates.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len());
-        }
+        unsafe { copy_out(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) };
         true
     }
 
@@ -143,9 +141,7 @@ impl Mapping {
         };
         // SAFETY: the source range lies inside the mapping (checked); the destination is a
         // private slice of exactly that length, which cannot overlap the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len());
-        }
+        unsafe { copy_out(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) };
         true
     }
 
@@ -164,7 +160,7 @@ impl Mapping {
         // overlap the mapping. After the copy those `n` bytes are initialised, so extending the
         // length by `n` is sound.
         unsafe {
-            std::ptr::copy_nonoverlapping(
+            copy_out(
                 self.ptr.as_ptr().add(off),
                 spare.as_mut_ptr().cast::<u8>(),
                 n,
@@ -172,6 +168,23 @@ impl Mapping {
             buf.set_len(buf.len() + n);
         }
         true
+    }
+}
+
+/// Copies `n` bytes from `src` to `dst` (in pieces where one copy would alias, see
+/// [`crate::mem::copy`]) without making a slice of the mapping, which other processes may
+/// write.
+///
+/// # Safety
+/// `src..src + n` must be readable and `dst..dst + n` writable, and the two must not overlap.
+unsafe fn copy_out(src: *const u8, dst: *mut u8, n: usize) {
+    let step = crate::mem::copy::piece_len(dst, src, n);
+    let mut at = 0;
+    while at < n {
+        let k = step.min(n - at);
+        // SAFETY: `at + k <= n`, inside both ranges the caller vouches for.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), k) };
+        at += k;
     }
 }
 

@@ -107,7 +107,7 @@ pub fn deliver(buf: &mut BytesMut, data: &[u8]) -> Status {
         buf.extend_from_slice(data.get(..cap).unwrap_or_default());
         Status::LocalBadLength
     } else {
-        buf.extend_from_slice(data);
+        crate::mem::copy::extend(buf, data);
         Status::Success
     }
 }

@@ -541,7 +541,7 @@ impl Ctx {
             buf.extend_from_slice(data.get(..cap).unwrap_or_default());
             (Status::LocalBadLength, Delivery::BadLength)
         } else {
-            buf.extend_from_slice(data);
+            crate::mem::copy::extend(&mut buf, data);
             stats::inc(&self.out.counters.rx_pkts);
             stats::add(&self.out.counters.rx_bytes, data.len() as u64);
             (Status::Success, Delivery::Ok)

@@ -657,7 +657,7 @@ impl Ema {
                 .drop_pkt("READRSP from another peer, of the wrong length or repeated");
         }
         if let Some(dst) = b.get_mut(..data.len()) {
-            dst.copy_from_slice(data);
+            crate::mem::copy::copy(dst, data);
         }
         op.waiting = 0;
         self.maybe_done(recv_id, &mut cx.out);

@@ -302,16 +302,16 @@ fn place(sink: &mut Sink, off: usize, data: &[u8]) {
         if off > len {
             sink.buf.resize(off, 0);
         }
-        sink.buf.extend_from_slice(data);
+        crate::mem::copy::extend(&mut sink.buf, data);
         return;
     }
     // Filling a gap (maybe running past the end).
     let inside = n.min(len - off);
     if let (Some(dst), Some(src)) = (sink.buf.get_mut(off..off + inside), data.get(..inside)) {
-        dst.copy_from_slice(src);
+        crate::mem::copy::copy(dst, src);
     }
     if let Some(rest) = data.get(inside..) {
-        sink.buf.extend_from_slice(rest);
+        crate::mem::copy::extend(&mut sink.buf, rest);
     }
 }
 

@@ -289,7 +289,7 @@ impl Ema {
             return cx.out.drop_pkt("duplicate read data");
         }
         if let Some(dst) = buf.get_mut(off as usize..end as usize) {
-            dst.copy_from_slice(data);
+            crate::mem::copy::copy(dst, data);
         }
         c.done += data.len();
         let (done, window_end, len) = (c.done, c.window_end, op.len);
