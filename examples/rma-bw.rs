@@ -56,6 +56,12 @@ struct Args {
     /// Print the endpoint's and the device's counters at the end (retransmissions, RNR, ...).
     #[arg(short = 'v')]
     verbose: bool,
+    /// Writes: cycle the source and the target of the writes through this many bytes (the
+    /// largest multiple of the size at most this), write `k` going from and to offset
+    /// `k * size mod span`, instead of one buffer that stays in the cache. With 256m this moves
+    /// data between memory as large as `examples/kv-transfer`'s, one write at a time.
+    #[arg(long, value_parser = parse_size)]
+    span: Option<usize>,
     #[command(flatten)]
     conn: Conn,
 }
@@ -70,6 +76,20 @@ struct Plan {
     iters: Option<usize>,
     window: usize,
     verify: bool,
+    /// See `Args::span`; 0: one buffer.
+    #[serde(default)]
+    span: usize,
+}
+
+impl Plan {
+    /// The slots the writes of `size` bytes cycle through (1: one buffer).
+    fn slots(&self, size: usize) -> usize {
+        if self.op == Op::Read {
+            1
+        } else {
+            (self.span / size).max(1)
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -123,12 +143,16 @@ fn plan_of(args: &Args) -> Res<Plan> {
     if sizes.contains(&0) {
         return Err("-S: sizes must be at least 1 byte".into());
     }
+    if args.span.is_some() && op == Op::Read {
+        return Err("--span: writes only".into());
+    }
     Ok(Plan {
         op,
         sizes,
         iters: args.iters,
         window: args.window,
         verify: args.verify,
+        span: args.span.unwrap_or(0),
     })
 }
 
@@ -152,7 +176,12 @@ fn session(args: &Args, side: Side) -> Res<()> {
             serde_json::from_str(&line).map_err(|e| format!("plan: {e}"))?
         }
     };
-    let max = plan.sizes.iter().copied().max().unwrap_or(1);
+    let max = plan
+        .sizes
+        .iter()
+        .map(|&n| n * plan.slots(n))
+        .max()
+        .unwrap_or(1);
     let RdmPeer {
         domain,
         cq,
@@ -187,8 +216,12 @@ fn session(args: &Args, side: Side) -> Res<()> {
                     t.await_done()?;
                 }
                 if plan.verify && plan.op != Op::Read {
-                    check_pattern(&region.read()[..size], size as u64)
-                        .map_err(|e| format!("written data, {size} bytes: {e}"))?;
+                    let slots = plan.slots(size).min(iters);
+                    for (k, slot) in region.read()[..slots * size].chunks(size).enumerate() {
+                        check_pattern(slot, size as u64).map_err(|e| {
+                            format!("written data, {size} bytes at offset {}: {e}", k * size)
+                        })?;
+                    }
                 }
                 oob.sync().map_err(|e| e.to_string())?;
             }
@@ -216,8 +249,11 @@ fn session(args: &Args, side: Side) -> Res<()> {
             }
             for &size in &plan.sizes {
                 let iters = iters_for(&plan, size);
-                let mut msg = vec![0u8; size];
-                fill_pattern(&mut msg, size as u64);
+                let slots = plan.slots(size);
+                let mut msg = vec![0u8; size * slots];
+                for slot in msg.chunks_mut(size) {
+                    fill_pattern(slot, size as u64);
+                }
                 let msg = Bytes::from(msg);
                 let mut spare: Vec<BytesMut> = Vec::new();
                 oob.sync().map_err(|e| e.to_string())?;
@@ -226,11 +262,11 @@ fn session(args: &Args, side: Side) -> Res<()> {
                 let mut completed = 0;
                 while completed < iters {
                     while posted < iters && posted - completed < plan.window {
+                        let at = (posted % slots) * size;
+                        let (src, to) = (msg.slice(at..at + size), rk.at(at as u64));
                         let posted_ok = match plan.op {
-                            Op::Write => t.ep.write(peer, msg.clone(), rk.start(), 0),
-                            Op::WriteData => {
-                                t.ep.write_data(peer, msg.clone(), rk.start(), posted as u32, 0)
-                            }
+                            Op::Write => t.ep.write(peer, src, to, 0),
+                            Op::WriteData => t.ep.write_data(peer, src, to, posted as u32, 0),
                             Op::Read => {
                                 let buf = spare.pop().unwrap_or_default();
                                 t.ep.read(peer, buf, size, rk.start(), 0)

@@ -6,9 +6,15 @@
 # (FI_EFA_ENABLE_SHM_TRANSFER=0) and on the default same-host setup (=1); and write_batch
 # against one write per call (examples/batch, 64 B, batches of 32, udp). Prints each round, the
 # medians and the ratios with their goals (kv/rma-bw >= 0.9, batch >= 2x), and whether every
-# kv-transfer run registered nothing after start-up. Nothing else should run meanwhile.
+# kv-transfer run registered nothing after start-up. Nothing else should run meanwhile (or run
+# the script under `chrt -r 50`, which its programs inherit, and call the figures RT).
 #
-#   scripts/compare-kv.sh [-r ROUNDS] [-I KV_ROUNDS] [-p udp|shm|local] [-1]
+# A second reference, without a goal, says how much of a shortfall is memory rather than the
+# API: rma-bw with --span 256m cycles its writes through 256 MiB of source and target (as
+# kv-transfer's pages are), one write at a time, instead of one 64 KiB buffer that stays in the
+# cache.
+#
+#   scripts/compare-kv.sh [-r ROUNDS] [-I KV_ROUNDS] [-1]
 #
 # -r: alternated rounds (default 3, at least 3 for a ratio). -I: kv-transfer rounds of the whole
 # region per run (default 8: 2 GiB of 256 MiB). -1: also one process (both ends in one).
@@ -74,9 +80,11 @@ for r in $(seq "$rounds"); do
         for shm in 0 1; do
             k=$(kv_mbs $run $shm kv-transfer -p udp -I "$kv_iters")
             m=$(rma_mbs $run $shm rma-bw -p udp -o write -S 64k -W 64 -I 30000)
+            w=$(rma_mbs $run $shm rma-bw -p udp -o write -S 64k -W 64 -I 30000 --span 256m)
             echo "${k:-nan}" >>"$tmp/kv-$mode-$shm"
             echo "${m:-nan}" >>"$tmp/rma-$mode-$shm"
-            echo "round $r $mode process(es), shm transfer $shm: kv-transfer ${k:-?} MB/s, rma-bw ${m:-?} MB/s"
+            echo "${w:-nan}" >>"$tmp/span-$mode-$shm"
+            echo "round $r $mode process(es), shm transfer $shm: kv-transfer ${k:-?} MB/s, rma-bw ${m:-?} MB/s, rma-bw --span 256m ${w:-?} MB/s"
         done
     done
     read -r b1 b32 < <(ops two 0 batch -p udp -o write -S 64 -b 32 -I 200000)
@@ -94,6 +102,8 @@ for mode in "${modes[@]}"; do
         path=udp; if [ "$shm" = 1 ]; then path=same-host; fi
         k=$(median <"$tmp/kv-$mode-$shm"); m=$(median <"$tmp/rma-$mode-$shm"); q=$(ratio "$k" "$m")
         printf "%-34s %12s %12s %8s %6s %s\n" "kv/rma-bw MB/s, $mode proc, $path" "$k" "$m" "$q" 0.9 "$(verdict "$q" 0.9)"
+        w=$(median <"$tmp/span-$mode-$shm"); q=$(ratio "$k" "$w")
+        printf "%-34s %12s %12s %8s %6s %s\n" "kv/rma-bw --span 256m, $mode, $path" "$k" "$w" "$q" - "(same memory; no goal)"
     done
 done
 b1=$(median <"$tmp/b1"); b32=$(median <"$tmp/b32"); q=$(ratio "$b32" "$b1")
