@@ -601,7 +601,7 @@ impl Ema {
         match write_range(mem, &t.rma, off, data) {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
-                self.cts_memory_gone(tid, cx);
+                self.cts_refuse(tid, Status::RemoteBadAddress, cx);
                 return Ok(());
             }
             Ok(()) => {}
@@ -657,7 +657,7 @@ impl Ema {
         let data = match read_range(mem, &t.rma, from, to) {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
-                self.cts_memory_gone(tid, cx);
+                self.cts_refuse(tid, Status::RemoteBadAddress, cx);
                 return Ok(());
             }
             Ok(d) => d,
@@ -705,26 +705,22 @@ impl Ema {
         Ok(())
     }
 
-    /// The memory of target `tid` went away (or changed) since its request was checked: the
-    /// target is forgotten, counted as failed, and its initiator refused (`RemoteBadAddress`).
-    fn cts_memory_gone(&mut self, tid: u32, cx: &mut Cx) {
+    /// Refuses target `tid` (its memory went away or changed since its request was checked,
+    /// or the memory refused the work): it is forgotten, counted as failed, and its initiator
+    /// gets a PEER_ERROR with `status`.
+    pub(super) fn cts_refuse(&mut self, tid: u32, status: Status, cx: &mut Cx) {
         let Some(t) = self.tgt.remove(&tid) else {
             return;
         };
         cx.counts
             .count(matches!(t.kind, TgtKind::Write { .. }), false);
-        refuse_op(t.pid, t.kind.initiator_id(), Status::RemoteBadAddress, cx);
+        refuse_op(t.pid, t.kind.initiator_id(), status, cx);
     }
 
     /// Forgets the long-CTS work of `pid` (every peer's when `None`) it serves.
     pub(super) fn cts_forget(&mut self, pid: Option<u64>) {
         self.tgt.retain(|_, t| pid.is_some_and(|p| t.pid != p));
         self.blocked.retain(|(p, _)| pid.is_some_and(|x| *p != x));
-    }
-
-    /// The target id a work item belongs to, and the initiator's id to refuse.
-    pub(super) fn cts_work_ids(&self, tid: u32) -> Option<(u64, u32)> {
-        self.tgt.get(&tid).map(|t| (t.pid, t.kind.initiator_id()))
     }
 }
 
