@@ -5,7 +5,7 @@ use super::*;
 
 impl RdmCore {
     pub(super) fn resolve_src(&self, from: Option<PeerId>) -> Result<Option<RawAddr>> {
-        from.map(|p| self.av.lookup(p)).transpose()
+        from.map(|p| self.parts.av.lookup(p)).transpose()
     }
 
     /// Posts a send of `buf` (the gathered bytes of `iov` when it is given: the completion
@@ -61,8 +61,8 @@ impl RdmCore {
             if let Some(p) = l.route(&mut st.engine, &dest) {
                 if l.inject(p, o.tag, o.data, data) {
                     // In the peer's ring: done, and no event follows to count it by.
-                    if self.counters.hit(CntrKind::Send, true) {
-                        self.counters.signal();
+                    if self.parts.counters.hit(CntrKind::Send, true) {
+                        self.parts.counters.signal();
                     }
                     return Ok(());
                 }
@@ -87,11 +87,11 @@ impl RdmCore {
 
     /// A peer's address, through the one-entry cache of the last destination.
     pub(super) fn dest(&self, cache: &mut DestCache, peer: PeerId) -> Result<RawAddr> {
-        let generation = self.av.generation();
+        let generation = self.parts.av.generation();
         match cache.0 {
             Some((p, g, a)) if p == peer && g == generation => Ok(a),
             _ => {
-                let a = self.av.lookup(peer)?;
+                let a = self.parts.av.lookup(peer)?;
                 cache.0 = Some((peer, generation, a));
                 Ok(a)
             }
