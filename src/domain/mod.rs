@@ -147,7 +147,7 @@ impl Domain {
         len: usize,
         access: Access,
     ) -> Result<MemoryRegion> {
-        MemoryRegion::register_dmabuf(self, fd, offset, len, access)
+        MemoryRegion::register_dmabuf(self, fd, offset, len, access, false)
     }
 
     /// Registers `len` bytes at `offset` of the dmabuf `fd` **device-only**: with the NIC, which
@@ -212,7 +212,7 @@ impl Domain {
         len: usize,
         access: Access,
     ) -> Result<MemoryRegion> {
-        MemoryRegion::register_dmabuf_device_only(self, fd, offset, len, access)
+        MemoryRegion::register_dmabuf(self, fd, offset, len, access, true)
     }
 
     /// Checks a remote access (`key`, `addr`, `len`, needed `access`) against this domain's live

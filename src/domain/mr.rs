@@ -192,35 +192,30 @@ impl MemoryRegion {
         Arc::ptr_eq(&self.reg.mem, &other.reg.mem)
     }
 
-    /// Registers a region over the dmabuf range ([`RegionMem::dmabuf`]).
+    /// Registers a region over the dmabuf range: mapped for the CPU ([`RegionMem::dmabuf`]),
+    /// or with `device_only` never mapped ([`RegionMem::dmabuf_device_only`]) and registered
+    /// with the device's NIC, which alone reaches it.
     pub(crate) fn register_dmabuf(
         domain: &Domain,
         fd: std::os::fd::BorrowedFd<'_>,
         offset: u64,
         len: usize,
         access: Access,
+        device_only: bool,
     ) -> Result<MemoryRegion> {
         if access.is_empty() {
-            return Err(Error::new(ErrorKind::InvalidArgument, "register_dmabuf")
-                .with_detail("access flags are empty"));
-        }
-        MemoryRegion::register_mem(domain, RegionMem::dmabuf(fd, offset, len)?, access, None)
-    }
-
-    /// Registers a device-only region over the dmabuf range
-    /// ([`RegionMem::dmabuf_device_only`]) with the device's NIC, which alone reaches it.
-    pub(crate) fn register_dmabuf_device_only(
-        domain: &Domain,
-        fd: std::os::fd::BorrowedFd<'_>,
-        offset: u64,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion> {
-        const OP: &str = "register_dmabuf_device_only";
-        if access.is_empty() {
+            let op = if device_only {
+                "register_dmabuf_device_only"
+            } else {
+                "register_dmabuf"
+            };
             return Err(
-                Error::new(ErrorKind::InvalidArgument, OP).with_detail("access flags are empty")
+                Error::new(ErrorKind::InvalidArgument, op).with_detail("access flags are empty")
             );
+        }
+        if !device_only {
+            let mem = RegionMem::dmabuf(fd, offset, len)?;
+            return MemoryRegion::register_mem(domain, mem, access, None);
         }
         let mem = RegionMem::dmabuf_device_only(fd, offset, len)?;
         let key = domain.device().register_device_mem(&mem, access)?;

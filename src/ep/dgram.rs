@@ -10,8 +10,8 @@ use slab::Slab;
 use super::buf::RecvTarget;
 use super::{Dgram, Endpoint, EndpointBuilder};
 use crate::addr::RawAddr;
-use crate::av::{AddressVector, PeerId};
-use crate::cntr::{Bound, Kind as CntrKind};
+use crate::av::PeerId;
+use crate::cntr::Kind as CntrKind;
 use crate::cq::{
     Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, PostError,
     ProgressSource, RecvBuf, SendBuf,
@@ -67,10 +67,7 @@ impl EndpointBuilder<Dgram> {
         tracing::debug!(%addr, send_depth, recv_depth, "dgram_ep_open");
         let core = Arc::new(DgramCore {
             domain: self.domain.clone(),
-            av: parts.av.clone(),
-            tx_cq: parts.tx_cq.clone(),
-            rx_cq: parts.rx_cq.clone(),
-            counters: parts.counters.clone(),
+            parts,
             addr,
             mtu: attr.mtu,
             inject_size: attr.inline_size,
@@ -86,7 +83,7 @@ impl EndpointBuilder<Dgram> {
             send_depth,
             recv_depth,
         });
-        parts.bind(Arc::downgrade(&core) as _);
+        core.parts.bind(Arc::downgrade(&core) as _);
         Ok(Endpoint::from_core(core))
     }
 }
@@ -117,11 +114,8 @@ struct State {
 /// Shared state of a DGRAM endpoint.
 pub struct DgramCore {
     domain: Domain,
-    av: AddressVector,
-    tx_cq: CompletionQueue,
-    rx_cq: CompletionQueue,
-    /// The counters bound (sends and receives).
-    counters: Bound,
+    /// The completion queues, address vector and counters (sends and receives) it is bound to.
+    parts: super::Parts,
     addr: RawAddr,
     mtu: usize,
     /// Largest inject (`tx_attr.inject_size`: the device's inline size).
@@ -284,7 +278,7 @@ impl DgramCore {
         buf: Buffer,
         op: &'static str,
     ) -> Result<(), (Error, Buffer)> {
-        let dest = match self.av.lookup(peer) {
+        let dest = match self.parts.av.lookup(peer) {
             Ok(a) => a,
             Err(e) => return Err((e, buf)),
         };
@@ -380,14 +374,14 @@ impl DgramCore {
         match op {
             Op::Send { context, buf, len } => {
                 st.sends -= 1;
-                self.counters.hit(CntrKind::Send, c.status.is_ok());
+                self.parts.counters.hit(CntrKind::Send, c.status.is_ok());
                 let flags = CompletionFlags::SEND | CompletionFlags::MSG;
                 if c.status.is_ok() {
                     stats::inc(&self.stats.tx_msgs);
                     stats::add(&self.stats.tx_bytes, len as u64);
                     // An inject completes silently.
                     let Some(context) = context else { return };
-                    self.tx_cq.push(Completion {
+                    self.parts.tx_cq.push(Completion {
                         context,
                         flags,
                         len,
@@ -399,7 +393,7 @@ impl DgramCore {
                     });
                 } else {
                     self.push_error(
-                        &self.tx_cq,
+                        &self.parts.tx_cq,
                         context.unwrap_or(0),
                         flags,
                         c.status,
@@ -413,7 +407,7 @@ impl DgramCore {
             }
             Op::Recv { context, target } => {
                 st.recvs -= 1;
-                self.counters.hit(CntrKind::Recv, c.status.is_ok());
+                self.parts.counters.hit(CntrKind::Recv, c.status.is_ok());
                 self.complete_recv(c, context, target)
             }
         }
@@ -421,7 +415,9 @@ impl DgramCore {
 
     fn complete_recv(&self, c: DeviceCompletion, context: u64, target: RecvTarget) {
         let mut flags = CompletionFlags::RECV | CompletionFlags::MSG;
-        let source = c.src.and_then(|s| self.av.reverse_lookup(s.gid, s.qpn));
+        let source = c
+            .src
+            .and_then(|s| self.parts.av.reverse_lookup(s.gid, s.qpn));
         let device_buf = c.buf.unwrap_or_default();
         let room = device_buf.capacity();
         let prefix = target.prefix();
@@ -434,7 +430,7 @@ impl DgramCore {
                 stats::inc(&self.stats.rx_msgs);
                 stats::add(&self.stats.rx_bytes, c.byte_len as u64);
                 let len = c.byte_len + prefix;
-                self.rx_cq.push(Completion {
+                self.parts.rx_cq.push(Completion {
                     context,
                     flags,
                     len,
@@ -449,7 +445,7 @@ impl DgramCore {
                 stats::inc(&self.stats.truncated);
                 stats::inc(&self.stats.errors);
                 let olen = c.byte_len.saturating_sub(room);
-                self.rx_cq.push_err(CompletionError {
+                self.parts.rx_cq.push_err(CompletionError {
                     context,
                     flags,
                     error: Error::new(ErrorKind::Truncated, "recv").with_detail(format!(
@@ -464,7 +460,17 @@ impl DgramCore {
                     buf,
                 });
             }
-            s => self.push_error(&self.rx_cq, context, flags, s, 0, 0, c.imm, buf, "recv"),
+            s => self.push_error(
+                &self.parts.rx_cq,
+                context,
+                flags,
+                s,
+                0,
+                0,
+                c.imm,
+                buf,
+                "recv",
+            ),
         }
     }
 
@@ -504,7 +510,12 @@ impl DgramCore {
     fn progress_locked(&self, st: &mut State) -> usize {
         let mut total = 0;
         loop {
-            let room = self.tx_cq.room().min(self.rx_cq.room()).min(POLL_BATCH);
+            let room = self
+                .parts
+                .tx_cq
+                .room()
+                .min(self.parts.rx_cq.room())
+                .min(POLL_BATCH);
             if room == 0 {
                 break;
             }
@@ -515,7 +526,7 @@ impl DgramCore {
             }
             st.scratch = batch;
             if n > 0 {
-                self.counters.signal();
+                self.parts.counters.signal();
             }
             total += n;
             if n < room {
@@ -563,10 +574,10 @@ impl Drop for DgramCore {
                 Op::Send { .. } => CntrKind::Send,
                 Op::Recv { .. } => CntrKind::Recv,
             };
-            self.counters.hit(kind, false);
+            self.parts.counters.hit(kind, false);
             let (cq, context, flags, buf) = match op {
                 Op::Send { context, buf, .. } => (
-                    &self.tx_cq,
+                    &self.parts.tx_cq,
                     context.unwrap_or(0),
                     CompletionFlags::SEND | CompletionFlags::MSG,
                     buf,
@@ -574,7 +585,7 @@ impl Drop for DgramCore {
                 Op::Recv { context, target } => {
                     let buf = target.abandon();
                     (
-                        &self.rx_cq,
+                        &self.parts.rx_cq,
                         context,
                         CompletionFlags::RECV | CompletionFlags::MSG,
                         buf,
@@ -593,9 +604,9 @@ impl Drop for DgramCore {
                 "ep_close",
             );
         }
-        self.tx_cq.signal();
-        self.rx_cq.signal();
-        self.counters.signal();
+        self.parts.tx_cq.signal();
+        self.parts.rx_cq.signal();
+        self.parts.counters.signal();
         tracing::debug!(addr = %self.addr, "dgram_ep_close");
     }
 }

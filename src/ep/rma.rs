@@ -356,7 +356,7 @@ impl RdmCore {
             Some(v) => Buffer::Iov(v),
             None => buf.into_buffer(),
         };
-        let dest = match self.av.lookup(peer) {
+        let dest = match self.parts.av.lookup(peer) {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, give(buf, iov))),
         };
@@ -436,7 +436,7 @@ impl RdmCore {
         from: RmaAddr,
         sink: Sink,
     ) -> Result<PreparedRma, PostError> {
-        let dest = match self.av.lookup(peer) {
+        let dest = match self.parts.av.lookup(peer) {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, into.into_buffer())),
         };
@@ -518,7 +518,7 @@ impl RdmCore {
             Some(f) => f.into_buffer(),
             None => Buffer::Send(operand),
         };
-        let dest = match self.av.lookup(peer) {
+        let dest = match self.parts.av.lookup(peer) {
             Ok(a) => a,
             Err(e) => return Err(refuse(e, give_back(fetch, req.operand))),
         };
@@ -685,9 +685,10 @@ impl RdmCore {
     /// The target-side completion of a peer's write with immediate data.
     pub(super) fn remote_write_completion(&self, w: RemoteWriteDone) -> Completion {
         let source = self
+            .parts
             .av
             .find(&w.src)
-            .or_else(|| self.av.reverse_lookup(w.src.gid, w.src.qpn));
+            .or_else(|| self.parts.av.reverse_lookup(w.src.gid, w.src.qpn));
         Completion {
             context: 0,
             flags: CompletionFlags::RMA

@@ -335,24 +335,17 @@ impl Engine {
                 // our HANDSHAKE (below).
             }
             Packet::Handshake(h) => self.handle_handshake(now, pid, &h),
+            // A CTS with READ_REQ is for a read the emulation serves; without, the id says whose
+            // write it is (one id space: `TxSide::alloc_id`).
             Packet::Cts {
                 send_id,
                 recv_id,
                 recv_length,
-                read_req: true,
+                read_req,
                 ..
-            } => p
-                .ema
-                .cts_read(now, pid, send_id, recv_id, recv_length, p.cx),
-            // The id says whose it is (one id space: `TxSide::alloc_id`).
-            Packet::Cts {
-                send_id,
-                recv_id,
-                recv_length,
-                ..
-            } if p.ema.owns_send_id(send_id) => {
+            } if read_req || p.ema.owns_send_id(send_id) => {
                 p.ema
-                    .cts_write(now, pid, send_id, recv_id, recv_length, p.cx)
+                    .cts(now, pid, send_id, recv_id, recv_length, read_req, p.cx)
             }
             Packet::Cts {
                 send_id,

@@ -113,10 +113,7 @@ impl EndpointBuilder<Rdm> {
         let region_write = use_rdma && qp.region_rdma_write();
         let core = Arc::new(RdmCore {
             domain: self.domain.clone(),
-            av: parts.av.clone(),
-            tx_cq: parts.tx_cq.clone(),
-            rx_cq: parts.rx_cq.clone(),
-            counters: parts.counters.clone(),
+            parts,
             addr,
             region_send_min: if use_rdma && attr.caps.rdma_read {
                 cfg.inter_min_read_message_size.max(1)
@@ -170,7 +167,7 @@ impl EndpointBuilder<Rdm> {
         if let Some(l) = core.state.lock().local.as_ref() {
             l.set_source(weak.clone());
         }
-        parts.bind(weak);
+        core.parts.bind(weak);
         if self.progress_thread {
             let w = Arc::downgrade(&core);
             let stop = core.stop.clone();

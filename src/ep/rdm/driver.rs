@@ -83,7 +83,10 @@ impl RdmCore {
             // Completions put into a queue (not handed to the polling thread): its waiters wake.
             let mut delivered = false;
             let mut events = false;
-            while st.engine.has_events() && self.tx_cq.room() > 0 && self.rx_cq.room() > 0 {
+            while st.engine.has_events()
+                && self.parts.tx_cq.room() > 0
+                && self.parts.rx_cq.room() > 0
+            {
                 let Some(ev) = st.engine.poll_event() else {
                     break;
                 };
@@ -91,7 +94,7 @@ impl RdmCore {
                 delivered |= self.deliver(&mut st.ops, &mut st.src_cache, ev, &mut direct);
             }
             if let Some(l) = st.local.as_mut() {
-                while l.has_events() && self.tx_cq.room() > 0 {
+                while l.has_events() && self.parts.tx_cq.room() > 0 {
                     let Some(ev) = l.pop_event() else {
                         break;
                     };
@@ -102,9 +105,9 @@ impl RdmCore {
             busy |= events;
             self.count_pass(st.engine.take_target_counts(), events);
             if delivered {
-                self.tx_cq.signal();
-                if !self.rx_cq.same(&self.tx_cq) {
-                    self.rx_cq.signal();
+                self.parts.tx_cq.signal();
+                if !self.parts.rx_cq.same(&self.parts.tx_cq) {
+                    self.parts.rx_cq.signal();
                 }
             }
             // One pass moves what is ready; another only when a batch limit left more behind
@@ -365,8 +368,8 @@ impl Drop for RdmCore {
             self.deliver(&mut ops, &mut cache, ev, &mut None);
         }
         self.count_pass(served, any);
-        self.tx_cq.signal();
-        self.rx_cq.signal();
+        self.parts.tx_cq.signal();
+        self.parts.rx_cq.signal();
         tracing::debug!(addr = %self.addr, "rdm_ep_close");
     }
 }

@@ -38,16 +38,16 @@ impl RdmCore {
         };
         match ev {
             Event::Send(s) => match self.send_completion(s, ctx, keep) {
-                Ok(c) => push_ok(&self.tx_cq, c, direct),
+                Ok(c) => push_ok(&self.parts.tx_cq, c, direct),
                 Err(e) => {
-                    self.tx_cq.push_err(e);
+                    self.parts.tx_cq.push_err(e);
                     true
                 }
             },
             Event::Recv(r) => match self.recv_completion(r, ctx, target, cache) {
-                Ok(c) => push_ok(&self.rx_cq, c, direct),
+                Ok(c) => push_ok(&self.parts.rx_cq, c, direct),
                 Err(e) => {
-                    self.rx_cq.push_err(e);
+                    self.parts.rx_cq.push_err(e);
                     true
                 }
             },
@@ -69,7 +69,7 @@ impl RdmCore {
             Event::Rma(r) => (r.context as usize, true),
             Event::RemoteWrite(w) => {
                 let c = self.remote_write_completion(*w);
-                self.rx_cq.push(c);
+                self.parts.rx_cq.push(c);
                 return true;
             }
         };
@@ -84,8 +84,8 @@ impl RdmCore {
                 self.count(&ev, None);
                 let Event::Recv(r) = ev else { return false };
                 match self.recv_completion(r, ctx, None, cache) {
-                    Ok(c) => self.rx_cq.push(c),
-                    Err(e) => self.rx_cq.push_err(e),
+                    Ok(c) => self.parts.rx_cq.push(c),
+                    Err(e) => self.parts.rx_cq.push_err(e),
                 }
                 return true;
             }
@@ -99,12 +99,12 @@ impl RdmCore {
             self.count(&ev, None);
             match ev {
                 Event::Send(s) => match self.send_completion(s, ctx, op.keep) {
-                    Ok(c) => self.tx_cq.push(c),
-                    Err(e) => self.tx_cq.push_err(e),
+                    Ok(c) => self.parts.tx_cq.push(c),
+                    Err(e) => self.parts.tx_cq.push_err(e),
                 },
                 Event::Recv(r) => match self.recv_completion(r, ctx, op.target, cache) {
-                    Ok(c) => self.rx_cq.push(c),
-                    Err(e) => self.rx_cq.push_err(e),
+                    Ok(c) => self.parts.rx_cq.push(c),
+                    Err(e) => self.parts.rx_cq.push_err(e),
                 },
                 _ => return false,
             }
@@ -149,7 +149,11 @@ impl RdmCore {
         };
         match sink {
             Sink::Cq(_) => {
-                let cq = if is_send { &self.tx_cq } else { &self.rx_cq };
+                let cq = if is_send {
+                    &self.parts.tx_cq
+                } else {
+                    &self.parts.rx_cq
+                };
                 match result {
                     Ok(c) => cq.push(c),
                     Err(e) => cq.push_err(e),
@@ -159,7 +163,7 @@ impl RdmCore {
             Sink::Inject => match result {
                 Ok(_) => false,
                 Err(e) => {
-                    self.tx_cq.push_err(e);
+                    self.parts.tx_cq.push_err(e);
                     true
                 }
             },
@@ -197,23 +201,25 @@ impl RdmCore {
             }
             Event::RemoteWrite(_) => return,
         };
-        self.counters.hit(kind, ok);
+        self.parts.counters.hit(kind, ok);
     }
 
     /// Counts peers' accesses the engine served since the last call, and wakes the waiters of
     /// the counters when anything was counted in this pass (`events`).
     pub(super) fn count_pass(&self, t: TargetCounts, events: bool) {
-        if self.counters.is_empty() {
+        if self.parts.counters.is_empty() {
             return;
         }
         if !t.is_empty() {
-            self.counters
+            self.parts
+                .counters
                 .hit_n(CntrKind::RemoteWrite, t.writes, t.write_errors);
-            self.counters
+            self.parts
+                .counters
                 .hit_n(CntrKind::RemoteRead, t.reads, t.read_errors);
         }
         if events {
-            self.counters.signal();
+            self.parts.counters.signal();
         }
     }
 
@@ -244,14 +250,15 @@ impl RdmCore {
             flags |= CompletionFlags::MULTI_RECV;
         }
         let source = r.src.and_then(|a| {
-            let generation = self.av.generation();
+            let generation = self.parts.av.generation();
             match cache.0 {
                 Some((addr, peer, g)) if addr == a && g == generation => peer,
                 _ => {
                     let peer = self
+                        .parts
                         .av
                         .find(&a)
-                        .or_else(|| self.av.reverse_lookup(a.gid, a.qpn));
+                        .or_else(|| self.parts.av.reverse_lookup(a.gid, a.qpn));
                     cache.0 = Some((a, peer, generation));
                     peer
                 }

@@ -18,8 +18,8 @@ use super::buf::RecvTarget;
 use super::pin::ProgressCpu;
 use super::{Endpoint, EndpointBuilder, Rdm};
 use crate::addr::RawAddr;
-use crate::av::{AddressVector, PeerId};
-use crate::cntr::{Bound, Kind as CntrKind};
+use crate::av::PeerId;
+use crate::cntr::Kind as CntrKind;
 use crate::cq::{
     Buffer, Completion, CompletionError, CompletionFlags, CompletionQueue, Direct, PostError,
     ProgressSource, RecvBuf, SendBuf,
@@ -256,11 +256,8 @@ pub(super) struct SrcCache(Option<(RawAddr, Option<PeerId>, u64)>);
 /// Shared state of an RDM endpoint.
 pub struct RdmCore {
     pub(super) domain: Domain,
-    pub(super) av: AddressVector,
-    tx_cq: CompletionQueue,
-    rx_cq: CompletionQueue,
-    /// The counters bound, by what they count.
-    counters: Bound,
+    /// The completion queues, address vector and counters (by what they count) it is bound to.
+    pub(super) parts: super::Parts,
     addr: RawAddr,
     /// Region sends of at least this many bytes (that peers may read) are not copied: the
     /// engine reads the bytes it must send from the region (`SendOp::region_len`). The

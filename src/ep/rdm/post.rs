@@ -5,7 +5,7 @@ use super::*;
 
 impl RdmCore {
     pub(super) fn resolve_src(&self, from: Option<PeerId>) -> Result<Option<RawAddr>> {
-        from.map(|p| self.av.lookup(p)).transpose()
+        from.map(|p| self.parts.av.lookup(p)).transpose()
     }
 
     /// Posts a send of `buf` (the gathered bytes of `iov` when it is given: the completion
@@ -61,8 +61,8 @@ impl RdmCore {
             if let Some(p) = l.route(&mut st.engine, &dest) {
                 if l.inject(p, o.tag, o.data, data) {
                     // In the peer's ring: done, and no event follows to count it by.
-                    if self.counters.hit(CntrKind::Send, true) {
-                        self.counters.signal();
+                    if self.parts.counters.hit(CntrKind::Send, true) {
+                        self.parts.counters.signal();
                     }
                     return Ok(());
                 }
@@ -87,11 +87,11 @@ impl RdmCore {
 
     /// A peer's address, through the one-entry cache of the last destination.
     pub(super) fn dest(&self, cache: &mut DestCache, peer: PeerId) -> Result<RawAddr> {
-        let generation = self.av.generation();
+        let generation = self.parts.av.generation();
         match cache.0 {
             Some((p, g, a)) if p == peer && g == generation => Ok(a),
             _ => {
-                let a = self.av.lookup(peer)?;
+                let a = self.parts.av.lookup(peer)?;
                 cache.0 = Some((peer, generation, a));
                 Ok(a)
             }
@@ -323,49 +323,14 @@ impl RdmCore {
             Ok(s) => s,
             Err(e) => return Err(refuse(e, buf.into_buffer())),
         };
-        if o.multi_recv.is_some() {
-            return self.post_multi_recv(buf, o, sink, src);
-        }
-        self.post_recv_checked(buf, o, sink, src)
-    }
-
-    /// The checks of a multi-receive buffer, then [`Self::post_recv_checked`].
-    #[inline(never)]
-    pub(super) fn post_multi_recv(
-        &self,
-        buf: RecvBuf,
-        o: RecvOptions,
-        sink: Sink,
-        src: Option<RawAddr>,
-    ) -> Result<(), PostError> {
-        let why = if o.tag.is_some() {
-            Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
-        } else if matches!(buf, RecvBuf::Region(_)) {
-            Some("a multi-receive buffer must be a BytesMut, not a memory region")
-        } else if matches!(sink, Sink::Future(_)) {
-            Some(
-                "a multi-receive buffer completes many times: post it with recv_with, not recv_async",
-            )
-        } else {
-            None
-        };
-        if let Some(why) = why {
+        if o.multi_recv.is_some()
+            && let Some(why) = multi_recv_refusal(&buf, &o, &sink)
+        {
             return Err(refuse(
                 Error::new(ErrorKind::InvalidArgument, "recv").with_detail(why),
                 buf.into_buffer(),
             ));
         }
-        self.post_recv_checked(buf, o, sink, src)
-    }
-
-    /// Posts a receive whose options passed their checks.
-    pub(super) fn post_recv_checked(
-        &self,
-        buf: RecvBuf,
-        o: RecvOptions,
-        sink: Sink,
-        src: Option<RawAddr>,
-    ) -> Result<(), PostError> {
         let (down, target) = RecvTarget::prepare(buf, &self.domain, 0, true, "recv")?;
         self.post_recv_target(down, target, o, sink, src)
     }
@@ -546,6 +511,22 @@ impl RdmCore {
             None => Buffer::Recv(op.buf),
         };
         refuse(e, b)
+    }
+}
+
+/// Why a multi-receive buffer `buf` posted with `o` into `sink` is refused (`None`: it is
+/// taken): it takes untagged messages only, into a `BytesMut`, and completes many times (no
+/// future). Kept out of line: the common receive path does not need it.
+#[inline(never)]
+fn multi_recv_refusal(buf: &RecvBuf, o: &RecvOptions, sink: &Sink) -> Option<&'static str> {
+    if o.tag.is_some() {
+        Some("multi-receive buffers take untagged messages only (FI_MULTI_RECV)")
+    } else if matches!(buf, RecvBuf::Region(_)) {
+        Some("a multi-receive buffer must be a BytesMut, not a memory region")
+    } else if matches!(sink, Sink::Future(_)) {
+        Some("a multi-receive buffer completes many times: post it with recv_with, not recv_async")
+    } else {
+        None
     }
 }
 

@@ -1065,13 +1065,9 @@ impl Ema {
             } => (*pid, *id),
             Work::Read { pid, recv_id, .. } => (*pid, *recv_id),
             Work::Atomic { pid, kind, .. } if !matches!(kind, RtaKind::Write) => (*pid, kind.id()),
-            Work::Place { tid, .. } | Work::Respond { tid } => match self.cts_work_ids(*tid) {
-                Some(ids) => {
-                    self.tgt.remove(tid);
-                    ids
-                }
-                None => return,
-            },
+            Work::Place { tid, .. } | Work::Respond { tid } => {
+                return self.cts_refuse(*tid, status, cx);
+            }
             _ => {
                 cx.counts.count(w.writes(), false);
                 return cx

@@ -8,7 +8,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::cx::Cx;
 use super::peer::Peer;
-use super::tx::cts_credit;
+use super::tx::grant_cts;
 use super::types::{Gone, Kind, LOCAL_PEER};
 use super::util::{IdMap, Out, RangeSet, SeqMap, Timer, next_free_id, sorted};
 use super::{Error, ErrorKind, Event, RecvDone, RecvOp};
@@ -783,25 +783,15 @@ impl RxSide {
 
     /// Grants the sender of long-CTS message `rid` its next window.
     pub(super) fn send_cts(&mut self, rid: u32, cx: &mut Cx) {
-        let credit = cts_credit(&cx.cfg);
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
         let Kind::LongCts { send_id } = e.kind else {
             return;
         };
-        let window = (e.msg_len - e.received).min(credit);
+        let window = grant_cts(cx, e.peer, send_id, rid, e.msg_len - e.received, false);
         e.window_start = e.received;
         e.window_end = e.received + window;
-        let pid = e.peer;
-        let cts = Packet::Cts {
-            connid: Some(cx.local.qkey),
-            send_id,
-            recv_id: rid,
-            recv_length: window as u64,
-            read_req: false,
-        };
-        cx.peers.queue_ctrl(pid, &cts);
     }
 
     /// A CTSDATA packet: data of a long-CTS message within the window granted.

@@ -655,6 +655,30 @@ pub(super) fn cts_credit(cfg: &EngineConfig) -> usize {
     cfg.tx_min_credits.max(1).saturating_mul(ctsdata_room(cfg))
 }
 
+/// Grants `pid` the next window of a long-CTS transfer: one CTS credit of the `left` bytes
+/// still to come at most, in a CTS naming the peer's `send_id` and our `recv_id` (`read_req`
+/// when a read's requester grants it). Returns the window's length.
+#[inline]
+pub(super) fn grant_cts(
+    cx: &mut Cx,
+    pid: u64,
+    send_id: u32,
+    recv_id: u32,
+    left: usize,
+    read_req: bool,
+) -> usize {
+    let window = left.min(cts_credit(&cx.cfg));
+    let cts = Packet::Cts {
+        connid: Some(cx.local.qkey),
+        send_id,
+        recv_id,
+        recv_length: window as u64,
+        read_req,
+    };
+    cx.peers.queue_ctrl(pid, &cts);
+    window
+}
+
 /// Appends to `pkts` the CTSDATA packets to `pid` carrying bytes `range` of a long-CTS
 /// transfer the peer knows as `recv_id`; a packet's payload is bytes `off - base ..` of its
 /// owner's buffer. Returns where the packets end (`range.end`, unless a header failed to

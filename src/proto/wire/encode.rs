@@ -116,6 +116,15 @@ impl<B: BufMut> W<'_, B> {
             self.u64(t);
         }
     }
+    /// The fields long-read and runting-read RTMs start with: `msg_id`, `msg_length`, `send_id`
+    /// and the `read_iov` count.
+    #[inline]
+    fn read_rtm(&mut self, msg_id: u32, msg_length: u64, send_id: u32, read_iov: IovList<'_>) {
+        self.u32(msg_id);
+        self.u64(msg_length);
+        self.u32(send_id);
+        self.u32(count(read_iov));
+    }
     /// A `u32` in an 8-byte slot (4 bytes of padding after it), when there is one.
     fn padded_u32(&mut self, v: Option<u32>) {
         if let Some(v) = v {
@@ -240,10 +249,7 @@ impl Packet<'_> {
                 tag,
                 read_iov,
             } => {
-                w.u32(msg_id);
-                w.u64(msg_length);
-                w.u32(send_id);
-                w.u32(count(read_iov));
+                w.read_rtm(msg_id, msg_length, send_id, read_iov);
                 w.tag(tag);
                 w.opt(opt);
                 w.iovs(read_iov);
@@ -258,10 +264,7 @@ impl Packet<'_> {
                 tag,
                 read_iov,
             } => {
-                w.u32(msg_id);
-                w.u64(msg_length);
-                w.u32(send_id);
-                w.u32(count(read_iov));
+                w.read_rtm(msg_id, msg_length, send_id, read_iov);
                 w.u64(seg_offset);
                 w.u64(runt_length);
                 w.tag(tag);
@@ -385,7 +388,13 @@ impl Packet<'_> {
                 w.u32(send_id);
                 w.u64(seg_length);
             }
+            // The same layout.
             Packet::Eor {
+                connid,
+                send_id,
+                recv_id,
+            }
+            | Packet::ReadNack {
                 connid,
                 send_id,
                 recv_id,
@@ -430,15 +439,6 @@ impl Packet<'_> {
             } => {
                 w.u32(send_id);
                 w.u32(msg_id);
-                w.u32(slot(connid));
-            }
-            Packet::ReadNack {
-                connid,
-                send_id,
-                recv_id,
-            } => {
-                w.u32(send_id);
-                w.u32(recv_id);
                 w.u32(slot(connid));
             }
             Packet::PeerError {

@@ -36,6 +36,30 @@ pub(super) enum DevOp {
 }
 
 impl DevOp {
+    /// Work requests `wrs` of this operation ended with `status` (completed by the device, or
+    /// withdrawn before it had them): a write counts them off `pending` and keeps the first
+    /// failure, a read takes their pieces back.
+    #[inline]
+    fn wrs_ended(&mut self, wrs: impl IntoIterator<Item = Wr>, status: Status) {
+        match self {
+            DevOp::Write { pending, error, .. } => {
+                let n = wrs.into_iter().count();
+                *pending = pending.saturating_sub(n);
+                if n > 0 && !status.is_ok() && error.is_none() {
+                    *error = Some(status);
+                }
+            }
+            DevOp::Read { pieces, .. } => {
+                for w in wrs {
+                    if let WrWhat::Read { piece, buf, .. } = w.what {
+                        pieces.put(piece, buf, status);
+                    }
+                }
+            }
+            DevOp::Waiting { .. } | DevOp::LongReadRtw { .. } => {}
+        }
+    }
+
     pub(super) fn peer(&self) -> u64 {
         match self {
             DevOp::Waiting { peer, .. }
@@ -403,27 +427,14 @@ impl ReadState {
         let Some(op) = self.ops.get_mut(&id) else {
             return;
         };
-        match op {
-            DevOp::Write {
-                pending,
-                held,
-                error,
-                ..
-            } => {
-                *pending = pending.saturating_sub(withdrawn.len());
-                if (held.take().is_some() || !withdrawn.is_empty()) && error.is_none() {
-                    *error = Some(status);
-                }
-            }
-            DevOp::Read { pieces, .. } => {
-                for w in withdrawn {
-                    if let WrWhat::Read { piece, buf, .. } = w.what {
-                        pieces.put(piece, buf, status);
-                    }
-                }
-            }
-            DevOp::Waiting { .. } | DevOp::LongReadRtw { .. } => {}
+        // A write's held last piece is withdrawn too.
+        if let DevOp::Write { held, error, .. } = op
+            && held.take().is_some()
+            && error.is_none()
+        {
+            *error = Some(status);
         }
+        op.wrs_ended(withdrawn, status);
     }
 
     /// A work request of device RMA operation `id` completed.
@@ -431,6 +442,7 @@ impl ReadState {
         let Some(op) = self.ops.get_mut(&id) else {
             return;
         };
+        op.wrs_ended([w], status);
         match op {
             DevOp::Write {
                 pending,
@@ -438,10 +450,6 @@ impl ReadState {
                 error,
                 ..
             } => {
-                *pending = pending.saturating_sub(1);
-                if !status.is_ok() && error.is_none() {
-                    *error = Some(status);
-                }
                 if *pending > 0 {
                     return;
                 }
@@ -454,9 +462,6 @@ impl ReadState {
                 }
             }
             DevOp::Read { pieces, .. } => {
-                if let WrWhat::Read { piece, buf, .. } = w.what {
-                    pieces.put(piece, buf, status);
-                }
                 if pieces.outstanding > 0 {
                     return;
                 }

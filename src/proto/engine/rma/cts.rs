@@ -23,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use super::super::cx::Cx;
 use super::super::read::write_range;
 use super::super::rx::RxSide;
-use super::super::tx::{cts_credit, cts_window_end, push_ctsdata};
+use super::super::tx::{cts_credit, cts_window_end, grant_cts, push_ctsdata};
 use super::super::types::{Owner, Pkt};
 use super::super::util::{Out, RangeSet, encode};
 use super::super::wr::{ReadIovs, carve};
@@ -98,6 +98,17 @@ enum TgtKind {
     Read {
         recv_id: u32,
     },
+}
+
+impl TgtKind {
+    /// The initiator's id of the operation (a write's `send_id`, a read's `recv_id`): what a
+    /// refusal names.
+    fn initiator_id(self) -> u32 {
+        match self {
+            TgtKind::Write { send_id, .. } => send_id,
+            TgtKind::Read { recv_id } => recv_id,
+        }
+    }
 }
 
 impl Ema {
@@ -225,50 +236,8 @@ impl Ema {
         Ok(())
     }
 
-    /// A CTS without READ_REQ for one of our long-CTS writes (`send_id` is an emulated
-    /// operation's): the next window.
-    pub(in crate::proto::engine) fn cts_write(
-        &mut self,
-        now: Instant,
-        pid: u64,
-        send_id: u32,
-        recv_id: u32,
-        recv_length: u64,
-        cx: &mut Cx,
-    ) {
-        let Some(op) = self.ops.get_mut(&send_id) else {
-            return cx
-                .out
-                .drop_pkt("CTS for an RMA operation of another peer or state");
-        };
-        let (Some(c), OpKind::Write) = (op.cts.as_deref_mut(), &op.kind) else {
-            return cx
-                .out
-                .drop_pkt("CTS for an RMA operation of another peer or state");
-        };
-        if op.pid != pid {
-            return cx
-                .out
-                .drop_pkt("CTS for an RMA operation of another peer or state");
-        }
-        if op.error.is_some() {
-            return cx.out.drop_pkt("CTS for a failed write");
-        }
-        let end = cts_window_end(c.done, recv_length, op.len).filter(|_| c.done == c.window_end);
-        let Some(end) = end else {
-            return cx
-                .out
-                .drop_pkt("CTS outside the write, or while a window is being sent");
-        };
-        c.window_end = end;
-        c.peer_id = Some(recv_id);
-        self.cts_send_window(now, pid, Side::Op(send_id), cx);
-    }
-
     /// Data of one of our long-CTS reads (READRSP or CTSDATA), at `off`.
     pub(super) fn cts_read_data(&mut self, pid: u64, id: u32, off: u64, data: &[u8], cx: &mut Cx) {
-        let credit = cts_credit(&cx.cfg);
-        let qkey = cx.local.qkey;
         let Some(op) = self.ops.get_mut(&id) else {
             return cx.out.drop_pkt("CTSDATA for no read");
         };
@@ -301,16 +270,7 @@ impl Ema {
             let Some(responder) = c.peer_id else {
                 return;
             };
-            let grant = (len - done).min(credit);
-            c.window_end += grant;
-            let cts = Packet::Cts {
-                connid: Some(qkey),
-                send_id: responder,
-                recv_id: id,
-                recv_length: grant as u64,
-                read_req: true,
-            };
-            cx.peers.queue_ctrl(pid, &cts);
+            c.window_end += grant_cts(cx, pid, responder, id, len - done, true);
         }
     }
 
@@ -405,27 +365,12 @@ impl Ema {
         else {
             return;
         };
-        let tid = self.recv_id(rx);
-        let mut got = RangeSet::default();
-        if !data.is_empty() {
-            got.insert(0, data.len() as u64);
-        }
-        self.tgt.insert(
-            tid,
-            Tgt {
-                pid,
-                rma,
-                total,
-                done: 0,
-                window_end: data.len(),
-                got,
-                kind: TgtKind::Write {
-                    send_id,
-                    dc,
-                    cq_data,
-                },
-            },
-        );
+        let kind = TgtKind::Write {
+            send_id,
+            dc,
+            cq_data,
+        };
+        let tid = self.serve(rx, pid, rma, total, data.len(), data.len(), kind);
         let data = Bytes::copy_from_slice(data);
         self.target(now, Work::Place { tid, off: 0, data }, cx);
     }
@@ -450,44 +395,77 @@ impl Ema {
         else {
             return;
         };
-        let tid = self.recv_id(rx);
-        self.tgt.insert(
-            tid,
-            Tgt {
-                pid,
-                rma,
-                total,
-                done: 0,
-                window_end: total.min(recv_length as usize),
-                got: RangeSet::default(),
-                kind: TgtKind::Read { recv_id },
-            },
+        let window_end = total.min(recv_length as usize);
+        let tid = self.serve(
+            rx,
+            pid,
+            rma,
+            total,
+            window_end,
+            0,
+            TgtKind::Read { recv_id },
         );
         self.cts_send_window(now, pid, Side::Tgt(tid), cx);
     }
 
-    /// A CTS with READ_REQ: the requester grants the next window of a read we serve.
-    pub(in crate::proto::engine) fn cts_read(
+    /// A CTS for the emulation. With READ_REQ (`read_req`) the requester grants the next window
+    /// of a read we serve; without, the target grants the next window of one of our long-CTS
+    /// writes (`send_id` is an emulated operation's).
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::proto::engine) fn cts(
         &mut self,
         now: Instant,
         pid: u64,
         send_id: u32,
         recv_id: u32,
         recv_length: u64,
+        read_req: bool,
         cx: &mut Cx,
     ) {
-        let Some(t) = self.tgt.get_mut(&send_id) else {
-            return cx.out.drop_pkt("CTS (read) for an unknown send_id");
+        let side = if read_req {
+            let Some(t) = self.tgt.get_mut(&send_id) else {
+                return cx.out.drop_pkt("CTS (read) for an unknown send_id");
+            };
+            let ok = t.pid == pid
+                && matches!(t.kind, TgtKind::Read { recv_id: r } if r == recv_id)
+                && t.done == t.window_end;
+            let end = cts_window_end(t.done, recv_length, t.total).filter(|_| ok);
+            let Some(end) = end else {
+                return cx.out.drop_pkt("CTS (read) that does not match its read");
+            };
+            t.window_end = end;
+            Side::Tgt(send_id)
+        } else {
+            let Some(op) = self.ops.get_mut(&send_id) else {
+                return cx
+                    .out
+                    .drop_pkt("CTS for an RMA operation of another peer or state");
+            };
+            let (Some(c), OpKind::Write) = (op.cts.as_deref_mut(), &op.kind) else {
+                return cx
+                    .out
+                    .drop_pkt("CTS for an RMA operation of another peer or state");
+            };
+            if op.pid != pid {
+                return cx
+                    .out
+                    .drop_pkt("CTS for an RMA operation of another peer or state");
+            }
+            if op.error.is_some() {
+                return cx.out.drop_pkt("CTS for a failed write");
+            }
+            let end =
+                cts_window_end(c.done, recv_length, op.len).filter(|_| c.done == c.window_end);
+            let Some(end) = end else {
+                return cx
+                    .out
+                    .drop_pkt("CTS outside the write, or while a window is being sent");
+            };
+            c.window_end = end;
+            c.peer_id = Some(recv_id);
+            Side::Op(send_id)
         };
-        let ok = t.pid == pid
-            && matches!(t.kind, TgtKind::Read { recv_id: r } if r == recv_id)
-            && t.done == t.window_end;
-        let end = cts_window_end(t.done, recv_length, t.total).filter(|_| ok);
-        let Some(end) = end else {
-            return cx.out.drop_pkt("CTS (read) that does not match its read");
-        };
-        t.window_end = end;
-        self.cts_send_window(now, pid, Side::Tgt(send_id), cx);
+        self.cts_send_window(now, pid, side, cx);
     }
 
     /// CTSDATA of a long-CTS write we serve or of one of our long-CTS reads (`recv_id` is an
@@ -523,6 +501,38 @@ impl Ema {
         }
         cx.out
             .drop_pkt("CTSDATA for an RMA operation of another peer or state")
+    }
+
+    /// Starts serving a peer's long-CTS request: a target under a fresh id ([`Self::recv_id`],
+    /// returned) for the ranges `rma` of `total` bytes, with the windows granted up to
+    /// `window_end`, of which bytes `..received` arrived already (a write's REQ carries them).
+    #[allow(clippy::too_many_arguments)]
+    fn serve(
+        &mut self,
+        rx: &mut RxSide,
+        pid: u64,
+        rma: ReadIovs,
+        total: usize,
+        window_end: usize,
+        received: usize,
+        kind: TgtKind,
+    ) -> u32 {
+        let tid = self.recv_id(rx);
+        let mut got = RangeSet::default();
+        if received > 0 {
+            got.insert(0, received as u64);
+        }
+        let t = Tgt {
+            pid,
+            rma,
+            total,
+            done: 0,
+            window_end,
+            got,
+            kind,
+        };
+        self.tgt.insert(tid, t);
+        tid
     }
 
     /// Whether this side serves a long-CTS request: its ranges must add up to `msg_length` (else
@@ -591,15 +601,11 @@ impl Ema {
         match write_range(mem, &t.rma, off, data) {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
-                // The region went away (or changed) since the request was checked.
-                self.tgt.remove(&tid);
-                cx.counts.count(true, false);
-                refuse_op(pid, send_id, Status::RemoteBadAddress, cx);
+                self.cts_refuse(tid, Status::RemoteBadAddress, cx);
                 return Ok(());
             }
             Ok(()) => {}
         }
-        let credit = cts_credit(&cx.cfg);
         let qkey = cx.local.qkey;
         let Some(t) = self.tgt.get_mut(&tid) else {
             return Ok(());
@@ -625,16 +631,7 @@ impl Ema {
                 }));
             }
         } else if t.done == t.window_end {
-            let grant = (t.total - t.done).min(credit);
-            t.window_end += grant;
-            let cts = Packet::Cts {
-                connid: Some(qkey),
-                send_id,
-                recv_id: tid,
-                recv_length: grant as u64,
-                read_req: false,
-            };
-            cx.peers.queue_ctrl(pid, &cts);
+            t.window_end += grant_cts(cx, pid, send_id, tid, t.total - t.done, false);
         }
         Ok(())
     }
@@ -660,9 +657,7 @@ impl Ema {
         let data = match read_range(mem, &t.rma, from, to) {
             Err(e) if e.kind() == ErrorKind::Again => return Err(()),
             Err(_) => {
-                self.tgt.remove(&tid);
-                cx.counts.count(false, false);
-                refuse_op(pid, recv_id, Status::RemoteBadAddress, cx);
+                self.cts_refuse(tid, Status::RemoteBadAddress, cx);
                 return Ok(());
             }
             Ok(d) => d,
@@ -710,18 +705,22 @@ impl Ema {
         Ok(())
     }
 
+    /// Refuses target `tid` (its memory went away or changed since its request was checked,
+    /// or the memory refused the work): it is forgotten, counted as failed, and its initiator
+    /// gets a PEER_ERROR with `status`.
+    pub(super) fn cts_refuse(&mut self, tid: u32, status: Status, cx: &mut Cx) {
+        let Some(t) = self.tgt.remove(&tid) else {
+            return;
+        };
+        cx.counts
+            .count(matches!(t.kind, TgtKind::Write { .. }), false);
+        refuse_op(t.pid, t.kind.initiator_id(), status, cx);
+    }
+
     /// Forgets the long-CTS work of `pid` (every peer's when `None`) it serves.
     pub(super) fn cts_forget(&mut self, pid: Option<u64>) {
         self.tgt.retain(|_, t| pid.is_some_and(|p| t.pid != p));
         self.blocked.retain(|(p, _)| pid.is_some_and(|x| *p != x));
-    }
-
-    /// The target id a work item belongs to, and the initiator's id to refuse.
-    pub(super) fn cts_work_ids(&self, tid: u32) -> Option<(u64, u32)> {
-        self.tgt.get(&tid).map(|t| match t.kind {
-            TgtKind::Write { send_id, .. } => (t.pid, send_id),
-            TgtKind::Read { recv_id } => (t.pid, recv_id),
-        })
     }
 }
 
