@@ -65,10 +65,10 @@
 //! complete (docs/rma.md).
 //!
 //! Against `rma-bw -o write -S 64k` this does more per byte: the sender writes a header into
-//! every page, the receiver compares every page, the memory is 256 MiB of distinct pages instead
-//! of one buffer that stays in the cache, and on the software devices a write from a region slice
-//! is copied into a buffer of its own when posted (the `efa` device writes from the region's
-//! registration).
+//! every page, the receiver compares every page, and the memory is 256 MiB of distinct pages
+//! instead of one buffer that stays in the cache (`rma-bw --span 256m` moves its writes through
+//! as much memory, one write at a time). The udp and `efa` devices write from the region's
+//! registration, with no copy at posting.
 
 mod common;
 
