@@ -25,6 +25,7 @@ use crate::device::queues::WrSlots;
 use crate::device::soft_rdma::{KeyTable, Local, RdmaOps};
 use crate::device::{
     DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, random_qkey,
+    rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::{Notifier, SleepHook};
@@ -919,28 +920,7 @@ impl QueuePair for UdpQp {
         self.addr
     }
 
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: bytes::Bytes,
-        remote: crate::device::RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let kind = RdmaKind::Write { local, remote, imm };
-        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
-    }
-
-    fn post_read(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: crate::device::RemoteIov,
-    ) -> Result<()> {
-        let kind = RdmaKind::Read { local, remote };
-        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
-    }
+    rdma_posts_by_wr!(post_write, post_read, post_write_region);
 
     /// SRD queue pairs of a device with RDMA send writes straight from the registered region:
     /// each chunk is read under the region's read lock when it goes out (and again for a
@@ -948,18 +928,6 @@ impl QueuePair for UdpQp {
     fn region_rdma_write(&self) -> bool {
         let st = self.shared.state.lock();
         st.link.qp_type == QpType::Srd && st.link.ctx.rdma.keys.is_some()
-    }
-
-    fn post_write_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: crate::mem::RegionSlice,
-        remote: crate::device::RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let kind = RdmaKind::WriteRegion { local, remote, imm };
-        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
     }
 
     /// One system call (or as few as the socket allows) for the whole list ([`Self::post_list`]).
