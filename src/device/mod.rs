@@ -632,6 +632,20 @@ impl RdmaKind {
     }
 }
 
+/// Writes the `Debug` form of a queue pair that shows its address and type only: the struct
+/// `name` with fields `addr` and `qp_type`, the rest elided.
+pub(crate) fn fmt_qp(
+    f: &mut fmt::Formatter<'_>,
+    name: &str,
+    addr: RawAddr,
+    qp_type: QpType,
+) -> fmt::Result {
+    f.debug_struct(name)
+        .field("addr", &addr)
+        .field("qp_type", &qp_type)
+        .finish_non_exhaustive()
+}
+
 /// Posts one one-sided operation on `qp` by the [`QueuePair`] method of its kind
 /// ([`post_write`](QueuePair::post_write), [`post_read`](QueuePair::post_read),
 /// [`post_write_region`](QueuePair::post_write_region) or

@@ -24,8 +24,8 @@ use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
 use crate::device::soft_rdma::{KeyTable, Local, RdmaOps};
 use crate::device::{
-    DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, random_qkey,
-    rdma_posts_by_wr,
+    DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, fmt_qp,
+    random_qkey, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::{Notifier, SleepHook};
@@ -794,10 +794,7 @@ pub(crate) struct UdpQp {
 
 impl fmt::Debug for UdpQp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UdpQp")
-            .field("addr", &self.addr)
-            .field("qp_type", &self.qp_type)
-            .finish_non_exhaustive()
+        fmt_qp(f, "UdpQp", self.addr, self.qp_type)
     }
 }
 

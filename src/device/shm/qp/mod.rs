@@ -23,7 +23,7 @@ use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
 use crate::device::soft_rdma::{self as rdma, CmaCopy, Local, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Status,
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Status, fmt_qp,
     random_qkey, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -543,10 +543,7 @@ pub(crate) struct ShmQp {
 
 impl fmt::Debug for ShmQp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmQp")
-            .field("addr", &self.addr)
-            .field("qp_type", &self.qp_type)
-            .finish_non_exhaustive()
+        fmt_qp(f, "ShmQp", self.addr, self.qp_type)
     }
 }
 
