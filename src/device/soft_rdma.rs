@@ -119,9 +119,7 @@ pub(crate) trait RdmaHost {
         let _ = dest;
     }
     /// Copies `len` bytes at `addr` of process `pid` into `buf` (replacing its contents), after
-    /// checking that the process holds the identity cookie `(address, value)`. Reached only for
-    /// a pid [`cma_pid`](RdmaHost::cma_pid) gave; the default copies with cross-memory attach
-    /// (`process_vm_readv`, [`shm::cma`](super::shm::cma)).
+    /// checking that the process holds the identity cookie `(address, value)`.
     fn cma_copy(
         &mut self,
         pid: u32,
@@ -130,27 +128,8 @@ pub(crate) trait RdmaHost {
         len: usize,
         buf: &mut BytesMut,
     ) -> CmaCopy {
-        buf.clear();
-        // The cookie and the data in one system call (the cookie first: a wrong process is
-        // noticed before its bytes are used).
-        let seen = match super::shm::cma::read_remote_checked(pid, cookie.0, addr, len, buf) {
-            Ok(seen) => seen,
-            // Nothing read: not permitted, no such process, or (EFAULT) no cookie at that
-            // address, so not the process that granted. Only a lack of memory may pass.
-            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => return CmaCopy::Failed,
-            Err(_) => return CmaCopy::WrongProcess,
-        };
-        if seen != Some(cookie.1) {
-            return CmaCopy::WrongProcess;
-        }
-        while buf.len() < len {
-            let at = addr.wrapping_add(buf.len() as u64);
-            match super::shm::cma::read_remote_into(pid, at, len - buf.len(), buf) {
-                Ok(n) if n > 0 => {}
-                _ => return CmaCopy::Failed,
-            }
-        }
-        CmaCopy::Copied
+        let _ = (pid, cookie, addr, len, buf);
+        CmaCopy::WrongProcess
     }
     /// Where this process keeps its identity cookie and its value, when this device lets
     /// peers copy from its registered regions directly; `None` (the default) otherwise.

@@ -21,7 +21,7 @@ use super::DevShared;
 use super::ring::{ACK_PENDING, Ring, ST_CANCELLED, ST_PUBLISHED, ST_RNR};
 use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
-use crate::device::soft_rdma::{self as rdma, Local, Rdma, RdmaHost, RdmaOps};
+use crate::device::soft_rdma::{self as rdma, CmaCopy, Local, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
     DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Status, fmt_qp,
     random_qkey, rdma_posts_by_wr,
@@ -352,6 +352,36 @@ impl RdmaHost for State {
         if let Some(p) = self.peers.get_mut(&dest.qpn) {
             p.cma = Some(false);
         }
+    }
+    fn cma_copy(
+        &mut self,
+        pid: u32,
+        cookie: (u64, u64),
+        addr: u64,
+        len: usize,
+        buf: &mut BytesMut,
+    ) -> CmaCopy {
+        buf.clear();
+        // The cookie and the data in one system call (the cookie first: a wrong process is
+        // noticed before its bytes are used).
+        let seen = match super::cma::read_remote_checked(pid, cookie.0, addr, len, buf) {
+            Ok(seen) => seen,
+            // Nothing read: not permitted, no such process, or (EFAULT) no cookie at that
+            // address, so not the process that granted. Only a lack of memory may pass.
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => return CmaCopy::Failed,
+            Err(_) => return CmaCopy::WrongProcess,
+        };
+        if seen != Some(cookie.1) {
+            return CmaCopy::WrongProcess;
+        }
+        while buf.len() < len {
+            let at = addr.wrapping_add(buf.len() as u64);
+            match super::cma::read_remote_into(pid, at, len - buf.len(), buf) {
+                Ok(n) if n > 0 => {}
+                _ => return CmaCopy::Failed,
+            }
+        }
+        CmaCopy::Copied
     }
     fn cma_cookie(&self) -> Option<(u64, u64)> {
         let c: &u64 = &self.dev.cookie;
