@@ -618,6 +618,93 @@ pub enum RdmaKind {
     },
 }
 
+impl RdmaKind {
+    /// The error the [`QueuePair`] method of this kind returns on a device that lacks it
+    /// (`NotSupported`, naming the method), as the trait's default does.
+    pub(crate) fn not_supported(&self) -> Error {
+        let op = match self {
+            RdmaKind::Write { .. } => "post_write",
+            RdmaKind::Read { .. } => "post_read",
+            RdmaKind::WriteRegion { .. } => "post_write_region",
+            RdmaKind::ReadRegion { .. } => "post_read_region",
+        };
+        Error::new(ErrorKind::NotSupported, op)
+    }
+}
+
+/// Writes the `Debug` form of a queue pair that shows its address and type only: the struct
+/// `name` with fields `addr` and `qp_type`, the rest elided.
+pub(crate) fn fmt_qp(
+    f: &mut fmt::Formatter<'_>,
+    name: &str,
+    addr: RawAddr,
+    qp_type: QpType,
+) -> fmt::Result {
+    f.debug_struct(name)
+        .field("addr", &addr)
+        .field("qp_type", &qp_type)
+        .finish_non_exhaustive()
+}
+
+/// Posts one one-sided operation on `qp` by the [`QueuePair`] method of its kind
+/// ([`post_write`](QueuePair::post_write), [`post_read`](QueuePair::post_read),
+/// [`post_write_region`](QueuePair::post_write_region) or
+/// [`post_read_region`](QueuePair::post_read_region)).
+#[inline]
+pub(crate) fn post_rdma_wr<Q: QueuePair + ?Sized>(qp: &mut Q, wr: RdmaWr) -> Result<()> {
+    let RdmaWr { wr_id, dest, kind } = wr;
+    match kind {
+        RdmaKind::Write { local, remote, imm } => qp.post_write(wr_id, dest, local, remote, imm),
+        RdmaKind::Read { local, remote } => qp.post_read(wr_id, dest, local, remote),
+        RdmaKind::WriteRegion { local, remote, imm } => {
+            qp.post_write_region(wr_id, dest, local, remote, imm)
+        }
+        RdmaKind::ReadRegion { local, remote } => qp.post_read_region(wr_id, dest, local, remote),
+    }
+}
+
+/// Implements the named one-sided posting methods of [`QueuePair`] (any of `post_read`,
+/// `post_write`, `post_read_region`, `post_write_region`) inside an `impl QueuePair for …`
+/// block whose type has a method `post_one_rdma(&mut self, wr: RdmaWr) -> Result<()>`: each
+/// packs its arguments into an [`RdmaWr`] (the inverse of [`post_rdma_wr`]) and hands it over,
+/// so a device writes its one-sided path once, for single posts and lists alike.
+macro_rules! rdma_posts_by_wr {
+    ($($method:ident),+ $(,)?) => {
+        $($crate::device::rdma_posts_by_wr!(@one $method);)+
+    };
+    (@one post_read) => {
+        fn post_read(&mut self, wr_id: u64, dest: $crate::addr::RawAddr, local: ::bytes::BytesMut,
+            remote: $crate::device::RemoteIov) -> $crate::error::Result<()> {
+            let kind = $crate::device::RdmaKind::Read { local, remote };
+            self.post_one_rdma($crate::device::RdmaWr { wr_id, dest, kind })
+        }
+    };
+    (@one post_write) => {
+        fn post_write(&mut self, wr_id: u64, dest: $crate::addr::RawAddr, local: ::bytes::Bytes,
+            remote: $crate::device::RemoteIov, imm: Option<u32>) -> $crate::error::Result<()> {
+            let kind = $crate::device::RdmaKind::Write { local, remote, imm };
+            self.post_one_rdma($crate::device::RdmaWr { wr_id, dest, kind })
+        }
+    };
+    (@one post_read_region) => {
+        fn post_read_region(&mut self, wr_id: u64, dest: $crate::addr::RawAddr,
+            local: $crate::mem::RegionSlice, remote: $crate::device::RemoteIov)
+            -> $crate::error::Result<()> {
+            let kind = $crate::device::RdmaKind::ReadRegion { local, remote };
+            self.post_one_rdma($crate::device::RdmaWr { wr_id, dest, kind })
+        }
+    };
+    (@one post_write_region) => {
+        fn post_write_region(&mut self, wr_id: u64, dest: $crate::addr::RawAddr,
+            local: $crate::mem::RegionSlice, remote: $crate::device::RemoteIov,
+            imm: Option<u32>) -> $crate::error::Result<()> {
+            let kind = $crate::device::RdmaKind::WriteRegion { local, remote, imm };
+            self.post_one_rdma($crate::device::RdmaWr { wr_id, dest, kind })
+        }
+    };
+}
+pub(crate) use rdma_posts_by_wr;
+
 /// A NIC.
 pub trait Device: Send + Sync + fmt::Debug {
     /// Attributes.
@@ -853,20 +940,9 @@ pub trait QueuePair: Send + fmt::Debug {
         &mut self,
         wrs: &mut VecDeque<RdmaWr>,
     ) -> std::result::Result<(), (u64, Error)> {
-        while let Some(RdmaWr { wr_id, dest, kind }) = wrs.pop_front() {
-            match kind {
-                RdmaKind::Write { local, remote, imm } => {
-                    self.post_write(wr_id, dest, local, remote, imm)
-                }
-                RdmaKind::Read { local, remote } => self.post_read(wr_id, dest, local, remote),
-                RdmaKind::WriteRegion { local, remote, imm } => {
-                    self.post_write_region(wr_id, dest, local, remote, imm)
-                }
-                RdmaKind::ReadRegion { local, remote } => {
-                    self.post_read_region(wr_id, dest, local, remote)
-                }
-            }
-            .map_err(|e| (wr_id, e))?;
+        while let Some(wr) = wrs.pop_front() {
+            let wr_id = wr.wr_id;
+            post_rdma_wr(self, wr).map_err(|e| (wr_id, e))?;
         }
         Ok(())
     }

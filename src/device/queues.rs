@@ -104,6 +104,18 @@ pub(crate) fn flush_recvs(
     }
 }
 
+/// Moves up to `max` completions from the front of `q` into `out`, in order; returns how many.
+#[inline]
+pub(crate) fn drain_into(
+    q: &mut VecDeque<DeviceCompletion>,
+    out: &mut Vec<DeviceCompletion>,
+    max: usize,
+) -> usize {
+    let n = max.min(q.len());
+    out.extend(q.drain(..n));
+    n
+}
+
 /// A software queue pair's completion queue: completions in the order they happened, and
 /// whether any came since the waiters were last woken.
 #[derive(Debug, Default)]

@@ -198,20 +198,63 @@ pub fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
-/// The polling functions of an extended CQ, checked once at creation so that calling them can
-/// never hit a missing entry.
-#[derive(Clone, Copy)]
-pub struct CqFns {
-    pub start_poll: unsafe extern "C" fn(*mut ibv_cq_ex, *mut ibv_poll_cq_attr) -> c_int,
-    pub next_poll: unsafe extern "C" fn(*mut ibv_cq_ex) -> c_int,
-    pub end_poll: unsafe extern "C" fn(*mut ibv_cq_ex),
-    pub read_opcode: unsafe extern "C" fn(*mut ibv_cq_ex) -> ibv_wc_opcode::Type,
-    pub read_vendor_err: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
-    pub read_byte_len: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
-    pub read_imm_data: unsafe extern "C" fn(*mut ibv_cq_ex) -> __be32,
-    pub read_wc_flags: unsafe extern "C" fn(*mut ibv_cq_ex) -> c_uint,
-    pub read_src_qp: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
-    pub read_slid: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+/// Declares `$name`, a table of function pointers each copied from a field of the C struct `$c`
+/// (`field = c_field: type`; in `$c` the field is an `Option`), and `$name::copy_from(p)`: the
+/// table of `*p`, or the C name of the first `required` function it lacks. `optional` ones are
+/// copied as the `Option`s they are.
+macro_rules! fn_table {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident from $c:ty {
+            required { $($field:ident = $c_field:ident: $ty:ty,)* }
+            optional { $($ofield:ident = $oc_field:ident: $oty:ty,)* }
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy)]
+        pub struct $name {
+            $(pub $field: $ty,)*
+            $(pub $ofield: Option<$oty>,)*
+        }
+
+        impl $name {
+            /// The table of `*p`, or the C name of the first missing required function.
+            ///
+            /// # Safety
+            ///
+            /// `p` must point to a live struct.
+            unsafe fn copy_from(p: *const $c) -> Result<$name, &'static str> {
+                // SAFETY: the caller guarantees `p` is live; reading its function pointers is a
+                // plain read.
+                let c = unsafe { &*p };
+                Ok($name {
+                    $($field: c.$c_field.ok_or(stringify!($c_field))?,)*
+                    $($ofield: c.$oc_field,)*
+                })
+            }
+        }
+    };
+}
+
+fn_table! {
+    /// The polling functions of an extended CQ, checked once at creation so that calling them can
+    /// never hit a missing entry.
+    pub struct CqFns from ibv_cq_ex {
+        required {
+            start_poll = start_poll:
+                unsafe extern "C" fn(*mut ibv_cq_ex, *mut ibv_poll_cq_attr) -> c_int,
+            next_poll = next_poll: unsafe extern "C" fn(*mut ibv_cq_ex) -> c_int,
+            end_poll = end_poll: unsafe extern "C" fn(*mut ibv_cq_ex),
+            read_opcode = read_opcode: unsafe extern "C" fn(*mut ibv_cq_ex) -> ibv_wc_opcode::Type,
+            read_vendor_err = read_vendor_err: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+            read_byte_len = read_byte_len: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+            read_imm_data = read_imm_data: unsafe extern "C" fn(*mut ibv_cq_ex) -> __be32,
+            read_wc_flags = read_wc_flags: unsafe extern "C" fn(*mut ibv_cq_ex) -> c_uint,
+            read_src_qp = read_src_qp: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+            read_slid = read_slid: unsafe extern "C" fn(*mut ibv_cq_ex) -> u32,
+        }
+        optional {}
+    }
 }
 
 impl CqFns {
@@ -221,37 +264,35 @@ impl CqFns {
     ///
     /// `cq` must point to a live extended CQ.
     pub unsafe fn of(cq: *const ibv_cq_ex) -> Result<CqFns, &'static str> {
-        // SAFETY: the caller guarantees `cq` is live; reading its function pointers is a plain read.
-        let c = unsafe { &*cq };
-        Ok(CqFns {
-            start_poll: c.start_poll.ok_or("start_poll")?,
-            next_poll: c.next_poll.ok_or("next_poll")?,
-            end_poll: c.end_poll.ok_or("end_poll")?,
-            read_opcode: c.read_opcode.ok_or("read_opcode")?,
-            read_vendor_err: c.read_vendor_err.ok_or("read_vendor_err")?,
-            read_byte_len: c.read_byte_len.ok_or("read_byte_len")?,
-            read_imm_data: c.read_imm_data.ok_or("read_imm_data")?,
-            read_wc_flags: c.read_wc_flags.ok_or("read_wc_flags")?,
-            read_src_qp: c.read_src_qp.ok_or("read_src_qp")?,
-            read_slid: c.read_slid.ok_or("read_slid")?,
-        })
+        // SAFETY: the caller's live CQ.
+        unsafe { CqFns::copy_from(cq) }
     }
 }
 
-/// The work-request builder functions of an extended QP (`ibv_wr_*`), checked once at creation.
-#[derive(Clone, Copy)]
-pub struct WrFns {
-    pub start: unsafe extern "C" fn(*mut ibv_qp_ex),
-    pub complete: unsafe extern "C" fn(*mut ibv_qp_ex) -> c_int,
-    pub abort: unsafe extern "C" fn(*mut ibv_qp_ex),
-    pub send: unsafe extern "C" fn(*mut ibv_qp_ex),
-    pub send_imm: unsafe extern "C" fn(*mut ibv_qp_ex, __be32),
-    pub set_ud_addr: unsafe extern "C" fn(*mut ibv_qp_ex, *mut ibv_ah, u32, u32),
-    pub set_sge_list: unsafe extern "C" fn(*mut ibv_qp_ex, usize, *const ibv_sge),
-    pub set_inline_data_list: unsafe extern "C" fn(*mut ibv_qp_ex, usize, *const ibv_data_buf),
-    pub rdma_read: Option<unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64)>,
-    pub rdma_write: Option<unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64)>,
-    pub rdma_write_imm: Option<unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64, __be32)>,
+fn_table! {
+    /// The work-request builder functions of an extended QP (`ibv_wr_*`), checked once at
+    /// creation.
+    pub struct WrFns from ibv_qp_ex {
+        required {
+            start = wr_start: unsafe extern "C" fn(*mut ibv_qp_ex),
+            complete = wr_complete: unsafe extern "C" fn(*mut ibv_qp_ex) -> c_int,
+            abort = wr_abort: unsafe extern "C" fn(*mut ibv_qp_ex),
+            send = wr_send: unsafe extern "C" fn(*mut ibv_qp_ex),
+            send_imm = wr_send_imm: unsafe extern "C" fn(*mut ibv_qp_ex, __be32),
+            set_ud_addr = wr_set_ud_addr:
+                unsafe extern "C" fn(*mut ibv_qp_ex, *mut ibv_ah, u32, u32),
+            set_sge_list = wr_set_sge_list:
+                unsafe extern "C" fn(*mut ibv_qp_ex, usize, *const ibv_sge),
+            set_inline_data_list = wr_set_inline_data_list:
+                unsafe extern "C" fn(*mut ibv_qp_ex, usize, *const ibv_data_buf),
+        }
+        optional {
+            rdma_read = wr_rdma_read: unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64),
+            rdma_write = wr_rdma_write: unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64),
+            rdma_write_imm = wr_rdma_write_imm:
+                unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64, __be32),
+        }
+    }
 }
 
 impl WrFns {
@@ -266,21 +307,8 @@ impl WrFns {
         read: bool,
         write: bool,
     ) -> Result<WrFns, &'static str> {
-        // SAFETY: the caller guarantees `qpx` is live; reading its function pointers is a plain read.
-        let q = unsafe { &*qpx };
-        let fns = WrFns {
-            start: q.wr_start.ok_or("wr_start")?,
-            complete: q.wr_complete.ok_or("wr_complete")?,
-            abort: q.wr_abort.ok_or("wr_abort")?,
-            send: q.wr_send.ok_or("wr_send")?,
-            send_imm: q.wr_send_imm.ok_or("wr_send_imm")?,
-            set_ud_addr: q.wr_set_ud_addr.ok_or("wr_set_ud_addr")?,
-            set_sge_list: q.wr_set_sge_list.ok_or("wr_set_sge_list")?,
-            set_inline_data_list: q.wr_set_inline_data_list.ok_or("wr_set_inline_data_list")?,
-            rdma_read: q.wr_rdma_read,
-            rdma_write: q.wr_rdma_write,
-            rdma_write_imm: q.wr_rdma_write_imm,
-        };
+        // SAFETY: the caller's live QP.
+        let fns = unsafe { WrFns::copy_from(qpx) }?;
         if read && fns.rdma_read.is_none() {
             return Err("wr_rdma_read");
         }

@@ -16,9 +16,10 @@ use super::verbs_error;
 use super::wr::WrTable;
 use super::{GRH_LEN, UNSOLICITED_WR_ID};
 use crate::addr::RawAddr;
+use crate::device::queues::drain_into;
 use crate::device::{
     DeviceCaps, DeviceCompletion, Opcode, QpType, QueuePair, RdmaKind, RdmaWr, RemoteIov, SendWr,
-    Source, Status,
+    Source, Status, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::RegionSlice;
@@ -601,14 +602,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
             // busy-polling program gets no completion events.
             self.reap(max - self.pending.len());
         }
-        let mut n = 0;
-        while n < max {
-            let Some(c) = self.pending.pop_front() else {
-                break;
-            };
-            out.push(c);
-            n += 1;
-        }
+        let n = drain_into(&mut self.pending, out, max);
         if n > 0 {
             self.notifier.notify();
         }
@@ -645,28 +639,7 @@ impl<N: Nic> QueuePair for EfaQp<N> {
         self.notifier.notify();
     }
 
-    fn post_read(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        let wr = self.stage_read(wr_id, dest, local, remote)?;
-        self.post_staged(wr)
-    }
-
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: Bytes,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let wr = self.stage_write(wr_id, dest, local, remote, imm)?;
-        self.post_staged(wr)
-    }
+    rdma_posts_by_wr!(post_read, post_write, post_read_region, post_write_region);
 
     /// One doorbell for the list: every work request is checked and recorded, then all go to
     /// the NIC in one `ibv_wr_start` .. `ibv_wr_complete` session. The first that cannot be
@@ -709,30 +682,27 @@ impl<N: Nic> QueuePair for EfaQp<N> {
     fn region_rdma(&self) -> bool {
         self.qp_type == QpType::Srd && (self.limits.caps.rdma_read || self.limits.caps.rdma_write)
     }
-
-    fn post_read_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: RegionSlice,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        self.post_region(wr_id, dest, local, remote, None)
-    }
-
-    fn post_write_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: RegionSlice,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        self.post_region(wr_id, dest, local, remote, Some(imm))
-    }
 }
 
 impl<N: Nic> EfaQp<N> {
+    /// One one-sided work request (`post_read`, `post_write`, `post_read_region`,
+    /// `post_write_region`): checked, recorded and posted alone.
+    fn post_one_rdma(&mut self, RdmaWr { wr_id, dest, kind }: RdmaWr) -> Result<()> {
+        let wr = match kind {
+            RdmaKind::Write { local, remote, imm } => {
+                self.stage_write(wr_id, dest, local, remote, imm)?
+            }
+            RdmaKind::Read { local, remote } => self.stage_read(wr_id, dest, local, remote)?,
+            RdmaKind::WriteRegion { local, remote, imm } => {
+                return self.post_region(wr_id, dest, local, remote, Some(imm));
+            }
+            RdmaKind::ReadRegion { local, remote } => {
+                return self.post_region(wr_id, dest, local, remote, None);
+            }
+        };
+        self.post_staged(wr)
+    }
+
     /// `post_read_region` (`write` is `None`) and `post_write_region` (`Some(imm)`): the work
     /// request names the region's own registration, looked up and posted under the lock of the
     /// device's key table, so the registration cannot go away in between.

@@ -15,7 +15,8 @@ use super::rdma::RdmaOp;
 use super::wire::Wake;
 use crate::addr::RawAddr;
 use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RemoteIov, SendWr, Source, random_qkey,
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source,
+    random_qkey, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
@@ -170,6 +171,48 @@ impl LoopbackQp {
         }
         self.slots.send_room(op)
     }
+
+    /// One one-sided work request: a read (`local.capacity()` must hold `remote.len` bytes) or a
+    /// write (`remote.len` must equal `local.len()`), else `InvalidArgument`. Region reads and
+    /// writes are not supported.
+    fn post_one_rdma(&mut self, RdmaWr { wr_id, dest, kind }: RdmaWr) -> Result<()> {
+        let (op, remote, into, data, imm) = match kind {
+            RdmaKind::Read { local, remote } => {
+                const OP: &str = "post_read";
+                self.check_rdma(OP, remote.len)?;
+                if (local.capacity() as u64) < remote.len {
+                    return Err(
+                        Error::new(ErrorKind::InvalidArgument, OP).with_detail(format!(
+                            "local buffer capacity {} < remote length {}",
+                            local.capacity(),
+                            remote.len
+                        )),
+                    );
+                }
+                (OP, remote, Some(local), Bytes::new(), None)
+            }
+            RdmaKind::Write { local, remote, imm } => {
+                const OP: &str = "post_write";
+                self.check_rdma(OP, local.len() as u64)?;
+                if remote.len != local.len() as u64 {
+                    return Err(
+                        Error::new(ErrorKind::InvalidArgument, OP).with_detail(format!(
+                            "remote length {} differs from local length {}",
+                            remote.len,
+                            local.len()
+                        )),
+                    );
+                }
+                (OP, remote, None, local, imm)
+            }
+            kind => return Err(kind.not_supported()),
+        };
+        self.slots.take_send(op)?;
+        let rdma = RdmaOp::new(self.shared.clone(), wr_id, remote, into);
+        let wire = &self.shared.dev.net.wire;
+        wire.rdma(&self.shared, dest, data, imm, rdma);
+        Ok(())
+    }
 }
 
 impl fmt::Debug for LoopbackQp {
@@ -216,58 +259,7 @@ impl QueuePair for LoopbackQp {
         Ok(())
     }
 
-    /// Reads `remote.len` bytes; `local.capacity()` must hold them (`InvalidArgument` otherwise).
-    fn post_read(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        const OP: &str = "post_read";
-        self.check_rdma(OP, remote.len)?;
-        if (local.capacity() as u64) < remote.len {
-            return Err(
-                Error::new(ErrorKind::InvalidArgument, OP).with_detail(format!(
-                    "local buffer capacity {} < remote length {}",
-                    local.capacity(),
-                    remote.len
-                )),
-            );
-        }
-        self.slots.take_send(OP)?;
-        let op = RdmaOp::new(self.shared.clone(), wr_id, remote, Some(local));
-        let wire = &self.shared.dev.net.wire;
-        wire.rdma(&self.shared, dest, Bytes::new(), None, op);
-        Ok(())
-    }
-
-    /// Writes `local`; `remote.len` must equal `local.len()` (`InvalidArgument` otherwise).
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: Bytes,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        const OP: &str = "post_write";
-        self.check_rdma(OP, local.len() as u64)?;
-        if remote.len != local.len() as u64 {
-            return Err(
-                Error::new(ErrorKind::InvalidArgument, OP).with_detail(format!(
-                    "remote length {} differs from local length {}",
-                    remote.len,
-                    local.len()
-                )),
-            );
-        }
-        self.slots.take_send(OP)?;
-        let op = RdmaOp::new(self.shared.clone(), wr_id, remote, None);
-        let wire = &self.shared.dev.net.wire;
-        wire.rdma(&self.shared, dest, local, imm, op);
-        Ok(())
-    }
+    rdma_posts_by_wr!(post_read, post_write);
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
         let wire = &self.shared.dev.net.wire;

@@ -7,17 +7,17 @@ use foldhash::{HashMap, HashMapExt};
 use std::fmt;
 use std::sync::Arc;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 
 use super::dir::{self, Entry, Lookup};
 use super::{BASE_RECV, HDR_LEN, HDR_MAGIC, RouteShared};
 use crate::addr::{Gid, RawAddr};
+use crate::device::queues::drain_into;
 use crate::device::{
-    DeviceCompletion, Opcode, QpType, QueuePair, RdmaWr, RemoteIov, SendWr, Source, Status,
-    UNSOLICITED_WR_ID,
+    DeviceCompletion, Opcode, QpType, QueuePair, RdmaWr, SendWr, Source, Status, UNSOLICITED_WR_ID,
+    post_rdma_wr, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::RegionSlice;
 use crate::stats;
 
 /// Which queue pair.
@@ -401,14 +401,7 @@ impl QueuePair for RoutedQp {
         if self.local.is_none() {
             return self.primary.poll(out, max);
         }
-        let mut n = 0;
-        while n < max {
-            let Some(c) = self.failed.pop_front() else {
-                break;
-            };
-            out.push(c);
-            n += 1;
-        }
+        let mut n = drain_into(&mut self.failed, out, max);
         self.shm_first = !self.shm_first;
         for shm in [self.shm_first, !self.shm_first] {
             if n >= max {
@@ -481,30 +474,7 @@ impl QueuePair for RoutedQp {
         self.primary.close();
     }
 
-    fn post_read(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        self.primary.post_read(wr_id, dest, local, remote)?;
-        self.note_rdma(wr_id, dest);
-        Ok(())
-    }
-
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: Bytes,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        self.primary.post_write(wr_id, dest, local, remote, imm)?;
-        self.note_rdma(wr_id, dest);
-        Ok(())
-    }
+    rdma_posts_by_wr!(post_read, post_write, post_read_region, post_write_region);
 
     fn region_rdma(&self) -> bool {
         self.primary.region_rdma()
@@ -527,35 +497,17 @@ impl QueuePair for RoutedQp {
         }
         r
     }
-
-    fn post_read_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: RegionSlice,
-        remote: RemoteIov,
-    ) -> Result<()> {
-        self.primary.post_read_region(wr_id, dest, local, remote)?;
-        self.note_rdma(wr_id, dest);
-        Ok(())
-    }
-
-    fn post_write_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: RegionSlice,
-        remote: RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        self.primary
-            .post_write_region(wr_id, dest, local, remote, imm)?;
-        self.note_rdma(wr_id, dest);
-        Ok(())
-    }
 }
 
 impl RoutedQp {
+    /// One one-sided work request: always over the primary, whose keys the regions carry.
+    fn post_one_rdma(&mut self, wr: RdmaWr) -> Result<()> {
+        let (wr_id, dest) = (wr.wr_id, wr.dest);
+        post_rdma_wr(self.primary.as_mut(), wr)?;
+        self.note_rdma(wr_id, dest);
+        Ok(())
+    }
+
     /// Remembers the target of an RDMA work request to a peer reached over shm (RDMA always
     /// goes over the primary, whose keys the regions carry).
     fn note_rdma(&mut self, wr_id: u64, dest: RawAddr) {

@@ -24,7 +24,8 @@ use crate::addr::{Gid, RawAddr};
 use crate::device::queues::WrSlots;
 use crate::device::soft_rdma::{KeyTable, Local, RdmaOps};
 use crate::device::{
-    DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, random_qkey,
+    DeviceCompletion, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Source, fmt_qp,
+    random_qkey, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::{Notifier, SleepHook};
@@ -793,10 +794,7 @@ pub(crate) struct UdpQp {
 
 impl fmt::Debug for UdpQp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UdpQp")
-            .field("addr", &self.addr)
-            .field("qp_type", &self.qp_type)
-            .finish_non_exhaustive()
+        fmt_qp(f, "UdpQp", self.addr, self.qp_type)
     }
 }
 
@@ -919,28 +917,7 @@ impl QueuePair for UdpQp {
         self.addr
     }
 
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: bytes::Bytes,
-        remote: crate::device::RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let kind = RdmaKind::Write { local, remote, imm };
-        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
-    }
-
-    fn post_read(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: crate::device::RemoteIov,
-    ) -> Result<()> {
-        let kind = RdmaKind::Read { local, remote };
-        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
-    }
+    rdma_posts_by_wr!(post_write, post_read, post_write_region);
 
     /// SRD queue pairs of a device with RDMA send writes straight from the registered region:
     /// each chunk is read under the region's read lock when it goes out (and again for a
@@ -948,18 +925,6 @@ impl QueuePair for UdpQp {
     fn region_rdma_write(&self) -> bool {
         let st = self.shared.state.lock();
         st.link.qp_type == QpType::Srd && st.link.ctx.rdma.keys.is_some()
-    }
-
-    fn post_write_region(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: crate::mem::RegionSlice,
-        remote: crate::device::RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let kind = RdmaKind::WriteRegion { local, remote, imm };
-        self.post_one_rdma(RdmaWr { wr_id, dest, kind })
     }
 
     /// One system call (or as few as the socket allows) for the whole list ([`Self::post_list`]).

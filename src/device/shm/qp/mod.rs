@@ -23,7 +23,8 @@ use super::segment::{self, Geometry, OwnSegment, PeerSegment};
 use crate::addr::RawAddr;
 use crate::device::soft_rdma::{self as rdma, CmaCopy, Local, Rdma, RdmaHost, RdmaOps};
 use crate::device::{
-    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, SendWr, Status, random_qkey,
+    DeviceCompletion, Opcode, QpAttr, QpType, QueuePair, RdmaKind, RdmaWr, SendWr, Status, fmt_qp,
+    random_qkey, rdma_posts_by_wr,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::notify::Notifier;
@@ -542,10 +543,7 @@ pub(crate) struct ShmQp {
 
 impl fmt::Debug for ShmQp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmQp")
-            .field("addr", &self.addr)
-            .field("qp_type", &self.qp_type)
-            .finish_non_exhaustive()
+        fmt_qp(f, "ShmQp", self.addr, self.qp_type)
     }
 }
 
@@ -635,6 +633,21 @@ impl ShmQp {
             qp_type: attr.qp_type,
         })
     }
+
+    /// One one-sided work request (a read or a write of bytes; regions are not supported).
+    fn post_one_rdma(&mut self, RdmaWr { wr_id, dest, kind }: RdmaWr) -> Result<()> {
+        match kind {
+            RdmaKind::Write { local, remote, imm } => self.shared.state.lock().post_rdma(
+                |s, chunk| s.rdma_write(wr_id, None, dest, Local::Bytes(local), remote, imm, chunk),
+                "post_write",
+            ),
+            RdmaKind::Read { local, remote } => self.shared.state.lock().post_rdma(
+                |s, _| s.rdma_read(wr_id, None, dest, local, remote),
+                "post_read",
+            ),
+            kind => Err(kind.not_supported()),
+        }
+    }
 }
 
 impl QueuePair for ShmQp {
@@ -689,34 +702,7 @@ impl QueuePair for ShmQp {
         n
     }
 
-    fn post_write(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: bytes::Bytes,
-        remote: crate::device::RemoteIov,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let mut st = self.shared.state.lock();
-        st.post_rdma(
-            |s, chunk| s.rdma_write(wr_id, None, dest, Local::Bytes(local), remote, imm, chunk),
-            "post_write",
-        )
-    }
-
-    fn post_read(
-        &mut self,
-        wr_id: u64,
-        dest: RawAddr,
-        local: BytesMut,
-        remote: crate::device::RemoteIov,
-    ) -> Result<()> {
-        let mut st = self.shared.state.lock();
-        st.post_rdma(
-            |s, _| s.rdma_read(wr_id, None, dest, local, remote),
-            "post_read",
-        )
-    }
+    rdma_posts_by_wr!(post_write, post_read);
 
     fn close(&mut self) {
         {
