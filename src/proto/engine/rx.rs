@@ -10,7 +10,7 @@ use super::cx::Cx;
 use super::peer::Peer;
 use super::tx::grant_cts;
 use super::types::{Gone, Kind, LOCAL_PEER};
-use super::util::{IdMap, Out, RangeSet, SeqMap, Timer, next_free_id, sorted};
+use super::util::{IdMap, Out, RangeSet, SeqMap, Timer, sorted};
 use super::{Error, ErrorKind, Event, RecvDone, RecvOp};
 use super::{MultiRecv, PostedItem};
 use crate::addr::RawAddr;
@@ -338,8 +338,7 @@ impl RxSide {
     /// A receive-side id no inbound message uses and `taken` (the emulation's long-CTS ids)
     /// does not hold: one space for the ids peers echo in CTSDATA.
     pub(super) fn alloc_id(&mut self, taken: impl Fn(u32) -> bool) -> u32 {
-        let ops = &self.ops;
-        next_free_id(&mut self.next_id, |id| ops.contains_key(&id) || taken(id))
+        self.ops.free_id(&mut self.next_id, taken)
     }
 
     /// An RTM packet (eager, medium segment, long-CTS first chunk, long/runting read) from peer
