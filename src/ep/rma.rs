@@ -12,13 +12,12 @@
 //! `_WRITE` and `_ATOMICS`; [`EndpointStats`](crate::EndpointStats) counts device and emulated
 //! bytes apart. See `docs/rma.md`.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
 use super::Endpoint;
-use super::rdm::{OpFuture, OpState, RdmCore, Sink, Slot, local_completion, refuse};
+use super::rdm::{OpFuture, OpState, RdmCore, Sink, local_completion, refuse};
 use crate::atomic::{AtomicOp, AtomicType};
 use crate::av::PeerId;
 use crate::cq::{
@@ -251,11 +250,9 @@ impl Endpoint<Rdm> {
         to: RmaAddr,
         options: WriteOptions,
     ) -> OpFuture {
-        let slot = Arc::new(Slot::default());
-        let posted =
-            self.core
-                .post_write(peer, buf.into(), to, options, Sink::Future(slot.clone()));
-        OpFuture::new(self.core.clone(), slot, posted.err())
+        OpFuture::post(&self.core, false, |sink| {
+            self.core.post_write(peer, buf.into(), to, options, sink)
+        })
     }
 
     /// Reads and awaits the completion; cancel-safe like [`Endpoint::send_async`].
@@ -266,11 +263,9 @@ impl Endpoint<Rdm> {
         len: usize,
         from: RmaAddr,
     ) -> OpFuture {
-        let slot = Arc::new(Slot::default());
-        let posted = self
-            .core
-            .post_read(peer, buf.into(), len, from, Sink::Future(slot.clone()));
-        OpFuture::new(self.core.clone(), slot, posted.err())
+        OpFuture::post(&self.core, false, |sink| {
+            self.core.post_read(peer, buf.into(), len, from, sink)
+        })
     }
 
     /// Which operations run emulated (see [`RmaEmulation`]).

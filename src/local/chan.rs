@@ -949,24 +949,33 @@ mod tests {
         let d = own.ring().bell().unwrap();
         d.sleepers.store(1, Ordering::SeqCst); // the waiter thread sleeps on the futex
         let bell = || d.bell.load(Ordering::SeqCst);
+        // `p` sends message `i` and rings the owner if it sleeps.
+        let send = |p: &PeerChan, i: u64, body: &[u8]| {
+            assert!(p.push(&msg(i), &src, body).is_some());
+            p.ring_bell_if_asleep();
+        };
+        // A send from `p` rings the futex (`why`) and leaves the descriptor quiet.
+        let rings_futex_only = |p: &PeerChan, i: u64, why: &str| {
+            let b = bell();
+            send(p, i, b"x");
+            assert_ne!(bell(), b, "{why}");
+            assert!(!readable(fd, 0));
+        };
 
         // The application sleeps on the descriptor.
         assert!(!own.ring().arm_fd_wait(), "nothing is ready yet");
         assert!(!readable(fd, 0));
         let b0 = bell();
-        assert!(peer.push(&msg(1), &src, b"ping").is_some());
-        peer.ring_bell_if_asleep();
+        send(&peer, 1, b"ping");
         assert!(readable(fd, 0), "the descriptor is readable at once");
         assert_eq!(bell(), b0, "the waiter's futex is not rung");
         // A second send finds the word taken: the application is waking, nobody is rung.
-        assert!(peer.push(&msg(2), &src, b"ping").is_some());
-        peer.ring_bell_if_asleep();
+        send(&peer, 2, b"ping");
         assert_eq!(bell(), b0);
         assert!(readable(fd, 0));
         // Once the application polled, the futex rule holds again.
         d.awake();
-        assert!(peer.push(&msg(6), &src, b"ping").is_some());
-        peer.ring_bell_if_asleep();
+        send(&peer, 6, b"ping");
         assert_ne!(bell(), b0, "the waiter's futex is rung");
         assert_eq!(own.peek().map(|h| h.hdr.tag), Some(1));
         own.pop();
@@ -983,22 +992,14 @@ mod tests {
         // The application waits another way: the futex is rung, the descriptor stays quiet.
         assert!(!own.ring().arm_fd_wait());
         assert!(!own.ring().disarm_fd_wait());
-        let b1 = bell();
-        assert!(peer.push(&msg(4), &src, b"x").is_some());
-        peer.ring_bell_if_asleep();
-        assert_ne!(bell(), b1, "the futex is rung");
-        assert!(!readable(fd, 0));
+        rings_futex_only(&peer, 4, "the futex is rung");
         own.pop();
 
         // A header whose pipe identity is wrong: the sender cannot open it and rings the futex.
         own.ring().map.store64(H_WAKE_INO, 1);
         let fooled = PeerChan::open(dir.path(), map::uid(), 5, &me).unwrap();
         assert!(!own.ring().arm_fd_wait());
-        let b2 = bell();
-        assert!(fooled.push(&msg(5), &src, b"x").is_some());
-        fooled.ring_bell_if_asleep();
-        assert_ne!(bell(), b2, "no pipe to write: the futex instead");
-        assert!(!readable(fd, 0));
+        rings_futex_only(&fooled, 5, "no pipe to write: the futex instead");
     }
 
     /// No lost wake-up: a consumer that sleeps only on the descriptor (no waiter thread, no

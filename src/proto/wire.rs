@@ -33,6 +33,46 @@
 
 use std::fmt;
 
+/// Defines a `#[repr(u8)]` enum of protocol ids with libfabric's names: the enum, `ALL` (every
+/// variant, in declaration order), a `const fn` from the id (`None` for an id not listed) and
+/// `name`. The doc comments of the enum and of each item are passed in.
+macro_rules! id_enum {
+    (
+        $(#[$em:meta])* pub enum $e:ident;
+        $(#[$am:meta])* ALL;
+        $(#[$fm:meta])* fn $from:ident($x:ident: $t:ty);
+        $(#[$nm:meta])* fn name;
+        $( $(#[$m:meta])* $v:ident = $id:literal, $name:literal; )*
+    ) => {
+        $(#[$em])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr(u8)]
+        pub enum $e {
+            $( $(#[$m])* $v = $id, )*
+        }
+
+        impl $e {
+            $(#[$am])*
+            pub const ALL: &'static [$e] = &[ $( $e::$v, )* ];
+
+            $(#[$fm])*
+            pub const fn $from($x: $t) -> Option<$e> {
+                match $x {
+                    $( $id => Some($e::$v), )*
+                    _ => None,
+                }
+            }
+
+            $(#[$nm])*
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $( $e::$v => $name, )*
+                }
+            }
+        }
+    };
+}
+
 mod decode;
 mod encode;
 mod handshake;
@@ -179,42 +219,20 @@ impl From<WireError> for crate::Error {
     }
 }
 
-macro_rules! packet_types {
-    ($( $(#[$m:meta])* $v:ident = $id:literal, $name:literal; )*) => {
-        /// Every packet type id protocol v4 defines (`efa_rdm_protocol.h`).
-        ///
-        /// Some are known but never sent — retired, local-only, or without a send path in current
-        /// libfabric; [`decode`] reports them as [`WireError::NotDecodable`]
-        /// (see [`PacketType::is_decodable`]).
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        #[repr(u8)]
-        pub enum PacketType {
-            $( $(#[$m])* $v = $id, )*
-        }
+id_enum! {
+    /// Every packet type id protocol v4 defines (`efa_rdm_protocol.h`).
+    ///
+    /// Some are known but never sent — retired, local-only, or without a send path in current
+    /// libfabric; [`decode`] reports them as [`WireError::NotDecodable`]
+    /// (see [`PacketType::is_decodable`]).
+    pub enum PacketType;
+    /// Every type, in id order.
+    ALL;
+    /// The type of an id, if protocol v4 defines it.
+    fn from_id(id: u8);
+    /// libfabric's name without the `EFA_RDM_` prefix and `_PKT` suffix (`"EAGER_MSGRTM"`).
+    fn name;
 
-        impl PacketType {
-            /// Every type, in id order.
-            pub const ALL: &'static [PacketType] = &[ $( PacketType::$v, )* ];
-
-            /// The type of an id, if protocol v4 defines it.
-            pub const fn from_id(id: u8) -> Option<PacketType> {
-                match id {
-                    $( $id => Some(PacketType::$v), )*
-                    _ => None,
-                }
-            }
-
-            /// libfabric's name without the `EFA_RDM_` prefix and `_PKT` suffix (`"EAGER_MSGRTM"`).
-            pub const fn name(self) -> &'static str {
-                match self {
-                    $( PacketType::$v => $name, )*
-                }
-            }
-        }
-    };
-}
-
-packet_types! {
     /// Retired RTS (1).
     RetiredRts = 1, "RETIRED_RTS";
     /// Retired CONNACK (2).

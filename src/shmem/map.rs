@@ -96,29 +96,35 @@ impl Mapping {
         (end <= self.len).then_some(off)
     }
 
+    /// The address of the `n`-byte word at `off`, if it lies inside the mapping and `off` is a
+    /// multiple of `n`: the mapping is page aligned, so the address is `n`-aligned too.
+    #[inline]
+    fn word(&self, off: usize, n: usize) -> Option<*mut u8> {
+        let off = self.range(off, n)?;
+        if off % n != 0 {
+            return None;
+        }
+        // SAFETY: `off..off+n` lies inside the mapping (checked above).
+        Some(unsafe { self.ptr.as_ptr().add(off) })
+    }
+
     /// The 32-bit control word at `off` (4-aligned, inside the mapping).
     #[inline]
     pub(crate) fn u32(&self, off: usize) -> Option<&AtomicU32> {
-        let off = self.range(off, 4)?;
-        if off % 4 != 0 {
-            return None;
-        }
-        // SAFETY: `off..off+4` lies inside the mapping (checked above) and the mapping is page
-        // aligned, so the address is 4-aligned; `AtomicU32` has the size and alignment of `u32`
-        // and is valid for any bit pattern; the reference lives no longer than `&self`, i.e. the
-        // mapping. Other processes may change the word at any time, which atomics allow.
-        Some(unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() })
+        let p = self.word(off, 4)?;
+        // SAFETY: `p..p+4` lies inside the mapping and is 4-aligned (`word`); `AtomicU32` has
+        // the size and alignment of `u32` and is valid for any bit pattern; the reference lives
+        // no longer than `&self`, i.e. the mapping. Other processes may change the word at any
+        // time, which atomics allow.
+        Some(unsafe { &*p.cast::<AtomicU32>() })
     }
 
     /// The 64-bit control word at `off` (8-aligned, inside the mapping).
     #[inline]
     pub(crate) fn u64(&self, off: usize) -> Option<&AtomicU64> {
-        let off = self.range(off, 8)?;
-        if off % 8 != 0 {
-            return None;
-        }
+        let p = self.word(off, 8)?;
         // SAFETY: as in `u32`, for an 8-byte, 8-aligned word.
-        Some(unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() })
+        Some(unsafe { &*p.cast::<AtomicU64>() })
     }
 
     /// Copies `src` to `off`; false (nothing written) when the range leaves the mapping.

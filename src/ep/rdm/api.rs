@@ -358,17 +358,9 @@ impl Endpoint<Rdm> {
         buf: impl Into<SendBuf>,
         options: SendOptions,
     ) -> OpFuture {
-        let slot = Arc::new(Slot::default());
-        let posted =
-            self.core
-                .post_send(peer, buf.into(), None, options, Sink::Future(slot.clone()));
-        OpFuture {
-            core: self.core.clone(),
-            slot,
-            early: posted.err(),
-            recv: false,
-            finished: false,
-        }
+        OpFuture::post(&self.core, false, |sink| {
+            self.core.post_send(peer, buf.into(), None, options, sink)
+        })
     }
 
     /// Posts a receive and awaits the completion. Cancel-safe: dropping the future before it
@@ -377,17 +369,9 @@ impl Endpoint<Rdm> {
     /// message is not lost but goes back into matching for the next receive (it lands behind
     /// messages from the same sender that are already waiting unexpected).
     pub fn recv_async(&self, buf: impl Into<RecvBuf>, options: RecvOptions) -> OpFuture {
-        let slot = Arc::new(Slot::default());
-        let posted = self
-            .core
-            .post_recv(buf.into(), options, Sink::Future(slot.clone()));
-        OpFuture {
-            core: self.core.clone(),
-            slot,
-            early: posted.err(),
-            recv: true,
-            finished: false,
-        }
+        OpFuture::post(&self.core, true, |sink| {
+            self.core.post_recv(buf.into(), options, sink)
+        })
     }
 
     /// Drives the endpoint once (polling a bound completion queue does this too).

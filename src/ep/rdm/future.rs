@@ -14,16 +14,21 @@ pub struct OpFuture {
 }
 
 impl OpFuture {
-    pub(in crate::ep) fn new(
-        core: Arc<RdmCore>,
-        slot: Arc<Slot>,
-        early: Option<PostError>,
+    /// Posts an operation whose completion goes to a fresh slot (`post` gets the slot's sink)
+    /// and returns the future that awaits it; a refused post makes it resolve to that error.
+    /// `recv`: a receive, which dropping the future unfinished cancels.
+    pub(in crate::ep) fn post(
+        core: &Arc<RdmCore>,
+        recv: bool,
+        post: impl FnOnce(Sink) -> Result<(), PostError>,
     ) -> OpFuture {
+        let slot = Arc::new(Slot::default());
+        let early = post(Sink::Future(slot.clone())).err();
         OpFuture {
-            core,
+            core: core.clone(),
             slot,
             early,
-            recv: false,
+            recv,
             finished: false,
         }
     }

@@ -150,10 +150,10 @@ impl SameHost<'_> {
         copy: CopyFn<'_>,
     ) -> bool {
         let ok = self.0.rx.ops.get(&rid).is_some_and(|e| {
-            e.peer == LOCAL_PEER
-                && e.src == src
+            e.msg.peer == LOCAL_PEER
+                && e.msg.src == src
                 && e.received == off
-                && off.checked_add(n).is_some_and(|end| end <= e.msg_len)
+                && off.checked_add(n).is_some_and(|end| end <= e.msg.msg_len)
         });
         if !ok {
             self.0.drop_pkt("local chunk of no message in progress");
@@ -210,7 +210,7 @@ impl SameHost<'_> {
             .rx
             .ops
             .get(&rid)
-            .is_some_and(|e| e.peer == LOCAL_PEER)
+            .is_some_and(|e| e.msg.peer == LOCAL_PEER)
         {
             let p = self.0.parts();
             p.rx.abort_rx(
@@ -241,7 +241,7 @@ impl SameHost<'_> {
         if n > 0 {
             e.ranges.insert(off as u64, (off + n) as u64);
         }
-        let complete = e.received == e.msg_len;
+        let complete = e.received == e.msg.msg_len;
         match &mut e.state {
             RxState::Matched(sink) => {
                 place_local(sink, off, n, copy);

@@ -255,7 +255,7 @@ impl RxSide {
         let Some(min_free) = op.multi_recv else {
             if let Some(idx) = self.matcher.find_unexpected(tagged, src, tag, ignore) {
                 if let Some(u) = self.matcher.take_unexpected(tagged, idx) {
-                    let msg_len = self.ops.get(&u.item).map_or(0, |e| e.msg_len);
+                    let msg_len = self.ops.get(&u.item).map_or(0, |e| e.msg.msg_len);
                     return Ok(Posting::Matched(u.item, Sink::of(op, msg_len)));
                 }
             }
@@ -305,7 +305,7 @@ impl RxSide {
             .matcher
             .find_unexpected(m.tagged, m.src, m.tag, m.ignore)?;
         let u = self.matcher.take_unexpected(m.tagged, idx)?;
-        let msg_len = self.ops.get(&u.item).map_or(0, |e| e.msg_len);
+        let msg_len = self.ops.get(&u.item).map_or(0, |e| e.msg.msg_len);
         let (sink, retired) = self.carve(m.mid, msg_len)?;
         Some((u.item, sink, retired))
     }
@@ -360,10 +360,10 @@ impl RxSide {
     pub(super) fn peeked(&self, rid: u32) -> Option<Peeked> {
         let e = self.ops.get(&rid)?;
         Some(Peeked {
-            len: e.msg_len,
-            tag: e.tag,
-            data: e.data,
-            src: e.src,
+            len: e.msg.msg_len,
+            tag: e.msg.tag,
+            data: e.msg.data,
+            src: e.msg.src,
             claim: None,
         })
     }
@@ -431,7 +431,7 @@ impl RxSide {
         }
         self.claimed.remove(&claim);
         self.user_ops += 1;
-        let msg_len = self.ops.get(&rid).map_or(0, |e| e.msg_len);
+        let msg_len = self.ops.get(&rid).map_or(0, |e| e.msg.msg_len);
         Ok((rid, Sink::of(op, msg_len)))
     }
 

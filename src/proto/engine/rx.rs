@@ -10,7 +10,7 @@ use super::cx::Cx;
 use super::peer::Peer;
 use super::tx::grant_cts;
 use super::types::{Gone, Kind, LOCAL_PEER};
-use super::util::{IdMap, Out, RangeSet, SeqMap, Timer, next_free_id, sorted};
+use super::util::{IdMap, Out, RangeSet, SeqMap, Timer, sorted};
 use super::{Error, ErrorKind, Event, RecvDone, RecvOp};
 use super::{MultiRecv, PostedItem};
 use crate::addr::RawAddr;
@@ -128,15 +128,9 @@ impl RxSide {
 /// An inbound message, from its first packet to its completion.
 #[derive(Debug)]
 pub(super) struct RxEntry {
-    pub(super) peer: u64,
-    pub(super) src: RawAddr,
-    pub(super) msg_id: u32,
+    /// Who sent it, its id and length, what its completion reports.
+    pub(super) msg: Done,
     pub(super) kind: Kind,
-    pub(super) tagged: bool,
-    pub(super) tag: u64,
-    pub(super) data: Option<u32>,
-    pub(super) dc_send_id: Option<u32>,
-    pub(super) msg_len: usize,
     /// Bytes received so far, and where.
     pub(super) received: usize,
     pub(super) ranges: RangeSet,
@@ -162,6 +156,7 @@ impl RxEntry {
 }
 
 /// What the completion of a received message reports.
+#[derive(Debug)]
 pub(super) struct Done {
     pub(super) peer: u64,
     pub(super) src: RawAddr,
@@ -171,6 +166,23 @@ pub(super) struct Done {
     pub(super) tag: u64,
     pub(super) data: Option<u32>,
     pub(super) dc_send_id: Option<u32>,
+}
+
+impl Done {
+    /// The message `m` of peer `pid` from `src`, `msg_len` bytes long.
+    #[inline]
+    fn new(pid: u64, src: RawAddr, m: &Rtm, msg_len: usize) -> Done {
+        Done {
+            peer: pid,
+            src,
+            msg_id: m.msg_id,
+            msg_len,
+            tagged: m.tag.is_some(),
+            tag: m.tag.unwrap_or(0),
+            data: m.data,
+            dc_send_id: m.dc_send_id,
+        }
+    }
 }
 
 /// The fields of an RTM packet the receive side uses.
@@ -326,8 +338,7 @@ impl RxSide {
     /// A receive-side id no inbound message uses and `taken` (the emulation's long-CTS ids)
     /// does not hold: one space for the ids peers echo in CTSDATA.
     pub(super) fn alloc_id(&mut self, taken: impl Fn(u32) -> bool) -> u32 {
-        let ops = &self.ops;
-        next_free_id(&mut self.next_id, |id| ops.contains_key(&id) || taken(id))
+        self.ops.free_id(&mut self.next_id, taken)
     }
 
     /// An RTM packet (eager, medium segment, long-CTS first chunk, long/runting read) from peer
@@ -501,15 +512,8 @@ impl RxSide {
         self.ops.insert(
             rid,
             RxEntry {
-                peer: pid,
-                src,
-                msg_id: m.msg_id,
+                msg: Done::new(pid, src, m, msg_len),
                 kind: m.kind,
-                tagged: m.tag.is_some(),
-                tag: m.tag.unwrap_or(0),
-                data: m.data,
-                dc_send_id: m.dc_send_id,
-                msg_len,
                 received: 0,
                 ranges: RangeSet::default(),
                 held: Vec::new(),
@@ -550,7 +554,7 @@ impl RxSide {
         e.held_bytes += n;
         cx.budget
             .add_bytes(n, matches!(e.state, RxState::Unexpected | RxState::Claimed));
-        let pid = e.peer;
+        let pid = e.msg.peer;
         cx.budget.peer_held(&mut cx.peers, pid, 0, n, true);
     }
 
@@ -565,9 +569,9 @@ impl RxSide {
             _ => false,
         };
         let consistent = same_kind
-            && m.msg_length.and_then(|l| usize::try_from(l).ok()) == Some(e.msg_len)
-            && m.tag.unwrap_or(0) == e.tag
-            && m.tag.is_some() == e.tagged;
+            && m.msg_length.and_then(|l| usize::try_from(l).ok()) == Some(e.msg.msg_len)
+            && m.tag.unwrap_or(0) == e.msg.tag
+            && m.tag.is_some() == e.msg.tagged;
         if !consistent {
             return cx
                 .out
@@ -577,7 +581,7 @@ impl RxSide {
         let off = usize::try_from(m.seg_offset).unwrap_or(usize::MAX);
         let limit = match e.kind {
             Kind::RuntRead { runt, .. } => usize::try_from(runt).unwrap_or(usize::MAX),
-            _ => e.msg_len,
+            _ => e.msg.msg_len,
         };
         let Some(end) = off.checked_add(n).filter(|&end| n > 0 && end <= limit) else {
             return cx.out.drop_pkt("medium segment beyond its message");
@@ -587,7 +591,7 @@ impl RxSide {
         }
         e.received += n;
         e.last = now;
-        let complete = e.received == e.msg_len;
+        let complete = e.received == e.msg.msg_len;
         let reading = e.read.is_some();
         match &mut e.state {
             RxState::Matched(sink) => {
@@ -651,17 +655,7 @@ impl RxSide {
         });
         sink.buf.clear();
         place(&mut sink, 0, data);
-        let msg = Done {
-            peer: pid,
-            src,
-            msg_id: m.msg_id,
-            msg_len: data.len(),
-            tagged,
-            tag,
-            data: m.data,
-            dc_send_id: m.dc_send_id,
-        };
-        self.finish_rx(sink, &msg, cx);
+        self.finish_rx(sink, &Done::new(pid, src, m, data.len()), cx);
         Some(passed)
     }
 
@@ -681,7 +675,7 @@ impl RxSide {
         let Some(e) = self.ops.get(&rid) else {
             return;
         };
-        let (tagged, src, tag, msg_len) = (e.tagged, e.src, e.tag, e.msg_len);
+        let (tagged, src, tag, msg_len) = (e.msg.tagged, e.msg.src, e.msg.tag, e.msg.msg_len);
         let posted = if unmatched {
             None
         } else {
@@ -714,7 +708,7 @@ impl RxSide {
             return false;
         };
         e.state = RxState::Unexpected;
-        let (tagged, src, tag) = (e.tagged, e.src, e.tag);
+        let (tagged, src, tag) = (e.msg.tagged, e.msg.src, e.msg.tag);
         cx.budget.became_unexpected(e.held_bytes);
         self.matcher.push_unexpected(
             tagged,
@@ -746,7 +740,7 @@ impl RxSide {
             RxState::Matched(_) | RxState::Dropped => return,
         };
         cx.budget.release(e.held_bytes, unexp);
-        let (pid, released) = (e.peer, e.held_bytes);
+        let (pid, released) = (e.msg.peer, e.held_bytes);
         sink.buf.clear();
         for (off, bytes) in std::mem::take(&mut e.held) {
             place(&mut sink, off, &bytes);
@@ -758,7 +752,7 @@ impl RxSide {
         e.last = now;
         e.state = RxState::Matched(sink);
         let (whole, long_cts) = (
-            e.received == e.msg_len,
+            e.received == e.msg.msg_len,
             matches!(e.kind, Kind::LongCts { .. }),
         );
         cx.budget.peer_held(&mut cx.peers, pid, 1, released, false);
@@ -789,7 +783,14 @@ impl RxSide {
         let Kind::LongCts { send_id } = e.kind else {
             return;
         };
-        let window = grant_cts(cx, e.peer, send_id, rid, e.msg_len - e.received, false);
+        let window = grant_cts(
+            cx,
+            e.msg.peer,
+            send_id,
+            rid,
+            e.msg.msg_len - e.received,
+            false,
+        );
         e.window_start = e.received;
         e.window_end = e.received + window;
     }
@@ -807,7 +808,7 @@ impl RxSide {
         let Some(e) = self.ops.get_mut(&recv_id) else {
             return cx.out.drop_pkt("CTSDATA for an unknown recv_id");
         };
-        if e.peer != pid || !matches!(e.kind, Kind::LongCts { .. }) || !e.matched() {
+        if e.msg.peer != pid || !matches!(e.kind, Kind::LongCts { .. }) || !e.matched() {
             return cx
                 .out
                 .drop_pkt("CTSDATA for a message that is not receiving from this peer");
@@ -828,7 +829,7 @@ impl RxSide {
         if let RxState::Matched(sink) = &mut e.state {
             place(sink, off, data);
         }
-        let (received, msg_len, window_end) = (e.received, e.msg_len, e.window_end);
+        let (received, msg_len, window_end) = (e.received, e.msg.msg_len, e.window_end);
         if received == msg_len {
             self.complete_rx(recv_id, cx);
         } else if received == window_end {
@@ -842,9 +843,9 @@ impl RxSide {
         let Some(e) = self.ops.remove(&rid) else {
             return;
         };
-        if let Some(p) = cx.peers.get_mut(&e.peer) {
-            if p.inbound.get(&e.msg_id) == Some(&rid) {
-                p.inbound.remove(&e.msg_id);
+        if let Some(p) = cx.peers.get_mut(&e.msg.peer) {
+            if p.inbound.get(&e.msg.msg_id) == Some(&rid) {
+                p.inbound.remove(&e.msg.msg_id);
             }
         }
         cx.budget.release(
@@ -852,7 +853,7 @@ impl RxSide {
             matches!(e.state, RxState::Unexpected | RxState::Claimed),
         );
         cx.budget
-            .peer_held(&mut cx.peers, e.peer, 1, e.held_bytes, false);
+            .peer_held(&mut cx.peers, e.msg.peer, 1, e.held_bytes, false);
     }
 
     /// Removes a matched entry (from the peer's map and the stall accounting too).
@@ -861,9 +862,9 @@ impl RxSide {
         if e.read.is_some() {
             read::entry_removed(rid, &mut e, &mut cx.wrs);
         }
-        if let Some(p) = cx.peers.get_mut(&e.peer) {
-            if p.inbound.get(&e.msg_id) == Some(&rid) {
-                p.inbound.remove(&e.msg_id);
+        if let Some(p) = cx.peers.get_mut(&e.msg.peer) {
+            if p.inbound.get(&e.msg.msg_id) == Some(&rid) {
+                p.inbound.remove(&e.msg.msg_id);
             }
         }
         self.left(e.in_progress, &mut cx.out);
@@ -878,17 +879,7 @@ impl RxSide {
         let RxState::Matched(sink) = e.state else {
             return;
         };
-        let msg = Done {
-            peer: e.peer,
-            src: e.src,
-            msg_id: e.msg_id,
-            msg_len: e.msg_len,
-            tagged: e.tagged,
-            tag: e.tag,
-            data: e.data,
-            dc_send_id: e.dc_send_id,
-        };
-        self.finish_rx(sink, &msg, cx);
+        self.finish_rx(sink, &e.msg, cx);
     }
 
     /// A message is in its buffer: RECEIPT for delivery complete, and the completion.
@@ -956,7 +947,7 @@ impl RxSide {
         let RxState::Matched(sink) = e.state else {
             return;
         };
-        let msg = (e.tagged.then_some(e.tag), e.data, e.src);
+        let msg = (e.msg.tagged.then_some(e.msg.tag), e.msg.data, e.msg.src);
         self.fail_sink(sink, msg, kind, why, &mut cx.out);
     }
 
@@ -1047,8 +1038,8 @@ impl RxSide {
         }
         let user = std::mem::replace(sink, Sink::discard());
         e.last = now;
-        e.dc_send_id = None;
-        let msg = (e.tagged.then_some(e.tag), e.data, e.src);
+        e.msg.dc_send_id = None;
+        let msg = (e.msg.tagged.then_some(e.msg.tag), e.msg.data, e.msg.src);
         self.fail_sink(
             user,
             msg,

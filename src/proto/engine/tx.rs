@@ -10,7 +10,7 @@ use super::cx::Cx;
 use super::peer::our_sender;
 use super::peer::{Peers, peer_fatal};
 use super::types::{Gone, MsgHdr, Owner, Pkt, Proto, medium_segments};
-use super::util::{Hdr, HeaderArena, IdMap, SeqMap, WrTable, encode, next_free_id, sorted};
+use super::util::{Hdr, HeaderArena, IdMap, SeqMap, WrTable, encode, sorted};
 use super::wr::ReadProto;
 use super::{EngineConfig, Error, ErrorKind, Event, RmaMemory, SendDone, SendOp, Transmit};
 use crate::addr::RawAddr;
@@ -192,8 +192,7 @@ impl TxSide {
     /// one space (`taken` says which ids the others hold), so a CTS, CTSDATA or RECEIPT finds
     /// its owner by its id alone.
     pub(super) fn alloc_id(&mut self, taken: impl Fn(u32) -> bool) -> u32 {
-        let ops = &self.ops;
-        next_free_id(&mut self.next_id, |id| ops.contains_key(&id) || taken(id))
+        self.ops.free_id(&mut self.next_id, taken)
     }
 
     /// Starts send `op`: `Again` when `max_tx_ops` are in flight or the peer is in RNR

@@ -221,6 +221,12 @@ impl<T> SeqMap<T> {
         self.get(id).is_some()
     }
 
+    /// The next id from the counter `next` (wrapping) that neither this map nor `taken` holds.
+    #[inline]
+    pub(super) fn free_id(&self, next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
+        next_free_id(next, |id| self.contains_key(&id) || taken(id))
+    }
+
     pub(super) fn remove(&mut self, id: &u32) -> Option<T> {
         let s = self.slot(*id);
         let v = match self.ring.get_mut(s) {
@@ -827,7 +833,7 @@ pub(super) fn sorted(ids: impl Iterator<Item = u32>) -> Vec<u32> {
 
 /// The next id from the counter `next` (wrapping) that `taken` does not hold.
 #[inline]
-pub(super) fn next_free_id(next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
+fn next_free_id(next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
     loop {
         let id = *next;
         *next = next.wrapping_add(1);

@@ -5,38 +5,16 @@ use std::fmt;
 
 use super::{CONNID_HDR, HANDSHAKE_OPT_LEN, MAX_NUM_EXINFO, handshake_flags};
 
-macro_rules! extra_features {
-    ($( $(#[$m:meta])* $v:ident = $bit:literal, $name:literal; )*) => {
-        /// Handshake extra feature/request bits: bit `i` of `extra_info[i / 64]`.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        #[repr(u8)]
-        pub enum ExtraFeature {
-            $( $(#[$m])* $v = $bit, )*
-        }
+id_enum! {
+    /// Handshake extra feature/request bits: bit `i` of `extra_info[i / 64]`.
+    pub enum ExtraFeature;
+    /// Every bit, in order.
+    ALL;
+    /// The feature of a bit id.
+    fn from_bit(bit: u32);
+    /// libfabric's name without the `EFA_RDM_EXTRA_` prefix.
+    fn name;
 
-        impl ExtraFeature {
-            /// Every bit, in order.
-            pub const ALL: &'static [ExtraFeature] = &[ $( ExtraFeature::$v, )* ];
-
-            /// The feature of a bit id.
-            pub const fn from_bit(bit: u32) -> Option<ExtraFeature> {
-                match bit {
-                    $( $bit => Some(ExtraFeature::$v), )*
-                    _ => None,
-                }
-            }
-
-            /// libfabric's name without the `EFA_RDM_EXTRA_` prefix.
-            pub const fn name(self) -> &'static str {
-                match self {
-                    $( ExtraFeature::$v => $name, )*
-                }
-            }
-        }
-    };
-}
-
-extra_features! {
     /// The sender's device can RDMA-read (long-read and runting-read protocols).
     RdmaRead = 0, "FEATURE_RDMA_READ";
     /// Delivery-complete REQ types and RECEIPT (baseline since libfabric 2.6).

@@ -19,7 +19,7 @@ impl RxSide {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
-        let (pid, dest, msg_len) = (e.peer, e.src, e.msg_len);
+        let (pid, dest, msg_len) = (e.msg.peer, e.msg.src, e.msg.msg_len);
         e.last = now;
         let (Some(r), RxState::Matched(sink)) = (e.read.as_mut(), &mut e.state) else {
             return;
@@ -84,7 +84,7 @@ impl RxSide {
         };
         e.last = now;
         let into_region = region.is_some();
-        let msg_len = e.msg_len;
+        let msg_len = e.msg.msg_len;
         let (Some(r), state) = (e.read.as_mut(), &mut e.state) else {
             return;
         };
@@ -133,10 +133,10 @@ impl RxSide {
             return;
         };
         r.phase = Phase::Done;
-        let (send_id, start) = (r.send_id, r.start.min(e.msg_len));
+        let (send_id, start) = (r.send_id, r.start.min(e.msg.msg_len));
         // What did not fit counts as received, as for the packets of a truncated message.
-        e.received += e.msg_len - start;
-        let (pid, complete) = (e.peer, e.received >= e.msg_len);
+        e.received += e.msg.msg_len - start;
+        let (pid, complete) = (e.msg.peer, e.received >= e.msg.msg_len);
         let eor = Packet::Eor {
             connid: Some(cx.local.qkey),
             send_id,
@@ -154,7 +154,7 @@ impl RxSide {
         let Some(e) = self.ops.get_mut(&rid) else {
             return;
         };
-        let (received, msg_len, pid) = (e.received, e.msg_len, e.peer);
+        let (received, msg_len, pid) = (e.received, e.msg.msg_len, e.msg.peer);
         let Some(r) = e.read.as_mut() else {
             return;
         };
@@ -198,7 +198,7 @@ impl RxSide {
         }
         e.read = None;
         e.kind = Kind::LongCts { send_id };
-        e.dc_send_id = dc.then_some(send_id);
+        e.msg.dc_send_id = dc.then_some(send_id);
         e.last = now;
         if e.matched() {
             self.send_cts(rid, cx);
@@ -210,7 +210,7 @@ impl RxSide {
 /// device come back into its buffer (out of the queue `wrs`); those on the device are replaced
 /// by zeros (their completions find no entry).
 pub(super) fn entry_removed(rid: u32, e: &mut RxEntry, wrs: &mut VecDeque<Wr>) {
-    let msg_len = e.msg_len;
+    let msg_len = e.msg.msg_len;
     let Some(r) = e.read.as_mut() else {
         return;
     };
