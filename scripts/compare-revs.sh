@@ -10,6 +10,13 @@
 #
 # NEW_REV defaults to the working tree. Each revision builds in a worktree of its own under
 # $TMPDIR with its own target directory (kept for reruns: efa-revs-<rev>).
+#
+# Two things this VM taught (docs/performance.md, sitting of 2026-11-28 13:11): the same binary
+# run from two files differed by 15% at 64 B on shm, run after run (the kernel maps an
+# executable's text in page-cache folios whose size and placement differ from file to file), and
+# unpinned processes make the 64-byte figures bimodal. So every run starts from a fresh copy of
+# its binary, and with two CPUs or more the server runs on CPU 0 and the client on CPU 1
+# (`taskset`); 64-byte runs take 200 000 round trips on shm (20 000 on udp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,17 +62,24 @@ echo "new: ${2:-working tree} ($new)"
 port=$((40000 + RANDOM % 20000))
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-iters() { if [ "$1" -ge 1048576 ]; then echo 300; else echo 20000; fi; }
+iters() {
+    if [ "$1" -ge 1048576 ]; then echo 300; elif [ "$2" = shm ]; then echo 200000; else echo 20000; fi
+}
+pin_srv=() pin_cli=()
+if [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then pin_srv=(taskset -c 0) pin_cli=(taskset -c 1); fi
 
-# run BIN DEV SIZE: "usec MB/sec" from the client's result line.
+# run BIN DEV SIZE: "usec MB/sec" from the client's result line, from a fresh copy of BIN.
 run() {
-    local bin=$1 dev=$2 s=$3 i; i=$(iters "$s"); port=$((port + 1))
-    FI_EFA_ENABLE_SHM_TRANSFER=0 "$bin" -p "$dev" -e rdm -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+    local bin=$1 dev=$2 s=$3 i; i=$(iters "$s" "$dev"); port=$((port + 1))
+    local copy="$tmp/run-$port"
+    cp "$bin" "$copy"
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "${pin_srv[@]}" "$copy" -p "$dev" -e rdm -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    FI_EFA_ENABLE_SHM_TRANSFER=0 timeout 120 "$bin" -p "$dev" -e rdm -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null |
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "${pin_cli[@]}" timeout 120 "$copy" -p "$dev" -e rdm -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null |
         grep -v "^#" | tail -1 | awk '{print $7, $6}'
     wait $srv || true
+    rm -f "$copy"
 }
 
 for r in $(seq "$rounds"); do

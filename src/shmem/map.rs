@@ -96,22 +96,24 @@ impl Mapping {
         (end <= self.len).then_some(off)
     }
 
-    /// The address of the `n`-byte word at `off`, if it lies inside the mapping and `off` is a
-    /// multiple of `n`: the mapping is page aligned, so the address is `n`-aligned too.
-    #[inline]
-    fn word(&self, off: usize, n: usize) -> Option<*mut u8> {
-        let off = self.range(off, n)?;
-        if off % n != 0 {
+    /// The address of the `N`-byte word at `off`, if it lies inside the mapping and `off` is a
+    /// multiple of `N`: the mapping is page aligned, so the address is `N`-aligned too. (`N` is
+    /// a constant so that the alignment check is a mask, never a division: the rings check
+    /// every control word they touch.)
+    #[inline(always)]
+    fn word<const N: usize>(&self, off: usize) -> Option<*mut u8> {
+        let off = self.range(off, N)?;
+        if !off.is_multiple_of(N) {
             return None;
         }
-        // SAFETY: `off..off+n` lies inside the mapping (checked above).
+        // SAFETY: `off..off+N` lies inside the mapping (checked above).
         Some(unsafe { self.ptr.as_ptr().add(off) })
     }
 
     /// The 32-bit control word at `off` (4-aligned, inside the mapping).
     #[inline]
     pub(crate) fn u32(&self, off: usize) -> Option<&AtomicU32> {
-        let p = self.word(off, 4)?;
+        let p = self.word::<4>(off)?;
         // SAFETY: `p..p+4` lies inside the mapping and is 4-aligned (`word`); `AtomicU32` has
         // the size and alignment of `u32` and is valid for any bit pattern; the reference lives
         // no longer than `&self`, i.e. the mapping. Other processes may change the word at any
@@ -122,7 +124,7 @@ impl Mapping {
     /// The 64-bit control word at `off` (8-aligned, inside the mapping).
     #[inline]
     pub(crate) fn u64(&self, off: usize) -> Option<&AtomicU64> {
-        let p = self.word(off, 8)?;
+        let p = self.word::<8>(off)?;
         // SAFETY: as in `u32`, for an 8-byte, 8-aligned word.
         Some(unsafe { &*p.cast::<AtomicU64>() })
     }
