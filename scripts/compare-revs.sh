@@ -15,8 +15,9 @@
 # run from two files differed by 15% at 64 B on shm, run after run (the kernel maps an
 # executable's text in page-cache folios whose size and placement differ from file to file), and
 # unpinned processes make the 64-byte figures bimodal. So every run starts from a fresh copy of
-# its binary, and with two CPUs or more the server runs on CPU 0 and the client on CPU 1
-# (`taskset`); 64-byte runs take 200 000 round trips on shm (20 000 on udp).
+# its binary, and with two CPUs or more small-message runs put the server on CPU 0 and the client
+# on CPU 1 (`taskset`; not the 1 MiB runs: pinned with its helper threads on one CPU, shm 1 MiB
+# fell from 20 to 3 GB/s); 64-byte runs take 200 000 round trips on shm (20 000 on udp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,12 +72,13 @@ if [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then pin_srv=(taskset 
 # run BIN DEV SIZE: "usec MB/sec" from the client's result line, from a fresh copy of BIN.
 run() {
     local bin=$1 dev=$2 s=$3 i; i=$(iters "$s" "$dev"); port=$((port + 1))
-    local copy="$tmp/run-$port"
+    local copy="$tmp/run-$port" ps=() pc=()
     cp "$bin" "$copy"
-    FI_EFA_ENABLE_SHM_TRANSFER=0 "${pin_srv[@]}" "$copy" -p "$dev" -e rdm -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
+    if [ "$s" -lt 65536 ]; then ps=("${pin_srv[@]}") pc=("${pin_cli[@]}"); fi
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "${ps[@]}" "$copy" -p "$dev" -e rdm -S "$s" -I "$i" -l -B $port >/dev/null 2>&1 &
     local srv=$!
     sleep 0.3
-    FI_EFA_ENABLE_SHM_TRANSFER=0 "${pin_cli[@]}" timeout 120 "$copy" -p "$dev" -e rdm -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null |
+    FI_EFA_ENABLE_SHM_TRANSFER=0 "${pc[@]}" timeout 120 "$copy" -p "$dev" -e rdm -S "$s" -I "$i" -P $port 127.0.0.1 2>/dev/null |
         grep -v "^#" | tail -1 | awk '{print $7, $6}'
     wait $srv || true
     rm -f "$copy"
