@@ -2,11 +2,18 @@
 //! rate through the whole stack (endpoint, engine, device), and ping-pong latency on loopback,
 //! udp and shm (the local fast path, in one thread: the software cost of a message, without the
 //! cache-line transfers between two cores).
+//!
+//! For instruction counts (repeatable on a noisy machine), `EFA_RDM_PROFILE=<path>:<n>` skips
+//! criterion and runs `n` 64-byte `inject` round trips (after 1000 to warm up) between two
+//! endpoints of one domain, `path` being `loopback`, `shm-local` (the shm device's endpoints
+//! through their local channels) or `udp-local` (the default same-host path): the difference of
+//! `valgrind --tool=callgrind` totals for two values of `n` is the whole stack's cost per round
+//! trip (endpoint, completion queue, engine, local path, device polls), the two sides' together.
 
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use efa::device::loopback::{LoopbackConfig, LoopbackDevice, LoopbackNetwork};
 use efa::device::shm::{ShmConfig, ShmDevice};
 use efa::device::udp::{UdpConfig, UdpDevice};
@@ -236,5 +243,34 @@ fn idle_poll(c: &mut Criterion) {
     g.finish();
 }
 
+/// `EFA_RDM_PROFILE=<path>:<n>`: `n` inject round trips outside criterion (see the top).
+fn profile(spec: &str) {
+    let mut it = spec.split(':');
+    let path = it.next().unwrap_or("shm-local");
+    let n: u64 = it.next().and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    let dir = tempfile::tempdir().unwrap();
+    let d = match path {
+        "loopback" => loopback(),
+        "shm-local" => shm(dir.path()),
+        "udp-local" => udp_local(dir.path()),
+        other => panic!("EFA_RDM_PROFILE: unknown path {other} (loopback, shm-local, udp-local)"),
+    };
+    let p = pair(&d);
+    let mut out = Vec::with_capacity(256);
+    pingpong_inject(&p, 1000, 64, &mut out);
+    let t = pingpong_inject(&p, n, 64, &mut out);
+    eprintln!(
+        "{path}: {n} round trips, {:?} one way",
+        t / (2 * n.max(1) as u32)
+    );
+}
+
 criterion_group!(rdm, benches, idle_poll);
-criterion_main!(rdm);
+
+fn main() {
+    if let Ok(spec) = std::env::var("EFA_RDM_PROFILE") {
+        return profile(&spec);
+    }
+    rdm();
+    Criterion::default().configure_from_args().final_summary();
+}
