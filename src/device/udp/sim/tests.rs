@@ -752,6 +752,15 @@ fn counter(net: &Net, h: usize, f: impl Fn(&crate::stats::DeviceStats) -> u64) -
     f(&net.host(h).counters.snapshot())
 }
 
+/// A network that loses, duplicates and reorders datagrams (`faulty`), or a clean one.
+fn net_config(faulty: bool, seed: u64) -> NetConfig {
+    if faulty {
+        NetConfig::faulty(seed)
+    } else {
+        NetConfig::clean(seed)
+    }
+}
+
 /// Issue 27: small packets posted together to one peer leave packed, several per datagram,
 /// once the peer said it unpacks; on a network that loses, duplicates and reorders datagrams
 /// (a lost packed datagram is a loss of every packet in it) every message still arrives exactly
@@ -760,12 +769,7 @@ fn counter(net: &Net, h: usize, f: impl Fn(&crate::stats::DeviceStats) -> u64) -
 fn small_packets_to_one_peer_leave_packed_and_arrive_exactly_once() {
     let seed = test_seed();
     for faulty in [false, true] {
-        let nc = if faulty {
-            NetConfig::faulty(seed)
-        } else {
-            NetConfig::clean(seed)
-        };
-        let (mut net, a, b) = srd_pair(nc);
+        let (mut net, a, b) = srd_pair(net_config(faulty, seed));
         small_bursts(&mut net, a, b, 60, seed);
         let s = net.host(a).counters.snapshot();
         let r = net.host(b).counters.snapshot();
@@ -798,12 +802,7 @@ fn small_packets_to_one_peer_leave_packed_and_arrive_exactly_once() {
 fn a_peer_of_the_older_wire_is_never_sent_packed_datagrams() {
     let seed = test_seed();
     for faulty in [false, true] {
-        let cfg = if faulty {
-            NetConfig::faulty(seed)
-        } else {
-            NetConfig::clean(seed)
-        };
-        let (mut net, a, old) = srd_pair(cfg);
+        let (mut net, a, old) = srd_pair(net_config(faulty, seed));
         net.old_wire(old);
         small_bursts(&mut net, a, old, 20, seed);
         assert_eq!(
