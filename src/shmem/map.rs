@@ -185,6 +185,7 @@ impl Mapping {
 ///
 /// # Safety
 /// `src..src + n` must be readable and `dst..dst + n` writable, and the two must not overlap.
+#[cfg(not(loom))]
 unsafe fn copy_out(src: *const u8, dst: *mut u8, n: usize) {
     let step = crate::mem::copy::piece_len(dst, src, n);
     let mut at = 0;
