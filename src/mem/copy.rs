@@ -31,11 +31,14 @@ const PIECE: usize = 2048;
 /// slice of their source (shared memory another process writes).
 #[inline]
 pub(crate) fn piece_len(dst: *const u8, src: *const u8, len: usize) -> usize {
+    if len <= PIECE {
+        return len.max(1);
+    }
     let distance = (dst as usize).wrapping_sub(src as usize) % PERIOD;
-    if len > PIECE && (1..BAND).contains(&distance) {
+    if (1..BAND).contains(&distance) {
         PIECE
     } else {
-        len.max(1)
+        len
     }
 }
 
@@ -51,6 +54,11 @@ pub(crate) fn pieces(dst: *const u8, src: &[u8]) -> std::slice::Chunks<'_, u8> {
 #[inline]
 pub(crate) fn copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy: lengths differ");
+    if src.len() <= PIECE {
+        // Small messages, the hot case: one `memcpy`, never `rep movsb`.
+        dst.copy_from_slice(src);
+        return;
+    }
     let mut at = 0;
     for p in pieces(dst.as_ptr(), src) {
         dst[at..at + p.len()].copy_from_slice(p);

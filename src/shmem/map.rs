@@ -186,8 +186,14 @@ impl Mapping {
 /// # Safety
 /// `src..src + n` must be readable and `dst..dst + n` writable, and the two must not overlap.
 #[cfg(not(loom))]
+#[inline]
 unsafe fn copy_out(src: *const u8, dst: *mut u8, n: usize) {
     let step = crate::mem::copy::piece_len(dst, src, n);
+    if step >= n {
+        // SAFETY: the caller's ranges, whole.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        return;
+    }
     let mut at = 0;
     while at < n {
         let k = step.min(n - at);
