@@ -104,6 +104,22 @@ pub(crate) fn flush_recvs(
     }
 }
 
+/// Copies a received datagram into a posted receive buffer: `Success`, or `LocalBadLength`
+/// when it is longer than the buffer's capacity (the buffer then holds what fits). Never
+/// reallocates.
+#[inline]
+pub(crate) fn fill_recv(buf: &mut BytesMut, data: &[u8]) -> Status {
+    buf.clear();
+    let cap = buf.capacity();
+    if data.len() > cap {
+        buf.extend_from_slice(data.get(..cap).unwrap_or_default());
+        Status::LocalBadLength
+    } else {
+        crate::mem::copy::extend(buf, data);
+        Status::Success
+    }
+}
+
 /// Moves up to `max` completions from the front of `q` into `out`, in order; returns how many.
 #[inline]
 pub(crate) fn drain_into(

@@ -16,7 +16,7 @@ use super::verbs_error;
 use super::wr::WrTable;
 use super::{GRH_LEN, UNSOLICITED_WR_ID};
 use crate::addr::RawAddr;
-use crate::device::queues::drain_into;
+use crate::device::queues::{drain_into, fill_recv};
 use crate::device::{
     DeviceCaps, DeviceCompletion, Opcode, QpType, QueuePair, RdmaKind, RdmaWr, RemoteIov, SendWr,
     Source, Status, rdma_posts_by_wr,
@@ -96,20 +96,6 @@ pub fn recv_payload(qp_type: QpType, slot: &[u8], byte_len: u32) -> Option<&[u8]
         QpType::Ud if len < GRH_LEN => None,
         QpType::Ud => slot.get(GRH_LEN..len),
         QpType::Srd => slot.get(..len),
-    }
-}
-
-/// Copies a received datagram into the caller's buffer: `Success`, or `LocalBadLength` when it is
-/// longer than the buffer's capacity (the buffer then holds what fits). Never reallocates.
-pub fn deliver(buf: &mut BytesMut, data: &[u8]) -> Status {
-    buf.clear();
-    let cap = buf.capacity();
-    if data.len() > cap {
-        buf.extend_from_slice(data.get(..cap).unwrap_or_default());
-        Status::LocalBadLength
-    } else {
-        crate::mem::copy::extend(buf, data);
-        Status::Success
     }
 }
 
@@ -373,7 +359,7 @@ impl<N: Nic> EfaQp<N> {
                     });
                     match data {
                         Some(d) => {
-                            out.status = deliver(&mut buf, d);
+                            out.status = fill_recv(&mut buf, d);
                             out.byte_len = d.len();
                             stats::inc(&c.rx_pkts);
                             stats::add(&c.rx_bytes, d.len() as u64);

@@ -913,13 +913,13 @@ fn polling_never_arms_and_completions_notify() {
 }
 
 #[test]
-fn deliver_never_reallocates() {
+fn fill_recv_never_reallocates() {
     let mut b = BytesMut::with_capacity(4);
     b.extend_from_slice(b"zz");
-    assert_eq!(deliver(&mut b, b"abcdef"), Status::LocalBadLength);
+    assert_eq!(fill_recv(&mut b, b"abcdef"), Status::LocalBadLength);
     assert_eq!(&b[..], b"abcd");
     assert_eq!(b.capacity(), 4);
-    assert_eq!(deliver(&mut b, b"ab"), Status::Success);
+    assert_eq!(fill_recv(&mut b, b"ab"), Status::Success);
     assert_eq!(&b[..], b"ab");
 }
 

@@ -535,16 +535,13 @@ impl Ctx {
         let Some((wr_id, mut buf)) = self.recvs.pop_front() else {
             return Delivery::NoBuffer;
         };
-        let cap = buf.capacity();
-        buf.clear();
-        let (status, res) = if data.len() > cap {
-            buf.extend_from_slice(data.get(..cap).unwrap_or_default());
-            (Status::LocalBadLength, Delivery::BadLength)
-        } else {
-            crate::mem::copy::extend(&mut buf, data);
+        let status = crate::device::queues::fill_recv(&mut buf, data);
+        let res = if status == Status::Success {
             stats::inc(&self.out.counters.rx_pkts);
             stats::add(&self.out.counters.rx_bytes, data.len() as u64);
-            (Status::Success, Delivery::Ok)
+            Delivery::Ok
+        } else {
+            Delivery::BadLength
         };
         self.complete(DeviceCompletion {
             wr_id,
