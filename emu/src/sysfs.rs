@@ -119,20 +119,29 @@ pub fn private_root_in(base: &Path, uid: u32) -> Result<PathBuf, String> {
     )))
 }
 
+/// Makes `link` point at `target` unless it does already; a wrong link is replaced through a
+/// rename (a private link renamed over it), so a reader never finds the name missing.
 fn symlink(target: &Path, link: &Path) -> std::io::Result<()> {
-    match std::fs::read_link(link) {
-        Ok(t) if t == target => return Ok(()),
-        Ok(_) => std::fs::remove_file(link)?,
-        Err(_) => {}
+    if std::fs::read_link(link).is_ok_and(|t| t == target) {
+        return Ok(());
     }
-    std::os::unix::fs::symlink(target, link).or_else(|e| {
-        // Another process made it meanwhile.
-        if e.kind() == std::io::ErrorKind::AlreadyExists {
-            Ok(())
-        } else {
-            Err(e)
-        }
+    let tmp = temp_name(link);
+    std::os::unix::fs::symlink(target, &tmp)?;
+    std::fs::rename(&tmp, link).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
     })
+}
+
+/// A name beside `path` no other writer uses (this process's id and a sequence number).
+fn temp_name(path: &Path) -> PathBuf {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(
+        ".{}.{}.{seq}",
+        name.unwrap_or_default(),
+        std::process::id()
+    ))
 }
 
 /// Writes `text` to `path` unless it holds it already; through a rename, so that a reader
@@ -141,14 +150,7 @@ fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
     if std::fs::read_to_string(path).is_ok_and(|t| t == text) {
         return Ok(());
     }
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-    let tmp = path.with_file_name(format!(
-        ".{}.{}.{seq}",
-        name.unwrap_or_default(),
-        std::process::id()
-    ));
+    let tmp = temp_name(path);
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, path)
 }
@@ -332,9 +334,28 @@ pub fn ensure(cfg: &EmuConfig) -> Result<(), String> {
 extern "C" fn on_load() {
     if std::env::var_os("SYSFS_PATH").is_none() && threads() == Some(1) {
         let r = default_root_for(env_devices());
+        SET_ON_LOAD.store(true, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: this process has one thread (this one): nothing reads the environment at once.
         unsafe { std::env::set_var("SYSFS_PATH", &r) };
     }
+}
+
+/// Whether [`on_load`] set `SYSFS_PATH` (the environment did not name a root).
+static SET_ON_LOAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `SYSFS_PATH` as this process's environment gave it, not as [`on_load`] set it. The launcher
+/// links this crate, so `on_load` runs in it too, with the root of `EFA_EMU_DEVICES` from the
+/// environment; the launcher's `--devices` may name another count, whose root is another
+/// ([`default_root_for`]). Reading the variable back would put a several-device tree into the
+/// one-device root, where it and one-device launchers started at the same time would rewrite
+/// each other's `efa_0/device` link under a starting libfabric.
+pub fn given_root() -> Option<PathBuf> {
+    if SET_ON_LOAD.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    std::env::var_os("SYSFS_PATH")
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
 }
 
 /// The number of threads of this process (`/proc/self/status`).

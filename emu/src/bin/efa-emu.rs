@@ -115,8 +115,7 @@ fn main() {
     let run = || -> Result<(PathBuf, PathBuf), String> {
         let lib = library()?;
         let dir = lib_dir(&lib)?;
-        let sysfs = std::env::var_os("SYSFS_PATH")
-            .map(PathBuf::from)
+        let sysfs = efa_emu::sysfs::given_root()
             .unwrap_or_else(|| efa_emu::sysfs::default_root_for(cfg.devices));
         efa_emu::sysfs::make(&sysfs, &cfg)?;
         Ok((dir, sysfs))
