@@ -6,7 +6,8 @@
 //! For instruction counts (repeatable on a noisy machine), `EFA_RDM_PROFILE=<path>:<n>` skips
 //! criterion and runs `n` 64-byte `inject` round trips (after 1000 to warm up) between two
 //! endpoints of one domain, `path` being `loopback`, `shm-local` (the shm device's endpoints
-//! through their local channels) or `udp-local` (the default same-host path): the difference of
+//! through their local channels), `udp-local` (the default same-host path) or `udp` (the udp
+//! device alone, over loopback: user space only, the kernel's part is not counted): the difference of
 //! `valgrind --tool=callgrind` totals for two values of `n` is the whole stack's cost per round
 //! trip (endpoint, completion queue, engine, local path, device polls), the two sides' together.
 
@@ -253,7 +254,10 @@ fn profile(spec: &str) {
         "loopback" => loopback(),
         "shm-local" => shm(dir.path()),
         "udp-local" => udp_local(dir.path()),
-        other => panic!("EFA_RDM_PROFILE: unknown path {other} (loopback, shm-local, udp-local)"),
+        "udp" => udp(),
+        other => {
+            panic!("EFA_RDM_PROFILE: unknown path {other} (loopback, shm-local, udp-local, udp)")
+        }
     };
     let p = pair(&d);
     let mut out = Vec::with_capacity(256);
