@@ -711,6 +711,26 @@ impl Shared {
         (more, acks_left)
     }
 
+    /// Adds the socket to the NIC thread's epoll set (`on`) or takes it out; true when it is in
+    /// the set afterwards. A failure to take it out leaves it in (it costs time, not datagrams);
+    /// a failure to add it is reported, and the thread's waits fall back to its timers.
+    fn watch_socket(&self, poll: &Poll, on: bool) -> bool {
+        let mut st = self.state.lock();
+        let r = if on {
+            poll.registry()
+                .register(&mut st.sock, SOCK, Interest::READABLE)
+        } else {
+            poll.registry().deregister(&mut st.sock)
+        };
+        match r {
+            Ok(()) => on,
+            Err(e) => {
+                tracing::debug!(error = %e, on, "udp: cannot change the NIC thread's epoll set");
+                !on
+            }
+        }
+    }
+
     /// Records whether the queue pair is quiet (see [`Shared::quiet`]), under its lock.
     fn note_quiet(&self, st: &State) {
         let quiet = st.cold_next.is_some() && st.link.ctx.cq.len() == 0;
@@ -743,8 +763,15 @@ impl Shared {
 }
 
 /// The background "NIC": waits for datagrams or the next timer and makes progress.
+///
+/// While the application busy-polls, the socket leaves the thread's epoll set: every datagram
+/// delivered to a socket in an epoll set runs epoll's wake-up callback inside the sender's
+/// system call (about 0.2 µs a datagram on loopback), for a thread that is not waiting. The
+/// socket rejoins before the thread reads it and waits again (epoll reports it at once if a
+/// datagram came meanwhile), so nothing is missed.
 fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
     let mut events = Events::with_capacity(16);
+    let mut watching = true;
     loop {
         if shared.stop.load(Ordering::Acquire) {
             break;
@@ -752,12 +779,18 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
         let now = Instant::now();
         if let Some(until) = shared.busy.busy_until(now) {
             // The application polls: stand aside until it stops or goes to sleep.
+            if watching {
+                watching = shared.watch_socket(&poll, false);
+            }
             shared.busy.parked.store(true, Ordering::SeqCst);
             if shared.busy.busy_until(now).is_some() && !shared.stop.load(Ordering::Acquire) {
                 std::thread::park_timeout(until.saturating_duration_since(now));
             }
             shared.busy.parked.store(false, Ordering::SeqCst);
             continue;
+        }
+        if !watching {
+            watching = shared.watch_socket(&poll, true);
         }
         let (more, _) = shared.progress(NIC_BUDGET, true, now);
         let timeout = if more {
@@ -770,6 +803,14 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
             let d = st.link.next_deadline();
             st.thread_deadline = d;
             d.map(|d| d.saturating_duration_since(Instant::now()))
+        };
+        // (A socket the set could not take back is read every millisecond.)
+        let timeout = if watching {
+            timeout
+        } else {
+            Some(timeout.map_or(Duration::from_millis(1), |t| {
+                t.min(Duration::from_millis(1))
+            }))
         };
         if let Err(e) = poll.poll(&mut events, timeout) {
             if e.kind() != io::ErrorKind::Interrupted {
