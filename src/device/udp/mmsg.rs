@@ -187,6 +187,9 @@ pub(super) struct RxBatch {
     slot: usize,
     slots: usize,
     cmsgs: Vec<[u64; CMSG_ROOM / 8]>,
+    /// The senders' addresses of the last read, one per slot (kept: zeroing them for every
+    /// read was most of an empty read's cost).
+    names: Vec<libc::sockaddr_storage>,
     pub got: Vec<InMsg>,
 }
 
@@ -199,6 +202,8 @@ impl RxBatch {
             slot,
             slots,
             cmsgs: vec![[0; CMSG_ROOM / 8]; slots],
+            // SAFETY: an all-zero `sockaddr_storage` is a valid value.
+            names: vec![unsafe { mem::zeroed() }; slots],
             got: Vec::with_capacity(slots),
         }
     }
@@ -251,29 +256,35 @@ pub(super) fn recv_batch(sock: &impl AsRawFd, rx: &mut RxBatch, max: usize) -> i
     if n == 0 {
         return Ok(0);
     }
-    // SAFETY: all-zero `mmsghdr`, `iovec` and `sockaddr_storage` are valid values.
-    let mut hdrs: [libc::mmsghdr; MAX_BATCH] = unsafe { mem::zeroed() };
-    let mut iovs: [libc::iovec; MAX_BATCH] = unsafe { mem::zeroed() };
-    let mut names: [libc::sockaddr_storage; MAX_BATCH] = unsafe { mem::zeroed() };
+    // Only the `n` headers the call uses are set up (zeroing all `MAX_BATCH` headers, iovecs
+    // and addresses, 13 KiB, was most of the cost of an empty read).
+    let mut hdrs = [const { mem::MaybeUninit::<libc::mmsghdr>::uninit() }; MAX_BATCH];
+    let mut iovs = [const { mem::MaybeUninit::<libc::iovec>::uninit() }; MAX_BATCH];
     let base = rx.buf.as_mut_ptr();
     for i in 0..n {
-        // SAFETY: `i * slot + slot <= buf.len()` since `i < slots`; the pointer stays inside it.
-        iovs[i].iov_base = unsafe { base.add(i * rx.slot) } as *mut libc::c_void;
-        iovs[i].iov_len = rx.slot;
-        hdrs[i].msg_hdr.msg_name = (&mut names[i]) as *mut libc::sockaddr_storage as *mut _;
-        hdrs[i].msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
-        hdrs[i].msg_hdr.msg_iovlen = 1;
-        hdrs[i].msg_hdr.msg_control = rx.cmsgs[i].as_mut_ptr().cast();
-        hdrs[i].msg_hdr.msg_controllen = CMSG_ROOM as _;
+        let iov = iovs[i].write(libc::iovec {
+            // SAFETY: `i * slot + slot <= buf.len()` since `i < slots`; the pointer stays
+            // inside it.
+            iov_base: unsafe { base.add(i * rx.slot) }.cast(),
+            iov_len: rx.slot,
+        });
+        // SAFETY: an all-zero `mmsghdr` is a valid value.
+        let mut h: libc::mmsghdr = unsafe { mem::zeroed() };
+        h.msg_hdr.msg_name = (&mut rx.names[i]) as *mut libc::sockaddr_storage as *mut _;
+        h.msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        h.msg_hdr.msg_iov = iov;
+        h.msg_hdr.msg_iovlen = 1;
+        h.msg_hdr.msg_control = rx.cmsgs[i].as_mut_ptr().cast();
+        h.msg_hdr.msg_controllen = CMSG_ROOM as _;
+        hdrs[i].write(h);
     }
-    // SAFETY: every header points at its own slot of `rx.buf` (exclusively borrowed), its own
-    // address storage, iovec and control room, all alive for the call; the kernel writes
-    // within their lengths.
+    // SAFETY: the first `n` headers are initialized (above), each pointing at its own slot of
+    // `rx.buf` (exclusively borrowed), its own address storage, iovec and control room, all
+    // alive for the call; the kernel reads `n` headers and writes within their lengths.
     let r = unsafe {
         libc::recvmmsg(
             sock.as_raw_fd(),
-            hdrs.as_mut_ptr(),
+            hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
             n as libc::c_uint,
             libc::MSG_DONTWAIT,
             std::ptr::null_mut(),
@@ -283,7 +294,9 @@ pub(super) fn recv_batch(sock: &impl AsRawFd, rx: &mut RxBatch, max: usize) -> i
         return Err(io::Error::last_os_error());
     }
     let got = (r as usize).min(n);
-    for (h, name) in hdrs.iter().zip(names.iter()).take(got) {
+    // SAFETY: the first `n` headers were initialized above (and `got <= n`).
+    let hdrs = unsafe { std::slice::from_raw_parts(hdrs.as_ptr().cast::<libc::mmsghdr>(), got) };
+    for (h, name) in hdrs.iter().zip(rx.names.iter()) {
         rx.got.push(InMsg {
             len: (h.msg_len as usize).min(rx.slot),
             src: socket_addr(name, h.msg_hdr.msg_namelen),
