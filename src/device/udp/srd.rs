@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 // Keyed by what peers send (addresses, connection ids): a fast hash with a random seed per map
 // (foldhash), not SipHash, which showed in the per-packet profile.
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashMap, HashMapExt, HashSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -171,7 +171,34 @@ enum Slot {
 /// connection number it chose). A packet naming another connection number (a forged one, or the
 /// sender's next connection after it forgot the last) gets state of its own and never touches
 /// this one.
-type RxKey = (SocketAddr, u32, u32);
+type RxKey = (Addr, u32, u32);
+
+/// A socket address as a key of SRD's maps, hashed as one or two words: `SocketAddr`'s own
+/// `Hash` makes six hasher calls (variant, length, octets, port, flow, scope), and every
+/// message looks up several of these maps (about 660 instructions a message went to hashing).
+/// Equal addresses hash equally (the flow label, which `Eq` compares, is left out of the hash).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Addr(SocketAddr);
+
+impl std::hash::Hash for Addr {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        match self.0 {
+            SocketAddr::V4(a) => {
+                h.write_u64(u64::from(a.ip().to_bits()) << 16 | u64::from(a.port()))
+            }
+            SocketAddr::V6(a) => {
+                h.write_u128(a.ip().to_bits());
+                h.write_u64(u64::from(a.port()) << 32 | u64::from(a.scope_id()));
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Addr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// Receive side state for one sending queue pair (address + its QKEY).
 struct RxPeer {
@@ -274,11 +301,11 @@ struct Timer {
 /// SRD state of one queue pair.
 pub(super) struct Srd {
     tx: HashMap<u32, TxPeer>,
-    tx_by_addr: HashMap<(SocketAddr, u32), u32>,
+    tx_by_addr: HashMap<(Addr, u32), u32>,
     rx: HashMap<RxKey, RxPeer>,
     /// The connection number last heard from a sending (address, QKEY): whose acknowledgement
     /// rides on our data packets to it.
-    rx_conn: HashMap<(SocketAddr, u32), u32>,
+    rx_conn: HashMap<(Addr, u32), u32>,
     /// The eviction clock over `rx` (second chance: O(1) amortized per packet).
     rx_clock: VecDeque<RxKey>,
     /// Forgotten receive states: one above their highest sequence number (`RxPeer::floor` of
@@ -297,7 +324,41 @@ pub(super) struct Srd {
     /// that a seed replays a run exactly.
     ids: Option<Rng>,
     /// Queue pairs (address, QKEY) that sent us a packed datagram, so unpack ours.
-    packers: HashSet<(SocketAddr, u32)>,
+    packers: Packers,
+}
+
+/// The queue pairs that unpack (they sent us a packed datagram), with the last answer kept:
+/// every packet asks for its destination, almost always the same one as the packet before.
+#[derive(Default)]
+struct Packers {
+    set: HashSet<(Addr, u32)>,
+    last: std::cell::Cell<Option<(SocketAddr, u32, bool)>>,
+}
+
+impl Packers {
+    /// Whether `(addr, qkey)` unpacks (an IPv4 address and its IPv4-mapped form are one).
+    fn contains(&self, addr: SocketAddr, qkey: u32) -> bool {
+        if let Some((a, q, r)) = self.last.get()
+            && a == addr
+            && q == qkey
+        {
+            return r;
+        }
+        let r = self.set.contains(&(Addr(canonical(addr)), qkey));
+        self.last.set(Some((addr, qkey, r)));
+        r
+    }
+
+    /// `(addr, qkey)` unpacks; the set is bounded by `max` (forgetting costs only packing, until
+    /// the next hello).
+    fn insert(&mut self, addr: SocketAddr, qkey: u32, max: usize) {
+        self.last.set(None);
+        let key = (Addr(canonical(addr)), qkey);
+        if self.set.len() >= max && !self.set.contains(&key) {
+            self.set.clear();
+        }
+        self.set.insert(key);
+    }
 }
 
 /// The form of `a` under which the set of queue pairs that unpack knows it (an IPv4 address and
@@ -323,7 +384,7 @@ impl Srd {
             next_sweep: now + cfg.peer_idle_timeout / 4,
             bitmap: Vec::with_capacity(wire::MAX_BITMAP),
             ids: None,
-            packers: HashSet::new(),
+            packers: Packers::default(),
         }
     }
 
@@ -338,12 +399,7 @@ impl Srd {
         hello: bool,
         now: Instant,
     ) {
-        if self.packers.len() >= MAX_RX_PEERS && !self.packers.contains(&(canonical(src), src_qkey))
-        {
-            // Bounded: forgetting costs only packing, until the next hello.
-            self.packers.clear();
-        }
-        self.packers.insert((canonical(src), src_qkey));
+        self.packers.insert(src, src_qkey, MAX_RX_PEERS);
         if hello {
             wire::encode_packed_header(&mut cx.out.tx, src_qkey, cx.qkey, false);
             cx.out.emit(src, now);
@@ -380,7 +436,7 @@ impl Srd {
         rdma: bool,
         region: Option<RegionSlice>,
     ) {
-        let key = (dest, wr.dest.qkey);
+        let key = (Addr(dest), wr.dest.qkey);
         let conn = match self.tx_by_addr.get(&key) {
             Some(c) => *c,
             None => {
@@ -504,8 +560,10 @@ impl Srd {
         payload: &[u8],
         now: Instant,
     ) {
-        let key = (src, h.src_qkey, h.conn);
-        if let Some(bound) = self.rx_conn.get(&(src, h.src_qkey)).copied()
+        let from = Addr(src);
+        let key = (from, h.src_qkey, h.conn);
+        let bound = self.rx_conn.get(&(from, h.src_qkey)).copied();
+        if let Some(bound) = bound
             && bound != h.conn
         {
             // Another connection number from this sender: its next connection after it forgot
@@ -513,7 +571,7 @@ impl Srd {
             // only once the bound connection has been silent for `peer_idle_timeout` too, so
             // that a host forging the source address cannot inject data into, or shift the
             // window of, a live connection without guessing its random number.
-            let old = (src, h.src_qkey, bound);
+            let old = (from, h.src_qkey, bound);
             let live = self.rx.get(&old).is_some_and(|r| {
                 now.saturating_duration_since(r.last_active) < cx.cfg.peer_idle_timeout
             });
@@ -525,7 +583,7 @@ impl Srd {
             if let Some(r) = self.rx.remove(&old) {
                 self.remember_forgotten(old, r.high);
             }
-            self.rx_conn.remove(&(src, h.src_qkey));
+            self.rx_conn.remove(&(from, h.src_qkey));
         }
         if !self.rx.contains_key(&key) {
             if self.rx.len() >= MAX_RX_PEERS {
@@ -550,7 +608,9 @@ impl Srd {
             );
             self.rx_clock.push_back(key);
         }
-        self.rx_conn.insert((src, h.src_qkey), h.conn);
+        if bound != Some(h.conn) {
+            self.rx_conn.insert((from, h.src_qkey), h.conn);
+        }
         let Some(rx) = self.rx.get_mut(&key) else {
             return;
         };
@@ -670,8 +730,9 @@ impl Srd {
             self.acks.swap_remove(i);
             let a = rx.take_ack(cx.qkey, &mut bitmap);
             wire::encode_ack(&mut cx.out.tx, key.1, &a, &bitmap);
-            let pack = pack_for(&self.packers, cx, key.0, key.1);
-            cx.out.emit_parts(key.0, now, Parts::NONE, Tag::None, pack);
+            let pack = pack_for(&self.packers, cx, key.0.0, key.1);
+            cx.out
+                .emit_parts(key.0.0, now, Parts::NONE, Tag::None, pack);
             stats::inc(&cx.counters().acks_sent);
         }
         self.bitmap = bitmap;
@@ -1077,13 +1138,8 @@ impl Srd {
 
 /// The destination QKEY to pack datagrams to `(addr, qkey)` under, when packing is on and that
 /// queue pair unpacks (it is in `packers`).
-fn pack_for(
-    packers: &HashSet<(SocketAddr, u32)>,
-    cx: &Ctx,
-    addr: SocketAddr,
-    qkey: u32,
-) -> Option<u32> {
-    (cx.cfg.pack && packers.contains(&(canonical(addr), qkey))).then_some(qkey)
+fn pack_for(packers: &Packers, cx: &Ctx, addr: SocketAddr, qkey: u32) -> Option<u32> {
+    (cx.cfg.pack && packers.contains(addr, qkey)).then_some(qkey)
 }
 
 /// Asks `p`, not known to unpack, whether it does (an empty packed datagram with `HELLO`), before
@@ -1157,11 +1213,12 @@ fn transmit(
 /// The receive state of the reverse direction of `p` (whose acknowledgement may ride along).
 fn reverse<'a>(
     rx: &'a mut HashMap<RxKey, RxPeer>,
-    rx_conn: &HashMap<(SocketAddr, u32), u32>,
+    rx_conn: &HashMap<(Addr, u32), u32>,
     p: &TxPeer,
 ) -> Option<&'a mut RxPeer> {
-    let conn = rx_conn.get(&(p.addr, p.qkey))?;
-    rx.get_mut(&(p.addr, p.qkey, *conn))
+    let addr = Addr(p.addr);
+    let conn = rx_conn.get(&(addr, p.qkey))?;
+    rx.get_mut(&(addr, p.qkey, *conn))
 }
 
 fn send_nak(cx: &mut Ctx, src: SocketAddr, h: &DataHdr, reason: NakReason, now: Instant) {
