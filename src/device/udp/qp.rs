@@ -355,8 +355,9 @@ pub(super) struct State {
     quiet_until: Option<Instant>,
     /// The last read of the socket found it empty.
     idle: bool,
-    /// When a datagram was last read or work was last posted (see [`COLD_AFTER`]).
-    warm_at: Instant,
+    /// [`COLD_AFTER`] after a datagram was last read or work was last posted (kept as the
+    /// instant itself: every poll compares, and a comparison costs less than a subtraction).
+    cold_at: Instant,
     /// The application's polls do not read a cold socket before this (see [`COLD_READ_EVERY`]).
     cold_next: Option<Instant>,
 }
@@ -469,7 +470,7 @@ impl State {
         self.link.flush_acks(now, nic);
         self.idle = n == 0;
         if n > 0 {
-            self.warm_at = now;
+            self.cold_at = now + COLD_AFTER;
         }
         self.quiet_until = (n > 0 && !more).then(|| now + RX_QUIET);
         more || (lone && n > 0)
@@ -477,14 +478,13 @@ impl State {
 
     /// Work was posted at `now`: the queue pair is warm.
     fn warm(&mut self, now: Instant) {
-        self.warm_at = now;
+        self.cold_at = now + COLD_AFTER;
         self.cold_next = None;
     }
 
     /// True when nothing came for [`COLD_AFTER`] and nothing of this queue pair is in flight.
     fn cold(&mut self, now: Instant) -> bool {
-        now.saturating_duration_since(self.warm_at) >= COLD_AFTER
-            && self.link.next_deadline().is_none()
+        now >= self.cold_at && self.link.next_deadline().is_none()
     }
 
     /// Sends what the protocol queued, and fails the work requests whose datagrams the kernel
@@ -914,7 +914,7 @@ impl UdpQp {
             thread_deadline: None,
             quiet_until: None,
             idle: true,
-            warm_at: Instant::now(),
+            cold_at: Instant::now() + COLD_AFTER,
             cold_next: None,
         };
         let shared = Arc::new(Shared {
