@@ -345,10 +345,10 @@ static SET_ON_LOAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 
 /// `SYSFS_PATH` as this process's environment gave it, not as the library set it while
 /// loading. The launcher links this crate, so the load hook runs in it too, with the root of
-/// `EFA_EMU_DEVICES` from the environment; the launcher's `--devices` may name another count, whose root is another
-/// ([`default_root_for`]). Reading the variable back would put a several-device tree into the
-/// one-device root, where it and one-device launchers started at the same time would rewrite
-/// each other's `efa_0/device` link under a starting libfabric.
+/// `EFA_EMU_DEVICES` from the environment; the launcher's `--devices` may name another count,
+/// whose root is another ([`default_root_for`]). Reading the variable back would put a
+/// several-device tree into the one-device root, where it and one-device launchers started at
+/// the same time would rewrite each other's `efa_0/device` link under a starting libfabric.
 pub fn given_root() -> Option<PathBuf> {
     if SET_ON_LOAD.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
