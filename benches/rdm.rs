@@ -10,6 +10,8 @@
 //! device alone, over loopback: user space only, the kernel's part is not counted): the difference of
 //! `valgrind --tool=callgrind` totals for two values of `n` is the whole stack's cost per round
 //! trip (endpoint, completion queue, engine, local path, device polls), the two sides' together.
+//! `idle-<path>:<n>` instead polls one endpoint's completion queue `n` times after the warm-up,
+//! with nothing arriving: the cost of an empty progress pass.
 
 use std::time::{Duration, Instant};
 
@@ -249,6 +251,10 @@ fn profile(spec: &str) {
     let mut it = spec.split(':');
     let path = it.next().unwrap_or("shm-local");
     let n: u64 = it.next().and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    let (idle, path) = match path.strip_prefix("idle-") {
+        Some(p) => (true, p),
+        None => (false, path),
+    };
     let dir = tempfile::tempdir().unwrap();
     let d = match path {
         "loopback" => loopback(),
@@ -262,6 +268,18 @@ fn profile(spec: &str) {
     let p = pair(&d);
     let mut out = Vec::with_capacity(256);
     pingpong_inject(&p, 1000, 64, &mut out);
+    if idle {
+        let start = Instant::now();
+        for _ in 0..n {
+            out.clear();
+            p.a.0.poll(&mut out, 16).unwrap();
+        }
+        eprintln!(
+            "idle-{path}: {n} polls, {:?} each",
+            start.elapsed() / n.max(1) as u32
+        );
+        return;
+    }
     let t = pingpong_inject(&p, n, 64, &mut out);
     eprintln!(
         "{path}: {n} round trips, {:?} one way",

@@ -960,3 +960,62 @@ fn an_idle_queue_pair_reads_its_socket_rarely_and_still_receives() {
     assert_eq!(recvs[0].1.status, Status::Success, "{got:?}");
     assert_eq!(&recvs[0].1.buf.as_ref().unwrap()[..], b"after the quiet");
 }
+
+/// While an application busy-polls a cold queue pair, the NIC thread watches its socket for it:
+/// the polls make no empty reads at all (not one every few microseconds), and every datagram
+/// that comes after a quiet spell is still received, once, cycle after cycle (a datagram the
+/// thread saw must not be left unread by anyone).
+#[test]
+fn a_busy_polled_cold_queue_pair_is_watched_and_never_misses_a_datagram() {
+    let dev = open(UdpConfig::default());
+    let n = Arc::new(Notifier::new());
+    let mut a = qp(&dev, QpType::Srd, &n);
+    let mut b = qp(&dev, QpType::Srd, &n);
+    let mut out = Vec::new();
+    let spin = |q: &mut Box<dyn QueuePair>, out: &mut Vec<DeviceCompletion>, d: Duration| {
+        let until = Instant::now() + d;
+        while Instant::now() < until {
+            q.poll(out, 16);
+        }
+    };
+    // Cold (200 µs with nothing in flight), and the NIC thread (which looks at least every
+    // millisecond) watching.
+    spin(&mut b, &mut out, Duration::from_millis(3));
+    let before = dev.stats().rx_empty_reads;
+    spin(&mut b, &mut out, Duration::from_millis(20));
+    let empty = dev.stats().rx_empty_reads - before;
+    assert!(out.is_empty(), "{out:?}");
+    // Reading every 5 µs would be about 4 000.
+    assert!(empty <= 20, "{empty} empty reads in 20 ms of busy polls");
+    for cycle in 0..40u64 {
+        b.post_recv(cycle, BytesMut::with_capacity(64)).unwrap();
+        // Quiet long enough to be cold and watched again (longer every few cycles).
+        spin(
+            &mut b,
+            &mut out,
+            Duration::from_micros(300 + 400 * (cycle % 4)),
+        );
+        assert!(out.is_empty(), "cycle {cycle}: {out:?}");
+        let msg = format!("cycle {cycle}");
+        a.post_send(wr(cycle, b.addr(), b"", msg.as_bytes(), None))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (mut sent, mut got) = (0, Vec::new());
+        while sent == 0 || got.is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "cycle {cycle}: the datagram after a quiet spell never came (sent {sent})"
+            );
+            out.clear();
+            a.poll(&mut out, 16);
+            sent += out.len();
+            out.clear();
+            b.poll(&mut out, 16);
+            got.append(&mut out);
+        }
+        assert_eq!(got.len(), 1, "cycle {cycle}: {got:?}");
+        assert_eq!(got[0].wr_id, cycle);
+        assert_eq!(got[0].status, Status::Success, "cycle {cycle}");
+        assert_eq!(&got[0].buf.as_ref().unwrap()[..], msg.as_bytes());
+    }
+}

@@ -128,7 +128,10 @@ pub(crate) fn drain_into(
     max: usize,
 ) -> usize {
     let n = max.min(q.len());
-    out.extend(q.drain(..n));
+    // An empty queue is the common case of a poll: no drain to build and drop.
+    if n > 0 {
+        out.extend(q.drain(..n));
+    }
     n
 }
 

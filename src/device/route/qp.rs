@@ -447,10 +447,12 @@ impl QueuePair for RoutedQp {
             if let Some(local) = self.local.as_mut() {
                 local.qp.poll(&mut batch, max - n);
             }
-            for c in batch.drain(..) {
-                let c = self.take_shm(c);
-                out.push(c);
-                n += 1;
+            if !batch.is_empty() {
+                for c in batch.drain(..) {
+                    let c = self.take_shm(c);
+                    out.push(c);
+                    n += 1;
+                }
             }
             self.scratch = batch;
         }

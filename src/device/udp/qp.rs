@@ -366,17 +366,29 @@ impl State {
     /// Reads up to `budget` datagrams; true when more may be waiting. `nic`: called by the NIC
     /// thread (the application is not polling), so acknowledgements go out at once instead of
     /// waiting briefly for a data packet to ride on.
-    fn drain(&mut self, budget: usize, now: Instant, nic: bool) -> bool {
+    ///
+    /// A cold queue pair's socket is read every [`COLD_READ_EVERY`], or, while the NIC thread
+    /// watches it for the application (`watch`), only once the thread saw it readable.
+    fn drain(&mut self, budget: usize, now: Instant, nic: bool, watch: &ColdWatch) -> bool {
         if !nic && self.quiet_until.is_some_and(|q| now < q) {
             return false;
         }
         if !nic && self.cold(now) {
-            if self.cold_next.is_some_and(|t| now < t) {
+            let ready = watch.ready.load(Ordering::Acquire);
+            if !ready
+                && (watch.watching.load(Ordering::Acquire)
+                    || self.cold_next.is_some_and(|t| now < t))
+            {
+                self.cold_next.get_or_insert(now + COLD_READ_EVERY);
                 return false;
             }
             self.cold_next = Some(now + COLD_READ_EVERY);
         } else {
             self.cold_next = None;
+        }
+        // What the NIC thread saw is read now (a datagram after this store raises it again).
+        if watch.ready.load(Ordering::Relaxed) {
+            watch.ready.store(false, Ordering::Release);
         }
         let mut one = self.rx.take();
         let mut burst = self.rx_batch.take();
@@ -601,10 +613,28 @@ pub(super) struct Shared {
     /// Cold (see [`COLD_AFTER`]) with no completion queued, as of the last look under the lock:
     /// the polls that skip progress then have nothing to take and need not take the lock.
     quiet: AtomicBool,
+    /// The NIC thread's watch of a cold queue pair's socket for the busy-polling application.
+    cold: ColdWatch,
     stop: Arc<AtomicBool>,
     waker: Waker,
     notifier: Arc<Notifier>,
     busy: Busy,
+}
+
+/// While the application busy-polls a quiet queue pair (cold, nothing queued), the NIC thread
+/// waits on its socket instead of standing aside, and tells the application when a datagram
+/// came: the application's polls then read nothing (no empty `recvfrom` every
+/// [`COLD_READ_EVERY`], which a queue pair routed beside the same-host path paid while all its
+/// traffic went over shared memory). The first datagram wakes the thread once; it raises
+/// `ready`, the next poll reads the socket, and the queue pair is warm again (its socket then
+/// leaves the thread's set, see [`nic_thread`]).
+#[derive(Debug, Default)]
+struct ColdWatch {
+    /// The socket is in the NIC thread's epoll set: the thread sees every datagram that comes
+    /// (and reads it itself, or raises `ready` while the application polls).
+    watching: AtomicBool,
+    /// The NIC thread saw the socket readable since the application last read it.
+    ready: AtomicBool,
 }
 
 /// The busy-poll hand-off: while the application polls, it makes all progress on its own thread
@@ -683,6 +713,9 @@ impl SleepHook for NicHook {
             if s.busy.parked.load(Ordering::SeqCst) {
                 s.busy.unpark();
             }
+            if s.cold.watching.load(Ordering::SeqCst) {
+                let _ = s.waker.wake();
+            }
         }
     }
 }
@@ -698,7 +731,7 @@ impl Shared {
         }
         // What this pass sends (acknowledgements, packets an acknowledgement let go,
         // retransmissions) leaves together.
-        let more = st.drain(budget, now, nic);
+        let more = st.drain(budget, now, nic, &self.cold);
         st.link.run_timers(now);
         st.send_out(now);
         self.note_quiet(&st);
@@ -714,7 +747,14 @@ impl Shared {
     /// Adds the socket to the NIC thread's epoll set (`on`) or takes it out; true when it is in
     /// the set afterwards. A failure to take it out leaves it in (it costs time, not datagrams);
     /// a failure to add it is reported, and the thread's waits fall back to its timers.
+    ///
+    /// [`ColdWatch::watching`] follows: it is lowered before the socket leaves the set (the
+    /// datagrams the set reported and nobody took are then read by the polls' own reads) and
+    /// raised once it is in (a datagram already there is reported by the set at once).
     fn watch_socket(&self, poll: &Poll, on: bool) -> bool {
+        if !on {
+            self.cold.watching.store(false, Ordering::SeqCst);
+        }
         let mut st = self.state.lock();
         let r = if on {
             poll.registry()
@@ -722,12 +762,32 @@ impl Shared {
         } else {
             poll.registry().deregister(&mut st.sock)
         };
-        match r {
+        let watching = match r {
             Ok(()) => on,
             Err(e) => {
                 tracing::debug!(error = %e, on, "udp: cannot change the NIC thread's epoll set");
                 !on
             }
+        };
+        if watching {
+            self.cold.watching.store(true, Ordering::SeqCst);
+        }
+        watching
+    }
+
+    /// The NIC thread's wait on its epoll set; a readable socket raises [`ColdWatch::ready`]
+    /// (whoever reads next, the thread or a polling application, reads it: the edge-triggered
+    /// set reports it only once).
+    fn wait(&self, poll: &mut Poll, events: &mut Events, timeout: Option<Duration>) {
+        if let Err(e) = poll.poll(events, timeout) {
+            if e.kind() != io::ErrorKind::Interrupted {
+                tracing::warn!(error = %e, "udp: NIC thread poll failed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if events.iter().any(|e| e.token() == SOCK) {
+            self.cold.ready.store(true, Ordering::Release);
+            self.quiet.store(false, Ordering::Release);
         }
     }
 
@@ -778,6 +838,23 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
         }
         let now = Instant::now();
         if let Some(until) = shared.busy.busy_until(now) {
+            // The application polls a quiet queue pair: watch its socket for it (see
+            // `ColdWatch`) until a datagram comes, the application stops or goes to sleep.
+            if shared.quiet.load(Ordering::Acquire) && !shared.cold.ready.load(Ordering::Acquire) {
+                if !watching {
+                    watching = shared.watch_socket(&poll, true);
+                }
+                if watching {
+                    shared.busy.parked.store(true, Ordering::SeqCst);
+                    if shared.busy.busy_until(now).is_some() && !shared.stop.load(Ordering::Acquire)
+                    {
+                        let wait = until.saturating_duration_since(now);
+                        shared.wait(&mut poll, &mut events, Some(wait));
+                    }
+                    shared.busy.parked.store(false, Ordering::SeqCst);
+                    continue;
+                }
+            }
             // The application polls: stand aside until it stops or goes to sleep.
             if watching {
                 watching = shared.watch_socket(&poll, false);
@@ -812,13 +889,9 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
                 t.min(Duration::from_millis(1))
             }))
         };
-        if let Err(e) = poll.poll(&mut events, timeout) {
-            if e.kind() != io::ErrorKind::Interrupted {
-                tracing::warn!(error = %e, "udp: NIC thread poll failed");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
+        shared.wait(&mut poll, &mut events, timeout);
     }
+    shared.cold.watching.store(false, Ordering::SeqCst);
 }
 
 /// A queue pair of the udp device.
@@ -920,6 +993,11 @@ impl UdpQp {
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             quiet: AtomicBool::new(false),
+            // (The socket is in the NIC thread's set from the start.)
+            cold: ColdWatch {
+                watching: AtomicBool::new(true),
+                ready: AtomicBool::new(false),
+            },
             stop: Arc::new(AtomicBool::new(false)),
             waker,
             notifier: attr.notifier,
@@ -1040,6 +1118,19 @@ impl QueuePair for UdpQp {
     }
 
     fn poll(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        if !self.shared.busy.sleeping.load(Ordering::Relaxed)
+            && self.shared.quiet.load(Ordering::Acquire)
+            && self.shared.cold.watching.load(Ordering::Acquire)
+        {
+            // Quiet, and the NIC thread watches the socket: nothing to read, no timers to run
+            // (a datagram clears `quiet`); only the busy-poll mark is kept fresh now and then.
+            self.cold_skips += 1;
+            if self.cold_skips >= COLD_POLLS {
+                self.cold_skips = 0;
+                self.shared.busy.polled(Instant::now(), false);
+            }
+            return 0;
+        }
         if self.cold_skips + 1 < COLD_POLLS && !self.shared.busy.sleeping.load(Ordering::Relaxed) {
             if self.shared.quiet.load(Ordering::Acquire) {
                 self.cold_skips += 1;
