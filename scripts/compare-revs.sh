@@ -18,8 +18,16 @@
 # its binary, and with two CPUs or more small-message runs put the server on CPU 0 and the client
 # on CPU 1 (`taskset`; not the 1 MiB runs: pinned with its helper threads on one CPU, shm 1 MiB
 # fell from 20 to 3 GB/s); 64-byte runs take 200 000 round trips on shm (20 000 on udp).
+#
+# Both revisions build with the same release profile whatever their Cargo.toml says: fat LTO and
+# one codegen unit (the profile since 2026-11-28; set CARGO_PROFILE_RELEASE_LTO and
+# CARGO_PROFILE_RELEASE_CODEGEN_UNITS to compare with another). On this VM the profile alone moved
+# the shm device's 64-byte round trip by 20% with the same instructions, so revisions built
+# differently cannot be compared.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export CARGO_PROFILE_RELEASE_LTO=${CARGO_PROFILE_RELEASE_LTO:-fat}
+export CARGO_PROFILE_RELEASE_CODEGEN_UNITS=${CARGO_PROFILE_RELEASE_CODEGEN_UNITS:-1}
 
 rounds=5 sizelist="64,1048576" devlist="shm,udp"
 while getopts "r:s:d:" o; do
