@@ -209,7 +209,6 @@ impl Device for RoutedDevice {
             local,
             addr,
             mtu: self.primary.attr().mtu,
-            scratch: Vec::new(),
             shm_first: false,
             failed: Default::default(),
             closed: false,

@@ -142,7 +142,6 @@ pub(super) struct RoutedQp {
     pub(super) local: Option<Local>,
     pub(super) addr: RawAddr,
     pub(super) mtu: usize,
-    pub(super) scratch: Vec<DeviceCompletion>,
     pub(super) shm_first: bool,
     /// Sends to dead peers, completed without reaching a queue pair.
     pub(super) failed: VecDeque<DeviceCompletion>,
@@ -199,10 +198,11 @@ impl RoutedQp {
     }
 
     /// Turns one completion of the shm queue pair into what the layer above expects.
-    fn take_shm(&mut self, mut c: DeviceCompletion) -> DeviceCompletion {
-        let sh = self.shared.clone();
+    /// (In place: the completions stay where the shm queue pair's poll put them.)
+    fn take_shm(&mut self, c: &mut DeviceCompletion) {
+        let sh = &self.shared;
         let Some(local) = self.local.as_mut() else {
-            return c;
+            return;
         };
         match c.opcode {
             Opcode::Send => {
@@ -222,7 +222,6 @@ impl RoutedQp {
                         }
                     }
                 }
-                c
             }
             Opcode::Recv => {
                 local.posted[idx(Path::Shm)] = local.posted[idx(Path::Shm)].saturating_sub(1);
@@ -234,7 +233,7 @@ impl RoutedQp {
                             *b = b.split_off(HDR_LEN);
                         }
                     }
-                    return c;
+                    return;
                 }
                 let has_data = matches!(c.status, Status::Success | Status::LocalBadLength);
                 if has_data {
@@ -271,9 +270,8 @@ impl RoutedQp {
                     c.src = None;
                 }
                 local.consumed(self.primary.as_mut(), Path::Shm, &mut self.failed);
-                c
             }
-            _ => c,
+            _ => {}
         }
     }
 }
@@ -402,59 +400,18 @@ impl QueuePair for RoutedQp {
             return self.primary.poll(out, max);
         }
         let mut n = drain_into(&mut self.failed, out, max);
+        // The two paths take turns at going first.
         self.shm_first = !self.shm_first;
-        for shm in [self.shm_first, !self.shm_first] {
-            if n >= max {
-                break;
+        if self.shm_first {
+            n += self.poll_shm(out, max - n);
+            if n < max {
+                n += self.poll_primary(out, max - n);
             }
-            if !shm {
-                let start = out.len();
-                let got = self.primary.poll(out, max - n);
-                if !self.rdma_to_local.is_empty() {
-                    for c in &out[start..] {
-                        if !matches!(c.opcode, Opcode::RdmaRead | Opcode::RdmaWrite) {
-                            continue;
-                        }
-                        if let Some(dest) = self.rdma_to_local.remove(&c.wr_id) {
-                            if c.status == Status::UnknownPeer {
-                                self.introduce.insert(dest);
-                            }
-                        }
-                    }
-                }
-                if let Some(local) = self.local.as_mut() {
-                    for c in &out[start..] {
-                        let consumed = c.opcode == Opcode::Recv
-                            || (c.opcode == Opcode::RecvRdmaWithImm
-                                && c.wr_id != UNSOLICITED_WR_ID);
-                        if consumed {
-                            let p = &mut local.posted[idx(Path::Primary)];
-                            *p = p.saturating_sub(1);
-                            if c.status != Status::Flushed {
-                                local.consumed(
-                                    self.primary.as_mut(),
-                                    Path::Primary,
-                                    &mut self.failed,
-                                );
-                            }
-                        }
-                    }
-                }
-                n += got;
-                continue;
+        } else {
+            n += self.poll_primary(out, max - n);
+            if n < max {
+                n += self.poll_shm(out, max - n);
             }
-            let mut batch = std::mem::take(&mut self.scratch);
-            if let Some(local) = self.local.as_mut() {
-                local.qp.poll(&mut batch, max - n);
-            }
-            if !batch.is_empty() {
-                for c in batch.drain(..) {
-                    let c = self.take_shm(c);
-                    out.push(c);
-                    n += 1;
-                }
-            }
-            self.scratch = batch;
         }
         n
     }
@@ -502,6 +459,55 @@ impl QueuePair for RoutedQp {
 }
 
 impl RoutedQp {
+    /// Polls the primary queue pair into `out`; its consumed receives are counted (and
+    /// refilled) and the RDMA targets of its finished one-sided requests forgotten.
+    fn poll_primary(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        let start = out.len();
+        let got = self.primary.poll(out, max);
+        if got == 0 {
+            return 0;
+        }
+        if !self.rdma_to_local.is_empty() {
+            for c in &out[start..] {
+                if !matches!(c.opcode, Opcode::RdmaRead | Opcode::RdmaWrite) {
+                    continue;
+                }
+                if let Some(dest) = self.rdma_to_local.remove(&c.wr_id) {
+                    if c.status == Status::UnknownPeer {
+                        self.introduce.insert(dest);
+                    }
+                }
+            }
+        }
+        if let Some(local) = self.local.as_mut() {
+            for c in &out[start..] {
+                let consumed = c.opcode == Opcode::Recv
+                    || (c.opcode == Opcode::RecvRdmaWithImm && c.wr_id != UNSOLICITED_WR_ID);
+                if consumed {
+                    let p = &mut local.posted[idx(Path::Primary)];
+                    *p = p.saturating_sub(1);
+                    if c.status != Status::Flushed {
+                        local.consumed(self.primary.as_mut(), Path::Primary, &mut self.failed);
+                    }
+                }
+            }
+        }
+        got
+    }
+
+    /// Polls the shm queue pair into `out`, each completion turned into the layer above's.
+    fn poll_shm(&mut self, out: &mut Vec<DeviceCompletion>, max: usize) -> usize {
+        let start = out.len();
+        let got = match self.local.as_mut() {
+            Some(local) => local.qp.poll(out, max),
+            None => 0,
+        };
+        for c in &mut out[start..] {
+            self.take_shm(c);
+        }
+        got
+    }
+
     /// One one-sided work request: always over the primary, whose keys the regions carry.
     fn post_one_rdma(&mut self, wr: RdmaWr) -> Result<()> {
         let (wr_id, dest) = (wr.wr_id, wr.dest);

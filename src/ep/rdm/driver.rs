@@ -178,15 +178,16 @@ impl RdmCore {
 
     /// Takes the device's completions into the engine; returns how many.
     pub(super) fn poll_device(&self, st: &mut State, clock: &mut Clock) -> usize {
-        let mut batch = std::mem::take(&mut st.scratch);
-        let n = st.qp.poll(&mut batch, st.cq_read_size);
+        let n = st.qp.poll(&mut st.scratch, st.cq_read_size);
+        // (An empty poll, the common case, moves no vector in and out of the state.)
         if n > 0 {
+            let mut batch = std::mem::take(&mut st.scratch);
             let now = clock.now();
             for c in batch.drain(..) {
                 self.device_completion(st, now, c);
             }
+            st.scratch = batch;
         }
-        st.scratch = batch;
         n
     }
 
