@@ -43,12 +43,6 @@ impl RdmCore {
         clock: &mut Clock,
         mut direct: Option<&mut Direct<'_>>,
     ) {
-        // What a send just queued leaves before this pass reads anything: the peer starts on it
-        // while the rest of the pass runs (on udp the device's poll is a few thousand
-        // instructions, and a system call when the socket is due for a read).
-        if st.engine.transmit_pending() {
-            Self::transmit(st, clock);
-        }
         loop {
             let mut busy = false;
             if !self.orphans.is_empty() {
