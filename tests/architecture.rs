@@ -532,8 +532,6 @@ const KNOWN_SIBLING_CYCLES: &[&str] = &[
     "device: {efa, loopback, registry, shm, spec, udp}",
     "device::loopback: {qp, rdma, wire}",
     "device::udp: {link, srd}",
-    // `local::ring` takes its types from the channel files it abstracts over.
-    "local: {chan, ring}",
     "rail: {addr, wire}",
     "rail: {ctrl, rx, state, tx}",
 ];

@@ -52,8 +52,7 @@ use std::sync::atomic::Ordering;
 
 use bytes::BytesMut;
 
-use crate::addr::{Gid, RawAddr};
-pub(crate) use crate::shmem::file::Liveness;
+use crate::addr::RawAddr;
 use crate::shmem::file::{
     self, Doorbell, H_CLOSED, H_HDR_SIZE, H_MAGIC, H_PID as H_OWNER_PID, H_PID, H_TOTAL, H_VERSION,
     HDR_SIZE, MAX_SLOTS, Rung, SLOT_HDR,
@@ -62,6 +61,8 @@ use crate::shmem::map::{self, Mapping, WakePipe, remove_if_same};
 use crate::shmem::sync::AtomicU64;
 
 use crate::shmem::dir::CHANNEL;
+
+use super::ring::{ADDR_LEN, Head, Liveness, OpenError, SlotHdr, decode_addr, encode_addr};
 const MAGIC: u64 = u64::from_le_bytes(*b"EFA-CHN\0");
 const VERSION: u32 = 1;
 /// Largest chunk a peer's header may declare.
@@ -85,37 +86,6 @@ const S_WORD: usize = 24;
 const S_DATA: usize = 32;
 const S_TOKEN: usize = 36;
 const S_SRC: usize = 40;
-
-/// Bytes of an encoded raw address (qkey, qpn, GID).
-pub(crate) const ADDR_LEN: usize = 24;
-
-/// Slot kinds.
-pub(crate) const K_MSG: u8 = 1;
-pub(crate) const K_NEXT: u8 = 2;
-pub(crate) const K_DC_ACK: u8 = 3;
-
-/// Slot flags.
-pub(crate) const F_TAGGED: u8 = 1;
-pub(crate) const F_DATA: u8 = 2;
-pub(crate) const F_DC: u8 = 4;
-/// Nobody waits for the slot's consumption (an inject): the consumer need not wake its sender.
-pub(crate) const F_UNWATCHED: u8 = 8;
-
-/// A raw address as channel headers carry it.
-pub(crate) fn encode_addr(a: &RawAddr) -> [u8; ADDR_LEN] {
-    let mut b = [0u8; ADDR_LEN];
-    b[..4].copy_from_slice(&a.qkey.to_le_bytes());
-    b[4..8].copy_from_slice(&u32::from(a.qpn).to_le_bytes());
-    b[8..].copy_from_slice(&a.gid.0);
-    b
-}
-
-pub(super) fn decode_addr(b: &[u8; ADDR_LEN]) -> Option<RawAddr> {
-    let qkey = u32::from_le_bytes(b[..4].try_into().ok()?);
-    let qpn = u16::try_from(u32::from_le_bytes(b[4..8].try_into().ok()?)).ok()?;
-    let gid = Gid(b[8..].try_into().ok()?);
-    Some(RawAddr { gid, qpn, qkey })
-}
 
 /// FNV-1a of a string (the network namespace's identity).
 pub(crate) fn fnv(s: &str) -> u64 {
@@ -165,30 +135,6 @@ impl Geometry {
     fn slot(&self, pos: u64) -> usize {
         HDR_SIZE + (pos & u64::from(self.slots - 1)) as usize * self.stride as usize
     }
-}
-
-/// What a slot says besides its data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SlotHdr {
-    pub kind: u8,
-    pub flags: u8,
-    /// Bytes of data in this slot.
-    pub len: u32,
-    pub tag: u64,
-    /// Message length (first chunk) or offset (further chunks).
-    pub word: u64,
-    pub data: u32,
-    pub token: u32,
-}
-
-/// A published slot at the head of the owner's ring.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Head {
-    pub hdr: SlotHdr,
-    /// The sender (`None`: unreadable, the slot is malformed).
-    pub src: Option<RawAddr>,
-    /// Where the data starts: in the mapping (shm), the slot's index (in-memory rings).
-    pub(super) data_off: usize,
 }
 
 /// The state of the owner's ring the endpoint and its waiter thread share.
@@ -436,15 +382,6 @@ pub(crate) struct PeerChan {
     wake: Option<(u32, u32, (u64, u64))>,
     /// That pipe, opened for writing the first time it is needed (`None`: it could not be).
     wake_file: std::sync::OnceLock<Option<File>>,
-}
-
-/// Why a peer's channel could not be used.
-#[derive(Debug)]
-pub(crate) enum OpenError {
-    /// No channel of that name (a remote peer, or one without a local path).
-    Absent,
-    /// A file that is not a channel of a live owner in this namespace for this address.
-    Unusable(&'static str),
 }
 
 impl PeerChan {
@@ -774,6 +711,8 @@ fn read_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::addr::Gid;
+    use crate::local::ring::{F_TAGGED, K_MSG};
 
     fn addr(qpn: u16) -> RawAddr {
         RawAddr {

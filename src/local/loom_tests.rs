@@ -10,7 +10,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use loom::thread;
 
-use super::chan::{self, ADDR_LEN, Geometry, Head, K_MSG, OwnChan, SlotHdr};
+use super::chan::{self, Geometry, OwnChan};
+use super::ring::{ADDR_LEN, Head, K_MSG, SlotHdr};
 use crate::shmem::model::check;
 
 fn hdr(tag: u64) -> SlotHdr {

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use parking_lot::Mutex;
 
-use super::chan::{ADDR_LEN, Head, Liveness, OpenError, SlotHdr, decode_addr, encode_addr};
-use super::ring::{Channels, PeerRing};
+use super::ring::{
+    ADDR_LEN, Channels, Head, Liveness, OpenError, PeerRing, SlotHdr, decode_addr, encode_addr,
+};
 use super::{LocalPath, LocalSend, LocalStats};
 use crate::addr::RawAddr;
 use crate::error::{Error, ErrorKind};

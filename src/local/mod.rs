@@ -51,8 +51,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub(crate) use self::chan::ShmChannels;
-use self::chan::{Geometry, Liveness, OwnChan};
+use self::chan::{Geometry, OwnChan};
 use self::ring::{Channels, PeerRing};
+use self::ring::{Liveness, OpenError};
 pub(crate) use self::waiter::WaiterGate;
 use self::waiter::{Pace, Waiter};
 use crate::addr::RawAddr;
@@ -310,7 +311,7 @@ impl<C: Channels> LocalPath<C> {
             chans,
             pace: Arc::new(Pace::default()),
             waiter: None,
-            me: chan::encode_addr(addr),
+            me: ring::encode_addr(addr),
             routes: HashMap::new(),
             last: None,
             peers: Vec::new(),
@@ -362,8 +363,8 @@ impl<C: Channels> LocalPath<C> {
                         });
                         Some(self.peers.len() - 1)
                     }
-                    Err(chan::OpenError::Absent) => None,
-                    Err(chan::OpenError::Unusable(why)) => {
+                    Err(OpenError::Absent) => None,
+                    Err(OpenError::Unusable(why)) => {
                         tracing::debug!(%dest, why, "local path: channel not usable; the peer goes through the device");
                         None
                     }

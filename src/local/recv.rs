@@ -3,8 +3,8 @@
 
 use bytes::BytesMut;
 
-use super::chan::{F_DATA, F_DC, F_TAGGED, F_UNWATCHED, K_DC_ACK, K_MSG, K_NEXT};
 use super::ring::{Channels, PeerRing};
+use super::ring::{F_DATA, F_DC, F_TAGGED, F_UNWATCHED, K_DC_ACK, K_MSG, K_NEXT};
 use super::{DRAIN_BATCH, Inbound, LocalPath, STUCK_SLOT};
 use crate::progress::Clock;
 use crate::proto::engine::{Engine, LocalMsg};

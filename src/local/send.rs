@@ -5,10 +5,10 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
-use super::chan::{
-    F_DATA, F_DC, F_TAGGED, F_UNWATCHED, K_DC_ACK, K_MSG, K_NEXT, Liveness, SlotHdr,
+use super::ring::{
+    Channels, F_DATA, F_DC, F_TAGGED, F_UNWATCHED, K_DC_ACK, K_MSG, K_NEXT, Liveness, PeerRing,
+    SlotHdr,
 };
-use super::ring::{Channels, PeerRing};
 use super::{DcWait, LocalPath, LocalSend, Out, OutMsg, Unconsumed};
 use crate::device::Status;
 use crate::error::Error;

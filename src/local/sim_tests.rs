@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::chan::{K_MSG, K_NEXT, SlotHdr};
 use super::mem::{MemHost, SimLocal, slot_src};
+use super::ring::{K_MSG, K_NEXT, SlotHdr};
 use crate::device::Status;
 use crate::error::ErrorKind;
 use crate::fault::{Rng, test_seed};
