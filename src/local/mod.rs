@@ -52,8 +52,7 @@ use bytes::Bytes;
 
 pub(crate) use self::chan::ShmChannels;
 use self::chan::{Geometry, OwnChan};
-use self::ring::{Channels, PeerRing};
-use self::ring::{Liveness, OpenError};
+use self::ring::{Channels, Liveness, OpenError, PeerRing};
 pub(crate) use self::waiter::WaiterGate;
 use self::waiter::{Pace, Waiter};
 use crate::addr::RawAddr;

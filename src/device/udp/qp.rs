@@ -838,30 +838,22 @@ fn nic_thread(shared: Arc<Shared>, mut poll: Poll) {
         }
         let now = Instant::now();
         if let Some(until) = shared.busy.busy_until(now) {
-            // The application polls a quiet queue pair: watch its socket for it (see
-            // `ColdWatch`) until a datagram comes, the application stops or goes to sleep.
-            if shared.quiet.load(Ordering::Acquire) && !shared.cold.ready.load(Ordering::Acquire) {
-                if !watching {
-                    watching = shared.watch_socket(&poll, true);
-                }
-                if watching {
-                    shared.busy.parked.store(true, Ordering::SeqCst);
-                    if shared.busy.busy_until(now).is_some() && !shared.stop.load(Ordering::Acquire)
-                    {
-                        let wait = until.saturating_duration_since(now);
-                        shared.wait(&mut poll, &mut events, Some(wait));
-                    }
-                    shared.busy.parked.store(false, Ordering::SeqCst);
-                    continue;
-                }
-            }
-            // The application polls: stand aside until it stops or goes to sleep.
-            if watching {
-                watching = shared.watch_socket(&poll, false);
+            // The application polls. A quiet queue pair's socket is watched for it (see
+            // `ColdWatch`); otherwise the socket leaves the set and the thread stands aside.
+            // Either way until a datagram comes, the application stops or goes to sleep.
+            let watch =
+                shared.quiet.load(Ordering::Acquire) && !shared.cold.ready.load(Ordering::Acquire);
+            if watching != watch {
+                watching = shared.watch_socket(&poll, watch);
             }
             shared.busy.parked.store(true, Ordering::SeqCst);
             if shared.busy.busy_until(now).is_some() && !shared.stop.load(Ordering::Acquire) {
-                std::thread::park_timeout(until.saturating_duration_since(now));
+                let wait = until.saturating_duration_since(now);
+                if watch && watching {
+                    shared.wait(&mut poll, &mut events, Some(wait));
+                } else {
+                    std::thread::park_timeout(wait);
+                }
             }
             shared.busy.parked.store(false, Ordering::SeqCst);
             continue;
